@@ -1,0 +1,235 @@
+"""The public Python API: `graftlm.load()` and `Model`."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graftlm.errors import RequestError
+from graftlm.gguf import GGUFFile
+from graftlm.models import Transformer, build_model
+from graftlm.resources import default_model_path
+from graftlm.runtime.engine import Engine, Request
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.textstream import TextStream
+from graftlm.tokenizer import Tokenizer, render_chat
+
+
+@dataclass
+class Timings:
+    n_prompt: int = 0
+    n_generated: int = 0
+    prompt_s: float = 0.0
+    generate_s: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        return self.n_generated / self.generate_s if self.generate_s > 0 else 0.0
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    threads: int | None = None,
+    ctx_size: int = 4096,
+    n_seq: int = 1,
+    reference: bool = False,
+) -> Model:
+    """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
+
+    `reference=True` dequantizes every weight to float32: the slow oracle, not the product.
+    """
+    if threads is not None and threads > 0:
+        torch.set_num_threads(threads)
+    file = GGUFFile(default_model_path() if path is None else path)
+    n_ctx = min(ctx_size, file.get(f"{file.architecture}.context_length", ctx_size)) if ctx_size > 0 else 0
+    n_ctx = n_ctx or int(file.get(f"{file.architecture}.context_length", 4096))
+    model = build_model(file, n_ctx, prefer="reference" if reference else "fast")
+    tokenizer = Tokenizer.from_metadata(file.metadata)
+    return Model(file, model, tokenizer, n_seq=n_seq)
+
+
+class Model:
+    """A loaded base model, its tokenizer and its engine (and, later, its adapters)."""
+
+    def __init__(self, file: GGUFFile, model: Transformer, tokenizer: Tokenizer, n_seq: int = 1) -> None:
+        self.file = file
+        self.path = Path(file.path)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = Engine(model, n_slots=n_seq)
+        self.chat_template: str | None = file.get("tokenizer.chat_template")
+        self.last_timings = Timings()
+        self._scales: dict[int, float] = {}
+
+    # -- facts -----------------------------------------------------------------------------------
+    @property
+    def config(self):  # noqa: ANN201
+        return self.model.cfg
+
+    @property
+    def n_ctx(self) -> int:
+        return self.model.n_ctx
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held for weights and the KV cache."""
+        assert self.model.cache is not None
+        return self.model.nbytes + self.model.cache.nbytes
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        return render_chat(self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+
+    # -- adapters (scales only here; attaching lives in graftlm.lora) -----------------------------
+    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
+        """The adapter scales one call runs with: the model's own, or `lora` for this call only."""
+        if lora is None:
+            return {k: v for k, v in self._scales.items() if v != 0.0}
+        return self._validate_lora_list(lora)
+
+    def _validate_lora_list(self, lora: list[dict[str, Any]]) -> dict[int, float]:
+        out: dict[int, float] = {}
+        valid = sorted(self._scales)
+        for item in lora:
+            if not isinstance(item, dict) or "id" not in item or "scale" not in item:
+                raise RequestError(f"each lora entry needs an 'id' and a 'scale', got {item!r}")
+            i, s = item["id"], item["scale"]
+            if isinstance(i, bool) or not isinstance(i, int) or i not in self._scales:
+                raise RequestError(f"unknown adapter id {i!r}; loaded adapter ids: {valid}")
+            if isinstance(s, bool) or not isinstance(s, (int, float)):
+                raise RequestError(f"adapter {i}: scale must be a number, got {s!r}")
+            if float(s) != 0.0:
+                out[i] = float(s)
+        return out
+
+    # -- scoring and generation ------------------------------------------------------------------
+    def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:
+        """Raw logits (len(ids), n_vocab) after each prefix of ids, in one teacher-forced pass."""
+        self._check_ids(ids)
+        return self.engine.score(list(ids), self._lora_settings(lora))
+
+    def logprobs(self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the top tokens."""
+        ids = list(ids)
+        if len(ids) < 2:
+            return []
+        lp = torch.log_softmax(self.logits(ids, lora)[:-1].float(), dim=-1)  # (n-1, V)
+        target = torch.tensor(ids[1:])
+        chosen = lp.gather(1, target.unsqueeze(1))[:, 0].tolist()
+        tv, ti = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+        tv_l, ti_l = tv.tolist(), ti.tolist()
+        return [
+            {"id": ids[i + 1], "logprob": chosen[i], "top": [[t, v] for t, v in zip(ti_l[i], tv_l[i])]}
+            for i in range(len(ids) - 1)
+        ]
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        n = self.model.cfg.n_vocab
+        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        ids = list(prompt)
+        self._check_ids(ids)
+        return ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        repeat_last_n: int = 64,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        ignore_eos: bool = False,
+        lora: list[dict[str, Any]] | None = None,
+        stream: bool = False,
+    ) -> str | Iterator[str]:
+        """Continue a prompt (text or token ids). Returns the text, or with stream=True an iterator
+        of text pieces as they are generated."""
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            ignore_eos=ignore_eos,
+        )
+        pieces = self._run(self._prompt_ids(prompt), params, self._lora_settings(lora))
+        return pieces if stream else "".join(pieces)
+
+    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str | Iterator[str]:
+        """`generate` on the messages rendered through the model's chat template."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenize(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+        return self.generate(ids, **kwargs)
+
+    def _bos_text(self) -> str:
+        bos = self.tokenizer.bos_id
+        return self.tokenizer.decode([bos]) if bos is not None and self.tokenizer.add_bos else "\0"
+
+    def _run(self, ids: list[int], params: SamplingParams, lora: dict[int, float]) -> Iterator[str]:
+        tok = self.tokenizer
+        text = TextStream(tok, params.stop, tok.eog_ids if not params.ignore_eos else frozenset())
+        req = Request(ids, params, dict(lora), eog=tok.eog_ids)
+        if params.max_tokens == 0:
+            return
+        self.engine.submit(req)
+        seen = 0
+        t0 = time.perf_counter()
+        try:
+            while not req.done:
+                self.engine.step()
+                while seen < len(req.generated):
+                    piece = text.push(req.generated[seen])
+                    seen += 1
+                    if text.stopped:
+                        self.engine.stop(req)
+                    if piece:
+                        yield piece
+            tail = text.flush()
+            if tail:
+                yield tail
+        finally:
+            if not req.done:
+                self.engine.stop(req, "cancelled")
+            t_prompt = (req.t_prompt_done or time.perf_counter()) - t0
+            t_end = req.t_end or time.perf_counter()
+            self.last_timings = Timings(
+                len(ids), len(req.generated), t_prompt, t_end - (req.t_prompt_done or t_end)
+            )

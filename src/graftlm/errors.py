@@ -1,0 +1,27 @@
+"""Errors a user can act on. The CLI prints them as one line; the server turns them into 4xx."""
+
+from __future__ import annotations
+
+
+class GraftError(Exception):
+    """Base class: a problem with the user's input, described well enough to fix it."""
+
+
+class ModelFileError(GraftError):
+    """A model file that cannot be used: missing, not GGUF, truncated, or of the wrong kind."""
+
+
+class UnsupportedArchitectureError(ModelFileError):
+    """The GGUF's general.architecture has no implementation here."""
+
+
+class AdapterError(GraftError):
+    """An adapter that cannot be attached to this base. Nothing was attached."""
+
+
+class RequestError(GraftError):
+    """A request that cannot be served as asked (bad ids, context too long, ...)."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code = code

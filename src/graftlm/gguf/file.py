@@ -1,0 +1,95 @@
+"""A typed, memory-mapped view of a GGUF file.
+
+Dimensions are reversed from GGML order (ne[0] fastest) to torch order (rows first) here, in one
+place: everything above this module speaks torch shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from graftlm.errors import ModelFileError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a GGUF file: its raw bytes (a view of the memory map) and its torch shape."""
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: GGML ne reversed
+    data: np.ndarray  # raw block bytes (uint8) or a typed array for float types
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file, memory-mapped; nothing is read until used."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._reader = _open_reader(self.path)
+        self.metadata: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception as exc:  # a malformed field is a malformed file
+                raise ModelFileError(f"{self.path}: metadata field {key!r} is unreadable ({exc})") from exc
+        self.tensors: dict[str, TensorEntry] = {}
+        for t in self._reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = TensorEntry(t.name, gguf.GGMLQuantizationType(t.tensor_type), shape, t.data)
+
+    @property
+    def architecture(self) -> str | None:
+        arch = self.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
+    @property
+    def file_type(self) -> str:
+        """`general.type`: "model" or "adapter" (older files lack it; they are models)."""
+        kind = self.metadata.get("general.type", "model")
+        return kind if isinstance(kind, str) else "model"
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
+        )
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError, EOFError, TypeError, KeyError) as exc:
+        size = path.stat().st_size
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}"
+        ) from exc

@@ -1,0 +1,85 @@
+"""The adapters attached to one projection, stacked into slots, and the delta they add.
+
+Semantics (per row b of the batch, per token t):
+    y[b, t] += sum_s scales[b, s] * B_s @ (A_s @ x[b, t])
+where every A_s is (r_s, n_in), every B_s is (n_out, r_s) with the adapter's per-tensor factor
+(alpha / r, or PEFT's rule) already folded in at load. The slots are stacked along the rank, so one
+step computes any mix of adapters and scales over all rows with two matrix products:
+    xa = x @ A_cat.T                   # (B, T, R), R = sum of ranks of the active slots
+    y += (xa * scales[:, col_slot]) @ B_cat.T
+An adapter whose scale is 0 on every row of the step is not in the active set and costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graftlm.runtime.batch import LoraRows
+
+
+@dataclass(frozen=True)
+class _Stack:
+    a: torch.Tensor  # (R, n_in)
+    b: torch.Tensor  # (n_out, R)
+    col_slot: torch.Tensor  # (R,) int64: the slot each rank column belongs to
+
+
+class LoraSite:
+    """Adapter slots on one projection (or on the embedding, with `gather=True`)."""
+
+    def __init__(self, n_in: int, n_out: int, gather: bool = False) -> None:
+        self.n_in = n_in
+        self.n_out = n_out
+        # gather: A is a table (n_vocab, r) looked up by token id (llama.cpp's token_embd layout)
+        self.gather = gather
+        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacks: dict[tuple[int, ...], _Stack | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._slots)
+
+    @property
+    def slot_ids(self) -> list[int]:
+        return sorted(self._slots)
+
+    def nbytes(self, slot: int) -> int:
+        a, b = self._slots[slot]
+        return a.numel() * a.element_size() + b.numel() * b.element_size()
+
+    def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r)."""
+        self._slots[slot] = (a.contiguous(), b.contiguous())
+        self._stacks = {}
+
+    def drop(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+        self._stacks = {}
+
+    def _stack(self, active: tuple[int, ...]) -> _Stack | None:
+        key = tuple(s for s in active if s in self._slots)
+        if key in self._stacks:
+            return self._stacks[key]
+        stack = None
+        if key:
+            a_dim = 1 if self.gather else 0
+            a = torch.cat([self._slots[s][0] for s in key], dim=a_dim)
+            b = torch.cat([self._slots[s][1] for s in key], dim=1)
+            col = torch.cat(
+                [torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long) for s in key]
+            )
+            stack = _Stack(a, b, col)
+        self._stacks[key] = stack
+        return stack
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
+        """y (B, T, n_out) plus the delta of x (B, T, n_in), or of token ids (B, T) when gathering."""
+        st = self._stack(rows.active)
+        if st is None:
+            return y
+        s = rows.scales[:, st.col_slot].unsqueeze(1)  # (B, 1, R)
+        xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
+        return torch.addmm(
+            y.reshape(-1, y.shape[-1]), (xa * s).reshape(-1, xa.shape[-1]), st.b.T
+        ).view_as(y)

@@ -1,0 +1,135 @@
+"""What every architecture shares: weights from the GGUF file, embedding, head, the forward step.
+
+An architecture file defines how one block turns hidden states into hidden states; this module
+owns the rest of the step: embedding (with its adapter seam), the blocks, final norm, head.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from graftlm.config import ModelConfig
+from graftlm.errors import ModelFileError
+from graftlm.gguf import GGUFFile
+from graftlm.lora.site import LoraSite
+from graftlm.models.layers import Projection, Rope, rms_norm
+from graftlm.quant import QWeight, dequantize_any
+from graftlm.runtime.batch import Batch
+from graftlm.runtime.kv_cache import KVCache
+
+
+class Weights:
+    """Typed access to a GGUF file's tensors, with errors that name the missing tensor."""
+
+    def __init__(self, file: GGUFFile, prefer: str = "fast") -> None:
+        self.file = file
+        self.prefer = prefer
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.file.tensors
+
+    def _entry(self, name: str):  # noqa: ANN202
+        try:
+            entry = self.file.tensors[name]
+        except KeyError:
+            raise ModelFileError(f"{self.file.path}: missing tensor {name!r}") from None
+        self.used.add(name)
+        return entry
+
+    def vector(self, name: str) -> torch.Tensor:
+        e = self._entry(name)
+        return dequantize_any(e.data, e.ggml_type, e.shape).reshape(-1)
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> QWeight:
+        e = self._entry(name)
+        if tuple(e.shape) != shape:
+            raise ModelFileError(
+                f"{self.file.path}: tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}"
+            )
+        return QWeight.from_gguf(e.data, e.ggml_type, shape, name=name, prefer=self.prefer)
+
+    def proj(self, base: str, n_in: int, n_out: int) -> Projection:
+        return Projection(base, self.matrix(base + ".weight", (n_out, n_in)))
+
+
+class Transformer:
+    """A decoder-only model. Subclasses build `self.blocks` and implement `block`."""
+
+    arch: ClassVar[str]
+
+    def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
+        self.cfg = cfg
+        self.n_ctx = n_ctx
+        self.token_embd = w.matrix("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
+        self.embd_lora: LoraSite | None = None
+        self.output_norm = w.vector("output_norm.weight")
+        if cfg.tied_head:
+            # Tied: the head reads the embedding table; an adapter on the embedding changes the
+            # lookup only (as PEFT does), so the head gets its own seam over the same weight.
+            self.output = Projection("output", self.token_embd)
+        else:
+            self.output = w.proj("output", cfg.n_embd, cfg.n_vocab)
+        ropes: dict[float, Rope] = {}
+        for base in set(cfg.rope_base_layer):
+            ropes[base] = Rope(cfg.rope_dim, base, n_ctx, cfg.rope_neox)
+        self.rope_of_layer = [ropes[b] for b in cfg.rope_base_layer]
+        self.cache: KVCache | None = None
+
+    # -- adapter seams -------------------------------------------------------------------------
+    def projections(self) -> dict[str, Projection]:
+        """Every projection by its GGUF base name ("blk.0.attn_q", "output")."""
+        out: dict[str, Projection] = {"output": self.output}
+        for blk in self.blocks:
+            for p in vars(blk).values():
+                if isinstance(p, Projection):
+                    out[p.name] = p
+        return out
+
+    # -- the step --------------------------------------------------------------------------------
+    def allocate_cache(self, n_slots: int) -> KVCache:
+        cfg = self.cfg
+        self.cache = KVCache(cfg.n_layer, n_slots, cfg.n_head_kv, self.n_ctx, cfg.head_dim, cfg.v_head_dim)
+        return self.cache
+
+    def embed(self, batch: Batch) -> torch.Tensor:
+        tokens = batch.tokens
+        x = self.token_embd.rows(tokens.reshape(-1)).view(*tokens.shape, -1)  # (B, T, n_embd)
+        if self.embd_lora is not None and batch.lora is not None:
+            x = self.embd_lora.add_delta(x, tokens, batch.lora)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        return x
+
+    def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token."""
+        assert self.cache is not None, "allocate_cache() first"
+        x = self.embed(batch)
+        for i in range(self.cfg.n_layer):
+            x = self.block(i, x, batch)
+        if not all_logits:
+            last = torch.tensor(batch.lengths, dtype=torch.long) - 1
+            x = x[torch.arange(batch.n_rows), last].unsqueeze(1)  # (B, 1, n_embd)
+        x = rms_norm(x, self.output_norm, self.cfg.rms_eps)
+        logits = self.output(x, batch)
+        return logits if all_logits else logits[:, 0]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.token_embd.nbytes + self.output_norm.numel() * 4
+        if not self.cfg.tied_head:
+            total += self.output.weight.nbytes
+        for blk in self.blocks:
+            for v in vars(blk).values():
+                if isinstance(v, Projection):
+                    total += v.weight.nbytes
+                elif isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+    blocks: list

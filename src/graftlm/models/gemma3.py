@@ -1,0 +1,58 @@
+"""gemma3: sliding-window attention on 5 of every 6 layers, QK-norm, pre- and post-norms,
+embeddings scaled by sqrt(n_embd), GELU-tanh gated FFN, RoPE over halves.
+
+GGUF gemma norms already hold (1 + w): llama.cpp's converter adds the one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graftlm.config import ModelConfig
+from graftlm.models.base import Transformer, Weights
+from graftlm.models.layers import Projection, attention, rms_norm
+from graftlm.runtime.batch import Batch
+
+
+class Gemma3Block:
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
+        p = f"blk.{i}."
+        d, hd, vd = cfg.n_embd, cfg.head_dim, cfg.v_head_dim
+        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.attn_q: Projection = w.proj(p + "attn_q", d, cfg.n_head * hd)
+        self.attn_k: Projection = w.proj(p + "attn_k", d, cfg.n_head_kv * hd)
+        self.attn_v: Projection = w.proj(p + "attn_v", d, cfg.n_head_kv * vd)
+        self.attn_q_norm = w.vector(p + "attn_q_norm.weight")
+        self.attn_k_norm = w.vector(p + "attn_k_norm.weight")
+        self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
+        self.post_attention_norm = w.vector(p + "post_attention_norm.weight")
+        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
+        self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
+        self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
+        self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight")
+
+
+class Gemma3(Transformer):
+    arch = "gemma3"
+
+    def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
+        super().__init__(cfg, w, n_ctx)
+        self.blocks = [Gemma3Block(cfg, w, i) for i in range(cfg.n_layer)]
+
+    def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        cfg, b = self.cfg, self.blocks[i]
+        B, T, _ = x.shape
+        eps = cfg.rms_eps
+        h = rms_norm(x, b.attn_norm, eps)
+        q = rms_norm(b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
+        k = rms_norm(b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
+        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        rope = self.rope_of_layer[i]
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
+        x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
+        h = rms_norm(x, b.ffn_norm, eps)
+        h = F.gelu(b.ffn_gate(h, batch), approximate="tanh") * b.ffn_up(h, batch)
+        return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)

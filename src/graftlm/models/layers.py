@@ -1,0 +1,97 @@
+"""Pieces every architecture shares: the projection seam, norms, RoPE, attention over the cache."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from graftlm.quant import QWeight, linear
+from graftlm.runtime.batch import Batch
+from graftlm.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from graftlm.lora.site import LoraSite
+
+
+class Projection:
+    """One matrix product of the model: y = W x + sum_s scale[row, s] * B_s (A_s x).
+
+    The single place where a base weight meets the adapters attached to it. The base weight knows
+    its own quantization; `lora` (set by the adapter machinery, None while no adapter touches this
+    projection) knows its stacked slots; the batch knows each row's scales.
+    """
+
+    __slots__ = ("name", "weight", "lora")
+
+    def __init__(self, name: str, weight: QWeight) -> None:
+        self.name = name  # GGUF base name, e.g. "blk.3.attn_q"
+        self.weight = weight
+        self.lora: LoraSite | None = None
+
+    @property
+    def n_in(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def n_out(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        y = linear(x, self.weight)
+        if self.lora is not None and batch.lora is not None:
+            y = self.lora.add_delta(y, x, batch.lora)
+        return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class Rope:
+    """Rotary embedding tables for one base; applied to (B, T, H, D) by position (B, T)."""
+
+    def __init__(self, dim: int, base: float, n_ctx: int, neox: bool) -> None:
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        ang = torch.arange(n_ctx, dtype=torch.float64).unsqueeze(1) * inv  # (n_ctx, dim/2)
+        self.cos = ang.cos().float()
+        self.sin = ang.sin().float()
+        self.dim = dim
+        self.neox = neox
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, dim/2)
+        sin = self.sin[positions].unsqueeze(2)
+        d = self.dim
+        rot, rest = x[..., :d], x[..., d:]
+        if self.neox:
+            x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:  # adjacent pairs, the order llama GGUF files permute Q/K into
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: Batch,
+    cache: KVCache,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
+    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
+    keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=batch.mask(window),
+        scale=scale,
+        enable_gqa=q.shape[2] != keys.shape[1],
+    )  # (B, H, T, Dv)
+    return out.transpose(1, 2).flatten(2)

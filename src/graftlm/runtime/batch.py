@@ -1,0 +1,73 @@
+"""One forward step's batch: rectangular rows of tokens, each row one sequence.
+
+A row carries its cache slot, where it starts, how many of its T tokens are real, and (when any
+adapter is active in this step) the scale of every adapter slot for that row. Everything the model
+needs per step is computed here once, not per layer: positions and attention masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoraRows:
+    """Per-row adapter scales for one step.
+
+    scales: (B, n_slots) float32, scale of adapter slot s on row b (0 = off).
+    active: the slots with any nonzero scale in this step, ascending; only these are computed.
+    """
+
+    scales: torch.Tensor
+    active: tuple[int, ...]
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # (B, T) int64
+    slots: list[int]  # cache slot of each row
+    starts: list[int]  # position of each row's first token
+    lengths: list[int]  # real tokens per row (the rest of T is padding)
+    lora: LoraRows | None = None
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _positions: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def kv_len(self) -> int:
+        """Keys every row may need to see: up to the furthest position written this step."""
+        return max(s + n for s, n in zip(self.starts, self.lengths))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        if self._positions is None:
+            start = torch.tensor(self.starts, dtype=torch.long).unsqueeze(1)
+            self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
+        return self._positions
+
+    def mask(self, window: int) -> torch.Tensor:
+        """(B, 1, T, kv_len) bool: key j visible to the query at position p."""
+        m = self._masks.get(window)
+        if m is None:
+            q = self.positions.unsqueeze(2)  # (B, T, 1)
+            k = torch.arange(self.kv_len, dtype=torch.long).view(1, 1, -1)
+            m = k <= q
+            if window > 0:
+                # llama.cpp's standard SWA: masked when p - j >= window
+                m = m & (q - k < window)
+            m = m.unsqueeze(1)
+            self._masks[window] = m
+        return m
+
+    @classmethod
+    def single(cls, ids: list[int], slot: int = 0, start: int = 0, lora: LoraRows | None = None) -> Batch:
+        return cls(torch.tensor([ids], dtype=torch.long), [slot], [start], [len(ids)], lora)

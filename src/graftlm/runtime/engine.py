@@ -1,0 +1,205 @@
+"""The engine loop: one owner of the model, its cache slots and its adapters.
+
+Requests wait in a queue; each `step()` admits what fits, prefills one chunk of one prompt, and
+decodes one token for every running sequence in a single batch, whatever adapters each one uses.
+The CLI, the Python API and the HTTP server are all clients of this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from graftlm.errors import RequestError
+from graftlm.models import Transformer
+from graftlm.runtime.batch import Batch, LoraRows
+from graftlm.runtime.sampling import Sampler, SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One sequence to continue. `lora` is copied when the request is created: later changes to
+    the model's scales do not reach a request already admitted."""
+
+    prompt: list[int]
+    params: SamplingParams
+    lora: dict[int, float]
+    eog: frozenset[int] = frozenset()
+    on_token: Callable[[Request, int], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    # state, owned by the engine
+    generated: list[int] = field(default_factory=list)
+    slot: int = -1
+    n_prefilled: int = 0
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_prompt_done: float | None = None
+    t_end: float | None = None
+    sampler: Sampler | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def n_past(self) -> int:
+        return self.n_prefilled + max(0, len(self.generated) - 1)
+
+
+class Engine:
+    def __init__(self, model: Transformer, n_slots: int = 1, chunk: int = 512) -> None:
+        self.model = model
+        self.n_slots = n_slots
+        self.chunk = chunk
+        self.cache = model.allocate_cache(n_slots)
+        self.free_slots = list(range(n_slots))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = threading.RLock()
+        self.n_adapter_slots = 0  # width of the per-row scale table; grows as adapters load
+
+    # -- adapters ----------------------------------------------------------------------------------
+    def lora_rows(self, settings: list[dict[int, float]]) -> LoraRows | None:
+        """Per-row scales for a batch; None when no row uses any adapter (the plain base step)."""
+        active = sorted({s for row in settings for s, v in row.items() if v != 0.0})
+        if not active:
+            return None
+        width = max(self.n_adapter_slots, active[-1] + 1)
+        scales = torch.zeros(len(settings), width)
+        for r, row in enumerate(settings):
+            for s, v in row.items():
+                scales[r, s] = v
+        return LoraRows(scales, tuple(active))
+
+    # -- one-shot scoring --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, ids: list[int], lora: dict[int, float]) -> torch.Tensor:
+        """Logits (len(ids), n_vocab) after each prefix, in chunks, on a borrowed cache slot."""
+        if len(ids) > self.model.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, more than the context size {self.model.n_ctx}",
+                "context_length_exceeded",
+            )
+        with self.lock:
+            slot = self._take_slot()
+            try:
+                rows = self.lora_rows([lora])
+                out = []
+                for start in range(0, len(ids), self.chunk):
+                    piece = ids[start : start + self.chunk]
+                    out.append(self.model.forward(Batch.single(piece, slot, start, rows), all_logits=True)[0])
+                return torch.cat(out)
+            finally:
+                self.free_slots.append(slot)
+
+    def _take_slot(self) -> int:
+        if not self.free_slots:
+            raise RequestError("no free sequence slot", "server_busy")
+        return self.free_slots.pop(0)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if not req.prompt:
+            raise RequestError("the prompt is empty")
+        if len(req.prompt) >= self.model.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(req.prompt)} tokens; the context size is {self.model.n_ctx}",
+                "context_length_exceeded",
+            )
+        req.sampler = Sampler(req.params)
+        with self.lock:
+            self.waiting.append(req)
+        return req
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.t_end = time.perf_counter()
+        self.running.remove(req)
+        self.free_slots.append(req.slot)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        with self.lock:
+            for req in [r for r in self.running if r.cancelled]:
+                self._finish(req, "cancelled")
+            while self.waiting and self.free_slots:
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    continue
+                req.slot = self._take_slot()
+                self.running.append(req)
+            prefilling = [r for r in self.running if r.n_prefilled < len(r.prompt)]
+            if prefilling:
+                self._prefill(prefilling[0])
+            decoding = [r for r in self.running if r.n_prefilled == len(r.prompt) and r.generated and not r.done]
+            if decoding:
+                self._decode(decoding)
+
+    def _prefill(self, req: Request) -> None:
+        start = req.n_prefilled
+        piece = req.prompt[start : start + self.chunk]
+        logits = self.model.forward(Batch.single(piece, req.slot, start, self.lora_rows([req.lora])))
+        req.n_prefilled += len(piece)
+        if req.n_prefilled == len(req.prompt):
+            req.t_prompt_done = time.perf_counter()
+            self._emit(req, logits[0])
+
+    def _decode(self, reqs: list[Request]) -> None:
+        tokens = torch.tensor([[r.generated[-1]] for r in reqs], dtype=torch.long)
+        batch = Batch(
+            tokens,
+            [r.slot for r in reqs],
+            [r.n_past for r in reqs],
+            [1] * len(reqs),
+            self.lora_rows([r.lora for r in reqs]),
+        )
+        logits = self.model.forward(batch)
+        for r, row in zip(reqs, logits):
+            self._emit(r, row)
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+        assert req.sampler is not None
+        tok = req.sampler(logits, req.prompt + req.generated)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        req.generated.append(tok)
+        if req.on_token is not None:
+            req.on_token(req, tok)  # may end the request (a stop string)
+        if req.done:
+            return
+        p = req.params
+        if tok in req.eog and not p.ignore_eos:
+            self._finish(req, "stop")
+        elif 0 <= p.max_tokens <= len(req.generated):
+            self._finish(req, "length")
+        elif len(req.prompt) + len(req.generated) >= self.model.n_ctx:
+            self._finish(req, "length")
+
+    def stop(self, req: Request, reason: str = "stop") -> None:
+        """End a request early (a stop string matched, the client left)."""
+        with self.lock:
+            if not req.done and req in self.running:
+                self._finish(req, reason)
+            elif not req.done:
+                req.cancelled = True
+                req.finish_reason = reason
+
+    def run(self, req: Request) -> None:
+        """Drive the loop until this request ends (for single-threaded clients)."""
+        while not req.done:
+            self.step()

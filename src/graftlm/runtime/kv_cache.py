@@ -1,0 +1,47 @@
+"""The KV cache: one preallocated block per layer, indexed by sequence slot."""
+
+from __future__ import annotations
+
+import torch
+
+from graftlm.runtime.batch import Batch
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layer: int,
+        n_slots: int,
+        n_head_kv: int,
+        n_ctx: int,
+        head_dim: int,
+        v_head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        # (slot, kv_head, position, dim)
+        self.k = [torch.zeros(n_slots, n_head_kv, n_ctx, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(n_slots, n_head_kv, n_ctx, v_head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def update(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's k, v (B, T, Hkv, D) and return every row's keys and values so far,
+        (B, Hkv, kv_len, D)."""
+        kc, vc = self.k[layer], self.v[layer]
+        kv_len = batch.kv_len
+        if batch.n_rows == 1:
+            slot, start, t = batch.slots[0], batch.starts[0], batch.n_tokens
+            kc[slot, :, start : start + t] = k[0].transpose(0, 1)
+            vc[slot, :, start : start + t] = v[0].transpose(0, 1)
+            return kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
+        slots = torch.tensor(batch.slots, dtype=torch.long)
+        # padding rows may run past the context: their writes land on the last cell, never read
+        pos = batch.positions.clamp(max=self.n_ctx - 1)
+        kc[slots.unsqueeze(1), :, pos] = k
+        vc[slots.unsqueeze(1), :, pos] = v
+        return kc[slots, :, :kv_len], vc[slots, :, :kv_len]

@@ -1,0 +1,90 @@
+"""Token sampling with llama.cpp's chain and defaults.
+
+Order (llama.cpp's common sampler): penalties -> top-k -> top-p -> min-p -> temperature -> draw.
+top-p and min-p look at the distribution before temperature, as llama.cpp's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = -1  # -1: until the context is full or generation ends
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_p < 0 or self.top_p > 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.min_p < 0 or self.min_p > 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class Sampler:
+    """Samples one sequence's tokens; its own seeded generator makes runs repeatable."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        seed = params.seed if params.seed is not None and params.seed >= 0 else None
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
+        p = self.params
+        if p.repeat_last_n == 0 or not history or (
+            p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+        ):
+            return logits
+        window = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
+        ids, counts = torch.tensor(window, dtype=torch.long).unique(return_counts=True)
+        x = logits[ids]
+        if p.repeat_penalty != 1.0:
+            x = torch.where(x > 0, x / p.repeat_penalty, x * p.repeat_penalty)
+        x = x - counts.to(x.dtype) * p.frequency_penalty - p.presence_penalty
+        logits = logits.clone()
+        logits[ids] = x
+        return logits
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        """logits (n_vocab,) float -> the next token id."""
+        p = self.params
+        logits = self.penalize(logits.float(), history)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        n = logits.shape[-1]
+        k = p.top_k if 0 < p.top_k < n else n
+        vals, idx = torch.topk(logits, k)  # sorted, highest first
+        keep = k
+        if p.top_p < 1.0:
+            probs = torch.softmax(vals, -1)
+            cum = torch.cumsum(probs, -1)
+            # smallest prefix whose mass reaches top_p (at least one token)
+            keep = min(keep, int(torch.searchsorted(cum, torch.tensor([p.top_p])).item()) + 1)
+        if p.min_p > 0.0:
+            probs = torch.softmax(vals[:keep], -1)
+            keep = max(1, int((probs >= p.min_p * probs[0]).sum()))
+        vals, idx = vals[:keep], idx[:keep]
+        probs = torch.softmax(vals / p.temperature, -1)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(idx[choice])

@@ -13,6 +13,7 @@ import torch
 
 from graftlm.errors import RequestError
 from graftlm.gguf import GGUFFile
+from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
 from graftlm.resources import default_model_path
 from graftlm.runtime.engine import Engine, Request
@@ -70,7 +71,7 @@ class Model:
         self.engine = Engine(model, n_slots=n_seq)
         self.chat_template: str | None = file.get("tokenizer.chat_template")
         self.last_timings = Timings()
-        self._scales: dict[int, float] = {}
+        self.adapters = AdapterSet(model)
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -100,22 +101,45 @@ class Model:
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         return render_chat(self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
 
-    # -- adapters (scales only here; attaching lives in graftlm.lora) -----------------------------
-    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
-        """The adapter scales one call runs with: the model's own, or `lora` for this call only."""
-        if lora is None:
-            return {k: v for k, v in self._scales.items() if v != 0.0}
-        return self._validate_lora_list(lora)
+    # -- adapters -------------------------------------------------------------------------------
+    def add_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> int:
+        """Attach a LoRA adapter (llama.cpp GGUF file or PEFT directory); returns its id.
 
-    def _validate_lora_list(self, lora: list[dict[str, Any]]) -> dict[int, float]:
+        Everything is checked first: a refused adapter raises AdapterError and changes nothing."""
+        with self.engine.lock:
+            adapter = self.adapters.load(path)
+            adapter_id = self.adapters.attach(adapter, scale)
+            self.engine.n_adapter_slots = adapter_id + 1
+            return adapter_id
+
+    def remove_lora(self, adapter_id: int) -> None:
+        with self.engine.lock:
+            self.adapters.detach(adapter_id)
+
+    @property
+    def loras(self) -> list[dict[str, Any]]:
+        """id, path, scale, alpha, task_name, prompt_prefix, n_tensors, bytes of each adapter."""
+        return self.adapters.info()
+
+    def set_lora_scales(self, scales: dict[int, float]) -> None:
+        """Set the model's adapter scales; adapters not listed go to 0 (llama-server semantics)."""
+        with self.engine.lock:
+            self.adapters.set_scales(scales)
+
+    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
+        """The adapter scales one call runs with: the model's own, or `lora` for this call only
+        (unlisted adapters at 0)."""
+        if lora is None:
+            return self.adapters.scales()
+        if not isinstance(lora, list):
+            raise RequestError(f"lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}")
         out: dict[int, float] = {}
-        valid = sorted(self._scales)
         for item in lora:
             if not isinstance(item, dict) or "id" not in item or "scale" not in item:
                 raise RequestError(f"each lora entry needs an 'id' and a 'scale', got {item!r}")
             i, s = item["id"], item["scale"]
-            if isinstance(i, bool) or not isinstance(i, int) or i not in self._scales:
-                raise RequestError(f"unknown adapter id {i!r}; loaded adapter ids: {valid}")
+            if isinstance(i, bool) or not isinstance(i, int) or i not in self.adapters.attached:
+                raise RequestError(f"unknown adapter id {i!r}; {self.adapters.describe_ids()}")
             if isinstance(s, bool) or not isinstance(s, (int, float)):
                 raise RequestError(f"adapter {i}: scale must be a number, got {s!r}")
             if float(s) != 0.0:

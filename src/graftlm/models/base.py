@@ -14,6 +14,7 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.site import LoraSite
+from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, Rope, rms_norm
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.runtime.batch import Batch
@@ -63,6 +64,7 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
         self.cfg = cfg
         self.n_ctx = n_ctx
+        self.base_tensor_names = set(w.file.tensors)
         self.token_embd = w.matrix("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
         self.embd_lora: LoraSite | None = None
         self.output_norm = w.vector("output_norm.weight")
@@ -87,6 +89,11 @@ class Transformer:
                 if isinstance(p, Projection):
                     out[p.name] = p
         return out
+
+    def fused_targets(self, base: str) -> list[Target] | None:
+        """Where a base tensor that is not one engine projection lands: split over several (a fused
+        file tensor) or into part of one (an engine-fused projection). None: nowhere."""
+        return None
 
     # -- the step --------------------------------------------------------------------------------
     def allocate_cache(self, n_slots: int) -> KVCache:

@@ -1,0 +1,52 @@
+"""An adapter resolved against one base: per-projection A and B, ready to attach.
+
+Whatever the source (llama.cpp's GGUF adapter, a PEFT directory), an adapter becomes a
+`ResolvedAdapter` before anything is attached: every name mapped to the base's projections, every
+layout turned to torch order, every per-tensor factor (alpha / r, rsLoRA, patterns) folded into B.
+The hot path sees only A, B and the user's scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+EMBEDDING = "token_embd"
+
+
+@dataclass
+class Delta:
+    """One target's low-rank pair, factor folded in.
+
+    Projection: a (r, n_in), b (n_out, r): delta = b @ (a @ x).
+    Embedding (EMBEDDING target): a (n_vocab, r), b (n_embd, r): delta = b @ a[token].
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return int(self.b.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+
+@dataclass
+class ResolvedAdapter:
+    path: str
+    alpha: float  # as the file states it (0: none); informational once folded
+    deltas: dict[str, Delta]  # keyed by the engine's projection name, or EMBEDDING
+    n_tensors: int  # tensors in the source file
+    task_name: str = ""
+    prompt_prefix: str = ""
+    invocation_tokens: list[int] = field(default_factory=list)
+    source: str = "gguf"  # "gguf" or "peft"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.deltas.values())

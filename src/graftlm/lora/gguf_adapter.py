@@ -1,0 +1,165 @@
+"""llama.cpp's GGUF LoRA adapter format, read and checked against a base.
+
+Tensors are `<base>.weight.lora_a` / `.lora_b`; in GGML order A is ne=[n_in, r] and B is
+ne=[r, n_out], i.e. torch (r, n_in) and (n_out, r). token_embd adapters are stored flipped: A is
+ne=[r, n_vocab] (torch (n_vocab, r), a row gathered per token) and B is ne=[r, n_embd].
+Scale rule (llama.cpp): s = user_scale * alpha / r with r the rank of each tensor, when alpha != 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+
+from graftlm.errors import AdapterError, ModelFileError
+from graftlm.gguf import GGUFFile, TensorEntry
+from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
+from graftlm.lora.targets import resolve_target
+from graftlm.models.base import Transformer
+from graftlm.quant import dequantize_any
+
+ADAPTER_TYPES = {
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+    gguf.GGMLQuantizationType.Q8_0,
+}
+
+
+def _meta(f: GGUFFile, key: str, kind: type | tuple[type, ...], problems: list[str], default: Any) -> Any:
+    if key not in f.metadata:
+        return default
+    v = f.metadata[key]
+    if isinstance(v, bool) or not isinstance(v, kind):
+        problems.append(f"metadata {key!r} is {type(v).__name__} {v!r}, expected {_kind_name(kind)}")
+        return default
+    return v
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[str]) -> ResolvedAdapter:
+    """Read, check and resolve a GGUF adapter for `model`. Raises AdapterError listing every problem."""
+    try:
+        f = GGUFFile(path)
+    except ModelFileError as exc:
+        raise AdapterError(f"cannot load adapter: {exc}") from None
+    problems: list[str] = []
+    kind = f.metadata.get("general.type")
+    if kind != "adapter":
+        hint = " (a model file, not an adapter)" if kind in (None, "model") else ""
+        raise AdapterError(f"{f.path}: general.type is {kind!r}, expected 'adapter'{hint}")
+    atype = f.metadata.get("adapter.type")
+    if atype != "lora":
+        raise AdapterError(f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported")
+    arch = f.architecture
+    if arch != model.cfg.arch:
+        problems.append(f"general.architecture is {arch!r} but the base model is {model.cfg.arch!r}")
+    alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
+    task_name = _meta(f, "adapter.lora.task_name", str, problems, "")
+    prompt_prefix = _meta(f, "adapter.lora.prompt_prefix", str, problems, "")
+    invocation = _meta(f, "adapter.alora.invocation_tokens", list, problems, [])
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in invocation):
+        problems.append(f"metadata 'adapter.alora.invocation_tokens' must be a list of token ids, got {invocation!r}")
+        invocation = []
+
+    pairs: dict[str, dict[str, TensorEntry]] = {}
+    for name, entry in f.tensors.items():
+        stem, _, part = name.rpartition(".")
+        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
+            problems.append(f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')")
+            continue
+        pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
+
+    deltas: dict[str, list[tuple[slice, slice, Delta]]] = {}
+    for base, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_a", "lora_b"}:
+            missing = ({"lora_a", "lora_b"} - set(pair)).pop()
+            problems.append(f"tensor {base}.weight: has no {missing}")
+            continue
+        a_e, b_e = pair["lora_a"], pair["lora_b"]
+        bad_type = [e for e in (a_e, b_e) if e.ggml_type not in ADAPTER_TYPES]
+        for e in bad_type:
+            problems.append(f"tensor {e.name!r}: type {e.type_name} (adapters must be F32, F16, BF16 or Q8_0)")
+        if bad_type:
+            continue
+        targets = resolve_target(model, base)
+        if isinstance(targets, str):
+            problems.append(f"tensor {base}.weight: {targets}")
+            continue
+        if base + ".weight" not in base_tensors and base != "output":
+            problems.append(f"tensor {base}.weight: not in the base model")
+            continue
+        if len(a_e.shape) != 2 or len(b_e.shape) != 2:
+            problems.append(
+                f"tensor {base}.weight: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} must both be 2-D"
+            )
+            continue
+        t0 = targets[0]
+        embd = base == EMBEDDING
+        # torch shapes: projection A (r, n_in), B (n_out, r); embedding A (n_vocab, r), B (n_embd, r)
+        ra, n_in = (a_e.shape[1], a_e.shape[0]) if embd else (a_e.shape[0], a_e.shape[1])
+        n_out, rb = b_e.shape
+        shape_problems = []
+        if n_in != t0.n_in:
+            what = "n_vocab" if embd else "input size"
+            shape_problems.append(f"lora_a {_ne(a_e)} does not fit the base's {what} {t0.n_in}")
+        if n_out != t0.n_out:
+            what = "n_embd" if embd else "output size"
+            shape_problems.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
+        if ra != rb:
+            shape_problems.append(f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}")
+        if shape_problems:
+            problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
+            continue
+        a = dequantize_any(a_e.data, a_e.ggml_type, a_e.shape)
+        b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
+        factor = alpha / rb if alpha != 0 else 1.0
+        b = b * factor
+        for t in targets:
+            deltas.setdefault(t.projection, []).append((t.rows, t.at, Delta(a, b)))
+
+    if problems:
+        raise AdapterError(f"{f.path}: cannot attach adapter to {model.cfg.arch} base:\n  - " + "\n  - ".join(problems))
+    return ResolvedAdapter(
+        path=str(f.path),
+        alpha=alpha,
+        deltas={name: combine(parts, _n_out(model, name)) for name, parts in deltas.items()},
+        n_tensors=len(f.tensors),
+        task_name=task_name,
+        prompt_prefix=prompt_prefix,
+        invocation_tokens=list(invocation),
+        source="gguf",
+    )
+
+
+def _ne(e: TensorEntry) -> str:
+    """A tensor's shape as llama.cpp prints it: ne=[...], GGML order."""
+    return "ne=[" + ", ".join(str(d) for d in reversed(e.shape)) + "]"
+
+
+def _n_out(model: Transformer, name: str) -> int:
+    return model.cfg.n_embd if name == EMBEDDING else model.projections()[name].n_out
+
+
+def combine(parts: list[tuple[slice, slice, Delta]], n_out: int) -> Delta:
+    """One projection's delta from the pieces that land in it.
+
+    A piece covers file rows `rows` of its B and sits at output rows `at` of the projection; pieces
+    are stacked along the rank (B (A x) over stacked rows is the stacked B_i (A_i x)), each B
+    zero outside its own rows."""
+    if len(parts) == 1 and parts[0][0] == parts[0][1] == slice(0, n_out):
+        return parts[0][2]
+    a = torch.cat([d.a for _, _, d in parts], dim=0)
+    bs = []
+    for rows, at, d in parts:
+        b = torch.zeros(n_out, d.rank)
+        b[at] = d.b[rows]
+        bs.append(b)
+    return Delta(a, torch.cat(bs, dim=1))

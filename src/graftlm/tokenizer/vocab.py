@@ -1,0 +1,288 @@
+"""The vocabulary as llama.cpp loads it from GGUF metadata: token texts, scores, attributes,
+special ids, the end-of-generation set and the special-token partition of raw text.
+
+Everything here mirrors `llama_vocab::impl::load` and `tokenizer_st_partition` in llama.cpp's
+`src/llama-vocab.cpp` (build 0c1e570), because token ids must match llama.cpp's exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntFlag
+from typing import Any
+
+# GGUF `tokenizer.ggml.token_type` values.
+_TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = range(1, 7)
+
+
+class TokenAttr(IntFlag):
+    """llama.cpp's `llama_token_attr` bits."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+    LSTRIP = 1 << 7
+    RSTRIP = 1 << 8
+
+
+_TYPE_TO_ATTR = {
+    _TYPE_NORMAL: TokenAttr.NORMAL,
+    _TYPE_UNKNOWN: TokenAttr.UNKNOWN,
+    _TYPE_CONTROL: TokenAttr.CONTROL,
+    _TYPE_USER_DEFINED: TokenAttr.USER_DEFINED,
+    _TYPE_UNUSED: TokenAttr.UNUSED,
+    _TYPE_BYTE: TokenAttr.BYTE,
+}
+
+# Texts llama.cpp recognises as special even when the GGUF does not say so (it matches on text
+# because converters rarely record these roles). Order matters only for which id becomes "the"
+# EOT token, which affects nothing but `eot_id`.
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)
+_EOM_TEXTS = ("<|eom_id|>",)
+_FIM_PRE_TEXTS = (
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+    "<|code_prefix|>", "<|prefix|>",
+)
+_FIM_SUF_TEXTS = (
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+    "<|code_suffix|>", "<|suffix|>",
+)
+_FIM_MID_TEXTS = (
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+    "<|code_middle|>", "<|middle|>",
+)
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+_FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP_TEXTS = ("<|file_sep|>",)
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# gpt-oss renders these even when special tokens are hidden.
+_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+@dataclass
+class Vocab:
+    """Token table and special-token facts of one GGUF tokenizer, as llama.cpp derives them."""
+
+    tokens: list[str]
+    scores: Sequence[float]
+    attrs: list[TokenAttr]
+    token_to_id: dict[str, int]
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    eog_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    # Special tokens (control, user-defined, unknown), longest text first: the order in which
+    # llama.cpp cuts them out of raw text.
+    special_order: list[int] = field(default_factory=list)
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_metadata(
+        cls,
+        meta: Mapping[str, Any],
+        *,
+        default_ids: tuple[int | None, int | None, int | None],
+        add_bos: bool,
+        add_eos: bool,
+        add_space_prefix: bool,
+    ) -> Vocab:
+        """Build the table; `default_ids` are llama.cpp's (bos, eos, unk) for this model type and
+        the flags are its defaults, each overridden by the GGUF keys when present."""
+        raw_tokens = meta.get("tokenizer.ggml.tokens")
+        if not isinstance(raw_tokens, Sequence) or isinstance(raw_tokens, str | bytes):
+            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens list")
+        n = len(raw_tokens)
+        # llama.cpp renames empty tokens so that every text is a distinct key.
+        tokens = [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
+        token_to_id = {t: i for i, t in enumerate(tokens)}
+        if len(token_to_id) != n:
+            seen: dict[str, int] = {}
+            for i, t in enumerate(tokens):
+                if t in seen:
+                    raise ValueError(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+                seen[t] = i
+
+        scores = _number_list(meta.get("tokenizer.ggml.scores"), n, "tokenizer.ggml.scores")
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is None:
+            attrs = [TokenAttr.NORMAL] * n
+        else:
+            if len(types) < n:
+                raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+            table = _TYPE_TO_ATTR
+            attrs = [table.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+
+        def special_id(key: str, default: int | None) -> int | None:
+            if default is not None and default >= n:
+                default = None
+            value = meta.get(key)
+            if value is None:
+                return default
+            value = int(value)
+            return value if 0 <= value < n else default
+
+        bos_id = special_id("tokenizer.ggml.bos_token_id", default_ids[0])
+        eos_id = special_id("tokenizer.ggml.eos_token_id", default_ids[1])
+        unk_id = special_id("tokenizer.ggml.unknown_token_id", default_ids[2])
+        pad_id = special_id("tokenizer.ggml.padding_token_id", None)
+        eot_id = special_id("tokenizer.ggml.eot_token_id", None)
+        eom_id = special_id("tokenizer.ggml.eom_token_id", None)
+        fim_pre = special_id("tokenizer.ggml.fim_pre_token_id", None)
+        fim_pre = special_id("tokenizer.ggml.prefix_token_id", fim_pre)
+        fim_suf = special_id("tokenizer.ggml.fim_suf_token_id", None)
+        fim_suf = special_id("tokenizer.ggml.suffix_token_id", fim_suf)
+        fim_mid = special_id("tokenizer.ggml.fim_mid_token_id", None)
+        fim_mid = special_id("tokenizer.ggml.middle_token_id", fim_mid)
+        fim_pad = special_id("tokenizer.ggml.fim_pad_token_id", None)
+        fim_rep = special_id("tokenizer.ggml.fim_rep_token_id", None)
+        fim_sep = special_id("tokenizer.ggml.fim_sep_token_id", None)
+
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", add_eos))
+        add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+        if add_bos and bos_id is None:
+            raise ValueError("tokenizer.ggml.add_bos_token is true, but there is no BOS token")
+        if add_eos and eos_id is None:
+            raise ValueError("tokenizer.ggml.add_eos_token is true, but there is no EOS token")
+
+        def mark_control(i: int) -> None:
+            attrs[i] |= TokenAttr.CONTROL
+
+        def find(texts: tuple[str, ...]) -> int | None:
+            for t in texts:
+                i = token_to_id.get(t)
+                if i is not None:
+                    mark_control(i)
+                    return i
+            return None
+
+        if eot_id is None:
+            eot_id = find(_EOT_TEXTS)
+        if eom_id is None:
+            eom_id = find(_EOM_TEXTS)
+        # The FIM roles matter here only for the control bit the detection sets.
+        for found, texts in ((fim_pre, _FIM_PRE_TEXTS), (fim_suf, _FIM_SUF_TEXTS),
+                             (fim_mid, _FIM_MID_TEXTS)):
+            if found is None:
+                find(texts)
+        if fim_pad is None:
+            fim_pad = find(_FIM_PAD_TEXTS)
+        if fim_rep is None:
+            fim_rep = find(_FIM_REP_TEXTS)
+        if fim_sep is None:
+            fim_sep = find(_FIM_SEP_TEXTS)
+
+        for i, a in enumerate(attrs):
+            if a & TokenAttr.CONTROL and "unused" in tokens[i]:
+                attrs[i] = a | TokenAttr.UNUSED
+
+        eog = {i for i in (fim_pad, fim_rep, fim_sep) if i is not None}
+        for t in _EOG_TEXTS:
+            i = token_to_id.get(t)
+            if i is not None:
+                eog.add(i)
+                mark_control(i)
+        for t in _ALWAYS_RENDERED:
+            i = token_to_id.get(t)
+            if i is not None:
+                attrs[i] = TokenAttr.USER_DEFINED
+        eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
+        _apply_eog_workarounds(tokens, token_to_id, attrs, eog)
+
+        wanted = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
+        special = [i for i, a in enumerate(attrs) if a & wanted]
+        # llama.cpp compares byte lengths; ties keep id order (its std::sort leaves them unspecified).
+        special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
+
+        return cls(
+            tokens=tokens,
+            scores=scores,
+            attrs=attrs,
+            token_to_id=token_to_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eot_id=eot_id,
+            unk_id=unk_id,
+            pad_id=pad_id,
+            eog_ids=frozenset(eog),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_space_prefix=add_space_prefix,
+            special_order=special,
+        )
+
+    def partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Cut special tokens out of `text`: the result interleaves raw text fragments (str) and
+        token ids (int). Without `parse_special` only user-defined tokens are cut, as llama.cpp
+        (and HF tokenizers) do."""
+        if not text:
+            return []
+        fragments: list[str | int] = [text]
+        skip = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        tokens, attrs = self.tokens, self.attrs
+        for tid in self.special_order:
+            if not parse_special and attrs[tid] & skip:
+                continue
+            piece = tokens[tid]
+            # A token absent from the whole text is absent from every fragment of it.
+            if piece not in text:
+                continue
+            out: list[str | int] = []
+            for frag in fragments:
+                if isinstance(frag, int) or piece not in frag:
+                    out.append(frag)
+                    continue
+                parts = frag.split(piece)
+                for k, part in enumerate(parts):
+                    if k:
+                        out.append(tid)
+                    if part:
+                        out.append(part)
+            fragments = out
+        return fragments
+
+
+def _apply_eog_workarounds(
+    tokens: list[str], token_to_id: dict[str, int], attrs: list[TokenAttr], eog: set[int]
+) -> None:
+    """llama.cpp's exceptions to its text rules, for vocabularies that reuse EOG-looking texts."""
+    texts = {tokens[i]: i for i in eog}
+    harmony = "<|return|>" in texts and "<|call|>" in texts
+    solar = ("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts
+    if "<|end|>" in texts and (harmony or solar):
+        end = texts["<|end|>"]
+        eog.discard(end)
+        attrs[end] = TokenAttr.USER_DEFINED
+    if "<|tool_response>" in texts and "</s>" in texts:
+        s = texts["</s>"]
+        eog.discard(s)
+        attrs[s] = TokenAttr.NORMAL
+
+
+def _number_list(value: Any, n: int, key: str) -> Sequence[float]:
+    if value is None:
+        return [0.0] * n
+    if len(value) < n:
+        raise ValueError(f"{key} has {len(value)} entries for {n} tokens")
+    return value

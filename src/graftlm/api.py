@@ -45,6 +45,7 @@ def load(
     ctx_size: int = 4096,
     n_seq: int = 1,
     reference: bool = False,
+    progress: bool = False,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
 
@@ -55,7 +56,7 @@ def load(
     file = GGUFFile(default_model_path() if path is None else path)
     n_ctx = min(ctx_size, file.get(f"{file.architecture}.context_length", ctx_size)) if ctx_size > 0 else 0
     n_ctx = n_ctx or int(file.get(f"{file.architecture}.context_length", 4096))
-    model = build_model(file, n_ctx, prefer="reference" if reference else "fast")
+    model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)
     tokenizer = Tokenizer.from_metadata(file.metadata)
     return Model(file, model, tokenizer, n_seq=n_seq)
 

@@ -32,6 +32,16 @@ class ModelConfig:
     embed_scale: float = 1.0  # multiplier on the token embedding (gemma: sqrt(n_embd))
     tied_head: bool = False  # no output.weight: the head is token_embd
     name: str = ""
+    # gemma2: cap * tanh(x / cap) on attention scores and on the logits (0 = off).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # Mixture of experts (llama/Mixtral): experts per layer and experts used per token (0 = dense).
+    n_expert: int = 0
+    n_expert_used: int = 0
+    # LongRoPE (phi3): the training context that picks long or short factors, and the multiplier on
+    # cos/sin (`rope.scaling.attn_factor`).
+    n_ctx_orig: int = 0
+    rope_attn_factor: float = 1.0
 
     @property
     def n_rep(self) -> int:
@@ -79,6 +89,7 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
     rope_neox = False
     attn_scale = 0.0
     embed_scale = 1.0
+    attn_softcap = final_softcap = 0.0
     if arch == "gemma3":
         # llama.cpp: 5 of every 6 layers use the sliding window, with a fixed local RoPE base.
         rope_neox = True
@@ -88,6 +99,20 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
             if i % 6 < 5:
                 sliding[i] = window
                 rope_layer[i] = float(meta.get(p + "rope.freq_base_swa", 10000.0))
+    elif arch in ("qwen2", "qwen3", "phi3"):
+        # their GGUF Q/K rows keep Hugging Face order (no permutation), so RoPE rotates halves.
+        # phi3's `attention.sliding_window` is ignored as llama.cpp does (it disables Phi SWA).
+        rope_neox = True
+    elif arch == "gemma2":
+        # llama.cpp: even layers slide (window defaults to 4096), soft-caps default to 50 and 30;
+        # the 27B (46 layers) scales q by 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim).
+        rope_neox = True
+        embed_scale = math.sqrt(n_embd)
+        attn_scale = 1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim)
+        window = window or 4096
+        sliding = [window if i % 2 == 0 else 0 for i in range(n_layer)]
+        attn_softcap = float(meta.get(p + "attn_logit_softcapping", 50.0))
+        final_softcap = float(meta.get(p + "final_logit_softcapping", 30.0))
 
     return ModelConfig(
         arch=arch,
@@ -110,4 +135,10 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         embed_scale=embed_scale,
         tied_head="output.weight" not in tensor_names,
         name=str(meta.get("general.name", "")),
+        attn_softcap=attn_softcap,
+        final_softcap=final_softcap,
+        n_expert=int(meta.get(p + "expert_count", 0)),
+        n_expert_used=int(meta.get(p + "expert_used_count", 0)),
+        n_ctx_orig=int(meta.get(p + "rope.scaling.original_context_length", 0)),
+        rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
     )

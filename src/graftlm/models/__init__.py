@@ -6,13 +6,19 @@ from graftlm.config import build_config
 from graftlm.errors import ModelFileError, UnsupportedArchitectureError
 from graftlm.gguf import GGUFFile
 from graftlm.models.base import Transformer, Weights
+from graftlm.models.gemma2 import Gemma2
 from graftlm.models.gemma3 import Gemma3
 from graftlm.models.llama import Llama
+from graftlm.models.phi3 import Phi3
+from graftlm.models.qwen2 import Qwen2
+from graftlm.models.qwen3 import Qwen3
 
-ARCHITECTURES: dict[str, type[Transformer]] = {cls.arch: cls for cls in (Llama, Gemma3)}
+ARCHITECTURES: dict[str, type[Transformer]] = {
+    cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Phi3, Gemma2, Gemma3)
+}
 
 
-def build_model(file: GGUFFile, n_ctx: int, prefer: str = "fast") -> Transformer:
+def build_model(file: GGUFFile, n_ctx: int, prefer: str = "fast", progress: bool = False) -> Transformer:
     """The model of a GGUF file, weights memory-mapped and kept compact."""
     if file.file_type == "adapter":
         raise ModelFileError(
@@ -29,7 +35,12 @@ def build_model(file: GGUFFile, n_ctx: int, prefer: str = "fast") -> Transformer
             f"(supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     cfg = build_config(file.metadata, set(file.tensors), str(file.path))
-    return cls(cfg, Weights(file, prefer), n_ctx)
+    w = Weights(file, prefer, progress)
+    try:
+        return cls(cfg, w, n_ctx)
+    finally:
+        if w.bar is not None:
+            w.bar.close()
 
 
 __all__ = ["ARCHITECTURES", "Transformer", "build_model"]

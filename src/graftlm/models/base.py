@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from tqdm import tqdm
 
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
@@ -24,10 +25,11 @@ from graftlm.runtime.kv_cache import KVCache
 class Weights:
     """Typed access to a GGUF file's tensors, with errors that name the missing tensor."""
 
-    def __init__(self, file: GGUFFile, prefer: str = "fast") -> None:
+    def __init__(self, file: GGUFFile, prefer: str = "fast", progress: bool = False) -> None:
         self.file = file
         self.prefer = prefer
         self.used: set[str] = set()
+        self.bar = tqdm(total=len(file.tensors), desc="loading", unit="tensor", leave=False) if progress else None
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -38,6 +40,8 @@ class Weights:
         except KeyError:
             raise ModelFileError(f"{self.file.path}: missing tensor {name!r}") from None
         self.used.add(name)
+        if self.bar is not None:
+            self.bar.update(1)
         return entry
 
     def vector(self, name: str) -> torch.Tensor:

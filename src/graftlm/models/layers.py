@@ -50,13 +50,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary embedding tables for one base; applied to (B, T, H, D) by position (B, T)."""
+    """Rotary embedding tables for one base; applied to (B, T, H, D) by position (B, T).
 
-    def __init__(self, dim: int, base: float, n_ctx: int, neox: bool) -> None:
+    factors (dim/2,): per-frequency divisors, as ggml's `freq_factors` (llama3's `rope_freqs`,
+    LongRoPE's `rope_factors_long/short`); mscale multiplies cos and sin (LongRoPE's attn_factor)."""
+
+    def __init__(
+        self,
+        dim: int,
+        base: float,
+        n_ctx: int,
+        neox: bool,
+        factors: torch.Tensor | None = None,
+        mscale: float = 1.0,
+    ) -> None:
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if factors is not None:
+            inv = inv / factors.to(torch.float64).reshape(-1)
         ang = torch.arange(n_ctx, dtype=torch.float64).unsqueeze(1) * inv  # (n_ctx, dim/2)
-        self.cos = ang.cos().float()
-        self.sin = ang.sin().float()
+        self.cos = (ang.cos() * mscale).float()
+        self.sin = (ang.sin() * mscale).float()
         self.dim = dim
         self.neox = neox
 

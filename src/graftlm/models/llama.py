@@ -1,14 +1,32 @@
-"""llama: Llama 2/3, Mistral, SmolLM2 (GQA, RoPE over adjacent pairs, SwiGLU)."""
+"""llama: Llama 2/3, Mistral, SmolLM2, Mixtral (GQA, RoPE over adjacent pairs, SwiGLU).
+
+Optional pieces, each present when its tensor is: llama3 RoPE frequency factors
+(`rope_freqs.weight`), Q/K/V/output biases (`attn_q.bias`...), and mixture-of-experts FFNs
+(`ffn_gate_inp` + `ffn_{gate,up,down}_exps`, see moe.py) when `expert_count` is set.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
+from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, attention, rms_norm
+from graftlm.models.layers import Projection, Rope, attention, rms_norm
+from graftlm.models.moe import Experts, moe_ffn
 from graftlm.runtime.batch import Batch
+
+
+def _bias(w: Weights, name: str) -> torch.Tensor | None:
+    return w.vector(name) if w.has(name) else None
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # biases stay outside the projection seam: adapters never touch them
+    return y if bias is None else y + bias
 
 
 class LlamaBlock:
@@ -20,30 +38,61 @@ class LlamaBlock:
         self.attn_k: Projection = w.proj(p + "attn_k", d, cfg.n_head_kv * hd)
         self.attn_v: Projection = w.proj(p + "attn_v", d, cfg.n_head_kv * vd)
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
+        self.attn_q_bias = _bias(w, p + "attn_q.bias")
+        self.attn_k_bias = _bias(w, p + "attn_k.bias")
+        self.attn_v_bias = _bias(w, p + "attn_v.bias")
+        self.attn_output_bias = _bias(w, p + "attn_output.bias")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
-        self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
-        self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
+        if cfg.n_expert:
+            shape, down = (cfg.n_expert, cfg.n_ff, d), (cfg.n_expert, d, cfg.n_ff)
+            self.ffn_gate_inp: Projection = w.proj(p + "ffn_gate_inp", d, cfg.n_expert)
+            self.ffn_gate_exps = Experts(w, p + "ffn_gate_exps.weight", shape)
+            self.ffn_up_exps = Experts(w, p + "ffn_up_exps.weight", shape)
+            self.ffn_down_exps = Experts(w, p + "ffn_down_exps.weight", down)
+        else:
+            self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
+            self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
+            self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
 
 
 class Llama(Transformer):
     arch = "llama"
+    Block: ClassVar[type[LlamaBlock]] = LlamaBlock  # a family that adds tensors to the block sets its own
 
     def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
         super().__init__(cfg, w, n_ctx)
-        self.blocks = [LlamaBlock(cfg, w, i) for i in range(cfg.n_layer)]
+        if w.has("rope_freqs.weight"):
+            factors = w.vector("rope_freqs.weight")
+            if factors.numel() != cfg.rope_dim // 2:
+                raise ModelFileError(
+                    f"{w.file.path}: tensor 'rope_freqs.weight' has {factors.numel()} values, "
+                    f"expected rope_dim / 2 = {cfg.rope_dim // 2}"
+                )
+            self.rope_of_layer = [
+                Rope(cfg.rope_dim, b, n_ctx, cfg.rope_neox, factors) for b in cfg.rope_base_layer
+            ]
+        self.blocks = [self.Block(cfg, w, i) for i in range(cfg.n_layer)]
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
-        q = b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim)
-        k = b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim)
-        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        q = _plus(b.attn_q(h, batch), b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
+        k = _plus(b.attn_k(h, batch), b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = _plus(b.attn_v(h, batch), b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
-        x = x + b.attn_output(a, batch)
+        x = x + _plus(b.attn_output(a, batch), b.attn_output_bias)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
+        if cfg.n_expert:
+            logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
+            return x + moe_ffn(h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used)
         h = F.silu(b.ffn_gate(h, batch)) * b.ffn_up(h, batch)
         return x + b.ffn_down(h, batch)
+
+    @property
+    def nbytes(self) -> int:
+        # the base counts projections and tensors; routed experts are neither
+        experts = [getattr(b, n, None) for b in self.blocks for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+        return super().nbytes + sum(e.nbytes for e in experts if e is not None)

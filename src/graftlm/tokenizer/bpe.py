@@ -13,6 +13,7 @@ import heapq
 import unicodedata
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Any
 
 # --- byte <-> unicode mapping (GPT-2's bytes_to_unicode) ------------------------------------------
 
@@ -63,10 +64,27 @@ _WHITESPACE = frozenset(
 )
 
 
+# Codepoints that llama.cpp's tables (Unicode 15.1) make letters or numbers but that Python
+# 3.11's unicodedata (Unicode 14.0) does not know yet.
+_NEWER_THAN_PYTHON = (
+    (0x1123F, 0x11240, _LETTER), (0x11F02, 0x11F02, _LETTER), (0x11F04, 0x11F10, _LETTER),
+    (0x11F12, 0x11F33, _LETTER), (0x11F50, 0x11F59, _NUMBER), (0x1342F, 0x1342F, _LETTER),
+    (0x13441, 0x13446, _LETTER), (0x1B132, 0x1B132, _LETTER), (0x1B155, 0x1B155, _LETTER),
+    (0x1D2C0, 0x1D2D3, _NUMBER), (0x1DF25, 0x1DF2A, _LETTER), (0x1E030, 0x1E06D, _LETTER),
+    (0x1E4D0, 0x1E4EB, _LETTER), (0x1E4F0, 0x1E4F9, _NUMBER), (0x2B739, 0x2B739, _LETTER),
+    (0x2EBF0, 0x2EE5D, _LETTER), (0x31350, 0x323AF, _LETTER),
+)
+
+
 @lru_cache(maxsize=65536)
 def _char_class(ch: str) -> int:
-    if ord(ch) in _WHITESPACE:
+    cp = ord(ch)
+    if cp in _WHITESPACE:
         return _SPACE
+    if cp >= 0x11000:
+        for lo, hi, cls in _NEWER_THAN_PYTHON:
+            if lo <= cp <= hi:
+                return cls
     cat = unicodedata.category(ch)[0]
     if cat == "L":
         return _LETTER
@@ -257,42 +275,68 @@ class PythonBPE:
             if tid is not None:
                 out.append(tid)
             else:
-                # llama.cpp falls back to the symbol's bytes looked up as one-char strings.
+                # llama.cpp looks the symbol's raw bytes up as one-byte strings; only ASCII
+                # bytes can be vocabulary entries, the rest is dropped.
                 for b in sym.encode("utf-8"):
-                    t = vocab.get(chr(b))
+                    t = vocab.get(chr(b)) if b < 0x80 else None
                     if t is not None:
                         out.append(t)
             i = nxt[i]
         return out
 
 
-def make_hf_merger(
-    token_to_id: dict[str, int], merges: list[tuple[str, str]]
-) -> Callable[[list[str]], list[int]] | None:
-    """A Rust BPE over byte-encoded words, or None when `tokenizers` is missing or the vocabulary
-    is one it would treat differently from llama.cpp (a merge result or a byte symbol missing
-    from the vocabulary; llama.cpp tolerates both, HF does not)."""
+def make_merger(token_to_id: dict[str, int], merges: list[tuple[str, str]]) -> tuple[
+    Callable[[list[str]], list[int]], str
+]:
+    """A function from byte-encoded words to ids, and the name of the backend that runs it.
+
+    HF `tokenizers` (Rust) runs the merges when it is installed and the vocabulary holds every
+    merge result; words with a byte symbol missing from the vocabulary (llama.cpp drops those
+    bytes, HF would not) and vocabularies HF refuses go through `PythonBPE`."""
+    py = PythonBPE(token_to_id, merges)
+
+    def merge_py(words: list[str]) -> list[int]:
+        out: list[int] = []
+        for w in words:
+            out += py.word_ids(w)
+        return out
+
+    hf = _hf_model(token_to_id, merges)
+    if hf is None:
+        return merge_py, "python"
+    missing = frozenset(c for c in BYTE_TO_CHAR if c not in token_to_id)
+    encode = hf.encode
+
+    def merge_hf(words: list[str]) -> list[int]:
+        if not words:
+            return []
+        if missing and any(not missing.isdisjoint(w) for w in words):
+            out: list[int] = []
+            for w in words:
+                if missing.isdisjoint(w):
+                    out += encode([w], is_pretokenized=True, add_special_tokens=False).ids
+                else:
+                    out += py.word_ids(w)
+            return out
+        return list(encode(words, is_pretokenized=True, add_special_tokens=False).ids)
+
+    return merge_hf, "tokenizers"
+
+
+def _hf_model(token_to_id: dict[str, int], merges: list[tuple[str, str]]) -> Any:
     try:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers.models import BPE
     except ImportError:
         return None
-    if any(c not in token_to_id for c in BYTE_TO_CHAR):
-        return None
     seen: set[tuple[str, str]] = set()
     for a, b in merges:
+        # HF rejects merges whose result is no vocabulary entry; llama.cpp would still merge
+        # and then fall back to bytes. Duplicates would take the later rank in HF.
         if (a, b) in seen or not a or not b or (a + b) not in token_to_id:
             return None
         seen.add((a, b))
     try:
-        model = BPE(vocab=token_to_id, merges=merges, cache_capacity=20000)
-        hf = HFTokenizer(model)
+        return HFTokenizer(BPE(vocab=token_to_id, merges=merges, cache_capacity=20000))
     except Exception:  # any refusal means "not equivalent here"; the Python path takes over
         return None
-
-    def merge(words: list[str]) -> list[int]:
-        if not words:
-            return []
-        return list(hf.encode(words, is_pretokenized=True, add_special_tokens=False).ids)
-
-    return merge

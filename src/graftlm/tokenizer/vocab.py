@@ -30,13 +30,19 @@ class TokenAttr(IntFlag):
     RSTRIP = 1 << 8
 
 
+# Attributes are kept as plain ints: IntFlag arithmetic is too slow for 262k-token vocabularies.
+_NORMAL = int(TokenAttr.NORMAL)
+_CONTROL = int(TokenAttr.CONTROL)
+_USER_DEFINED = int(TokenAttr.USER_DEFINED)
+_UNKNOWN = int(TokenAttr.UNKNOWN)
+_UNUSED = int(TokenAttr.UNUSED)
 _TYPE_TO_ATTR = {
-    _TYPE_NORMAL: TokenAttr.NORMAL,
-    _TYPE_UNKNOWN: TokenAttr.UNKNOWN,
-    _TYPE_CONTROL: TokenAttr.CONTROL,
-    _TYPE_USER_DEFINED: TokenAttr.USER_DEFINED,
-    _TYPE_UNUSED: TokenAttr.UNUSED,
-    _TYPE_BYTE: TokenAttr.BYTE,
+    _TYPE_NORMAL: _NORMAL,
+    _TYPE_UNKNOWN: _UNKNOWN,
+    _TYPE_CONTROL: _CONTROL,
+    _TYPE_USER_DEFINED: _USER_DEFINED,
+    _TYPE_UNUSED: _UNUSED,
+    _TYPE_BYTE: int(TokenAttr.BYTE),
 }
 
 # Texts llama.cpp recognises as special even when the GGUF does not say so (it matches on text
@@ -78,7 +84,7 @@ class Vocab:
 
     tokens: list[str]
     scores: Sequence[float]
-    attrs: list[TokenAttr]
+    attrs: list[int]  # TokenAttr bits
     token_to_id: dict[str, int]
     bos_id: int | None
     eos_id: int | None
@@ -113,9 +119,11 @@ class Vocab:
         if not isinstance(raw_tokens, Sequence) or isinstance(raw_tokens, str | bytes):
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens list")
         n = len(raw_tokens)
-        # llama.cpp renames empty tokens so that every text is a distinct key.
-        tokens = [str(t) if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(raw_tokens)]
-        token_to_id = {t: i for i, t in enumerate(tokens)}
+        tokens = list(raw_tokens)
+        if "" in tokens:
+            # llama.cpp renames empty tokens so that every text is a distinct key.
+            tokens = [t if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        token_to_id = dict(zip(tokens, range(n), strict=True))
         if len(token_to_id) != n:
             seen: dict[str, int] = {}
             for i, t in enumerate(tokens):
@@ -126,12 +134,12 @@ class Vocab:
         scores = _number_list(meta.get("tokenizer.ggml.scores"), n, "tokenizer.ggml.scores")
         types = meta.get("tokenizer.ggml.token_type")
         if types is None:
-            attrs = [TokenAttr.NORMAL] * n
+            attrs = [_NORMAL] * n
         else:
             if len(types) < n:
                 raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
             table = _TYPE_TO_ATTR
-            attrs = [table.get(int(t), TokenAttr.UNDEFINED) for t in types[:n]]
+            attrs = [table.get(t, 0) for t in types[:n]]
 
         def special_id(key: str, default: int | None) -> int | None:
             if default is not None and default >= n:
@@ -166,8 +174,11 @@ class Vocab:
         if add_eos and eos_id is None:
             raise ValueError("tokenizer.ggml.add_eos_token is true, but there is no EOS token")
 
+        touched: set[int] = set()  # ids whose attributes the text rules below changed
+
         def mark_control(i: int) -> None:
-            attrs[i] |= TokenAttr.CONTROL
+            attrs[i] |= _CONTROL
+            touched.add(i)
 
         def find(texts: tuple[str, ...]) -> int | None:
             for t in texts:
@@ -193,9 +204,11 @@ class Vocab:
         if fim_sep is None:
             fim_sep = find(_FIM_SEP_TEXTS)
 
-        for i, a in enumerate(attrs):
-            if a & TokenAttr.CONTROL and "unused" in tokens[i]:
-                attrs[i] = a | TokenAttr.UNUSED
+        wanted = _CONTROL | _USER_DEFINED | _UNKNOWN
+        special = [i for i, a in enumerate(attrs) if a & wanted]
+        for i in special:
+            if attrs[i] & _CONTROL and "unused" in tokens[i]:
+                attrs[i] |= _UNUSED
 
         eog = {i for i in (fim_pad, fim_rep, fim_sep) if i is not None}
         for t in _EOG_TEXTS:
@@ -206,12 +219,12 @@ class Vocab:
         for t in _ALWAYS_RENDERED:
             i = token_to_id.get(t)
             if i is not None:
-                attrs[i] = TokenAttr.USER_DEFINED
+                attrs[i] = _USER_DEFINED
+                touched.add(i)
         eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
-        _apply_eog_workarounds(tokens, token_to_id, attrs, eog)
+        touched |= _apply_eog_workarounds(tokens, attrs, eog)
 
-        wanted = TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN
-        special = [i for i, a in enumerate(attrs) if a & wanted]
+        special = sorted(i for i in set(special) | touched if attrs[i] & wanted)
         # llama.cpp compares byte lengths; ties keep id order (its std::sort leaves them unspecified).
         special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
 
@@ -239,7 +252,7 @@ class Vocab:
         if not text:
             return []
         fragments: list[str | int] = [text]
-        skip = TokenAttr.CONTROL | TokenAttr.UNKNOWN
+        skip = _CONTROL | _UNKNOWN
         tokens, attrs = self.tokens, self.attrs
         for tid in self.special_order:
             if not parse_special and attrs[tid] & skip:
@@ -263,21 +276,25 @@ class Vocab:
         return fragments
 
 
-def _apply_eog_workarounds(
-    tokens: list[str], token_to_id: dict[str, int], attrs: list[TokenAttr], eog: set[int]
-) -> None:
-    """llama.cpp's exceptions to its text rules, for vocabularies that reuse EOG-looking texts."""
+def _apply_eog_workarounds(tokens: list[str], attrs: list[int], eog: set[int]) -> set[int]:
+    """llama.cpp's exceptions to its text rules, for vocabularies that reuse EOG-looking texts.
+    Returns the ids whose attributes changed."""
+    changed: set[int] = set()
     texts = {tokens[i]: i for i in eog}
     harmony = "<|return|>" in texts and "<|call|>" in texts
     solar = ("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts
     if "<|end|>" in texts and (harmony or solar):
         end = texts["<|end|>"]
         eog.discard(end)
-        attrs[end] = TokenAttr.USER_DEFINED
-    if "<|tool_response>" in texts and "</s>" in texts:
+        attrs[end] = _USER_DEFINED
+        changed.add(end)
+    # gemma4 and plamo2 have a normal "</s>" (unlike paddleocr, which the "</s>" rule is for).
+    if ("<|tool_response>" in texts or "<|plamo:eos|>" in texts) and "</s>" in texts:
         s = texts["</s>"]
         eog.discard(s)
-        attrs[s] = TokenAttr.NORMAL
+        attrs[s] = _NORMAL
+        changed.add(s)
+    return changed
 
 
 def _number_list(value: Any, n: int, key: str) -> Sequence[float]:

@@ -1,0 +1,5 @@
+import sys
+
+from graftlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""`graftlm run`: generate from a prompt, or chat, as llama-cli does."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from graftlm.errors import GraftError
+
+
+def _print_adapters(model: Any) -> None:
+    for a in model.loras:
+        print(
+            f"lora {a['id']}: {a['path']} ({a['n_tensors']} tensors, alpha {a['alpha']:g}, scale {a['scale']:g})",
+            file=sys.stderr,
+        )
+
+
+def _timings(model: Any) -> None:
+    t = model.last_timings
+    print(
+        f"\n\nprompt: {t.n_prompt} tokens, {t.prompt_s * 1000:.1f} ms, {t.prompt_tps:.1f} tok/s | "
+        f"generation: {t.n_generated} tokens, {t.generate_s * 1000:.1f} ms, {t.generate_tps:.1f} tok/s | "
+        f"resident {model.resident_bytes / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import graftlm
+    from graftlm.lora.cli_args import lora_specs
+
+    specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
+    prompt = args.prompt
+    if args.file is not None:
+        try:
+            prompt = Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise GraftError(f"{args.file}: cannot read the prompt file ({exc.strerror})") from None
+    if prompt is None and not args.conversation:
+        raise GraftError("give a prompt with -p or -f, or chat with -cnv")
+
+    t0 = time.perf_counter()
+    model = graftlm.load(args.model, threads=args.threads, ctx_size=args.ctx_size, reference=args.reference, progress=True)
+    print(
+        f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "
+        f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
+        file=sys.stderr,
+    )
+    for spec in specs:
+        model.add_lora(spec.path, spec.scale)
+    _print_adapters(model)
+
+    sampling = dict(
+        max_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=None if args.seed < 0 else args.seed,
+    )
+    if args.conversation:
+        return _conversation(model, args, prompt, sampling)
+    for piece in model.generate(prompt, stream=True, **sampling):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    _timings(model)
+    return 0
+
+
+def _conversation(model: Any, args: argparse.Namespace, first: str | None, sampling: dict[str, Any]) -> int:
+    messages: list[dict[str, str]] = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    pending = first
+    interactive = sys.stdin.isatty()
+    while True:
+        if pending is None:
+            if interactive:
+                sys.stdout.write("\n> ")
+                sys.stdout.flush()
+            line = sys.stdin.readline()
+            if not line:
+                break
+            pending = line.rstrip("\n")
+            if not pending.strip():
+                pending = None
+                continue
+        messages.append({"role": "user", "content": pending})
+        pending = None
+        reply = []
+        for piece in model.chat(messages, stream=True, **sampling):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    _timings(model)
+    return 0

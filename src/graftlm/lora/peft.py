@@ -1,0 +1,463 @@
+"""PEFT LoRA directories, read with PEFT's own semantics and checked against a GGUF base.
+
+A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
+`base_model.model.<module>.lora_A.weight` (r, n_in) / `.lora_B.weight` (n_out, r), and for an
+embedding `base_model.model.<module>.lora_embedding_A` (r, n_vocab) / `.lora_embedding_B`
+(n_embd, r). PEFT computes
+
+    linear:     y += s * B @ (A @ x)
+    embedding:  e[t] += s * B @ A[:, t]      (times the model's embedding scale, as the base)
+
+with s = alpha / r, or alpha / sqrt(r) with `use_rslora`; r and alpha come from `rank_pattern` /
+`alpha_pattern` when one of their keys matches the module's full name as the regex
+`(.*\\.)?{key}$` (peft.utils.other.get_pattern_key), else from `r` / `lora_alpha`.
+
+Reading maps every Hugging Face module name to its GGUF base tensor (gguf's TensorNameMap) and
+applies what llama.cpp's converter did to the base weights: on llama-architecture files the Q and
+K rows are permuted for RoPE, so B of q_proj / k_proj is permuted the same way (A is not: it acts
+on the input side). Every problem is collected into one AdapterError; nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import torch
+from safetensors import safe_open
+
+from graftlm.errors import AdapterError
+from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
+from graftlm.lora.gguf_adapter import combine
+from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
+from graftlm.lora.targets import resolve_target
+
+if TYPE_CHECKING:
+    from graftlm.gguf import GGUFFile
+    from graftlm.models.base import Transformer
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+# PEFT key suffix -> (which factor, is the embedding layout)
+_SUFFIXES = {
+    ".lora_A.weight": ("a", False),
+    ".lora_B.weight": ("b", False),
+    ".lora_embedding_A": ("a", True),
+    ".lora_embedding_B": ("b", True),
+}
+
+# -- the declarative part: what llama.cpp's converter did per architecture ---------------------
+
+# Hugging Face module for each GGUF tensor kind: the way back from GGUF to PEFT. (The way there is
+# gguf's TensorNameMap; a test checks that each of these maps forward to its own kind.)
+_HF_MODULES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output": "lm_head",
+    "attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "ffn_down": "model.layers.{bid}.mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What llama.cpp's `convert_hf_to_gguf.py` did to one architecture's projection weights."""
+
+    model_arch: gguf.MODEL_ARCH
+    # LlamaModel.undo_permute: Q/K rows reordered per head from HF's halves to adjacent pairs
+    rope_permuted: bool
+    hf_modules: Mapping[str, str] = field(default_factory=lambda: _HF_MODULES)
+
+
+ARCH_RULES: dict[str, ArchRules] = {
+    "llama": ArchRules(gguf.MODEL_ARCH.LLAMA, rope_permuted=True),  # also Mistral, SmolLM2
+    "gemma3": ArchRules(gguf.MODEL_ARCH.GEMMA3, rope_permuted=False),
+    "gemma2": ArchRules(gguf.MODEL_ARCH.GEMMA2, rope_permuted=False),
+    "qwen2": ArchRules(gguf.MODEL_ARCH.QWEN2, rope_permuted=False),
+    "qwen3": ArchRules(gguf.MODEL_ARCH.QWEN3, rope_permuted=False),
+    # phi3 keeps its fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (gate rows first)
+    "phi3": ArchRules(
+        gguf.MODEL_ARCH.PHI3,
+        rope_permuted=False,
+        hf_modules={
+            **{
+                k: v
+                for k, v in _HF_MODULES.items()
+                if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")
+            },
+            "attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
+            "ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
+        },
+    ),
+}
+_PERMUTED_KINDS = {"attn_q": "n_head", "attn_k": "n_head_kv"}
+# Hugging Face checkpoints that nest the text model, as llama.cpp's LoRA converter strips them
+_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def arch_rules(arch: str) -> ArchRules | None:
+    return ARCH_RULES.get(arch)
+
+
+def hf_to_gguf(arch: str, n_layer: int, module: str) -> str | None:
+    """GGUF base tensor name ("blk.0.attn_q") of a Hugging Face module name, or None."""
+    rules = ARCH_RULES[arch]
+    for prefix, repl in _LM_PREFIXES:
+        if module.startswith(prefix):
+            module = repl + module[len(prefix) :]
+            break
+    return gguf.get_tensor_name_map(rules.model_arch, n_layer).get_name(module)
+
+
+def gguf_to_hf(arch: str, base: str) -> str | None:
+    """Hugging Face module name of a GGUF base tensor name, or None."""
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        template = ARCH_RULES[arch].hf_modules.get(parts[2])
+        return (
+            None if template is None or "{bid}" not in template else template.format(bid=parts[1])
+        )
+    template = ARCH_RULES[arch].hf_modules.get(base)
+    return None if template is None or "{bid}" in template else template
+
+
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute over the rows of w (n_out, ...): per head, HF's two halves
+    (x_0..x_{d/2-1}, y_0..y_{d/2-1}) become adjacent pairs (x_0, y_0, x_1, y_1, ...)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of `permute_rows`."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+# -- the base an adapter is checked against ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseInfo:
+    """A GGUF base seen from an adapter: architecture, head counts, and for each base tensor name
+    its (n_in, n_out), or the reason it cannot take a LoRA. The embedding is (n_vocab, n_embd)."""
+
+    path: str
+    arch: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    tied_head: bool
+    lookup: Callable[[str], tuple[int, int] | str]
+
+    @classmethod
+    def from_model(cls, model: Transformer, path: str = "") -> BaseInfo:
+        cfg = model.cfg
+
+        def lookup(base: str) -> tuple[int, int] | str:
+            targets = resolve_target(model, base)
+            if isinstance(targets, str):
+                return targets
+            if base + ".weight" not in model.base_tensor_names and base != "output":
+                return "not in the base model"
+            return targets[0].n_in, targets[0].n_out
+
+        return cls(path, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.tied_head, lookup)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> BaseInfo:
+        """From a base model file alone (no weights read): what `convert-lora` checks against."""
+        arch = f.architecture or ""
+        n_head = _int_meta(f.metadata.get(f"{arch}.attention.head_count", 0))
+        n_head_kv = _int_meta(f.metadata.get(f"{arch}.attention.head_count_kv", n_head))
+        tied = "output.weight" not in f.tensors
+
+        def lookup(base: str) -> tuple[int, int] | str:
+            if base == "output" and tied:
+                return (
+                    "the base has a tied head (no output.weight), and llama.cpp attaches adapters "
+                    "only to tensors the file holds; graftlm can load the PEFT directory itself"
+                )
+            e = f.tensors.get(base + ".weight")
+            if e is None:
+                return "not in the base model"
+            if len(e.shape) != 2 or "norm" in base:
+                return f"not a matrix (shape {list(e.shape)}): LoRA applies to projections only"
+            return (e.shape[1], e.shape[0]) if base != EMBEDDING else (e.shape[0], e.shape[1])
+
+        n_layer = _int_meta(f.metadata.get(f"{arch}.block_count", 0))
+        return cls(str(f.path), arch, n_layer, n_head, n_head_kv, tied, lookup)
+
+
+def _int_meta(v: Any) -> int:
+    # head counts may be per-layer arrays; the permutation needs one number
+    return int(v[0]) if isinstance(v, list) else int(v)
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraPair:
+    """One module's LoRA, named and laid out for the GGUF base (Q/K rows of B permuted where the
+    base's were), factor not folded. PEFT layout: a (r, n_in), b (n_out, r); for the embedding
+    a (r, n_vocab), b (n_embd, r)."""
+
+    module: str  # PEFT module name, e.g. "model.layers.0.self_attn.q_proj"
+    base: str  # GGUF base tensor name without ".weight", e.g. "blk.0.attn_q"
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float  # PEFT's factor for this module
+    rank: int
+    alpha: float
+
+    @property
+    def embedding(self) -> bool:
+        return self.base == EMBEDDING
+
+
+@dataclass
+class PeftAdapter:
+    """A PEFT directory checked against a base: its config and every LoRA pair, ready to use."""
+
+    path: Path
+    config: PeftConfig
+    pairs: list[LoraPair]
+    n_tensors: int
+    notes: list[str] = field(default_factory=list)
+
+
+def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
+    """Read and check a PEFT directory against `base`. Raises AdapterError listing every problem."""
+    d = Path(path)
+    cfg_path, st_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    missing = [p.name for p in (cfg_path, st_path) if not p.is_file()]
+    if missing:
+        hint = ""
+        if not st_path.is_file() and (d / "adapter_model.bin").is_file():
+            hint = (
+                " (adapter_model.bin, PyTorch's pickle format, is not read: re-save the adapter "
+                "with PEFT's save_pretrained(..., safe_serialization=True))"
+            )
+        raise AdapterError(
+            f"{d}: not a PEFT adapter directory: missing {' and '.join(missing)}{hint}"
+        )
+    problems: list[str] = []
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{cfg_path}: not valid JSON ({exc})") from None
+    cfg = parse_config(raw, str(cfg_path), problems)
+    rules = arch_rules(base.arch)
+    if rules is None:
+        problems.append(
+            f"base {base.path}: architecture {base.arch!r} has no PEFT name mapping here "
+            f"(known: {', '.join(sorted(ARCH_RULES))})"
+        )
+    if cfg is None or rules is None:
+        raise AdapterError(f"{d}: cannot attach PEFT adapter:\n  - " + "\n  - ".join(problems))
+
+    try:
+        st = safe_open(str(st_path), "pt")
+        keys = list(st.keys())
+    except Exception as exc:  # a malformed file is a malformed file, whatever safetensors raises
+        raise AdapterError(f"{st_path}: unreadable safetensors file ({exc})") from None
+
+    halves: dict[str, dict[str, tuple[str, bool]]] = {}
+    for key in keys:
+        module, part, embd = _split_key(key)
+        if module is None:
+            what = (
+                "a full saved layer" if key.endswith((".weight", ".bias")) else "not a LoRA tensor"
+            )
+            problems.append(
+                f"{WEIGHTS_FILE}: tensor {key!r}: {what} "
+                "(only lora_A/B and lora_embedding_A/B are supported)"
+            )
+            continue
+        halves.setdefault(module, {})[part] = (key, embd)
+
+    pairs: list[LoraPair] = []
+    for module, parts in halves.items():
+        if set(parts) != {"a", "b"}:
+            have = "A" if "a" in parts else "B"
+            problems.append(
+                f"{WEIGHTS_FILE}: module {module!r} has lora_{have} "
+                f"but no lora_{'B' if have == 'A' else 'A'}"
+            )
+            continue
+        pair = _read_pair(st, module, parts, cfg, base, problems)
+        if pair is not None:
+            pairs.append(pair)
+
+    notes = _tying_notes(cfg, base, pairs, problems)
+    if problems:
+        raise AdapterError(
+            f"{d}: cannot attach PEFT adapter to {base.arch} base {base.path}:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return PeftAdapter(d, cfg, pairs, len(keys), notes)
+
+
+def _split_key(key: str) -> tuple[str | None, str, bool]:
+    if not key.startswith(KEY_PREFIX):
+        return None, "", False
+    for suffix, (part, embd) in _SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[len(KEY_PREFIX) : -len(suffix)], part, embd
+    return None, "", False
+
+
+def _read_pair(
+    st: Any,
+    module: str,
+    parts: dict[str, tuple[str, bool]],
+    cfg: PeftConfig,
+    base: BaseInfo,
+    problems: list[str],
+) -> LoraPair | None:
+    where = f"{WEIGHTS_FILE}: module {module!r}"
+    gname = hf_to_gguf(base.arch, base.n_layer, module)
+    if gname is None:
+        m = _LAYER.search(module)
+        if m and int(m.group(1)) >= base.n_layer:
+            problems.append(f"{where}: layer {m.group(1)}, but the base has {base.n_layer} layers")
+        else:
+            problems.append(f"{where}: unknown module name for a {base.arch} model")
+        return None
+    if not cfg.targets(module):
+        problems.append(
+            f"{where}: not selected by target_modules / layers_to_transform in {CONFIG_FILE}"
+        )
+        return None
+    shape = base.lookup(gname)
+    if isinstance(shape, str):
+        problems.append(f"{where} -> {gname}.weight: {shape}")
+        return None
+    embd = gname == EMBEDDING
+    if parts["a"][1] != embd or parts["b"][1] != embd:
+        kind = "lora_embedding_A/B" if embd else "lora_A/B.weight"
+        problems.append(f"{where} -> {gname}.weight: expected {kind} tensors for this module")
+        return None
+    a = st.get_tensor(parts["a"][0]).float()
+    b = st.get_tensor(parts["b"][0]).float()
+    n_in, n_out = shape
+    r_cfg, alpha = cfg.rank_alpha(module)
+    bad = []
+    if a.dim() != 2 or b.dim() != 2:
+        bad.append(f"lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be 2-D")
+    else:
+        in_name, out_name = ("n_vocab", "n_embd") if embd else ("input size", "output size")
+        if a.shape[1] != n_in:
+            bad.append(
+                f"lora_A {list(a.shape)} (r, {in_name}) does not fit the base's {in_name} {n_in}"
+            )
+        if b.shape[0] != n_out:
+            bad.append(
+                f"lora_B {list(b.shape)} ({out_name}, r) does not fit the base's {out_name} {n_out}"
+            )
+        if a.shape[0] != b.shape[1]:
+            bad.append(
+                f"ranks differ: lora_A {list(a.shape)} has {a.shape[0]}, "
+                f"lora_B {list(b.shape)} has {b.shape[1]}"
+            )
+        elif a.shape[0] != r_cfg:
+            bad.append(f"rank {a.shape[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+    rules = ARCH_RULES[base.arch]
+    kind = gname.rsplit(".", 1)[-1]
+    if not bad and rules.rope_permuted and kind in _PERMUTED_KINDS:
+        n_head = getattr(base, _PERMUTED_KINDS[kind])
+        if n_head <= 0 or n_out % (2 * n_head):
+            bad.append(f"{n_out} rows cannot be permuted over {n_head} heads")
+        else:
+            b = permute_rows(b, n_head)  # the base's rows were permuted the same way
+    if bad:
+        problems.append(f"{where} -> {gname}.weight: " + "; ".join(bad))
+        return None
+    return LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha)
+
+
+def _tying_notes(
+    cfg: PeftConfig, base: BaseInfo, pairs: list[LoraPair], problems: list[str]
+) -> list[str]:
+    """PEFT's ensure_weight_tying on a tied base also puts the embedding's LoRA on the head."""
+    notes: list[str] = []
+    embd = next((p for p in pairs if p.embedding), None)
+    if cfg.ensure_weight_tying and base.tied_head and embd is not None:
+        if any(p.base == "output" for p in pairs):
+            problems.append(
+                "ensure_weight_tying is set but the file also holds its own lm_head LoRA"
+            )
+        notes.append("ensure_weight_tying: the embedding's LoRA is also applied to the tied head")
+    return notes
+
+
+def tied_head_pair(adapter: PeftAdapter, base: BaseInfo) -> LoraPair | None:
+    """The head LoRA PEFT derives from the embedding's under ensure_weight_tying on a tied base:
+    lm_head.lora_A = lora_embedding_B.T (r, n_embd), lora_B = lora_embedding_A.T (n_vocab, r)."""
+    embd = next((p for p in adapter.pairs if p.embedding), None)
+    if not (adapter.config.ensure_weight_tying and base.tied_head and embd is not None):
+        return None
+    return LoraPair(
+        "lm_head",
+        "output",
+        embd.b.T.contiguous(),
+        embd.a.T.contiguous(),
+        adapter.config.scaling("lm_head"),
+        embd.rank,
+        adapter.config.rank_alpha("lm_head")[1],
+    )
+
+
+def read_peft_adapter(path: str | Path, model: Transformer) -> ResolvedAdapter:
+    """Read, check and resolve a PEFT directory for `model`; PEFT's factor folded into B.
+
+    Raises AdapterError listing every problem; nothing is attached either way."""
+    base = BaseInfo.from_model(model, path=model.cfg.name or model.cfg.arch)
+    adapter = read_peft(path, base)
+    if adapter.config.invocation_tokens:
+        raise AdapterError(
+            f"{Path(path) / CONFIG_FILE}: alora_invocation_tokens: activated LoRA (the delta "
+            "applies only after the invocation tokens) is not supported when serving"
+        )
+    pieces: dict[str, list[tuple[slice, slice, Delta]]] = {}
+    pairs = list(adapter.pairs)
+    head = tied_head_pair(adapter, base)
+    if head is not None:
+        pairs.append(head)
+    for p in pairs:
+        if p.embedding:
+            # graftlm's gather layout: a (n_vocab, r) looked up per token, b (n_embd, r)
+            delta = Delta(p.a.T.contiguous(), p.b * p.scaling)
+        else:
+            delta = Delta(p.a, p.b * p.scaling)  # a (r, n_in), b (n_out, r)
+        targets = resolve_target(model, p.base)
+        assert not isinstance(targets, str), targets  # BaseInfo.lookup refused these already
+        for t in targets:
+            pieces.setdefault(t.projection, []).append((t.rows, t.at, delta))
+    n_out = {name: p.n_out for name, p in model.projections().items()}
+    n_out[EMBEDDING] = model.cfg.n_embd
+    return ResolvedAdapter(
+        path=str(adapter.path),
+        alpha=adapter.config.lora_alpha,
+        deltas={name: combine(parts, n_out[name]) for name, parts in pieces.items()},
+        n_tensors=adapter.n_tensors,
+        source="peft",
+        notes=adapter.notes,
+    )

@@ -1,0 +1,92 @@
+"""gemma2: soft-capped attention scores and logits (cap * tanh(x / cap)), a sliding window on
+even layers, pre- and post-norms around attention and FFN, embeddings scaled by sqrt(n_embd),
+GELU-tanh gated FFN, RoPE over halves, tied head.
+
+GGUF gemma norms already hold (1 + w): llama.cpp's converter adds the one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graftlm.config import ModelConfig
+from graftlm.models.base import Transformer, Weights
+from graftlm.models.layers import Projection, rms_norm
+from graftlm.runtime.batch import Batch
+from graftlm.runtime.kv_cache import KVCache
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return x if cap <= 0 else torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: Batch,
+    cache: KVCache,
+    scale: float,
+    cap: float,
+    window: int,
+) -> torch.Tensor:
+    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv). Written out rather than through
+    scaled_dot_product_attention, which has no hook between the scores and the mask."""
+    keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
+    B, T, H, D = q.shape
+    Hkv = keys.shape[1]
+    q = q.transpose(1, 2).reshape(B, Hkv, H // Hkv * T, D)  # heads sharing a kv head, stacked
+    scores = softcap((q @ keys.transpose(-1, -2)) * scale, cap)  # (B, Hkv, H/Hkv * T, L)
+    scores = scores.view(B, H, T, -1).masked_fill(~batch.mask(window), float("-inf"))
+    p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
+    out = (p @ values).view(B, H, T, -1)  # (B, H, T, Dv)
+    return out.transpose(1, 2).flatten(2)
+
+
+class Gemma2Block:
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
+        p = f"blk.{i}."
+        d, hd, vd = cfg.n_embd, cfg.head_dim, cfg.v_head_dim
+        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.attn_q: Projection = w.proj(p + "attn_q", d, cfg.n_head * hd)
+        self.attn_k: Projection = w.proj(p + "attn_k", d, cfg.n_head_kv * hd)
+        self.attn_v: Projection = w.proj(p + "attn_v", d, cfg.n_head_kv * vd)
+        self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
+        self.post_attention_norm = w.vector(p + "post_attention_norm.weight")
+        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
+        self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
+        self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
+        self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight")
+
+
+class Gemma2(Transformer):
+    arch = "gemma2"
+
+    def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
+        super().__init__(cfg, w, n_ctx)
+        self.blocks = [Gemma2Block(cfg, w, i) for i in range(cfg.n_layer)]
+
+    def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        cfg, b = self.cfg, self.blocks[i]
+        B, T, _ = x.shape
+        eps = cfg.rms_eps
+        h = rms_norm(x, b.attn_norm, eps)
+        q = b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim)
+        k = b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        rope = self.rope_of_layer[i]
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        assert self.cache is not None
+        a = softcapped_attention(
+            q, k, v, i, batch, self.cache, cfg.scale, cfg.attn_softcap, cfg.sliding_window[i]
+        )
+        x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
+        h = rms_norm(x, b.ffn_norm, eps)
+        h = F.gelu(b.ffn_gate(h, batch), approximate="tanh") * b.ffn_up(h, batch)
+        return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)
+
+    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        return softcap(super().forward(batch, all_logits), self.cfg.final_softcap)

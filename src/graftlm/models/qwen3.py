@@ -1,0 +1,44 @@
+"""qwen3: the llama block with an RMS norm over each head of q and k (QK-norm) before RoPE, RoPE
+over halves, no biases."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graftlm.config import ModelConfig
+from graftlm.models.base import Weights
+from graftlm.models.layers import attention, rms_norm
+from graftlm.models.llama import Llama, LlamaBlock
+from graftlm.runtime.batch import Batch
+
+
+class Qwen3Block(LlamaBlock):
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
+        super().__init__(cfg, w, i)
+        p = f"blk.{i}."
+        self.attn_q_norm = w.vector(p + "attn_q_norm.weight")  # (head_dim,), shared by all heads
+        self.attn_k_norm = w.vector(p + "attn_k_norm.weight")
+
+
+class Qwen3(Llama):
+    arch = "qwen3"
+    Block = Qwen3Block
+    blocks: list[Qwen3Block]
+
+    def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        cfg, b = self.cfg, self.blocks[i]
+        B, T, _ = x.shape
+        eps = cfg.rms_eps
+        h = rms_norm(x, b.attn_norm, eps)
+        q = rms_norm(b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
+        k = rms_norm(b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
+        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        rope = self.rope_of_layer[i]
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        assert self.cache is not None
+        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
+        x = x + b.attn_output(a, batch)
+        h = rms_norm(x, b.ffn_norm, eps)
+        h = F.silu(b.ffn_gate(h, batch)) * b.ffn_up(h, batch)
+        return x + b.ffn_down(h, batch)

@@ -1,0 +1,63 @@
+"""Process-wide knobs of the matmul seam: the compute dtype and the decode/prefill switch-over.
+
+``set_compute_dtype(torch.bfloat16)`` (the default) lets quantized weights use torch's fused
+weight-only kernels, which take bfloat16 activations: x is rounded to bfloat16 at the seam and the
+float32 result carries bfloat16-level error (~3e-3 relative).  ``set_compute_dtype(torch.float32)``
+routes every quantized matmul through exact float32 dequantization + float32 GEMM, slower for
+decode but equal to ``x @ w.dequantize().T`` up to float32 summation order.
+
+The setting is a plain module global (not thread-local); flip it before serving, not per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_COMPUTE: list[torch.dtype] = [torch.bfloat16]
+
+# Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
+# float32 + float32 GEMM" (measured on 2 AVX2 cores, see graftlm.quant.bench).  Per kernel, since
+# a two-plane int4pack weight costs twice a one-plane one per row of x.
+PREFILL_M = {"int4pack": 48, "int4pack2": 24, "int8g": 32}
+
+# Elements of weight dequantized per chunk in the float32 paths: bounds the temporary memory of a
+# matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in
+# cache (and out of fresh, page-faulting allocations).
+CHUNK_ELEMS = 1 << 18
+
+
+def set_compute_dtype(dtype: torch.dtype) -> None:
+    """Choose the activation dtype of quantized matmuls: torch.bfloat16 (fast) or torch.float32."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"compute dtype must be torch.bfloat16 or torch.float32, not {dtype}")
+    _COMPUTE[0] = dtype
+
+
+def get_compute_dtype() -> torch.dtype:
+    """The activation dtype quantized matmuls use (see set_compute_dtype)."""
+    return _COMPUTE[0]
+
+
+@contextmanager
+def compute_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Temporarily set the compute dtype: ``with compute_dtype(torch.float32): ...``."""
+    old = get_compute_dtype()
+    set_compute_dtype(dtype)
+    try:
+        yield
+    finally:
+        set_compute_dtype(old)
+
+
+def use_fused(kernel: str, m: int) -> bool:
+    """Whether a fused bf16 kernel should serve a matmul with m rows of x."""
+    return _COMPUTE[0] is torch.bfloat16 and m < PREFILL_M[kernel]
+
+
+def chunk_rows(n_in: int, multiple: int = 1) -> int:
+    """Rows of weight per float32 dequantization chunk (a multiple of ``multiple``)."""
+    rows = max(multiple, CHUNK_ELEMS // max(n_in, 1))
+    return rows - rows % multiple

@@ -1,0 +1,246 @@
+"""GGUF block formats, decomposed into integer codes and exact per-group scales.
+
+Every legacy and K-quant GGUF block type dequantizes to the same shape of formula::
+
+    Semantics: w[k] = S[g] * (u[k] + c_min) (+ B[g])      with g = k // group_size
+
+where ``u`` is an unsigned code of ``bits`` bits, ``S``/``B`` are float32 per-group values
+derived *exactly* (same float32 operations, same order) as ``gguf.quants`` derives them, and
+``B`` is absent for the symmetric types.  One small class per GGUF type splits raw blocks into
+``u`` plus a handful of compact fields (the fp16/int8 numbers of the file itself), and turns
+those fields back into ``S``/``B``.  Kernels store ``u`` in whatever layout suits them and keep
+the compact fields, so ``dequantize()`` stays bit-exact with ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Fields = dict[str, torch.Tensor]
+
+_SHIFT_NIBBLES = torch.tensor([0, 4], dtype=torch.uint8)
+_SHIFT_CRUMBS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+_SHIFT_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def _f16(blocks: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """fp16 values stored at byte columns [start, stop) of every block: (nb, (stop-start)//2)."""
+    return blocks[:, start:stop].contiguous().view(torch.float16)
+
+
+def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
+    """(nb, groups*half) bytes -> (nb, groups*2*half): per group, low nibbles then high nibbles."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, groups, 1, -1) >> _SHIFT_NIBBLES.view(1, 1, 2, 1)
+    return (q & 0x0F).reshape(nb, -1)
+
+
+def _bits(qh: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian bit planes: (nb, nbytes) -> (nb, nbytes*8) when width=8 bytes-as-bits.
+
+    Semantics: out[:, j] = (qh_as_uint[:, 0] >> j) & 1  (bit j of the little-endian integer).
+    """
+    nb = qh.shape[0]
+    return ((qh.reshape(nb, -1, 1) >> _SHIFT_BITS.view(1, 1, 8)) & 1).reshape(nb, width)
+
+
+def _rep(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Repeat each column ``n`` times as float32: (rows, a) -> (rows, a*n)."""
+    return t.float().repeat_interleave(n, dim=1)
+
+
+class BlockFormat(ABC):
+    """One GGUF block type: how raw blocks split into codes + compact fields, and back."""
+
+    qtype: ClassVar[GGMLQuantizationType]
+    bits: ClassVar[int]  # codes u are in [0, 2**bits)
+    c_min: ClassVar[int]  # signed code = u + c_min
+    group_size: ClassVar[int]  # values sharing one S (and B)
+    offset: ClassVar[bool] = False  # whether B exists
+    block_size: ClassVar[int]
+    type_size: ClassVar[int]
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        if hasattr(cls, "qtype"):
+            cls.block_size, cls.type_size = GGML_QUANT_SIZES[cls.qtype]
+            FORMATS[cls.qtype] = cls()
+
+    @abstractmethod
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        """(nb, type_size) uint8 -> u (nb, block_size) uint8 and fields {name: (nb, x)}."""
+
+    @abstractmethod
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row-major fields (rows, x*blocks_per_row) -> S, B float32 of shape (rows, n_groups)."""
+
+    # ---- generic helpers built on split/group_params -------------------------------------
+    def split_rows(self, raw: torch.Tensor, n_in: int) -> tuple[torch.Tensor, Fields]:
+        """raw (rows, row_bytes) uint8 -> u (rows, n_in) uint8, fields (rows, x*blocks_per_row)."""
+        rows = raw.shape[0]
+        u, f = self.split(raw.reshape(-1, self.type_size))
+        return u.reshape(rows, n_in), {k: v.reshape(rows, -1) for k, v in f.items()}
+
+    def dequantize(self, u: torch.Tensor, f: Fields) -> torch.Tensor:
+        """Semantics: w = S[g] * float(u + c_min) (+ B[g]) in float32, gguf's order of ops."""
+        rows, n_in = u.shape
+        s, b = self.group_params(f)
+        w = u.reshape(rows, -1, self.group_size).float()  # (rows, G, gs); in-place from here on
+        if self.c_min:
+            w.add_(float(self.c_min))
+        w.mul_(s.unsqueeze(-1))
+        if b is not None:
+            w.add_(b.unsqueeze(-1))
+        return w.reshape(rows, n_in)
+
+
+FORMATS: dict[GGMLQuantizationType, BlockFormat] = {}
+T = GGMLQuantizationType
+
+
+class Q4_0(BlockFormat):
+    qtype, bits, c_min, group_size = T.Q4_0, 4, -8, 32
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        return _nibbles(blocks[:, 2:], 1), {"d": _f16(blocks, 0, 2)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return f["d"].float(), None
+
+
+class Q4_1(BlockFormat):
+    qtype, bits, c_min, group_size = T.Q4_1, 4, 0, 32
+    offset = True
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        return _nibbles(blocks[:, 4:], 1), {"d": _f16(blocks, 0, 2), "m": _f16(blocks, 2, 4)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return f["d"].float(), f["m"].float()
+
+
+class Q5_0(BlockFormat):
+    qtype, bits, c_min, group_size = T.Q5_0, 5, -16, 32
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        u = _nibbles(blocks[:, 6:], 1) | (_bits(blocks[:, 2:6], 32) << 4)
+        return u, {"d": _f16(blocks, 0, 2)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return f["d"].float(), None
+
+
+class Q5_1(BlockFormat):
+    qtype, bits, c_min, group_size = T.Q5_1, 5, 0, 32
+    offset = True
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        u = _nibbles(blocks[:, 8:], 1) | (_bits(blocks[:, 4:8], 32) << 4)
+        return u, {"d": _f16(blocks, 0, 2), "m": _f16(blocks, 2, 4)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return f["d"].float(), f["m"].float()
+
+
+class Q8_0(BlockFormat):
+    qtype, bits, c_min, group_size = T.Q8_0, 8, -128, 32
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        return blocks[:, 2:] ^ 0x80, {"d": _f16(blocks, 0, 2)}  # int8 q -> u = q + 128
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return f["d"].float(), None
+
+
+class Q2_K(BlockFormat):
+    # block: scales[16] (lo nibble = scale, hi nibble = min) | qs[64] | d | dmin
+    qtype, bits, c_min, group_size = T.Q2_K, 2, 0, 16
+    offset = True
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        nb = blocks.shape[0]
+        q = blocks[:, 16:80].reshape(nb, 2, 1, 32) >> _SHIFT_CRUMBS.view(1, 1, 4, 1)
+        f = {"sc": blocks[:, :16].contiguous(), "d": _f16(blocks, 80, 82)}
+        f["dmin"] = _f16(blocks, 82, 84)
+        return (q & 3).reshape(nb, 256), f
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sc = f["sc"]
+        s = _rep(f["d"], 16) * (sc & 0x0F).float()
+        return s, -(_rep(f["dmin"], 16) * (sc >> 4).float())
+
+
+class Q3_K(BlockFormat):
+    # block: hmask[32] | qs[64] | scales[12] (16 x 6-bit) | d ;  q = u - 4 in [-4, 3]
+    qtype, bits, c_min, group_size = T.Q3_K, 3, -4, 16
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        nb = blocks.shape[0]
+        ql = (blocks[:, 32:96].reshape(nb, 2, 1, 32) >> _SHIFT_CRUMBS.view(1, 1, 4, 1)) & 3
+        qh = (blocks[:, :32].reshape(nb, 1, 1, 32) >> _SHIFT_BITS.view(1, 1, 8, 1)) & 1
+        u = ql.reshape(nb, 256) | (qh.reshape(nb, 256) << 2)
+        sc = blocks[:, 96:108]
+        lo = (sc[:, :8].reshape(nb, 1, 8) >> _SHIFT_NIBBLES.view(1, 2, 1)).reshape(nb, 16)
+        hi = (sc[:, 8:].reshape(nb, 1, 4) >> _SHIFT_CRUMBS.view(1, 4, 1)).reshape(nb, 16)
+        scales = ((lo & 0x0F) | ((hi & 3) << 4)).view(torch.int8) - 32
+        return u, {"sc": scales, "d": _f16(blocks, 108, 110)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _rep(f["d"], 16) * f["sc"].float(), None
+
+
+def _k_scale_min(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12-byte packed 6-bit (scale, min) pairs of Q4_K/Q5_K -> two (nb, 8) uint8."""
+    nb = sc12.shape[0]
+    s = sc12.reshape(nb, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+class Q4_K(BlockFormat):
+    # block: d | dmin | scales[12] | qs[128];  w = (d*sc) * u - (dmin*m) per 32
+    qtype, bits, c_min, group_size = T.Q4_K, 4, 0, 32
+    offset = True
+    _qs_at = 16
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        f = {"d": _f16(blocks, 0, 2), "dmin": _f16(blocks, 2, 4), "sc": sc, "m": mn}
+        return _nibbles(blocks[:, self._qs_at : self._qs_at + 128], 4), f
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s = _rep(f["d"], 8) * f["sc"].float()
+        return s, -(_rep(f["dmin"], 8) * f["m"].float())
+
+
+class Q5_K(Q4_K):
+    # block: d | dmin | scales[12] | qh[32] | qs[128]
+    qtype, bits, c_min, group_size = T.Q5_K, 5, 0, 32
+    _qs_at = 48
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        nb = blocks.shape[0]
+        ul, f = super().split(blocks)
+        qh = (blocks[:, 16:48].reshape(nb, 1, 1, 32) >> _SHIFT_BITS.view(1, 1, 8, 1)) & 1
+        return ul | (qh.reshape(nb, 256) << 4), f
+
+
+class Q6_K(BlockFormat):
+    # block: ql[128] | qh[64] | scales[16] (int8) | d ;  w = (d*sc) * (u - 32) per 16
+    qtype, bits, c_min, group_size = T.Q6_K, 6, -32, 16
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        nb = blocks.shape[0]
+        ql = (blocks[:, :128].reshape(nb, 2, 1, 64) >> _SHIFT_NIBBLES.view(1, 1, 2, 1)) & 0x0F
+        qh = (blocks[:, 128:192].reshape(nb, 2, 1, 32) >> _SHIFT_CRUMBS.view(1, 1, 4, 1)) & 3
+        u = ql.reshape(nb, 256) | (qh.reshape(nb, 256) << 4)
+        return u, {"sc": blocks[:, 192:208].contiguous().view(torch.int8), "d": _f16(blocks, 208, 210)}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _rep(f["d"], 16) * f["sc"].float(), None

@@ -1,0 +1,537 @@
+"""The engine thread: one owner of the model, serving requests that arrive from other threads.
+
+A server (or any multi-threaded client) does not call `Engine.step()` itself. It hands jobs to an
+`EngineService`, whose single thread admits them between steps (continuous batching), drives the
+engine, turns each new token into text (stop strings included) and hands the events back to the
+asyncio loop the job came from (`loop.call_soon_threadsafe` into a per-submission queue).
+
+Everything that touches the model runs on that thread, in the order it was asked for: requests,
+cancellations, scoring passes, attaching and detaching adapters. A caller that leaves (a client
+that disconnects) cancels its requests and their cache slots are free at the next step.
+
+One cache slot is kept back from generation (when the engine has more than one) so that a scoring
+pass (`prompt_logprobs`) never waits for a generation to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+
+from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.runtime.engine import Request
+from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.textstream import TextStream
+
+if TYPE_CHECKING:
+    from graftlm.api import Model
+    from graftlm.lora.adapter import ResolvedAdapter
+
+T = TypeVar("T")
+
+
+# -- what goes in and what comes out ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """One sequence to generate. `lora` maps adapter id -> scale, fixed for the job's whole life.
+    `logprobs`: None for none, k >= 0 for the chosen token's log-probability plus the top k."""
+
+    prompt: list[int]
+    params: SamplingParams
+    lora: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A generated token and the text it released ("" while held back or for an end token).
+    logprob and top come from the raw logits (before penalties and temperature)."""
+
+    index: int
+    token: int
+    text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The end of a job. reason: "stop" (end token or stop string), "length" or "cancelled".
+    `text` is whatever the detokenizer still held; `stop_word` the stop string that matched."""
+
+    index: int
+    reason: str
+    text: str
+    n_prompt: int
+    n_generated: int
+    stopped_eos: bool = False
+    stop_word: str | None = None
+    t_submit: float = 0.0
+    t_first: float | None = None
+    t_prompt_done: float | None = None
+    t_end: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from submission to the first token."""
+        return None if self.t_first is None else self.t_first - self.t_submit
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.t_first is None or self.t_end is None or self.n_generated < 2:
+            return None
+        return (self.t_end - self.t_first) / (self.n_generated - 1)
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    index: int
+    error: BaseException
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class ServiceObserver(Protocol):
+    """Told after every engine step (from the engine thread): sequences in the step, requests
+    running and waiting. rows == 0: no step was run, only the counts changed (the engine idles)."""
+
+    def on_step(self, rows: int, running: int, waiting: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    path: str
+    nbytes: int
+    rank: int
+    alpha: float
+    task_name: str
+    prompt_prefix: str
+    n_tensors: int
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read and checked against the base, not attached yet (`EngineService.attach`)."""
+
+    facts: AdapterFacts
+    resolved: ResolvedAdapter
+
+
+class _RecordingSampler(Sampler):
+    """The job's sampler, plus the log-probabilities of the raw logits at each step."""
+
+    def __init__(self, params: SamplingParams, top: int) -> None:
+        super().__init__(params)
+        self.top = top
+        self.last: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        tok = super().__call__(logits, history)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top > 0:
+            v, i = lp.topk(self.top)
+            top = tuple(zip(i.tolist(), v.tolist()))
+        self.last = (float(lp[tok]), top)
+        return tok
+
+
+@dataclass
+class _Tracked:
+    sub: _Submission
+    index: int
+    job: Job
+    req: Request
+    text: _Text
+    recorder: _RecordingSampler | None = None
+
+
+@dataclass
+class _Submission:
+    jobs: Sequence[Job]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
+    tracked: list[_Tracked] = field(default_factory=list)
+    cancelled: bool = False
+
+    def post(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+    needs_slot: bool
+
+
+_STOP = object()
+
+
+class EngineService:
+    """Runs `model.engine` on one thread; every other thread talks to it through this object.
+
+    max_running: how many requests generate at once (default: the engine's slots, less the one
+    kept for scoring)."""
+
+    def __init__(
+        self, model: Model, max_running: int | None = None, observer: ServiceObserver | None = None
+    ) -> None:
+        self.model = model
+        self.engine = model.engine
+        n_slots = self.engine.n_slots
+        default = n_slots - 1 if n_slots > 1 else n_slots
+        self.max_running = max(1, min(max_running or default, n_slots))
+        self.observer = observer
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: deque[_Tracked] = deque()  # accepted, waiting for a generation slot
+        self._active: list[_Tracked] = []  # submitted to the engine
+        self._deferred: list[_Call] = []  # calls waiting for a free cache slot
+        self._thread: threading.Thread | None = None
+        self.n_running = 0
+        self.n_waiting = 0
+
+    # -- facts and text (pure Python, safe from any thread) ----------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.model.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.model.config.n_vocab)
+
+    @property
+    def model_path(self) -> Path:
+        return self.model.path
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.model.chat_template
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.engine.n_slots)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        self.check_ids(ids)
+        return self.model.detokenize(ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token renders as (may be part of a UTF-8 character)."""
+        return self.model.tokenizer.token_to_piece(token)
+
+    def token_str(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        n = self.n_vocab
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids of a chat, as `Model.chat` builds them (BOS only if the template lacks it)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        tok = self.model.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
+        add_special = bos is None or not text.startswith(bos)
+        return self.tokenize(text, add_special=add_special, parse_special=True)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> EngineService:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="graftlm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the step in progress; requests still running are cancelled."""
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- calls on the engine thread ------------------------------------------------------------------
+    def call(self, fn: Callable[[], T], needs_slot: bool = False) -> concurrent.futures.Future[T]:
+        """Run fn on the engine thread between two steps; its result or exception in the future.
+        needs_slot: wait until a cache slot is free (a scoring pass borrows one)."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._thread is None or threading.current_thread() is self._thread:
+            # not started (setup) or already on the engine thread: run in place
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            return fut
+        self._inbox.put(_Call(fn, fut, needs_slot))
+        return fut
+
+    async def acall(self, fn: Callable[[], T], needs_slot: bool = False) -> T:
+        return await asyncio.wrap_future(self.call(fn, needs_slot))
+
+    def prompt_logprobs(
+        self, ids: list[int], top: int, lora: dict[int, float]
+    ) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        """`Model.logprobs(ids, top, lora)` on the engine thread: for i >= 1, log p(ids[i] | ids[:i])."""
+        settings = [{"id": i, "scale": s} for i, s in lora.items()]
+        return self.call(lambda: self.model.logprobs(ids, top=top, lora=settings), needs_slot=True)
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
+        """Read and check an adapter against the base (blocking; call it off the event loop).
+        Nothing is attached; raises AdapterError when the file cannot be used."""
+        p = Path(path)
+        if not p.exists():
+            raise AdapterError(f"{p}: no such file or directory")
+        try:
+            resolved = self.model.adapters.load(p)
+        except ImportError as exc:
+            raise AdapterError(f"{p}: this kind of adapter is not supported yet ({exc})") from None
+        except GraftError:
+            raise
+        except (OSError, ValueError, KeyError) as exc:
+            raise AdapterError(f"{p}: cannot read the adapter ({exc})") from None
+        rank = max((d.rank for d in resolved.deltas.values()), default=0)
+        facts = AdapterFacts(
+            path=str(resolved.path),
+            nbytes=int(resolved.nbytes),
+            rank=rank,
+            alpha=float(resolved.alpha),
+            task_name=resolved.task_name,
+            prompt_prefix=resolved.prompt_prefix,
+            n_tensors=resolved.n_tensors,
+        )
+        return PreparedAdapter(facts, resolved)
+
+    def attach(self, prepared: PreparedAdapter) -> concurrent.futures.Future[int]:
+        """Attach a prepared adapter at model scale 0; its id in the future."""
+
+        def attach() -> int:
+            with self.engine.lock:
+                adapter_id = self.model.adapters.attach(prepared.resolved, 0.0)
+                self.engine.n_adapter_slots = max(self.engine.n_adapter_slots, adapter_id + 1)
+                return adapter_id
+
+        return self.call(attach)
+
+    def detach(self, adapter_id: int) -> concurrent.futures.Future[None]:
+        return self.call(lambda: self.model.remove_lora(adapter_id))
+
+    # -- generation ----------------------------------------------------------------------------------
+    async def stream(self, jobs: Sequence[Job]) -> AsyncIterator[Event]:
+        """Run jobs (event index = position in `jobs`) and yield their events as they come.
+        Leaving the iteration early (a client that disconnected) cancels what is still running;
+        use `contextlib.aclosing` so that happens at once."""
+        sub = _Submission(list(jobs), asyncio.get_running_loop(), asyncio.Queue())
+        remaining = len(sub.jobs)
+        if not remaining:
+            return
+        self._require_thread()
+        self._inbox.put(sub)
+        try:
+            while remaining:
+                ev = await sub.events.get()
+                if not isinstance(ev, TokenEvent):
+                    remaining -= 1
+                yield ev
+        finally:
+            if remaining:
+                sub.cancelled = True
+                self._inbox.put(("cancel", sub))
+
+    def _require_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("the engine service is not running (call start())")
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            # sleep only when there is nothing to step
+            idle = not (self.engine.busy or self._pending)
+            try:
+                item = self._inbox.get() if idle else self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    self._shutdown()
+                    return
+                self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            self._run_deferred()
+            self._admit()
+            if self.engine.busy:
+                self._step()
+            self._publish_counts()
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, _Call):
+            if item.needs_slot and not self.engine.free_slots:
+                self._deferred.append(item)
+            else:
+                self._run_call(item)
+        elif isinstance(item, _Submission):
+            self._accept(item)
+        elif isinstance(item, tuple) and item[0] == "cancel":
+            self._cancel(item[1])
+
+    @staticmethod
+    def _run_call(call: _Call) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        try:
+            call.future.set_result(call.fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            call.future.set_exception(exc)
+
+    def _run_deferred(self) -> None:
+        while self._deferred and self.engine.free_slots:
+            self._run_call(self._deferred.pop(0))
+
+    def _accept(self, sub: _Submission) -> None:
+        tok = self.model.tokenizer
+        for index, job in enumerate(sub.jobs):
+            p = job.params
+            req = Request(list(job.prompt), p, dict(job.lora), eog=tok.eog_ids)
+            text = _Text(tok, p.stop, tok.eog_ids if not p.ignore_eos else frozenset())
+            t = _Tracked(sub, index, job, req, text)
+            req.on_token = self._on_token_for(t)
+            sub.tracked.append(t)
+            if p.max_tokens == 0:
+                req.t_end = time.perf_counter()
+                sub.post(self._finish_event(t, "length"))
+            else:
+                self._pending.append(t)
+
+    def _admit(self) -> None:
+        while self._pending and len(self.engine.running) + len(self.engine.waiting) < self.max_running:
+            t = self._pending.popleft()
+            try:
+                self.engine.submit(t.req)
+            except GraftError as exc:
+                t.req.finish_reason = "error"
+                t.sub.post(ErrorEvent(t.index, exc))
+                continue
+            if t.job.logprobs is not None:
+                t.recorder = _RecordingSampler(t.req.params, t.job.logprobs)
+                t.req.sampler = t.recorder  # before any token: the same seed, the same draws
+            self._active.append(t)
+
+    def _on_token_for(self, t: _Tracked) -> Callable[[Request, int], None]:
+        def on_token(req: Request, token: int) -> None:
+            piece = t.text.push(token)
+            if t.text.stopped:
+                self.engine.stop(req, "stop")
+            if t.recorder is not None:
+                lp, top = t.recorder.last
+                t.sub.post(TokenEvent(t.index, token, piece, lp, top))
+            else:
+                t.sub.post(TokenEvent(t.index, token, piece))
+
+        return on_token
+
+    def _step(self) -> None:
+        # sequences in this step: those running plus those the engine admits now
+        rows = len(self.engine.running) + min(len(self.engine.waiting), len(self.engine.free_slots))
+        try:
+            self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
+            for t in list(self._active):
+                if not t.req.done:
+                    self.engine.stop(t.req, "error")
+                t.sub.post(ErrorEvent(t.index, exc))
+            self._active.clear()
+            return
+        finished = [t for t in self._active if t.req.done]
+        if finished:
+            self._active = [t for t in self._active if not t.req.done]
+            for t in finished:
+                if t.req.finish_reason != "cancelled":
+                    t.sub.post(self._finish_event(t, t.req.finish_reason or "stop"))
+        if self.observer is not None:
+            self.observer.on_step(rows, len(self.engine.running), self._n_waiting())
+
+    def _finish_event(self, t: _Tracked, reason: str) -> FinishEvent:
+        req = t.req
+        tail = t.text.flush()
+        eos = bool(req.generated) and req.generated[-1] in req.eog and not req.params.ignore_eos
+        return FinishEvent(
+            index=t.index,
+            reason="stop" if reason == "stop" else reason,
+            text=tail,
+            n_prompt=len(req.prompt),
+            n_generated=len(req.generated),
+            stopped_eos=eos and not t.text.stopped,
+            stop_word=t.text.matched if t.text.stopped else None,
+            t_submit=req.t_submit,
+            t_first=req.t_first,
+            t_prompt_done=req.t_prompt_done,
+            t_end=req.t_end,
+        )
+
+    def _cancel(self, sub: _Submission) -> None:
+        self._pending = deque(t for t in self._pending if t.sub is not sub)
+        for t in sub.tracked:
+            if not t.req.done:
+                self.engine.stop(t.req, "cancelled")
+        self._active = [t for t in self._active if t.sub is not sub]
+
+    def _n_waiting(self) -> int:
+        return len(self._pending) + len(self.engine.waiting)
+
+    def _publish_counts(self) -> None:
+        self.n_running = len(self.engine.running)
+        self.n_waiting = self._n_waiting()
+        if self.observer is not None and not self.engine.busy:
+            self.observer.on_step(0, self.n_running, self.n_waiting)  # idle: counts only
+
+    def _shutdown(self) -> None:
+        for t in list(self._pending) + self._active:
+            if not t.req.done:
+                self.engine.stop(t.req, "cancelled")
+            t.sub.post(ErrorEvent(t.index, RequestError("the server is shutting down", "server_shutdown")))
+        self._pending.clear()
+        self._active.clear()
+        for call in self._deferred:
+            call.future.cancel()
+        self._deferred.clear()
+
+
+class _Text(TextStream):
+    """TextStream that also remembers which stop string ended the text."""
+
+    matched: str | None = None
+
+    def _release(self, final: bool) -> str:
+        hits = [(i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if hits:
+            self.matched = min(hits, key=lambda h: h[0])[1]
+        return super()._release(final)

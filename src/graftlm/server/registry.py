@@ -1,0 +1,317 @@
+"""The server's adapters: names, ids, global scales, and which are resident under a memory budget.
+
+Lives on the asyncio side and is only touched from the event loop (no locks); the model itself
+changes only on the engine thread, through the service (`attach`, `detach`).
+
+- `--lora`/`--lora-scaled` adapters are pinned: loaded at start with llama-server's ids, never
+  evicted. They are also reachable by name (their file stem).
+- `--lora-modules` adapters (and those loaded at runtime) are attached on first use and may be
+  evicted, least recently used first, when the budget (`max_bytes`, `max_loras`) needs room; never
+  one that a running request uses or that has a nonzero global scale.
+- Loading a new adapter under a name in use retires the old one: requests already running keep
+  it (and its id) until they end; new requests get the new one under a new id.
+
+A request takes a `Lease` (the adapter scales it runs with, fixed at admission) and releases it
+when it ends; that is what keeps its adapters resident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graftlm.errors import AdapterError, RequestError
+from graftlm.runtime.service import AdapterFacts, EngineService
+
+
+class UnknownModelError(RequestError):
+    """The `model` field names neither the base nor an adapter (HTTP 404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "model_not_found")
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    path: str
+    pinned: bool = False
+    id: int | None = None  # slot id while attached
+    facts: AdapterFacts | None = None
+    refs: int = 0  # running requests using it
+    last_used: float = 0.0
+    retired: bool = False  # replaced or unloaded: dropped when its last request ends
+    loading: asyncio.Task[int] | None = None
+
+    @property
+    def resident(self) -> bool:
+        return self.id is not None
+
+
+@dataclass
+class Lease:
+    """The adapter settings one request runs with (id -> scale) and the adapters it holds."""
+
+    lora: dict[int, float]
+    entries: list[AdapterEntry] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
+    released: bool = False
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        service: EngineService,
+        max_bytes: int | None = None,
+        max_loras: int | None = None,
+        max_rank: int | None = None,
+    ) -> None:
+        self.service = service
+        self.max_bytes = max_bytes
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.names: dict[str, AdapterEntry] = {}  # current name -> entry
+        self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
+        self.scales: dict[int, float] = {}  # llama-server's global scales, by id
+        self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
+        self._attach_lock = asyncio.Lock()
+        self._drops: set[asyncio.Task[None]] = set()
+
+    # -- setup (before serving) ----------------------------------------------------------------------
+    def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
+        """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
+        prepared = self.service.prepare_adapter(path)
+        self._check_rank(prepared.facts)
+        adapter_id = self.service.attach(prepared).result()
+        entry = AdapterEntry(self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True)
+        entry.id, entry.facts = adapter_id, prepared.facts
+        self.names[entry.name] = entry
+        self.by_id[adapter_id] = entry
+        if scale != 0.0:
+            self.scales[adapter_id] = float(scale)
+        self.service.call(lambda: self.service.model.set_lora_scales(dict(self.scales))).result()
+        self._changed()
+        return entry
+
+    def add_module(self, name: str, path: str) -> AdapterEntry:
+        """Register a named adapter (vLLM's --lora-modules); it is attached on first use."""
+        if not name:
+            raise ValueError(f"--lora-modules: empty name for {path!r}")
+        if name in self.names:
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        if not Path(path).exists():
+            raise AdapterError(f"--lora-modules {name}={path}: no such file or directory")
+        entry = AdapterEntry(name, path)
+        self.names[name] = entry
+        return entry
+
+    def _free_name(self, name: str) -> str:
+        out, k = name, 1
+        while out in self.names:
+            out, k = f"{name}-{k}", k + 1
+        return out
+
+    # -- facts -----------------------------------------------------------------------------------------
+    @property
+    def resident_bytes(self) -> int:
+        return sum(e.facts.nbytes for e in self.by_id.values() if e.facts is not None)
+
+    def adapter_list(self) -> list[dict[str, Any]]:
+        """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
+        out = []
+        for i, e in sorted(self.by_id.items()):
+            f = e.facts
+            out.append(
+                {
+                    "id": i,
+                    "path": e.path,
+                    "scale": self.scales.get(i, 0.0),
+                    "task_name": f.task_name if f else "",
+                    "prompt_prefix": f.prompt_prefix if f else "",
+                    "name": e.name,
+                }
+            )
+        return out
+
+    def describe_ids(self) -> str:
+        ids = sorted(self.by_id)
+        return f"valid ids are {ids}" if ids else "no adapter is loaded"
+
+    # -- requests --------------------------------------------------------------------------------------
+    async def lease(self, model: str | None, lora: list[tuple[int, float]] | None, base_names: set[str]) -> Lease:
+        """The adapter settings of one request, with its adapters held resident until `release`.
+
+        model: None or a base name -> the base with the global scales (or `lora` if given); an
+        adapter's name -> that adapter at scale 1 (plus `lora`, if given)."""
+        entry: AdapterEntry | None = None
+        if model is not None and model not in base_names:
+            entry = self.names.get(model)
+            if entry is None:
+                known = sorted(base_names)[:1] + sorted(self.names)
+                raise UnknownModelError(f"the model {model!r} does not exist; available: {', '.join(known)}")
+        held: list[AdapterEntry] = []
+        settings: dict[int, float] = {}
+        if entry is not None:
+            settings[await self._ensure(entry)] = 1.0  # acquired: stays resident
+            held.append(entry)
+        # from here on nothing awaits: the ids checked below cannot go away before they are held
+        try:
+            if lora is not None:
+                settings.update(self._check_lora(lora))
+            elif entry is None:
+                settings = dict(self.scales)
+        except Exception:
+            if entry is not None:
+                entry.refs -= 1
+            raise
+        settings = {i: s for i, s in settings.items() if s != 0.0}
+        for i in settings:
+            e = self.by_id[i]
+            if e is not entry:
+                e.refs += 1
+                held.append(e)
+        now = time.monotonic()
+        for e in held:
+            e.last_used = now
+        labels = sorted({self.by_id[i].name for i in settings})
+        return Lease(settings, held, labels)
+
+    def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        now = time.monotonic()
+        for e in lease.entries:
+            e.refs -= 1
+            e.last_used = now
+            if e.retired and e.refs == 0 and e.resident:
+                self._drop_later(e)
+
+    def _check_lora(self, lora: list[tuple[int, float]]) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for i, s in lora:
+            if i not in self.by_id:
+                raise RequestError(f"lora: unknown adapter id {i}; {self.describe_ids()}")
+            if not math.isfinite(s):
+                raise RequestError(f"lora: adapter {i}: scale must be a finite number, got {s}")
+            out[i] = float(s)
+        return out
+
+    async def set_scales(self, items: list[tuple[int, float]]) -> None:
+        """POST /lora-adapters: these scales, every other adapter at 0."""
+        scales = self._check_lora(items)
+        self.scales = {i: s for i, s in scales.items() if s != 0.0}
+        snapshot = dict(self.scales)
+        await self.service.acall(lambda: self.service.model.set_lora_scales(snapshot))
+
+    # -- loading and eviction ------------------------------------------------------------------------
+    async def load(self, name: str, path: str) -> AdapterEntry:
+        """vLLM's load_lora_adapter: attach now (a broken file fails here); a name already in use
+        is replaced, the old adapter staying with the requests that use it."""
+        entry = AdapterEntry(name, path)
+        await self._ensure(entry, acquire=False)
+        old = self.names.get(name)
+        self.names[name] = entry
+        if old is not None:
+            self._retire(old)
+        return entry
+
+    async def unload(self, name: str) -> None:
+        entry = self.names.get(name)
+        if entry is None:
+            raise UnknownModelError(f"no adapter named {name!r}; loaded: {', '.join(sorted(self.names)) or 'none'}")
+        del self.names[name]
+        self._retire(entry)
+
+    def _retire(self, entry: AdapterEntry) -> None:
+        entry.retired = True
+        if entry.resident and entry.refs == 0:
+            self._drop_later(entry)
+
+    async def _ensure(self, entry: AdapterEntry, acquire: bool = True) -> int:
+        """Attach the entry if needed; with acquire, take a reference in the same breath (nothing can
+        evict it between the attach and the reference)."""
+        for _ in range(8):
+            if entry.id is not None:
+                if acquire:
+                    entry.refs += 1
+                return entry.id
+            if entry.loading is None:
+                entry.loading = asyncio.ensure_future(self._attach(entry))
+            task = entry.loading
+            try:
+                await asyncio.shield(task)
+            finally:
+                if task.done() and entry.loading is task:
+                    entry.loading = None
+        raise RequestError(f"adapter {entry.name!r} was evicted again and again: too many adapters in use", "adapter_memory_busy")
+
+    async def _attach(self, entry: AdapterEntry) -> int:
+        prepared = await asyncio.to_thread(self.service.prepare_adapter, entry.path)
+        self._check_rank(prepared.facts)
+        async with self._attach_lock:
+            await self._make_room(prepared.facts.nbytes, entry.name)
+            adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
+            entry.id, entry.facts = adapter_id, prepared.facts
+            self.by_id[adapter_id] = entry
+            self._changed()
+            return adapter_id
+
+    def _check_rank(self, facts: AdapterFacts) -> None:
+        if self.max_rank is not None and facts.rank > self.max_rank:
+            raise AdapterError(f"{facts.path}: rank {facts.rank} is above --max-lora-rank {self.max_rank}")
+
+    async def _make_room(self, nbytes: int, name: str) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise AdapterError(
+                f"adapter {name!r} needs {nbytes} bytes, more than the whole LoRA budget of {self.max_bytes} bytes"
+            )
+
+        def over() -> bool:
+            too_big = self.max_bytes is not None and self.resident_bytes + nbytes > self.max_bytes
+            too_many = self.max_loras is not None and len(self.by_id) + 1 > self.max_loras
+            return too_big or too_many
+
+        while over():
+            idle = [
+                e for e in self.by_id.values()
+                if not e.pinned and e.refs == 0 and e.id not in self.scales
+            ]
+            if not idle:
+                raise RequestError(
+                    f"no room for adapter {name!r}: the LoRA budget ({self._budget_text()}) is held by "
+                    "adapters in use; retry when requests end",
+                    "adapter_memory_busy",
+                )
+            await self._drop(min(idle, key=lambda e: e.last_used))
+
+    def _budget_text(self) -> str:
+        parts = []
+        if self.max_bytes is not None:
+            parts.append(f"{self.resident_bytes}/{self.max_bytes} bytes")
+        if self.max_loras is not None:
+            parts.append(f"{len(self.by_id)}/{self.max_loras} adapters")
+        return ", ".join(parts)
+
+    async def _drop(self, entry: AdapterEntry) -> None:
+        adapter_id = entry.id
+        if adapter_id is None:
+            return
+        entry.id = None  # nobody can lease it from here on
+        del self.by_id[adapter_id]
+        self.scales.pop(adapter_id, None)
+        self._changed()
+        await asyncio.wrap_future(self.service.detach(adapter_id))
+
+    def _drop_later(self, entry: AdapterEntry) -> None:
+        task = asyncio.ensure_future(self._drop(entry))
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+
+    def _changed(self) -> None:
+        for fn in self.on_change:
+            fn(len(self.by_id), self.resident_bytes)

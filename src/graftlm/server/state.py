@@ -1,0 +1,80 @@
+"""What every route shares: the server's settings, its engine service, adapters and metrics, and
+the one error type routes raise (rendered as an OpenAI error object)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.runtime.service import EngineService
+from graftlm.server.metrics import Metrics
+from graftlm.server.registry import AdapterRegistry
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings the command line chose; the HTTP layer never reads arguments itself."""
+
+    model_name: str
+    api_key: str | None = None
+    allow_runtime_lora: bool = False
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1  # -1: a random seed per request
+    n_predict: int = -1  # -1: until an end token or the context is full
+    extra_model_names: tuple[str, ...] = ()  # other names accepted for the base (its file name)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    service: EngineService
+    registry: AdapterRegistry
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def base_names(self) -> set[str]:
+        return {self.config.model_name, *self.config.extra_model_names}
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    501: "not_implemented_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status plus OpenAI's {"error": {"message", "type", "code"}}."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ApiError:
+        """The answer for any exception a request can raise."""
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, RequestError):
+            status = 503 if exc.code in ("server_busy", "server_shutdown", "adapter_memory_busy") else 400
+            return cls(status, str(exc), exc.code)
+        if isinstance(exc, AdapterError):
+            return cls(400, str(exc), "invalid_adapter")
+        if isinstance(exc, GraftError):
+            return cls(400, str(exc), "invalid_request_error")
+        return cls(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

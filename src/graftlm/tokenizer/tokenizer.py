@@ -1,0 +1,224 @@
+"""`Tokenizer`: GGUF tokenizer metadata in, llama.cpp-identical token ids and text out."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from graftlm.tokenizer.bpe import (
+    PRE_TOKENIZERS,
+    byte_decode,
+    byte_encode,
+    make_merger,
+    parse_merges,
+    pre_tokenize,
+)
+from graftlm.tokenizer.spm import ESCAPED_SPACE, SPMEncoder
+from graftlm.tokenizer.vocab import TokenAttr, Vocab
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+_HIDDEN = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
+_VERBATIM = _HIDDEN | int(TokenAttr.USER_DEFINED)
+
+
+class Tokenizer:
+    """Encode and decode text exactly as llama.cpp does for the same GGUF file.
+
+    Two model types are supported: "gpt2" (byte-level BPE with merges) and "llama"
+    (SentencePiece-style BPE by score with byte fallback).
+    """
+
+    n_vocab: int
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    eog_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    model: str
+    clean_spaces: bool
+
+    def __init__(self, vocab: Vocab, model: str, clean_spaces: bool) -> None:
+        self.vocab = vocab
+        self.model = model
+        self.clean_spaces = clean_spaces
+        self.n_vocab = vocab.n_vocab
+        self.bos_id = vocab.bos_id
+        self.eos_id = vocab.eos_id
+        self.eot_id = vocab.eot_id
+        self.eog_ids = vocab.eog_ids
+        self.add_bos = vocab.add_bos
+        self.add_eos = vocab.add_eos
+        self.add_space_prefix = vocab.add_space_prefix
+        self._pieces: dict[int, bytes] = {}
+        self._encode_text: Callable[[str], list[int]]
+        self.backend = "python"
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (key -> python value, e.g. `{"tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [...], ...}`). Raises ValueError for tokenizer types other than
+        "gpt2" and "llama", for unknown GPT-2 pre-tokenizers and for malformed vocabularies."""
+        model = meta.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            return cls._from_bpe_metadata(meta)
+        if model == "llama":
+            return cls._from_spm_metadata(meta)
+        raise ValueError(
+            f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
+            f"supported: {', '.join(SUPPORTED_MODELS)}"
+        )
+
+    @classmethod
+    def _from_bpe_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        pre = meta.get("tokenizer.ggml.pre") or ""
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(
+                f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for the gpt2 tokenizer; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        split_numbers, clean_spaces = PRE_TOKENIZERS[pre]
+        merges_raw = meta.get("tokenizer.ggml.merges")
+        if merges_raw is None:
+            raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
+        vocab = Vocab.from_metadata(
+            meta, default_ids=(11, 11, None), add_bos=False, add_eos=False, add_space_prefix=False
+        )
+        tok = cls(vocab, "gpt2", clean_spaces)
+        merge_words, tok.backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
+
+        def encode_text(text: str) -> list[int]:
+            words = [byte_encode(w) for w in pre_tokenize(text, split_numbers)]
+            return merge_words(words)
+
+        tok._encode_text = encode_text
+        return tok
+
+    @classmethod
+    def _from_spm_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        vocab = Vocab.from_metadata(
+            meta, default_ids=(1, 2, 0), add_bos=True, add_eos=False, add_space_prefix=True
+        )
+        tok = cls(vocab, "llama", clean_spaces=False)
+        spm = SPMEncoder(vocab.token_to_id, vocab.scores)
+        tok._encode_text = lambda text: spm.encode(text.replace(" ", ESCAPED_SPACE))
+        return tok
+
+    # -- encoding ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of `text`, as `llama_tokenize(text, add_special, parse_special)` returns them.
+
+        `add_special` adds BOS/EOS where the model asks for them; `parse_special` lets control
+        tokens written in the text (e.g. "<|im_start|>") become their ids. User-defined tokens
+        are always matched."""
+        text = _valid_text(text)
+        fragments = self.vocab.partition(text, parse_special)
+        out: list[int] = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            out.append(self.bos_id)
+        spm = self.model == "llama"
+        prev_special = True  # SPM's space prefix goes on text at the start or after a token
+        for frag in fragments:
+            if isinstance(frag, int):
+                out.append(frag)
+                prev_special = True
+                continue
+            if spm and self.add_space_prefix and prev_special:
+                frag = " " + frag
+            out += self._encode_text(frag)
+            prev_special = False
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    # -- decoding ---------------------------------------------------------------------------------
+
+    def token_to_piece(self, id: int, special: bool = True) -> bytes:
+        """The bytes llama.cpp renders for one token (`llama_token_to_piece`): byte tokens as their
+        byte, GPT-2 byte-level symbols mapped back, SentencePiece "▁" as a space, control and
+        user-defined tokens as their text. With `special=False` control and unknown tokens
+        render as nothing."""
+        if not 0 <= id < self.n_vocab:
+            raise IndexError(f"token id {id} is outside the vocabulary (0..{self.n_vocab - 1})")
+        attr = self.vocab.attrs[id]
+        if not special and attr & _HIDDEN:
+            return b""
+        piece = self._pieces.get(id)
+        if piece is None:
+            piece = self._render(id, attr)
+            self._pieces[id] = piece
+        return piece
+
+    def _render(self, id: int, attr: TokenAttr) -> bytes:
+        text = self.vocab.tokens[id]
+        if attr & _VERBATIM:
+            return text.encode("utf-8")
+        if attr & TokenAttr.NORMAL:
+            if self.model == "gpt2":
+                return byte_decode(text)
+            return text.replace(ESCAPED_SPACE, " ").encode("utf-8")
+        if attr & TokenAttr.BYTE:
+            return bytes([int(text[3:5], 16)])
+        return b""  # unused and undefined tokens render as nothing
+
+    def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
+        """`llama_detokenize(ids, remove_special=False, unparse_special=not skip_special)`, as
+        bytes (which may end inside a UTF-8 character)."""
+        chunks: list[bytes] = []
+        strip_space = self.add_space_prefix
+        for tid in ids:
+            piece = self.token_to_piece(tid, special=not skip_special)
+            if strip_space and piece.startswith(b" "):
+                piece = piece[1:]
+            strip_space = False
+            chunks.append(piece)
+        data = b"".join(chunks)
+        return clean_spaces(data) if self.clean_spaces else data
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of `ids` as llama.cpp's detokenizer produces it: control tokens (BOS included)
+        appear as their text unless `skip_special`; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    # -- token facts ------------------------------------------------------------------------------
+
+    def is_special(self, id: int) -> bool:
+        """True for control and unknown tokens: those `decode(..., skip_special=True)` hides."""
+        return bool(self.vocab.attrs[id] & _HIDDEN)
+
+    def is_eog(self, id: int) -> bool:
+        """True for tokens that end generation."""
+        return id in self.eog_ids
+
+    def token_text(self, id: int) -> str:
+        """The vocabulary entry of `id`, unrendered."""
+        return self.vocab.tokens[id]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(model={self.model!r}, n_vocab={self.n_vocab}, backend={self.backend!r})"
+
+
+_CLEAN_1 = re.compile(rb" (?=[?!.,])")
+_CLEAN_2 = re.compile(rb" ' ")
+_CLEAN_3 = re.compile(rb" '(?=[sm]|re|ve)")
+
+
+def clean_spaces(data: bytes) -> bytes:
+    """llama.cpp's `clean_spaces` detokenizer pass: no space before ?!., ; " ' " -> "'" ;
+    no space before 's 'm 're 've. (Its three in-place loops equal these three substitutions.)"""
+    data = _CLEAN_1.sub(b"", data)
+    data = _CLEAN_2.sub(b"'", data)
+    return _CLEAN_3.sub(b"'", data)
+
+
+def _valid_text(text: str) -> str:
+    # Lone surrogates cannot be UTF-8 encoded; llama.cpp sees invalid bytes there and
+    # substitutes U+FFFD, so do the same.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text

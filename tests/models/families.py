@@ -1,0 +1,133 @@
+"""The tiny fixture families (../shared/fixtures/tiny) and their oracles: transformers' own forward
+on the Hugging Face checkpoint, with PEFT for adapters. Shared by the tests in this folder."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from graftlm.gguf import GGUFFile
+from graftlm.lora.registry import AdapterSet
+from graftlm.models import Transformer, build_model
+from graftlm.runtime.batch import Batch, LoraRows
+
+TINY = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "tiny"
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"]
+WITH_PEFT = [f for f in FAMILIES if f != "mixtral"]
+N_CTX = 64
+# 40 tokens: past gemma2's sliding window of 16, and enough to route every mixtral expert
+IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+def family_dir(family: str) -> Path:
+    d = TINY / family
+    if not d.is_dir():
+        pytest.skip(f"fixture {d} is not available")
+    return d
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference relative to the largest reference logit."""
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def load(family: str, quant: str = "f32", n_ctx: int = N_CTX, prefer: str = "reference") -> Transformer:
+    model = build_model(GGUFFile(family_dir(family) / f"model-{quant}.gguf"), n_ctx, prefer=prefer)
+    model.allocate_cache(1)
+    return model
+
+
+def forward(model: Transformer, ids: list[int], scale: float | None = None) -> torch.Tensor:
+    """(1, T, n_vocab) logits of one fresh sequence; with `scale`, adapter slot 0 at that scale."""
+    lora = None if scale is None else LoraRows(torch.tensor([[scale]]), (0,))
+    model.allocate_cache(1)
+    with torch.no_grad():
+        return model.forward(Batch.single(ids, lora=lora), all_logits=True)
+
+
+def with_adapter(model: Transformer, path: Path, scale: float = 1.0) -> Transformer:
+    adapters = AdapterSet(model)
+    adapters.attach(adapters.load(path), scale)
+    return model
+
+
+# -- transformers / PEFT ---------------------------------------------------------------------------
+def hf_model(family: str, edit: Callable[[Any], None] | None = None) -> Any:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(family_dir(family) / "hf")
+    if edit is not None:
+        edit(cfg)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        family_dir(family) / "hf", config=cfg, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits  # (1, T, n_vocab)
+
+
+@functools.cache
+def reference(family: str, variant: str) -> torch.Tensor:
+    """transformers' logits on IDS. variant: "base", "peft" (the fixture adapter through PEFT) or
+    "q8_0" (every weight the q8_0 file quantizes, round-tripped through gguf's Q8_0)."""
+    model = hf_model(family)
+    if variant == "peft":
+        peft = pytest.importorskip("peft")
+        model = peft.PeftModel.from_pretrained(model, family_dir(family) / "peft").eval()
+    elif variant == "q8_0":
+        round_trip_q8_0(model)
+    return hf_logits(model, IDS)
+
+
+def round_trip_q8_0(model: Any) -> None:
+    """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place: every matrix
+    but the MoE router is quantized (blocks of 32 along the input dimension, so the llama Q/K row
+    permutation and phi3's row fusion commute with it); norms stay float32."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                a = p.detach().numpy()
+                q = gguf.quants.dequantize(gguf.quants.quantize(a, Q8_0), Q8_0)
+                p.copy_(torch.from_numpy(q.reshape(a.shape)))
+
+
+# -- GGUF files made from the fixtures --------------------------------------------------------------
+def rewrite_gguf(
+    src: Path,
+    dst: Path,
+    meta: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
+) -> Path:
+    """A copy of GGUF file `src` with metadata keys set or replaced and float32 tensors added."""
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), arch)
+    meta = meta or {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in meta:
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, (value, vtype) in meta.items():
+        w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        # t.data is shaped as stored (rows of block bytes for quantized types): the writer
+        # recovers the logical shape from it
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, data in (tensors or {}).items():
+        w.add_tensor(name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -1,0 +1,77 @@
+"""Bad input: a one-line error that names the problem, never a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from graftlm.cli import main
+from tiny_models import TinySpec, write_tiny_adapter
+
+
+def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def _one_line_error(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run_cli(["run", "-m", str(tmp_path / "nope.gguf"), "-p", "x"], capsys)
+    assert code != 0
+    assert "nope.gguf: no such file" in _one_line_error(err)
+
+
+def test_not_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "text.gguf"
+    p.write_text("hello, I am not a model")
+    code, err = _run_cli(["run", "-m", str(p), "-p", "x"], capsys)
+    assert code != 0
+    assert "not a GGUF file" in _one_line_error(err)
+
+
+def test_truncated(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny_llama.read_bytes()[:5000])
+    code, err = _run_cli(["run", "-m", str(p), "-p", "x"], capsys)
+    assert code != 0
+    assert "truncated or corrupt" in _one_line_error(err)
+
+
+def test_adapter_passed_as_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = write_tiny_adapter(tmp_path / "a.gguf", TinySpec())
+    code, err = _run_cli(["run", "-m", str(p), "-p", "x"], capsys)
+    assert code != 0
+    assert "is a LoRA adapter" in _one_line_error(err)
+
+
+def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(p), "mamba")
+    w.add_type("model")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, err = _run_cli(["run", "-m", str(p), "-p", "x"], capsys)
+    assert code != 0
+    err = _one_line_error(err)
+    assert "architecture 'mamba' is not supported" in err
+    assert "llama" in err and "gemma3" in err
+
+
+def test_inspect_lists_tensors(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tiny_llama)]) == 0
+    out = capsys.readouterr().out
+    assert "general.architecture = 'llama'" in out
+    assert "blk.0.attn_q.weight" in out and "F32" in out

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import torch
+
+from graftlm.runtime.sampling import Sampler, SamplingParams
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+def test_top_k_one_is_greedy_at_any_temperature() -> None:
+    logits = torch.randn(100)
+    s = Sampler(SamplingParams(temperature=5.0, top_k=1, seed=1))
+    assert all(s(logits) == int(logits.argmax()) for _ in range(20))
+
+
+def test_min_p_and_top_p_cut_the_tail() -> None:
+    logits = torch.tensor([5.0, 4.9, -5.0, -6.0, -7.0])
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1, seed=0))
+    assert {s(logits) for _ in range(200)} == {0, 1}
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0, seed=0))
+    assert {s(logits) for _ in range(100)} == {0}
+
+
+def test_repeat_penalty_follows_llama_cpp() -> None:
+    """Positive logits are divided, negative multiplied; frequency and presence subtract."""
+    s = Sampler(SamplingParams(repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
+    logits = torch.tensor([4.0, -4.0, 1.0])
+    out = s.penalize(logits, [0, 0, 1])
+    assert out.tolist() == [4.0 / 2 - 2 * 0.5 - 0.25, -4.0 * 2 - 0.5 - 0.25, 1.0]
+    assert logits.tolist() == [4.0, -4.0, 1.0]  # the caller's logits are untouched
+
+
+def test_same_seed_same_draws() -> None:
+    logits = torch.randn(1000)
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    a, b = Sampler(p), Sampler(p)
+    assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]

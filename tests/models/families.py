@@ -4,7 +4,7 @@ on the Hugging Face checkpoint, with PEFT for adapters. Shared by the tests in t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,18 @@ IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These models are tiny: one thread is fastest, and on a shared two-core machine two threads
+    spin against each other (a 20 ms forward measured at seconds). Restored after each test.
+    (A fixture here, not in a conftest.py: a second conftest module would shadow tests/conftest.py
+    for the tests that import from it.)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def family_dir(family: str) -> Path:
     d = TINY / family
     if not d.is_dir():
@@ -39,7 +51,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def load(family: str, quant: str = "f32", n_ctx: int = N_CTX, prefer: str = "reference") -> Transformer:
+def load(
+    family: str, quant: str = "f32", n_ctx: int = N_CTX, prefer: str = "reference"
+) -> Transformer:
     model = build_model(GGUFFile(family_dir(family) / f"model-{quant}.gguf"), n_ctx, prefer=prefer)
     model.allocate_cache(1)
     return model
@@ -59,7 +73,7 @@ def with_adapter(model: Transformer, path: Path, scale: float = 1.0) -> Transfor
     return model
 
 
-# -- transformers / PEFT ---------------------------------------------------------------------------
+# -- transformers / PEFT -------------------------------------------------------------------------
 def hf_model(family: str, edit: Callable[[Any], None] | None = None) -> Any:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.from_pretrained(family_dir(family) / "hf")
@@ -90,9 +104,9 @@ def reference(family: str, variant: str) -> torch.Tensor:
 
 
 def round_trip_q8_0(model: Any) -> None:
-    """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place: every matrix
-    but the MoE router is quantized (blocks of 32 along the input dimension, so the llama Q/K row
-    permutation and phi3's row fusion commute with it); norms stay float32."""
+    """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place: every
+    matrix but the MoE router is quantized (blocks of 32 along the input dimension, so the llama
+    Q/K row permutation and phi3's row fusion commute with it); norms stay float32."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
@@ -101,7 +115,7 @@ def round_trip_q8_0(model: Any) -> None:
                 p.copy_(torch.from_numpy(q.reshape(a.shape)))
 
 
-# -- GGUF files made from the fixtures --------------------------------------------------------------
+# -- GGUF files made from the fixtures ----------------------------------------------------------
 def rewrite_gguf(
     src: Path,
     dst: Path,

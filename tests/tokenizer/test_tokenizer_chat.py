@@ -96,7 +96,9 @@ def test_hf_environment_conventions() -> None:
 
 def test_strftime_now_and_raise_exception() -> None:
     assert re.fullmatch(r"\d{4}", render_chat("{{ strftime_now('%Y') }}", []))
-    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="first must be user"):
         render_chat(template, [{"role": "assistant", "content": "x"}])
 

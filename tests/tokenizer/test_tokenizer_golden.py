@@ -50,11 +50,12 @@ def test_decode_matches_llama_cpp(
     tokenizer_for: Callable[[str], Tokenizer], model: str, case: Any
 ) -> None:
     tok = tokenizer_for(model)
-    # The golden text is the detokenization without the BOS that add_special puts in front;
-    # with it, llama.cpp renders the BOS token's text first (remove_special=false).
+    # The golden text was made with llama.cpp's remove_special=true, unparse_special=true.
+    with_bos = case["ids_add1_special1"]
+    assert tok.decode(with_bos, remove_special=True) == case["detok"]
     for key in ("ids_add0_special1", "ids_add0_special0"):
         assert tok.decode(case[key]) == case["detok"]
-    with_bos = case["ids_add1_special1"]
+    # By default a BOS is rendered as its text, as with remove_special=false.
     prefix = tok.decode([tok.bos_id]) if tok.add_bos and tok.bos_id is not None else ""
     assert tok.decode(with_bos) == prefix + case["detok"]
     # Hiding control tokens drops the BOS; text that merely looks special stays.

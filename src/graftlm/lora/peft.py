@@ -20,6 +20,7 @@ on the input side). Every problem is collected into one AdapterError; nothing is
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -116,7 +117,12 @@ def hf_to_gguf(arch: str, n_layer: int, module: str) -> str | None:
         if module.startswith(prefix):
             module = repl + module[len(prefix) :]
             break
-    return gguf.get_tensor_name_map(rules.model_arch, n_layer).get_name(module)
+    return _name_map(rules.model_arch, n_layer).get_name(module)
+
+
+@functools.cache
+def _name_map(arch: gguf.MODEL_ARCH, n_layer: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(arch, n_layer)  # builds a dict over every block: keep it
 
 
 def gguf_to_hf(arch: str, base: str) -> str | None:

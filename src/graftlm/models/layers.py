@@ -53,7 +53,8 @@ class Rope:
     """Rotary embedding tables for one base; applied to (B, T, H, D) by position (B, T).
 
     factors (dim/2,): per-frequency divisors, as ggml's `freq_factors` (llama3's `rope_freqs`,
-    LongRoPE's `rope_factors_long/short`); mscale multiplies cos and sin (LongRoPE's attn_factor)."""
+    LongRoPE's `rope_factors_long/short`); mscale multiplies cos and sin (LongRoPE's
+    attn_factor)."""
 
     def __init__(
         self,

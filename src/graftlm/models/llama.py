@@ -57,7 +57,8 @@ class LlamaBlock:
 
 class Llama(Transformer):
     arch = "llama"
-    Block: ClassVar[type[LlamaBlock]] = LlamaBlock  # a family that adds tensors to the block sets its own
+    # a family that adds tensors to the block sets its own
+    Block: ClassVar[type[LlamaBlock]] = LlamaBlock
 
     def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
         super().__init__(cfg, w, n_ctx)
@@ -87,12 +88,18 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            return x + moe_ffn(h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used)
+            return x + moe_ffn(
+                h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used
+            )
         h = F.silu(b.ffn_gate(h, batch)) * b.ffn_up(h, batch)
         return x + b.ffn_down(h, batch)
 
     @property
     def nbytes(self) -> int:
         # the base counts projections and tensors; routed experts are neither
-        experts = [getattr(b, n, None) for b in self.blocks for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+        experts = [
+            getattr(b, n, None)
+            for b in self.blocks
+            for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+        ]
         return super().nbytes + sum(e.nbytes for e in experts if e is not None)

@@ -33,7 +33,9 @@ class Experts:
         n_expert, n_out, n_in = shape
         # entry.data is (n_expert, n_out, n_in) floats or (n_expert, n_out, row bytes) blocks
         self.weights = [
-            QWeight.from_gguf(entry.data[e], entry.ggml_type, (n_out, n_in), name=f"{name}[{e}]", prefer=w.prefer)
+            QWeight.from_gguf(
+                entry.data[e], entry.ggml_type, (n_out, n_in), name=f"{name}[{e}]", prefer=w.prefer
+            )
             for e in range(n_expert)
         ]
 

@@ -52,7 +52,9 @@ class Phi3(Transformer):
                     f"expected rope_dim / 2 = {cfg.rope_dim // 2}"
                 )
         if factors is not None or cfg.rope_attn_factor != 1.0:
-            rope = Rope(cfg.rope_dim, cfg.rope_base, n_ctx, cfg.rope_neox, factors, cfg.rope_attn_factor)
+            rope = Rope(
+                cfg.rope_dim, cfg.rope_base, n_ctx, cfg.rope_neox, factors, cfg.rope_attn_factor
+            )
             self.rope_of_layer = [rope] * cfg.n_layer
         self.blocks = [Phi3Block(cfg, w, i) for i in range(cfg.n_layer)]
 

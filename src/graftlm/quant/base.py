@@ -14,6 +14,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from graftlm.quant import config
 
 ArrayLike = np.ndarray | torch.Tensor
+QType = GGMLQuantizationType
+Shape = tuple[int, int]  # (n_out, n_in), torch order
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def row_bytes(qtype: GGMLQuantizationType, n_in: int) -> int:
@@ -64,13 +67,13 @@ class Kernel(ABC):
         self.shape = shape
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
         """Whether this kernel can hold a ``qtype`` weight of this shape."""
         return True
 
     @classmethod
     @abstractmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         """raw: (n_out, row_bytes) uint8 GGUF bytes (may be a read-only memory map view)."""
 
     @abstractmethod

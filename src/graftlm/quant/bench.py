@@ -11,9 +11,11 @@ dense f32).  Memory is QWeight.nbytes against the GGUF bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,8 @@ from gguf import GGMLQuantizationType
 from graftlm.quant.qweight import QWeight
 from graftlm.quant.synth import gguf_tensor
 
-T = GGMLQuantizationType
 Q = GGMLQuantizationType
+V = TypeVar("V")
 
 SHAPES: dict[str, list[tuple[str, GGMLQuantizationType, int, int]]] = {
     "smollm2": [  # (tensor, type, n_out, n_in)
@@ -57,28 +59,39 @@ def time_call(fn: Callable[[], object], budget: float) -> float:
     return best * 1e6
 
 
-def cycle_of(make: Callable[[], object], nbytes: int, cold_bytes: int) -> Iterator[object]:
+def cycle_of(make: Callable[[], V], nbytes: int, cold_bytes: int) -> Iterator[V]:
+    """Enough copies of a weight, cycled, that their bytes exceed ``cold_bytes``."""
     copies = max(1, min(16, -(-cold_bytes // max(nbytes, 1))))
     return itertools.cycle([make() for _ in range(copies)])
 
 
 def bench_shape(qtype: GGMLQuantizationType, n: int, k: int, ms: list[int], budget: float,
-                cold_bytes: int) -> list[dict[str, object]]:
+                cold_bytes: int) -> tuple[str, list[dict[str, float]]]:
+    """(kernel name, one row per M: us per call of ours / dense bf16 / dense f32, bytes)."""
     raw, _ = gguf_tensor(qtype, (n, k), prefer_quantize=False)
     qw = QWeight.from_gguf(raw, qtype, (n, k))
     ws = cycle_of(lambda: QWeight.from_gguf(raw.copy(), qtype, (n, k)), qw.nbytes, cold_bytes)
     w32 = qw.dequantize()
     d16 = cycle_of(lambda: w32.to(torch.bfloat16), n * k * 2, cold_bytes)
     d32 = cycle_of(lambda: w32.clone(), n * k * 4, cold_bytes)
+
+    def ours(x: torch.Tensor) -> torch.Tensor:
+        return next(ws).matmul(x)
+
+    def dense_bf16(x: torch.Tensor) -> torch.Tensor:  # same seam contract: f32 in, f32 out
+        return F.linear(x.bfloat16(), next(d16)).float()
+
+    def dense_f32(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, next(d32))
+
     rows = []
     for m in ms:
         x = torch.randn(m, k)
-        ours = time_call(lambda: next(ws).matmul(x), budget)  # type: ignore[attr-defined]
-        bf16 = time_call(lambda: F.linear(x.bfloat16(), next(d16)).float(), budget)  # type: ignore[arg-type]
-        f32 = time_call(lambda: F.linear(x, next(d32)), budget)  # type: ignore[arg-type]
-        rows.append({"M": m, "ours": ours, "bf16": bf16, "f32": f32, "kernel": qw.kernel,
-                     "nbytes": qw.nbytes, "file": raw.nbytes})
-    return rows
+        us = {f.__name__: time_call(functools.partial(f, x), budget)
+              for f in (ours, dense_bf16, dense_f32)}
+        rows.append({"M": m, "ours": us["ours"], "bf16": us["dense_bf16"],
+                     "f32": us["dense_f32"], "nbytes": qw.nbytes, "file": raw.nbytes})
+    return qw.kernel, rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,10 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     for model in a.models.split(","):
         for tensor, qtype, n, k in SHAPES[model]:
             head = tensor.startswith("head")
-            for r in bench_shape(qtype, n, k, head_ms if head else ms, a.budget, a.cold_mb << 20):
-                mb, ratio = r["nbytes"] / 2**20, r["nbytes"] / r["file"]  # type: ignore[operator]
-                print(f"{model:8} {tensor:12} {qtype.name:5} {f'{n}x{k}':>13} {r['kernel']:10} "
-                      f"{mb:8.2f} {ratio:5.2f} {r['M']:4} {r['ours']:9.0f} {r['bf16']:9.0f} "
+            kernel, rows = bench_shape(qtype, n, k, head_ms if head else ms, a.budget,
+                                       a.cold_mb << 20)
+            for r in rows:
+                mb, ratio = r["nbytes"] / 2**20, r["nbytes"] / r["file"]
+                print(f"{model:8} {tensor:12} {qtype.name:5} {f'{n}x{k}':>13} {kernel:10} "
+                      f"{mb:8.2f} {ratio:5.2f} {r['M']:4.0f} {r['ours']:9.0f} {r['bf16']:9.0f} "
                       f"{r['f32']:9.0f}", flush=True)
 
 

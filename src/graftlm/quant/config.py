@@ -27,6 +27,7 @@ PREFILL_M = {"int4pack": 48, "int4pack2": 24, "int8g": 32}
 # matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in
 # cache (and out of fresh, page-faulting allocations).
 CHUNK_ELEMS = 1 << 18
+LOAD_CHUNK_ELEMS = 1 << 22  # the same, for repacking at load time
 
 
 def set_compute_dtype(dtype: torch.dtype) -> None:
@@ -57,7 +58,7 @@ def use_fused(kernel: str, m: int) -> bool:
     return _COMPUTE[0] is torch.bfloat16 and m < PREFILL_M[kernel]
 
 
-def chunk_rows(n_in: int, multiple: int = 1) -> int:
-    """Rows of weight per float32 dequantization chunk (a multiple of ``multiple``)."""
-    rows = max(multiple, CHUNK_ELEMS // max(n_in, 1))
+def chunk_rows(n_in: int, multiple: int = 1, elems: int | None = None) -> int:
+    """Rows per chunk of ``elems`` (default CHUNK_ELEMS) weights, a multiple of ``multiple``."""
+    rows = max(multiple, (elems or CHUNK_ELEMS) // max(n_in, 1))
     return rows - rows % multiple

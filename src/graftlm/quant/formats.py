@@ -240,7 +240,8 @@ class Q6_K(BlockFormat):
         ql = (blocks[:, :128].reshape(nb, 2, 1, 64) >> _SHIFT_NIBBLES.view(1, 1, 2, 1)) & 0x0F
         qh = (blocks[:, 128:192].reshape(nb, 2, 1, 32) >> _SHIFT_CRUMBS.view(1, 1, 4, 1)) & 3
         u = ql.reshape(nb, 256) | (qh.reshape(nb, 256) << 4)
-        return u, {"sc": blocks[:, 192:208].contiguous().view(torch.int8), "d": _f16(blocks, 208, 210)}
+        sc = blocks[:, 192:208].contiguous().view(torch.int8)
+        return u, {"sc": sc, "d": _f16(blocks, 208, 210)}
 
     def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _rep(f["d"], 16) * f["sc"].float(), None

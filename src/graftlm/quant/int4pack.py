@@ -26,10 +26,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType
 
 from graftlm.quant import config
-from graftlm.quant.base import Kernel
+from graftlm.quant.base import Kernel, Pair, QType, Shape
 from graftlm.quant.formats import FORMATS, BlockFormat, Fields
 
 PAD_N = 64  # n_out is padded to this (a multiple of every tile width torch uses)
@@ -135,9 +134,7 @@ class Planes(ABC):
     def decode(self, c: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def scale_zero(
-        self, s: torch.Tensor, b: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> Pair:
         """Exact per-group S, B (rows, G) -> int4pack s, z (rows, G') in float32."""
 
     @abstractmethod
@@ -156,7 +153,7 @@ class OnePlane(Planes):
     def decode(self, c: torch.Tensor) -> torch.Tensor:
         return c
 
-    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> Pair:
         z = s * float(8 + self.fmt.c_min)
         return s, z if b is None else z + b
 
@@ -180,7 +177,7 @@ class SplitPlanes(Planes):
         k = c.shape[1] // 2
         return c[:, :k] | (c[:, k:] << 4)
 
-    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> Pair:
         z_lo = s * float(8 + self.fmt.c_min + 16 * self.t)
         z_lo = z_lo if b is None else z_lo + b
         return torch.cat([s, s], dim=1), torch.cat([z_lo, s * float(8 - self.t)], dim=1)
@@ -209,7 +206,7 @@ class PairedPlanes(Planes):
         hi = (c3[:, :, 16:] - self.t) >> 2
         return (c3[:, :, :16] | (hi << 4)).reshape(rows, k2 // 2)
 
-    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def scale_zero(self, s: torch.Tensor, b: torch.Tensor | None) -> Pair:
         return s, torch.zeros_like(s)
 
     def expand_x(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,12 +245,12 @@ class Int4PackKernel(Kernel):
         self.k_packed = shape[1] * planes.factor
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
         fmt = FORMATS.get(qtype)
         return fmt is not None and planes_for(fmt) is not None and int4pack_layout() is not None
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         fmt = FORMATS[qtype]
         planes, layout = planes_for(fmt), int4pack_layout()
         assert planes is not None and layout is not None
@@ -263,7 +260,7 @@ class Int4PackKernel(Kernel):
         packed = torch.zeros(n_pad, kp // 2, dtype=torch.uint8)
         sz = torch.zeros(kp // GROUP, n_pad, 2, dtype=torch.bfloat16)
         parts: list[Fields] = []
-        step = config.chunk_rows(kp, PAD_N)
+        step = config.chunk_rows(kp, PAD_N, config.LOAD_CHUNK_ELEMS)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             u, f = fmt.split_rows(raw[r0:r1], k)

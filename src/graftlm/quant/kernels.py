@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from graftlm.quant import config
-from graftlm.quant.base import Kernel
+from graftlm.quant.base import Kernel, QType, Shape
 from graftlm.quant.formats import FORMATS
 
 T = GGMLQuantizationType
@@ -42,11 +42,11 @@ class DenseKernel(Kernel):
         self.name = self.NAMES[w.dtype]
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
         return qtype in cls.DTYPES
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         return cls(raw.view(cls.DTYPES[qtype]))  # (n_out, row_bytes) u8 -> (n_out, n_in)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +84,12 @@ class Int8GroupKernel(Kernel):
         self.dk = d16.t().to(torch.bfloat16).contiguous()  # (G, n_out) bf16 (kernel)
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
-        return qtype == T.Q8_0 and shape[0] >= cls.MIN_N_OUT and hasattr(torch, "_weight_int8pack_mm")
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        has_op = hasattr(torch, "_weight_int8pack_mm")
+        return qtype == T.Q8_0 and shape[0] >= cls.MIN_N_OUT and has_op
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         n, k = shape
         blocks = raw.view(n, k // 32, 34)  # per block: fp16 d | int8 q[32]
         q = blocks[:, :, 2:].permute(1, 0, 2).contiguous().view(torch.int8)  # (G, n, 32)
@@ -131,18 +132,18 @@ class BlockKernel(Kernel):
 
     name = "blocks"
 
-    def __init__(self, shape: tuple[int, int], qtype: GGMLQuantizationType, raw: torch.Tensor) -> None:
+    def __init__(self, shape: Shape, qtype: QType, raw: torch.Tensor) -> None:
         super().__init__(shape)
         self.qtype = qtype
         self.raw = raw  # (n_out, row_bytes) uint8
         self.fmt = FORMATS.get(qtype)
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
         return qtype in FORMATS or gguf_can_dequantize(qtype)
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         return cls(shape, qtype, raw)
 
     def _decode(self, raw: torch.Tensor) -> torch.Tensor:
@@ -176,11 +177,11 @@ class ReferenceKernel(Kernel):
         self.w = w  # (n_out, n_in) float32, owned
 
     @classmethod
-    def accepts(cls, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> bool:
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
         return gguf_can_dequantize(qtype)
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         w = np.array(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32, copy=True)
         return cls(torch.from_numpy(w).view(shape))
 
@@ -210,7 +211,7 @@ class DeviceDenseKernel(Kernel):
         self.w = w
 
     @classmethod
-    def build(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Kernel:
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         raise NotImplementedError("made by QWeight.to(device), not from GGUF bytes")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
     T.IQ1_S: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
 }
+# Byte offsets of e8m0 exponents (a random byte would overflow to inf).
+E8M0_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {T.MXFP4: (0,)}
 
 
 def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int],
@@ -29,10 +31,14 @@ def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int],
     """Valid random raw blocks of ``qtype``: uint8 (n_out, row_bytes)."""
     block, size = GGML_QUANT_SIZES[qtype]
     n_out, n_in = shape
+    if n_in % block:
+        raise ValueError(f"{qtype.name} needs n_in % {block} == 0, got {n_in}")
     raw = rng.integers(0, 256, (n_out * n_in // block, size), dtype=np.uint8)
     for at in FP16_FIELDS.get(qtype, ()):
         d = np.abs(rng.normal(0.0, scale, (raw.shape[0], 1))).astype(np.float16)
         raw[:, at : at + 2] = d.view(np.uint8)
+    for at in E8M0_FIELDS.get(qtype, ()):
+        raw[:, at] = rng.integers(115, 125, raw.shape[0], dtype=np.uint8)  # 2**-12 .. 2**-3
     return raw.reshape(n_out, n_in // block * size)
 
 

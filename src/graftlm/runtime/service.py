@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-# -- what goes in and what comes out ---------------------------------------------------------------
+# -- what goes in and what comes out --
 @dataclass(frozen=True)
 class Job:
     """One sequence to generate. `lora` maps adapter id -> scale, fixed for the job's whole life.
@@ -143,7 +143,7 @@ class _RecordingSampler(Sampler):
         top: tuple[tuple[int, float], ...] = ()
         if self.top > 0:
             v, i = lp.topk(self.top)
-            top = tuple(zip(i.tolist(), v.tolist()))
+            top = tuple(zip(i.tolist(), v.tolist(), strict=True))
         self.last = (float(lp[tok]), top)
         return tok
 
@@ -205,8 +205,9 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self.n_running = 0
         self.n_waiting = 0
+        self.n_cancelled = 0  # requests ended early because their caller left
 
-    # -- facts and text (pure Python, safe from any thread) ----------------------------------------
+    # -- facts and text (pure Python, safe from any thread) --
     @property
     def n_ctx(self) -> int:
         return self.model.n_ctx
@@ -227,7 +228,9 @@ class EngineService:
     def n_slots(self) -> int:
         return int(self.engine.n_slots)
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -247,18 +250,21 @@ class EngineService:
         if bad:
             raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         return self.model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt ids of a chat, as `Model.chat` builds them (BOS only if the template lacks it)."""
+        """The prompt ids of a chat, as `Model.chat` builds them (a BOS only where the template
+        has none)."""
         text = self.apply_chat_template(messages, add_generation_prompt=True)
         tok = self.model.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
         add_special = bos is None or not text.startswith(bos)
         return self.tokenize(text, add_special=add_special, parse_special=True)
 
-    # -- lifecycle -----------------------------------------------------------------------------------
+    # -- lifecycle --
     def start(self) -> EngineService:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="graftlm-engine", daemon=True)
@@ -276,7 +282,7 @@ class EngineService:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    # -- calls on the engine thread ------------------------------------------------------------------
+    # -- calls on the engine thread --
     def call(self, fn: Callable[[], T], needs_slot: bool = False) -> concurrent.futures.Future[T]:
         """Run fn on the engine thread between two steps; its result or exception in the future.
         needs_slot: wait until a cache slot is free (a scoring pass borrows one)."""
@@ -297,11 +303,18 @@ class EngineService:
     def prompt_logprobs(
         self, ids: list[int], top: int, lora: dict[int, float]
     ) -> concurrent.futures.Future[list[dict[str, Any]]]:
-        """`Model.logprobs(ids, top, lora)` on the engine thread: for i >= 1, log p(ids[i] | ids[:i])."""
+        """`Model.logprobs(ids, top, lora)` on the engine thread: for i >= 1, the log-probability
+        of ids[i] after ids[:i], and the top alternatives."""
         settings = [{"id": i, "scale": s} for i, s in lora.items()]
         return self.call(lambda: self.model.logprobs(ids, top=top, lora=settings), needs_slot=True)
 
-    # -- adapters ------------------------------------------------------------------------------------
+    async def aprompt_logprobs(
+        self, ids: list[int], top: int, lora: dict[int, float]
+    ) -> list[dict[str, Any]]:
+        """`prompt_logprobs`, awaited from the event loop."""
+        return await asyncio.wrap_future(self.prompt_logprobs(ids, top, lora))
+
+    # -- adapters --
     def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
         """Read and check an adapter against the base (blocking; call it off the event loop).
         Nothing is attached; raises AdapterError when the file cannot be used."""
@@ -342,8 +355,8 @@ class EngineService:
     def detach(self, adapter_id: int) -> concurrent.futures.Future[None]:
         return self.call(lambda: self.model.remove_lora(adapter_id))
 
-    # -- generation ----------------------------------------------------------------------------------
-    async def stream(self, jobs: Sequence[Job]) -> AsyncIterator[Event]:
+    # -- generation --
+    async def stream(self, jobs: Sequence[Job]) -> AsyncGenerator[Event, None]:
         """Run jobs (event index = position in `jobs`) and yield their events as they come.
         Leaving the iteration early (a client that disconnected) cancels what is still running;
         use `contextlib.aclosing` so that happens at once."""
@@ -368,7 +381,7 @@ class EngineService:
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the engine service is not running (call start())")
 
-    # -- the thread ----------------------------------------------------------------------------------
+    # -- the thread --
     def _loop(self) -> None:
         while True:
             # sleep only when there is nothing to step
@@ -432,7 +445,9 @@ class EngineService:
                 self._pending.append(t)
 
     def _admit(self) -> None:
-        while self._pending and len(self.engine.running) + len(self.engine.waiting) < self.max_running:
+        while (
+            self._pending and len(self.engine.running) + len(self.engine.waiting) < self.max_running
+        ):
             t = self._pending.popleft()
             try:
                 self.engine.submit(t.req)
@@ -502,6 +517,7 @@ class EngineService:
         for t in sub.tracked:
             if not t.req.done:
                 self.engine.stop(t.req, "cancelled")
+                self.n_cancelled += 1
         self._active = [t for t in self._active if t.sub is not sub]
 
     def _n_waiting(self) -> int:
@@ -517,7 +533,9 @@ class EngineService:
         for t in list(self._pending) + self._active:
             if not t.req.done:
                 self.engine.stop(t.req, "cancelled")
-            t.sub.post(ErrorEvent(t.index, RequestError("the server is shutting down", "server_shutdown")))
+            t.sub.post(
+                ErrorEvent(t.index, RequestError("the server is shutting down", "server_shutdown"))
+            )
         self._pending.clear()
         self._active.clear()
         for call in self._deferred:

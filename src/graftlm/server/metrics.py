@@ -25,8 +25,10 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "graftlm_requests", "Finished generation requests, by adapter ('base': none) and endpoint",
-            ["adapter", "endpoint"], registry=r,
+            "graftlm_requests",
+            "Finished generation requests, by adapter ('base': none) and endpoint",
+            ["adapter", "endpoint"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "graftlm_prompt_tokens", "Prompt tokens evaluated, by adapter", ["adapter"], registry=r
@@ -34,32 +36,49 @@ class Metrics:
         self.generation_tokens = Counter(
             "graftlm_generation_tokens", "Tokens generated, by adapter", ["adapter"], registry=r
         )
-        self.errors = Counter("graftlm_request_errors", "Requests answered with an error, by status", ["status"], registry=r)
+        self.errors = Counter(
+            "graftlm_request_errors",
+            "Requests answered with an error, by status",
+            ["status"],
+            registry=r,
+        )
         self.running = Gauge("graftlm_requests_running", "Requests generating now", registry=r)
-        self.waiting = Gauge("graftlm_requests_waiting", "Requests queued for a generation slot", registry=r)
+        self.waiting = Gauge(
+            "graftlm_requests_waiting", "Requests queued for a generation slot", registry=r
+        )
         self.batch_size = Histogram(
-            "graftlm_batch_size", "Sequences in one engine step",
-            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
+            "graftlm_batch_size",
+            "Sequences in one engine step",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+            registry=r,
         )
         self.ttft = Histogram(
-            "graftlm_time_to_first_token_seconds", "Seconds from arrival to the first generated token",
-            buckets=_LATENCY, registry=r,
+            "graftlm_time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token",
+            buckets=_LATENCY,
+            registry=r,
         )
         self.tpot = Histogram(
-            "graftlm_time_per_output_token_seconds", "Mean seconds per generated token after the first",
-            buckets=_TPOT, registry=r,
+            "graftlm_time_per_output_token_seconds",
+            "Mean seconds per generated token after the first",
+            buckets=_TPOT,
+            registry=r,
         )
-        self.adapters_resident = Gauge("graftlm_lora_adapters_resident", "LoRA adapters attached", registry=r)
-        self.adapter_bytes = Gauge("graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r)
+        self.adapters_resident = Gauge(
+            "graftlm_lora_adapters_resident", "LoRA adapters attached", registry=r
+        )
+        self.adapter_bytes = Gauge(
+            "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
+        )
 
-    # -- ServiceObserver -----------------------------------------------------------------------------
+    # -- ServiceObserver --
     def on_step(self, rows: int, running: int, waiting: int) -> None:
         if rows > 0:
             self.batch_size.observe(rows)
         self.running.set(running)
         self.waiting.set(waiting)
 
-    # -- from the routes -----------------------------------------------------------------------------
+    # -- from the routes --
     def finished(
         self,
         adapters: list[str],

@@ -81,13 +81,15 @@ class AdapterRegistry:
         self._attach_lock = asyncio.Lock()
         self._drops: set[asyncio.Task[None]] = set()
 
-    # -- setup (before serving) ----------------------------------------------------------------------
+    # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
         """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
         adapter_id = self.service.attach(prepared).result()
-        entry = AdapterEntry(self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True)
+        entry = AdapterEntry(
+            self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True
+        )
         entry.id, entry.facts = adapter_id, prepared.facts
         self.names[entry.name] = entry
         self.by_id[adapter_id] = entry
@@ -115,7 +117,7 @@ class AdapterRegistry:
             out, k = f"{name}-{k}", k + 1
         return out
 
-    # -- facts -----------------------------------------------------------------------------------------
+    # -- facts --
     @property
     def resident_bytes(self) -> int:
         return sum(e.facts.nbytes for e in self.by_id.values() if e.facts is not None)
@@ -141,8 +143,10 @@ class AdapterRegistry:
         ids = sorted(self.by_id)
         return f"valid ids are {ids}" if ids else "no adapter is loaded"
 
-    # -- requests --------------------------------------------------------------------------------------
-    async def lease(self, model: str | None, lora: list[tuple[int, float]] | None, base_names: set[str]) -> Lease:
+    # -- requests --
+    async def lease(
+        self, model: str | None, lora: list[tuple[int, float]] | None, base_names: set[str]
+    ) -> Lease:
         """The adapter settings of one request, with its adapters held resident until `release`.
 
         model: None or a base name -> the base with the global scales (or `lora` if given); an
@@ -152,7 +156,9 @@ class AdapterRegistry:
             entry = self.names.get(model)
             if entry is None:
                 known = sorted(base_names)[:1] + sorted(self.names)
-                raise UnknownModelError(f"the model {model!r} does not exist; available: {', '.join(known)}")
+                raise UnknownModelError(
+                    f"the model {model!r} does not exist; available: {', '.join(known)}"
+                )
         held: list[AdapterEntry] = []
         settings: dict[int, float] = {}
         if entry is not None:
@@ -208,7 +214,7 @@ class AdapterRegistry:
         snapshot = dict(self.scales)
         await self.service.acall(lambda: self.service.model.set_lora_scales(snapshot))
 
-    # -- loading and eviction ------------------------------------------------------------------------
+    # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:
         """vLLM's load_lora_adapter: attach now (a broken file fails here); a name already in use
         is replaced, the old adapter staying with the requests that use it."""
@@ -223,7 +229,9 @@ class AdapterRegistry:
     async def unload(self, name: str) -> None:
         entry = self.names.get(name)
         if entry is None:
-            raise UnknownModelError(f"no adapter named {name!r}; loaded: {', '.join(sorted(self.names)) or 'none'}")
+            raise UnknownModelError(
+                f"no adapter named {name!r}; loaded: {', '.join(sorted(self.names)) or 'none'}"
+            )
         del self.names[name]
         self._retire(entry)
 
@@ -233,8 +241,8 @@ class AdapterRegistry:
             self._drop_later(entry)
 
     async def _ensure(self, entry: AdapterEntry, acquire: bool = True) -> int:
-        """Attach the entry if needed; with acquire, take a reference in the same breath (nothing can
-        evict it between the attach and the reference)."""
+        """Attach the entry if needed; with acquire, take a reference in the same breath (nothing
+        can evict it between the attach and the reference)."""
         for _ in range(8):
             if entry.id is not None:
                 if acquire:
@@ -248,7 +256,10 @@ class AdapterRegistry:
             finally:
                 if task.done() and entry.loading is task:
                     entry.loading = None
-        raise RequestError(f"adapter {entry.name!r} was evicted again and again: too many adapters in use", "adapter_memory_busy")
+        raise RequestError(
+            f"adapter {entry.name!r} was evicted again and again: too many adapters in use",
+            "adapter_memory_busy",
+        )
 
     async def _attach(self, entry: AdapterEntry) -> int:
         prepared = await asyncio.to_thread(self.service.prepare_adapter, entry.path)
@@ -263,12 +274,15 @@ class AdapterRegistry:
 
     def _check_rank(self, facts: AdapterFacts) -> None:
         if self.max_rank is not None and facts.rank > self.max_rank:
-            raise AdapterError(f"{facts.path}: rank {facts.rank} is above --max-lora-rank {self.max_rank}")
+            raise AdapterError(
+                f"{facts.path}: rank {facts.rank} is above --max-lora-rank {self.max_rank}"
+            )
 
     async def _make_room(self, nbytes: int, name: str) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise AdapterError(
-                f"adapter {name!r} needs {nbytes} bytes, more than the whole LoRA budget of {self.max_bytes} bytes"
+                f"adapter {name!r} needs {nbytes} bytes, "
+                f"more than the whole LoRA budget of {self.max_bytes} bytes"
             )
 
         def over() -> bool:
@@ -278,12 +292,14 @@ class AdapterRegistry:
 
         while over():
             idle = [
-                e for e in self.by_id.values()
+                e
+                for e in self.by_id.values()
                 if not e.pinned and e.refs == 0 and e.id not in self.scales
             ]
             if not idle:
                 raise RequestError(
-                    f"no room for adapter {name!r}: the LoRA budget ({self._budget_text()}) is held by "
+                    f"no room for adapter {name!r}: the LoRA budget "
+                    f"({self._budget_text()}) is held by "
                     "adapters in use; retry when requests end",
                     "adapter_memory_busy",
                 )

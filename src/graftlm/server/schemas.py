@@ -22,8 +22,6 @@ class _Body(BaseModel):
 class LoraItem(_Body):
     """One adapter's scale for one request (llama-server's `lora` field, POST /lora-adapters)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-
     id: int
     scale: float
 

@@ -55,15 +55,21 @@ _TYPES = {
 class ApiError(Exception):
     """An error answer: HTTP status plus OpenAI's {"error": {"message", "type", "code"}}."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, err_type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, err_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
-        self.type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.type = err_type or _TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
+        return {
+            "error": {"message": self.message, "type": self.type, "code": self.code, "param": None}
+        }
 
     @classmethod
     def of(cls, exc: BaseException) -> ApiError:
@@ -71,7 +77,11 @@ class ApiError(Exception):
         if isinstance(exc, ApiError):
             return exc
         if isinstance(exc, RequestError):
-            status = 503 if exc.code in ("server_busy", "server_shutdown", "adapter_memory_busy") else 400
+            status = (
+                503
+                if exc.code in ("server_busy", "server_shutdown", "adapter_memory_busy")
+                else 400
+            )
             return cls(status, str(exc), exc.code)
         if isinstance(exc, AdapterError):
             return cls(400, str(exc), "invalid_adapter")

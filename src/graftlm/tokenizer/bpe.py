@@ -4,7 +4,8 @@ Pre-tokenization follows llama.cpp's own splitter (`unicode_regex_split_custom_g
 `src/unicode.cpp`) rather than a regex engine: it is what produced the reference ids, and it
 differs from a literal reading of the regex at the edges (codepoints outside every category,
 whitespace runs). The merges themselves run in HF `tokenizers` (Rust) when it is installed and
-accepts the vocabulary, else in the pure-Python loop below, which mirrors `llm_tokenizer_bpe_session`.
+accepts the vocabulary, else in the pure-Python loop below, which mirrors
+`llm_tokenizer_bpe_session`.
 """
 
 from __future__ import annotations

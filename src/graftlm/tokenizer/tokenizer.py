@@ -21,6 +21,8 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 
 _HIDDEN = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)
 _VERBATIM = _HIDDEN | int(TokenAttr.USER_DEFINED)
+_NORMAL = int(TokenAttr.NORMAL)
+_BYTE = int(TokenAttr.BYTE)
 
 
 class Tokenizer:
@@ -30,31 +32,31 @@ class Tokenizer:
     (SentencePiece-style BPE by score with byte fallback).
     """
 
-    n_vocab: int
-    bos_id: int | None
-    eos_id: int | None
-    eot_id: int | None
-    eog_ids: frozenset[int]
-    add_bos: bool
-    add_eos: bool
-    model: str
-    clean_spaces: bool
-
-    def __init__(self, vocab: Vocab, model: str, clean_spaces: bool) -> None:
+    def __init__(
+        self,
+        vocab: Vocab,
+        model: str,
+        encode_text: Callable[[str], list[int]],
+        *,
+        clean_spaces: bool = False,
+        backend: str = "python",
+    ) -> None:
+        """Use `from_metadata`; this assembles the parts it builds. `encode_text` turns one raw
+        text fragment (special tokens already cut out) into ids."""
         self.vocab = vocab
-        self.model = model
-        self.clean_spaces = clean_spaces
-        self.n_vocab = vocab.n_vocab
-        self.bos_id = vocab.bos_id
-        self.eos_id = vocab.eos_id
-        self.eot_id = vocab.eot_id
-        self.eog_ids = vocab.eog_ids
-        self.add_bos = vocab.add_bos
-        self.add_eos = vocab.add_eos
-        self.add_space_prefix = vocab.add_space_prefix
+        self.model = model  # "gpt2" or "llama", as tokenizer.ggml.model says
+        self.backend = backend  # who runs the merges: "tokenizers" or "python"
+        self.clean_spaces = clean_spaces  # llama.cpp's detokenizer clean-up, per pre-tokenizer
+        self.n_vocab: int = vocab.n_vocab
+        self.bos_id: int | None = vocab.bos_id
+        self.eos_id: int | None = vocab.eos_id
+        self.eot_id: int | None = vocab.eot_id
+        self.eog_ids: frozenset[int] = vocab.eog_ids
+        self.add_bos: bool = vocab.add_bos
+        self.add_eos: bool = vocab.add_eos
+        self.add_space_prefix: bool = vocab.add_space_prefix
+        self._encode_text = encode_text
         self._pieces: dict[int, bytes] = {}
-        self._encode_text: Callable[[str], list[int]]
-        self.backend = "python"
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -86,25 +88,24 @@ class Tokenizer:
         vocab = Vocab.from_metadata(
             meta, default_ids=(11, 11, None), add_bos=False, add_eos=False, add_space_prefix=False
         )
-        tok = cls(vocab, "gpt2", clean_spaces)
-        merge_words, tok.backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
+        merge_words, backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
 
         def encode_text(text: str) -> list[int]:
-            words = [byte_encode(w) for w in pre_tokenize(text, split_numbers)]
-            return merge_words(words)
+            return merge_words([byte_encode(w) for w in pre_tokenize(text, split_numbers)])
 
-        tok._encode_text = encode_text
-        return tok
+        return cls(vocab, "gpt2", encode_text, clean_spaces=clean_spaces, backend=backend)
 
     @classmethod
     def _from_spm_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
         vocab = Vocab.from_metadata(
             meta, default_ids=(1, 2, 0), add_bos=True, add_eos=False, add_space_prefix=True
         )
-        tok = cls(vocab, "llama", clean_spaces=False)
         spm = SPMEncoder(vocab.token_to_id, vocab.scores)
-        tok._encode_text = lambda text: spm.encode(text.replace(" ", ESCAPED_SPACE))
-        return tok
+
+        def encode_text(text: str) -> list[int]:
+            return spm.encode(text.replace(" ", ESCAPED_SPACE))
+
+        return cls(vocab, "llama", encode_text)
 
     # -- encoding ---------------------------------------------------------------------------------
 
@@ -141,9 +142,7 @@ class Tokenizer:
         byte, GPT-2 byte-level symbols mapped back, SentencePiece "▁" as a space, control and
         user-defined tokens as their text. With `special=False` control and unknown tokens
         render as nothing."""
-        if not 0 <= id < self.n_vocab:
-            raise IndexError(f"token id {id} is outside the vocabulary (0..{self.n_vocab - 1})")
-        attr = self.vocab.attrs[id]
+        attr = self.vocab.attrs[self._check(id)]
         if not special and attr & _HIDDEN:
             return b""
         piece = self._pieces.get(id)
@@ -152,23 +151,32 @@ class Tokenizer:
             self._pieces[id] = piece
         return piece
 
-    def _render(self, id: int, attr: TokenAttr) -> bytes:
+    def _render(self, id: int, attr: int) -> bytes:
         text = self.vocab.tokens[id]
         if attr & _VERBATIM:
             return text.encode("utf-8")
-        if attr & TokenAttr.NORMAL:
+        if attr & _NORMAL:
             if self.model == "gpt2":
                 return byte_decode(text)
             return text.replace(ESCAPED_SPACE, " ").encode("utf-8")
-        if attr & TokenAttr.BYTE:
+        if attr & _BYTE:
             return bytes([int(text[3:5], 16)])
         return b""  # unused and undefined tokens render as nothing
 
-    def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
-        """`llama_detokenize(ids, remove_special=False, unparse_special=not skip_special)`, as
-        bytes (which may end inside a UTF-8 character)."""
+    def decode_bytes(
+        self, ids: Sequence[int], skip_special: bool = False, *, remove_special: bool = False
+    ) -> bytes:
+        """`llama_detokenize(ids, remove_special, unparse_special=not skip_special)`, as bytes
+        (which may end inside a UTF-8 character)."""
         chunks: list[bytes] = []
         strip_space = self.add_space_prefix
+        if remove_special:
+            ids = list(ids)
+            if self.add_bos and ids and ids[0] == self.bos_id:
+                ids = ids[1:]
+                strip_space = False  # llama.cpp keeps the space after a removed BOS
+            if self.add_eos and ids and ids[-1] == self.eos_id:
+                ids = ids[:-1]
         for tid in ids:
             piece = self.token_to_piece(tid, special=not skip_special)
             if strip_space and piece.startswith(b" "):
@@ -178,16 +186,22 @@ class Tokenizer:
         data = b"".join(chunks)
         return clean_spaces(data) if self.clean_spaces else data
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+    def decode(
+        self, ids: Sequence[int], skip_special: bool = False, *, remove_special: bool = False
+    ) -> str:
         """Text of `ids` as llama.cpp's detokenizer produces it: control tokens (BOS included)
-        appear as their text unless `skip_special`; invalid UTF-8 becomes U+FFFD."""
-        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+        appear as their text unless `skip_special`; invalid UTF-8 becomes U+FFFD.
+
+        `remove_special` drops a leading BOS / trailing EOS that `encode(add_special=True)` would
+        have added (llama.cpp's `remove_special`; the golden `detok` texts were made with it)."""
+        data = self.decode_bytes(ids, skip_special, remove_special=remove_special)
+        return data.decode("utf-8", errors="replace")
 
     # -- token facts ------------------------------------------------------------------------------
 
     def is_special(self, id: int) -> bool:
         """True for control and unknown tokens: those `decode(..., skip_special=True)` hides."""
-        return bool(self.vocab.attrs[id] & _HIDDEN)
+        return bool(self.vocab.attrs[self._check(id)] & _HIDDEN)
 
     def is_eog(self, id: int) -> bool:
         """True for tokens that end generation."""
@@ -195,7 +209,12 @@ class Tokenizer:
 
     def token_text(self, id: int) -> str:
         """The vocabulary entry of `id`, unrendered."""
-        return self.vocab.tokens[id]
+        return self.vocab.tokens[self._check(id)]
+
+    def _check(self, id: int) -> int:
+        if not 0 <= id < self.n_vocab:
+            raise IndexError(f"token id {id} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return id
 
     def __repr__(self) -> str:
         return f"Tokenizer(model={self.model!r}, n_vocab={self.n_vocab}, backend={self.backend!r})"
@@ -215,8 +234,8 @@ def clean_spaces(data: bytes) -> bytes:
 
 
 def _valid_text(text: str) -> str:
-    # Lone surrogates cannot be UTF-8 encoded; llama.cpp sees invalid bytes there and
-    # substitutes U+FFFD, so do the same.
+    # Lone surrogates (only a Python str can hold them) have no UTF-8 form; they become U+FFFD,
+    # which is what llama.cpp makes of input bytes it cannot decode.
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

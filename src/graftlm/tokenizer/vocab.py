@@ -13,11 +13,15 @@ from enum import IntFlag
 from typing import Any
 
 # GGUF `tokenizer.ggml.token_type` values.
-_TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = range(1, 7)
+_TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL = 1, 2, 3
+_TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 4, 5, 6
 
 
 class TokenAttr(IntFlag):
-    """llama.cpp's `llama_token_attr` bits."""
+    """llama.cpp's `llama_token_attr` bits (those that GGUF token types map to).
+
+    llama.cpp's LSTRIP/RSTRIP bits are not modelled: it sets them only by model name (phi-3,
+    jina, modern-bert), never from GGUF metadata."""
 
     UNDEFINED = 0
     UNKNOWN = 1 << 0
@@ -26,8 +30,6 @@ class TokenAttr(IntFlag):
     CONTROL = 1 << 3
     USER_DEFINED = 1 << 4
     BYTE = 1 << 5
-    LSTRIP = 1 << 7
-    RSTRIP = 1 << 8
 
 
 # Attributes are kept as plain ints: IntFlag arithmetic is too slow for 262k-token vocabularies.
@@ -128,7 +130,9 @@ class Vocab:
             seen: dict[str, int] = {}
             for i, t in enumerate(tokens):
                 if t in seen:
-                    raise ValueError(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+                    raise ValueError(
+                        f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}"
+                    )
                 seen[t] = i
 
         scores = _number_list(meta.get("tokenizer.ggml.scores"), n, "tokenizer.ggml.scores")
@@ -137,7 +141,9 @@ class Vocab:
             attrs = [_NORMAL] * n
         else:
             if len(types) < n:
-                raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+                raise ValueError(
+                    f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
+                )
             table = _TYPE_TO_ATTR
             attrs = [table.get(t, 0) for t in types[:n]]
 
@@ -212,20 +218,20 @@ class Vocab:
 
         eog = {i for i in (fim_pad, fim_rep, fim_sep) if i is not None}
         for t in _EOG_TEXTS:
-            i = token_to_id.get(t)
-            if i is not None:
-                eog.add(i)
-                mark_control(i)
+            eog_id = token_to_id.get(t)
+            if eog_id is not None:
+                eog.add(eog_id)
+                mark_control(eog_id)
         for t in _ALWAYS_RENDERED:
-            i = token_to_id.get(t)
-            if i is not None:
-                attrs[i] = _USER_DEFINED
-                touched.add(i)
+            shown = token_to_id.get(t)
+            if shown is not None:
+                attrs[shown] = _USER_DEFINED
+                touched.add(shown)
         eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
         touched |= _apply_eog_workarounds(tokens, attrs, eog)
 
         special = sorted(i for i in set(special) | touched if attrs[i] & wanted)
-        # llama.cpp compares byte lengths; ties keep id order (its std::sort leaves them unspecified).
+        # llama.cpp compares byte lengths; ties keep id order (std::sort leaves them unspecified).
         special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
 
         return cls(
@@ -281,9 +287,8 @@ def _apply_eog_workarounds(tokens: list[str], attrs: list[int], eog: set[int]) -
     Returns the ids whose attributes changed."""
     changed: set[int] = set()
     texts = {tokens[i]: i for i in eog}
-    harmony = "<|return|>" in texts and "<|call|>" in texts
-    solar = ("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts
-    if "<|end|>" in texts and (harmony or solar):
+    has_call = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
         end = texts["<|end|>"]
         eog.discard(end)
         attrs[end] = _USER_DEFINED

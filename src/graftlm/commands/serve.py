@@ -1,0 +1,205 @@
+"""`graftlm serve`: an OpenAI- and llama-server-compatible HTTP server over one engine thread.
+
+Flags follow llama-server where it has them (-m, --host, --port, -c, -t, -np, --lora,
+--lora-scaled, --lora-init-without-apply, --api-key, --temp, --seed, -n) and vLLM for named
+adapters (--lora-modules, --max-loras, --max-lora-rank); --max-lora-memory and
+--allow-runtime-lora are ours. Heavy imports happen only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+
+from graftlm.lora.cli_args import add_lora_arguments
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512M', '1.5G', '64MiB', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(
+            f"--max-lora-memory {text!r}: expected a size such as 512M, 2G or a number of bytes"
+        )
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return int(value * 1024 ** " kmgt".index(unit or " "))
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
+    """vLLM's --lora-modules: 'name=path' or '{"name": ..., "path": ...}', several per flag."""
+    out: list[tuple[str, str]] = []
+    for group in groups:
+        for item in group:
+            if item.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(item)
+                    out.append((str(obj["name"]), str(obj["path"])))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(
+                        f"--lora-modules {item!r}: expected JSON with 'name' and 'path'"
+                    ) from None
+                continue
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {item!r}: expected name=path")
+            out.append((name, path))
+    return out
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m", "--model", default=None, help="GGUF model (default: embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "-a",
+        "--alias",
+        default=None,
+        help="the base model's name in the API (default: its file name)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "-c", "--ctx-size", type=int, default=4096, help="context of each sequence (0: the model's)"
+    )
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=4,
+        help="sequences generated at once (continuous batching)",
+    )
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API call"
+    )
+    p.add_argument("--temp", type=float, default=0.8, help="default temperature")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("-s", "--seed", type=int, default=-1, help="default seed (-1: random)")
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=-1,
+        help="default tokens to generate (-1: until the end)",
+    )
+    add_lora_arguments(p)
+    g = p.add_argument_group("named adapters (vLLM)")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters selected by the request's `model` field; loaded on first use",
+    )
+    g.add_argument("--max-loras", type=int, default=None, help="most adapters attached at once")
+    g.add_argument(
+        "--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank"
+    )
+    g.add_argument(
+        "--max-lora-memory",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="LoRA weight budget (e.g. 512M); idle adapters are evicted, least recently used first",
+    )
+    g.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import graftlm
+    from graftlm.lora.cli_args import lora_specs
+    from graftlm.server.app import build_state, create_app
+    from graftlm.server.state import ServerConfig
+
+    specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
+    modules = parse_lora_modules(args.lora_modules)
+    if args.parallel < 1:
+        raise ValueError(f"--parallel {args.parallel}: must be at least 1")
+    t0 = time.perf_counter()
+    # one sequence slot more than --parallel: scoring requests (echo + logprobs) never wait
+    model = graftlm.load(
+        args.model,
+        threads=args.threads,
+        ctx_size=args.ctx_size,
+        n_seq=args.parallel + 1,
+        progress=True,
+    )
+    print(
+        f"loaded {model.path.name}: {model.config.arch}, context {model.n_ctx}, "
+        f"{args.parallel} parallel, "
+        f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
+        file=sys.stderr,
+    )
+    config = ServerConfig(
+        model_name=args.alias or model.path.name,
+        api_key=args.api_key,
+        allow_runtime_lora=args.allow_runtime_lora,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        n_predict=args.n_predict,
+        extra_model_names=(model.path.name, model.path.stem) if args.alias else (model.path.stem,),
+    )
+    state = build_state(
+        model,
+        config,
+        parallel=args.parallel,
+        lora=[(s.path, s.scale) for s in specs],
+        lora_modules=modules,
+        max_lora_bytes=args.max_lora_memory,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+    )
+    for a in state.registry.adapter_list():
+        print(f"lora {a['id']} ({a['name']}): {a['path']} scale {a['scale']:g}", file=sys.stderr)
+    for name, path in modules:
+        print(f"lora module {name}: {path} (loaded on first use)", file=sys.stderr)
+    try:
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        state.service.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m graftlm.commands.serve ...` (the same as `graftlm serve ...`)."""
+    from graftlm.errors import GraftError
+
+    parser = argparse.ArgumentParser(prog="graftlm serve", description=__doc__.splitlines()[0])
+    add_serve_arguments(parser)
+    try:
+        return serve(parser.parse_args(argv))
+    except (GraftError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

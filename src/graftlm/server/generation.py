@@ -1,0 +1,227 @@
+"""From a parsed request to engine jobs, and from the engine's events back to answer pieces.
+
+Every generating endpoint runs `deltas()`: one generator of per-choice pieces (text, tokens,
+log-probabilities, and at the end the finish). A streaming answer frames each piece as it comes;
+a non-streaming answer folds the same pieces (`collect`). Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, TokenEvent
+from graftlm.server.registry import Lease, UnknownModelError
+from graftlm.server.schemas import LoraItem, SamplingFields
+from graftlm.server.state import ApiError, ServerState
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability (None: the first prompt token has none) and the top few."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class Delta:
+    """A piece of one choice: text released, tokens it came from, their log-probabilities;
+    `finish` is set on the last piece of the choice."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: FinishEvent | None = None
+    echo: bool = False  # the prompt, given back (completions with echo)
+
+
+@dataclass
+class Choice:
+    """A whole choice, folded from its deltas."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish: FinishEvent | None = None
+    n_echo_tokens: int = 0
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        if d.echo:
+            self.n_echo_tokens += len(d.tokens)
+        else:
+            self.tokens += d.tokens
+        self.logprobs += d.logprobs
+        if d.finish is not None:
+            self.finish = d.finish
+
+
+# -- requests -> jobs --
+def sampling_params(
+    state: ServerState, body: SamplingFields, max_tokens: int, choice: int = 0
+) -> SamplingParams:
+    """The request's sampling settings over the server's defaults. Choice i of n gets seed + i, so
+    n > 1 with a seed gives n different, repeatable answers."""
+    cfg = state.config
+    seed = body.seed if body.seed is not None else cfg.seed
+    try:
+        return SamplingParams(
+            temperature=cfg.temperature if body.temperature is None else body.temperature,
+            top_k=cfg.top_k if body.top_k is None else body.top_k,
+            top_p=cfg.top_p if body.top_p is None else body.top_p,
+            min_p=cfg.min_p if body.min_p is None else body.min_p,
+            repeat_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
+            repeat_last_n=64 if body.repeat_last_n is None else body.repeat_last_n,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            seed=None if seed is None or seed < 0 else seed + choice,
+            max_tokens=max_tokens,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_value") from None
+
+
+def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
+    """A prompt as text (tokenized with the model's special tokens) or as token ids (checked)."""
+    if isinstance(prompt, str):
+        ids = state.service.tokenize(prompt, add_special=True, parse_special=True)
+    else:
+        ids = list(prompt)
+        state.service.check_ids(ids)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "invalid_prompt")
+    return ids
+
+
+def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
+    """A prompt must leave room for one generated token (or fit whole, when only scored)."""
+    n_ctx = state.service.n_ctx
+    if len(ids) > n_ctx or (max_tokens != 0 and len(ids) >= n_ctx):
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {n_ctx} tokens; "
+            f"the prompt has {len(ids)} tokens"
+            + ("" if max_tokens == 0 else " and needs room for at least one more"),
+            "context_length_exceeded",
+        )
+
+
+async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
+    """The adapter settings a request runs with, held until its deltas end."""
+    items = None if lora is None else [(x.id, x.scale) for x in lora]
+    try:
+        lease = await state.registry.lease(model, items, state.base_names)
+    except UnknownModelError as exc:
+        raise ApiError(404, str(exc), exc.code) from None
+    return lease
+
+
+# -- events -> deltas --
+async def deltas(
+    state: ServerState,
+    jobs: list[Job],
+    lease: Lease,
+    endpoint: str,
+    before: Sequence[Delta] = (),
+) -> AsyncGenerator[Delta, None]:
+    """The pieces of every choice as the engine produces them (`before` first: echoed prompts).
+    Releases the lease when it ends, however it ends; records each finished choice's metrics."""
+    try:
+        for d in before:
+            yield d
+        async with aclosing(state.service.stream(jobs)) as events:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    lp = (
+                        [TokenLogprob(ev.token, ev.logprob, ev.top)]
+                        if ev.logprob is not None
+                        else []
+                    )
+                    yield Delta(ev.index, ev.text, [ev.token], lp)
+                elif isinstance(ev, FinishEvent):
+                    state.metrics.finished(
+                        lease.labels, endpoint, ev.n_prompt, ev.n_generated, ev.ttft, ev.tpot
+                    )
+                    yield Delta(ev.index, ev.text, finish=ev)
+                elif isinstance(ev, ErrorEvent):
+                    raise ev.error
+    finally:
+        state.registry.release(lease)
+
+
+async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int) -> list[Choice]:
+    """Fold pieces into whole choices; cancel the generation if the client goes away meanwhile."""
+    choices = [Choice(i) for i in range(n)]
+
+    async def fold() -> None:
+        async with aclosing(pieces) as it:
+            async for d in it:
+                choices[d.index].add(d)
+
+    task = asyncio.ensure_future(fold())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "the client closed the connection", "client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+    task.result()
+    return choices
+
+
+async def sse(
+    pieces: AsyncGenerator[Delta, None],
+    frame: Callable[[Delta], list[dict[str, Any]]],
+    tail: Callable[[], list[dict[str, Any]]] = list,
+    done_marker: bool = True,
+) -> AsyncGenerator[bytes, None]:
+    """Server-sent events: `frame` turns each piece into zero or more JSON events; `tail` adds the
+    last ones (usage). An error after the answer started is sent as an error event."""
+    async with aclosing(pieces) as it:
+        try:
+            async for d in it:
+                for ev in frame(d):
+                    yield _event(ev)
+            for ev in tail():
+                yield _event(ev)
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
+            yield _event(ApiError.of(exc).body())
+    if done_marker:
+        yield b"data: [DONE]\n\n"
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def usage(choices_prompt_tokens: Sequence[int], n_generated: int) -> dict[str, int]:
+    prompt = sum(choices_prompt_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": n_generated,
+        "total_tokens": prompt + n_generated,
+    }
+
+
+def finish_reason(finish: FinishEvent | None) -> str | None:
+    if finish is None:
+        return None
+    return "length" if finish.reason == "length" else "stop"

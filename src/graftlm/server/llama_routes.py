@@ -1,0 +1,280 @@
+"""llama-server's own endpoints: /completion, tokens, templates, health, props, the LoRA API, and
+the Prometheus /metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from graftlm.runtime.service import FinishEvent, Job
+from graftlm.server.generation import (
+    Choice,
+    Delta,
+    TokenLogprob,
+    admit,
+    check_context,
+    collect,
+    deltas,
+    prompt_ids,
+    sampling_params,
+    sse,
+)
+from graftlm.server.openai_routes import SSE_HEADERS, state_of
+from graftlm.server.schemas import (
+    ApplyTemplateRequest,
+    DetokenizeRequest,
+    LlamaCompletionRequest,
+    LoraItem,
+    TokenizeRequest,
+)
+from graftlm.server.state import ApiError, ServerState
+
+router = APIRouter()
+public = APIRouter()  # no API key needed (llama-server's public endpoints)
+
+
+# -- /completion --
+def _probabilities(state: ServerState, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    svc = state.service
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {
+            "id": token,
+            "token": svc.token_str(token),
+            "logprob": logprob,
+            "bytes": list(svc.token_bytes(token)),
+        }
+
+    out = []
+    for lp in lps:
+        e = entry(lp.token, lp.logprob if lp.logprob is not None else 0.0)
+        e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        out.append(e)
+    return out
+
+
+def _timings(f: FinishEvent) -> dict[str, float]:
+    prompt_done = f.t_prompt_done or f.t_end or f.t_submit
+    end = f.t_end or prompt_done
+    prompt_ms = (prompt_done - f.t_submit) * 1000.0
+    predicted_ms = (end - prompt_done) * 1000.0
+    return {
+        "prompt_n": f.n_prompt,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / f.n_prompt if f.n_prompt else 0.0,
+        "prompt_per_second": f.n_prompt / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+        "predicted_n": f.n_generated,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
+        "predicted_per_second": f.n_generated / predicted_ms * 1000.0 if predicted_ms > 0 else 0.0,
+    }
+
+
+def _stop_type(f: FinishEvent | None) -> str:
+    if f is None:
+        return "none"
+    if f.stop_word is not None or (f.reason == "stop" and not f.stopped_eos):
+        return "word"
+    return "eos" if f.stopped_eos else "limit"
+
+
+@router.post("/completion")
+@router.post("/v1/completion", include_in_schema=False)
+async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
+    """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives)."""
+    state = state_of(request)
+    n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
+    ids = prompt_ids(state, body.prompt)
+    check_context(state, ids, n_predict)
+    params = sampling_params(state, body, n_predict)
+    lease = await admit(state, body.model, body.lora)
+    job = Job(ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None)
+    pieces = deltas(state, [job], lease, "completion")
+    model = body.model or state.config.model_name
+    prompt_text = body.prompt if isinstance(body.prompt, str) else state.service.detokenize(ids)
+
+    def final(c: Choice, stream: bool) -> dict[str, Any]:
+        f = c.finish
+        p = params
+        out: dict[str, Any] = {
+            "index": 0,
+            "content": "" if stream else c.text,
+            "tokens": [] if stream or not body.return_tokens else c.tokens,
+            "id_slot": -1,
+            "stop": True,
+            "model": model,
+            "tokens_predicted": f.n_generated if f else 0,
+            "tokens_evaluated": len(ids),
+            "generation_settings": {
+                "n_predict": n_predict,
+                "temperature": p.temperature,
+                "top_k": p.top_k,
+                "top_p": p.top_p,
+                "min_p": p.min_p,
+                "seed": -1 if p.seed is None else p.seed,
+                "stop": list(p.stop),
+                "ignore_eos": p.ignore_eos,
+                "lora": [{"id": i, "scale": s} for i, s in sorted(lease.lora.items())],
+            },
+            "prompt": prompt_text,
+            "has_new_line": "\n" in c.text,
+            "truncated": False,
+            "stop_type": _stop_type(f),
+            "stopped_eos": bool(f and f.stopped_eos),
+            "stopped_word": _stop_type(f) == "word",
+            "stopped_limit": _stop_type(f) == "limit",
+            "stopping_word": (f.stop_word or "") if f else "",
+            "tokens_cached": 0,
+            "timings": _timings(f) if f else {},
+        }
+        if body.n_probs > 0 and not stream:
+            out["completion_probabilities"] = _probabilities(state, c.logprobs)
+        return out
+
+    if body.stream:
+        whole = Choice(0)
+
+        def frame(d: Delta) -> list[dict[str, Any]]:
+            whole.add(d)
+            out = []
+            if d.text or d.tokens:
+                ev: dict[str, Any] = {
+                    "index": 0,
+                    "content": d.text,
+                    "tokens": d.tokens,
+                    "stop": False,
+                    "id_slot": -1,
+                }
+                if body.n_probs > 0:
+                    ev["completion_probabilities"] = _probabilities(state, d.logprobs)
+                out.append(ev)
+            if d.finish is not None:
+                out.append(final(whole, stream=True))
+            return out
+
+        return StreamingResponse(
+            sse(pieces, frame, done_marker=False),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    (choice,) = await collect(request, pieces, 1)
+    return final(choice, stream=False)
+
+
+# -- tokens and templates --
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    svc = state_of(request).service
+    ids = svc.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    out = []
+    for i in ids:
+        raw = svc.token_bytes(i)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": i, "piece": piece})
+    return {"tokens": out}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    return {"content": state_of(request).service.detokenize(body.tokens)}
+
+
+@router.post("/apply-template")
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, str]:
+    svc = state_of(request).service
+    return {"prompt": svc.apply_chat_template([m.as_template_input() for m in body.messages])}
+
+
+# -- health and properties --
+@public.get("/health")
+@public.get("/v1/health", include_in_schema=False)
+async def health(request: Request) -> JSONResponse:
+    if not state_of(request).service.alive:
+        return JSONResponse(
+            ApiError(503, "the engine thread is not running").body(), status_code=503
+        )
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/props")
+async def props(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    cfg, svc = state.config, state.service
+    from graftlm import __version__
+
+    return {
+        "default_generation_settings": {
+            "n_ctx": svc.n_ctx,
+            "params": {
+                "temperature": cfg.temperature,
+                "top_k": cfg.top_k,
+                "top_p": cfg.top_p,
+                "min_p": cfg.min_p,
+                "seed": cfg.seed,
+                "n_predict": cfg.n_predict,
+            },
+        },
+        "total_slots": svc.max_running,
+        "model_path": str(svc.model_path),
+        "model_alias": cfg.model_name,
+        "chat_template": svc.chat_template or "",
+        "modalities": {"vision": False, "audio": False},
+        "build_info": f"graftlm {__version__}",
+    }
+
+
+# -- llama-server's LoRA API --
+@router.get("/lora-adapters")
+async def get_lora_adapters(request: Request) -> list[dict[str, Any]]:
+    """[{id, path, scale, task_name, prompt_prefix}] of every attached adapter."""
+    return state_of(request).registry.adapter_list()
+
+
+@router.post("/lora-adapters")
+async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
+    """Set the global scales: [{id, scale}]; adapters not listed go to 0."""
+    state = state_of(request)
+    try:
+        payload = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(payload, list):
+        raise ApiError(
+            400,
+            'POST /lora-adapters expects a JSON array of {"id", "scale"} objects, '
+            f"got {type(payload).__name__}",
+            "invalid_value",
+        )
+    items: list[tuple[int, float]] = []
+    for k, raw in enumerate(payload):
+        try:
+            item = LoraItem.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc']) or 'item'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ApiError(
+                400, f"POST /lora-adapters item {k}: {problems}", "invalid_value"
+            ) from None
+        items.append((item.id, item.scale))
+    await state.registry.set_scales(items)
+    return state.registry.adapter_list()
+
+
+# -- metrics --
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
+    data, content_type = state.metrics.render()
+    return Response(data, media_type=content_type)

@@ -1,0 +1,360 @@
+"""OpenAI's endpoints (completions, chat completions, models) and vLLM's runtime adapter API."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from graftlm.runtime.service import Job
+from graftlm.server.generation import (
+    Choice,
+    Delta,
+    TokenLogprob,
+    admit,
+    check_context,
+    collect,
+    deltas,
+    finish_reason,
+    prompt_ids,
+    sampling_params,
+    sse,
+    usage,
+)
+from graftlm.server.registry import UnknownModelError
+from graftlm.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+)
+from graftlm.server.state import ApiError, ServerState
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.graft
+    return state
+
+
+# -- log-probabilities in OpenAI's two shapes --
+def completion_logprobs(
+    state: ServerState, lps: Sequence[TokenLogprob], offset: int
+) -> dict[str, Any]:
+    """The legacy completions shape; `offset`: text offset of the first token. The chosen token
+    is always among its top_logprobs (lm-evaluation-harness compares it with the best one)."""
+    svc = state.service
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for lp in lps:
+        s = svc.token_str(lp.token)
+        tokens.append(s)
+        token_logprobs.append(lp.logprob)
+        if lp.logprob is None:
+            top_logprobs.append(None)
+        else:
+            top: dict[str, float] = {}
+            for t, v in lp.top:  # best first; tokens that render alike keep the best value
+                top.setdefault(svc.token_str(t), v)
+            top.setdefault(s, lp.logprob)
+            top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(state: ServerState, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    svc = state.service
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": svc.token_str(token),
+            "logprob": logprob,
+            "bytes": list(svc.token_bytes(token)),
+        }
+
+    content = []
+    for lp in lps:
+        e = entry(lp.token, lp.logprob if lp.logprob is not None else 0.0)
+        e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+# -- /v1/completions --
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ApiError(400, "the prompt is empty", "invalid_prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]  # type: ignore[arg-type]
+    return list(p)  # type: ignore[arg-type]
+
+
+@router.post("/v1/completions")
+@router.post("/completions", include_in_schema=False)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """Continue prompts (text or token ids); echo + logprobs + max_tokens 0 scores a prompt."""
+    state = state_of(request)
+    svc = state.service
+    max_tokens = state.config.n_predict if body.max_tokens is None else body.max_tokens
+    prompts = _prompts(body)
+    ids = [prompt_ids(state, p) for p in prompts]
+    for x in ids:
+        check_context(state, x, max_tokens)
+    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    lease = await admit(state, body.model, body.lora)
+    try:
+        jobs = [Job(x, params[j], lease.lora, body.logprobs) for x in ids for j in range(body.n)]
+        before: list[Delta] = []
+        if body.echo:
+            scored = None
+            if body.logprobs is not None:
+                scored = [await svc.aprompt_logprobs(x, body.logprobs, lease.lora) for x in ids]
+            for pi, (p, x) in enumerate(zip(prompts, ids, strict=True)):
+                text = p if isinstance(p, str) else svc.detokenize(x)
+                lps: list[TokenLogprob] = []
+                if scored is not None:
+                    lps = [TokenLogprob(x[0], None)] + [
+                        TokenLogprob(s["id"], s["logprob"], tuple((t, v) for t, v in s["top"]))
+                        for s in scored[pi]
+                    ]
+                before += [
+                    Delta(pi * body.n + j, text, list(x), lps, echo=True) for j in range(body.n)
+                ]
+    except BaseException:
+        state.registry.release(lease)
+        raise
+    pieces = deltas(state, jobs, lease, "completions", before)
+    rid, created, model = (
+        f"cmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+        body.model or state.config.model_name,
+    )
+    n_prompt = [len(x) for x in ids]
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    if body.stream:
+        offsets = [0] * len(jobs)
+        n_gen = [0]
+
+        def frame(d: Delta) -> list[dict[str, Any]]:
+            if d.finish is not None:
+                n_gen[0] += d.finish.n_generated
+            if not d.text and d.finish is None and not d.logprobs:
+                return []
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(state, d.logprobs, offsets[d.index])
+            offsets[d.index] += len(d.text)
+            c = {
+                "index": d.index,
+                "text": d.text,
+                "logprobs": lp,
+                "finish_reason": finish_reason(d.finish),
+            }
+            return [chunk([c])]
+
+        def tail() -> list[dict[str, Any]]:
+            if body.stream_options is None or not body.stream_options.include_usage:
+                return []
+            return [chunk([]) | {"usage": usage(n_prompt, n_gen[0])}]
+
+        return StreamingResponse(
+            sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    choices = await collect(request, pieces, len(jobs))
+    return chunk([_completion_choice(state, c, body.logprobs is not None) for c in choices]) | {
+        "usage": usage(n_prompt, sum(c.finish.n_generated for c in choices if c.finish))
+    }
+
+
+def _completion_choice(state: ServerState, c: Choice, logprobs: bool) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "text": c.text,
+        "logprobs": completion_logprobs(state, c.logprobs, 0) if logprobs else None,
+        "finish_reason": finish_reason(c.finish),
+    }
+
+
+# -- /v1/chat/completions --
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """Chat through the model's template; streaming as server-sent events."""
+    state = state_of(request)
+    limit = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    max_tokens = state.config.n_predict if limit is None else limit
+    ids = state.service.chat_prompt([m.as_template_input() for m in body.messages])
+    check_context(state, ids, max_tokens)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    lease = await admit(state, body.model, body.lora)
+    jobs = [Job(ids, params[j], lease.lora, top) for j in range(body.n)]
+    pieces = deltas(state, jobs, lease, "chat")
+    rid, created, model = (
+        f"chatcmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+        body.model or state.config.model_name,
+    )
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+
+    if body.stream:
+        started = [False] * body.n
+        n_gen = [0]
+
+        def frame(d: Delta) -> list[dict[str, Any]]:
+            out = []
+            if not started[d.index]:
+                started[d.index] = True
+                role = {
+                    "index": d.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                out.append(chunk([role]))
+            if d.finish is not None:
+                n_gen[0] += d.finish.n_generated
+            if d.text or d.logprobs or d.finish is not None:
+                c = {
+                    "index": d.index,
+                    "delta": {"content": d.text} if d.text else {},
+                    "logprobs": chat_logprobs(state, d.logprobs)
+                    if top is not None and d.logprobs
+                    else None,
+                    "finish_reason": finish_reason(d.finish),
+                }
+                out.append(chunk([c]))
+            return out
+
+        def tail() -> list[dict[str, Any]]:
+            if body.stream_options is None or not body.stream_options.include_usage:
+                return []
+            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0])}]
+
+        return StreamingResponse(
+            sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    choices = await collect(request, pieces, body.n)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(state, c.logprobs) if top is not None else None,
+                "finish_reason": finish_reason(c.finish),
+            }
+            for c in choices
+        ],
+        "usage": usage([len(ids)], sum(c.finish.n_generated for c in choices if c.finish)),
+    }
+
+
+# -- /v1/models --
+@router.get("/v1/models")
+@router.get("/models", include_in_schema=False)
+async def models(request: Request) -> dict[str, Any]:
+    """The base model and every adapter (`parent`: the base), loaded or loadable."""
+    state = state_of(request)
+    base = state.config.model_name
+    created = (
+        int(state.service.model_path.stat().st_mtime) if state.service.model_path.exists() else 0
+    )
+    data = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "graftlm",
+            "root": str(state.service.model_path),
+            "parent": None,
+            "max_model_len": state.service.n_ctx,
+        }
+    ]
+    for name, e in sorted(state.registry.names.items()):
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "graftlm",
+                "root": e.path,
+                "parent": base,
+                "lora_id": e.id,
+            }
+        )
+    return {"object": "list", "data": data}
+
+
+# -- vLLM's runtime adapter API --
+def _runtime_lora(state: ServerState) -> None:
+    if not state.config.allow_runtime_lora:
+        raise ApiError(
+            404,
+            "runtime LoRA loading is off: start the server with --allow-runtime-lora",
+            "not_enabled",
+        )
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
+    """Attach an adapter (GGUF file or PEFT directory) under a name; a name in use is replaced."""
+    state = state_of(request)
+    _runtime_lora(state)
+    if body.lora_name in state.base_names:
+        raise ApiError(400, f"{body.lora_name!r} is the base model's name", "invalid_value")
+    await state.registry.load(body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> PlainTextResponse:
+    """Forget a named adapter; requests using it finish with it first."""
+    state = state_of(request)
+    _runtime_lora(state)
+    try:
+        await state.registry.unload(body.lora_name)
+    except UnknownModelError as exc:
+        raise ApiError(404, str(exc), exc.code) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -1,0 +1,125 @@
+"""Mixture of experts (Mixtral-style `llama`): adapters on attention work, routed-expert adapters
+are refused by name, and each expert's 2-D weight is exactly its slice of the 3-D file tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from families import (
+    IDS,
+    family_dir,
+    forward,
+    hf_logits,
+    hf_model,
+    load,
+    one_thread,  # noqa: F401 (an autouse fixture: tiny models run on one thread)
+    rel_err,
+    with_adapter,
+)
+from tiny_models import write_tiny_adapter
+
+from graftlm.errors import AdapterError
+from graftlm.gguf import GGUFFile
+from graftlm.models.base import Weights
+from graftlm.models.moe import Experts
+
+RANK, ALPHA = 4, 8.0
+
+
+def _permute_rows(b: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter order for llama Q/K rows (and so for the B of an adapter on them):
+    each head's two halves interleaved, so RoPE can rotate adjacent pairs."""
+    return (
+        b.reshape(n_head, 2, b.shape[0] // n_head // 2, *b.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(b.shape)
+    )
+
+
+def _peft_to_gguf(peft_model: torch.nn.Module, path: Path, n_head: int, n_head_kv: int) -> Path:
+    """What llama.cpp's convert_lora_to_gguf.py writes for an attention-only llama adapter."""
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", ALPHA)
+    for name, module in peft_model.named_modules():
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        kind = name.rsplit(".", 1)[1]
+        a = module.lora_A["default"].weight.detach().numpy()  # (r, n_in)
+        b = module.lora_B["default"].weight.detach().numpy()  # (n_out, r)
+        if kind in ("q_proj", "k_proj"):
+            b = _permute_rows(b, n_head if kind == "q_proj" else n_head_kv)
+        base = f"blk.{layer}.{names[kind]}.weight"
+        w.add_tensor(base + ".lora_a", np.ascontiguousarray(a))
+        w.add_tensor(base + ".lora_b", np.ascontiguousarray(b))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_attention_adapter_on_moe_matches_peft(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        init_lora_weights=False,  # random B too, so the adapter changes the output
+    )
+    hf = peft.get_peft_model(hf_model("mixtral"), config).eval()
+    ref = hf_logits(hf, IDS)
+    with hf.disable_adapter():
+        base = hf_logits(hf, IDS)
+    model = load("mixtral")
+    path = _peft_to_gguf(hf, tmp_path / "attn.gguf", model.cfg.n_head, model.cfg.n_head_kv)
+    ours = forward(with_adapter(model, path), IDS, scale=1.0)
+    assert rel_err(base, ref) > 0.1
+    assert rel_err(ours, ref) < 1e-3
+
+
+def test_routed_expert_adapter_is_refused_by_name(tmp_path: Path) -> None:
+    model = load("mixtral")
+    targets = {
+        "blk.0.ffn_gate_exps": (128, 64),
+        "blk.1.ffn_down_exps": (64, 128),
+        "blk.0.attn_q": (128, 128),
+    }
+    path = write_tiny_adapter(tmp_path / "exps.gguf", targets=targets, arch="llama")
+    with pytest.raises(AdapterError) as err:
+        with_adapter(model, path)
+    msg = str(err.value)
+    # every refused tensor is named in the one error; the attention tensor is not a problem
+    assert "blk.0.ffn_gate_exps.weight: routed-expert" in msg
+    assert "blk.1.ffn_down_exps.weight: routed-expert" in msg
+    assert "attn_q" not in msg
+    assert not any(p.lora for p in model.projections().values())  # nothing attached
+
+
+@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+def test_experts_are_slices_of_the_file_tensor(quant: str) -> None:
+    file = GGUFFile(family_dir("mixtral") / f"model-{quant}.gguf")
+    entry = file.tensors["blk.1.ffn_down_exps.weight"]
+    whole = gguf.quants.dequantize(np.asarray(entry.data), entry.ggml_type).reshape(entry.shape)
+    experts = Experts(Weights(file, "reference"), entry.name, (8, 128, 64))
+    for e in range(8):
+        rows = experts[e].rows(torch.arange(128))  # (n_out, n_in): every row of expert e
+        assert torch.equal(rows, torch.from_numpy(np.ascontiguousarray(whole[e])))
+
+
+def test_moe_nbytes_counts_the_experts() -> None:
+    model = load("mixtral", "q8_0")
+    experts = sum(
+        getattr(b, n).nbytes
+        for b in model.blocks
+        for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    )
+    assert experts > 0 and model.nbytes > experts

@@ -1,0 +1,165 @@
+"""QWeight.matmul (the seam) against its float32 twin, across kernels, M, leading dims, modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from graftlm.quant import QWeight, compute_dtype, config, linear
+from graftlm.quant.int4pack import int4pack_layout
+from graftlm.quant.synth import gguf_tensor
+
+# (type, shape, kernel expected when torch's int4pack is usable)
+CASES = [
+    (Q.F32, (96, 256), "dense-f32"),
+    (Q.F16, (96, 256), "dense-f16"),
+    (Q.BF16, (96, 256), "dense-bf16"),
+    (Q.Q4_0, (100, 256), "int4pack"),
+    (Q.Q4_1, (192, 576), "int4pack"),
+    (Q.Q4_K, (64, 512), "int4pack"),
+    (Q.Q5_0, (256, 640), "int4pack2"),
+    (Q.Q5_1, (64, 256), "int4pack2"),
+    (Q.Q5_K, (80, 512), "int4pack2"),
+    (Q.Q6_K, (64, 512), "int4pack2"),
+    (Q.Q8_0, (256, 640), "int4pack2"),
+    (Q.Q8_0, (8192, 64), "int8g"),  # a vocabulary-wide weight (embedding / tied head)
+    (Q.Q2_K, (64, 512), "blocks"),
+    (Q.Q3_K, (64, 512), "blocks"),
+    (Q.IQ4_NL, (64, 256), "blocks"),
+    (Q.IQ2_XXS, (32, 256), "blocks"),
+]
+BF16_TOL = 1e-2  # x and the group scales are rounded to bf16 (2^-9 relative): observed ~3e-3
+F32_TOL = 1e-5
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).norm() / ref.norm())
+
+
+def load(qtype: Q, shape: tuple[int, int], prefer: str = "fast") -> tuple[QWeight, torch.Tensor]:
+    raw, _ = gguf_tensor(qtype, shape, seed=7)
+    w = QWeight.from_gguf(raw, qtype, shape, name="blk.0.x", prefer=prefer)
+    return w, w.dequantize()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0].name}-{c[1][0]}x{c[1][1]}")
+def case(request: pytest.FixtureRequest) -> tuple[QWeight, torch.Tensor, str]:
+    qtype, shape, kernel = request.param
+    w, dense = load(qtype, shape)
+    return w, dense, kernel
+
+
+def test_kernel_choice(case: tuple[QWeight, torch.Tensor, str]) -> None:
+    w, _, kernel = case
+    if kernel.startswith("int4pack") and int4pack_layout() is None:
+        pytest.skip("torch's int4pack kernel is not usable on this build")
+    assert w.kernel == kernel
+
+
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (64,)], ids=str)
+def test_matmul_matches_float32_twin(case: tuple[QWeight, torch.Tensor, str],
+                                     lead: tuple[int, ...]) -> None:
+    w, dense, _ = case
+    x = torch.randn(*lead, w.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = x @ dense.T
+    y = linear(x, w)
+    assert y.shape == (*lead, w.shape[0]) and y.dtype == torch.float32
+    assert rel_err(y, ref) < BF16_TOL
+    assert torch.allclose(w.reference_matmul(x), ref, rtol=1e-5, atol=1e-6)
+    with compute_dtype(torch.float32):
+        assert rel_err(w.matmul(x), ref) < F32_TOL
+
+
+def test_fused_and_float32_paths_cover_every_m(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Crossing PREFILL_M and chunking the float32 path (tiny chunks) changes nothing."""
+    w, dense = load(Q.Q5_0, (256, 640))
+    monkeypatch.setattr(config, "CHUNK_ELEMS", 64 * 640)  # 4 chunks of 64 rows
+    for m in (1, config.PREFILL_M[w.kernel] - 1, config.PREFILL_M[w.kernel], 200):
+        x = torch.randn(m, 640)
+        assert rel_err(w.matmul(x), x @ dense.T) < BF16_TOL
+
+
+def test_output_rows_beyond_n_out_never_leak() -> None:
+    w, dense = load(Q.Q4_0, (20, 256))  # padded to 64 rows inside
+    y = w.matmul(torch.randn(3, 256))
+    assert y.shape == (3, 20) and y.is_contiguous()
+
+
+def test_tied_embedding_one_copy_serves_rows_and_head() -> None:
+    w, dense = load(Q.Q8_0, (8192, 64))
+    assert w.kernel == "int8g"
+    tokens = torch.tensor([[1, 8191], [7, 1]])
+    emb = w.rows(tokens).view(2, 2, 64)
+    assert torch.equal(emb, dense[tokens])
+    logits = w.matmul(emb)
+    assert logits.shape == (2, 2, 8192) and rel_err(logits, emb @ dense.T) < BF16_TOL
+    assert w.nbytes < 1.1 * 8192 * 64 * 34 / 32
+
+
+@pytest.mark.parametrize("qtype,ratio", [(Q.Q4_1, 1.21), (Q.Q4_K, 1.26), (Q.Q6_K, 1.62),
+                                         (Q.Q5_0, 1.92), (Q.Q8_0, 1.24), (Q.Q2_K, 1.0),
+                                         (Q.F16, 1.0)], ids=str)
+def test_weights_stay_compact(qtype: Q, ratio: float) -> None:
+    raw, _ = gguf_tensor(qtype, (256, 512), prefer_quantize=False)
+    w = QWeight.from_gguf(raw, qtype, (256, 512))
+    assert w.nbytes <= ratio * raw.nbytes
+
+
+def test_reference_prefer_is_dense_float32() -> None:
+    w, dense = load(Q.Q4_K, (64, 512), prefer="reference")
+    assert w.kernel == "reference-f32" and w.nbytes == 64 * 512 * 4
+    x = torch.randn(2, 512)
+    assert torch.allclose(w.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-6)
+
+
+def test_without_int4pack_every_type_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graftlm.quant import int4pack
+
+    monkeypatch.setattr(int4pack, "int4pack_layout", lambda: None)
+    w, dense = load(Q.Q4_K, (64, 512))
+    assert w.kernel == "blocks"
+    x = torch.randn(3, 512)
+    assert rel_err(w.matmul(x), x @ dense.T) < F32_TOL
+
+
+def test_empty_batch_and_bad_inputs() -> None:
+    w, _ = load(Q.Q4_0, (64, 256))
+    assert w.matmul(torch.empty(0, 256)).shape == (0, 64)
+    assert w.matmul(torch.empty(2, 0, 256)).shape == (2, 0, 64)
+    with pytest.raises(ValueError, match="features"):
+        w.matmul(torch.randn(2, 255))
+    raw, _ = gguf_tensor(Q.Q4_0, (64, 256))
+    with pytest.raises(ValueError, match="prefer"):
+        QWeight.from_gguf(raw, Q.Q4_0, (64, 256), prefer="fastest")
+    with pytest.raises(ValueError, match="bytes"):
+        QWeight.from_gguf(raw, Q.Q4_0, (65, 256))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QWeight.from_gguf(np.zeros(64 * 18, np.uint8), Q.Q4_0, (64, 31))
+    with pytest.raises(ValueError):
+        config.set_compute_dtype(torch.float16)
+
+
+def test_matmul_accepts_other_float_dtypes_and_noncontiguous_x() -> None:
+    w, dense = load(Q.Q4_1, (192, 576))
+    x = torch.randn(576, 4).T  # non-contiguous (4, 576)
+    assert rel_err(w.matmul(x.bfloat16()), x @ dense.T) < BF16_TOL
+    assert rel_err(w.matmul(x), x @ dense.T) < BF16_TOL
+
+
+def test_to_same_device_is_identity_and_repr() -> None:
+    w, _ = load(Q.Q4_1, (192, 576))
+    assert w.to("cpu") is w
+    assert "int4pack" in repr(w) and "blk.0.x" in repr(w)
+
+
+def test_device_dense_kernel_semantics() -> None:
+    """QWeight.to('cuda') builds this kernel; its arithmetic is checked here on CPU."""
+    from graftlm.quant.kernels import DeviceDenseKernel
+
+    w, dense = load(Q.Q4_1, (192, 576))
+    k = DeviceDenseKernel(dense.to(torch.bfloat16))
+    x = torch.randn(3, 576)
+    assert rel_err(k.matmul(x), x @ dense.T) < BF16_TOL
+    assert torch.equal(k.rows(torch.tensor([2])), dense[[2]].bfloat16().float())

@@ -1,0 +1,84 @@
+"""A real uvicorn server on 127.0.0.1 over a tiny random model, plus a reference model in-process.
+
+The server: adapter `a0` pinned through --lora at scale 0 (id 0), `alpha` and `beta` as
+--lora-modules (attached on first use), runtime loading on. The reference: the same model file
+with the same adapters attached in a known order, driven directly through its engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import graftlm
+from graftlm.runtime.engine import Request
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.state import ServerConfig, ServerState
+from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+SPEC = TinySpec(n_ctx=1024)
+PARALLEL = 6
+
+
+@dataclass
+class TinyServer:
+    url: str
+    state: ServerState
+    model_path: Path
+    adapters: dict[str, Path]  # name -> file
+    ref: graftlm.Model
+    ref_ids: dict[str, int]  # name -> id in the reference model
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def ref_tokens(self, prompt: list[int], n: int, lora: dict[str, float] | None = None) -> list[int]:
+        """Greedy continuation from the reference model with these adapters (by name) at these scales."""
+        settings = {self.ref_ids[k]: v for k, v in (lora or {}).items() if v != 0.0}
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        req = self.ref.engine.submit(Request(list(prompt), params, settings))
+        self.ref.engine.run(req)
+        return req.generated
+
+    def ref_logprobs(self, ids: list[int], top: int, lora: dict[str, float] | None = None) -> list[dict]:
+        settings = [{"id": self.ref_ids[k], "scale": v} for k, v in (lora or {}).items()]
+        return self.ref.logprobs(ids, top=top, lora=settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("server")
+    files = {"model": write_tiny_model(d / "tiny.gguf", SPEC)}
+    for k, name in enumerate(["a0", "alpha", "beta", "gamma", "delta"]):
+        files[name] = write_tiny_adapter(d / f"{name}.gguf", SPEC, seed=11 + k)
+    broken = d / "broken.gguf"
+    broken.write_bytes(b"GGUF\x03\x00\x00\x00 this is not an adapter")
+    files["broken"] = broken
+    return files
+
+
+@pytest.fixture(scope="session")
+def server(tiny_files: dict[str, Path]) -> Iterator[TinyServer]:
+    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=PARALLEL + 1)
+    config = ServerConfig(model_name="tiny", allow_runtime_lora=True, extra_model_names=("tiny.gguf",))
+    state = build_state(
+        model,
+        config,
+        parallel=PARALLEL,
+        lora=[(str(tiny_files["a0"]), 0.0)],
+        lora_modules=[("alpha", str(tiny_files["alpha"])), ("beta", str(tiny_files["beta"]))],
+    )
+    ref = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=1)
+    names = ["a0", "alpha", "beta", "gamma", "delta"]
+    ref_ids = {name: ref.add_lora(tiny_files[name], scale=0.0) for name in names}
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield TinyServer(srv.url, state, tiny_files["model"], {k: tiny_files[k] for k in names}, ref, ref_ids)
+    finally:
+        srv.stop()
+        state.service.close()

@@ -1,0 +1,180 @@
+"""The adapter registry under a budget (LRU eviction, never an adapter in use), replacement under
+a running request, and vLLM's runtime load/unload API over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import aclosing
+from pathlib import Path
+
+import httpx
+import pytest
+
+import graftlm
+from conftest import SPEC, TinyServer
+from graftlm.errors import AdapterError, RequestError
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
+from graftlm.server.registry import AdapterRegistry
+from tiny_models import write_tiny_adapter
+
+BASE = {"tiny"}
+
+
+@pytest.fixture
+def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
+    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
+    service = EngineService(model).start()
+    yield service
+    service.close()
+
+
+def _registry(svc: EngineService, files: dict[str, Path], **limits: int) -> AdapterRegistry:
+    reg = AdapterRegistry(svc, **limits)  # type: ignore[arg-type]
+    for name in ("alpha", "beta", "gamma"):
+        reg.add_module(name, str(files[name]))
+    return reg
+
+
+def _attached(svc: EngineService) -> set[int]:
+    return set(svc.model.adapters.attached)
+
+
+def test_lru_eviction_never_takes_an_adapter_in_use(svc: EngineService, tiny_files: dict[str, Path]) -> None:
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        a, b, c = (reg.names[n] for n in ("alpha", "beta", "gamma"))
+        reg.release(await reg.lease("alpha", None, BASE))
+        reg.release(await reg.lease("beta", None, BASE))
+        held_c = await reg.lease("gamma", None, BASE)  # evicts alpha, the least recently used
+        assert not a.resident and b.resident and c.resident
+        assert _attached(svc) == set(reg.by_id) and len(reg.by_id) == 2
+        held_a = await reg.lease("alpha", None, BASE)  # gamma is in use: beta goes
+        assert a.resident and not b.resident and c.resident
+        with pytest.raises(RequestError) as exc:  # both resident adapters are in use
+            await reg.lease("beta", None, BASE)
+        assert exc.value.code == "adapter_memory_busy"
+        assert a.resident and c.resident and a.refs == 1 and c.refs == 1
+        reg.release(held_a)
+        reg.release(held_c)
+        lease = await reg.lease("beta", None, BASE)
+        assert b.resident and lease.lora == {b.id: 1.0} and lease.labels == ["beta"]
+        reg.release(lease)
+        assert _attached(svc) == set(reg.by_id)
+
+    asyncio.run(go())
+
+
+def test_memory_budget_in_bytes(svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path) -> None:
+    async def go() -> None:
+        probe = AdapterRegistry(svc)
+        probe.add_module("alpha", str(tiny_files["alpha"]))
+        lease = await probe.lease("alpha", None, BASE)
+        nbytes = probe.resident_bytes
+        probe.release(lease)
+        await probe.unload("alpha")
+        await asyncio.sleep(0.05)
+        reg = _registry(svc, tiny_files, max_bytes=int(nbytes * 2.5))
+        for name in ("alpha", "beta", "gamma", "alpha", "beta"):
+            reg.release(await reg.lease(name, None, BASE))
+            assert reg.resident_bytes <= nbytes * 2.5 and len(reg.by_id) <= 2
+        small = AdapterRegistry(svc, max_bytes=nbytes // 2)
+        small.add_module("alpha", str(tiny_files["alpha"]))
+        with pytest.raises(AdapterError, match="budget"):
+            await small.lease("alpha", None, BASE)
+
+    asyncio.run(go())
+
+
+def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:
+    big = write_tiny_adapter(tmp_path / "r8.gguf", SPEC, rank=8)
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc, max_rank=4)
+        reg.add_module("big", str(big))
+        with pytest.raises(AdapterError, match="rank 8"):
+            await reg.lease("big", None, BASE)
+        assert not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_replacing_an_adapter_leaves_running_requests_alone(svc: EngineService, tiny_files: dict[str, Path]) -> None:
+    """A request running on adapter X keeps X's weights when X is replaced mid-generation; new
+    requests get the new weights under a new id; the old adapter goes when its request ends."""
+    prompt, n = [9, 40, 120, 7], 300
+    ref = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx)
+    old_ref, new_ref = ref.add_lora(tiny_files["alpha"], 0.0), ref.add_lora(tiny_files["beta"], 0.0)
+
+    def ref_run(i: int) -> list[int]:
+        return [t for t in _greedy(ref, prompt, n, i)]
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        reg.add_module("x", str(tiny_files["alpha"]))
+        lease = await reg.lease("x", None, BASE)
+        (old_id,) = lease.lora
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        tokens: list[int] = []
+        async with aclosing(svc.stream([Job(prompt, params, lease.lora)])) as events:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev.token)
+                if len(tokens) == 3:
+                    svc.call(lambda: time.sleep(0.3))  # hold the engine: the request is mid-way
+                    await reg.load("x", str(tiny_files["beta"]))
+                    assert reg.by_id[old_id].retired and old_id in _attached(svc)
+                    assert reg.names["x"].id != old_id
+                    assert svc.engine.running  # the new adapter arrived mid-generation
+                if isinstance(ev, FinishEvent):
+                    assert ev.n_generated == n
+        reg.release(lease)
+        for _ in range(100):
+            if old_id not in _attached(svc):
+                break
+            await asyncio.sleep(0.01)
+        assert old_id not in _attached(svc) and old_id not in reg.by_id
+        assert tokens == ref_run(old_ref)
+        lease2 = await reg.lease("x", None, BASE)
+        (new_id,) = lease2.lora
+        async with aclosing(svc.stream([Job(prompt, params, lease2.lora)])) as events:
+            again = [ev.token async for ev in events if isinstance(ev, TokenEvent)]
+        reg.release(lease2)
+        assert again == ref_run(new_ref)
+
+    asyncio.run(go())
+
+
+def _greedy(model: graftlm.Model, prompt: list[int], n: int, adapter: int) -> list[int]:
+    from graftlm.runtime.engine import Request
+
+    req = model.engine.submit(Request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), {adapter: 1.0}))
+    model.engine.run(req)
+    return req.generated
+
+
+def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
+    http = httpx.Client(base_url=server.url, timeout=60)
+    prompt = [4, 50, 99]
+
+    def complete(model: str) -> httpx.Response:
+        return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(server.adapters["gamma"])})
+    assert r.status_code == 200, r.text
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert models["gamma"]["parent"] == "tiny"
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(server.ref_tokens(prompt, 8, {"gamma": 1.0}))
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(server.adapters["delta"])})
+    assert r.status_code == 200, r.text
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(server.ref_tokens(prompt, 8, {"delta": 1.0}))
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+    assert complete("gamma").status_code == 404
+    for _ in range(100):
+        if not any(e.name == "gamma" for e in server.state.registry.by_id.values()):
+            break
+        time.sleep(0.01)
+    assert not any(e.name == "gamma" for e in server.state.registry.by_id.values())
+    assert set(server.state.service.model.adapters.attached) == set(server.state.registry.by_id)

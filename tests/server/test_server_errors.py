@@ -1,0 +1,145 @@
+"""Bad input: each case a 4xx with an OpenAI error object, and the server keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import graftlm
+from conftest import SPEC, TinyServer
+from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.state import ServerConfig
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def http(server: TinyServer) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=60)
+
+
+def _check(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err
+
+
+CASES = [
+    # (name, path, json body, status, words the message must contain)
+    ("wrong type max_tokens", "/v1/completions", {"prompt": "the", "max_tokens": "ten"}, 400, ["max_tokens"]),
+    ("wrong type temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, ["temperature"]),
+    ("prompt missing", "/v1/completions", {"max_tokens": 3}, 400, ["prompt"]),
+    ("prompt a number", "/v1/completions", {"prompt": 5}, 400, ["prompt"]),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 400, ["messages"]),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, ["role"]),
+    ("max_tokens < 0", "/v1/completions", {"prompt": "the", "max_tokens": -1}, 400, ["max_tokens"]),
+    ("chat max_tokens < 0", "/v1/chat/completions", {"messages": CHAT, "max_tokens": -5}, 400, ["max_tokens"]),
+    ("top_p above 1", "/v1/completions", {"prompt": "the", "top_p": 1.5}, 400, ["top_p"]),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, ["99999"]),
+    ("unknown adapter id", "/v1/completions", {"prompt": "the", "lora": [{"id": 99, "scale": 1}]}, 400, ["99", "valid ids"]),
+    ("non-number scale", "/v1/completions", {"prompt": "the", "lora": [{"id": 0, "scale": "big"}]}, 400, ["scale"]),
+    ("scale a bool", "/completion", {"prompt": "the", "lora": [{"id": 0, "scale": True}]}, 400, ["scale"]),
+    ("lora not a list", "/v1/chat/completions", {"messages": CHAT, "lora": {"id": 0}}, 400, ["lora"]),
+    ("unknown id /lora-adapters", "/lora-adapters", [{"id": 42, "scale": 1.0}], 400, ["42"]),
+    ("non-array /lora-adapters", "/lora-adapters", {"id": 0, "scale": 1.0}, 400, ["array"]),
+    ("non-number scale /lora-adapters", "/lora-adapters", [{"id": 0, "scale": "x"}], 400, ["scale"]),
+    ("entry without scale /lora-adapters", "/lora-adapters", [{"id": 0}], 400, ["scale"]),
+    ("n_predict wrong type", "/completion", {"prompt": "the", "n_predict": [1]}, 400, ["n_predict"]),
+    ("detokenize bad ids", "/detokenize", {"tokens": [-4]}, 400, ["-4"]),
+    ("tokenize without content", "/tokenize", {}, 400, ["content"]),
+    ("load_lora_adapter missing path", "/v1/load_lora_adapter", {"lora_name": "x"}, 400, ["lora_path"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(http: httpx.Client, case: tuple) -> None:
+    _, path, body, status, words = case
+    _check(http.post(path, json=body), status, *words)
+
+
+def test_malformed_json(http: httpx.Client) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/completion", "/lora-adapters"):
+        r = http.post(path, content=b'{"prompt": "the", ', headers={"Content-Type": "application/json"})
+        _check(r, 400, "JSON")
+    _check(http.post("/v1/completions", content=b"not json at all"), 400, "JSON")
+
+
+def test_unknown_model_is_404_listing_names(http: httpx.Client) -> None:
+    err = _check(http.post("/v1/completions", json={"prompt": "the", "model": "gpt-7"}), 404, "gpt-7", "alpha", "beta", "tiny")
+    assert err["code"] == "model_not_found"
+    _check(http.post("/v1/chat/completions", json={"messages": CHAT, "model": "nope"}), 404, "nope")
+
+
+def test_context_length_exceeded(http: httpx.Client) -> None:
+    too_long = [5] * (SPEC.n_ctx + 10)
+    err = _check(http.post("/v1/completions", json={"prompt": too_long, "max_tokens": 2}), 400, str(SPEC.n_ctx))
+    assert err["code"] == "context_length_exceeded"
+    err = _check(http.post("/completion", json={"prompt": too_long}), 400)
+    assert err["code"] == "context_length_exceeded"
+    full = [5] * SPEC.n_ctx  # fits to be scored, leaves no room to generate
+    assert _check(http.post("/v1/completions", json={"prompt": full, "max_tokens": 1}), 400)["code"] == "context_length_exceeded"
+
+
+def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: Path) -> None:
+    broken = server.adapters["a0"].parent / "broken.gguf"
+    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(broken)}), 400, "broken.gguf")
+    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "none.gguf")}), 400, "none.gguf")
+    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(server.model_path)}), 400, "adapter")
+    _check(http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}), 404, "never-loaded")
+    names = {m["id"] for m in http.get("/v1/models").json()["data"]}
+    assert "bad" not in names
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    _check(http.get("/v1/nothing-here"), 404)
+    _check(http.get("/v1/completions"), 405)
+
+
+def test_still_serving_after_errors(server: TinyServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="the", max_tokens=-3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="the", max_tokens=3)
+    out = client.completions.create(model="tiny", prompt="the", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    svc = server.state.service
+    assert svc.alive and not svc.engine.running and len(svc.engine.free_slots) == svc.engine.n_slots
+    assert all(e.refs == 0 for e in server.state.registry.by_id.values())
+
+
+# -- the API key ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keyed(tiny_files: dict[str, Path]) -> Iterator[str]:
+    model = graftlm.load(tiny_files["model"], ctx_size=64, n_seq=2)
+    state = build_state(model, ServerConfig(model_name="tiny", api_key="sekret"), parallel=1)
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+        state.service.close()
+
+
+def test_api_key(keyed: str) -> None:
+    body = {"prompt": "the", "max_tokens": 2}
+    err = _check(httpx.post(keyed + "/v1/completions", json=body), 401, "API key")
+    assert err["type"] == "authentication_error"
+    _check(httpx.post(keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401, "invalid")
+    _check(httpx.get(keyed + "/lora-adapters"), 401)
+    _check(httpx.post(keyed + "/completion", json={"prompt": "the", "n_predict": 1}, headers={"X-Api-Key": "nope"}), 401)
+    assert httpx.get(keyed + "/health").status_code == 200  # public, as in llama-server
+    ok = httpx.post(keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200, ok.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed + "/v1", api_key="bad", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=keyed + "/v1", api_key="sekret", max_retries=0)
+    assert good.completions.create(model="tiny", prompt="the", max_tokens=2).choices

@@ -24,7 +24,6 @@ WITH_PEFT = [f for f in FAMILIES if f != "mixtral"]
 N_CTX = 64
 # 40 tokens: past gemma2's sliding window of 16, and enough to route every mixtral expert
 IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 @pytest.fixture(autouse=True)
@@ -92,38 +91,53 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
 
 @functools.cache
 def reference(family: str, variant: str) -> torch.Tensor:
-    """transformers' logits on IDS. variant: "base", "peft" (the fixture adapter through PEFT) or
-    "q8_0" (every weight the q8_0 file quantizes, round-tripped through gguf's Q8_0)."""
+    """transformers' logits on IDS. variant: "base", "peft" (the fixture adapter through PEFT), or a
+    GGUF type name ("Q8_0", "Q4_1", ...): every weight a GGUF file of that type quantizes,
+    round-tripped through gguf's quantizer, as `model-q8_0.gguf` or `requantize` made it."""
     model = hf_model(family)
     if variant == "peft":
         peft = pytest.importorskip("peft")
         model = peft.PeftModel.from_pretrained(model, family_dir(family) / "peft").eval()
-    elif variant == "q8_0":
-        round_trip_q8_0(model)
+    elif variant != "base":
+        round_trip(model, gguf.GGMLQuantizationType[variant])
     return hf_logits(model, IDS)
 
 
-def round_trip_q8_0(model: Any) -> None:
-    """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place: every
-    matrix but the MoE router is quantized (blocks of 32 along the input dimension, so the llama
-    Q/K row permutation and phi3's row fusion commute with it); norms stay float32."""
+def _round_trip(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    return gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
+
+
+def round_trip(model: Any, qtype: gguf.GGMLQuantizationType) -> None:
+    """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place for any
+    type: every matrix but the MoE router is quantized (blocks along the input dimension, so the
+    llama Q/K row permutation and phi3's row fusion commute with it); norms stay float32."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
-                a = p.detach().numpy()
-                q = gguf.quants.dequantize(gguf.quants.quantize(a, Q8_0), Q8_0)
-                p.copy_(torch.from_numpy(q.reshape(a.shape)))
+                p.copy_(torch.from_numpy(_round_trip(p.detach().numpy(), qtype)))
 
 
 # -- GGUF files made from the fixtures ----------------------------------------------------------
+def requantize(family: str, qtype: gguf.GGMLQuantizationType, dst: Path) -> Path:
+    """The fixture's f32 GGUF with the tensors llama.cpp would quantize (matrices but the MoE
+    router; token_embd included) stored as `qtype`, quantized by gguf's own quantizer."""
+    reader = gguf.GGUFReader(family_dir(family) / "model-f32.gguf")
+    keep = {t.name for t in reader.tensors if len(t.shape) < 2 or "ffn_gate_inp" in t.name}
+    replace = {t.name: np.asarray(t.data) for t in reader.tensors if t.name not in keep}
+    return rewrite_gguf(reader, dst, replace_as=(qtype, replace))
+
+
 def rewrite_gguf(
-    src: Path,
+    src: Path | gguf.GGUFReader,
     dst: Path,
     meta: dict[str, tuple[Any, gguf.GGUFValueType]] | None = None,
     tensors: dict[str, np.ndarray] | None = None,
+    replace_as: tuple[gguf.GGMLQuantizationType, dict[str, np.ndarray]] | None = None,
 ) -> Path:
-    """A copy of GGUF file `src` with metadata keys set or replaced and float32 tensors added."""
-    reader = gguf.GGUFReader(src)
+    """A copy of GGUF file `src` with metadata keys set or replaced, float32 tensors added, and
+    (replace_as) some float32 tensors stored quantized to another type."""
+    reader = src if isinstance(src, gguf.GGUFReader) else gguf.GGUFReader(src)
+    qtype, replace = replace_as or (gguf.GGMLQuantizationType.F32, {})
     arch = str(reader.fields["general.architecture"].contents())
     w = gguf.GGUFWriter(str(dst), arch)
     meta = meta or {}
@@ -135,6 +149,9 @@ def rewrite_gguf(
     for key, (value, vtype) in meta.items():
         w.add_key_value(key, value, vtype)
     for t in reader.tensors:
+        if t.name in replace:
+            w.add_tensor(t.name, gguf.quants.quantize(replace[t.name], qtype), raw_dtype=qtype)
+            continue
         # t.data is shaped as stored (rows of block bytes for quantized types): the writer
         # recovers the logical shape from it
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)

@@ -50,7 +50,7 @@ def test_gguf_adapter_matches_peft(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_q8_0_matches_transformers_on_the_same_weights(family: str) -> None:
     ours = forward(load(family, "q8_0"), IDS)
-    assert rel_err(ours, reference(family, "q8_0")) < TOL
+    assert rel_err(ours, reference(family, "Q8_0")) < TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

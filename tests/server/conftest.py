@@ -8,46 +8,15 @@ with the same adapters attached in a known order, driven directly through its en
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import graftlm
-from graftlm.runtime.engine import Request
-from graftlm.runtime.sampling import SamplingParams
 from graftlm.server.app import ServerThread, build_state, create_app
-from graftlm.server.state import ServerConfig, ServerState
-from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
-
-SPEC = TinySpec(n_ctx=1024)
-PARALLEL = 6
-
-
-@dataclass
-class TinyServer:
-    url: str
-    state: ServerState
-    model_path: Path
-    adapters: dict[str, Path]  # name -> file
-    ref: graftlm.Model
-    ref_ids: dict[str, int]  # name -> id in the reference model
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    def ref_tokens(self, prompt: list[int], n: int, lora: dict[str, float] | None = None) -> list[int]:
-        """Greedy continuation from the reference model with these adapters (by name) at these scales."""
-        settings = {self.ref_ids[k]: v for k, v in (lora or {}).items() if v != 0.0}
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        req = self.ref.engine.submit(Request(list(prompt), params, settings))
-        self.ref.engine.run(req)
-        return req.generated
-
-    def ref_logprobs(self, ids: list[int], top: int, lora: dict[str, float] | None = None) -> list[dict]:
-        settings = [{"id": self.ref_ids[k], "scale": v} for k, v in (lora or {}).items()]
-        return self.ref.logprobs(ids, top=top, lora=settings)
+from graftlm.server.state import ServerConfig
+from server_fixtures import PARALLEL, SPEC, TinyServer
+from tiny_models import write_tiny_adapter, write_tiny_model
 
 
 @pytest.fixture(scope="session")

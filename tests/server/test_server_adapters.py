@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import graftlm
-from conftest import SPEC, TinyServer
+from server_fixtures import SPEC, TinyServer
 from graftlm.errors import AdapterError, RequestError
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 import graftlm
-from conftest import SPEC, TinyServer
+from server_fixtures import SPEC, TinyServer
 from graftlm.server.app import ServerThread, build_state, create_app
 from graftlm.server.state import ServerConfig
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from conftest import PARALLEL, TinyServer
+from server_fixtures import PARALLEL, TinyServer
 
 PROMPT = [12, 80, 31, 77, 140]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import TinyServer
+from server_fixtures import TinyServer
 
 PROMPT = [5, 70, 33, 200, 41, 9]
 

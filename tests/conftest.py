@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -10,11 +9,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import TinySpec, write_tiny_model  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-GOLDEN = SHARED / "golden"
-FIXTURES = SHARED / "fixtures"
 
 torch.set_num_threads(2)
 
@@ -54,7 +48,3 @@ def gemma3_file() -> Path:
         return gemma3_path()
     except Exception as exc:  # not installed
         pytest.skip(f"gemma-3 is not available: {exc}")
-
-
-def golden(name: str) -> dict:
-    return json.loads((GOLDEN / name).read_text())

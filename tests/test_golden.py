@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graftlm
-from conftest import FIXTURES, golden
+from shared_data import FIXTURES, golden
 
 pytestmark = pytest.mark.real
 

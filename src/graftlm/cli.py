@@ -21,6 +21,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return inspect(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from graftlm.commands.serve import serve
+
+    return serve(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from graftlm.commands.bench import bench
+
+    return bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from graftlm.lora.cli_args import add_lora_arguments
 
@@ -55,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--all", action="store_true", help="print long arrays in full")
     i.set_defaults(func=_inspect)
+
+    from graftlm.commands.serve import add_serve_arguments
+
+    s = sub.add_parser("serve", help="OpenAI- and llama-server-compatible HTTP server with LoRA adapters")
+    add_serve_arguments(s)
+    s.set_defaults(func=_serve)
+
+    b = sub.add_parser("bench", help="prompt and generation speed (llama-bench style)")
+    b.add_argument("-m", "--model", default=None)
+    b.add_argument("-p", "--n-prompt", type=int, nargs="+", default=[512], help="prompt lengths")
+    b.add_argument("-n", "--n-gen", type=int, nargs="+", default=[128], help="generation lengths")
+    b.add_argument("-t", "--threads", type=int, default=None)
+    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed")
+    add_lora_arguments(b)
+    b.set_defaults(func=_bench)
     return parser
 
 

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
-import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
-from graftlm.server.state import ServerConfig
-from server_fixtures import PARALLEL, SPEC, TinyServer
-from tiny_models import write_tiny_adapter, write_tiny_model
+for _extra in ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai"):
+    pytest.importorskip(_extra)  # the server's extras: no server tests without them
+
+from server_fixtures import PARALLEL, SPEC, TinyServer  # noqa: E402
+from tiny_models import write_tiny_adapter, write_tiny_model  # noqa: E402
+
+import graftlm  # noqa: E402
+from graftlm.server.app import ServerThread, build_state, create_app  # noqa: E402
+from graftlm.server.state import ServerConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +38,9 @@ def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def server(tiny_files: dict[str, Path]) -> Iterator[TinyServer]:
     model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=PARALLEL + 1)
-    config = ServerConfig(model_name="tiny", allow_runtime_lora=True, extra_model_names=("tiny.gguf",))
+    config = ServerConfig(
+        model_name="tiny", allow_runtime_lora=True, extra_model_names=("tiny.gguf",)
+    )
     state = build_state(
         model,
         config,
@@ -47,7 +53,9 @@ def server(tiny_files: dict[str, Path]) -> Iterator[TinyServer]:
     ref_ids = {name: ref.add_lora(tiny_files[name], scale=0.0) for name in names}
     srv = ServerThread(create_app(state)).start()
     try:
-        yield TinyServer(srv.url, state, tiny_files["model"], {k: tiny_files[k] for k in names}, ref, ref_ids)
+        yield TinyServer(
+            srv.url, state, tiny_files["model"], {k: tiny_files[k] for k in names}, ref, ref_ids
+        )
     finally:
         srv.stop()
         state.service.close()

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiny_models import TinySpec
+
 import graftlm
 from graftlm.runtime.engine import Request
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.server.state import ServerState
-from tiny_models import TinySpec
 
 SPEC = TinySpec(n_ctx=1024)
 PARALLEL = 6
@@ -37,16 +38,18 @@ class TinyServer:
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def ref_tokens(self, prompt: list[int], n: int, lora: dict[str, float] | None = None) -> list[int]:
-        """Greedy continuation from the reference model with these adapters (by name) at these scales."""
+    def ref_tokens(
+        self, prompt: list[int], n: int, lora: dict[str, float] | None = None
+    ) -> list[int]:
+        """Greedy continuation from the reference model, adapters (by name) at these scales."""
         settings = {self.ref_ids[k]: v for k, v in (lora or {}).items() if v != 0.0}
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         req = self.ref.engine.submit(Request(list(prompt), params, settings))
         self.ref.engine.run(req)
         return req.generated
 
-    def ref_logprobs(self, ids: list[int], top: int, lora: dict[str, float] | None = None) -> list[dict]:
+    def ref_logprobs(
+        self, ids: list[int], top: int, lora: dict[str, float] | None = None
+    ) -> list[dict]:
         settings = [{"id": self.ref_ids[k], "scale": v} for k, v in (lora or {}).items()]
         return self.ref.logprobs(ids, top=top, lora=settings)
-
-

@@ -36,15 +36,25 @@ def test_flags_and_defaults() -> None:
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     a = p.parse_args([])
-    assert (a.host, a.port, a.parallel, a.temp, a.seed, a.n_predict) == ("127.0.0.1", 8080, 4, 0.8, -1, -1)
+    assert (a.host, a.port, a.parallel, a.temp, a.seed, a.n_predict) == (
+        "127.0.0.1",
+        8080,
+        4,
+        0.8,
+        -1,
+        -1,
+    )
     a = p.parse_args(
-        "-m m.gguf -c 512 -t 2 -np 3 --lora a.gguf --lora-scaled b.gguf:0.5 --lora-init-without-apply "
+        "-m m.gguf -c 512 -t 2 -np 3 --lora a.gguf --lora-scaled b.gguf:0.5 "
+        "--lora-init-without-apply "
         "--api-key k --temp 0 --seed 3 -n 9 --lora-modules x=x.gguf y=y.gguf --max-loras 2 "
         "--max-lora-rank 16 --max-lora-memory 8M --allow-runtime-lora".split()
     )
     assert a.parallel == 3 and a.ctx_size == 512 and a.threads == 2 and a.lora == ["a.gguf"]
     assert a.lora_scaled == ["b.gguf:0.5"] and a.lora_init_without_apply and a.api_key == "k"
-    assert a.lora_modules == [["x=x.gguf", "y=y.gguf"]] and a.max_loras == 2 and a.max_lora_rank == 16
+    assert (
+        a.lora_modules == [["x=x.gguf", "y=y.gguf"]] and a.max_loras == 2 and a.max_lora_rank == 16
+    )
     assert a.max_lora_memory == 8 * 2**20 and a.allow_runtime_lora and a.n_predict == 9
 
 
@@ -57,9 +67,25 @@ def _free_port() -> int:
 def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "graftlm.commands.serve", "-m", str(tiny_files["model"]), "--port", str(port),
-        "-c", "128", "-np", "2", "--lora-scaled", f"{tiny_files['a0']}:0.25",
-        "--lora-modules", f"alpha={tiny_files['alpha']}", "--temp", "0", "--log-level", "warning",
+        sys.executable,
+        "-m",
+        "graftlm.commands.serve",
+        "-m",
+        str(tiny_files["model"]),
+        "--port",
+        str(port),
+        "-c",
+        "128",
+        "-np",
+        "2",
+        "--lora-scaled",
+        f"{tiny_files['a0']}:0.25",
+        "--lora-modules",
+        f"alpha={tiny_files['alpha']}",
+        "--temp",
+        "0",
+        "--log-level",
+        "warning",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -76,7 +102,11 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
         assert [(a["id"], a["scale"]) for a in adapters] == [(0, 0.25)]
         names = {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
         assert names == {"tiny.gguf", "a0", "alpha"}
-        r = httpx.post(url + "/v1/completions", json={"model": "alpha", "prompt": "the", "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "alpha", "prompt": "the", "max_tokens": 4},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/props").json()["total_slots"] == 2
     finally:
@@ -89,6 +119,14 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
 
 
 def test_serve_refuses_a_broken_adapter(tiny_files: dict[str, Path]) -> None:
-    cmd = [sys.executable, "-m", "graftlm.commands.serve", "-m", str(tiny_files["model"]), "--lora", str(tiny_files["broken"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "graftlm.commands.serve",
+        "-m",
+        str(tiny_files["model"]),
+        "--lora",
+        str(tiny_files["broken"]),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "broken.gguf" in out.stderr

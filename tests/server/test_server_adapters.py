@@ -11,14 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_fixtures import SPEC, TinyServer
+from tiny_models import write_tiny_adapter
 
 import graftlm
-from server_fixtures import SPEC, TinyServer
 from graftlm.errors import AdapterError, RequestError
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import AdapterRegistry
-from tiny_models import write_tiny_adapter
 
 BASE = {"tiny"}
 
@@ -32,7 +32,7 @@ def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
 
 
 def _registry(svc: EngineService, files: dict[str, Path], **limits: int) -> AdapterRegistry:
-    reg = AdapterRegistry(svc, **limits)  # type: ignore[arg-type]
+    reg = AdapterRegistry(svc, **limits)
     for name in ("alpha", "beta", "gamma"):
         reg.add_module(name, str(files[name]))
     return reg
@@ -42,7 +42,9 @@ def _attached(svc: EngineService) -> set[int]:
     return set(svc.model.adapters.attached)
 
 
-def test_lru_eviction_never_takes_an_adapter_in_use(svc: EngineService, tiny_files: dict[str, Path]) -> None:
+def test_lru_eviction_never_takes_an_adapter_in_use(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
     async def go() -> None:
         reg = _registry(svc, tiny_files, max_loras=2)
         a, b, c = (reg.names[n] for n in ("alpha", "beta", "gamma"))
@@ -67,7 +69,9 @@ def test_lru_eviction_never_takes_an_adapter_in_use(svc: EngineService, tiny_fil
     asyncio.run(go())
 
 
-def test_memory_budget_in_bytes(svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path) -> None:
+def test_memory_budget_in_bytes(
+    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
+) -> None:
     async def go() -> None:
         probe = AdapterRegistry(svc)
         probe.add_module("alpha", str(tiny_files["alpha"]))
@@ -101,7 +105,9 @@ def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:
     asyncio.run(go())
 
 
-def test_replacing_an_adapter_leaves_running_requests_alone(svc: EngineService, tiny_files: dict[str, Path]) -> None:
+def test_replacing_an_adapter_leaves_running_requests_alone(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
     """A request running on adapter X keeps X's weights when X is replaced mid-generation; new
     requests get the new weights under a new id; the old adapter goes when its request ends."""
     prompt, n = [9, 40, 120, 7], 300
@@ -150,7 +156,11 @@ def test_replacing_an_adapter_leaves_running_requests_alone(svc: EngineService, 
 def _greedy(model: graftlm.Model, prompt: list[int], n: int, adapter: int) -> list[int]:
     from graftlm.runtime.engine import Request
 
-    req = model.engine.submit(Request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), {adapter: 1.0}))
+    req = model.engine.submit(
+        Request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), {adapter: 1.0}
+        )
+    )
     model.engine.run(req)
     return req.generated
 
@@ -160,16 +170,35 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
     prompt = [4, 50, 99]
 
     def complete(model: str) -> httpx.Response:
-        return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        return http.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
 
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(server.adapters["gamma"])})
+    r = http.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "gamma", "lora_path": str(server.adapters["gamma"])},
+    )
     assert r.status_code == 200, r.text
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert models["gamma"]["parent"] == "tiny"
-    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(server.ref_tokens(prompt, 8, {"gamma": 1.0}))
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(server.adapters["delta"])})
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(
+        server.ref_tokens(prompt, 8, {"gamma": 1.0})
+    )
+    r = http.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "gamma", "lora_path": str(server.adapters["delta"])},
+    )
     assert r.status_code == 200, r.text
-    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(server.ref_tokens(prompt, 8, {"delta": 1.0}))
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(
+        server.ref_tokens(prompt, 8, {"delta": 1.0})
+    )
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
     assert complete("gamma").status_code == 404
     for _ in range(100):

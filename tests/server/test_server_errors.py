@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_fixtures import SPEC, TinyServer
 
 import graftlm
-from server_fixtures import SPEC, TinyServer
 from graftlm.server.app import ServerThread, build_state, create_app
 from graftlm.server.state import ServerConfig
 
@@ -33,28 +33,94 @@ def _check(r: httpx.Response, status: int, *words: str) -> dict:
 
 CASES = [
     # (name, path, json body, status, words the message must contain)
-    ("wrong type max_tokens", "/v1/completions", {"prompt": "the", "max_tokens": "ten"}, 400, ["max_tokens"]),
-    ("wrong type temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, ["temperature"]),
+    (
+        "wrong type max_tokens",
+        "/v1/completions",
+        {"prompt": "the", "max_tokens": "ten"},
+        400,
+        ["max_tokens"],
+    ),
+    (
+        "wrong type temperature",
+        "/v1/chat/completions",
+        {"messages": CHAT, "temperature": "hot"},
+        400,
+        ["temperature"],
+    ),
     ("prompt missing", "/v1/completions", {"max_tokens": 3}, 400, ["prompt"]),
     ("prompt a number", "/v1/completions", {"prompt": 5}, 400, ["prompt"]),
     ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 400, ["messages"]),
-    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, ["role"]),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        {"messages": [{"content": "hi"}]},
+        400,
+        ["role"],
+    ),
     ("max_tokens < 0", "/v1/completions", {"prompt": "the", "max_tokens": -1}, 400, ["max_tokens"]),
-    ("chat max_tokens < 0", "/v1/chat/completions", {"messages": CHAT, "max_tokens": -5}, 400, ["max_tokens"]),
+    (
+        "chat max_tokens < 0",
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": -5},
+        400,
+        ["max_tokens"],
+    ),
     ("top_p above 1", "/v1/completions", {"prompt": "the", "top_p": 1.5}, 400, ["top_p"]),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, ["99999"]),
-    ("unknown adapter id", "/v1/completions", {"prompt": "the", "lora": [{"id": 99, "scale": 1}]}, 400, ["99", "valid ids"]),
-    ("non-number scale", "/v1/completions", {"prompt": "the", "lora": [{"id": 0, "scale": "big"}]}, 400, ["scale"]),
-    ("scale a bool", "/completion", {"prompt": "the", "lora": [{"id": 0, "scale": True}]}, 400, ["scale"]),
-    ("lora not a list", "/v1/chat/completions", {"messages": CHAT, "lora": {"id": 0}}, 400, ["lora"]),
+    (
+        "unknown adapter id",
+        "/v1/completions",
+        {"prompt": "the", "lora": [{"id": 99, "scale": 1}]},
+        400,
+        ["99", "valid ids"],
+    ),
+    (
+        "non-number scale",
+        "/v1/completions",
+        {"prompt": "the", "lora": [{"id": 0, "scale": "big"}]},
+        400,
+        ["scale"],
+    ),
+    (
+        "scale a bool",
+        "/completion",
+        {"prompt": "the", "lora": [{"id": 0, "scale": True}]},
+        400,
+        ["scale"],
+    ),
+    (
+        "lora not a list",
+        "/v1/chat/completions",
+        {"messages": CHAT, "lora": {"id": 0}},
+        400,
+        ["lora"],
+    ),
     ("unknown id /lora-adapters", "/lora-adapters", [{"id": 42, "scale": 1.0}], 400, ["42"]),
     ("non-array /lora-adapters", "/lora-adapters", {"id": 0, "scale": 1.0}, 400, ["array"]),
-    ("non-number scale /lora-adapters", "/lora-adapters", [{"id": 0, "scale": "x"}], 400, ["scale"]),
+    (
+        "non-number scale /lora-adapters",
+        "/lora-adapters",
+        [{"id": 0, "scale": "x"}],
+        400,
+        ["scale"],
+    ),
     ("entry without scale /lora-adapters", "/lora-adapters", [{"id": 0}], 400, ["scale"]),
-    ("n_predict wrong type", "/completion", {"prompt": "the", "n_predict": [1]}, 400, ["n_predict"]),
+    (
+        "n_predict wrong type",
+        "/completion",
+        {"prompt": "the", "n_predict": [1]},
+        400,
+        ["n_predict"],
+    ),
     ("detokenize bad ids", "/detokenize", {"tokens": [-4]}, 400, ["-4"]),
     ("tokenize without content", "/tokenize", {}, 400, ["content"]),
-    ("load_lora_adapter missing path", "/v1/load_lora_adapter", {"lora_name": "x"}, 400, ["lora_path"]),
+    (
+        "load_lora_adapter missing path",
+        "/v1/load_lora_adapter",
+        {"lora_name": "x"},
+        400,
+        ["lora_path"],
+    ),
 ]
 
 
@@ -66,33 +132,70 @@ def test_bad_input(http: httpx.Client, case: tuple) -> None:
 
 def test_malformed_json(http: httpx.Client) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/completion", "/lora-adapters"):
-        r = http.post(path, content=b'{"prompt": "the", ', headers={"Content-Type": "application/json"})
+        r = http.post(
+            path, content=b'{"prompt": "the", ', headers={"Content-Type": "application/json"}
+        )
         _check(r, 400, "JSON")
     _check(http.post("/v1/completions", content=b"not json at all"), 400, "JSON")
 
 
 def test_unknown_model_is_404_listing_names(http: httpx.Client) -> None:
-    err = _check(http.post("/v1/completions", json={"prompt": "the", "model": "gpt-7"}), 404, "gpt-7", "alpha", "beta", "tiny")
+    err = _check(
+        http.post("/v1/completions", json={"prompt": "the", "model": "gpt-7"}),
+        404,
+        "gpt-7",
+        "alpha",
+        "beta",
+        "tiny",
+    )
     assert err["code"] == "model_not_found"
     _check(http.post("/v1/chat/completions", json={"messages": CHAT, "model": "nope"}), 404, "nope")
 
 
 def test_context_length_exceeded(http: httpx.Client) -> None:
     too_long = [5] * (SPEC.n_ctx + 10)
-    err = _check(http.post("/v1/completions", json={"prompt": too_long, "max_tokens": 2}), 400, str(SPEC.n_ctx))
+    err = _check(
+        http.post("/v1/completions", json={"prompt": too_long, "max_tokens": 2}),
+        400,
+        str(SPEC.n_ctx),
+    )
     assert err["code"] == "context_length_exceeded"
     err = _check(http.post("/completion", json={"prompt": too_long}), 400)
     assert err["code"] == "context_length_exceeded"
     full = [5] * SPEC.n_ctx  # fits to be scored, leaves no room to generate
-    assert _check(http.post("/v1/completions", json={"prompt": full, "max_tokens": 1}), 400)["code"] == "context_length_exceeded"
+    assert (
+        _check(http.post("/v1/completions", json={"prompt": full, "max_tokens": 1}), 400)["code"]
+        == "context_length_exceeded"
+    )
 
 
 def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: Path) -> None:
     broken = server.adapters["a0"].parent / "broken.gguf"
-    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(broken)}), 400, "broken.gguf")
-    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "none.gguf")}), 400, "none.gguf")
-    _check(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(server.model_path)}), 400, "adapter")
-    _check(http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}), 404, "never-loaded")
+    _check(
+        http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(broken)}),
+        400,
+        "broken.gguf",
+    )
+    _check(
+        http.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "bad", "lora_path": str(tmp_path / "none.gguf")},
+        ),
+        400,
+        "none.gguf",
+    )
+    _check(
+        http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(server.model_path)}
+        ),
+        400,
+        "adapter",
+    )
+    _check(
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}),
+        404,
+        "never-loaded",
+    )
     names = {m["id"] for m in http.get("/v1/models").json()["data"]}
     assert "bad" not in names
 
@@ -133,11 +236,24 @@ def test_api_key(keyed: str) -> None:
     body = {"prompt": "the", "max_tokens": 2}
     err = _check(httpx.post(keyed + "/v1/completions", json=body), 401, "API key")
     assert err["type"] == "authentication_error"
-    _check(httpx.post(keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}), 401, "invalid")
+    _check(
+        httpx.post(keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}),
+        401,
+        "invalid",
+    )
     _check(httpx.get(keyed + "/lora-adapters"), 401)
-    _check(httpx.post(keyed + "/completion", json={"prompt": "the", "n_predict": 1}, headers={"X-Api-Key": "nope"}), 401)
+    _check(
+        httpx.post(
+            keyed + "/completion",
+            json={"prompt": "the", "n_predict": 1},
+            headers={"X-Api-Key": "nope"},
+        ),
+        401,
+    )
     assert httpx.get(keyed + "/health").status_code == 200  # public, as in llama-server
-    ok = httpx.post(keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    ok = httpx.post(
+        keyed + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}
+    )
     assert ok.status_code == 200, ok.text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=keyed + "/v1", api_key="bad", max_retries=0).models.list()

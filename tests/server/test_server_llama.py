@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
-
 from server_fixtures import PARALLEL, TinyServer
 
 PROMPT = [12, 80, 31, 77, 140]
@@ -20,7 +20,9 @@ def http(server: TinyServer) -> httpx.Client:
 
 
 def _completion(http: httpx.Client, **body: object) -> dict:
-    r = http.post("/completion", json={"temperature": 0, "ignore_eos": True, "return_tokens": True, **body})
+    r = http.post(
+        "/completion", json={"temperature": 0, "ignore_eos": True, "return_tokens": True, **body}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -34,13 +36,25 @@ def test_completion_fields(server: TinyServer, http: httpx.Client) -> None:
     t = out["timings"]
     assert t["predicted_n"] == 8 and t["prompt_n"] == len(PROMPT) and t["predicted_ms"] >= 0
     probs = out["completion_probabilities"]
-    assert [p["id"] for p in probs] == out["tokens"] and all(len(p["top_logprobs"]) == 2 for p in probs)
+    assert [p["id"] for p in probs] == out["tokens"] and all(
+        len(p["top_logprobs"]) == 2 for p in probs
+    )
 
 
 def test_completion_stream(http: httpx.Client) -> None:
     whole = _completion(http, prompt=PROMPT, n_predict=8)
     events = []
-    with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+    with http.stream(
+        "POST",
+        "/completion",
+        json={
+            "prompt": PROMPT,
+            "n_predict": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -53,7 +67,9 @@ def test_completion_stream(http: httpx.Client) -> None:
 def test_lora_adapters_workflow(server: TinyServer, http: httpx.Client) -> None:
     """GET the list, POST scales (unlisted go to 0), then /completion runs with them."""
     listed = http.get("/lora-adapters").json()
-    assert listed[0]["id"] == 0 and listed[0]["path"].endswith("a0.gguf") and listed[0]["scale"] == 0.0
+    assert (
+        listed[0]["id"] == 0 and listed[0]["path"].endswith("a0.gguf") and listed[0]["scale"] == 0.0
+    )
     assert set(listed[0]) >= {"id", "path", "scale", "task_name", "prompt_prefix"}
     try:
         r = http.post("/lora-adapters", json=[{"id": 0, "scale": 0.5}])
@@ -76,10 +92,14 @@ def test_lora_adapters_workflow(server: TinyServer, http: httpx.Client) -> None:
         http.post("/lora-adapters", json=[])
 
 
-def test_concurrent_requests_with_different_adapters_equal_alone(server: TinyServer, http: httpx.Client) -> None:
+def test_concurrent_requests_with_different_adapters_equal_alone(
+    server: TinyServer, http: httpx.Client
+) -> None:
     """Six /completion requests, each with its own per-request scales, share decode steps; each
     answer equals the same request sent alone."""
-    http.post("/completion", json={"prompt": [1, 2], "n_predict": 1, "model": "alpha"})  # attach alpha
+    http.post(
+        "/completion", json={"prompt": [1, 2], "n_predict": 1, "model": "alpha"}
+    )  # attach alpha
     ids = {a["name"]: a["id"] for a in http.get("/lora-adapters").json()}
     settings = [
         [],
@@ -90,8 +110,15 @@ def test_concurrent_requests_with_different_adapters_equal_alone(server: TinySer
         [{"id": ids["alpha"], "scale": 2.0}],
     ]
     prompts = [PROMPT[: 2 + k % 4] + [k + 3] for k in range(len(settings))]
-    bodies = [
-        {"prompt": p, "n_predict": 24, "temperature": 0, "ignore_eos": True, "return_tokens": True, "lora": s}
+    bodies: list[dict[str, Any]] = [
+        {
+            "prompt": p,
+            "n_predict": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_tokens": True,
+            "lora": s,
+        }
         for p, s in zip(prompts, settings, strict=True)
     ]
     alone = [_completion(http, **b)["tokens"] for b in bodies]
@@ -122,7 +149,13 @@ def _metric(http: httpx.Client, name: str) -> float:
 def test_mixed_batches_happen(server: TinyServer) -> None:
     """Requests with different adapters run in the same engine step (batch size > 1)."""
     bodies = [
-        {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "ignore_eos": True, "lora": [{"id": 0, "scale": 0.1 * k}]}
+        {
+            "prompt": PROMPT,
+            "n_predict": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+            "lora": [{"id": 0, "scale": 0.1 * k}],
+        }
         for k in range(4)
     ]
 
@@ -131,9 +164,17 @@ def test_mixed_batches_happen(server: TinyServer) -> None:
             await asyncio.gather(*(c.post("/completion", json=b) for b in bodies))
 
     hist = server.state.metrics.batch_size
-    before = {s.labels.get("le"): s.value for s in hist.collect()[0].samples if s.name.endswith("_bucket")}
+    before = {
+        s.labels.get("le"): s.value
+        for s in list(hist.collect())[0].samples
+        if s.name.endswith("_bucket")
+    }
     asyncio.run(run())
-    after = {s.labels.get("le"): s.value for s in hist.collect()[0].samples if s.name.endswith("_bucket")}
+    after = {
+        s.labels.get("le"): s.value
+        for s in list(hist.collect())[0].samples
+        if s.name.endswith("_bucket")
+    }
     multi = (after["+Inf"] - after["1.0"]) - (before["+Inf"] - before["1.0"])
     assert multi > 0
 
@@ -141,24 +182,39 @@ def test_mixed_batches_happen(server: TinyServer) -> None:
 def test_tokenize_detokenize_template(server: TinyServer, http: httpx.Client) -> None:
     r = http.post("/tokenize", json={"content": "the the"}).json()
     assert r["tokens"] == server.ref.tokenize("the the", add_special=False, parse_special=True)
-    pieces = http.post("/tokenize", json={"content": "the the", "with_pieces": True}).json()["tokens"]
-    assert [p["id"] for p in pieces] == r["tokens"] and "".join(p["piece"] for p in pieces) == "the the"
+    pieces = http.post("/tokenize", json={"content": "the the", "with_pieces": True}).json()[
+        "tokens"
+    ]
+    assert [p["id"] for p in pieces] == r["tokens"] and "".join(
+        p["piece"] for p in pieces
+    ) == "the the"
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"content": "the the"}
     messages = [{"role": "user", "content": "hi"}]
-    assert http.post("/apply-template", json={"messages": messages}).json()["prompt"] == server.ref.apply_chat_template(messages)
+    assert http.post("/apply-template", json={"messages": messages}).json()[
+        "prompt"
+    ] == server.ref.apply_chat_template(messages)
 
 
 def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     props = http.get("/props").json()
-    assert props["total_slots"] == PARALLEL and props["default_generation_settings"]["n_ctx"] == server.state.service.n_ctx
+    assert (
+        props["total_slots"] == PARALLEL
+        and props["default_generation_settings"]["n_ctx"] == server.state.service.n_ctx
+    )
     _completion(http, prompt=PROMPT, n_predict=3, model="beta")
     text = http.get("/metrics").text
     for name in (
-        "graftlm_requests_total", "graftlm_generation_tokens_total", "graftlm_prompt_tokens_total",
-        "graftlm_requests_running", "graftlm_requests_waiting", "graftlm_batch_size_bucket",
-        "graftlm_time_to_first_token_seconds_bucket", "graftlm_time_per_output_token_seconds_bucket",
-        "graftlm_lora_adapters_resident", "graftlm_lora_adapter_bytes",
+        "graftlm_requests_total",
+        "graftlm_generation_tokens_total",
+        "graftlm_prompt_tokens_total",
+        "graftlm_requests_running",
+        "graftlm_requests_waiting",
+        "graftlm_batch_size_bucket",
+        "graftlm_time_to_first_token_seconds_bucket",
+        "graftlm_time_per_output_token_seconds_bucket",
+        "graftlm_lora_adapters_resident",
+        "graftlm_lora_adapter_bytes",
     ):
         assert name in text, name
     assert 'adapter="beta"' in text and 'adapter="base"' in text
@@ -168,7 +224,13 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
 def test_client_disconnect_frees_the_slot(server: TinyServer, http: httpx.Client) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
-    body = {"prompt": PROMPT, "n_predict": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": PROMPT,
+        "n_predict": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", "/completion", json=body) as r:
         seen = 0
         for line in r.iter_lines():
@@ -181,3 +243,18 @@ def test_client_disconnect_frees_the_slot(server: TinyServer, http: httpx.Client
     assert svc.n_cancelled == cancelled + 1
     assert not svc.engine.running and len(svc.engine.free_slots) == svc.engine.n_slots
     assert _completion(http, prompt=PROMPT, n_predict=2)["tokens_predicted"] == 2
+
+
+def test_non_streaming_client_that_leaves_is_cancelled(server: TinyServer) -> None:
+    svc = server.state.service
+    cancelled = svc.n_cancelled
+    body = {"prompt": PROMPT, "n_predict": 1000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/completion", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while svc.n_cancelled == cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert svc.n_cancelled == cancelled + 1
+    while svc.engine.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(svc.engine.free_slots) == svc.engine.n_slots

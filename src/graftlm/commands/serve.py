@@ -129,11 +129,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from graftlm.errors import GraftError
+
+    try:
+        import uvicorn
+
+        from graftlm.server.app import build_state, create_app
+    except ImportError as exc:
+        raise GraftError(
+            f"the server needs its extras ({exc.name}): pip install 'graftlm[server]'"
+        ) from None
 
     import graftlm
     from graftlm.lora.cli_args import lora_specs
-    from graftlm.server.app import build_state, create_app
     from graftlm.server.state import ServerConfig
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
@@ -182,7 +190,13 @@ def serve(args: argparse.Namespace) -> int:
     for name, path in modules:
         print(f"lora module {name}: {path} (loaded on first use)", file=sys.stderr)
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            create_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
+        )
     finally:
         state.service.close()
     return 0

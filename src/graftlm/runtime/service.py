@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from graftlm.lora.adapter import ResolvedAdapter
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 # -- what goes in and what comes out --
@@ -164,13 +166,12 @@ class _Submission:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event]
     tracked: list[_Tracked] = field(default_factory=list)
-    cancelled: bool = False
 
     def post(self, ev: Event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancelled = True
+            pass
 
 
 @dataclass
@@ -194,6 +195,11 @@ class EngineService:
     ) -> None:
         self.model = model
         self.engine = model.engine
+        # facts the HTTP layer shows
+        self.n_ctx: int = model.n_ctx
+        self.n_vocab: int = int(model.config.n_vocab)
+        self.model_path: Path = model.path
+        self.chat_template: str | None = model.chat_template
         n_slots = self.engine.n_slots
         default = n_slots - 1 if n_slots > 1 else n_slots
         self.max_running = max(1, min(max_running or default, n_slots))
@@ -207,27 +213,7 @@ class EngineService:
         self.n_waiting = 0
         self.n_cancelled = 0  # requests ended early because their caller left
 
-    # -- facts and text (pure Python, safe from any thread) --
-    @property
-    def n_ctx(self) -> int:
-        return self.model.n_ctx
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self.model.config.n_vocab)
-
-    @property
-    def model_path(self) -> Path:
-        return self.model.path
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.model.chat_template
-
-    @property
-    def n_slots(self) -> int:
-        return int(self.engine.n_slots)
-
+    # -- text (pure Python, safe from any thread) --
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
@@ -374,7 +360,6 @@ class EngineService:
                 yield ev
         finally:
             if remaining:
-                sub.cancelled = True
                 self._inbox.put(("cancel", sub))
 
     def _require_thread(self) -> None:
@@ -399,22 +384,32 @@ class EngineService:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            self._run_deferred()
-            self._admit()
-            if self.engine.busy:
-                self._step()
-            self._publish_counts()
+            try:
+                self._run_deferred()
+                self._admit()
+                if self.engine.busy:
+                    self._step()
+                self._publish_counts()
+            except Exception:  # a bug of ours: log it, keep the thread (and the server) alive
+                log.exception("engine service: unexpected error")
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, _Call):
-            if item.needs_slot and not self.engine.free_slots:
-                self._deferred.append(item)
-            else:
-                self._run_call(item)
-        elif isinstance(item, _Submission):
-            self._accept(item)
-        elif isinstance(item, tuple) and item[0] == "cancel":
-            self._cancel(item[1])
+        try:
+            if isinstance(item, _Call):
+                if item.needs_slot and not self.engine.free_slots:
+                    self._deferred.append(item)
+                else:
+                    self._run_call(item)
+            elif isinstance(item, _Submission):
+                self._accept(item)
+            elif isinstance(item, tuple) and item[0] == "cancel":
+                self._cancel(item[1])
+        except Exception as exc:
+            log.exception("engine service: unexpected error")
+            if isinstance(item, _Submission):
+                self._cancel(item)
+                for index in range(len(item.jobs)):
+                    item.post(ErrorEvent(index, exc))
 
     @staticmethod
     def _run_call(call: _Call) -> None:

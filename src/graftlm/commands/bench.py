@@ -1,0 +1,126 @@
+"""`graftlm bench`: prompt processing and generation speed, in the manner of llama-bench.
+
+Ratios are measured side by side in one run where llama-cpp-python is installed; otherwise the
+table shows llama.cpp's reference figures for this project's machine beside ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# ../shared/reference/llama_cpp_figures.md (llama.cpp 0c1e570, 2 threads, this machine kind)
+REFERENCE: dict[str, dict[str, float]] = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": {"pp128": 398, "pp512": 361, "tg64": 159, "tg128": 138},
+    "gemma-3-270m-q4_k_m.gguf": {"pp128": 825, "tg64": 87},
+}
+
+
+def _stats(xs: list[float]) -> str:
+    mean = statistics.fmean(xs)
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{mean:8.1f} ± {sd:5.1f}"
+
+
+def _timed(fn: Callable[[], int], reps: int) -> list[float]:
+    fn()  # warm-up: first-call allocations and kernel selection are not the steady state
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        n = fn()
+        out.append(n / (time.perf_counter() - t0))
+    return out
+
+
+def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> Callable[[], int]:
+    from graftlm.runtime.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, model.config.n_vocab - 100, (n,), generator=g).tolist()
+    settings = model._lora_settings(lora)
+    engine = model.engine
+
+    if test == "pp":
+
+        def pp() -> int:
+            with torch.inference_mode():
+                for start in range(0, n, engine.chunk):
+                    piece = ids[start : start + engine.chunk]
+                    model.model.forward(Batch.single(piece, 0, start, engine.lora_rows([settings])))
+            return n
+
+        return pp
+
+    def tg() -> int:
+        model.generate(ids[:1], max_tokens=n, temperature=0, ignore_eos=True, lora=lora)
+        return n - 1 if n > 1 else 1  # tokens after the first, as llama-bench counts decode steps
+
+    return tg
+
+
+def _llama_cpp(path: Path, threads: int, test: str, n: int) -> Callable[[], int] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=max(n + 8, 512), n_batch=512, verbose=False)
+    ids = list(range(100, 100 + n))
+
+    if test == "pp":
+
+        def pp() -> int:
+            llm.reset()
+            llm.eval(ids)
+            return n
+
+        return pp
+
+    def tg() -> int:
+        llm.reset()
+        llm.eval(ids[:1])
+        for i in range(n - 1):
+            llm.eval([ids[1 + i % (n - 1)]])
+        return n - 1
+
+    return tg
+
+
+def bench(args: argparse.Namespace) -> int:
+    import graftlm
+    from graftlm.lora.cli_args import lora_specs
+
+    threads = args.threads or torch.get_num_threads()
+    model = graftlm.load(args.model, threads=threads, ctx_size=max(args.n_prompt + args.n_gen) + 16)
+    lora = None
+    for spec in lora_specs(args.lora, args.lora_scaled):
+        model.add_lora(spec.path, spec.scale)
+    if model.loras:
+        lora = [{"id": a["id"], "scale": a["scale"]} for a in model.loras]
+    name = model.path.name
+    ref = REFERENCE.get(name, {})
+    rows = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+    print(f"| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
+    print(f"| --- | --- | --- | --- | --- | --- | --- |")
+    for test, n in rows:
+        ours = _timed(_ours(model, test, n, lora), args.repetitions)
+        theirs_fn = None if args.no_llama_cpp else _llama_cpp(model.path, threads, test, n)
+        if theirs_fn is not None:
+            theirs = _timed(theirs_fn, args.repetitions)
+            their_s, ratio = _stats(theirs) + " (same run)", statistics.fmean(ours) / statistics.fmean(theirs)
+        elif f"{test}{n}" in ref:
+            r = ref[f"{test}{n}"]
+            their_s, ratio = f"{r:8.1f} (reference)", statistics.fmean(ours) / r
+        else:
+            their_s, ratio = "-", float("nan")
+        print(
+            f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio:.2f} |",
+            flush=True,
+        )
+    print(f"\nresident: {model.resident_bytes / 2**20:.0f} MiB (file {model.path.stat().st_size / 2**20:.0f} MiB)")
+    return 0

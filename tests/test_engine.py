@@ -59,7 +59,15 @@ def test_seeded_sampling_repeats(tiny: graftlm.Model) -> None:
     ids = _ids(6, 5)
 
     def draw(seed: int) -> list[int]:
-        params = SamplingParams(temperature=50.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=16, ignore_eos=True)
+        params = SamplingParams(
+            temperature=50.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            seed=seed,
+            max_tokens=16,
+            ignore_eos=True,
+        )
         r = tiny.engine.submit(Request(ids, params, {}))
         tiny.engine.run(r)
         return r.generated

@@ -7,9 +7,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tiny_models import TinySpec, write_tiny_adapter
 
 from graftlm.cli import main
-from tiny_models import TinySpec, write_tiny_adapter
 
 
 def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -7,9 +7,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 from graftlm.gguf import GGUFFile
-from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 
 def _same_as_reader(path: Path) -> None:
@@ -31,7 +31,10 @@ def _same_as_reader(path: Path) -> None:
         assert np.array_equal(np.asarray(e.data), np.asarray(t.data))
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1])
+@pytest.mark.parametrize(
+    "qtype",
+    [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1],
+)
 def test_parser_matches_gguf_reader(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> None:
     spec = TinySpec(qtype=qtype, n_embd=256, n_ff=256, n_head=4, head_dim=64, tied=False)
     _same_as_reader(write_tiny_model(tmp_path / "m.gguf", spec))

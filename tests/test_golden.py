@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_data import FIXTURES, golden
 
 import graftlm
-from shared_data import FIXTURES, golden
 
 pytestmark = pytest.mark.real
 
@@ -30,7 +30,7 @@ def _compare(model: graftlm.Model, fixtures: Path, data: dict) -> dict[str, floa
         ids = case["prompt_ids"] + case["generated_ids"]
         n = len(case["prompt_ids"])
         lp = torch.log_softmax(model.logits(ids, lora=lora)[n - 1 : -1].float(), -1)
-        for row, step in zip(lp, case["steps"]):
+        for row, step in zip(lp, case["steps"], strict=False):
             diffs.append(abs(float(row[step["id"]]) - step["logprob"]))
             (t0, l0), (_, l1) = step["top"][0], step["top"][1]
             if l0 - l1 > 0.3:
@@ -59,8 +59,21 @@ def test_golden_teacher_forcing(which: str, request: pytest.FixtureRequest) -> N
 
 def test_cli_capital_of_france(smollm2_file: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "graftlm", "run", "-p", "The capital of France is", "-n", "8", "--temp", "0"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "graftlm",
+            "run",
+            "-p",
+            "The capital of France is",
+            "-n",
+            "8",
+            "--temp",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -17,7 +17,11 @@ T = gguf.GGMLQuantizationType
 
 def _byte_unicode() -> list[str]:
     """GPT-2's byte-to-printable mapping, so a byte-level BPE vocab can hold every byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -25,7 +29,7 @@ def _byte_unicode() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    table = dict(zip(bs, cs))
+    table = dict(zip(bs, cs, strict=False))
     return [chr(table[b]) for b in range(256)]
 
 
@@ -78,7 +82,15 @@ def _tokenizer(w: gguf.GGUFWriter, spec: TinySpec) -> int:
     return len(tokens)
 
 
-def _matrix(w: gguf.GGUFWriter, name: str, rows: int, cols: int, qtype: T, rng: np.random.Generator, std: float) -> None:
+def _matrix(
+    w: gguf.GGUFWriter,
+    name: str,
+    rows: int,
+    cols: int,
+    qtype: T,
+    rng: np.random.Generator,
+    std: float,
+) -> None:
     a = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
     if qtype == T.F32:
         w.add_tensor(name, a)
@@ -125,12 +137,22 @@ def write_tiny_model(path: Path, spec: TinySpec | None = None, seed: int = 0) ->
             w.add_tensor(p + n + ".weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
         if a == "gemma3":
             for n in ("attn_q_norm", "attn_k_norm"):
-                w.add_tensor(p + n + ".weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32))
+                w.add_tensor(
+                    p + n + ".weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+                )
         std = 1.0 / np.sqrt(d)
         _matrix(w, p + "attn_q.weight", spec.n_head * hd, d, spec.qtype, rng, std)
         _matrix(w, p + "attn_k.weight", spec.n_head_kv * hd, d, spec.qtype, rng, std)
         _matrix(w, p + "attn_v.weight", spec.n_head_kv * hd, d, spec.qtype, rng, std)
-        _matrix(w, p + "attn_output.weight", d, spec.n_head * hd, spec.qtype, rng, 1.0 / np.sqrt(spec.n_head * hd))
+        _matrix(
+            w,
+            p + "attn_output.weight",
+            d,
+            spec.n_head * hd,
+            spec.qtype,
+            rng,
+            1.0 / np.sqrt(spec.n_head * hd),
+        )
         _matrix(w, p + "ffn_gate.weight", spec.n_ff, d, spec.qtype, rng, std)
         _matrix(w, p + "ffn_up.weight", spec.n_ff, d, spec.qtype, rng, std)
         _matrix(w, p + "ffn_down.weight", d, spec.n_ff, spec.qtype, rng, 1.0 / np.sqrt(spec.n_ff))

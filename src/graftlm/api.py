@@ -54,7 +54,11 @@ def load(
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     file = GGUFFile(default_model_path() if path is None else path)
-    n_ctx = min(ctx_size, file.get(f"{file.architecture}.context_length", ctx_size)) if ctx_size > 0 else 0
+    n_ctx = (
+        min(ctx_size, file.get(f"{file.architecture}.context_length", ctx_size))
+        if ctx_size > 0
+        else 0
+    )
     n_ctx = n_ctx or int(file.get(f"{file.architecture}.context_length", 4096))
     model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)
     tokenizer = Tokenizer.from_metadata(file.metadata)
@@ -64,7 +68,9 @@ def load(
 class Model:
     """A loaded base model, its tokenizer and its engine (and, later, its adapters)."""
 
-    def __init__(self, file: GGUFFile, model: Transformer, tokenizer: Tokenizer, n_seq: int = 1) -> None:
+    def __init__(
+        self, file: GGUFFile, model: Transformer, tokenizer: Tokenizer, n_seq: int = 1
+    ) -> None:
         self.file = file
         self.path = Path(file.path)
         self.model = model
@@ -90,17 +96,23 @@ class Model:
         return self.model.nbytes + self.model.cache.nbytes
 
     # -- text ------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        return render_chat(self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos)
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos
+        )
 
     # -- adapters -------------------------------------------------------------------------------
     def add_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> int:
@@ -108,7 +120,7 @@ class Model:
 
         Everything is checked first: a refused adapter raises AdapterError and changes nothing."""
         with self.engine.lock:
-            adapter = self.adapters.load(path)
+            adapter = self.adapters.load(Path(path))
             adapter_id = self.adapters.attach(adapter, scale)
             self.engine.n_adapter_slots = adapter_id + 1
             return adapter_id
@@ -133,7 +145,9 @@ class Model:
         if lora is None:
             return self.adapters.scales()
         if not isinstance(lora, list):
-            raise RequestError(f"lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}")
+            raise RequestError(
+                f"lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}"
+            )
         out: dict[int, float] = {}
         for item in lora:
             if not isinstance(item, dict) or "id" not in item or "scale" not in item:
@@ -153,7 +167,9 @@ class Model:
         self._check_ids(ids)
         return self.engine.score(list(ids), self._lora_settings(lora))
 
-    def logprobs(self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    def logprobs(
+        self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the top tokens."""
         ids = list(ids)
         if len(ids) < 2:
@@ -164,7 +180,11 @@ class Model:
         tv, ti = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
         tv_l, ti_l = tv.tolist(), ti.tolist()
         return [
-            {"id": ids[i + 1], "logprob": chosen[i], "top": [[t, v] for t, v in zip(ti_l[i], tv_l[i])]}
+            {
+                "id": ids[i + 1],
+                "logprob": chosen[i],
+                "top": [[t, v] for t, v in zip(ti_l[i], tv_l[i], strict=False)],
+            }
             for i in range(len(ids) - 1)
         ]
 
@@ -221,7 +241,9 @@ class Model:
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str | Iterator[str]:
         """`generate` on the messages rendered through the model's chat template."""
         text = self.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenize(text, add_special=not text.startswith(self._bos_text()), parse_special=True)
+        ids = self.tokenize(
+            text, add_special=not text.startswith(self._bos_text()), parse_special=True
+        )
         return self.generate(ids, **kwargs)
 
     def _bos_text(self) -> str:

@@ -42,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="generate text from a prompt, or chat (-cnv)")
-    r.add_argument("-m", "--model", default=None, help="GGUF model (default: embedded SmolLM2-135M-Instruct)")
+    r.add_argument(
+        "-m", "--model", default=None, help="GGUF model (default: embedded SmolLM2-135M-Instruct)"
+    )
     r.add_argument("-p", "--prompt", default=None)
     r.add_argument("-f", "--file", default=None, help="read the prompt from a file")
-    r.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until end)")
+    r.add_argument(
+        "-n", "--n-predict", type=int, default=-1, help="tokens to generate (-1: until end)"
+    )
     r.add_argument("-c", "--ctx-size", type=int, default=4096)
     r.add_argument("-t", "--threads", type=int, default=None)
     r.add_argument("--temp", type=float, default=0.8)
@@ -63,14 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_arguments(r)
     r.set_defaults(func=_run)
 
-    i = sub.add_parser("inspect", help="metadata and tensor table of a GGUF file (model or adapter)")
+    i = sub.add_parser(
+        "inspect", help="metadata and tensor table of a GGUF file (model or adapter)"
+    )
     i.add_argument("file")
     i.add_argument("--all", action="store_true", help="print long arrays in full")
     i.set_defaults(func=_inspect)
 
     from graftlm.commands.serve import add_serve_arguments
 
-    s = sub.add_parser("serve", help="OpenAI- and llama-server-compatible HTTP server with LoRA adapters")
+    s = sub.add_parser(
+        "serve", help="OpenAI- and llama-server-compatible HTTP server with LoRA adapters"
+    )
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
 
@@ -80,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, nargs="+", default=[128], help="generation lengths")
     b.add_argument("-t", "--threads", type=int, default=None)
     b.add_argument("-r", "--repetitions", type=int, default=3)
-    b.add_argument("--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed")
+    b.add_argument(
+        "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
+    )
     add_lora_arguments(b)
     b.set_defaults(func=_bench)
     return parser

@@ -74,10 +74,14 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
     n_layer = int(_req(meta, p + "block_count", path))
     n_embd = int(_req(meta, p + "embedding_length", path))
     n_head = _per_layer(_req(meta, p + "attention.head_count", path), n_layer, "head_count", path)
-    n_head_kv = _per_layer(meta.get(p + "attention.head_count_kv", n_head), n_layer, "head_count_kv", path)
+    n_head_kv = _per_layer(
+        meta.get(p + "attention.head_count_kv", n_head), n_layer, "head_count_kv", path
+    )
     head_dim = int(meta.get(p + "attention.key_length", n_embd // n_head))
     v_head_dim = int(meta.get(p + "attention.value_length", head_dim))
-    n_ff = _per_layer(_req(meta, p + "feed_forward_length", path), n_layer, "feed_forward_length", path)
+    n_ff = _per_layer(
+        _req(meta, p + "feed_forward_length", path), n_layer, "feed_forward_length", path
+    )
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = int(meta.get(p + "vocab_size", len(tokens) if tokens is not None else 0))
     rope_base = float(meta.get(p + "rope.freq_base", 10000.0))

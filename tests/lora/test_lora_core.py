@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TinySpec, write_tiny_adapter
 
 import graftlm
 from graftlm.lora.site import LoraSite
 from graftlm.runtime.batch import LoraRows
-from tiny_models import TinySpec, write_tiny_adapter
 
 IDS = [5, 70, 33, 200, 41, 9, 120, 87, 66, 13, 150, 21]
 
@@ -33,7 +33,9 @@ def test_no_adapter_and_scale_zero_are_bit_identical(model: graftlm.Model, adapt
     assert not torch.equal(model.logits(IDS, lora=[{"id": 0, "scale": 1.0}]), base)
 
 
-def test_add_then_remove_is_bit_identical(model: graftlm.Model, adapter: Path, tmp_path: Path) -> None:
+def test_add_then_remove_is_bit_identical(
+    model: graftlm.Model, adapter: Path, tmp_path: Path
+) -> None:
     base = model.logits(IDS)
     a = model.add_lora(adapter)
     one = model.logits(IDS)
@@ -74,7 +76,10 @@ def test_delta_matches_merged_weight(model: graftlm.Model, adapter: Path) -> Non
         if name + ".weight.lora_a" not in tensors:
             assert p.lora is None
             continue
-        a, b = tensors[name + ".weight.lora_a"], tensors[name + ".weight.lora_b"]  # (r, in), (out, r)
+        a, b = (
+            tensors[name + ".weight.lora_a"],
+            tensors[name + ".weight.lora_b"],
+        )  # (r, in), (out, r)
         w = p.weight.dequantize()
         merged = w + 0.6 * (8.0 / a.shape[0]) * (b @ a)
         x = torch.randn(2, 5, p.n_in)
@@ -89,8 +94,12 @@ def test_scale_rule_and_negative_scale(model: graftlm.Model, tmp_path: Path) -> 
     """alpha/r per tensor: an adapter with alpha 8 at rank 4 equals alpha 0 (no rule) with B*2."""
     spec = TinySpec()
     t = {"blk.1.ffn_down": (spec.n_ff, spec.n_embd)}
-    ruled = model.add_lora(write_tiny_adapter(tmp_path / "r.gguf", spec, targets=t, alpha=8.0, rank=4))
-    plain = model.add_lora(write_tiny_adapter(tmp_path / "p.gguf", spec, targets=t, alpha=0.0, rank=4))
+    ruled = model.add_lora(
+        write_tiny_adapter(tmp_path / "r.gguf", spec, targets=t, alpha=8.0, rank=4)
+    )
+    plain = model.add_lora(
+        write_tiny_adapter(tmp_path / "p.gguf", spec, targets=t, alpha=0.0, rank=4)
+    )
     lr = model.logits(IDS, lora=[{"id": ruled, "scale": -0.5}])
     lp = model.logits(IDS, lora=[{"id": plain, "scale": -1.0}])
     torch.testing.assert_close(lr, lp, rtol=1e-5, atol=1e-5)
@@ -110,7 +119,9 @@ def test_per_call_lora_never_changes_model_scales(model: graftlm.Model, adapter:
         model.logits(IDS, lora=[{"id": a, "scale": "big"}])
 
 
-def test_mixed_rows_in_one_batch_equal_each_alone(model: graftlm.Model, adapter: Path, tmp_path: Path) -> None:
+def test_mixed_rows_in_one_batch_equal_each_alone(
+    model: graftlm.Model, adapter: Path, tmp_path: Path
+) -> None:
     """Rows with different adapters and scales share one decode step and match running alone."""
     from graftlm.runtime.engine import Request
     from graftlm.runtime.sampling import SamplingParams
@@ -133,10 +144,14 @@ def test_mixed_rows_in_one_batch_equal_each_alone(model: graftlm.Model, adapter:
     assert len({tuple(g) for g in alone}) > 1  # the adapters do change the output
 
 
-def test_embedding_adapter_on_tied_base_changes_lookup_only(model: graftlm.Model, tmp_path: Path) -> None:
+def test_embedding_adapter_on_tied_base_changes_lookup_only(
+    model: graftlm.Model, tmp_path: Path
+) -> None:
     spec = TinySpec()
     n_vocab = model.config.n_vocab
-    p = write_tiny_adapter(tmp_path / "e.gguf", spec, targets={"token_embd": (n_vocab, spec.n_embd)})
+    p = write_tiny_adapter(
+        tmp_path / "e.gguf", spec, targets={"token_embd": (n_vocab, spec.n_embd)}
+    )
     base = model.logits(IDS)
     i = model.add_lora(p)
     assert model.model.embd_lora is not None and model.model.output.lora is None

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import TinySpec, write_tiny_adapter
 
 import graftlm
 from graftlm.lora.cli_args import lora_specs, parse_lora_scaled
-from tiny_models import TinySpec, write_tiny_adapter
 
 IDS = [5, 70, 33, 200, 41, 9]
 SPEC = TinySpec()
@@ -36,10 +36,17 @@ def _refused(model: graftlm.Model, path: Path, *needles: str) -> str:
 
 
 def test_wrong_architecture(model: graftlm.Model, tmp_path: Path) -> None:
-    _refused(model, write_tiny_adapter(tmp_path / "a.gguf", arch="qwen2"), "general.architecture is 'qwen2'", "'llama'")
+    _refused(
+        model,
+        write_tiny_adapter(tmp_path / "a.gguf", arch="qwen2"),
+        "general.architecture is 'qwen2'",
+        "'llama'",
+    )
 
 
-def test_missing_base_tensor_and_every_shape_problem_in_one_error(model: graftlm.Model, tmp_path: Path) -> None:
+def test_missing_base_tensor_and_every_shape_problem_in_one_error(
+    model: graftlm.Model, tmp_path: Path
+) -> None:
     r = np.zeros
     f32 = np.float32
     overrides = {
@@ -70,12 +77,24 @@ def test_norm_and_expert_tensors_are_refused_by_name(model: graftlm.Model, tmp_p
 
 
 def test_bad_metadata_types(model: graftlm.Model, tmp_path: Path) -> None:
-    p = write_tiny_adapter(tmp_path / "a.gguf", metadata={"adapter.lora.task_name": 7, "adapter.lora.prompt_prefix": 1.5})
-    _refused(model, p, "'adapter.lora.task_name' is int 7, expected str", "'adapter.lora.prompt_prefix' is float")
+    p = write_tiny_adapter(
+        tmp_path / "a.gguf",
+        metadata={"adapter.lora.task_name": 7, "adapter.lora.prompt_prefix": 1.5},
+    )
+    _refused(
+        model,
+        p,
+        "'adapter.lora.task_name' is int 7, expected str",
+        "'adapter.lora.prompt_prefix' is float",
+    )
 
 
 def test_model_file_passed_as_adapter(model: graftlm.Model, tiny_llama: Path) -> None:
-    _refused(model, tiny_llama, "general.type is 'model', expected 'adapter' (a model file, not an adapter)")
+    _refused(
+        model,
+        tiny_llama,
+        "general.type is 'model', expected 'adapter' (a model file, not an adapter)",
+    )
 
 
 def test_truncated_and_missing_adapter(model: graftlm.Model, tmp_path: Path) -> None:
@@ -89,13 +108,23 @@ def test_truncated_and_missing_adapter(model: graftlm.Model, tmp_path: Path) -> 
 def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> None:
     p = write_tiny_adapter(
         tmp_path / "a.gguf",
-        metadata={"adapter.lora.task_name": "pirate", "adapter.lora.prompt_prefix": "Arr: ", "adapter.alora.invocation_tokens": [5, 6]},
+        metadata={
+            "adapter.lora.task_name": "pirate",
+            "adapter.lora.prompt_prefix": "Arr: ",
+            "adapter.alora.invocation_tokens": [5, 6],
+        },
     )
     i = model.add_lora(p, scale=0.5)
     (info,) = model.loras
     assert info == {
-        "id": i, "path": str(p), "scale": 0.5, "alpha": 8.0, "task_name": "pirate",
-        "prompt_prefix": "Arr: ", "n_tensors": 12, "bytes": info["bytes"],
+        "id": i,
+        "path": str(p),
+        "scale": 0.5,
+        "alpha": 8.0,
+        "task_name": "pirate",
+        "prompt_prefix": "Arr: ",
+        "n_tensors": 12,
+        "bytes": info["bytes"],
     }
     # float32, rank 4, (n_in + n_out) per target: attn_q 64+64, attn_v 64+32, ffn_down 96+64; two layers
     assert info["bytes"] == 4 * 4 * ((64 + 64) + (64 + 32) + (96 + 64)) * 2
@@ -114,6 +143,12 @@ def test_lora_scaled_parsing() -> None:
         parse_lora_scaled("a.gguf")
     specs = lora_specs(["a.gguf,b.gguf", "c.gguf"], ["d.gguf:0.5,e.gguf:2"])
     assert [(s.path, s.scale) for s in specs] == [
-        ("a.gguf", 1.0), ("b.gguf", 1.0), ("c.gguf", 1.0), ("d.gguf", 0.5), ("e.gguf", 2.0)
+        ("a.gguf", 1.0),
+        ("b.gguf", 1.0),
+        ("c.gguf", 1.0),
+        ("d.gguf", 0.5),
+        ("e.gguf", 2.0),
     ]
-    assert {s.scale for s in lora_specs(["a.gguf"], ["d.gguf:0.5"], init_without_apply=True)} == {0.0}
+    assert {s.scale for s in lora_specs(["a.gguf"], ["d.gguf:0.5"], init_without_apply=True)} == {
+        0.0
+    }

@@ -35,9 +35,11 @@ def test_logits_match_transformers(family: str) -> None:
     assert rel_err(ours, reference(family, "base")) < TOL
 
 
+@pytest.mark.parametrize("source", ["lora-f32.gguf", "peft"], ids=["gguf", "peft-dir"])
 @pytest.mark.parametrize("family", WITH_PEFT)
-def test_gguf_adapter_matches_peft(family: str) -> None:
-    model = with_adapter(load(family), family_dir(family) / "lora-f32.gguf")
+def test_adapter_matches_peft(family: str, source: str) -> None:
+    """The fixture adapter, as llama.cpp's GGUF conversion and as the PEFT directory itself."""
+    model = with_adapter(load(family), family_dir(family) / source)
     ours = forward(model, IDS, scale=1.0)
     ref = reference(family, "peft")
     # the adapter must matter, or this test would pass without it

@@ -87,8 +87,10 @@ def test_byte_tokens_stream(make_spm: MakeTok) -> None:
     rng = random.Random(5)
     samples = [b"\xe2\x82a", b"\x80\x80", b"\xf0\x9f\x98", b"\xed\xa0\x80", b"\xc0\xaf"]
     samples += [bytes(rng.randrange(256) for _ in range(rng.randint(1, 10))) for _ in range(500)]
-    samples += [bytes(rng.choice(b"\xe2\x82\xac\xf0\x9f\x98\x80a\xc3\xa9") for _ in range(8))
-                for _ in range(500)]
+    samples += [
+        bytes(rng.choice(b"\xe2\x82\xac\xf0\x9f\x98\x80a\xc3\xa9") for _ in range(8))
+        for _ in range(500)
+    ]
     for data in samples:
         ids = ids_of(data)
         assert "".join(_stream(tok, ids)) == tok.decode(ids), data

@@ -63,13 +63,19 @@ def test_malformed_vocabularies_are_rejected(spm_meta: MakeMeta, gpt2_meta: Make
 
 
 def test_spm_merges_highest_score_first(make_spm: MakeTok) -> None:
-    tok = make_spm({"a": 0.0, "b": 0.0, "c": 0.0, "ab": -2.0, "bc": -1.0, "abc": -5.0},
-                   add_space_prefix=False, add_bos_token=False)
+    tok = make_spm(
+        {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -2.0, "bc": -1.0, "abc": -5.0},
+        add_space_prefix=False,
+        add_bos_token=False,
+    )
     ids = tok.encode("abc")
     # "bc" outscores "ab"; "a"+"bc" then merges into "abc" since "abc" is an entry.
     assert [tok.token_text(i) for i in ids] == ["abc"]
-    tok = make_spm({"a": 0.0, "b": 0.0, "c": 0.0, "ab": -2.0, "bc": -1.0},
-                   add_space_prefix=False, add_bos_token=False)
+    tok = make_spm(
+        {"a": 0.0, "b": 0.0, "c": 0.0, "ab": -2.0, "bc": -1.0},
+        add_space_prefix=False,
+        add_bos_token=False,
+    )
     assert [tok.token_text(i) for i in tok.encode("abc")] == ["a", "bc"]
     # Equal scores: the leftmost pair wins.
     tok = make_spm({"a": 0.0, "ab": -1.0, "ba": -1.0}, add_space_prefix=False, add_bos_token=False)
@@ -106,7 +112,8 @@ def test_special_partition_rules(make_spm: MakeTok) -> None:
     tok = make_spm(
         {"a": 0.0, "<": 0.0, ">": 0.0, "c": 0.0, "t": 0.0, "l": 0.0, "u": 0.0, "d": 0.0},
         extra=[("<ctl>", CONTROL), ("<u>", USER_DEFINED), ("<u><u>", USER_DEFINED)],
-        add_space_prefix=False, add_bos_token=False,
+        add_space_prefix=False,
+        add_bos_token=False,
     )
     ctl, u, uu = (tok.vocab.token_to_id[t] for t in ("<ctl>", "<u>", "<u><u>"))
     # Control tokens only with parse_special; user-defined ones always.
@@ -121,16 +128,19 @@ def test_special_partition_rules(make_spm: MakeTok) -> None:
 
 
 def test_eog_detection_follows_llama_cpp_text_rules(make_spm: MakeTok) -> None:
-    tok = make_spm({"a": 0.0}, extra=[("<|im_end|>", NORMAL), ("<|endoftext|>", NORMAL),
-                                      ("<unused9>", CONTROL)])
+    tok = make_spm(
+        {"a": 0.0},
+        extra=[("<|im_end|>", NORMAL), ("<|endoftext|>", NORMAL), ("<unused9>", CONTROL)],
+    )
     im_end = tok.vocab.token_to_id["<|im_end|>"]
     # Texts llama.cpp knows end a turn become EOG and control, whatever the file says.
     assert tok.eog_ids == {tok.eos_id, im_end, tok.vocab.token_to_id["<|endoftext|>"]}
     assert tok.is_special(im_end)
     assert tok.eot_id == im_end
     # gpt-oss style vocabularies: "<|end|>" is not EOG next to "<|return|>" and "<|call|>".
-    tok = make_spm({"a": 0.0}, extra=[("<|end|>", CONTROL), ("<|return|>", CONTROL),
-                                      ("<|call|>", CONTROL)])
+    tok = make_spm(
+        {"a": 0.0}, extra=[("<|end|>", CONTROL), ("<|return|>", CONTROL), ("<|call|>", CONTROL)]
+    )
     end = tok.vocab.token_to_id["<|end|>"]
     assert end not in tok.eog_ids and not tok.is_special(end)
     assert tok.vocab.token_to_id["<|return|>"] in tok.eog_ids

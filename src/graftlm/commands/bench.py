@@ -69,7 +69,9 @@ def _llama_cpp(path: Path, threads: int, test: str, n: int) -> Callable[[], int]
         import llama_cpp
     except ImportError:
         return None
-    llm = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=max(n + 8, 512), n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(
+        str(path), n_threads=threads, n_ctx=max(n + 8, 512), n_batch=512, verbose=False
+    )
     ids = list(range(100, 100 + n))
 
     if test == "pp":
@@ -105,14 +107,17 @@ def bench(args: argparse.Namespace) -> int:
     name = model.path.name
     ref = REFERENCE.get(name, {})
     rows = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
-    print(f"| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
-    print(f"| --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for test, n in rows:
         ours = _timed(_ours(model, test, n, lora), args.repetitions)
         theirs_fn = None if args.no_llama_cpp else _llama_cpp(model.path, threads, test, n)
         if theirs_fn is not None:
             theirs = _timed(theirs_fn, args.repetitions)
-            their_s, ratio = _stats(theirs) + " (same run)", statistics.fmean(ours) / statistics.fmean(theirs)
+            their_s, ratio = (
+                _stats(theirs) + " (same run)",
+                statistics.fmean(ours) / statistics.fmean(theirs),
+            )
         elif f"{test}{n}" in ref:
             r = ref[f"{test}{n}"]
             their_s, ratio = f"{r:8.1f} (reference)", statistics.fmean(ours) / r
@@ -122,5 +127,7 @@ def bench(args: argparse.Namespace) -> int:
             f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio:.2f} |",
             flush=True,
         )
-    print(f"\nresident: {model.resident_bytes / 2**20:.0f} MiB (file {model.path.stat().st_size / 2**20:.0f} MiB)")
+    print(
+        f"\nresident: {model.resident_bytes / 2**20:.0f} MiB (file {model.path.stat().st_size / 2**20:.0f} MiB)"
+    )
     return 0

@@ -20,7 +20,9 @@ def _short(v: Any, full: bool) -> str:
 
 def inspect(args: argparse.Namespace) -> int:
     f = GGUFFile(args.file)
-    print(f"{f.path}: {f.file_type}, architecture {f.architecture}, {len(f.tensors)} tensors, {f.size:,} bytes")
+    print(
+        f"{f.path}: {f.file_type}, architecture {f.architecture}, {len(f.tensors)} tensors, {f.size:,} bytes"
+    )
     print("\nmetadata:")
     for k, v in f.metadata.items():
         print(f"  {k} = {_short(v, args.all)}")

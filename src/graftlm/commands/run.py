@@ -44,7 +44,13 @@ def run(args: argparse.Namespace) -> int:
         raise GraftError("give a prompt with -p or -f, or chat with -cnv")
 
     t0 = time.perf_counter()
-    model = graftlm.load(args.model, threads=args.threads, ctx_size=args.ctx_size, reference=args.reference, progress=True)
+    model = graftlm.load(
+        args.model,
+        threads=args.threads,
+        ctx_size=args.ctx_size,
+        reference=args.reference,
+        progress=True,
+    )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "
         f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
@@ -75,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _conversation(model: Any, args: argparse.Namespace, first: str | None, sampling: dict[str, Any]) -> int:
+def _conversation(
+    model: Any, args: argparse.Namespace, first: str | None, sampling: dict[str, Any]
+) -> int:
     messages: list[dict[str, str]] = []
     if args.system_prompt:
         messages.append({"role": "system", "content": args.system_prompt})

@@ -67,7 +67,7 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list]:  # type: ignore[type-arg]
+def _parse(path: Path) -> tuple[dict[str, Any], list[Any]]:
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
@@ -82,4 +82,6 @@ def _parse(path: Path) -> tuple[dict[str, Any], list]:  # type: ignore[type-arg]
         return parse_gguf(path)
     except (GGUFFormatError, ValueError, OSError, UnicodeDecodeError) as exc:
         size = path.stat().st_size
-        raise ModelFileError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}") from exc
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}"
+        ) from exc

@@ -31,9 +31,17 @@ _SCALAR = {
     V.FLOAT64: ("<d", 8),
 }
 _NP = {
-    V.UINT8: np.uint8, V.INT8: np.int8, V.UINT16: np.uint16, V.INT16: np.int16,
-    V.UINT32: np.uint32, V.INT32: np.int32, V.FLOAT32: np.float32, V.BOOL: np.bool_,
-    V.UINT64: np.uint64, V.INT64: np.int64, V.FLOAT64: np.float64,
+    V.UINT8: np.uint8,
+    V.INT8: np.int8,
+    V.UINT16: np.uint16,
+    V.INT16: np.int16,
+    V.UINT32: np.uint32,
+    V.INT32: np.int32,
+    V.FLOAT32: np.float32,
+    V.BOOL: np.bool_,
+    V.UINT64: np.uint64,
+    V.INT64: np.int64,
+    V.FLOAT64: np.float64,
 }
 _FLOAT_NP = {
     gguf.GGMLQuantizationType.F32: np.float32,
@@ -99,7 +107,11 @@ class _Cursor:
         raise GGUFFormatError(f"unknown metadata value type {vtype}")
 
 
-def parse_gguf(path: Path) -> tuple[dict[str, Any], list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]]]:
+def parse_gguf(
+    path: Path,
+) -> tuple[
+    dict[str, Any], list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]]
+]:
     """Metadata and (name, type, ne, data) per tensor; data is a read-only view of a memory map."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -16,15 +16,22 @@ class LoraSpec:
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters")
     g.add_argument(
-        "--lora", action="append", default=[], metavar="FNAME",
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FNAME",
         help="LoRA adapter (GGUF file or PEFT directory) at scale 1; comma-separated, repeatable",
     )
     g.add_argument(
-        "--lora-scaled", action="append", default=[], metavar="FNAME:SCALE",
+        "--lora-scaled",
+        action="append",
+        default=[],
+        metavar="FNAME:SCALE",
         help="LoRA adapter with a scale; comma-separated, repeatable; split on the last colon",
     )
     g.add_argument(
-        "--lora-init-without-apply", action="store_true",
+        "--lora-init-without-apply",
+        action="store_true",
         help="load every adapter at scale 0 (enable later per request or with POST /lora-adapters)",
     )
 
@@ -45,7 +52,9 @@ def parse_lora_scaled(item: str) -> LoraSpec:
     return LoraSpec(path, value)
 
 
-def lora_specs(lora: list[str], lora_scaled: list[str], init_without_apply: bool = False) -> list[LoraSpec]:
+def lora_specs(
+    lora: list[str], lora_scaled: list[str], init_without_apply: bool = False
+) -> list[LoraSpec]:
     """Adapters in id order: every --lora, then every --lora-scaled (llama.cpp's order)."""
     specs: list[LoraSpec] = []
     for group in lora:

@@ -29,12 +29,16 @@ ADAPTER_TYPES = {
 }
 
 
-def _meta(f: GGUFFile, key: str, kind: type | tuple[type, ...], problems: list[str], default: Any) -> Any:
+def _meta(
+    f: GGUFFile, key: str, kind: type | tuple[type, ...], problems: list[str], default: Any
+) -> Any:
     if key not in f.metadata:
         return default
     v = f.metadata[key]
     if isinstance(v, bool) or not isinstance(v, kind):
-        problems.append(f"metadata {key!r} is {type(v).__name__} {v!r}, expected {_kind_name(kind)}")
+        problems.append(
+            f"metadata {key!r} is {type(v).__name__} {v!r}, expected {_kind_name(kind)}"
+        )
         return default
     return v
 
@@ -44,7 +48,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[str]) -> ResolvedAdapter:
+def read_gguf_adapter(
+    path: str | Path, model: Transformer, base_tensors: set[str]
+) -> ResolvedAdapter:
     """Read, check and resolve a GGUF adapter for `model`. Raises AdapterError listing every problem."""
     try:
         f = GGUFFile(path)
@@ -57,23 +63,31 @@ def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[st
         raise AdapterError(f"{f.path}: general.type is {kind!r}, expected 'adapter'{hint}")
     atype = f.metadata.get("adapter.type")
     if atype != "lora":
-        raise AdapterError(f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported")
+        raise AdapterError(
+            f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported"
+        )
     arch = f.architecture
     if arch != model.cfg.arch:
-        problems.append(f"general.architecture is {arch!r} but the base model is {model.cfg.arch!r}")
+        problems.append(
+            f"general.architecture is {arch!r} but the base model is {model.cfg.arch!r}"
+        )
     alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
     task_name = _meta(f, "adapter.lora.task_name", str, problems, "")
     prompt_prefix = _meta(f, "adapter.lora.prompt_prefix", str, problems, "")
     invocation = _meta(f, "adapter.alora.invocation_tokens", list, problems, [])
     if any(isinstance(t, bool) or not isinstance(t, int) for t in invocation):
-        problems.append(f"metadata 'adapter.alora.invocation_tokens' must be a list of token ids, got {invocation!r}")
+        problems.append(
+            f"metadata 'adapter.alora.invocation_tokens' must be a list of token ids, got {invocation!r}"
+        )
         invocation = []
 
     pairs: dict[str, dict[str, TensorEntry]] = {}
     for name, entry in f.tensors.items():
         stem, _, part = name.rpartition(".")
         if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
-            problems.append(f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')")
+            problems.append(
+                f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')"
+            )
             continue
         pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
 
@@ -86,7 +100,9 @@ def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[st
         a_e, b_e = pair["lora_a"], pair["lora_b"]
         bad_type = [e for e in (a_e, b_e) if e.ggml_type not in ADAPTER_TYPES]
         for e in bad_type:
-            problems.append(f"tensor {e.name!r}: type {e.type_name} (adapters must be F32, F16, BF16 or Q8_0)")
+            problems.append(
+                f"tensor {e.name!r}: type {e.type_name} (adapters must be F32, F16, BF16 or Q8_0)"
+            )
         if bad_type:
             continue
         targets = resolve_target(model, base)
@@ -114,7 +130,9 @@ def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[st
             what = "n_embd" if embd else "output size"
             shape_problems.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
         if ra != rb:
-            shape_problems.append(f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}")
+            shape_problems.append(
+                f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
+            )
         if shape_problems:
             problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
             continue
@@ -126,7 +144,10 @@ def read_gguf_adapter(path: str | Path, model: Transformer, base_tensors: set[st
             deltas.setdefault(t.projection, []).append((t.rows, t.at, Delta(a, b)))
 
     if problems:
-        raise AdapterError(f"{f.path}: cannot attach adapter to {model.cfg.arch} base:\n  - " + "\n  - ".join(problems))
+        raise AdapterError(
+            f"{f.path}: cannot attach adapter to {model.cfg.arch} base:\n  - "
+            + "\n  - ".join(problems)
+        )
     return ResolvedAdapter(
         path=str(f.path),
         alpha=alpha,

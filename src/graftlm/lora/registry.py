@@ -62,7 +62,9 @@ class AdapterSet:
         for name, d in adapter.deltas.items():
             if name == EMBEDDING:
                 if self.model.embd_lora is None:
-                    self.model.embd_lora = LoraSite(self.model.cfg.n_vocab, self.model.cfg.n_embd, gather=True)
+                    self.model.embd_lora = LoraSite(
+                        self.model.cfg.n_vocab, self.model.cfg.n_embd, gather=True
+                    )
                 self.model.embd_lora.put(slot, d.a, d.b)
             else:
                 p = projections[name]
@@ -86,7 +88,11 @@ class AdapterSet:
         del self.attached[adapter_id]
 
     def _check(self, adapter_id: object) -> None:
-        if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or adapter_id not in self.attached:
+        if (
+            isinstance(adapter_id, bool)
+            or not isinstance(adapter_id, int)
+            or adapter_id not in self.attached
+        ):
             raise AdapterError(f"unknown adapter id {adapter_id!r}; {self.describe_ids()}")
 
     def describe_ids(self) -> str:

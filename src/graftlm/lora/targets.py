@@ -39,7 +39,9 @@ def resolve_target(model: Transformer, base: str) -> list[Target] | str:
         )
     cfg = model.cfg
     if base == EMBEDDING:
-        return [Target(EMBEDDING, cfg.n_vocab, cfg.n_embd, slice(0, cfg.n_embd), slice(0, cfg.n_embd))]
+        return [
+            Target(EMBEDDING, cfg.n_vocab, cfg.n_embd, slice(0, cfg.n_embd), slice(0, cfg.n_embd))
+        ]
     proj = model.projections()
     if base in proj:
         p = proj[base]

@@ -18,7 +18,9 @@ ARCHITECTURES: dict[str, type[Transformer]] = {
 }
 
 
-def build_model(file: GGUFFile, n_ctx: int, prefer: str = "fast", progress: bool = False) -> Transformer:
+def build_model(
+    file: GGUFFile, n_ctx: int, prefer: str = "fast", progress: bool = False
+) -> Transformer:
     """The model of a GGUF file, weights memory-mapped and kept compact."""
     if file.file_type == "adapter":
         raise ModelFileError(

@@ -29,7 +29,11 @@ class Weights:
         self.file = file
         self.prefer = prefer
         self.used: set[str] = set()
-        self.bar = tqdm(total=len(file.tensors), desc="loading", unit="tensor", leave=False) if progress else None
+        self.bar = (
+            tqdm(total=len(file.tensors), desc="loading", unit="tensor", leave=False)
+            if progress
+            else None
+        )
 
     def has(self, name: str) -> bool:
         return name in self.file.tensors
@@ -102,7 +106,9 @@ class Transformer:
     # -- the step --------------------------------------------------------------------------------
     def allocate_cache(self, n_slots: int) -> KVCache:
         cfg = self.cfg
-        self.cache = KVCache(cfg.n_layer, n_slots, cfg.n_head_kv, self.n_ctx, cfg.head_dim, cfg.v_head_dim)
+        self.cache = KVCache(
+            cfg.n_layer, n_slots, cfg.n_head_kv, self.n_ctx, cfg.head_dim, cfg.v_head_dim
+        )
         return self.cache
 
     def embed(self, batch: Batch) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Batch:
     @property
     def kv_len(self) -> int:
         """Keys every row may need to see: up to the furthest position written this step."""
-        return max(s + n for s, n in zip(self.starts, self.lengths))
+        return max(s + n for s, n in zip(self.starts, self.lengths, strict=False))
 
     @property
     def positions(self) -> torch.Tensor:
@@ -69,5 +69,7 @@ class Batch:
         return m
 
     @classmethod
-    def single(cls, ids: list[int], slot: int = 0, start: int = 0, lora: LoraRows | None = None) -> Batch:
+    def single(
+        cls, ids: list[int], slot: int = 0, start: int = 0, lora: LoraRows | None = None
+    ) -> Batch:
         return cls(torch.tensor([ids], dtype=torch.long), [slot], [start], [len(ids)], lora)

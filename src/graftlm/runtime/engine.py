@@ -98,7 +98,11 @@ class Engine:
                 out = []
                 for start in range(0, len(ids), self.chunk):
                     piece = ids[start : start + self.chunk]
-                    out.append(self.model.forward(Batch.single(piece, slot, start, rows), all_logits=True)[0])
+                    out.append(
+                        self.model.forward(Batch.single(piece, slot, start, rows), all_logits=True)[
+                            0
+                        ]
+                    )
                 return torch.cat(out)
             finally:
                 self.free_slots.append(slot)
@@ -146,14 +150,20 @@ class Engine:
             prefilling = [r for r in self.running if r.n_prefilled < len(r.prompt)]
             if prefilling:
                 self._prefill(prefilling[0])
-            decoding = [r for r in self.running if r.n_prefilled == len(r.prompt) and r.generated and not r.done]
+            decoding = [
+                r
+                for r in self.running
+                if r.n_prefilled == len(r.prompt) and r.generated and not r.done
+            ]
             if decoding:
                 self._decode(decoding)
 
     def _prefill(self, req: Request) -> None:
         start = req.n_prefilled
         piece = req.prompt[start : start + self.chunk]
-        logits = self.model.forward(Batch.single(piece, req.slot, start, self.lora_rows([req.lora])))
+        logits = self.model.forward(
+            Batch.single(piece, req.slot, start, self.lora_rows([req.lora]))
+        )
         req.n_prefilled += len(piece)
         if req.n_prefilled == len(req.prompt):
             req.t_prompt_done = time.perf_counter()
@@ -169,7 +179,7 @@ class Engine:
             self.lora_rows([r.lora for r in reqs]),
         )
         logits = self.model.forward(batch)
-        for r, row in zip(reqs, logits):
+        for r, row in zip(reqs, logits, strict=False):
             self._emit(r, row)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:

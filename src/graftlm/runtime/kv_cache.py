@@ -22,14 +22,22 @@ class KVCache:
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         # (slot, kv_head, position, dim)
-        self.k = [torch.zeros(n_slots, n_head_kv, n_ctx, head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(n_slots, n_head_kv, n_ctx, v_head_dim, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.k = [
+            torch.zeros(n_slots, n_head_kv, n_ctx, head_dim, dtype=dtype, device=device)
+            for _ in range(n_layer)
+        ]
+        self.v = [
+            torch.zeros(n_slots, n_head_kv, n_ctx, v_head_dim, dtype=dtype, device=device)
+            for _ in range(n_layer)
+        ]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def update(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's k, v (B, T, Hkv, D) and return every row's keys and values so far,
         (B, Hkv, kv_len, D)."""
         kc, vc = self.k[layer], self.v[layer]

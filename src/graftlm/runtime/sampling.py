@@ -52,8 +52,12 @@ class Sampler:
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
-        if p.repeat_last_n == 0 or not history or (
-            p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+        if (
+            p.repeat_last_n == 0
+            or not history
+            or (
+                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            )
         ):
             return logits
         window = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history

@@ -10,7 +10,9 @@ from graftlm.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), eog: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), eog: frozenset[int] = frozenset()
+    ) -> None:
         self.decoder = StreamDecoder(tokenizer)
         self.stop = tuple(s for s in stop if s)
         self.eog = eog

@@ -60,20 +60,46 @@ def byte_decode(token_text: str) -> bytes:
 _LETTER, _NUMBER, _SPACE, _OTHER = 1, 2, 3, 4
 # Unicode's White_Space property: llama.cpp's `unicode_set_whitespace` (narrower than str.isspace).
 _WHITESPACE = frozenset(
-    [0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
-     0x2028, 0x2029, 0x202F, 0x205F, 0x3000]
+    [
+        0x09,
+        0x0A,
+        0x0B,
+        0x0C,
+        0x0D,
+        0x20,
+        0x85,
+        0xA0,
+        0x1680,
+        *range(0x2000, 0x200B),
+        0x2028,
+        0x2029,
+        0x202F,
+        0x205F,
+        0x3000,
+    ]
 )
 
 
 # Codepoints that llama.cpp's tables (Unicode 15.1) make letters or numbers but that Python
 # 3.11's unicodedata (Unicode 14.0) does not know yet.
 _NEWER_THAN_PYTHON = (
-    (0x1123F, 0x11240, _LETTER), (0x11F02, 0x11F02, _LETTER), (0x11F04, 0x11F10, _LETTER),
-    (0x11F12, 0x11F33, _LETTER), (0x11F50, 0x11F59, _NUMBER), (0x1342F, 0x1342F, _LETTER),
-    (0x13441, 0x13446, _LETTER), (0x1B132, 0x1B132, _LETTER), (0x1B155, 0x1B155, _LETTER),
-    (0x1D2C0, 0x1D2D3, _NUMBER), (0x1DF25, 0x1DF2A, _LETTER), (0x1E030, 0x1E06D, _LETTER),
-    (0x1E4D0, 0x1E4EB, _LETTER), (0x1E4F0, 0x1E4F9, _NUMBER), (0x2B739, 0x2B739, _LETTER),
-    (0x2EBF0, 0x2EE5D, _LETTER), (0x31350, 0x323AF, _LETTER),
+    (0x1123F, 0x11240, _LETTER),
+    (0x11F02, 0x11F02, _LETTER),
+    (0x11F04, 0x11F10, _LETTER),
+    (0x11F12, 0x11F33, _LETTER),
+    (0x11F50, 0x11F59, _NUMBER),
+    (0x1342F, 0x1342F, _LETTER),
+    (0x13441, 0x13446, _LETTER),
+    (0x1B132, 0x1B132, _LETTER),
+    (0x1B155, 0x1B155, _LETTER),
+    (0x1D2C0, 0x1D2D3, _NUMBER),
+    (0x1DF25, 0x1DF2A, _LETTER),
+    (0x1E030, 0x1E06D, _LETTER),
+    (0x1E4D0, 0x1E4EB, _LETTER),
+    (0x1E4F0, 0x1E4F9, _NUMBER),
+    (0x2B739, 0x2B739, _LETTER),
+    (0x2EBF0, 0x2EE5D, _LETTER),
+    (0x31350, 0x323AF, _LETTER),
 )
 
 
@@ -286,9 +312,9 @@ class PythonBPE:
         return out
 
 
-def make_merger(token_to_id: dict[str, int], merges: list[tuple[str, str]]) -> tuple[
-    Callable[[list[str]], list[int]], str
-]:
+def make_merger(
+    token_to_id: dict[str, int], merges: list[tuple[str, str]]
+) -> tuple[Callable[[list[str]], list[int]], str]:
     """A function from byte-encoded words to ids, and the name of the backend that runs it.
 
     HF `tokenizers` (Rust) runs the merges when it is installed and the vocabulary holds every

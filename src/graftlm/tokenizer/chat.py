@@ -68,9 +68,7 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content
-        )
+        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
     return str(content)
 
 
@@ -83,8 +81,11 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None,
-    separators: tuple[str, str] | None = None, sort_keys: bool = False,
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     # HF overrides Jinja's tojson: no HTML escaping, unicode kept, same keyword arguments.
     return json.dumps(

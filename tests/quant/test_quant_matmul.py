@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,53 @@ def test_device_dense_kernel_semantics() -> None:
     x = torch.randn(3, 576)
     assert rel_err(k.matmul(x), x @ dense.T) < BF16_TOL
     assert torch.equal(k.rows(torch.tensor([2])), dense[[2]].bfloat16().float())
+
+
+def test_repacked_weights_release_their_memory_mapped_pages(tmp_path: Path) -> None:
+    """A read-only np.memmap (what GGUFReader gives) stays valid after its pages are released."""
+    from graftlm.quant.base import release_pages
+
+    raw, _ = gguf_tensor(Q.Q4_K, (256, 1024), seed=8, prefer_quantize=False)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, mode="r", dtype=np.uint8, shape=raw.shape)
+    w = QWeight.from_gguf(mapped, Q.Q4_K, (256, 1024))
+    assert np.array_equal(np.asarray(mapped), raw)  # pages fault back in from the file
+    assert release_pages(mapped) > 0
+    assert release_pages(raw) == 0  # heap memory: never touched
+    assert release_pages(np.memmap(path, mode="c", dtype=np.uint8, shape=raw.shape)) == 0
+    dense = QWeight.from_gguf(raw, Q.Q4_K, (256, 1024)).dequantize()
+    assert torch.equal(w.dequantize(), dense)
+
+
+def test_matmul_is_pure_under_concurrent_calls() -> None:
+    """No shared per-call buffers: threads hammering one weight get the sequential answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    w, _ = load(Q.Q5_0, (256, 640))
+    xs = [torch.randn(m, 640, generator=torch.Generator().manual_seed(m)) for m in (1, 3, 70, 1)]
+    want = [w.matmul(x) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(w.matmul, xs * 4))
+    for i, y in enumerate(got):
+        assert torch.equal(y, want[i % len(xs)])
+
+
+def test_register_kernel_takes_precedence() -> None:
+    from graftlm.quant import FAST_KERNELS, register_kernel
+    from graftlm.quant.kernels import ReferenceKernel
+
+    class Only4x(ReferenceKernel):
+        name = "custom"
+
+        @classmethod
+        def accepts(cls, qtype: Q, shape: tuple[int, int]) -> bool:
+            return qtype == Q.Q4_0 and shape == (4, 64)
+
+    register_kernel(Only4x)
+    try:
+        raw, _ = gguf_tensor(Q.Q4_0, (4, 64))
+        assert QWeight.from_gguf(raw, Q.Q4_0, (4, 64)).kernel == "custom"
+        assert QWeight.from_gguf(np.tile(raw, (2, 1)), Q.Q4_0, (8, 64)).kernel != "custom"
+    finally:
+        FAST_KERNELS.remove(Only4x)

@@ -2,7 +2,25 @@
 
 ``QWeight.from_gguf`` keeps a GGUF tensor compact in whichever kernel suits its type and shape;
 ``linear(x, w)`` is the only place the model multiplies by a weight; ``dequantize_any`` turns any
-tensor the gguf package understands into float32.
+tensor the gguf package understands into float32.  The model never branches on quantization.
+
+Kernel per GGUF type (first accepting kernel of ``FAST_KERNELS``):
+
+=================  ============  ==========================================================
+type               kernel        storage (bytes per weight vs file)
+=================  ============  ==========================================================
+F32 / F16 / BF16   dense-*       the file's tensor itself, zero-copy (1.0x)
+Q4_0, Q4_1, Q4_K   int4pack      torch int4pack tiles + bf16 (s, z) per 32 (~1.2x)
+Q5_0, Q5_1, Q5_K   int4pack2     two int4pack planes, x' = [x | 16 x] (~1.9x)
+Q6_K               int4pack2     paired planes per 16-sub-block, x' = [x | 4 x] (~1.6x)
+Q8_0, n_out<8192   int4pack2     two planes (~1.24x)
+Q8_0, n_out>=8192  int8g         int8 codes per 32-group, _weight_int8pack_mm (~1.06x)
+Q2_K, Q3_K, IQ*,   blocks        the GGUF blocks themselves, dequantized per chunk (1.0x)
+TQ*, MXFP4, ...
+=================  ============  ==========================================================
+
+Every kernel also keeps the file's exact scales, so ``dequantize()`` / ``rows()`` are bit-exact
+with ``gguf.quants.dequantize``; ``prefer="reference"`` gives the dense float32 oracle instead.
 """
 
 from graftlm.quant.config import compute_dtype, get_compute_dtype, set_compute_dtype

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -53,6 +57,41 @@ def byte_rows(data: ArrayLike, qtype: GGMLQuantizationType, shape: tuple[int, in
     return flat.view(n_out, rb)
 
 
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+
+
+def release_pages(data: ArrayLike) -> int:
+    """Drop this process's resident pages under ``data`` if it is a read-only file mapping.
+
+    Only an ``np.memmap`` opened with mode "r" qualifies (GGUFReader's): its pages are clean and
+    file-backed, so MADV_DONTNEED just unmaps them and any later read faults them back in from
+    the page cache.  Anything else (heap arrays, copy-on-write maps, tensors) is left alone.
+    Returns the number of bytes released (0 when nothing was done).
+    """
+    if _MADVISE is None or not isinstance(data, np.memmap) or getattr(data, "mode", None) != "r":
+        return 0
+    if getattr(data, "_mmap", None) is None or not data.flags.c_contiguous:
+        return 0
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page  # whole pages inside the tensor only
+    stop = (data.ctypes.data + data.nbytes) // page * page
+    if stop <= start or _MADVISE(start, stop - start, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return stop - start
+
+
 class Kernel(ABC):
     """Storage of one 2-D weight (n_out, n_in) plus the matmul that reads it.
 
@@ -62,6 +101,7 @@ class Kernel(ABC):
 
     name: str
     row_multiple: ClassVar[int] = 1  # float32 chunks start at multiples of this row count
+    keeps_source: ClassVar[bool] = False  # whether it holds views of the GGUF bytes
 
     def __init__(self, shape: tuple[int, int]) -> None:
         self.shape = shape

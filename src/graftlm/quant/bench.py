@@ -61,7 +61,7 @@ def time_call(fn: Callable[[], object], budget: float) -> float:
 
 def cycle_of(make: Callable[[], V], nbytes: int, cold_bytes: int) -> Iterator[V]:
     """Enough copies of a weight, cycled, that their bytes exceed ``cold_bytes``."""
-    copies = max(1, min(16, -(-cold_bytes // max(nbytes, 1))))
+    copies = max(1, min(256, -(-cold_bytes // max(nbytes, 1))))
     return itertools.cycle([make() for _ in range(copies)])
 
 
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-m", default="1", help="rows of x for the vocabulary heads")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--cold-mb", type=int, default=96, help="cycle weights up to this many MB")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure each cell this many times, keep the minimum (busy machines)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     ms = [int(v) for v in a.m.split(",")]
@@ -113,9 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     for model in a.models.split(","):
         for tensor, qtype, n, k in SHAPES[model]:
             head = tensor.startswith("head")
-            kernel, rows = bench_shape(qtype, n, k, head_ms if head else ms, a.budget,
-                                       a.cold_mb << 20)
-            for r in rows:
+            runs = [bench_shape(qtype, n, k, head_ms if head else ms, a.budget, a.cold_mb << 20)
+                    for _ in range(a.repeat)]
+            kernel = runs[0][0]
+            for i, r in enumerate(runs[0][1]):
+                for key in ("ours", "bf16", "f32"):
+                    r[key] = min(run[1][i][key] for run in runs)
                 mb, ratio = r["nbytes"] / 2**20, r["nbytes"] / r["file"]
                 print(f"{model:8} {tensor:12} {qtype.name:5} {f'{n}x{k}':>13} {kernel:10} "
                       f"{mb:8.2f} {ratio:5.2f} {r['M']:4.0f} {r['ours']:9.0f} {r['bf16']:9.0f} "

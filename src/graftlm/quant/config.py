@@ -19,15 +19,15 @@ import torch
 _COMPUTE: list[torch.dtype] = [torch.bfloat16]
 
 # Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
-# float32 + float32 GEMM" (measured on 2 AVX2 cores, see graftlm.quant.bench).  Per kernel, since
+# float32 + float32 GEMM" (measured on an AVX2 core, see graftlm.quant.bench).  Per kernel, since
 # a two-plane int4pack weight costs twice a one-plane one per row of x.
-PREFILL_M = {"int4pack": 48, "int4pack2": 24, "int8g": 32}
+PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16}
 
 # Elements of weight dequantized per chunk in the float32 paths: bounds the temporary memory of a
 # matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in
 # cache (and out of fresh, page-faulting allocations).
 CHUNK_ELEMS = 1 << 18
-LOAD_CHUNK_ELEMS = 1 << 22  # the same, for repacking at load time
+LOAD_CHUNK_ELEMS = 1 << 20  # the same, for repacking at load time
 
 
 def set_compute_dtype(dtype: torch.dtype) -> None:

@@ -39,13 +39,14 @@ def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
     return (q & 0x0F).reshape(nb, -1)
 
 
-def _bits(qh: torch.Tensor, width: int) -> torch.Tensor:
-    """Little-endian bit planes: (nb, nbytes) -> (nb, nbytes*8) when width=8 bytes-as-bits.
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    """(nb, nbytes) bytes -> (nb, 8 * nbytes) bits.
 
-    Semantics: out[:, j] = (qh_as_uint[:, 0] >> j) & 1  (bit j of the little-endian integer).
+    Semantics: out[:, j] = (qh[:, j // 8] >> (j % 8)) & 1, i.e. bit j of the little-endian
+    integer the bytes spell (Q5_0/Q5_1's uint32 qh).
     """
     nb = qh.shape[0]
-    return ((qh.reshape(nb, -1, 1) >> _SHIFT_BITS.view(1, 1, 8)) & 1).reshape(nb, width)
+    return ((qh.reshape(nb, -1, 1) >> _SHIFT_BITS.view(1, 1, 8)) & 1).reshape(nb, -1)
 
 
 def _rep(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -127,7 +128,7 @@ class Q5_0(BlockFormat):
     qtype, bits, c_min, group_size = T.Q5_0, 5, -16, 32
 
     def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
-        u = _nibbles(blocks[:, 6:], 1) | (_bits(blocks[:, 2:6], 32) << 4)
+        u = _nibbles(blocks[:, 6:], 1) | (_bits(blocks[:, 2:6]) << 4)
         return u, {"d": _f16(blocks, 0, 2)}
 
     def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -139,7 +140,7 @@ class Q5_1(BlockFormat):
     offset = True
 
     def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
-        u = _nibbles(blocks[:, 8:], 1) | (_bits(blocks[:, 4:8], 32) << 4)
+        u = _nibbles(blocks[:, 8:], 1) | (_bits(blocks[:, 4:8]) << 4)
         return u, {"d": _f16(blocks, 0, 2), "m": _f16(blocks, 2, 4)}
 
     def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:

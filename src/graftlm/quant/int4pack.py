@@ -40,6 +40,12 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _columns(k: int) -> torch.Tensor:
+    """(1, k) column indices, made once per width (read-only, shared)."""
+    return torch.arange(k).unsqueeze(0)
+
+
 @dataclass(frozen=True)
 class Int4PackLayout:
     """Where torch puts code (n, k): tiles of ``block_n`` rows, flat (N/block_n, K, block_n/2).
@@ -69,8 +75,8 @@ class Int4PackLayout:
         half = self.block_n // 2
         p3 = packed.view(-1, k, half)
         pos = self.pos_of_row[ids % self.block_n]
-        cols = torch.arange(k).unsqueeze(0)
-        byte = p3[(ids // self.block_n).unsqueeze(1), cols, (pos % half).unsqueeze(1)]  # (L, K)
+        tile, byte_at = (ids // self.block_n).unsqueeze(1), (pos % half).unsqueeze(1)
+        byte = p3[tile, _columns(k), byte_at]  # (L, K)
         return (byte >> ((pos // half) * 4).to(torch.uint8).unsqueeze(1)) & 0x0F
 
 
@@ -158,7 +164,7 @@ class OnePlane(Planes):
         return s, z if b is None else z + b
 
     def expand_x(self, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous()
+        return x
 
 
 class SplitPlanes(Planes):
@@ -228,6 +234,8 @@ def planes_for(fmt: BlockFormat) -> Planes | None:
 class Int4PackKernel(Kernel):
     """int4pack tiles (+ bf16 scale/zero) for decode, exact GGUF scale fields for everything else.
 
+    Semantics (M < PREFILL_M, bf16 compute): y = float32(int4pack_mm(expand_x(bf16(x)), tiles))
+    Semantics (otherwise): y = x @ dequantize_rows(chunk).T per chunk, float32.
     Memory per weight: one plane 0.5 B + 0.125 B (s, z) + the file's scale bytes; two planes
     1 B + 0.25 B + scale bytes.
     """
@@ -281,7 +289,9 @@ class Int4PackKernel(Kernel):
             return self.chunked_matmul(x)
         xp = self.planes.expand_x(x.to(torch.bfloat16))  # (M, K')
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp, self.packed, GROUP, self.sz)
-        return y[:, : self.shape[0]].float()  # (M, n_pad) bf16 -> (M, n_out) f32
+        if self.packed.shape[0] != self.shape[0]:
+            y = y[:, : self.shape[0]]  # (M, n_pad) -> (M, n_out)
+        return y.float()
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         bn = self.layout.block_n

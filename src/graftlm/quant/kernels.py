@@ -35,6 +35,7 @@ class DenseKernel(Kernel):
     NAMES: ClassVar[dict[torch.dtype, str]] = {
         torch.float32: "dense-f32", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"
     }
+    keeps_source = True
 
     def __init__(self, w: torch.Tensor) -> None:
         super().__init__((w.shape[0], w.shape[1]))
@@ -131,6 +132,7 @@ class BlockKernel(Kernel):
     """
 
     name = "blocks"
+    keeps_source = True
 
     def __init__(self, shape: Shape, qtype: QType, raw: torch.Tensor) -> None:
         super().__init__(shape)

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows
+from graftlm.quant import config
+from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows, release_pages
 from graftlm.quant.int4pack import Int4PackKernel
 from graftlm.quant.kernels import (
     BlockKernel,
@@ -57,8 +58,11 @@ class QWeight:
 
         data: raw bytes as uint8 (or a typed array for F32/F16/BF16, as GGUFReader gives them),
         numpy or CPU torch, usually a zero-copy memory-map view; it may be kept (dense and
-        fallback kernels) and is never written.  prefer="reference" keeps a float32 copy made by
-        ``gguf.quants.dequantize`` instead: the slow oracle.
+        fallback kernels) and is never written.  When the kernel repacks the bytes and the data is
+        a read-only np.memmap (GGUFReader's), the pages of this tensor are released from the
+        process (madvise DONTNEED: clean file pages, re-read on demand), so resident memory is
+        the repacked weights, not those plus the file.  prefer="reference" keeps a float32 copy
+        made by ``gguf.quants.dequantize`` instead: the slow oracle.
         """
         qtype = GGMLQuantizationType(ggml_type)
         n_out, n_in = (int(s) for s in shape)
@@ -67,7 +71,10 @@ class QWeight:
         raw = byte_rows(data, qtype, (n_out, n_in))
         for kind in FAST_KERNELS if prefer == "fast" else REFERENCE_KERNELS:
             if kind.accepts(qtype, (n_out, n_in)):
-                return cls(kind.build(raw, qtype, (n_out, n_in)), qtype, name)
+                kernel = kind.build(raw, qtype, (n_out, n_in))
+                if not kernel.keeps_source:
+                    release_pages(data)  # the repacked copy replaces the mapped file bytes
+                return cls(kernel, qtype, name)
         raise NotImplementedError(f"{name or 'tensor'}: no kernel for GGUF type {qtype.name}")
 
     @property
@@ -94,14 +101,17 @@ class QWeight:
         Under the default bf16 compute dtype, x is rounded to bfloat16 for the fused kernels
         (relative error ~3e-3 of the output); see ``graftlm.quant.config``.
         """
-        n_out, n_in = self.shape
+        n_out, n_in = self._k.shape
         if x.shape[-1] != n_in:
             raise ValueError(f"{self.name or 'weight'} {self.shape}: x has {x.shape[-1]} features")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, n_in).to(torch.float32).contiguous()  # (M, n_in)
+        x2 = x.reshape(-1, n_in)  # (M, n_in)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
         if x2.shape[0] == 0:
             return x2.new_zeros(*lead, n_out)
-        return self._k.matmul(x2).reshape(*lead, n_out)
+        y = self._k.matmul(x2.contiguous())
+        return y if x.dim() == 2 else y.reshape(*lead, n_out)
 
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The slow twin of ``matmul``: x @ dequantize().T in float32."""
@@ -123,7 +133,12 @@ class QWeight:
         dev = torch.device(device)
         if dev == self.device:
             return self
-        w = self.dequantize().to(dev, torch.bfloat16)
+        n_out, n_in = self.shape
+        w = torch.empty(n_out, n_in, dtype=torch.bfloat16, device=dev)
+        step = config.chunk_rows(n_in, self._k.row_multiple)
+        for r0 in range(0, n_out, step):  # bounded host memory, whatever the weight's size
+            r1 = min(n_out, r0 + step)
+            w[r0:r1] = self._k.dequantize_rows(r0, r1).to(dev, torch.bfloat16)
         return QWeight(DeviceDenseKernel(w), self.ggml_type, self.name)
 
     def __repr__(self) -> str:

@@ -27,6 +27,35 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _convert_lora(args: argparse.Namespace) -> int:
+    from graftlm.lora.convert import gguf_to_peft, peft_to_gguf
+
+    if args.to_peft:
+        notes = gguf_to_peft(args.input, args.base, args.outfile)
+    else:
+        if not args.base:
+            raise GraftError("convert-lora: --base MODEL.gguf is required to convert a PEFT directory")
+        notes = peft_to_gguf(args.input, args.base, args.outfile, args.outtype)
+    for note in notes:
+        print(note)
+    print(f"wrote {args.outfile}")
+    return 0
+
+
+def _export_lora(args: argparse.Namespace) -> int:
+    from graftlm.lora.cli_args import lora_specs
+    from graftlm.lora.export import export_lora
+
+    specs = lora_specs(args.lora, args.lora_scaled)
+    if not specs:
+        raise GraftError("export-lora: give at least one adapter with --lora or --lora-scaled")
+    notes = export_lora(args.model, [(s.path, s.scale) for s in specs], args.output, args.outtype, progress=True)
+    for note in notes:
+        print(note)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from graftlm.commands.bench import bench
 
@@ -81,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
+
+    c = sub.add_parser("convert-lora", help="PEFT directory <-> llama.cpp GGUF LoRA adapter")
+    c.add_argument("input", help="PEFT directory, or with --to-peft a GGUF adapter")
+    c.add_argument("--base", help="base model GGUF (needed for PEFT -> GGUF)")
+    c.add_argument("-o", "--outfile", required=True)
+    c.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f32")
+    c.add_argument("--to-peft", action="store_true", help="GGUF adapter -> PEFT directory")
+    c.set_defaults(func=_convert_lora)
+
+    e = sub.add_parser("export-lora", help="merge LoRA adapters into a base GGUF (llama-export-lora)")
+    e.add_argument("-m", "--model", required=True)
+    e.add_argument("-o", "--output", required=True)
+    e.add_argument("--outtype", choices=["f16", "f32", "q8_0", "same"], default="f16")
+    add_lora_arguments(e)
+    e.set_defaults(func=_export_lora)
 
     b = sub.add_parser("bench", help="prompt and generation speed (llama-bench style)")
     b.add_argument("-m", "--model", default=None)

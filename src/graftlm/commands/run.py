@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     for spec in specs:
-        model.add_lora(spec.path, spec.scale)
+        i = model.add_lora(spec.path, spec.scale)
+        for note in model.adapters.attached[i].adapter.notes:
+            print(f"lora {i}: {note}", file=sys.stderr)
     _print_adapters(model)
 
     sampling = dict(

@@ -37,7 +37,6 @@ from graftlm.lora.peft import (
     LoraPair,
     gguf_to_hf,
     read_peft,
-    tied_head_pair,
     unpermute_rows,
 )
 from graftlm.lora.peft_config import CONFIG_FILE
@@ -84,8 +83,8 @@ def peft_to_gguf(
     if outtype not in OUTTYPES:
         raise AdapterError(f"outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
     base = BaseInfo.from_gguf(_open_base(base_gguf_path))
-    adapter = read_peft(peft_dir, base)
-    if tied_head_pair(adapter, base) is not None:
+    adapter = read_peft(Path(peft_dir), base)
+    if base.tied_head and any(p.base == "output" for p in adapter.pairs):
         raise AdapterError(
             f"{adapter.path / CONFIG_FILE}: ensure_weight_tying puts the embedding's LoRA on the "
             f"tied head too, which a llama.cpp adapter cannot express ({base.path} has no "
@@ -94,7 +93,7 @@ def peft_to_gguf(
     pairs = adapter.pairs
     if not pairs:
         raise AdapterError(f"{adapter.path}: holds no LoRA tensors")
-    notes: list[str] = []
+    notes = list(adapter.notes)
     alpha = _single_alpha(pairs, adapter.config.lora_alpha)
     if alpha is not None:
         notes.append(f"adapter.lora.alpha = {alpha:g}: llama.cpp's alpha / r is PEFT's factor")

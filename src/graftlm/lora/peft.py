@@ -3,14 +3,9 @@
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
 `base_model.model.<module>.lora_A.weight` (r, n_in) / `.lora_B.weight` (n_out, r), and for an
 embedding `base_model.model.<module>.lora_embedding_A` (r, n_vocab) / `.lora_embedding_B`
-(n_embd, r). PEFT computes
-
-    linear:     y += s * B @ (A @ x)
-    embedding:  e[t] += s * B @ A[:, t]      (times the model's embedding scale, as the base)
-
-with s = alpha / r, or alpha / sqrt(r) with `use_rslora`; r and alpha come from `rank_pattern` /
-`alpha_pattern` when one of their keys matches the module's full name as the regex
-`(.*\\.)?{key}$` (peft.utils.other.get_pattern_key), else from `r` / `lora_alpha`.
+(n_embd, r). PEFT computes y += s * B @ (A @ x), and for the embedding e[t] += s * B @ A[:, t]
+(times the model's embedding scale, like the base row), with s PEFT's per-module factor
+(peft_config.py: alpha / r, rsLoRA, rank / alpha patterns).
 
 Reading maps every Hugging Face module name to its GGUF base tensor (gguf's TensorNameMap) and
 applies what llama.cpp's converter did to the base weights: on llama-architecture files the Q and
@@ -44,6 +39,7 @@ if TYPE_CHECKING:
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
+_BASE_LAYER = ".base_layer.weight"
 # PEFT key suffix -> (which factor, is the embedding layout)
 _SUFFIXES = {
     ".lora_A.weight": ("a", False),
@@ -107,6 +103,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def arch_rules(arch: str) -> ArchRules | None:
+    """The conversion rules of a GGUF architecture; None: PEFT names cannot be mapped for it."""
     return ARCH_RULES.get(arch)
 
 
@@ -187,14 +184,20 @@ class BaseInfo:
         return cls(path, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.tied_head, lookup)
 
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> BaseInfo:
-        """From a base model file alone (no weights read): what `convert-lora` checks against."""
+    def from_gguf(cls, f: GGUFFile, tied_output: bool = False) -> BaseInfo:
+        """From a base model file alone (no weights read): what `convert-lora` checks against.
+
+        tied_output: a tied base's head takes an adapter (as (n_embd, n_vocab)); only a merge,
+        which can write the head out, can honour that."""
         arch = f.architecture or ""
         n_head = _int_meta(f.metadata.get(f"{arch}.attention.head_count", 0))
         n_head_kv = _int_meta(f.metadata.get(f"{arch}.attention.head_count_kv", n_head))
         tied = "output.weight" not in f.tensors
 
         def lookup(base: str) -> tuple[int, int] | str:
+            if base == "output" and tied and tied_output and EMBEDDING + ".weight" in f.tensors:
+                n_vocab, n_embd = f.tensors[EMBEDDING + ".weight"].shape
+                return n_embd, n_vocab
             if base == "output" and tied:
                 return (
                     "the base has a tied head (no output.weight), and llama.cpp attaches adapters "
@@ -270,13 +273,12 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
     except (ValueError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{cfg_path}: not valid JSON ({exc})") from None
     cfg = parse_config(raw, str(cfg_path), problems)
-    rules = arch_rules(base.arch)
-    if rules is None:
+    if arch_rules(base.arch) is None:
         problems.append(
             f"base {base.path}: architecture {base.arch!r} has no PEFT name mapping here "
             f"(known: {', '.join(sorted(ARCH_RULES))})"
         )
-    if cfg is None or rules is None:
+    if cfg is None or arch_rules(base.arch) is None:
         raise AdapterError(f"{d}: cannot attach PEFT adapter:\n  - " + "\n  - ".join(problems))
 
     try:
@@ -286,19 +288,28 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
         raise AdapterError(f"{st_path}: unreadable safetensors file ({exc})") from None
 
     halves: dict[str, dict[str, tuple[str, bool]]] = {}
+    base_layers: dict[str, str] = {}
     for key in keys:
         module, part, embd = _split_key(key)
-        if module is None:
-            what = (
-                "a full saved layer" if key.endswith((".weight", ".bias")) else "not a LoRA tensor"
-            )
+        if module is not None:
+            halves.setdefault(module, {})[part] = (key, embd)
+        elif key.startswith(KEY_PREFIX) and key.endswith(_BASE_LAYER):
+            base_layers[key[len(KEY_PREFIX) : -len(_BASE_LAYER)]] = key
+        else:
             problems.append(
-                f"{WEIGHTS_FILE}: tensor {key!r}: {what} "
+                f"{WEIGHTS_FILE}: tensor {key!r}: a full saved layer or other non-LoRA tensor "
                 "(only lora_A/B and lora_embedding_A/B are supported)"
             )
-            continue
-        halves.setdefault(module, {})[part] = (key, embd)
+    if not halves and not problems:
+        problems.append(f"{WEIGHTS_FILE}: holds no LoRA tensors")
 
+    # ensure_weight_tying on a tied base: PEFT also gives lm_head the embedding's LoRA (saved as
+    # lm_head.lora_A = lora_embedding_B.T, lora_B = lora_embedding_A.T) without listing it
+    tie_head = (
+        cfg.ensure_weight_tying
+        and base.tied_head
+        and any(p.get("a", ("", False))[1] for p in halves.values())
+    )
     pairs: list[LoraPair] = []
     for module, parts in halves.items():
         if set(parts) != {"a", "b"}:
@@ -308,14 +319,21 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
                 f"but no lora_{'B' if have == 'A' else 'A'}"
             )
             continue
-        pair = _read_pair(st, module, parts, cfg, base, problems)
+        tied = tie_head and module.rsplit(".", 1)[-1] == "lm_head"
+        pair = _read_pair(st, module, parts, cfg, base, problems, tied)
         if pair is not None:
             pairs.append(pair)
 
-    notes = _tying_notes(cfg, base, pairs, problems)
+    notes = _base_layer_notes(st, base_layers, halves, base, problems)
+    if tie_head and not any(p.base == "output" for p in pairs):
+        table = next((p for p in pairs if p.embedding), None)
+        if table is not None:
+            pairs.append(_tied_head(table, cfg))
+    if tie_head:
+        notes.append("ensure_weight_tying: the embedding's LoRA also applies to the tied head")
     if problems:
         raise AdapterError(
-            f"{d}: cannot attach PEFT adapter to {base.arch} base {base.path}:\n  - "
+            f"{d}: cannot attach PEFT adapter to {base.arch} base {base.path!r}:\n  - "
             + "\n  - ".join(problems)
         )
     return PeftAdapter(d, cfg, pairs, len(keys), notes)
@@ -337,6 +355,7 @@ def _read_pair(
     cfg: PeftConfig,
     base: BaseInfo,
     problems: list[str],
+    tied_head: bool = False,
 ) -> LoraPair | None:
     where = f"{WEIGHTS_FILE}: module {module!r}"
     gname = hf_to_gguf(base.arch, base.n_layer, module)
@@ -347,7 +366,7 @@ def _read_pair(
         else:
             problems.append(f"{where}: unknown module name for a {base.arch} model")
         return None
-    if not cfg.targets(module):
+    if not (cfg.targets(module) or tied_head):
         problems.append(
             f"{where}: not selected by target_modules / layers_to_transform in {CONFIG_FILE}"
         )
@@ -399,35 +418,51 @@ def _read_pair(
     return LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha)
 
 
-def _tying_notes(
-    cfg: PeftConfig, base: BaseInfo, pairs: list[LoraPair], problems: list[str]
+def _base_layer_notes(
+    st: Any,
+    base_layers: dict[str, str],
+    halves: dict[str, dict[str, tuple[str, bool]]],
+    base: BaseInfo,
+    problems: list[str],
 ) -> list[str]:
-    """PEFT's ensure_weight_tying on a tied base also puts the embedding's LoRA on the head."""
-    notes: list[str] = []
-    embd = next((p for p in pairs if p.embedding), None)
-    if cfg.ensure_weight_tying and base.tied_head and embd is not None:
-        if any(p.base == "output" for p in pairs):
+    """PEFT saves a copy of an embedding (and a tied head) it put a LoRA on (save_embedding_layers,
+    for resized vocabularies). With the base's own shape it is the base weight, which graftlm takes
+    from the GGUF file instead; any other saved layer is refused."""
+    notes = []
+    for module, key in base_layers.items():
+        gname = hf_to_gguf(base.arch, base.n_layer, module) if module in halves else None
+        if gname not in (EMBEDDING, "output"):
+            problems.append(f"{WEIGHTS_FILE}: tensor {key!r}: a full saved layer is not supported")
+            continue
+        shape = base.lookup(gname)
+        saved = list(st.get_slice(key).get_shape())
+        want = [shape[0], shape[1]] if not isinstance(shape, str) and gname == EMBEDDING else None
+        if want is None and not isinstance(shape, str):
+            want = [shape[1], shape[0]]
+        if want is not None and saved != want:
             problems.append(
-                "ensure_weight_tying is set but the file also holds its own lm_head LoRA"
+                f"{WEIGHTS_FILE}: tensor {key!r}: saved base layer {saved} differs from the "
+                f"base's {want} (resized vocabulary? full saved layers are not supported)"
             )
-        notes.append("ensure_weight_tying: the embedding's LoRA is also applied to the tied head")
+            continue
+        notes.append(
+            f"{key}: PEFT's saved copy of the base layer is not applied; the GGUF base's own "
+            "weights are used"
+        )
     return notes
 
 
-def tied_head_pair(adapter: PeftAdapter, base: BaseInfo) -> LoraPair | None:
-    """The head LoRA PEFT derives from the embedding's under ensure_weight_tying on a tied base:
-    lm_head.lora_A = lora_embedding_B.T (r, n_embd), lora_B = lora_embedding_A.T (n_vocab, r)."""
-    embd = next((p for p in adapter.pairs if p.embedding), None)
-    if not (adapter.config.ensure_weight_tying and base.tied_head and embd is not None):
-        return None
+def _tied_head(embd: LoraPair, cfg: PeftConfig) -> LoraPair:
+    # (r, n_embd) and (n_vocab, r): the head reads the embedding table transposed
+    r, alpha = cfg.rank_alpha("lm_head")
     return LoraPair(
         "lm_head",
         "output",
         embd.b.T.contiguous(),
         embd.a.T.contiguous(),
-        adapter.config.scaling("lm_head"),
-        embd.rank,
-        adapter.config.rank_alpha("lm_head")[1],
+        cfg.scaling("lm_head"),
+        r,
+        alpha,
     )
 
 
@@ -443,11 +478,7 @@ def read_peft_adapter(path: str | Path, model: Transformer) -> ResolvedAdapter:
             "applies only after the invocation tokens) is not supported when serving"
         )
     pieces: dict[str, list[tuple[slice, slice, Delta]]] = {}
-    pairs = list(adapter.pairs)
-    head = tied_head_pair(adapter, base)
-    if head is not None:
-        pairs.append(head)
-    for p in pairs:
+    for p in adapter.pairs:
         if p.embedding:
             # graftlm's gather layout: a (n_vocab, r) looked up per token, b (n_embd, r)
             delta = Delta(p.a.T.contiguous(), p.b * p.scaling)

@@ -123,11 +123,7 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
 
     def num(key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
         v = raw.get(key, default)
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, kind)
-            or (isinstance(v, (int, float)) and v <= 0)
-        ):
+        if not _positive(v, kind):
             problems.append(f"{where}: {key} must be a positive number, got {v!r}")
             return None
         return v
@@ -164,12 +160,15 @@ def _str_or_tuple(v: Any) -> tuple[str, ...] | str | None:
     return v if isinstance(v, str) or v is None else tuple(v)
 
 
+def _positive(v: Any, kind: type | tuple[type, ...]) -> bool:
+    ok: bool = not isinstance(v, bool) and isinstance(v, kind)
+    return ok and float(v) > 0
+
+
 def _pattern_dict(
     d: Any, kind: type | tuple[type, ...], key: str, where: str, problems: list[str]
 ) -> dict[str, Any]:
-    if not isinstance(d, dict) or any(
-        isinstance(v, bool) or not isinstance(v, kind) or v <= 0 for v in d.values()
-    ):
+    if not isinstance(d, dict) or not all(_positive(v, kind) for v in d.values()):
         problems.append(f"{where}: {key} must map module patterns to positive numbers, got {d!r}")
         return {}
     return dict(d)

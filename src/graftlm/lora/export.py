@@ -1,0 +1,210 @@
+"""Merge LoRA adapters into a base model file (`graftlm export-lora`), as llama.cpp's export-lora.
+
+For every tensor an adapter names, W' = W + sum_i s_i * f_i * B_i @ A_i, where s_i is the user's
+scale and f_i the adapter's own factor (a GGUF adapter: alpha / r, or 1 when alpha is 0; a PEFT
+directory: PEFT's per-module factor). The metadata and every other tensor are copied as they are.
+
+Merged tensors are written as `outtype`: "f16" (llama.cpp's choice: float32 tensors stay float32,
+the rest become F16), "f32", "q8_0", or "same" (the base tensor's own type where the gguf package
+can quantize to it, else F16). On a tied base (no output.weight), an adapter on the embedding or
+on the head unties them: the head is written out as its own output.weight, so the embedding's
+LoRA changes the lookup only, as it does at runtime.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from graftlm.errors import AdapterError, ModelFileError
+from graftlm.gguf import GGUFFile, TensorEntry
+from graftlm.lora.adapter import EMBEDDING
+from graftlm.lora.peft import BaseInfo, read_peft
+from graftlm.quant import dequantize_any
+
+T = gguf.GGMLQuantizationType
+MERGE_TYPES = ("f16", "f32", "q8_0", "same")
+_FILE_TYPE = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+}
+# (user scale * own factor, A (r, n_in), B (n_out, r)); the embedding's pair is PEFT's
+# (r, n_vocab) and (n_embd, r), whose product is the transposed delta
+Term = tuple[float, torch.Tensor, torch.Tensor]
+
+
+def export_lora(
+    base_gguf_path: str | os.PathLike[str],
+    adapters: Sequence[tuple[str | os.PathLike[str], float]],
+    out_path: str | os.PathLike[str],
+    outtype: str = "f16",
+    progress: bool = False,
+) -> list[str]:
+    """Write `base` with every (adapter, scale) merged in; adapters are GGUF files or PEFT
+    directories. Every adapter is checked before anything is written; AdapterError lists every
+    problem of every adapter. Returns notes for the user."""
+    if outtype not in MERGE_TYPES:
+        raise AdapterError(f"outtype {outtype!r}: expected one of {', '.join(MERGE_TYPES)}")
+    if not adapters:
+        raise AdapterError("no adapter to merge")
+    f = GGUFFile(base_gguf_path)
+    if f.file_type == "adapter":
+        raise ModelFileError(f"{f.path}: is a LoRA adapter, not a base model")
+    base = BaseInfo.from_gguf(f, tied_output=True)
+    terms: dict[str, list[Term]] = {}
+    errors: list[str] = []
+    for path, scale in adapters:
+        try:
+            pairs = _pairs(Path(path), base)
+        except AdapterError as exc:
+            errors.append(str(exc))
+            continue
+        for name, factor, a, b in pairs:
+            terms.setdefault(name, []).append((float(scale) * factor, a, b))
+    if errors:
+        raise AdapterError("\n".join(errors))
+
+    notes: list[str] = []
+    untie = base.tied_head and (EMBEDDING in terms or "output" in terms)
+    if untie:
+        notes.append(
+            "tied base: the head is written out as output.weight so that the embedding's and "
+            "the head's adapters each change only their own side (as they do at runtime)"
+        )
+    merged: dict[str, tuple[np.ndarray, T]] = {}
+    fallback: list[str] = []
+    for name in tqdm(sorted(terms), desc="merging", disable=not progress):
+        src = f.tensors[(EMBEDDING if name == "output" and untie else name) + ".weight"]
+        w = dequantize_any(src.data, src.ggml_type, src.shape).float()  # torch (rows, cols)
+        for s, a, b in terms[name]:
+            d = b @ a  # (n_out, n_in); the embedding's is (n_embd, n_vocab)
+            w += s * (d.T if name == EMBEDDING else d)
+        data, qtype = _encode(w, src.ggml_type, outtype)
+        if outtype in ("same", "q8_0") and qtype == T.F16 and src.ggml_type != T.F16:
+            fallback.append(name + ".weight")
+        merged[name + ".weight"] = (data, qtype)
+    if fallback:
+        notes.append(
+            f"{len(fallback)} merged tensors written as F16 ({', '.join(fallback[:3])}"
+            f"{', ...' if len(fallback) > 3 else ''}): the gguf package cannot quantize them "
+            f"to {outtype}"
+        )
+
+    out = Path(out_path)
+    tmp = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(tmp, base.arch)
+    _copy_metadata(base_gguf_path, writer, outtype)
+    for name, e in f.tensors.items():
+        _add(writer, name, e, merged)
+        if untie and name == EMBEDDING + ".weight":
+            _add(writer, "output.weight", e, merged)  # the untouched head is the embedding's bytes
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=progress)
+    finally:
+        writer.close()
+    os.replace(tmp, out)  # never leave a half-written model under the real name
+    notes.append(
+        f"wrote {out}: merged {len(merged)} tensors from {len(adapters)} adapters, "
+        f"copied {len(f.tensors) - len(merged) + int(untie)}"
+    )
+    return notes
+
+
+def _add(
+    w: gguf.GGUFWriter, name: str, e: TensorEntry, merged: dict[str, tuple[np.ndarray, T]]
+) -> None:
+    if name in merged:
+        data, qtype = merged[name]
+        w.add_tensor(name, data, raw_dtype=qtype)
+    else:
+        # the memory-mapped bytes as stored: (rows, bytes per row) for block types, from which
+        # the writer recovers the shape
+        w.add_tensor(name, e.data, raw_dtype=e.ggml_type)
+
+
+def _pairs(path: Path, base: BaseInfo) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
+    """(base tensor name, factor, A, B) of one adapter, checked against the base."""
+    if path.is_dir():
+        adapter = read_peft(path, base)
+        return [(p.base, p.scaling, p.a, p.b) for p in adapter.pairs]
+    f = GGUFFile(path)
+    if f.file_type != "adapter" or f.metadata.get("adapter.type") != "lora":
+        raise AdapterError(f"{f.path}: not a llama.cpp LoRA adapter (general.type / adapter.type)")
+    problems: list[str] = []
+    if f.architecture != base.arch:
+        problems.append(f"general.architecture is {f.architecture!r}, the base is {base.arch!r}")
+    alpha_v = f.metadata.get(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
+    alpha = float(alpha_v) if isinstance(alpha_v, (int, float)) else 0.0
+    halves: dict[str, dict[str, TensorEntry]] = {}
+    for name, e in f.tensors.items():
+        stem, _, part = name.rpartition(".")
+        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
+            problems.append(f"tensor {name!r}: not a LoRA tensor")
+            continue
+        halves.setdefault(stem[: -len(".weight")], {})[part] = e
+    out = []
+    for name, pair in sorted(halves.items()):
+        if set(pair) != {"lora_a", "lora_b"}:
+            problems.append(f"tensor {name}.weight: has only {', '.join(pair)}")
+            continue
+        shape = base.lookup(name)
+        if isinstance(shape, str):
+            problems.append(f"tensor {name}.weight: {shape}")
+            continue
+        a = dequantize_any(pair["lora_a"].data, pair["lora_a"].ggml_type, pair["lora_a"].shape)
+        b = dequantize_any(pair["lora_b"].data, pair["lora_b"].ggml_type, pair["lora_b"].shape)
+        if name == EMBEDDING:
+            a = a.T  # llama.cpp's flipped layout (n_vocab, r) back to (r, n_vocab)
+        if (a.shape[1], b.shape[0]) != shape or a.shape[0] != b.shape[1]:
+            problems.append(
+                f"tensor {name}.weight: lora_a {list(a.shape)} and lora_b {list(b.shape)} do not "
+                f"fit the base's (n_in, n_out) = {shape}"
+            )
+            continue
+        rank = int(b.shape[1])
+        out.append((name, alpha / rank if alpha else 1.0, a.float(), b.float()))
+    if problems:
+        raise AdapterError(
+            f"{f.path}: cannot merge into {base.path}:\n  - " + "\n  - ".join(problems)
+        )
+    return out
+
+
+def _encode(w: torch.Tensor, base_type: T, outtype: str) -> tuple[np.ndarray, T]:
+    arr = w.contiguous().numpy()
+    if outtype == "f32" or (outtype == "f16" and base_type == T.F32):
+        return arr, T.F32
+    want = {"f16": T.F16, "q8_0": T.Q8_0}.get(outtype, base_type)
+    if want == T.F32:
+        return arr, T.F32
+    if want == T.F16:
+        return arr.astype(np.float16), T.F16
+    try:
+        return gguf.quants.quantize(arr, want), want
+    except (gguf.QuantError, NotImplementedError):  # rows not whole blocks, or no quantizer
+        return arr.astype(np.float16), T.F16
+
+
+def _copy_metadata(path: str | os.PathLike[str], w: gguf.GGUFWriter, outtype: str) -> None:
+    """Every key of the base with its exact GGUF type (gguf.GGUFReader keeps the types; graftlm's
+    fast reader does not). general.file_type follows the merged tensors except with "same"."""
+    reader = gguf.GGUFReader(path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these
+            continue
+        if key == "general.alignment":
+            w.add_custom_alignment(int(field.contents()))
+        elif key == "general.file_type" and outtype in _FILE_TYPE:
+            w.add_file_type(int(_FILE_TYPE[outtype]))
+        else:
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)

@@ -1,0 +1,132 @@
+"""export-lora: adapters merged into the base file give what the runtime gives with the same
+adapters and scales; everything not merged is copied byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import graftlm
+from graftlm.errors import AdapterError
+from graftlm.gguf import GGUFFile
+from graftlm.lora.export import export_lora
+
+TINY = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "tiny"
+IDS = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def runtime_logprobs(base: Path, adapters: list[tuple[Path, float]]) -> torch.Tensor:
+    model = graftlm.load(base, ctx_size=64, reference=True)
+    lora = [{"id": model.add_lora(p, scale=0.0), "scale": s} for p, s in adapters]
+    return torch.log_softmax(model.logits(IDS, lora=lora).float(), dim=-1)
+
+
+def merged_logprobs(path: Path) -> torch.Tensor:
+    model = graftlm.load(path, ctx_size=64, reference=True)
+    return torch.log_softmax(model.logits(IDS).float(), dim=-1)
+
+
+def test_merge_equals_the_runtime(
+    tmp_path: Path, make_peft: Callable[..., tuple[Path, Any]]
+) -> None:
+    """A llama.cpp GGUF adapter at 0.5 and a PEFT directory (rsLoRA, patterns) at 1.5."""
+    base = TINY / "llama" / "model-f32.gguf"
+    peft_dir, _ = make_peft(
+        "llama",
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "up_proj"],
+        rank_pattern={"k_proj": 2},
+        std=0.2,
+    )
+    adapters = [(TINY / "llama" / "lora-f32.gguf", 0.5), (peft_dir, 1.5)]
+    out = tmp_path / "merged.gguf"
+    notes = export_lora(base, adapters, out, outtype="f32")
+    assert notes[-1] == f"wrote {out}: merged 14 tensors from 2 adapters, copied 8"
+    got, ref = merged_logprobs(out), runtime_logprobs(base, adapters)
+    assert (got - ref).abs().max() < 1e-3
+    assert (got - merged_logprobs(base)).abs().mean() > 0.01  # the adapters did something
+
+    b, m = GGUFFile(base), GGUFFile(out)
+    assert set(m.tensors) == set(b.tensors)
+    assert {k: v for k, v in m.metadata.items() if k != "general.file_type"} == {
+        k: v for k, v in b.metadata.items() if k != "general.file_type"
+    }
+    untouched = [n for n in b.tensors if "attn_" not in n and "ffn_" not in n or "norm" in n]
+    assert len(untouched) == 8
+    for name in untouched:
+        assert m.tensors[name].ggml_type == b.tensors[name].ggml_type
+        assert (
+            np.asarray(m.tensors[name].data).tobytes() == np.asarray(b.tensors[name].data).tobytes()
+        )
+
+
+def test_tied_base_is_untied(tmp_path: Path, make_peft: Callable[..., tuple[Path, Any]]) -> None:
+    """An embedding LoRA on a tied base changes the lookup only: the merged file gets its own
+    output.weight (the original table) so the head stays as it was."""
+    base = TINY / "qwen2" / "model-f32.gguf"
+    d, _ = make_peft("qwen2", r=4, lora_alpha=8, target_modules=["embed_tokens", "v_proj"])
+    out = tmp_path / "merged.gguf"
+    notes = export_lora(base, [(d, 1.0)], out, outtype="f32")
+    assert any("written out as output.weight" in n for n in notes)
+    m = GGUFFile(out)
+    assert "output.weight" in m.tensors and "output.weight" not in GGUFFile(base).tensors
+    got, ref = merged_logprobs(out), runtime_logprobs(base, [(d, 1.0)])
+    assert (got - ref).abs().max() < 1e-3
+
+
+def test_outtypes_on_a_quantized_base(tmp_path: Path) -> None:
+    base = TINY / "llama" / "model-q8_0.gguf"
+    adapters = [(TINY / "llama" / "lora-f32.gguf", 1.0)]
+    ref = runtime_logprobs(base, adapters)
+    # what quantizing to Q8_0 costs on this model, measured: merged-then-requantized weights
+    # should cost no more than that
+    q8_cost = (runtime_logprobs(TINY / "llama" / "model-f32.gguf", adapters) - ref).abs().mean()
+    for outtype, merged_type in (("same", T.Q8_0), ("f16", T.F16), ("q8_0", T.Q8_0)):
+        out = tmp_path / f"{outtype}.gguf"
+        export_lora(base, adapters, out, outtype=outtype)
+        m = GGUFFile(out)
+        assert m.tensors["blk.0.attn_q.weight"].ggml_type == merged_type
+        assert m.tensors["blk.0.attn_norm.weight"].ggml_type == T.F32  # copied as it was
+        assert (merged_logprobs(out) - ref).abs().mean() < 1.2 * q8_cost, outtype
+
+
+def test_f16_keeps_float32_tensors(tmp_path: Path) -> None:
+    """llama.cpp's rule: merged float32 tensors stay float32 at the default outtype."""
+    out = tmp_path / "m.gguf"
+    export_lora(TINY / "llama" / "model-f32.gguf", [(TINY / "llama" / "lora-f32.gguf", 1.0)], out)
+    assert GGUFFile(out).tensors["blk.0.attn_q.weight"].ggml_type == T.F32
+    assert GGUFFile(out).metadata["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def test_refusals_write_nothing(tmp_path: Path) -> None:
+    base = TINY / "llama" / "model-f32.gguf"
+    out = tmp_path / "m.gguf"
+    with pytest.raises(AdapterError) as exc:
+        export_lora(
+            base, [(TINY / "mistral" / "peft", 1.0), (TINY / "qwen2" / "lora-f32.gguf", 1.0)], out
+        )
+    msg = str(exc.value)
+    assert "lora_B [192, 4] (output size, r) does not fit the base's output size 128" in msg
+    assert "general.architecture is 'qwen2', the base is 'llama'" in msg
+    assert not out.exists() and not list(tmp_path.iterdir())
+    with pytest.raises(AdapterError, match="outtype 'q4_k'"):
+        export_lora(base, [(TINY / "llama" / "peft", 1.0)], out, outtype="q4_k")
+    with pytest.raises(AdapterError, match="no adapter to merge"):
+        export_lora(base, [], out)

@@ -152,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # argument values (e.g. --lora-scaled) checked after parsing
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # files the user named: unwritable output folder, full disk, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

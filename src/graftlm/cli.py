@@ -34,7 +34,9 @@ def _convert_lora(args: argparse.Namespace) -> int:
         notes = gguf_to_peft(args.input, args.base, args.outfile)
     else:
         if not args.base:
-            raise GraftError("convert-lora: --base MODEL.gguf is required to convert a PEFT directory")
+            raise GraftError(
+                "convert-lora: --base MODEL.gguf is required to convert a PEFT directory"
+            )
         notes = peft_to_gguf(args.input, args.base, args.outfile, args.outtype)
     for note in notes:
         print(note)
@@ -49,7 +51,9 @@ def _export_lora(args: argparse.Namespace) -> int:
     specs = lora_specs(args.lora, args.lora_scaled)
     if not specs:
         raise GraftError("export-lora: give at least one adapter with --lora or --lora-scaled")
-    notes = export_lora(args.model, [(s.path, s.scale) for s in specs], args.output, args.outtype, progress=True)
+    notes = export_lora(
+        args.model, [(s.path, s.scale) for s in specs], args.output, args.outtype, progress=True
+    )
     for note in notes:
         print(note)
     print(f"wrote {args.output}")
@@ -119,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to-peft", action="store_true", help="GGUF adapter -> PEFT directory")
     c.set_defaults(func=_convert_lora)
 
-    e = sub.add_parser("export-lora", help="merge LoRA adapters into a base GGUF (llama-export-lora)")
+    e = sub.add_parser(
+        "export-lora", help="merge LoRA adapters into a base GGUF (llama-export-lora)"
+    )
     e.add_argument("-m", "--model", required=True)
     e.add_argument("-o", "--output", required=True)
     e.add_argument("--outtype", choices=["f16", "f32", "q8_0", "same"], default="f16")

@@ -141,7 +141,9 @@ def parse_gguf(
         infos.append((name, qtype, ne, offset))
     align = int(meta.get("general.alignment", 32))
     start = (c.pos + align - 1) // align * align
-    raw = np.frombuffer(mm, dtype=np.uint8)
+    # np.memmap (not frombuffer): kernels that repack a tensor can then tell the pages are clean
+    # file-backed ones and drop them from this process's resident set
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for name, qtype, ne, offset in infos:
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]

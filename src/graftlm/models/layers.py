@@ -73,10 +73,20 @@ class Rope:
         self.sin = (ang.sin() * mscale).float()
         self.dim = dim
         self.neox = neox
+        # every layer of a step rotates q and k at the same positions: gather the rows once
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memo = self._memo
+        if memo is not None and memo[0] is positions:
+            return memo[1], memo[2]
         cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, dim/2)
         sin = self.sin[positions].unsqueeze(2)
+        self._memo = (positions, cos, sin)
+        return cos, sin
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.tables(positions)
         d = self.dim
         rot, rest = x[..., :d], x[..., d:]
         if self.neox:

@@ -18,6 +18,7 @@ import torch
 
 from graftlm.errors import RequestError
 from graftlm.models import Transformer
+from graftlm.quant import compute_dtype
 from graftlm.runtime.batch import Batch, LoraRows
 from graftlm.runtime.sampling import Sampler, SamplingParams
 
@@ -91,7 +92,10 @@ class Engine:
                 f"the prompt has {len(ids)} tokens, more than the context size {self.model.n_ctx}",
                 "context_length_exceeded",
             )
-        with self.lock:
+        # Scoring is a prefill-shaped workload, where exact float32 dequantization costs what the
+        # bfloat16 weight-only kernels cost; log-probabilities are the product here, so they get
+        # the exact path (decode steps keep the fast kernels).
+        with self.lock, compute_dtype(torch.float32):
             slot = self._take_slot()
             try:
                 rows = self.lora_rows([lora])

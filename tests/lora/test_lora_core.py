@@ -52,12 +52,12 @@ def test_adapters_sum(model: graftlm.Model, tmp_path: Path) -> None:
     """Two adapters at once: each projection gets the sum of their deltas (checked on one layer
     through the site, and end to end against running the pair as one merged adapter file)."""
     spec = TinySpec()
-    t = {"blk.0.attn_q": (spec.n_embd, spec.n_head * spec.head_dim)}
+    t = {"blk.0.ffn_down": (spec.n_ff, spec.n_embd)}
     a = model.add_lora(write_tiny_adapter(tmp_path / "a.gguf", spec, targets=t, seed=1))
     b = model.add_lora(write_tiny_adapter(tmp_path / "b.gguf", spec, targets=t, seed=2))
-    site = model.model.projections()["blk.0.attn_q"].lora
+    site = model.model.projections()["blk.0.ffn_down"].lora
     assert site is not None
-    x = torch.randn(1, 3, spec.n_embd)
+    x = torch.randn(1, 3, spec.n_ff)
     y0 = torch.zeros(1, 3, site.n_out)
     both = site.add_delta(y0, x, LoraRows(torch.tensor([[0.7, -0.4]]), (a, b)))
     only_a = site.add_delta(y0, x, LoraRows(torch.tensor([[0.7, 0.0]]), (a,)))
@@ -66,28 +66,36 @@ def test_adapters_sum(model: graftlm.Model, tmp_path: Path) -> None:
 
 
 def test_delta_matches_merged_weight(model: graftlm.Model, adapter: Path) -> None:
-    """y = W x + s * (alpha/r) * B A x equals (W + s (alpha/r) B A) x on every adapted projection."""
+    """y = W x + s * (alpha/r) * B A x equals (W + s (alpha/r) B A) x on every projection, the
+    stacked Q/K/V projection included (an adapter on attn_v lands on its rows only)."""
     import gguf as g
 
-    model.add_lora(adapter, scale=0.6)
-    f = g.GGUFReader(str(adapter))
-    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in f.tensors}
-    for name, p in model.model.projections().items():
-        if name + ".weight.lora_a" not in tensors:
-            assert p.lora is None
-            continue
-        a, b = (
-            tensors[name + ".weight.lora_a"],
-            tensors[name + ".weight.lora_b"],
-        )  # (r, in), (out, r)
-        w = p.weight.dequantize()
-        merged = w + 0.6 * (8.0 / a.shape[0]) * (b @ a)
-        x = torch.randn(2, 5, p.n_in)
-        from graftlm.runtime.batch import Batch
+    from graftlm.lora.targets import resolve_target
+    from graftlm.runtime.batch import Batch
 
-        batch = Batch.single([1], lora=LoraRows(torch.tensor([[0.6], [0.6]]), (0,)))
-        got = p(x, batch)
-        torch.testing.assert_close(got, x @ merged.T, rtol=1e-4, atol=1e-4)
+    model.add_lora(adapter, scale=0.6)
+    projections = model.model.projections()
+    assert "blk.0.attn_qkv" in projections  # the tiny F32 model stacks Q/K/V
+    merged = {name: p.weight.dequantize().clone() for name, p in projections.items()}
+    for t in g.GGUFReader(str(adapter)).tensors:
+        if not t.name.endswith(".lora_a"):
+            continue
+        base = t.name[: -len(".weight.lora_a")]
+        a = torch.from_numpy(t.data.copy())  # (r, n_in)
+        b = next(
+            torch.from_numpy(u.data.copy())
+            for u in g.GGUFReader(str(adapter)).tensors
+            if u.name == base + ".weight.lora_b"
+        )
+        (target,) = resolve_target(model.model, base)  # type: ignore[misc]
+        merged[target.projection][target.at] += 0.6 * (8.0 / a.shape[0]) * (b[target.rows] @ a)
+    batch = Batch.single([1, 2], lora=LoraRows(torch.tensor([[0.6], [0.6]]), (0,)))
+    for name, p in projections.items():
+        x = torch.randn(2, 5, p.n_in)
+        if p.lora is None:
+            assert torch.equal(merged[name], p.weight.dequantize())
+            continue
+        torch.testing.assert_close(p(x, batch), x @ merged[name].T, rtol=1e-4, atol=1e-4)
 
 
 def test_scale_rule_and_negative_scale(model: graftlm.Model, tmp_path: Path) -> None:

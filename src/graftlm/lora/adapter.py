@@ -25,10 +25,18 @@ class Delta:
 
     a: torch.Tensor
     b: torch.Tensor
+    # ranks of the file tensors stacked into this delta (several when Q/K/V share a projection)
+    parts: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Columns of B: the sum of the stacked ranks."""
+        return int(self.b.shape[1])
 
     @property
     def rank(self) -> int:
-        return int(self.b.shape[1])
+        """The largest rank of a file tensor in this delta (what --max-lora-rank limits)."""
+        return max(self.parts) if self.parts else self.width
 
     @property
     def nbytes(self) -> int:

@@ -180,7 +180,9 @@ def combine(parts: list[tuple[slice, slice, Delta]], n_out: int) -> Delta:
     a = torch.cat([d.a for _, _, d in parts], dim=0)
     bs = []
     for rows, at, d in parts:
-        b = torch.zeros(n_out, d.rank)
+        b = torch.zeros(n_out, d.width)
         b[at] = d.b[rows]
         bs.append(b)
-    return Delta(a, torch.cat(bs, dim=1))
+    return Delta(
+        a, torch.cat(bs, dim=1), tuple(r for _, _, d in parts for r in (d.parts or (d.width,)))
+    )

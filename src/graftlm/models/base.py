@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -16,8 +17,9 @@ from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
-from graftlm.models.layers import Projection, Rope, rms_norm
+from graftlm.models.layers import Projection, ProjectionGroup, Rope, rms_norm
 from graftlm.quant import QWeight, dequantize_any
+from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
 from graftlm.runtime.kv_cache import KVCache
 
@@ -63,6 +65,31 @@ class Weights:
     def proj(self, base: str, n_in: int, n_out: int) -> Projection:
         return Projection(base, self.matrix(base + ".weight", (n_out, n_in)))
 
+    def group(self, fused: str, parts: list[tuple[str, int]], n_in: int) -> ProjectionGroup:
+        """Projections over the same input, stacked into one weight named `fused` when the file
+        holds them in one quantization type (rows of GGUF blocks concatenate exactly)."""
+        names = [b for b, _ in parts]
+        sizes = [n for _, n in parts]
+        entries = [self._entry(b + ".weight") for b in names]
+        for e, n in zip(entries, sizes, strict=True):
+            if tuple(e.shape) != (n, n_in):
+                raise ModelFileError(
+                    f"{self.file.path}: tensor {e.name!r} has shape {list(e.shape)}, expected {[n, n_in]}"
+                )
+        if len({e.ggml_type for e in entries}) != 1:
+            return ProjectionGroup(names, sizes, parts=[self.proj(b, n_in, n) for b, n in parts])
+        data = np.concatenate([np.asarray(e.data) for e in entries], axis=0)
+        weight = QWeight.from_gguf(
+            data,
+            entries[0].ggml_type,
+            (sum(sizes), n_in),
+            name=fused + ".weight",
+            prefer=self.prefer,
+        )
+        for e in entries:
+            release_pages(e.data)  # the stacked copy replaces the mapped pages
+        return ProjectionGroup(names, sizes, fused=Projection(fused, weight))
+
 
 class Transformer:
     """A decoder-only model. Subclasses build `self.blocks` and implement `block`."""
@@ -96,11 +123,18 @@ class Transformer:
             for p in vars(blk).values():
                 if isinstance(p, Projection):
                     out[p.name] = p
+                elif isinstance(p, ProjectionGroup):
+                    out.update((q.name, q) for q in p.projections())
         return out
 
     def fused_targets(self, base: str) -> list[Target] | None:
         """Where a base tensor that is not one engine projection lands: split over several (a fused
-        file tensor) or into part of one (an engine-fused projection). None: nowhere."""
+        file tensor) or into part of one (an engine-stacked projection). None: nowhere."""
+        for blk in self.blocks:
+            for g in vars(blk).values():
+                if isinstance(g, ProjectionGroup) and base in g.names:
+                    t = g.targets().get(base)
+                    return [t] if t is not None else None
         return None
 
     # -- the step --------------------------------------------------------------------------------
@@ -143,7 +177,9 @@ class Transformer:
             total += self.output.weight.nbytes
         for blk in self.blocks:
             for v in vars(blk).values():
-                if isinstance(v, Projection):
+                if isinstance(v, ProjectionGroup):
+                    total += sum(p.weight.nbytes for p in v.projections())
+                elif isinstance(v, Projection):
                     total += v.weight.nbytes
                 elif isinstance(v, torch.Tensor):
                     total += v.numel() * v.element_size()

@@ -20,16 +20,23 @@ class Gemma3Block:
         p = f"blk.{i}."
         d, hd, vd = cfg.n_embd, cfg.head_dim, cfg.v_head_dim
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.attn_q: Projection = w.proj(p + "attn_q", d, cfg.n_head * hd)
-        self.attn_k: Projection = w.proj(p + "attn_k", d, cfg.n_head_kv * hd)
-        self.attn_v: Projection = w.proj(p + "attn_v", d, cfg.n_head_kv * vd)
+        self.attn_qkv = w.group(
+            p + "attn_qkv",
+            [
+                (p + "attn_q", cfg.n_head * hd),
+                (p + "attn_k", cfg.n_head_kv * hd),
+                (p + "attn_v", cfg.n_head_kv * vd),
+            ],
+            d,
+        )
         self.attn_q_norm = w.vector(p + "attn_q_norm.weight")
         self.attn_k_norm = w.vector(p + "attn_k_norm.weight")
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
         self.post_attention_norm = w.vector(p + "post_attention_norm.weight")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
-        self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
+        self.ffn_gate_up = w.group(
+            p + "ffn_gate_up", [(p + "ffn_gate", cfg.n_ff), (p + "ffn_up", cfg.n_ff)], d
+        )
         self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
         self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight")
 
@@ -46,13 +53,15 @@ class Gemma3(Transformer):
         B, T, _ = x.shape
         eps = cfg.rms_eps
         h = rms_norm(x, b.attn_norm, eps)
-        q = rms_norm(b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
-        k = rms_norm(b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
-        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        q, k, v = b.attn_qkv(h, batch)
+        q = rms_norm(q.view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
+        k = rms_norm(k.view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
+        v = v.view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
         x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
         h = rms_norm(x, b.ffn_norm, eps)
-        h = F.gelu(b.ffn_gate(h, batch), approximate="tanh") * b.ffn_up(h, batch)
+        gate, up = b.ffn_gate_up(h, batch)
+        h = F.gelu(gate, approximate="tanh") * up
         return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)

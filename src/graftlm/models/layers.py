@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from graftlm.lora.targets import Target
 from graftlm.quant import QWeight, linear
 from graftlm.runtime.batch import Batch
 from graftlm.runtime.kv_cache import KVCache
@@ -43,6 +44,52 @@ class Projection:
         if self.lora is not None and batch.lora is not None:
             y = self.lora.add_delta(y, x, batch.lora)
         return y
+
+
+class ProjectionGroup:
+    """Projections that read the same input (Q/K/V; gate/up), returned as one output each.
+
+    When their weights share a quantization type the loader stacks their rows into one weight and
+    the group runs one matmul (one kernel call, one activation cast, one LoRA product for all of
+    them); the parts' adapters then sit on the stacked projection at their row offsets (see
+    `targets`). Otherwise the parts run one after another. Either way the model sees the same
+    outputs.
+    """
+
+    __slots__ = ("names", "sizes", "parts", "fused")
+
+    def __init__(
+        self,
+        names: list[str],
+        sizes: list[int],
+        parts: list[Projection] | None = None,
+        fused: Projection | None = None,
+    ) -> None:
+        assert (parts is None) != (fused is None)
+        self.names = names  # GGUF base names of the parts, e.g. ["blk.0.attn_q", ...]
+        self.sizes = sizes  # their output rows
+        self.parts = parts
+        self.fused = fused
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        if self.fused is not None:
+            return list(self.fused(x, batch).split(self.sizes, dim=-1))
+        assert self.parts is not None
+        return [p(x, batch) for p in self.parts]
+
+    def projections(self) -> list[Projection]:
+        return [self.fused] if self.fused is not None else list(self.parts or [])
+
+    def targets(self) -> dict[str, Target]:
+        """Where each part's rows sit in the stacked projection ({} when not stacked)."""
+        if self.fused is None:
+            return {}
+        out, at = {}, 0
+        n_in = self.fused.n_in
+        for name, n in zip(self.names, self.sizes, strict=True):
+            out[name] = Target(self.fused.name, n_in, n, slice(0, n), slice(at, at + n))
+            at += n
+        return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -34,9 +34,15 @@ class LlamaBlock:
         p = f"blk.{i}."
         d, hd, vd = cfg.n_embd, cfg.head_dim, cfg.v_head_dim
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.attn_q: Projection = w.proj(p + "attn_q", d, cfg.n_head * hd)
-        self.attn_k: Projection = w.proj(p + "attn_k", d, cfg.n_head_kv * hd)
-        self.attn_v: Projection = w.proj(p + "attn_v", d, cfg.n_head_kv * vd)
+        self.attn_qkv = w.group(
+            p + "attn_qkv",
+            [
+                (p + "attn_q", cfg.n_head * hd),
+                (p + "attn_k", cfg.n_head_kv * hd),
+                (p + "attn_v", cfg.n_head_kv * vd),
+            ],
+            d,
+        )
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
         self.attn_q_bias = _bias(w, p + "attn_q.bias")
         self.attn_k_bias = _bias(w, p + "attn_k.bias")
@@ -50,8 +56,9 @@ class LlamaBlock:
             self.ffn_up_exps = Experts(w, p + "ffn_up_exps.weight", shape)
             self.ffn_down_exps = Experts(w, p + "ffn_down_exps.weight", down)
         else:
-            self.ffn_gate: Projection = w.proj(p + "ffn_gate", d, cfg.n_ff)
-            self.ffn_up: Projection = w.proj(p + "ffn_up", d, cfg.n_ff)
+            self.ffn_gate_up = w.group(
+                p + "ffn_gate_up", [(p + "ffn_gate", cfg.n_ff), (p + "ffn_up", cfg.n_ff)], d
+            )
             self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
 
 
@@ -78,9 +85,10 @@ class Llama(Transformer):
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
-        q = _plus(b.attn_q(h, batch), b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
-        k = _plus(b.attn_k(h, batch), b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
-        v = _plus(b.attn_v(h, batch), b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        q, k, v = b.attn_qkv(h, batch)
+        q = _plus(q, b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
+        k = _plus(k, b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = _plus(v, b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
@@ -91,8 +99,8 @@ class Llama(Transformer):
             return x + moe_ffn(
                 h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used
             )
-        h = F.silu(b.ffn_gate(h, batch)) * b.ffn_up(h, batch)
-        return x + b.ffn_down(h, batch)
+        gate, up = b.ffn_gate_up(h, batch)
+        return x + b.ffn_down(F.silu(gate) * up, batch)
 
     @property
     def nbytes(self) -> int:

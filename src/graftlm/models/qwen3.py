@@ -31,14 +31,15 @@ class Qwen3(Llama):
         B, T, _ = x.shape
         eps = cfg.rms_eps
         h = rms_norm(x, b.attn_norm, eps)
-        q = rms_norm(b.attn_q(h, batch).view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
-        k = rms_norm(b.attn_k(h, batch).view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
-        v = b.attn_v(h, batch).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        q, k, v = b.attn_qkv(h, batch)
+        q = rms_norm(q.view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
+        k = rms_norm(k.view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
+        v = v.view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         assert self.cache is not None
         a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
         x = x + b.attn_output(a, batch)
         h = rms_norm(x, b.ffn_norm, eps)
-        h = F.silu(b.ffn_gate(h, batch)) * b.ffn_up(h, batch)
-        return x + b.ffn_down(h, batch)
+        gate, up = b.ffn_gate_up(h, batch)
+        return x + b.ffn_down(F.silu(gate) * up, batch)

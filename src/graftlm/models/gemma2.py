@@ -39,7 +39,10 @@ def softcapped_attention(
     Hkv = keys.shape[1]
     q = q.transpose(1, 2).reshape(B, Hkv, H // Hkv * T, D)  # heads sharing a kv head, stacked
     scores = softcap((q @ keys.transpose(-1, -2)) * scale, cap)  # (B, Hkv, H/Hkv * T, L)
-    scores = scores.view(B, H, T, -1).masked_fill(~batch.mask(window), float("-inf"))
+    scores = scores.view(B, H, T, -1)
+    mask = batch.mask(window)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
     out = (p @ values).view(B, H, T, -1)  # (B, H, T, Dv)
     return out.transpose(1, 2).flatten(2)

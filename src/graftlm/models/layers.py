@@ -127,8 +127,12 @@ class Rope:
         memo = self._memo
         if memo is not None and memo[0] is positions:
             return memo[1], memo[2]
-        cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, dim/2)
-        sin = self.sin[positions].unsqueeze(2)
+        if self.neox:
+            cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, dim/2)
+            sin = self.sin[positions].unsqueeze(2)
+        else:  # adjacent pairs rotate as complex numbers: one multiply by e^(i angle)
+            cos = torch.complex(self.cos[positions], self.sin[positions]).unsqueeze(2)
+            sin = cos
         self._memo = (positions, cos, sin)
         return cos, sin
 
@@ -140,8 +144,8 @@ class Rope:
             x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         else:  # adjacent pairs, the order llama GGUF files permute Q/K into
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], d // 2, 2).contiguous())
+            out = torch.view_as_real(pairs * cos).flatten(-2)
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 

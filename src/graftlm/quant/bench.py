@@ -65,8 +65,9 @@ def cycle_of(make: Callable[[], V], nbytes: int, cold_bytes: int) -> Iterator[V]
     return itertools.cycle([make() for _ in range(copies)])
 
 
-def bench_shape(qtype: GGMLQuantizationType, n: int, k: int, ms: list[int], budget: float,
-                cold_bytes: int) -> tuple[str, list[dict[str, float]]]:
+def bench_shape(
+    qtype: GGMLQuantizationType, n: int, k: int, ms: list[int], budget: float, cold_bytes: int
+) -> tuple[str, list[dict[str, float]]]:
     """(kernel name, one row per M: us per call of ours / dense bf16 / dense f32, bytes)."""
     raw, _ = gguf_tensor(qtype, (n, k), prefer_quantize=False)
     qw = QWeight.from_gguf(raw, qtype, (n, k))
@@ -87,10 +88,20 @@ def bench_shape(qtype: GGMLQuantizationType, n: int, k: int, ms: list[int], budg
     rows = []
     for m in ms:
         x = torch.randn(m, k)
-        us = {f.__name__: time_call(functools.partial(f, x), budget)
-              for f in (ours, dense_bf16, dense_f32)}
-        rows.append({"M": m, "ours": us["ours"], "bf16": us["dense_bf16"],
-                     "f32": us["dense_f32"], "nbytes": qw.nbytes, "file": raw.nbytes})
+        us = {
+            f.__name__: time_call(functools.partial(f, x), budget)
+            for f in (ours, dense_bf16, dense_f32)
+        }
+        rows.append(
+            {
+                "M": m,
+                "ours": us["ours"],
+                "bf16": us["dense_bf16"],
+                "f32": us["dense_f32"],
+                "nbytes": qw.nbytes,
+                "file": raw.nbytes,
+            }
+        )
     return qw.kernel, rows
 
 
@@ -102,29 +113,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--head-m", default="1", help="rows of x for the vocabulary heads")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds per measurement")
     ap.add_argument("--cold-mb", type=int, default=96, help="cycle weights up to this many MB")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="measure each cell this many times, keep the minimum (busy machines)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each cell this many times, keep the minimum (busy machines)",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     ms = [int(v) for v in a.m.split(",")]
     head_ms = [int(v) for v in a.head_m.split(",")]
-    print(f"threads={a.threads} torch={torch.__version__} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()}  (us per call, min of repeats)")
-    print(f"{'model':8} {'tensor':12} {'type':5} {'n_out x n_in':>13} {'kernel':10} "
-          f"{'MB ours':>8} {'/file':>5} {'M':>4} {'us ours':>9} {'us bf16':>9} {'us f32':>9}")
+    print(
+        f"threads={a.threads} torch={torch.__version__} "
+        f"cpu={torch.backends.cpu.get_cpu_capability()}  (us per call, min of repeats)"
+    )
+    print(
+        f"{'model':8} {'tensor':12} {'type':5} {'n_out x n_in':>13} {'kernel':10} "
+        f"{'MB ours':>8} {'/file':>5} {'M':>4} {'us ours':>9} {'us bf16':>9} {'us f32':>9}"
+    )
     for model in a.models.split(","):
         for tensor, qtype, n, k in SHAPES[model]:
             head = tensor.startswith("head")
-            runs = [bench_shape(qtype, n, k, head_ms if head else ms, a.budget, a.cold_mb << 20)
-                    for _ in range(a.repeat)]
+            runs = [
+                bench_shape(qtype, n, k, head_ms if head else ms, a.budget, a.cold_mb << 20)
+                for _ in range(a.repeat)
+            ]
             kernel = runs[0][0]
             for i, r in enumerate(runs[0][1]):
                 for key in ("ours", "bf16", "f32"):
                     r[key] = min(run[1][i][key] for run in runs)
                 mb, ratio = r["nbytes"] / 2**20, r["nbytes"] / r["file"]
-                print(f"{model:8} {tensor:12} {qtype.name:5} {f'{n}x{k}':>13} {kernel:10} "
-                      f"{mb:8.2f} {ratio:5.2f} {r['M']:4.0f} {r['ours']:9.0f} {r['bf16']:9.0f} "
-                      f"{r['f32']:9.0f}", flush=True)
+                print(
+                    f"{model:8} {tensor:12} {qtype.name:5} {f'{n}x{k}':>13} {kernel:10} "
+                    f"{mb:8.2f} {ratio:5.2f} {r['M']:4.0f} {r['ours']:9.0f} {r['bf16']:9.0f} "
+                    f"{r['f32']:9.0f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -242,8 +242,15 @@ class Int4PackKernel(Kernel):
 
     row_multiple = PAD_N
 
-    def __init__(self, shape: tuple[int, int], planes: Planes, layout: Int4PackLayout,
-                 packed: torch.Tensor, sz: torch.Tensor, fields: Fields) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        planes: Planes,
+        layout: Int4PackLayout,
+        packed: torch.Tensor,
+        sz: torch.Tensor,
+        fields: Fields,
+    ) -> None:
         super().__init__(shape)
         self.name = planes.kernel_key
         self.planes, self.fmt, self.layout = planes, planes.fmt, layout

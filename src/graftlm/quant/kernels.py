@@ -30,10 +30,14 @@ class DenseKernel(Kernel):
     """
 
     DTYPES: ClassVar[dict[GGMLQuantizationType, torch.dtype]] = {
-        T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16
+        T.F32: torch.float32,
+        T.F16: torch.float16,
+        T.BF16: torch.bfloat16,
     }
     NAMES: ClassVar[dict[torch.dtype, str]] = {
-        torch.float32: "dense-f32", torch.float16: "dense-f16", torch.bfloat16: "dense-bf16"
+        torch.float32: "dense-f32",
+        torch.float16: "dense-f16",
+        torch.bfloat16: "dense-bf16",
     }
     keeps_source = True
 

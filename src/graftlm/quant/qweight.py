@@ -142,8 +142,10 @@ class QWeight:
         return QWeight(DeviceDenseKernel(w), self.ggml_type, self.name)
 
     def __repr__(self) -> str:
-        return (f"QWeight({self.name!r}, {self.ggml_type.name}, shape={self.shape}, "
-                f"kernel={self.kernel!r}, nbytes={self.nbytes})")
+        return (
+            f"QWeight({self.name!r}, {self.ggml_type.name}, shape={self.shape}, "
+            f"kernel={self.kernel!r}, nbytes={self.nbytes})"
+        )
 
 
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:

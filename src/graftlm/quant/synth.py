@@ -17,17 +17,37 @@ T = GGMLQuantizationType
 
 # Byte offsets of the fp16 fields of each block (everything else may be random bytes).
 FP16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
-    T.IQ1_S: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.TQ1_0: (52,), T.TQ2_0: (64,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.IQ2_XXS: (0,),
+    T.IQ2_XS: (0,),
+    T.IQ2_S: (0,),
+    T.IQ3_XXS: (0,),
+    T.IQ3_S: (0,),
+    T.IQ1_S: (0,),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
+    T.TQ1_0: (52,),
+    T.TQ2_0: (64,),
 }
 # Byte offsets of e8m0 exponents (a random byte would overflow to inf).
 E8M0_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {T.MXFP4: (0,)}
 
 
-def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int],
-                  rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
+def random_blocks(
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, int],
+    rng: np.random.Generator,
+    scale: float = 0.01,
+) -> np.ndarray:
     """Valid random raw blocks of ``qtype``: uint8 (n_out, row_bytes)."""
     block, size = GGML_QUANT_SIZES[qtype]
     n_out, n_in = shape
@@ -42,8 +62,9 @@ def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, int],
     return raw.reshape(n_out, n_in // block * size)
 
 
-def gguf_tensor(qtype: GGMLQuantizationType, shape: tuple[int, int], seed: int = 0,
-                prefer_quantize: bool = True) -> tuple[np.ndarray, str]:
+def gguf_tensor(
+    qtype: GGMLQuantizationType, shape: tuple[int, int], seed: int = 0, prefer_quantize: bool = True
+) -> tuple[np.ndarray, str]:
     """(raw uint8 (n_out, row_bytes), how it was made) for a random ``qtype`` weight.
 
     how is "gguf.quantize" (gguf quantized normal weights), or "random blocks" when gguf cannot

@@ -31,7 +31,7 @@ class Batch:
     starts: list[int]  # position of each row's first token
     lengths: list[int]  # real tokens per row (the rest of T is padding)
     lora: LoraRows | None = None
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -54,10 +54,15 @@ class Batch:
             self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
         return self._positions
 
-    def mask(self, window: int) -> torch.Tensor:
-        """(B, 1, T, kv_len) bool: key j visible to the query at position p."""
-        m = self._masks.get(window)
-        if m is None:
+    def mask(self, window: int) -> torch.Tensor | None:
+        """(B, 1, T, kv_len) bool: key j visible to the query at position p; None when every
+        query sees every key (one row decoding one token inside its window)."""
+        if window in self._masks:
+            return self._masks[window]
+        m: torch.Tensor | None = None
+        if self.n_rows == 1 and self.n_tokens == 1 and (window == 0 or self.kv_len <= window):
+            pass
+        else:
             q = self.positions.unsqueeze(2)  # (B, T, 1)
             k = torch.arange(self.kv_len, dtype=torch.long).view(1, 1, -1)
             m = k <= q
@@ -65,7 +70,7 @@ class Batch:
                 # llama.cpp's standard SWA: masked when p - j >= window
                 m = m & (q - k < window)
             m = m.unsqueeze(1)
-            self._masks[window] = m
+        self._masks[window] = m
         return m
 
     @classmethod

@@ -35,7 +35,9 @@ class Timings:
 
     @property
     def generate_tps(self) -> float:
-        return self.n_generated / self.generate_s if self.generate_s > 0 else 0.0
+        # the first token comes from the prompt's logits; decode steps made the rest
+        steps = self.n_generated - 1
+        return steps / self.generate_s if self.generate_s > 0 and steps > 0 else 0.0
 
 
 def load(

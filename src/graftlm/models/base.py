@@ -65,6 +65,24 @@ class Weights:
     def proj(self, base: str, n_in: int, n_out: int) -> Projection:
         return Projection(base, self.matrix(base + ".weight", (n_out, n_in)))
 
+    def attn_qkv(self, cfg: ModelConfig, i: int) -> ProjectionGroup:
+        """Q, K and V of block i over the normed input (stacked where the types allow)."""
+        p = f"blk.{i}."
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        parts = [
+            (p + "attn_q", q),
+            (p + "attn_k", kv),
+            (p + "attn_v", cfg.n_head_kv * cfg.v_head_dim),
+        ]
+        return self.group(p + "attn_qkv", parts, cfg.n_embd)
+
+    def ffn_gate_up(self, cfg: ModelConfig, i: int) -> ProjectionGroup:
+        """The gate and up projections of block i's gated FFN."""
+        p = f"blk.{i}."
+        return self.group(
+            p + "ffn_gate_up", [(p + "ffn_gate", cfg.n_ff), (p + "ffn_up", cfg.n_ff)], cfg.n_embd
+        )
+
     def group(self, fused: str, parts: list[tuple[str, int]], n_in: int) -> ProjectionGroup:
         """Projections over the same input, stacked into one weight named `fused` when the file
         holds them in one quantization type (rows of GGUF blocks concatenate exactly)."""

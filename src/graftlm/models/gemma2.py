@@ -51,23 +51,13 @@ def softcapped_attention(
 class Gemma2Block:
     def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
         p = f"blk.{i}."
-        d, hd, vd = cfg.n_embd, cfg.head_dim, cfg.v_head_dim
+        d, vd = cfg.n_embd, cfg.v_head_dim
         self.attn_norm = w.vector(p + "attn_norm.weight")
-        self.attn_qkv = w.group(
-            p + "attn_qkv",
-            [
-                (p + "attn_q", cfg.n_head * hd),
-                (p + "attn_k", cfg.n_head_kv * hd),
-                (p + "attn_v", cfg.n_head_kv * vd),
-            ],
-            d,
-        )
+        self.attn_qkv = w.attn_qkv(cfg, i)
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
         self.post_attention_norm = w.vector(p + "post_attention_norm.weight")
         self.ffn_norm = w.vector(p + "ffn_norm.weight")
-        self.ffn_gate_up = w.group(
-            p + "ffn_gate_up", [(p + "ffn_gate", cfg.n_ff), (p + "ffn_up", cfg.n_ff)], d
-        )
+        self.ffn_gate_up = w.ffn_gate_up(cfg, i)
         self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
         self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from graftlm.config import ModelConfig
 from graftlm.errors import RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
@@ -84,7 +85,7 @@ class Model:
 
     # -- facts -----------------------------------------------------------------------------------
     @property
-    def config(self):  # noqa: ANN201
+    def config(self) -> ModelConfig:
         return self.model.cfg
 
     @property

@@ -6,7 +6,7 @@ owns the rest of the step: embedding (with its adapter seam), the blocks, final 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
-from graftlm.gguf import GGUFFile
+from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, ProjectionGroup, Rope, rms_norm
@@ -40,7 +40,7 @@ class Weights:
     def has(self, name: str) -> bool:
         return name in self.file.tensors
 
-    def _entry(self, name: str):  # noqa: ANN202
+    def _entry(self, name: str) -> TensorEntry:
         try:
             entry = self.file.tensors[name]
         except KeyError:
@@ -113,6 +113,7 @@ class Transformer:
     """A decoder-only model. Subclasses build `self.blocks` and implement `block`."""
 
     arch: ClassVar[str]
+    blocks: list[Any]  # one object per layer, built by the architecture
 
     def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
         self.cfg = cfg
@@ -202,5 +203,3 @@ class Transformer:
                 elif isinstance(v, torch.Tensor):
                     total += v.numel() * v.element_size()
         return total
-
-    blocks: list

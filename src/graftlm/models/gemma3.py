@@ -49,7 +49,8 @@ class Gemma3(Transformer):
         v = v.view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
+        assert self.cache is not None
+        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
         x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
         h = rms_norm(x, b.ffn_norm, eps)
         gate, up = b.ffn_gate_up(h, batch)

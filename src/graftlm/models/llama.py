@@ -81,7 +81,8 @@ class Llama(Transformer):
         v = _plus(v, b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])  # type: ignore[arg-type]
+        assert self.cache is not None
+        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
         x = x + _plus(b.attn_output(a, batch), b.attn_output_bias)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:

@@ -64,13 +64,22 @@ def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> C
     return tg
 
 
-def _llama_cpp(path: Path, threads: int, test: str, n: int) -> Callable[[], int] | None:
+def _llama_cpp(
+    path: Path, threads: int, test: str, n: int, lora: list[tuple[str, float]]
+) -> Callable[[], int] | None:
+    """llama.cpp on the same model and adapter, or None where it cannot run the same thing
+    (not installed; more than one adapter, or a PEFT directory: llama-cpp-python takes one file)."""
     try:
         import llama_cpp
     except ImportError:
         return None
+    extra: dict[str, Any] = {}
+    if lora:
+        if len(lora) != 1 or not lora[0][0].endswith(".gguf"):
+            return None
+        extra = {"lora_path": lora[0][0], "lora_scale": lora[0][1]}
     llm = llama_cpp.Llama(
-        str(path), n_threads=threads, n_ctx=max(n + 8, 512), n_batch=512, verbose=False
+        str(path), n_threads=threads, n_ctx=max(n + 8, 512), n_batch=512, verbose=False, **extra
     )
     ids = list(range(100, 100 + n))
 
@@ -100,7 +109,8 @@ def bench(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     model = graftlm.load(args.model, threads=threads, ctx_size=max(args.n_prompt + args.n_gen) + 16)
     lora = None
-    for spec in lora_specs(args.lora, args.lora_scaled):
+    specs = lora_specs(args.lora, args.lora_scaled)
+    for spec in specs:
         model.add_lora(spec.path, spec.scale)
     if model.loras:
         lora = [{"id": a["id"], "scale": a["scale"]} for a in model.loras]
@@ -111,14 +121,18 @@ def bench(args: argparse.Namespace) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for test, n in rows:
         ours = _timed(_ours(model, test, n, lora), args.repetitions)
-        theirs_fn = None if args.no_llama_cpp else _llama_cpp(model.path, threads, test, n)
+        theirs_fn = (
+            None
+            if args.no_llama_cpp
+            else _llama_cpp(model.path, threads, test, n, [(s.path, s.scale) for s in specs])
+        )
         if theirs_fn is not None:
             theirs = _timed(theirs_fn, args.repetitions)
             their_s, ratio = (
                 _stats(theirs) + " (same run)",
                 statistics.fmean(ours) / statistics.fmean(theirs),
             )
-        elif f"{test}{n}" in ref:
+        elif f"{test}{n}" in ref and not specs:
             r = ref[f"{test}{n}"]
             their_s, ratio = f"{r:8.1f} (reference)", statistics.fmean(ours) / r
         else:

@@ -59,9 +59,10 @@ def test_adapters_sum(model: graftlm.Model, tmp_path: Path) -> None:
     assert site is not None
     x = torch.randn(1, 3, spec.n_ff)
     y0 = torch.zeros(1, 3, site.n_out)
-    both = site.add_delta(y0, x, LoraRows(torch.tensor([[0.7, -0.4]]), (a, b)))
-    only_a = site.add_delta(y0, x, LoraRows(torch.tensor([[0.7, 0.0]]), (a,)))
-    only_b = site.add_delta(y0, x, LoraRows(torch.tensor([[0.0, -0.4]]), (b,)))
+    # add_delta adds into the projection's fresh output: give each call its own
+    both = site.add_delta(y0.clone(), x, LoraRows(torch.tensor([[0.7, -0.4]]), (a, b)))
+    only_a = site.add_delta(y0.clone(), x, LoraRows(torch.tensor([[0.7, 0.0]]), (a,)))
+    only_b = site.add_delta(y0.clone(), x, LoraRows(torch.tensor([[0.0, -0.4]]), (b,)))
     torch.testing.assert_close(both, only_a + only_b, rtol=1e-5, atol=1e-6)
 
 

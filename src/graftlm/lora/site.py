@@ -24,6 +24,7 @@ class _Stack:
     a: torch.Tensor  # (R, n_in)
     b: torch.Tensor  # (n_out, R)
     col_slot: torch.Tensor  # (R,) int64: the slot each rank column belongs to
+    layout: tuple[tuple[int, int], ...]  # (slot, rank) of each stacked part, in column order
 
 
 class LoraSite:
@@ -69,17 +70,23 @@ class LoraSite:
             col = torch.cat(
                 [torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long) for s in key]
             )
-            stack = _Stack(a, b, col)
+            layout = tuple((s, int(self._slots[s][1].shape[1])) for s in key)
+            stack = _Stack(a, b, col, layout)
         self._stacks[key] = stack
         return stack
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
-        """y (B, T, n_out) plus the delta of x (B, T, n_in), or of token ids (B, T) when gathering."""
+        """y (B, T, n_out) plus the delta of x (B, T, n_in), or of token ids (B, T) when gathering.
+
+        y must be the caller's own fresh output (the projection's, the embedding lookup's): the
+        delta is added into it in place when it is contiguous."""
         st = self._stack(rows.active)
         if st is None:
             return y
-        s = rows.scales[:, st.col_slot].unsqueeze(1)  # (B, 1, R)
+        s = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
         xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
-        return torch.addmm(
-            y.reshape(-1, y.shape[-1]), (xa * s).reshape(-1, xa.shape[-1]), st.b.T
-        ).view_as(y)
+        xa = (xa * s).reshape(-1, xa.shape[-1])
+        if not self.gather and y.is_contiguous():  # a fresh matmul output: add in place
+            y.view(-1, y.shape[-1]).addmm_(xa, st.b.T)
+            return y
+        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, st.b.T).view(y.shape)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from graftlm.config import ModelConfig
-from graftlm.errors import RequestError
+from graftlm.errors import AdapterError, RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
@@ -124,9 +124,7 @@ class Model:
         Everything is checked first: a refused adapter raises AdapterError and changes nothing."""
         with self.engine.lock:
             adapter = self.adapters.load(Path(path))
-            adapter_id = self.adapters.attach(adapter, scale)
-            self.engine.n_adapter_slots = adapter_id + 1
-            return adapter_id
+            return self.adapters.attach(adapter, scale)
 
     def remove_lora(self, adapter_id: int) -> None:
         with self.engine.lock:
@@ -155,13 +153,12 @@ class Model:
         for item in lora:
             if not isinstance(item, dict) or "id" not in item or "scale" not in item:
                 raise RequestError(f"each lora entry needs an 'id' and a 'scale', got {item!r}")
-            i, s = item["id"], item["scale"]
-            if isinstance(i, bool) or not isinstance(i, int) or i not in self.adapters.attached:
-                raise RequestError(f"unknown adapter id {i!r}; {self.adapters.describe_ids()}")
-            if isinstance(s, bool) or not isinstance(s, (int, float)):
-                raise RequestError(f"adapter {i}: scale must be a number, got {s!r}")
-            if float(s) != 0.0:
-                out[i] = float(s)
+            try:
+                scale = self.adapters.check_scale(item["id"], item["scale"])
+            except AdapterError as exc:  # a bad request, not a bad adapter file
+                raise RequestError(str(exc)) from None
+            if scale != 0.0:
+                out[item["id"]] = scale
         return out
 
     # -- scoring and generation ------------------------------------------------------------------

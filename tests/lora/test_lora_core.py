@@ -140,7 +140,6 @@ def test_mixed_rows_in_one_batch_equal_each_alone(
     settings = [{}, {a: 1.0}, {a: 0.5, b: -1.0}, {b: 2.0}]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     model.engine = type(model.engine)(model.model, n_slots=4)
-    model.engine.n_adapter_slots = 2
     alone = []
     for s in settings:
         r = model.engine.submit(Request(IDS[:6], greedy, s))

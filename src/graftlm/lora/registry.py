@@ -103,12 +103,17 @@ class AdapterSet:
             return f"valid ids are {ids[0]}..{ids[-1]}"
         return f"valid ids are {ids}"
 
+    def check_scale(self, adapter_id: object, scale: object) -> float:
+        """The scale as a float, or AdapterError naming the unknown id or the non-number."""
+        self._check(adapter_id)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise AdapterError(f"adapter {adapter_id}: scale must be a number, got {scale!r}")
+        return float(scale)
+
     def set_scales(self, scales: dict[int, float]) -> None:
         """llama-server's POST /lora-adapters: the listed adapters get these scales, the rest 0."""
         for i, s in scales.items():
-            self._check(i)
-            if isinstance(s, bool) or not isinstance(s, (int, float)):
-                raise AdapterError(f"adapter {i}: scale must be a number, got {s!r}")
+            self.check_scale(i, s)
         for i, a in self.attached.items():
             a.scale = float(scales.get(i, 0.0))
 

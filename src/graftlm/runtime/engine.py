@@ -68,7 +68,6 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.lock = threading.RLock()
-        self.n_adapter_slots = 0  # width of the per-row scale table; grows as adapters load
 
     # -- adapters ----------------------------------------------------------------------------------
     def lora_rows(self, settings: list[dict[int, float]]) -> LoraRows | None:
@@ -76,11 +75,12 @@ class Engine:
         active = sorted({s for row in settings for s, v in row.items() if v != 0.0})
         if not active:
             return None
-        width = max(self.n_adapter_slots, active[-1] + 1)
-        scales = torch.zeros(len(settings), width)
+        # columns up to the highest active slot: only active slots are ever looked up
+        scales = torch.zeros(len(settings), active[-1] + 1)
         for r, row in enumerate(settings):
             for s, v in row.items():
-                scales[r, s] = v
+                if v != 0.0:
+                    scales[r, s] = v
         return LoraRows(scales, tuple(active))
 
     # -- one-shot scoring --------------------------------------------------------------------------

@@ -332,9 +332,7 @@ class EngineService:
 
         def attach() -> int:
             with self.engine.lock:
-                adapter_id = self.model.adapters.attach(prepared.resolved, 0.0)
-                self.engine.n_adapter_slots = max(self.engine.n_adapter_slots, adapter_id + 1)
-                return adapter_id
+                return self.model.adapters.attach(prepared.resolved, 0.0)
 
         return self.call(attach)
 

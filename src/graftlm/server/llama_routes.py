@@ -14,7 +14,6 @@ from graftlm.runtime.service import FinishEvent, Job
 from graftlm.server.generation import (
     Choice,
     Delta,
-    TokenLogprob,
     admit,
     check_context,
     collect,
@@ -23,7 +22,7 @@ from graftlm.server.generation import (
     sampling_params,
     sse,
 )
-from graftlm.server.openai_routes import SSE_HEADERS, state_of
+from graftlm.server.openai_routes import SSE_HEADERS, state_of, token_logprobs
 from graftlm.server.schemas import (
     ApplyTemplateRequest,
     DetokenizeRequest,
@@ -31,32 +30,13 @@ from graftlm.server.schemas import (
     LoraItem,
     TokenizeRequest,
 )
-from graftlm.server.state import ApiError, ServerState
+from graftlm.server.state import ApiError
 
 router = APIRouter()
 public = APIRouter()  # no API key needed (llama-server's public endpoints)
 
 
 # -- /completion --
-def _probabilities(state: ServerState, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-    svc = state.service
-
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        return {
-            "id": token,
-            "token": svc.token_str(token),
-            "logprob": logprob,
-            "bytes": list(svc.token_bytes(token)),
-        }
-
-    out = []
-    for lp in lps:
-        e = entry(lp.token, lp.logprob if lp.logprob is not None else 0.0)
-        e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
-        out.append(e)
-    return out
-
-
 def _timings(f: FinishEvent) -> dict[str, float]:
     prompt_done = f.t_prompt_done or f.t_end or f.t_submit
     end = f.t_end or prompt_done
@@ -132,7 +112,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
             "timings": _timings(f) if f else {},
         }
         if body.n_probs > 0 and not stream:
-            out["completion_probabilities"] = _probabilities(state, c.logprobs)
+            out["completion_probabilities"] = token_logprobs(state, c.logprobs, with_id=True)
         return out
 
     if body.stream:
@@ -150,7 +130,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
                     "id_slot": -1,
                 }
                 if body.n_probs > 0:
-                    ev["completion_probabilities"] = _probabilities(state, d.logprobs)
+                    ev["completion_probabilities"] = token_logprobs(state, d.logprobs, with_id=True)
                 out.append(ev)
             if d.finish is not None:
                 out.append(final(whole, stream=True))

@@ -76,22 +76,28 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(state: ServerState, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+def token_logprobs(
+    state: ServerState, lps: Sequence[TokenLogprob], with_id: bool = False
+) -> list[dict[str, Any]]:
+    """Chosen tokens with their top alternatives, in the shape both OpenAI's chat `logprobs`
+    and llama-server's `completion_probabilities` use (the latter also carries `id`)."""
     svc = state.service
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": svc.token_str(token),
-            "logprob": logprob,
-            "bytes": list(svc.token_bytes(token)),
-        }
+        e: dict[str, Any] = {"id": token} if with_id else {}
+        e.update(token=svc.token_str(token), logprob=logprob, bytes=list(svc.token_bytes(token)))
+        return e
 
-    content = []
+    out = []
     for lp in lps:
         e = entry(lp.token, lp.logprob if lp.logprob is not None else 0.0)
         e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
-        content.append(e)
-    return {"content": content, "refusal": None}
+        out.append(e)
+    return out
+
+
+def chat_logprobs(state: ServerState, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {"content": token_logprobs(state, lps), "refusal": None}
 
 
 # -- /v1/completions --

@@ -17,7 +17,7 @@ from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
-from graftlm.models.layers import Projection, ProjectionGroup, Rope, rms_norm
+from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
@@ -175,6 +175,30 @@ class Transformer:
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: Batch,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention from its projected q, k, v (B, T, n * head_dim): heads split,
+        optional per-head RMS norm (QK-norm), RoPE, the cache. -> (B, T, n_head * v_head_dim)."""
+        cfg = self.cfg
+        B, T, _ = q.shape
+        q = q.view(B, T, cfg.n_head, cfg.head_dim)
+        k = k.view(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = v.view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        if q_norm is not None and k_norm is not None:
+            q, k = rms_norm(q, q_norm, cfg.rms_eps), rms_norm(k, k_norm, cfg.rms_eps)
+        rope = self.rope_of_layer[i]
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        assert self.cache is not None
+        return attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, Rope, attention, rms_norm
+from graftlm.models.layers import Projection, Rope, rms_norm
 from graftlm.models.moe import Experts, moe_ffn
 from graftlm.runtime.batch import Batch
 
@@ -73,16 +73,11 @@ class Llama(Transformer):
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]
-        B, T, _ = x.shape
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
         q, k, v = b.attn_qkv(h, batch)
-        q = _plus(q, b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
-        k = _plus(k, b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
-        v = _plus(v, b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
-        rope = self.rope_of_layer[i]
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
-        assert self.cache is not None
-        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
+        a = self.attend(
+            i, _plus(q, b.attn_q_bias), _plus(k, b.attn_k_bias), _plus(v, b.attn_v_bias), batch
+        )
         x = x + _plus(b.attn_output(a, batch), b.attn_output_bias)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Weights
-from graftlm.models.layers import attention, rms_norm
+from graftlm.models.layers import rms_norm
 from graftlm.models.llama import Llama, LlamaBlock
 from graftlm.runtime.batch import Batch
 
@@ -28,17 +28,10 @@ class Qwen3(Llama):
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]
-        B, T, _ = x.shape
         eps = cfg.rms_eps
         h = rms_norm(x, b.attn_norm, eps)
         q, k, v = b.attn_qkv(h, batch)
-        q = rms_norm(q.view(B, T, cfg.n_head, cfg.head_dim), b.attn_q_norm, eps)
-        k = rms_norm(k.view(B, T, cfg.n_head_kv, cfg.head_dim), b.attn_k_norm, eps)
-        v = v.view(B, T, cfg.n_head_kv, cfg.v_head_dim)
-        rope = self.rope_of_layer[i]
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
-        assert self.cache is not None
-        a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
+        a = self.attend(i, q, k, v, batch, b.attn_q_norm, b.attn_k_norm)
         x = x + b.attn_output(a, batch)
         h = rms_norm(x, b.ffn_norm, eps)
         gate, up = b.ffn_gate_up(h, batch)

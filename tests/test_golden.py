@@ -83,11 +83,14 @@ def test_cli_capital_of_france(smollm2_file: Path) -> None:
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_golden_through_the_decode_path(which: str, request: pytest.FixtureRequest) -> None:
     """The same goldens with the prompt prefilled and every later token decoded one step at a
-    time through the cache: the bfloat16 weight-only kernels of generation, not the float32
-    scoring path. The decode path holds the issue's mean and top-1 thresholds against llama.cpp,
-    and stays close to its float32 twin (the scoring path) position by position. Its max against
-    llama.cpp is printed, not held to 0.5: one near-flat position of gemma-3 under the strong
-    random `grand` adapter (g-grand-0.1, step 14) is at 0.45 in float32 and 0.55-0.6 in bfloat16."""
+    time through the cache: the fused kernels of generation (with native kernels, x quantized to
+    int8 per 32 values as llama.cpp does), not the float32 scoring path. The decode path holds the
+    issue's mean and top-1 thresholds against llama.cpp, and stays close to its float32 twin (the
+    scoring path) position by position, as close as llama.cpp itself is to float32 (the scoring
+    path's max against llama.cpp is 0.26 on SmolLM2). Measured with native kernels: SmolLM2 mean
+    0.024 max 0.23 vs llama.cpp, twin max 0.25; gemma-3 mean 0.026 max 0.49, twin max 0.20. The
+    max against llama.cpp is printed, not held to 0.5: one near-flat position of gemma-3 under the
+    strong random `grand` adapter (g-grand-0.1, step 14) is at 0.45 even in float32."""
     from graftlm.runtime.batch import Batch
 
     model = graftlm.load(request.getfixturevalue(f"{which}_file"), ctx_size=1024)
@@ -125,4 +128,4 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
     assert mean <= 0.06
     assert agree == checked
     assert twin_mean <= 0.03
-    assert max(twin) <= 0.25
+    assert max(twin) <= 0.35

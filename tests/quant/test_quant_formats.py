@@ -9,13 +9,27 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import QuantError
 
+from graftlm.native import disabled
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.formats import FORMATS
 from graftlm.quant.synth import gguf_tensor, random_blocks
 
 # Types the brief requires; K-quants need n_in % 256 == 0.
-CORE = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+CORE = [
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q8_0,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+]
 EXOTIC = [Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.MXFP4]
 SHAPE = (100, 512)  # n_out not a multiple of 16/64: exercises int4pack padding
 
@@ -34,8 +48,13 @@ def gguf_can_quantize(qtype: Q) -> bool:
 
 
 def check_exact(raw: np.ndarray, qtype: Q, prefer: str) -> QWeight:
+    """prefer: "fast" (native kernels where built), "torch" (native disabled), "reference"."""
     ref = gguf.quants.dequantize(raw, qtype).reshape(SHAPE)
-    w = QWeight.from_gguf(raw, qtype, SHAPE, name="t", prefer=prefer)
+    if prefer == "torch":
+        with disabled():
+            w = QWeight.from_gguf(raw, qtype, SHAPE, name="t")
+    else:
+        w = QWeight.from_gguf(raw, qtype, SHAPE, name="t", prefer=prefer)
     got = w.dequantize()
     assert got.dtype == torch.float32 and got.shape == SHAPE
     np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"{qtype.name} {w.kernel}")
@@ -44,21 +63,24 @@ def check_exact(raw: np.ndarray, qtype: Q, prefer: str) -> QWeight:
     return w
 
 
-@pytest.mark.parametrize("prefer", ["fast", "reference"])
+@pytest.mark.parametrize("prefer", ["fast", "torch", "reference"])
 @pytest.mark.parametrize("qtype", CORE + EXOTIC, ids=lambda q: q.name)
 def test_quantized_by_gguf_is_bit_exact(qtype: Q, prefer: str) -> None:
     """Weights made by gguf.quants.quantize from normal floats (the realistic distribution)."""
     if not gguf_can_quantize(qtype):
-        pytest.skip(f"gguf.quants.quantize does not implement {qtype.name}; "
-                    "covered by test_random_blocks_are_bit_exact")
+        pytest.skip(
+            f"gguf.quants.quantize does not implement {qtype.name}; "
+            "covered by test_random_blocks_are_bit_exact"
+        )
     raw, how = gguf_tensor(qtype, SHAPE, seed=1)
     assert how == "gguf.quantize"
     check_exact(raw, qtype, prefer)
 
 
-@pytest.mark.parametrize("prefer", ["fast", "reference"])
-@pytest.mark.parametrize("qtype", [q for q in CORE + EXOTIC if q not in (Q.F32, Q.F16, Q.BF16)],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize("prefer", ["fast", "torch", "reference"])
+@pytest.mark.parametrize(
+    "qtype", [q for q in CORE + EXOTIC if q not in (Q.F32, Q.F16, Q.BF16)], ids=lambda q: q.name
+)
 def test_random_blocks_are_bit_exact(qtype: Q, prefer: str) -> None:
     """Random codes in every bit of every block (the only way to make K-quant / IQ test data)."""
     raw = random_blocks(qtype, SHAPE, np.random.default_rng(2))
@@ -81,15 +103,20 @@ def test_format_split_is_exact_and_codes_in_range(qtype: Q) -> None:
     assert int(u.max()) == 2**fmt.bits - 1  # random blocks reach the top code
     s, b = fmt.group_params(fields)
     assert s.shape == (8, 512 // fmt.group_size) and (b is not None) == fmt.offset
-    np.testing.assert_array_equal(bits(fmt.dequantize(u, fields)),
-                                  bits(gguf.quants.dequantize(raw, qtype)))
+    np.testing.assert_array_equal(
+        bits(fmt.dequantize(u, fields)), bits(gguf.quants.dequantize(raw, qtype))
+    )
 
 
 def test_reader_style_typed_arrays_and_torch_inputs() -> None:
     """GGUFReader gives float32/float16 arrays for F32/F16 (uint8 for BF16); torch works too."""
     w = np.random.default_rng(4).normal(size=SHAPE).astype(np.float32)
-    for arr, qtype in [(w, Q.F32), (w.astype(np.float16), Q.F16), (torch.from_numpy(w), Q.F32),
-                       (torch.from_numpy(w).bfloat16(), Q.BF16)]:
+    for arr, qtype in [
+        (w, Q.F32),
+        (w.astype(np.float16), Q.F16),
+        (torch.from_numpy(w), Q.F32),
+        (torch.from_numpy(w).bfloat16(), Q.BF16),
+    ]:
         qw = QWeight.from_gguf(arr, qtype, SHAPE)
         ref = torch.from_numpy(w) if qtype == Q.F32 else torch.as_tensor(arr).float()
         assert torch.equal(qw.dequantize(), ref)
@@ -106,8 +133,9 @@ def test_dense_f32_is_a_zero_copy_view_and_dequantize_is_fresh() -> None:
     assert torch.equal(qw.dequantize(), torch.from_numpy(w))
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.IQ4_NL],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.IQ4_NL], ids=lambda q: q.name
+)
 def test_dequantize_any_matches_gguf(qtype: Q) -> None:
     raw, _ = gguf_tensor(qtype, (4, 256), seed=6, prefer_quantize=False)
     ref = gguf.quants.dequantize(raw, qtype)

@@ -36,15 +36,22 @@ def test_layout_unpacks_and_gathers_what_torch_packed(n: int, k: int) -> None:
 def test_plane_choice_per_format() -> None:
     kinds = {q.name: type(planes_for(f)).__name__ for q, f in FORMATS.items()}
     assert kinds == {
-        "Q4_0": "OnePlane", "Q4_1": "OnePlane", "Q4_K": "OnePlane",
-        "Q5_0": "SplitPlanes", "Q5_1": "SplitPlanes", "Q5_K": "SplitPlanes",
-        "Q8_0": "SplitPlanes", "Q6_K": "PairedPlanes",
-        "Q2_K": "NoneType", "Q3_K": "NoneType",  # 16-groups of <= 4 bits: would need padding
+        "Q4_0": "OnePlane",
+        "Q4_1": "OnePlane",
+        "Q4_K": "OnePlane",
+        "Q5_0": "SplitPlanes",
+        "Q5_1": "SplitPlanes",
+        "Q5_K": "SplitPlanes",
+        "Q8_0": "SplitPlanes",
+        "Q6_K": "PairedPlanes",
+        "Q2_K": "NoneType",
+        "Q3_K": "NoneType",  # 16-groups of <= 4 bits: would need padding
     }
 
 
-@pytest.mark.parametrize("qtype", [q for q, f in FORMATS.items() if planes_for(f)],
-                         ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [q for q, f in FORMATS.items() if planes_for(f)], ids=lambda q: q.name
+)
 def test_plane_algebra_reproduces_gguf_weights(qtype: object) -> None:
     """Reference twin of the fused kernel's arithmetic, in float64 with unrounded s, z:
 

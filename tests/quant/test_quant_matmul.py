@@ -9,48 +9,68 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from graftlm.native import disabled, library
 from graftlm.quant import QWeight, compute_dtype, config, linear
 from graftlm.quant.int4pack import int4pack_layout
 from graftlm.quant.synth import gguf_tensor
 
-# (type, shape, kernel expected when torch's int4pack is usable)
+# (type, shape, kernel expected with torch's kernels (int4pack usable), with native kernels)
 CASES = [
-    (Q.F32, (96, 256), "dense-f32"),
-    (Q.F16, (96, 256), "dense-f16"),
-    (Q.BF16, (96, 256), "dense-bf16"),
-    (Q.Q4_0, (100, 256), "int4pack"),
-    (Q.Q4_1, (192, 576), "int4pack"),
-    (Q.Q4_K, (64, 512), "int4pack"),
-    (Q.Q5_0, (256, 640), "int4pack2"),
-    (Q.Q5_1, (64, 256), "int4pack2"),
-    (Q.Q5_K, (80, 512), "int4pack2"),
-    (Q.Q6_K, (64, 512), "int4pack2"),
-    (Q.Q8_0, (256, 640), "int4pack2"),
-    (Q.Q8_0, (8192, 64), "int8g"),  # a vocabulary-wide weight (embedding / tied head)
-    (Q.Q2_K, (64, 512), "blocks"),
-    (Q.Q3_K, (64, 512), "blocks"),
-    (Q.IQ4_NL, (64, 256), "blocks"),
-    (Q.IQ2_XXS, (32, 256), "blocks"),
+    (Q.F32, (96, 256), "dense-f32", "dense-f32"),
+    (Q.F16, (96, 256), "dense-f16", "dense-f16"),
+    (Q.BF16, (96, 256), "dense-bf16", "dense-bf16"),
+    (Q.Q4_0, (100, 256), "int4pack", "native-u4"),
+    (Q.Q4_1, (192, 576), "int4pack", "native-u4"),
+    (Q.Q4_K, (64, 512), "int4pack", "native-u4"),
+    (Q.Q5_0, (256, 640), "int4pack2", "native-s8"),
+    (Q.Q5_1, (64, 256), "int4pack2", "int4pack2"),
+    (Q.Q5_K, (80, 512), "int4pack2", "int4pack2"),
+    (Q.Q6_K, (64, 512), "int4pack2", "native-s8"),
+    (Q.Q8_0, (256, 640), "int4pack2", "native-s8"),
+    (Q.Q8_0, (8192, 64), "int8g", "native-s8"),  # vocabulary-wide (embedding / tied head)
+    (Q.Q2_K, (64, 512), "blocks", "blocks"),
+    (Q.Q3_K, (64, 512), "blocks", "blocks"),
+    (Q.IQ4_NL, (64, 256), "blocks", "blocks"),
+    (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
 ]
-BF16_TOL = 1e-2  # x and the group scales are rounded to bf16 (2^-9 relative): observed ~3e-3
+MODES = ["torch", "native"]
+# fused paths: bf16 x and scales (torch, observed ~3e-3), or int8 x per 32 values (native, ~5e-3)
+BF16_TOL = 1e-2
 F32_TOL = 1e-5
+
+
+def need(mode: str) -> None:
+    if mode == "native" and library() is None:
+        pytest.skip("native kernels unavailable here")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm())
 
 
-def load(qtype: Q, shape: tuple[int, int], prefer: str = "fast") -> tuple[QWeight, torch.Tensor]:
+def load(
+    qtype: Q, shape: tuple[int, int], prefer: str = "fast", mode: str = "torch"
+) -> tuple[QWeight, torch.Tensor]:
+    """mode "torch": built with the native kernels disabled; "native": the default registry."""
+    need(mode)
     raw, _ = gguf_tensor(qtype, shape, seed=7)
-    w = QWeight.from_gguf(raw, qtype, shape, name="blk.0.x", prefer=prefer)
+    if mode == "native":
+        w = QWeight.from_gguf(raw, qtype, shape, name="blk.0.x", prefer=prefer)
+    else:
+        with disabled():
+            w = QWeight.from_gguf(raw, qtype, shape, name="blk.0.x", prefer=prefer)
     return w, w.dequantize()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0].name}-{c[1][0]}x{c[1][1]}")
+@pytest.fixture(
+    scope="module",
+    params=[(c, m) for c in CASES for m in MODES],
+    ids=lambda p: f"{p[0][0].name}-{p[0][1][0]}x{p[0][1][1]}-{p[1]}",
+)
 def case(request: pytest.FixtureRequest) -> tuple[QWeight, torch.Tensor, str]:
-    qtype, shape, kernel = request.param
-    w, dense = load(qtype, shape)
-    return w, dense, kernel
+    (qtype, shape, torch_kernel, native_kernel), mode = request.param
+    w, dense = load(qtype, shape, mode=mode)
+    return w, dense, native_kernel if mode == "native" else torch_kernel
 
 
 def test_kernel_choice(case: tuple[QWeight, torch.Tensor, str]) -> None:
@@ -61,8 +81,9 @@ def test_kernel_choice(case: tuple[QWeight, torch.Tensor, str]) -> None:
 
 
 @pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (64,)], ids=str)
-def test_matmul_matches_float32_twin(case: tuple[QWeight, torch.Tensor, str],
-                                     lead: tuple[int, ...]) -> None:
+def test_matmul_matches_float32_twin(
+    case: tuple[QWeight, torch.Tensor, str], lead: tuple[int, ...]
+) -> None:
     w, dense, _ = case
     x = torch.randn(*lead, w.shape[1], generator=torch.Generator().manual_seed(0))
     ref = x @ dense.T
@@ -74,11 +95,12 @@ def test_matmul_matches_float32_twin(case: tuple[QWeight, torch.Tensor, str],
         assert rel_err(w.matmul(x), ref) < F32_TOL
 
 
-def test_fused_and_float32_paths_cover_every_m(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_and_float32_paths_cover_every_m(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Crossing PREFILL_M and chunking the float32 path (tiny chunks) changes nothing."""
-    w, dense = load(Q.Q5_0, (256, 640))
+    w, dense = load(Q.Q5_0, (256, 640), mode=mode)
     monkeypatch.setattr(config, "CHUNK_ELEMS", 64 * 640)  # 4 chunks of 64 rows
-    for m in (1, config.PREFILL_M[w.kernel] - 1, config.PREFILL_M[w.kernel], 200):
+    for m in (1, config.PREFILL_M[w.kernel] - 1, config.PREFILL_M[w.kernel], 300):
         x = torch.randn(m, 640)
         assert rel_err(w.matmul(x), x @ dense.T) < BF16_TOL
 
@@ -89,9 +111,10 @@ def test_output_rows_beyond_n_out_never_leak() -> None:
     assert y.shape == (3, 20) and y.is_contiguous()
 
 
-def test_tied_embedding_one_copy_serves_rows_and_head() -> None:
-    w, dense = load(Q.Q8_0, (8192, 64))
-    assert w.kernel == "int8g"
+@pytest.mark.parametrize("mode,kernel", [("torch", "int8g"), ("native", "native-s8")])
+def test_tied_embedding_one_copy_serves_rows_and_head(mode: str, kernel: str) -> None:
+    w, dense = load(Q.Q8_0, (8192, 64), mode=mode)
+    assert w.kernel == kernel
     tokens = torch.tensor([[1, 8191], [7, 1]])
     emb = w.rows(tokens).view(2, 2, 64)
     assert torch.equal(emb, dense[tokens])
@@ -100,13 +123,21 @@ def test_tied_embedding_one_copy_serves_rows_and_head() -> None:
     assert w.nbytes < 1.1 * 8192 * 64 * 34 / 32
 
 
-@pytest.mark.parametrize("qtype,ratio", [(Q.Q4_1, 1.21), (Q.Q4_K, 1.26), (Q.Q6_K, 1.62),
-                                         (Q.Q5_0, 1.92), (Q.Q8_0, 1.24), (Q.Q2_K, 1.0),
-                                         (Q.F16, 1.0)], ids=str)
-def test_weights_stay_compact(qtype: Q, ratio: float) -> None:
+# bytes kept / file bytes: torch's planes, and the native layouts (u4: 0.5 B + 8 B per 32 values;
+# s8: 1 B + 4 B per 32, or per 16 for Q6_K)
+@pytest.mark.parametrize("qtype,torch_ratio,native_ratio", [
+    (Q.Q4_1, 1.21, 1.2), (Q.Q4_K, 1.26, 1.34), (Q.Q6_K, 1.62, 1.53), (Q.Q5_0, 1.92, 1.64),
+    (Q.Q8_0, 1.24, 1.06), (Q.Q2_K, 1.0, 1.0), (Q.F16, 1.0, 1.0)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_stay_compact(qtype: Q, torch_ratio: float, native_ratio: float, mode: str) -> None:
+    need(mode)
     raw, _ = gguf_tensor(qtype, (256, 512), prefer_quantize=False)
-    w = QWeight.from_gguf(raw, qtype, (256, 512))
-    assert w.nbytes <= ratio * raw.nbytes
+    if mode == "native":
+        w = QWeight.from_gguf(raw, qtype, (256, 512))
+    else:
+        with disabled():
+            w = QWeight.from_gguf(raw, qtype, (256, 512))
+    assert w.nbytes <= (native_ratio if mode == "native" else torch_ratio) * raw.nbytes
 
 
 def test_reference_prefer_is_dense_float32() -> None:
@@ -120,7 +151,7 @@ def test_without_int4pack_every_type_falls_back(monkeypatch: pytest.MonkeyPatch)
     from graftlm.quant import int4pack
 
     monkeypatch.setattr(int4pack, "int4pack_layout", lambda: None)
-    w, dense = load(Q.Q4_K, (64, 512))
+    w, dense = load(Q.Q4_K, (64, 512), mode="torch")
     assert w.kernel == "blocks"
     x = torch.randn(3, 512)
     assert rel_err(w.matmul(x), x @ dense.T) < F32_TOL
@@ -154,6 +185,8 @@ def test_to_same_device_is_identity_and_repr() -> None:
     w, _ = load(Q.Q4_1, (192, 576))
     assert w.to("cpu") is w
     assert "int4pack" in repr(w) and "blk.0.x" in repr(w)
+    if library() is not None:
+        assert "native-u4" in repr(load(Q.Q4_1, (192, 576), mode="native")[0])
 
 
 def test_device_dense_kernel_semantics() -> None:
@@ -184,11 +217,12 @@ def test_repacked_weights_release_their_memory_mapped_pages(tmp_path: Path) -> N
     assert torch.equal(w.dequantize(), dense)
 
 
-def test_matmul_is_pure_under_concurrent_calls() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_is_pure_under_concurrent_calls(mode: str) -> None:
     """No shared per-call buffers: threads hammering one weight get the sequential answers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    w, _ = load(Q.Q5_0, (256, 640))
+    w, _ = load(Q.Q5_0, (256, 640), mode=mode)
     xs = [torch.randn(m, 640, generator=torch.Generator().manual_seed(m)) for m in (1, 3, 70, 1)]
     want = [w.matmul(x) for x in xs]
     with ThreadPoolExecutor(4) as pool:

@@ -18,6 +18,7 @@ from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
+from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
@@ -196,8 +197,17 @@ class Transformer:
         if q_norm is not None and k_norm is not None:
             q, k = rms_norm(q, q_norm, cfg.rms_eps), rms_norm(k, k_norm, cfg.rms_eps)
         rope = self.rope_of_layer[i]
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
         assert self.cache is not None
+        rows = batch.decode_rows()
+        if rows is not None:  # one new token per row: the native step, when it can serve it
+            out = native_ops.attn_decode(
+                q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1),
+                self.cache.k[i], self.cache.v[i], rows[0], rows[1], rope.cos, rope.sin,
+                rope.neox, cfg.scale, cfg.sliding_window[i],
+            )  # fmt: skip
+            if out is not None:
+                return out
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
         return attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graftlm.lora.targets import Target
+from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
 from graftlm.runtime.batch import Batch
 from graftlm.runtime.kv_cache import KVCache
@@ -93,7 +94,9 @@ class ProjectionGroup:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """Semantics: x * rsqrt(mean(x^2, -1) + eps) * weight."""
+    y = native_ops.rms_norm(x, weight, eps)
+    return y if y is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rope:

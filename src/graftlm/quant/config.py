@@ -1,8 +1,9 @@
 """Process-wide knobs of the matmul seam: the compute dtype and the decode/prefill switch-over.
 
-``set_compute_dtype(torch.bfloat16)`` (the default) lets quantized weights use torch's fused
-weight-only kernels, which take bfloat16 activations: x is rounded to bfloat16 at the seam and the
-float32 result carries bfloat16-level error (~3e-3 relative).  ``set_compute_dtype(torch.float32)``
+``set_compute_dtype(torch.bfloat16)`` (the default) is the fast mode: quantized weights use fused
+kernels for small batches of rows. Those are graftlm's native kernels where they built (x quantized
+to int8 per 32 values, as llama.cpp does: ~5e-3 relative error), else torch's weight-only kernels,
+which take bfloat16 activations (~3e-3 relative).  ``set_compute_dtype(torch.float32)``
 routes every quantized matmul through exact float32 dequantization + float32 GEMM, slower for
 decode but equal to ``x @ w.dequantize().T`` up to float32 summation order.
 
@@ -21,7 +22,9 @@ _COMPUTE: list[torch.dtype] = [torch.bfloat16]
 # Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
 # float32 + float32 GEMM" (measured on an AVX2 core, see graftlm.quant.bench).  Per kernel, since
 # a two-plane int4pack weight costs twice a one-plane one per row of x.
-PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16}
+# The native int8-activation kernels (graftlm.native) cross over later: measured with
+# `python bench/kernels.py` on the 2-core AVX2 machine (native vs float32 chunks, side by side).
+PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16, "native-u4": 128, "native-s8": 256}
 
 # Elements of weight dequantized per chunk in the float32 paths: bounds the temporary memory of a
 # matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in

@@ -19,10 +19,18 @@ from graftlm.quant.kernels import (
     Int8GroupKernel,
     ReferenceKernel,
 )
+from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
 
 # Tried in order; the first kernel that accepts (type, shape) holds the weight.  The model never
 # looks at quantization types: it only ever calls QWeight.matmul / rows.
-FAST_KERNELS: list[type[Kernel]] = [DenseKernel, Int8GroupKernel, Int4PackKernel, BlockKernel]
+FAST_KERNELS: list[type[Kernel]] = [
+    DenseKernel,
+    NativeU4Kernel,  # accept only where the native library built (AVX2 + a C compiler)
+    NativeS8Kernel,
+    Int8GroupKernel,
+    Int4PackKernel,
+    BlockKernel,
+]
 REFERENCE_KERNELS: list[type[Kernel]] = [ReferenceKernel]
 
 

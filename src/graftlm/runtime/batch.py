@@ -46,6 +46,7 @@ class Batch:
     lora: LoraRows | None = None
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
+    _decode: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -66,6 +67,20 @@ class Batch:
             start = torch.tensor(self.starts, dtype=torch.long).unsqueeze(1)
             self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
         return self._positions
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(slots, positions) as (B,) int64 when every row is one real token of a distinct
+        sequence (a decode step), else None."""
+        if self.n_tokens != 1 or any(n != 1 for n in self.lengths):
+            return None
+        if len(set(self.slots)) != len(self.slots):
+            return None
+        if self._decode is None:
+            self._decode = (
+                torch.tensor(self.slots, dtype=torch.long),
+                torch.tensor(self.starts, dtype=torch.long),
+            )
+        return self._decode
 
     def mask(self, window: int) -> torch.Tensor | None:
         """(B, 1, T, kv_len) bool: key j visible to the query at position p; None when every

@@ -1,0 +1,65 @@
+"""Quantized matmul throughput per kernel and rows of x, side by side in one run.
+
+For each weight type and shape: GMAC/s of the native int8-activation kernel, of the exact float32
+path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled), for
+M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
+
+    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from graftlm.native import disabled, unavailable_reason
+from graftlm.quant import QWeight
+from graftlm.quant.synth import random_blocks
+
+SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
+          (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
+
+
+def gmacs(fn: Callable[[], object], macs: int) -> float:
+    fn()
+    reps = max(2, int(5e7 / macs))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return macs * reps / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if unavailable_reason():
+        print(f"native kernels unavailable: {unavailable_reason()}")
+    rng = np.random.default_rng(0)
+    print("| type | n_out x n_in | M | native | float32 chunks | torch fused | (GMAC/s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for qtype, n, k in SHAPES:
+        raw = random_blocks(qtype, (n, k), rng)
+        w = QWeight.from_gguf(raw, qtype, (n, k))
+        with disabled():
+            wt = QWeight.from_gguf(raw, qtype, (n, k))
+        for m in args.rows:
+            x, y = torch.randn(m, k), torch.empty(m, n)
+            macs = m * n * k
+            kern = w._k
+            nat = gmacs(lambda: kern._mm(x, y), macs) if hasattr(kern, "_mm") else 0.0  # noqa: B023
+            f32 = gmacs(lambda: kern.chunked_matmul(x), macs)  # noqa: B023
+            fused = gmacs(lambda: wt.matmul(x), macs)  # noqa: B023
+            print(f"| {qtype.name} | {n}x{k} | {m} | {nat:.1f} ({w.kernel}) | {f32:.1f} "
+                  f"| {fused:.1f} ({wt.kernel}) | |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

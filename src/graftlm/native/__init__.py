@@ -1,0 +1,12 @@
+"""graftlm's optional native code: one C file (``kernels.c``) compiled on first use.
+
+* quantized matrix products over repacked GGUF blocks (``graftlm.quant.native_kernels``);
+* decode-step helpers: RMS norm, and attention of one new token per row through the KV cache
+  with RoPE (``graftlm.native.ops``).
+
+Everything has a PyTorch twin that runs when the library is unavailable (see ``build``).
+"""
+
+from graftlm.native.build import disabled, library, unavailable_reason
+
+__all__ = ["disabled", "library", "unavailable_reason"]

@@ -1,0 +1,180 @@
+"""Compile ``kernels.c`` once per machine with the system C compiler and load it with ctypes.
+
+The library is cached under ``$GRAFTLM_CACHE/native`` (default ``~/.cache/graftlm/native``), keyed
+by the source, the flags, the compiler and the CPU, so a rebuild happens only when one of them
+changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
+It links the OpenMP runtime torch has already loaded (same soname), so both share one thread pool.
+
+Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
+``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
+``unavailable_reason()`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+ABI_VERSION = 3
+
+_REASON: list[str] = []
+_ENABLED = [True]
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_SIGNATURES: dict[str, list[type]] = {
+    "gl_pack_u4": [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT],
+    "gl_pack_s8": [_INT, _P, _I64, _I64, _I64, _P, _P, _INT],
+    "gl_deq_u4": [_P, _P, _P, _INT, _I64, _P, _I64, _I64, _P, _INT],
+    "gl_deq_s8": [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _INT],
+    "gl_mm_u4": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
+    "gl_mm_s8": [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT],
+    "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P],
+    "gl_attn_decode": [
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _P,
+        _P,
+        _I64,
+        _INT,
+        ctypes.c_float,
+        _I64,
+        ctypes.c_float,
+        _P,
+        _INT,
+    ],  # fmt: skip
+}
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("GRAFTLM_CACHE", Path.home() / ".cache" / "graftlm"))
+    return root / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(FLAGS).encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+    ):
+        key.update(part)
+    out_dir = cache_dir()
+    target = out_dir / f"kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, or None when it cannot be used here (see unavailable_reason)."""
+    return loaded_library() if _ENABLED[0] else None
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Run without native code (weights loaded inside keep torch kernels): for twins and tests."""
+    old = _ENABLED[0]
+    _ENABLED[0] = False
+    try:
+        yield
+    finally:
+        _ENABLED[0] = old
+
+
+@functools.cache
+def loaded_library() -> ctypes.CDLL | None:
+    """The library, built and loaded once, whatever ``disabled()`` says: weights repacked for
+    it keep using it."""
+    import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the library shares it)
+
+    if os.environ.get("GRAFTLM_NATIVE", "1").strip().lower() in ("0", "no", "off", "false"):
+        _REASON.append("disabled by GRAFTLM_NATIVE")
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _REASON.append(f"no native kernels for {platform.machine()}")
+        return None
+    flags = _cpu_flags()
+    if " avx2" not in flags or " fma" not in flags:
+        _REASON.append("the CPU lacks AVX2/FMA")
+        return None
+    cc = _compiler()
+    if cc is None:
+        _REASON.append("no C compiler (cc, gcc or clang) on PATH")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except OSError as exc:
+        _REASON.append(str(exc))
+        return None
+    if lib.gl_abi_version() != ABI_VERSION:
+        _REASON.append("stale native library")
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = None
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    """Why ``library()`` is None, or None when the native kernels are in use."""
+    if not _ENABLED[0]:
+        return "disabled in this process (graftlm.native.disabled)"
+    return None if library() is not None else (_REASON[-1] if _REASON else "unknown")

@@ -1,0 +1,495 @@
+/* graftlm's native quantized kernels (x86-64 AVX2 + FMA, OpenMP).
+ *
+ * Two weight layouts, both repacked once at load from GGUF blocks:
+ *   u4: Q4_0, Q4_1, Q4_K.  Per 32 values of a row: 16 bytes of codes q in 0..15 (byte j: low
+ *       nibble = value j, high nibble = value j + 16), a float scale d and a float offset m:
+ *       w = q * d + m   (bit-exact with gguf.quants.dequantize for the three types).
+ *   s8: Q8_0, Q5_0 (scale per 32 values), Q6_K (scale per 16).  One int8 code per value and a
+ *       float scale per block: w = q * s   (bit-exact likewise).
+ * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
+ * Q8_1 activations do) and accumulate the integer dot products of each block in float:
+ *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
+ * with xs[r,b] = xd[r,b] * sum_j xq[r,b,j].  Built with -ffp-contract=off so the dequantizers
+ * round exactly as numpy does.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "graftlm native kernels need AVX2 and FMA"
+#endif
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+int gl_abi_version(void) { return 3; }
+
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
+    if (exp == 0) {
+        if (man == 0) {
+            f = sign;
+        } else {
+            exp = 113;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            f = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        f = sign | 0x7f800000u | (man << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+}
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* ---------------------------------------------------------------- repacking (load time) */
+
+static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* raw: n rows of rowbytes GGUF bytes -> qs (n, k/2), d (n, k/32), m (n, k/32). */
+void gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                uint8_t *qs, float *d, float *m, int nth) {
+    const int64_t kb = k / 32;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = raw + r * rowbytes;
+        uint8_t *q = qs + r * kb * 16;
+        float *dd = d + r * kb, *mm = m + r * kb;
+        if (type == T_Q4_0 || type == T_Q4_1) {
+            const int bs = type == T_Q4_0 ? 18 : 20;
+            for (int64_t b = 0; b < kb; b++) {
+                const uint8_t *blk = src + b * bs;
+                dd[b] = h2f(rd16(blk));
+                mm[b] = type == T_Q4_0 ? -8.0f * dd[b] : h2f(rd16(blk + 2));
+                memcpy(q + b * 16, blk + bs - 16, 16);
+            }
+        } else { /* Q4_K: 144 bytes per 256 values = 8 sub-blocks of 32 */
+            for (int64_t sb = 0; sb < k / 256; sb++) {
+                const uint8_t *blk = src + sb * 144;
+                const float dk = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+                const uint8_t *scales = blk + 4, *qk = blk + 16;
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    scale_min_k4(j, scales, &sc, &mn);
+                    const int64_t b = sb * 8 + j;
+                    dd[b] = dk * (float)sc;
+                    mm[b] = -(dmin * (float)mn);
+                    const uint8_t *c = qk + (j / 2) * 32;
+                    uint8_t *o = q + b * 16;
+                    for (int t = 0; t < 16; t++) {
+                        o[t] = (j & 1) ? (uint8_t)((c[t] >> 4) | (c[t + 16] & 0xF0))
+                                       : (uint8_t)((c[t] & 0x0F) | ((c[t + 16] & 0x0F) << 4));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* raw -> q (n, k) int8, s (n, k/sblk) with sblk 32 (Q8_0, Q5_0) or 16 (Q6_K). */
+void gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
+                float *s, int nth) {
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = raw + r * rowbytes;
+        int8_t *o = q + r * k;
+        if (type == T_Q8_0) {
+            float *ss = s + r * (k / 32);
+            for (int64_t b = 0; b < k / 32; b++) {
+                ss[b] = h2f(rd16(src + b * 34));
+                memcpy(o + b * 32, src + b * 34 + 2, 32);
+            }
+        } else if (type == T_Q5_0) {
+            float *ss = s + r * (k / 32);
+            for (int64_t b = 0; b < k / 32; b++) {
+                const uint8_t *blk = src + b * 22;
+                ss[b] = h2f(rd16(blk));
+                uint32_t qh;
+                memcpy(&qh, blk + 2, 4);
+                const uint8_t *ql = blk + 6;
+                for (int j = 0; j < 16; j++) {
+                    o[b * 32 + j] = (int8_t)(((ql[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
+                    o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
+                }
+            }
+        } else { /* Q6_K: ql[128] qh[64] scales[16] d, 210 bytes per 256 values */
+            float *ss = s + r * (k / 16);
+            for (int64_t sb = 0; sb < k / 256; sb++) {
+                const uint8_t *blk = src + sb * 210;
+                const float dk = h2f(rd16(blk + 208));
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                for (int j = 0; j < 16; j++) ss[sb * 16 + j] = dk * (float)sc[j];
+                int8_t *y = o + sb * 256;
+                for (int h = 0; h < 2; h++) {
+                    const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
+                    for (int l = 0; l < 32; l++) {
+                        y[h * 128 + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                        y[h * 128 + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                        y[h * 128 + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                        y[h * 128 + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dequantization (exact) */
+
+/* Rows ids[i] (or row0 + i when ids is NULL) of a u4 weight -> out (nrows, k) float. */
+/* offset 8 (Q4_0): w = (q - 8) * d, as gguf computes it (which keeps the sign of a zero). */
+void gl_deq_u4(const uint8_t *qs, const float *d, const float *m, int offset, int64_t k,
+               const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t i = 0; i < nrows; i++) {
+        const int64_t r = ids ? ids[i] : row0 + i;
+        const uint8_t *q = qs + r * kb * 16;
+        float *o = out + i * k;
+        for (int64_t b = 0; b < kb; b++) {
+            const float dd = d[r * kb + b], mm = m[r * kb + b];
+            if (offset) {
+                for (int j = 0; j < 16; j++) {
+                    o[b * 32 + j] = (float)((q[b * 16 + j] & 0xF) - offset) * dd;
+                    o[b * 32 + j + 16] = (float)((q[b * 16 + j] >> 4) - offset) * dd;
+                }
+                continue;
+            }
+            for (int j = 0; j < 16; j++) {
+                const float lo = (float)(q[b * 16 + j] & 0xF) * dd;
+                const float hi = (float)(q[b * 16 + j] >> 4) * dd;
+                o[b * 32 + j] = lo + mm;
+                o[b * 32 + j + 16] = hi + mm;
+            }
+        }
+    }
+}
+
+void gl_deq_s8(const int8_t *q, const float *s, int64_t sblk, int64_t k, const int64_t *ids,
+               int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t ns = k / sblk;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t i = 0; i < nrows; i++) {
+        const int64_t r = ids ? ids[i] : row0 + i;
+        for (int64_t j = 0; j < k; j++) out[i * k + j] = (float)q[r * k + j] * s[r * ns + j / sblk];
+    }
+}
+
+/* ---------------------------------------------------------------- activations -> int8 */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32): per 32 values xd = max|x| / 127,
+ * xq = round(x / xd), xs = xd * sum(xq). */
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
+                       int nth) {
+    const int64_t kb = k / 32;
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for num_threads(nth) schedule(static) if (M * k > 65536)
+    for (int64_t i = 0; i < M * kb; i++) {
+        const float *p = x + i * 32;
+        __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
+        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+        a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+        const float amax = _mm_cvtss_f32(a4);
+        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 mul = _mm256_set1_ps(id);
+        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), rnd));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), rnd));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), rnd));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), rnd));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        /* pack 32 x int32 -> 32 x int8 in order */
+        __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        __m256i pk = _mm256_packs_epi16(p01, p23);
+        pk = _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + i * 32), pk);
+        xd[i] = dd;
+        xs[i] = dd * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+
+/* ---------------------------------------------------------------- matrix products */
+
+#define MT 4 /* rows of x per tile: their accumulators live in registers */
+#define NC 16 /* output rows per task: their weights stay in L1 across the x tiles */
+
+static inline __attribute__((always_inline)) void u4_tile(
+    const uint8_t *qw, const float *dw, const float *mw, int64_t kb, const int8_t *xq,
+    const float *xd, const float *xs, int R, float *y, int64_t ldy) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    /* two accumulators per row (even / odd blocks) hide the FMA latency when R is small */
+    __m256 acc[MT], acc2[MT];
+    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
+#define U4_BLOCK(b, A)                                                                         \
+    do {                                                                                       \
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(qw + (b) * 16));                 \
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4); \
+        for (int r = 0; r < R; r++) {                                                          \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * kb + (b)) * 32)); \
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);            \
+            A[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                      \
+                                   _mm256_set1_ps(dw[b] * xd[r * kb + (b)]), A[r]);            \
+        }                                                                                      \
+    } while (0)
+    int64_t b = 0;
+    for (; b + 2 <= kb; b += 2) {
+        U4_BLOCK(b, acc);
+        U4_BLOCK(b + 1, acc2);
+    }
+    if (b < kb) U4_BLOCK(b, acc);
+#undef U4_BLOCK
+    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], acc2[r]);
+    for (int r = 0; r < R; r++) {
+        __m256 mv = _mm256_setzero_ps();
+        b = 0;
+        for (; b + 8 <= kb; b += 8)
+            mv = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b), _mm256_loadu_ps(xs + r * kb + b), mv);
+        float t = hsum8(mv);
+        for (; b < kb; b++) t += mw[b] * xs[r * kb + b];
+        y[r * ldy] = hsum8(acc[r]) + t;
+    }
+}
+
+static inline __attribute__((always_inline)) void s8_tile(
+    const int8_t *qw, const float *sw, int sblk, int64_t kb, const int8_t *xq, const float *xd,
+    int R, float *y, int64_t ldy) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT], acc2[MT];
+    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
+#define S8_BLOCK(b, A)                                                                         \
+    do {                                                                                       \
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(qw + (b) * 32));               \
+        const __m256i aw = _mm256_sign_epi8(w, w);                                             \
+        const __m256 sv = sblk == 32 ? _mm256_set1_ps(sw[b])                                   \
+                                     : _mm256_set_m128(_mm_set1_ps(sw[2 * (b) + 1]),           \
+                                                       _mm_set1_ps(sw[2 * (b)]));              \
+        for (int r = 0; r < R; r++) {                                                          \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * kb + (b)) * 32)); \
+            const __m256i p =                                                                  \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);    \
+            A[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                      \
+                                   _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + (b)])), A[r]); \
+        }                                                                                      \
+    } while (0)
+    int64_t b = 0;
+    for (; b + 2 <= kb; b += 2) {
+        S8_BLOCK(b, acc);
+        S8_BLOCK(b + 1, acc2);
+    }
+    if (b < kb) S8_BLOCK(b, acc);
+#undef S8_BLOCK
+    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], acc2[r]);
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(acc[r]);
+}
+
+/* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
+void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const float *d,
+              const float *m, int64_t n, float *y, int nth) {
+    const int64_t kb = k / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
+    float *xd = malloc(sizeof(float) * (size_t)(M * kb)), *xs = malloc(sizeof(float) * (size_t)(M * kb));
+    quantize_x(x, M, k, xq, xd, xs, nth);
+    const int64_t tasks = (n + NC - 1) / NC;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n1 = t * NC + NC < n ? t * NC + NC : n;
+        for (int64_t r0 = 0; r0 < M; r0 += MT) {
+            const int R = M - r0 < MT ? (int)(M - r0) : MT;
+            const int8_t *xt = xq + r0 * k;
+            const float *dt = xd + r0 * kb, *st = xs + r0 * kb;
+            for (int64_t j = t * NC; j < n1; j++) {
+                const uint8_t *qw = qs + j * kb * 16;
+                float *yo = y + r0 * n + j;
+                switch (R) {
+                case 4: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 4, yo, n); break;
+                case 3: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 3, yo, n); break;
+                case 2: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 2, yo, n); break;
+                default: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 1, yo, n); break;
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+}
+
+/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values. */
+void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const float *s, int sblk,
+              int64_t n, float *y, int nth) {
+    const int64_t kb = k / 32, ns = k / sblk;
+    int8_t *xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
+    float *xd = malloc(sizeof(float) * (size_t)(M * kb)), *xs = malloc(sizeof(float) * (size_t)(M * kb));
+    quantize_x(x, M, k, xq, xd, xs, nth);
+    const int64_t tasks = (n + NC - 1) / NC;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t n1 = t * NC + NC < n ? t * NC + NC : n;
+        for (int64_t r0 = 0; r0 < M; r0 += MT) {
+            const int R = M - r0 < MT ? (int)(M - r0) : MT;
+            const int8_t *xt = xq + r0 * k;
+            const float *dt = xd + r0 * kb;
+            for (int64_t j = t * NC; j < n1; j++) {
+                const int8_t *qw = q + j * k;
+                const float *sw = s + j * ns;
+                float *yo = y + r0 * n + j;
+                if (sblk == 32) {
+                    switch (R) {
+                    case 4: s8_tile(qw, sw, 32, kb, xt, dt, 4, yo, n); break;
+                    case 3: s8_tile(qw, sw, 32, kb, xt, dt, 3, yo, n); break;
+                    case 2: s8_tile(qw, sw, 32, kb, xt, dt, 2, yo, n); break;
+                    default: s8_tile(qw, sw, 32, kb, xt, dt, 1, yo, n); break;
+                    }
+                } else {
+                    switch (R) {
+                    case 4: s8_tile(qw, sw, 16, kb, xt, dt, 4, yo, n); break;
+                    case 3: s8_tile(qw, sw, 16, kb, xt, dt, 3, yo, n); break;
+                    case 2: s8_tile(qw, sw, 16, kb, xt, dt, 2, yo, n); break;
+                    default: s8_tile(qw, sw, 16, kb, xt, dt, 1, yo, n); break;
+                    }
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+}
+
+/* ---------------------------------------------------------------- decode-step helpers */
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float t = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+/* o = o * c + p * v */
+static inline void scale_axpy(float *o, float c, float p, const float *v, int64_t n) {
+    const __m256 cv = _mm256_set1_ps(c), pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_mul_ps(cv, _mm256_loadu_ps(o + i))));
+    for (; i < n; i++) o[i] = o[i] * c + p * v[i];
+}
+
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over rows of n values (the sum in double, as ggml). */
+void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
+    }
+}
+
+/* Rotate the first rot values of one head (adjacent pairs, or halves when neox). */
+static inline void rope_head(const float *x, float *o, int64_t d, int64_t rot, const float *cs,
+                             const float *sn, int neox) {
+    const int64_t half = rot / 2;
+    if (neox) {
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x[i], b = x[i + half];
+            o[i] = a * cs[i] - b * sn[i];
+            o[i + half] = b * cs[i] + a * sn[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x[2 * i], b = x[2 * i + 1];
+            o[2 * i] = a * cs[i] - b * sn[i];
+            o[2 * i + 1] = a * sn[i] + b * cs[i];
+        }
+    }
+    for (int64_t i = rot; i < d; i++) o[i] = x[i];
+}
+
+/* One decode step of attention for B rows, each one new token of its own sequence:
+ * RoPE on q and k at the row's position, k and v written into the cache at (slot, position),
+ * then softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all),
+ * with GQA (query head h reads kv head h / (H / Hkv)) and an optional tanh soft-cap.
+ * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row.
+ * Cache layout: (slot, kv head, position, dim).  out: (B, H * Dv). */
+void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, const float *v,
+                    int64_t v_rs, float *kc, float *vc, const int64_t *slots, const int64_t *pos,
+                    int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t n_ctx,
+                    const float *cos_t, const float *sin_t, int64_t rot, int neox, float scale,
+                    int64_t window, float softcap, float *out, int nth) {
+    const int64_t half = rot / 2;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t p = pos[b], s = slots[b];
+        for (int64_t h = 0; h < Hkv; h++) {
+            float *kd = kc + ((s * Hkv + h) * n_ctx + p) * D;
+            rope_head(k + b * k_rs + h * D, kd, D, rot, cos_t + p * half, sin_t + p * half, neox);
+            memcpy(vc + ((s * Hkv + h) * n_ctx + p) * Dv, v + b * v_rs + h * Dv, sizeof(float) * (size_t)Dv);
+        }
+        work += (p + 1) * H;
+    }
+    const int64_t group = H / Hkv;
+#pragma omp parallel for num_threads(nth) schedule(dynamic, 1) if (work * (D + Dv) > 200000)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, hk = h / group, p = pos[b], s = slots[b];
+        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        float qr[1024], acc[1024];
+        rope_head(q + b * q_rs + h * D, qr, D, rot, cos_t + p * half, sin_t + p * half, neox);
+        const float *kb = kc + (s * Hkv + hk) * n_ctx * D;
+        const float *vb = vc + (s * Hkv + hk) * n_ctx * Dv;
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < Dv; i++) acc[i] = 0.0f;
+        for (int64_t j = lo; j <= p; j++) {
+            float sc = dot_f32(qr, kb + j * D, D) * scale;
+            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+            if (sc > m) {
+                const float c = expf(m - sc);  /* 0 on the first key */
+                l = l * c + 1.0f;
+                scale_axpy(acc, c, 1.0f, vb + j * Dv, Dv);
+                m = sc;
+            } else {
+                const float e = expf(sc - m);
+                l += e;
+                scale_axpy(acc, 1.0f, e, vb + j * Dv, Dv);
+            }
+        }
+        float *o = out + (b * H + h) * Dv;
+        const float il = 1.0f / l;
+        for (int64_t i = 0; i < Dv; i++) o[i] = acc[i] * il;
+    }
+}

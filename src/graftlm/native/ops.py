@@ -1,0 +1,90 @@
+"""Thin wrappers over the decode-step helpers of ``kernels.c``: each returns None when it cannot
+serve the call (no library, not CPU float32, unsupported shape), and the caller then runs its
+PyTorch twin."""
+
+from __future__ import annotations
+
+import torch
+
+from graftlm.native.build import library
+
+MAX_HEAD_DIM = 1024  # the C code keeps a rotated query and an accumulator of this size on stack
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Semantics: x * rsqrt(mean(x^2, -1) + eps) * weight (sum of squares in double), or None."""
+    lib = library()
+    if (
+        lib is None
+        or x.dtype is not torch.float32
+        or weight.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+        or weight.numel() != x.shape[-1]
+    ):
+        return None
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    lib.gl_rms_norm(x.data_ptr(), x.numel() // max(n, 1), n, weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def _rows(t: torch.Tensor, heads: int, dim: int) -> int | None:
+    """Row stride of (B, 1, heads * dim) with contiguous heads, else None."""
+    if t.dtype is not torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+        return None
+    return int(t.stride(0))
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
+) -> torch.Tensor | None:
+    """Attention for B rows of one new token each (see gl_attn_decode), or None.
+
+    q (B, 1, H*D), k (B, 1, Hkv*D), v (B, 1, Hkv*Dv), unrotated; kc/vc the layer's cache
+    (slots, Hkv, n_ctx, D/Dv); slots/positions (B,) int64; cos/sin (n_ctx, rot/2) float32.
+    Writes the rotated k and v into the cache; returns (B, 1, H*Dv).
+    """
+    lib = library()
+    if (
+        lib is None
+        or kc.dtype is not torch.float32
+        or not (kc.is_contiguous() and vc.is_contiguous())
+    ):
+        return None
+    n_slots, hkv, n_ctx, d = kc.shape
+    dv = vc.shape[-1]
+    b = q.shape[0]
+    h = q.shape[-1] // d
+    rot = cos.shape[-1] * 2
+    if max(d, dv) > MAX_HEAD_DIM or q.shape[1] != 1 or h % hkv or rot > d:
+        return None
+    qs, ks, vs = _rows(q, h, d), _rows(k, hkv, d), _rows(v, hkv, dv)
+    if qs is None or ks is None or vs is None or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    if positions.numel() and int(positions.max()) >= min(n_ctx, cos.shape[0]):
+        return None
+    out = q.new_empty(b, 1, h * dv)
+    lib.gl_attn_decode(
+        q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, kc.data_ptr(), vc.data_ptr(),
+        slots.data_ptr(), positions.data_ptr(), b, h, hkv, d, dv, n_ctx, cos.data_ptr(),
+        sin.data_ptr(), rot, int(neox), scale, window, softcap, out.data_ptr(), _threads(),
+    )  # fmt: skip
+    return out

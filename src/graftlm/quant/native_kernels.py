@@ -1,0 +1,178 @@
+"""Quantized weights held in the native layouts of ``graftlm/native/kernels.c`` (see its header comment).
+
+* ``NativeU4Kernel``: Q4_0, Q4_1, Q4_K as 4-bit codes with a float scale and offset per 32 values.
+* ``NativeS8Kernel``: Q8_0, Q5_0 (scale per 32) and Q6_K (scale per 16) as int8 codes.
+
+Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
+llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
+on, and whenever the compute dtype is float32, the weight is dequantized exactly in chunks for a
+float32 GEMM instead.  Dequantization is bit-exact with ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from gguf import GGMLQuantizationType
+
+from graftlm.native import library
+from graftlm.native.build import loaded_library
+from graftlm.quant import config
+from graftlm.quant.base import Kernel, QType, Shape, row_bytes
+
+T = GGMLQuantizationType
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    ids = ids.contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+        raise IndexError(f"row ids must be in [0, {n}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
+class NativeKernel(Kernel):
+    """Shared plumbing: the fused/float32 choice and dequantized-row helpers."""
+
+    TYPES: ClassVar[tuple[GGMLQuantizationType, ...]] = ()
+
+    @classmethod
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        return qtype in cls.TYPES and shape[1] % 32 == 0 and library() is not None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not config.use_fused(self.name, x.shape[0]):
+            return self.chunked_matmul(x)
+        y = x.new_empty(x.shape[0], self.shape[0])
+        self._mm(x, y)
+        return y
+
+    def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self._deq(None, start, stop - start)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = _check_ids(ids.to(torch.int64), self.shape[0])
+        return self._deq(ids, 0, ids.numel())
+
+
+class NativeU4Kernel(NativeKernel):
+    """Semantics: w[n, 32b + j] = q[n, 32b + j] * d[n, b] + m[n, b], q in [0, 16).
+
+    Q4_0: d = file d, m = -8 d.  Q4_1: d, m as in the file.  Q4_K: d = d_super * sc,
+    m = -(dmin_super * min) per 32-value sub-block.  Memory: 0.5 B + 8 B per 32 values.
+    """
+
+    name = "native-u4"
+    TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+
+    def __init__(
+        self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
+    ) -> None:
+        super().__init__(shape)
+        self.qs, self.d, self.m = qs, d, m  # (n, k/2) uint8, (n, k/32) float32 x 2
+        self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        lib = library()
+        assert lib is not None
+        n, k = shape
+        raw = raw.contiguous()
+        qs = torch.empty(n, k // 2, dtype=torch.uint8)
+        d = torch.empty(n, k // 32, dtype=torch.float32)
+        m = torch.empty(n, k // 32, dtype=torch.float32)
+        lib.gl_pack_u4(
+            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k,
+            qs.data_ptr(), d.data_ptr(), m.data_ptr(), _threads(),
+        )  # fmt: skip
+        return cls(shape, qs, d, m, 8 if qtype == T.Q4_0 else 0)
+
+    def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        lib = loaded_library()
+        assert lib is not None
+        n, k = self.shape
+        lib.gl_mm_u4(
+            x.data_ptr(), x.shape[0], k, self.qs.data_ptr(), self.d.data_ptr(),
+            self.m.data_ptr(), n, y.data_ptr(), _threads(),
+        )  # fmt: skip
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        lib = loaded_library()
+        assert lib is not None
+        k = self.shape[1]
+        out = torch.empty(count, k, dtype=torch.float32)
+        lib.gl_deq_u4(
+            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.offset, k, _ptr(ids),
+            row0, count, out.data_ptr(), _threads(),
+        )  # fmt: skip
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.qs, self.d, self.m)
+
+
+class NativeS8Kernel(NativeKernel):
+    """Semantics: w[n, i] = q[n, i] * s[n, i // sblk], q int8.
+
+    Q8_0: q, s = d as in the file (sblk 32).  Q5_0: q = code - 16 (sblk 32).  Q6_K: q = code - 32,
+    s = d_super * sc (sblk 16).  Memory: 1 B + 4 B per sblk values.
+    """
+
+    name = "native-s8"
+    TYPES = (T.Q8_0, T.Q5_0, T.Q6_K)
+
+    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
+        super().__init__(shape)
+        self.q, self.s, self.sblk = q, s, sblk  # (n, k) int8, (n, k/sblk) float32
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        lib = library()
+        assert lib is not None
+        n, k = shape
+        sblk = 16 if qtype == T.Q6_K else 32
+        raw = raw.contiguous()
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // sblk, dtype=torch.float32)
+        lib.gl_pack_s8(
+            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), s.data_ptr(),
+            _threads(),
+        )  # fmt: skip
+        return cls(shape, q, s, sblk)
+
+    def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        lib = loaded_library()
+        assert lib is not None
+        n, k = self.shape
+        lib.gl_mm_s8(
+            x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.s.data_ptr(), self.sblk, n,
+            y.data_ptr(), _threads(),
+        )  # fmt: skip
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        lib = loaded_library()
+        assert lib is not None
+        k = self.shape[1]
+        out = torch.empty(count, k, dtype=torch.float32)
+        lib.gl_deq_s8(
+            self.q.data_ptr(), self.s.data_ptr(), self.sblk, k, _ptr(ids), row0, count,
+            out.data_ptr(), _threads(),
+        )  # fmt: skip
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.s)

@@ -1,0 +1,137 @@
+"""The native kernels against their twins: llama.cpp's int8-activation arithmetic written out in
+numpy, torch's RMS norm, and the PyTorch attention path of the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+import graftlm
+from graftlm.native import build, disabled, library, ops, unavailable_reason
+from graftlm.quant import QWeight
+from graftlm.quant.synth import random_blocks
+from graftlm.runtime.batch import Batch
+
+pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
+
+
+def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
+    """y = x @ w.T with x quantized per 32 values as the kernels do (round half to even),
+    in float64: only the kernel's float32 summation order is left to differ."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(xb * inv)  # the kernel: x * (127 / amax), rounded to nearest even
+    xt = (xq * d).reshape(m, k).astype(np.float64)
+    return xt @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
+    rng = np.random.default_rng(m)
+    n, k = 40, 512
+    raw = random_blocks(qtype, (n, k), rng)
+    w = QWeight.from_gguf(raw, qtype, (n, k))
+    assert w.kernel.startswith("native")
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 5] = 0  # a zero and an all-zero block: xd = 0 must not divide by zero
+    x[0, 64:96] = 0
+    want = int8_twin(x, w.dequantize().numpy(), qtype)
+    got = w.matmul(torch.from_numpy(x)).numpy()
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
+    # and the quantization of x is what separates it from the float32 product (~0.5 %)
+    exact = x.astype(np.float64) @ w.dequantize().numpy().astype(np.float64).T
+    assert np.abs(got - exact).max() < 0.02 * scale
+
+
+def test_rms_norm_matches_torch() -> None:
+    x = torch.randn(3, 5, 576) * 3
+    w = torch.randn(576)
+    y = ops.rms_norm(x, w, 1e-5)
+    assert y is not None
+    torch.testing.assert_close(y, F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert ops.rms_norm(x.double(), w, 1e-5) is None  # not float32: the caller's twin runs
+    assert ops.rms_norm(x.transpose(0, 1), w, 1e-5) is None  # not contiguous
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_native_decode_attention_equals_torch_attention(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Prefill three sequences past gemma-3's sliding window (8), then decode them together at
+    different positions: native attention (RoPE, cache writes, GQA, window) vs PyTorch's."""
+    path: Path = request.getfixturevalue(fixture)
+    model = graftlm.load(str(path), ctx_size=64, n_seq=3).model
+    lens = [5, 12, 17]
+
+    def run(native: bool) -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for s, n in enumerate(lens):
+                model.forward(Batch.single([(7 * s + j) % 50 + 3 for j in range(n)], s, 0))
+            for step in range(4):
+                tokens = torch.tensor([[10 + step + s] for s in range(3)])
+                batch = Batch(tokens, [0, 1, 2], [n + step for n in lens], [1, 1, 1])
+                assert batch.decode_rows() is not None
+                if native:
+                    out.append(model.forward(batch))
+                else:
+                    with disabled():
+                        out.append(model.forward(batch))
+        return out
+
+    got, want = run(True), run(False)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    # one row alone (no mask at all in the torch path) agrees too
+    with torch.inference_mode():
+        one = Batch(torch.tensor([[13]]), [2], [lens[2] + 4], [1])
+        a = model.forward(one)
+        model.forward(Batch(torch.tensor([[13]]), [2], [lens[2] + 4], [1]))  # rewrite same cell
+        with disabled():
+            b = model.forward(Batch(torch.tensor([[13]]), [2], [lens[2] + 4], [1]))
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_and_repeated_slots_are_not_decode_rows() -> None:
+    assert Batch(torch.tensor([[1, 2]]), [0], [0], [2]).decode_rows() is None
+    assert Batch(torch.tensor([[1], [2]]), [0, 0], [3, 4], [1, 1]).decode_rows() is None
+    rows = Batch(torch.tensor([[1], [2]]), [1, 0], [3, 4], [1, 1]).decode_rows()
+    assert rows is not None and rows[0].tolist() == [1, 0] and rows[1].tolist() == [3, 4]
+
+
+def test_disabled_and_missing_compiler_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    with disabled():
+        assert library() is None and "disabled" in (unavailable_reason() or "")
+        w = QWeight.from_gguf(random_blocks(Q.Q4_1, (64, 256), np.random.default_rng(0)),
+                              Q.Q4_1, (64, 256))  # fmt: skip
+        assert not w.kernel.startswith("native")
+    assert library() is not None
+    build.loaded_library.cache_clear()
+    try:
+        monkeypatch.setattr(build, "_compiler", lambda: None)
+        assert library() is None and "compiler" in (unavailable_reason() or "")
+    finally:
+        build.loaded_library.cache_clear()
+        monkeypatch.undo()
+    assert library() is not None
+
+
+def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    cc = build._compiler()
+    assert cc is not None
+    first = build._build(cc)
+    assert first.parent == tmp_path / "native" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build._build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert not list(first.parent.glob("*.partial"))

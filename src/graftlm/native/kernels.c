@@ -1,9 +1,8 @@
 /* graftlm's native quantized kernels (x86-64 AVX2 + FMA, OpenMP).
  *
- * Two weight layouts, both repacked once at load from GGUF blocks:
- *   u4: Q4_0, Q4_1, Q4_K.  Per 32 values of a row: 16 bytes of codes q in 0..15 (byte j: low
- *       nibble = value j, high nibble = value j + 16), a float scale d and a float offset m:
- *       w = q * d + m   (bit-exact with gguf.quants.dequantize for the three types).
+ * Two weight formats, both repacked once at load from GGUF blocks (layouts: see gl_pack_u4):
+ *   u4: Q4_0, Q4_1, Q4_K.  4-bit codes q in 0..15 with a float scale d and offset m per 32
+ *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for the three types).
  *   s8: Q8_0, Q5_0 (scale per 32 values), Q6_K (scale per 16).  One int8 code per value and a
  *       float scale per block: w = q * s   (bit-exact likewise).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
@@ -24,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 3; }
+int gl_abi_version(void) { return 4; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -60,120 +59,154 @@ static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* raw: n rows of rowbytes GGUF bytes -> qs (n, k/2), d (n, k/32), m (n, k/32). */
-void gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
-                uint8_t *qs, float *d, float *m, int nth) {
-    const int64_t kb = k / 32;
-#pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *src = raw + r * rowbytes;
-        uint8_t *q = qs + r * kb * 16;
-        float *dd = d + r * kb, *mm = m + r * kb;
-        if (type == T_Q4_0 || type == T_Q4_1) {
-            const int bs = type == T_Q4_0 ? 18 : 20;
-            for (int64_t b = 0; b < kb; b++) {
-                const uint8_t *blk = src + b * bs;
-                dd[b] = h2f(rd16(blk));
-                mm[b] = type == T_Q4_0 ? -8.0f * dd[b] : h2f(rd16(blk + 2));
-                memcpy(q + b * 16, blk + bs - 16, 16);
+/* One GGUF row of a u4 type -> codes (k bytes, 0..15), d and m per 32 values. */
+static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d, float *m) {
+    if (type == T_Q4_0 || type == T_Q4_1) {
+        const int bs = type == T_Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = src + b * bs, *qs = blk + bs - 16;
+            d[b] = h2f(rd16(blk));
+            m[b] = type == T_Q4_0 ? -8.0f * d[b] : h2f(rd16(blk + 2));
+            for (int j = 0; j < 16; j++) {
+                q[b * 32 + j] = qs[j] & 0xF;
+                q[b * 32 + j + 16] = qs[j] >> 4;
             }
-        } else { /* Q4_K: 144 bytes per 256 values = 8 sub-blocks of 32 */
-            for (int64_t sb = 0; sb < k / 256; sb++) {
-                const uint8_t *blk = src + sb * 144;
-                const float dk = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
-                const uint8_t *scales = blk + 4, *qk = blk + 16;
-                for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    scale_min_k4(j, scales, &sc, &mn);
-                    const int64_t b = sb * 8 + j;
-                    dd[b] = dk * (float)sc;
-                    mm[b] = -(dmin * (float)mn);
-                    const uint8_t *c = qk + (j / 2) * 32;
-                    uint8_t *o = q + b * 16;
-                    for (int t = 0; t < 16; t++) {
-                        o[t] = (j & 1) ? (uint8_t)((c[t] >> 4) | (c[t + 16] & 0xF0))
-                                       : (uint8_t)((c[t] & 0x0F) | ((c[t + 16] & 0x0F) << 4));
-                    }
+        }
+        return;
+    }
+    for (int64_t sb = 0; sb < k / 256; sb++) { /* Q4_K: 144 bytes per 256 values */
+        const uint8_t *blk = src + sb * 144;
+        const float dk = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            const int64_t b = sb * 8 + j;
+            d[b] = dk * (float)sc;
+            m[b] = -(dmin * (float)mn);
+            const uint8_t *c = blk + 16 + (j / 2) * 32;
+            for (int t = 0; t < 32; t++) q[b * 32 + t] = (j & 1) ? c[t] >> 4 : c[t] & 0xF;
+        }
+    }
+}
+
+/* One GGUF row of an s8 type -> codes (k int8) and scales per sblk values. */
+static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s) {
+    if (type == T_Q8_0) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            s[b] = h2f(rd16(src + b * 34));
+            memcpy(o + b * 32, src + b * 34 + 2, 32);
+        }
+    } else if (type == T_Q5_0) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = src + b * 22, *ql = blk + 6;
+            s[b] = h2f(rd16(blk));
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            for (int j = 0; j < 16; j++) {
+                o[b * 32 + j] = (int8_t)(((ql[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
+                o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
+            }
+        }
+    } else { /* Q6_K: ql[128] qh[64] scales[16] d, 210 bytes per 256 values */
+        for (int64_t sb = 0; sb < k / 256; sb++) {
+            const uint8_t *blk = src + sb * 210;
+            const float dk = h2f(rd16(blk + 208));
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int j = 0; j < 16; j++) s[sb * 16 + j] = dk * (float)sc[j];
+            int8_t *y = o + sb * 256;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
+                for (int l = 0; l < 32; l++) {
+                    y[h * 128 + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                    y[h * 128 + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    y[h * 128 + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    y[h * 128 + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
                 }
             }
         }
     }
 }
 
-/* raw -> q (n, k) int8, s (n, k/sblk) with sblk 32 (Q8_0, Q5_0) or 16 (Q6_K). */
-void gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
-                float *s, int nth) {
+/* Layouts, rows in groups of 8 (n padded to a multiple of 8 with zero rows), g = row / 8,
+ * i = row % 8, b = block of 32 values, j = 0..3:
+ *   u4: qs[((g*kb + b)*4 + c)*32 + 4i + j] = q[32b + 4c + j] | q[32b + 16 + 4c + j] << 4
+ *       d[(g*kb + b)*8 + i], m[(g*kb + b)*8 + i]
+ *   s8: q[((g*kb + b)*8 + t)*32 + 4i + j] = q[32b + 4t + j]
+ *       s[(g*ns + u)*8 + i] for scale block u of the row (ns = k / sblk)
+ * so one 32-byte load holds 4 consecutive values of 8 rows: the products below yield 8 outputs
+ * per vector, with their scales loaded as one vector. */
+void gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                uint8_t *qs, float *d, float *m, int nth) {
+    const int64_t kb = k / 32, groups = (n + 7) / 8;
 #pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *src = raw + r * rowbytes;
-        int8_t *o = q + r * k;
-        if (type == T_Q8_0) {
-            float *ss = s + r * (k / 32);
-            for (int64_t b = 0; b < k / 32; b++) {
-                ss[b] = h2f(rd16(src + b * 34));
-                memcpy(o + b * 32, src + b * 34 + 2, 32);
-            }
-        } else if (type == T_Q5_0) {
-            float *ss = s + r * (k / 32);
-            for (int64_t b = 0; b < k / 32; b++) {
-                const uint8_t *blk = src + b * 22;
-                ss[b] = h2f(rd16(blk));
-                uint32_t qh;
-                memcpy(&qh, blk + 2, 4);
-                const uint8_t *ql = blk + 6;
-                for (int j = 0; j < 16; j++) {
-                    o[b * 32 + j] = (int8_t)(((ql[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
-                    o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
-                }
-            }
-        } else { /* Q6_K: ql[128] qh[64] scales[16] d, 210 bytes per 256 values */
-            float *ss = s + r * (k / 16);
-            for (int64_t sb = 0; sb < k / 256; sb++) {
-                const uint8_t *blk = src + sb * 210;
-                const float dk = h2f(rd16(blk + 208));
-                const int8_t *sc = (const int8_t *)(blk + 192);
-                for (int j = 0; j < 16; j++) ss[sb * 16 + j] = dk * (float)sc[j];
-                int8_t *y = o + sb * 256;
-                for (int h = 0; h < 2; h++) {
-                    const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
-                    for (int l = 0; l < 32; l++) {
-                        y[h * 128 + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-                        y[h * 128 + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                        y[h * 128 + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                        y[h * 128 + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-                    }
-                }
+    for (int64_t g = 0; g < groups; g++) {
+        uint8_t *q = calloc((size_t)(8 * k), 1);
+        float *dd = calloc((size_t)(8 * kb), sizeof(float)), *mm = calloc((size_t)(8 * kb), sizeof(float));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_u4(type, raw + (g * 8 + i) * rowbytes, k, q + i * k, dd + i * kb, mm + i * kb);
+        for (int64_t b = 0; b < kb; b++) {
+            for (int i = 0; i < 8; i++) {
+                d[(g * kb + b) * 8 + i] = dd[i * kb + b];
+                m[(g * kb + b) * 8 + i] = mm[i * kb + b];
+                for (int c = 0; c < 4; c++)
+                    for (int j = 0; j < 4; j++)
+                        qs[((g * kb + b) * 4 + c) * 32 + 4 * i + j] =
+                            (uint8_t)(q[i * k + 32 * b + 4 * c + j] | (q[i * k + 32 * b + 16 + 4 * c + j] << 4));
             }
         }
+        free(q);
+        free(dd);
+        free(mm);
+    }
+}
+
+void gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
+                float *s, int nth) {
+    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = type == T_Q6_K ? k / 16 : k / 32;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int8_t *t = calloc((size_t)(8 * k), 1);
+        float *ss = calloc((size_t)(8 * ns), sizeof(float));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_s8(type, raw + (g * 8 + i) * rowbytes, k, t + i * k, ss + i * ns);
+        for (int i = 0; i < 8; i++) {
+            for (int64_t u = 0; u < ns; u++) s[(g * ns + u) * 8 + i] = ss[i * ns + u];
+            for (int64_t b = 0; b < kb; b++)
+                for (int c = 0; c < 8; c++)
+                    memcpy(q + ((g * kb + b) * 8 + c) * 32 + 4 * i, t + i * k + 32 * b + 4 * c, 4);
+        }
+        free(t);
+        free(ss);
     }
 }
 
 /* ---------------------------------------------------------------- dequantization (exact) */
 
-/* Rows ids[i] (or row0 + i when ids is NULL) of a u4 weight -> out (nrows, k) float. */
-/* offset 8 (Q4_0): w = (q - 8) * d, as gguf computes it (which keeps the sign of a zero). */
+/* Rows ids[i] (or row0 + i when ids is NULL) of a u4 weight -> out (nrows, k) float.
+ * offset 8 (Q4_0): w = (q - 8) * d, as gguf computes it (which keeps the sign of a zero). */
 void gl_deq_u4(const uint8_t *qs, const float *d, const float *m, int offset, int64_t k,
                const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
     const int64_t kb = k / 32;
 #pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t i = 0; i < nrows; i++) {
-        const int64_t r = ids ? ids[i] : row0 + i;
-        const uint8_t *q = qs + r * kb * 16;
-        float *o = out + i * k;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        float *o = out + r * k;
         for (int64_t b = 0; b < kb; b++) {
-            const float dd = d[r * kb + b], mm = m[r * kb + b];
-            if (offset) {
-                for (int j = 0; j < 16; j++) {
-                    o[b * 32 + j] = (float)((q[b * 16 + j] & 0xF) - offset) * dd;
-                    o[b * 32 + j + 16] = (float)((q[b * 16 + j] >> 4) - offset) * dd;
+            const float dd = d[(g * kb + b) * 8 + i], mm = m[(g * kb + b) * 8 + i];
+            const uint8_t *blk = qs + (g * kb + b) * 128 + 4 * i;
+            for (int c = 0; c < 4; c++) {
+                for (int j = 0; j < 4; j++) {
+                    const int lo = blk[c * 32 + j] & 0xF, hi = blk[c * 32 + j] >> 4;
+                    float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
+                    if (offset) {
+                        *v0 = (float)(lo - offset) * dd;
+                        *v1 = (float)(hi - offset) * dd;
+                    } else {
+                        const float a = (float)lo * dd, e = (float)hi * dd;
+                        *v0 = a + mm;
+                        *v1 = e + mm;
+                    }
                 }
-                continue;
-            }
-            for (int j = 0; j < 16; j++) {
-                const float lo = (float)(q[b * 16 + j] & 0xF) * dd;
-                const float hi = (float)(q[b * 16 + j] >> 4) * dd;
-                o[b * 32 + j] = lo + mm;
-                o[b * 32 + j + 16] = hi + mm;
             }
         }
     }
@@ -181,11 +214,14 @@ void gl_deq_u4(const uint8_t *qs, const float *d, const float *m, int offset, in
 
 void gl_deq_s8(const int8_t *q, const float *s, int64_t sblk, int64_t k, const int64_t *ids,
                int64_t row0, int64_t nrows, float *out, int nth) {
-    const int64_t ns = k / sblk;
+    const int64_t kb = k / 32, ns = k / sblk;
 #pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t i = 0; i < nrows; i++) {
-        const int64_t r = ids ? ids[i] : row0 + i;
-        for (int64_t j = 0; j < k; j++) out[i * k + j] = (float)q[r * k + j] * s[r * ns + j / sblk];
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        for (int64_t v = 0; v < k; v++) {
+            const int64_t b = v / 32, t = (v % 32) / 4, j = v % 4;
+            out[r * k + v] = (float)q[((g * kb + b) * 8 + t) * 32 + 4 * i + j] * s[(g * ns + v / sblk) * 8 + i];
+        }
     }
 }
 
@@ -239,150 +275,188 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
 /* ---------------------------------------------------------------- matrix products */
 
 #define MT 4 /* rows of x per tile: their accumulators live in registers */
-#define NC 16 /* output rows per task: their weights stay in L1 across the x tiles */
+#define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
 
-static inline __attribute__((always_inline)) void u4_tile(
-    const uint8_t *qw, const float *dw, const float *mw, int64_t kb, const int8_t *xq,
-    const float *xd, const float *xs, int R, float *y, int64_t ldy) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    /* two accumulators per row (even / odd blocks) hide the FMA latency when R is small */
-    __m256 acc[MT], acc2[MT];
-    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
-#define U4_BLOCK(b, A)                                                                         \
-    do {                                                                                       \
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(qw + (b) * 16));                 \
-        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4); \
-        for (int r = 0; r < R; r++) {                                                          \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * kb + (b)) * 32)); \
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);            \
-            A[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                      \
-                                   _mm256_set1_ps(dw[b] * xd[r * kb + (b)]), A[r]);            \
-        }                                                                                      \
-    } while (0)
-    int64_t b = 0;
-    for (; b + 2 <= kb; b += 2) {
-        U4_BLOCK(b, acc);
-        U4_BLOCK(b + 1, acc2);
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 weight. */
+static inline __attribute__((always_inline)) void u4_group(
+    const uint8_t *qs, const float *d, const float *m, int64_t kb, const int8_t *xq,
+    const float *xd, const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *w = qs + b * 128;
+        __m256i s16[MT];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                /* |pair| <= 2 * 15 * 127: eight of them still fit in int16 */
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(d + b * 8), mv = _mm256_loadu_ps(m + b * 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+            acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        }
     }
-    if (b < kb) U4_BLOCK(b, acc);
-#undef U4_BLOCK
-    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], acc2[r]);
     for (int r = 0; r < R; r++) {
-        __m256 mv = _mm256_setzero_ps();
-        b = 0;
-        for (; b + 8 <= kb; b += 8)
-            mv = _mm256_fmadd_ps(_mm256_loadu_ps(mw + b), _mm256_loadu_ps(xs + r * kb + b), mv);
-        float t = hsum8(mv);
-        for (; b < kb; b++) t += mw[b] * xs[r * kb + b];
-        y[r * ldy] = hsum8(acc[r]) + t;
+        if (nvalid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, acc[r]);
+            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void s8_tile(
-    const int8_t *qw, const float *sw, int sblk, int64_t kb, const int8_t *xq, const float *xd,
-    int R, float *y, int64_t ldy) {
+/* The same for an s8 weight: sblk 32 (one scale per block) or 16 (two). */
+static inline __attribute__((always_inline)) void s8_group(
+    const int8_t *q, const float *s, int sblk, int64_t kb, const int8_t *xq, const float *xd,
+    int R, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT], acc2[MT];
-    for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();
-#define S8_BLOCK(b, A)                                                                         \
-    do {                                                                                       \
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(qw + (b) * 32));               \
-        const __m256i aw = _mm256_sign_epi8(w, w);                                             \
-        const __m256 sv = sblk == 32 ? _mm256_set1_ps(sw[b])                                   \
-                                     : _mm256_set_m128(_mm_set1_ps(sw[2 * (b) + 1]),           \
-                                                       _mm_set1_ps(sw[2 * (b)]));              \
-        for (int r = 0; r < R; r++) {                                                          \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (r * kb + (b)) * 32)); \
-            const __m256i p =                                                                  \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);    \
-            A[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                      \
-                                   _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + (b)])), A[r]); \
-        }                                                                                      \
-    } while (0)
-    int64_t b = 0;
-    for (; b + 2 <= kb; b += 2) {
-        S8_BLOCK(b, acc);
-        S8_BLOCK(b + 1, acc2);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *w = q + b * 256;
+        __m256i i0[MT], i1[MT];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = bcast4(xq + (r * kb + b) * 32 + 4 * c);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+                if (sblk == 32 || c < 4)
+                    i0[r] = _mm256_add_epi32(i0[r], p);
+                else
+                    i1[r] = _mm256_add_epi32(i1[r], p);
+            }
+        }
+        if (sblk == 32) {
+            const __m256 sv = _mm256_loadu_ps(s + b * 8);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]),
+                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+        } else {
+            const __m256 s0 = _mm256_loadu_ps(s + b * 16), s1 = _mm256_loadu_ps(s + b * 16 + 8);
+            for (int r = 0; r < R; r++) {
+                const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(s0, xdv), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(s1, xdv), acc[r]);
+            }
+        }
     }
-    if (b < kb) S8_BLOCK(b, acc);
-#undef S8_BLOCK
-    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], acc2[r]);
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(acc[r]);
+    for (int r = 0; r < R; r++) {
+        if (nvalid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, acc[r]);
+            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
+        }
+    }
+}
+
+typedef struct {
+    int8_t *xq;
+    float *xd, *xs;
+} xbuf;
+
+static xbuf xbuf_make(const float *x, int64_t M, int64_t k, int nth) {
+    xbuf b;
+    b.xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
+    b.xd = malloc(sizeof(float) * (size_t)(M * (k / 32)));
+    b.xs = malloc(sizeof(float) * (size_t)(M * (k / 32)));
+    quantize_x(x, M, k, b.xq, b.xd, b.xs, nth);
+    return b;
+}
+
+static void xbuf_free(xbuf b) {
+    free(b.xq);
+    free(b.xd);
+    free(b.xs);
 }
 
 /* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
 void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const float *d,
               const float *m, int64_t n, float *y, int nth) {
-    const int64_t kb = k / 32;
-    int8_t *xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
-    float *xd = malloc(sizeof(float) * (size_t)(M * kb)), *xs = malloc(sizeof(float) * (size_t)(M * kb));
-    quantize_x(x, M, k, xq, xd, xs, nth);
-    const int64_t tasks = (n + NC - 1) / NC;
+    const int64_t kb = k / 32, groups = (n + 7) / 8, tasks = (groups + GT - 1) / GT;
+    const xbuf xb = xbuf_make(x, M, k, nth);
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n1 = t * NC + NC < n ? t * NC + NC : n;
+        const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
         for (int64_t r0 = 0; r0 < M; r0 += MT) {
             const int R = M - r0 < MT ? (int)(M - r0) : MT;
-            const int8_t *xt = xq + r0 * k;
-            const float *dt = xd + r0 * kb, *st = xs + r0 * kb;
-            for (int64_t j = t * NC; j < n1; j++) {
-                const uint8_t *qw = qs + j * kb * 16;
-                float *yo = y + r0 * n + j;
+            const int8_t *xt = xb.xq + r0 * k;
+            const float *dt = xb.xd + r0 * kb, *st = xb.xs + r0 * kb;
+            for (int64_t g = t * GT; g < g1; g++) {
+                const uint8_t *qg = qs + g * kb * 128;
+                const float *dg = d + g * kb * 8, *mg = m + g * kb * 8;
+                float *yo = y + r0 * n + g * 8;
+                const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
                 switch (R) {
-                case 4: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 4, yo, n); break;
-                case 3: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 3, yo, n); break;
-                case 2: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 2, yo, n); break;
-                default: u4_tile(qw, d + j * kb, m + j * kb, kb, xt, dt, st, 1, yo, n); break;
+                case 4: u4_group(qg, dg, mg, kb, xt, dt, st, 4, yo, n, nv); break;
+                case 3: u4_group(qg, dg, mg, kb, xt, dt, st, 3, yo, n, nv); break;
+                case 2: u4_group(qg, dg, mg, kb, xt, dt, st, 2, yo, n, nv); break;
+                default: u4_group(qg, dg, mg, kb, xt, dt, st, 1, yo, n, nv); break;
                 }
             }
         }
     }
-    free(xq);
-    free(xd);
-    free(xs);
+    xbuf_free(xb);
 }
 
 /* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values. */
 void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const float *s, int sblk,
               int64_t n, float *y, int nth) {
-    const int64_t kb = k / 32, ns = k / sblk;
-    int8_t *xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
-    float *xd = malloc(sizeof(float) * (size_t)(M * kb)), *xs = malloc(sizeof(float) * (size_t)(M * kb));
-    quantize_x(x, M, k, xq, xd, xs, nth);
-    const int64_t tasks = (n + NC - 1) / NC;
+    const int64_t kb = k / 32, groups = (n + 7) / 8, tasks = (groups + GT - 1) / GT;
+    const int64_t ns = k / sblk;
+    const xbuf xb = xbuf_make(x, M, k, nth);
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t n1 = t * NC + NC < n ? t * NC + NC : n;
+        const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
         for (int64_t r0 = 0; r0 < M; r0 += MT) {
             const int R = M - r0 < MT ? (int)(M - r0) : MT;
-            const int8_t *xt = xq + r0 * k;
-            const float *dt = xd + r0 * kb;
-            for (int64_t j = t * NC; j < n1; j++) {
-                const int8_t *qw = q + j * k;
-                const float *sw = s + j * ns;
-                float *yo = y + r0 * n + j;
+            const int8_t *xt = xb.xq + r0 * k;
+            const float *dt = xb.xd + r0 * kb;
+            for (int64_t g = t * GT; g < g1; g++) {
+                const int8_t *qg = q + g * kb * 256;
+                const float *sg = s + g * ns * 8;
+                float *yo = y + r0 * n + g * 8;
+                const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
                 if (sblk == 32) {
                     switch (R) {
-                    case 4: s8_tile(qw, sw, 32, kb, xt, dt, 4, yo, n); break;
-                    case 3: s8_tile(qw, sw, 32, kb, xt, dt, 3, yo, n); break;
-                    case 2: s8_tile(qw, sw, 32, kb, xt, dt, 2, yo, n); break;
-                    default: s8_tile(qw, sw, 32, kb, xt, dt, 1, yo, n); break;
+                    case 4: s8_group(qg, sg, 32, kb, xt, dt, 4, yo, n, nv); break;
+                    case 3: s8_group(qg, sg, 32, kb, xt, dt, 3, yo, n, nv); break;
+                    case 2: s8_group(qg, sg, 32, kb, xt, dt, 2, yo, n, nv); break;
+                    default: s8_group(qg, sg, 32, kb, xt, dt, 1, yo, n, nv); break;
                     }
                 } else {
                     switch (R) {
-                    case 4: s8_tile(qw, sw, 16, kb, xt, dt, 4, yo, n); break;
-                    case 3: s8_tile(qw, sw, 16, kb, xt, dt, 3, yo, n); break;
-                    case 2: s8_tile(qw, sw, 16, kb, xt, dt, 2, yo, n); break;
-                    default: s8_tile(qw, sw, 16, kb, xt, dt, 1, yo, n); break;
+                    case 4: s8_group(qg, sg, 16, kb, xt, dt, 4, yo, n, nv); break;
+                    case 3: s8_group(qg, sg, 16, kb, xt, dt, 3, yo, n, nv); break;
+                    case 2: s8_group(qg, sg, 16, kb, xt, dt, 2, yo, n, nv); break;
+                    default: s8_group(qg, sg, 16, kb, xt, dt, 1, yo, n, nv); break;
                     }
                 }
             }
         }
     }
-    free(xq);
-    free(xd);
-    free(xs);
+    xbuf_free(xb);
 }
 
 /* ---------------------------------------------------------------- decode-step helpers */

@@ -22,9 +22,10 @@ _COMPUTE: list[torch.dtype] = [torch.bfloat16]
 # Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
 # float32 + float32 GEMM" (measured on an AVX2 core, see graftlm.quant.bench).  Per kernel, since
 # a two-plane int4pack weight costs twice a one-plane one per row of x.
-# The native int8-activation kernels (graftlm.native) cross over later: measured with
-# `python bench/kernels.py` on the 2-core AVX2 machine (native vs float32 chunks, side by side).
-PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16, "native-u4": 128, "native-s8": 256}
+# The native int8-activation kernels (graftlm.native) never lose: `python bench/kernels.py` on the
+# 2-core AVX2 machine gives them 45-58 GMAC/s at M=512 against 31-38 for float32 chunks.
+NEVER = 1 << 30
+PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16, "native-u4": NEVER, "native-s8": NEVER}
 
 # Elements of weight dequantized per chunk in the float32 paths: bounds the temporary memory of a
 # matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in

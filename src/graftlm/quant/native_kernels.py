@@ -83,7 +83,7 @@ class NativeU4Kernel(NativeKernel):
         self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
     ) -> None:
         super().__init__(shape)
-        self.qs, self.d, self.m = qs, d, m  # (n, k/2) uint8, (n, k/32) float32 x 2
+        self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
 
     @classmethod
@@ -92,9 +92,10 @@ class NativeU4Kernel(NativeKernel):
         assert lib is not None
         n, k = shape
         raw = raw.contiguous()
-        qs = torch.empty(n, k // 2, dtype=torch.uint8)
-        d = torch.empty(n, k // 32, dtype=torch.float32)
-        m = torch.empty(n, k // 32, dtype=torch.float32)
+        n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
+        qs = torch.empty(n8, k // 2, dtype=torch.uint8)
+        d = torch.empty(n8, k // 32, dtype=torch.float32)
+        m = torch.empty(n8, k // 32, dtype=torch.float32)
         lib.gl_pack_u4(
             int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k,
             qs.data_ptr(), d.data_ptr(), m.data_ptr(), _threads(),
@@ -137,7 +138,7 @@ class NativeS8Kernel(NativeKernel):
 
     def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
         super().__init__(shape)
-        self.q, self.s, self.sblk = q, s, sblk  # (n, k) int8, (n, k/sblk) float32
+        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -146,8 +147,9 @@ class NativeS8Kernel(NativeKernel):
         n, k = shape
         sblk = 16 if qtype == T.Q6_K else 32
         raw = raw.contiguous()
-        q = torch.empty(n, k, dtype=torch.int8)
-        s = torch.empty(n, k // sblk, dtype=torch.float32)
+        n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
+        q = torch.empty(n8, k, dtype=torch.int8)
+        s = torch.empty(n8, k // sblk, dtype=torch.float32)
         lib.gl_pack_s8(
             int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), s.data_ptr(),
             _threads(),

@@ -135,3 +135,20 @@ def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     mtime = first.stat().st_mtime_ns
     assert build._build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     assert not list(first.parent.glob("*.partial"))
+
+
+def test_scales_stay_float16_only_when_exact() -> None:
+    """Q4_0's offset -8 d is stored as float16 unless it overflows: then the weight keeps float32
+    scales, and dequantization stays bit-exact either way."""
+    import gguf
+
+    rng = np.random.default_rng(3)
+    raw = random_blocks(Q.Q4_0, (16, 64), rng)
+    w = QWeight.from_gguf(raw, Q.Q4_0, (16, 64))
+    assert w._k.d.dtype == torch.float16  # type: ignore[attr-defined]
+    big = raw.copy().reshape(16, -1)
+    big[3, 0:2] = np.frombuffer(np.float16(60000.0).tobytes(), np.uint8)  # -8 d overflows
+    w = QWeight.from_gguf(big, Q.Q4_0, (16, 64))
+    assert w._k.d.dtype == torch.float32  # type: ignore[attr-defined]
+    want = gguf.quants.dequantize(big, Q.Q4_0)
+    np.testing.assert_array_equal(w.dequantize().numpy().view(np.int32), want.view(np.int32))

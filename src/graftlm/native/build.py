@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -35,12 +35,12 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 _SIGNATURES: dict[str, list[type]] = {
-    "gl_pack_u4": [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT],
-    "gl_pack_s8": [_INT, _P, _I64, _I64, _I64, _P, _P, _INT],
-    "gl_deq_u4": [_P, _P, _P, _INT, _I64, _P, _I64, _I64, _P, _INT],
-    "gl_deq_s8": [_P, _P, _I64, _I64, _P, _I64, _I64, _P, _INT],
-    "gl_mm_u4": [_P, _I64, _I64, _P, _P, _P, _I64, _P, _INT],
-    "gl_mm_s8": [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT],
+    "gl_pack_u4": [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT],
+    "gl_pack_s8": [_INT, _P, _I64, _I64, _I64, _P, _P, _INT, _INT],
+    "gl_deq_u4": [_P, _P, _P, _INT, _INT, _I64, _P, _I64, _I64, _P, _INT],
+    "gl_deq_s8": [_P, _P, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT],
+    "gl_mm_u4": [_P, _I64, _I64, _P, _P, _P, _INT, _I64, _P, _INT],
+    "gl_mm_s8": [_P, _I64, _I64, _P, _P, _INT, _INT, _I64, _P, _INT],
     "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P],
     "gl_attn_decode": [
         _P,
@@ -169,7 +169,7 @@ def loaded_library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = None
+        fn.restype = ctypes.c_int if name.startswith("gl_pack") else None
     return lib
 
 

@@ -69,11 +69,16 @@ class NativeKernel(Kernel):
         return self._deq(ids, 0, ids.numel())
 
 
+# types whose scales (and Q4_1's offsets) are the file's float16 values: stored as float16
+F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
+
+
 class NativeU4Kernel(NativeKernel):
     """Semantics: w[n, 32b + j] = q[n, 32b + j] * d[n, b] + m[n, b], q in [0, 16).
 
     Q4_0: d = file d, m = -8 d.  Q4_1: d, m as in the file.  Q4_K: d = d_super * sc,
-    m = -(dmin_super * min) per 32-value sub-block.  Memory: 0.5 B + 8 B per 32 values.
+    m = -(dmin_super * min) per 32-value sub-block.  d and m are kept as float16 when all of them
+    are float16 values (Q4_0, Q4_1: 0.5 B + 4 B per 32 values, the file's size), else float32.
     """
 
     name = "native-u4"
@@ -84,6 +89,7 @@ class NativeU4Kernel(NativeKernel):
     ) -> None:
         super().__init__(shape)
         self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
+        self.half = int(d.dtype == torch.float16)
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
 
     @classmethod
@@ -94,12 +100,15 @@ class NativeU4Kernel(NativeKernel):
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         qs = torch.empty(n8, k // 2, dtype=torch.uint8)
-        d = torch.empty(n8, k // 32, dtype=torch.float32)
-        m = torch.empty(n8, k // 32, dtype=torch.float32)
-        lib.gl_pack_u4(
-            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k,
-            qs.data_ptr(), d.data_ptr(), m.data_ptr(), _threads(),
-        )  # fmt: skip
+        for dtype in (torch.float16, torch.float32) if qtype in F16_SCALES else (torch.float32,):
+            d = torch.empty(n8, k // 32, dtype=dtype)
+            m = torch.empty(n8, k // 32, dtype=dtype)
+            inexact = lib.gl_pack_u4(
+                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k,
+                qs.data_ptr(), d.data_ptr(), m.data_ptr(), int(dtype == torch.float16), _threads(),
+            )  # fmt: skip
+            if not inexact:
+                break
         return cls(shape, qs, d, m, 8 if qtype == T.Q4_0 else 0)
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -108,7 +117,7 @@ class NativeU4Kernel(NativeKernel):
         n, k = self.shape
         lib.gl_mm_u4(
             x.data_ptr(), x.shape[0], k, self.qs.data_ptr(), self.d.data_ptr(),
-            self.m.data_ptr(), n, y.data_ptr(), _threads(),
+            self.m.data_ptr(), self.half, n, y.data_ptr(), _threads(),
         )  # fmt: skip
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
@@ -117,8 +126,8 @@ class NativeU4Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_u4(
-            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.offset, k, _ptr(ids),
-            row0, count, out.data_ptr(), _threads(),
+            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.half, self.offset, k,
+            _ptr(ids), row0, count, out.data_ptr(), _threads(),
         )  # fmt: skip
         return out
 
@@ -130,7 +139,8 @@ class NativeS8Kernel(NativeKernel):
     """Semantics: w[n, i] = q[n, i] * s[n, i // sblk], q int8.
 
     Q8_0: q, s = d as in the file (sblk 32).  Q5_0: q = code - 16 (sblk 32).  Q6_K: q = code - 32,
-    s = d_super * sc (sblk 16).  Memory: 1 B + 4 B per sblk values.
+    s = d_super * sc (sblk 16).  Memory: 1 B + 2 B per 32 values (Q8_0, Q5_0: float16 scales), or
+    1 B + 4 B per 16 (Q6_K).
     """
 
     name = "native-s8"
@@ -139,6 +149,7 @@ class NativeS8Kernel(NativeKernel):
     def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
         super().__init__(shape)
         self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
+        self.half = int(s.dtype == torch.float16)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -149,11 +160,14 @@ class NativeS8Kernel(NativeKernel):
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         q = torch.empty(n8, k, dtype=torch.int8)
-        s = torch.empty(n8, k // sblk, dtype=torch.float32)
-        lib.gl_pack_s8(
-            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), s.data_ptr(),
-            _threads(),
-        )  # fmt: skip
+        for dtype in (torch.float16, torch.float32) if qtype in F16_SCALES else (torch.float32,):
+            s = torch.empty(n8, k // sblk, dtype=dtype)
+            inexact = lib.gl_pack_s8(
+                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), s.data_ptr(),
+                int(dtype == torch.float16), _threads(),
+            )  # fmt: skip
+            if not inexact:
+                break
         return cls(shape, q, s, sblk)
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -161,8 +175,8 @@ class NativeS8Kernel(NativeKernel):
         assert lib is not None
         n, k = self.shape
         lib.gl_mm_s8(
-            x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.s.data_ptr(), self.sblk, n,
-            y.data_ptr(), _threads(),
+            x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.s.data_ptr(), self.half,
+            self.sblk, n, y.data_ptr(), _threads(),
         )  # fmt: skip
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
@@ -171,8 +185,8 @@ class NativeS8Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_s8(
-            self.q.data_ptr(), self.s.data_ptr(), self.sblk, k, _ptr(ids), row0, count,
-            out.data_ptr(), _threads(),
+            self.q.data_ptr(), self.s.data_ptr(), self.half, self.sblk, k, _ptr(ids), row0,
+            count, out.data_ptr(), _threads(),
         )  # fmt: skip
         return out
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
+from graftlm.native import ops as native_ops
 from graftlm.runtime.batch import LoraRows
 
 
 @dataclass(frozen=True)
 class _Stack:
     a: torch.Tensor  # (R, n_in)
-    b: torch.Tensor  # (n_out, R)
+    bt: torch.Tensor  # (R, n_out): B_cat transposed, rows contiguous for the native delta
     col_slot: torch.Tensor  # (R,) int64: the slot each rank column belongs to
     layout: tuple[tuple[int, int], ...]  # (slot, rank) of each stacked part, in column order
 
@@ -66,12 +67,12 @@ class LoraSite:
         if key:
             a_dim = 1 if self.gather else 0
             a = torch.cat([self._slots[s][0] for s in key], dim=a_dim)
-            b = torch.cat([self._slots[s][1] for s in key], dim=1)
+            bt = torch.cat([self._slots[s][1].T for s in key], dim=0).contiguous()
             col = torch.cat(
                 [torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long) for s in key]
             )
             layout = tuple((s, int(self._slots[s][1].shape[1])) for s in key)
-            stack = _Stack(a, b, col, layout)
+            stack = _Stack(a, bt, col, layout)
         self._stacks[key] = stack
         return stack
 
@@ -84,9 +85,11 @@ class LoraSite:
         if st is None:
             return y
         s = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
+        if not self.gather and native_ops.lora_delta(y, x, st.a, s, st.bt):
+            return y
         xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
         xa = (xa * s).reshape(-1, xa.shape[-1])
         if not self.gather and y.is_contiguous():  # a fresh matmul output: add in place
-            y.view(-1, y.shape[-1]).addmm_(xa, st.b.T)
+            y.view(-1, y.shape[-1]).addmm_(xa, st.bt)
             return y
-        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, st.b.T).view(y.shape)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, st.bt).view(y.shape)

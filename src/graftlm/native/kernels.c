@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 5; }
+int gl_abi_version(void) { return 6; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -607,5 +607,22 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
         float *o = out + (b * H + h) * Dv;
         const float il = 1.0f / l;
         for (int64_t i = 0; i < Dv; i++) o[i] = acc[i] * il;
+    }
+}
+
+/* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
+ *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * Bt[c]
+ * A (R, n_in), Bt (R, n_out) = B transposed, s (M / T, R) the per-row scale of each rank column;
+ * a column whose scale is 0 on a row costs that row nothing. y rows are ldy floats apart. */
+void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A, const float *s,
+             int64_t R, const float *Bt, int64_t n_out, float *y, int64_t ldy, int nth) {
+#pragma omp parallel for num_threads(nth) schedule(static) if (M * R * (n_in + n_out) > 400000)
+    for (int64_t i = 0; i < M; i++) {
+        const float *si = s + (i / T) * R;
+        for (int64_t c = 0; c < R; c++) {
+            if (si[c] == 0.0f) continue;
+            const float a = si[c] * dot_f32(A + c * n_in, x + i * n_in, n_in);
+            scale_axpy(y + i * ldy, 1.0f, a, Bt + c * n_out, n_out);
+        }
     }
 }

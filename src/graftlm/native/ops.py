@@ -34,6 +34,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+def lora_delta(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, scales: torch.Tensor, bt: torch.Tensor
+) -> bool:
+    """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * bt[c], in place.
+
+    a (R, n_in), bt (R, n_out), scales (B, 1, R). False (nothing done) when it cannot serve."""
+    lib = library()
+    if (
+        lib is None
+        or x.dtype is not torch.float32
+        or y.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and bt.is_contiguous())
+        or a.dtype is not torch.float32
+        or bt.dtype is not torch.float32
+        or x.dim() != 3
+    ):
+        return False
+    s = scales.to(torch.float32).contiguous()
+    b, t, n_in = x.shape
+    r, n_out = bt.shape
+    lib.gl_lora(
+        x.data_ptr(), b * t, t, n_in, a.data_ptr(), s.data_ptr(), r, bt.data_ptr(), n_out,
+        y.data_ptr(), n_out, _threads(),
+    )  # fmt: skip
+    return True
+
+
 def _rows(t: torch.Tensor, heads: int, dim: int) -> int | None:
     """Row stride of (B, 1, heads * dim) with contiguous heads, else None."""
     if t.dtype is not torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:

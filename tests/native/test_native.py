@@ -162,7 +162,10 @@ def test_native_lora_delta_equals_torch_delta() -> None:
     g = torch.Generator().manual_seed(0)
     site = LoraSite(64, 48)
     site.put(0, torch.randn(4, 64, generator=g), torch.randn(48, 4, generator=g))
-    site.put(2, torch.randn(8, 64, generator=g), torch.randn(48, 8, generator=g))
+    b2 = torch.randn(48, 8, generator=g)
+    b2[:20] = 0  # a part of a stacked projection: outputs 20..47 only
+    b2[40:, 3] = 0
+    site.put(2, torch.randn(8, 64, generator=g), b2)
     scales = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, -2.0], [0.25, 0.0, 0.0]])
     x = torch.randn(3, 5, 64, generator=g)
     base = torch.randn(3, 5, 48, generator=g)
@@ -175,6 +178,8 @@ def test_native_lora_delta_equals_torch_delta() -> None:
         with disabled():
             return site.add_delta(y, x, rows)
 
+    spans = site._stack((0, 2)).spans  # type: ignore[union-attr]
+    assert spans is not None and spans[4:].tolist() == [[20, 48]] * 3 + [[20, 40]] + [[20, 48]] * 4
     got, want = delta(True), delta(False)  # entries ~50: float32 summation order differs
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert not torch.equal(want, base)

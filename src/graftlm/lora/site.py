@@ -26,6 +26,7 @@ class _Stack:
     bt: torch.Tensor  # (R, n_out): B_cat transposed, rows contiguous for the native delta
     col_slot: torch.Tensor  # (R,) int64: the slot each rank column belongs to
     layout: tuple[tuple[int, int], ...]  # (slot, rank) of each stacked part, in column order
+    spans: torch.Tensor | None  # (R, 2) nonzero output range of each column (native delta)
 
 
 class LoraSite:
@@ -72,7 +73,11 @@ class LoraSite:
                 [torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long) for s in key]
             )
             layout = tuple((s, int(self._slots[s][1].shape[1])) for s in key)
-            stack = _Stack(a, bt, col, layout)
+            native = (
+                not self.gather and a.dtype == bt.dtype == torch.float32 and a.device.type == "cpu"
+            )
+            spans = native_ops.lora_spans(bt) if native else None
+            stack = _Stack(a.contiguous(), bt, col, layout, spans)
         self._stacks[key] = stack
         return stack
 
@@ -85,7 +90,7 @@ class LoraSite:
         if st is None:
             return y
         s = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
-        if not self.gather and native_ops.lora_delta(y, x, st.a, s, st.bt):
+        if st.spans is not None and native_ops.lora_delta(y, x, st.a, s, st.bt, st.spans):
             return y
         xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
         xa = (xa * s).reshape(-1, xa.shape[-1])

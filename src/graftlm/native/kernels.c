@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 6; }
+int gl_abi_version(void) { return 7; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -613,16 +613,51 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
  *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * Bt[c]
  * A (R, n_in), Bt (R, n_out) = B transposed, s (M / T, R) the per-row scale of each rank column;
- * a column whose scale is 0 on a row costs that row nothing. y rows are ldy floats apart. */
+ * a column whose scale is 0 on a row costs that row nothing. y rows are ldy floats apart.
+ * y is read and written once per row: 32 outputs at a time stay in registers across the ranks.
+ * span (R, 2): outputs [lo, hi) outside which column c of B is zero (the part of a stacked
+ * projection an adapter targets): blocks of outputs outside it skip that column. */
 void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A, const float *s,
-             int64_t R, const float *Bt, int64_t n_out, float *y, int64_t ldy, int nth) {
+             int64_t R, const float *Bt, const int64_t *span, int64_t n_out, float *y,
+             int64_t ldy, int nth) {
 #pragma omp parallel for num_threads(nth) schedule(static) if (M * R * (n_in + n_out) > 400000)
     for (int64_t i = 0; i < M; i++) {
         const float *si = s + (i / T) * R;
+        float stack_a[256];
+        int64_t stack_c[256];
+        float *av = R <= 256 ? stack_a : malloc(sizeof(float) * (size_t)R);
+        int64_t *cv = R <= 256 ? stack_c : malloc(sizeof(int64_t) * (size_t)R);
+        int64_t nc = 0;
         for (int64_t c = 0; c < R; c++) {
             if (si[c] == 0.0f) continue;
-            const float a = si[c] * dot_f32(A + c * n_in, x + i * n_in, n_in);
-            scale_axpy(y + i * ldy, 1.0f, a, Bt + c * n_out, n_out);
+            av[nc] = si[c] * dot_f32(A + c * n_in, x + i * n_in, n_in);
+            cv[nc++] = c;
         }
+        float *yi = y + i * ldy;
+        int64_t j = 0;
+        for (; j + 32 <= n_out; j += 32) {
+            __m256 y0 = _mm256_loadu_ps(yi + j), y1 = _mm256_loadu_ps(yi + j + 8);
+            __m256 y2 = _mm256_loadu_ps(yi + j + 16), y3 = _mm256_loadu_ps(yi + j + 24);
+            for (int64_t t = 0; t < nc; t++) {
+                if (j >= span[2 * cv[t] + 1] || j + 32 <= span[2 * cv[t]]) continue;
+                const __m256 a = _mm256_set1_ps(av[t]);
+                const float *b = Bt + cv[t] * n_out + j;
+                y0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), y0);
+                y1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), y1);
+                y2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 16), y2);
+                y3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 24), y3);
+            }
+            _mm256_storeu_ps(yi + j, y0);
+            _mm256_storeu_ps(yi + j + 8, y1);
+            _mm256_storeu_ps(yi + j + 16, y2);
+            _mm256_storeu_ps(yi + j + 24, y3);
+        }
+        for (; j < n_out; j++) {
+            float acc = yi[j];
+            for (int64_t t = 0; t < nc; t++) acc += av[t] * Bt[cv[t] * n_out + j];
+            yi[j] = acc;
+        }
+        if (av != stack_a) free(av);
+        if (cv != stack_c) free(cv);
     }
 }

@@ -34,30 +34,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
+def lora_spans(bt: torch.Tensor) -> torch.Tensor:
+    """(R, 2) int64 [lo, hi): the outputs outside which each row of bt (a column of B) is zero."""
+    r, n_out = bt.shape
+    nz = bt != 0
+    any_nz = nz.any(dim=1)
+    idx = torch.arange(n_out)
+    lo = torch.where(nz, idx, n_out).min(dim=1).values
+    hi = torch.where(nz, idx + 1, 0).max(dim=1).values
+    return torch.stack([torch.where(any_nz, lo, 0), torch.where(any_nz, hi, 0)], 1).contiguous()
+
+
 def lora_delta(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, scales: torch.Tensor, bt: torch.Tensor
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    scales: torch.Tensor,
+    bt: torch.Tensor,
+    spans: torch.Tensor,
 ) -> bool:
     """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * bt[c], in place.
 
-    a (R, n_in), bt (R, n_out), scales (B, 1, R). False (nothing done) when it cannot serve."""
+    a (R, n_in), bt (R, n_out): contiguous float32 (the caller's stacks); spans from lora_spans;
+    scales (B, 1, R) float32. False (nothing done) when it cannot serve the call."""
     lib = library()
     if (
         lib is None
         or x.dtype is not torch.float32
         or y.dtype is not torch.float32
-        or x.device.type != "cpu"
-        or not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and bt.is_contiguous())
-        or a.dtype is not torch.float32
-        or bt.dtype is not torch.float32
         or x.dim() != 3
+        or x.device.type != "cpu"
+        or not (x.is_contiguous() and y.is_contiguous() and scales.is_contiguous())
     ):
         return False
-    s = scales.to(torch.float32).contiguous()
     b, t, n_in = x.shape
     r, n_out = bt.shape
     lib.gl_lora(
-        x.data_ptr(), b * t, t, n_in, a.data_ptr(), s.data_ptr(), r, bt.data_ptr(), n_out,
-        y.data_ptr(), n_out, _threads(),
+        x.data_ptr(), b * t, t, n_in, a.data_ptr(), scales.data_ptr(), r, bt.data_ptr(),
+        spans.data_ptr(), n_out, y.data_ptr(), n_out, _threads(),
     )  # fmt: skip
     return True
 

@@ -32,7 +32,7 @@ class LoraRows:
         """(B, 1, R): the scale of each rank column's slot on each row."""
         s = self._columns.get(layout)
         if s is None:
-            s = self.scales[:, col_slot].unsqueeze(1)
+            s = self.scales[:, col_slot].unsqueeze(1).to(torch.float32).contiguous()
             self._columns[layout] = s
         return s
 

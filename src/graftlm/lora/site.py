@@ -23,10 +23,19 @@ from graftlm.runtime.batch import LoraRows
 @dataclass(frozen=True)
 class _Stack:
     a: torch.Tensor  # (R, n_in)
-    bt: torch.Tensor  # (R, n_out): B_cat transposed, rows contiguous for the native delta
+    bt: torch.Tensor | None  # (R, n_out): B_cat transposed; None when only `blocked` is kept
     col_slot: torch.Tensor  # (R,) int64: the slot each rank column belongs to
     layout: tuple[tuple[int, int], ...]  # (slot, rank) of each stacked part, in column order
-    spans: torch.Tensor | None  # (R, 2) nonzero output range of each column (native delta)
+    n_out: int
+    blocked: torch.Tensor | None = None  # B_cat in the native delta's layout (lora_block)
+    spans: torch.Tensor | None = None  # (R, 2): nonzero output range of each column
+
+    def b_t(self) -> torch.Tensor:
+        """B_cat transposed, (R, n_out), from whichever form is kept."""
+        if self.bt is not None:
+            return self.bt
+        assert self.blocked is not None
+        return native_ops.lora_unblock(self.blocked, self.n_out)
 
 
 class LoraSite:
@@ -74,10 +83,16 @@ class LoraSite:
             )
             layout = tuple((s, int(self._slots[s][1].shape[1])) for s in key)
             native = (
-                not self.gather and a.dtype == bt.dtype == torch.float32 and a.device.type == "cpu"
+                not self.gather
+                and native_ops.library() is not None
+                and a.dtype == bt.dtype == torch.float32
+                and a.device.type == "cpu"
             )
-            spans = native_ops.lora_spans(bt) if native else None
-            stack = _Stack(a.contiguous(), bt, col, layout, spans)
+            if native:  # one copy of B, blocked as the native delta streams it
+                blocked, spans = native_ops.lora_block(bt), native_ops.lora_spans(bt)
+                stack = _Stack(a.contiguous(), None, col, layout, self.n_out, blocked, spans)
+            else:
+                stack = _Stack(a, bt, col, layout, self.n_out)
         self._stacks[key] = stack
         return stack
 
@@ -90,11 +105,12 @@ class LoraSite:
         if st is None:
             return y
         s = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
-        if st.spans is not None and native_ops.lora_delta(y, x, st.a, s, st.bt, st.spans):
-            return y
+        if st.blocked is not None and st.spans is not None:
+            if native_ops.lora_delta(y, x, st.a, s, st.blocked, st.spans):
+                return y
         xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
         xa = (xa * s).reshape(-1, xa.shape[-1])
         if not self.gather and y.is_contiguous():  # a fresh matmul output: add in place
-            y.view(-1, y.shape[-1]).addmm_(xa, st.bt)
+            y.view(-1, y.shape[-1]).addmm_(xa, st.b_t())
             return y
-        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, st.bt).view(y.shape)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), xa, st.b_t()).view(y.shape)

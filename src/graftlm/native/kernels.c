@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 7; }
+int gl_abi_version(void) { return 9; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -300,7 +300,7 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
 
 /* ---------------------------------------------------------------- matrix products */
 
-#define MT 4 /* rows of x per tile: their accumulators live in registers */
+#define MT 6 /* rows of x per tile: their accumulators live in registers */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
 
 static inline __m256i bcast4(const int8_t *p) {
@@ -438,6 +438,8 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
 #define U4(RR, HH) u4_group(qg, dg, mg, HH, kb, xt, dt, st, RR, yo, n, nv)
                 if (h) {
                     switch (R) {
+                    case 6: U4(6, 1); break;
+                    case 5: U4(5, 1); break;
                     case 4: U4(4, 1); break;
                     case 3: U4(3, 1); break;
                     case 2: U4(2, 1); break;
@@ -445,6 +447,8 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
                     }
                 } else {
                     switch (R) {
+                    case 6: U4(6, 0); break;
+                    case 5: U4(5, 0); break;
                     case 4: U4(4, 0); break;
                     case 3: U4(3, 0); break;
                     case 2: U4(2, 0); break;
@@ -479,6 +483,8 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
 #define S8(RR, HH, BB) s8_group(qg, sg, HH, BB, kb, xt, dt, RR, yo, n, nv)
 #define S8R(HH, BB)                      \
     switch (R) {                         \
+    case 6: S8(6, HH, BB); break;        \
+    case 5: S8(5, HH, BB); break;        \
     case 4: S8(4, HH, BB); break;        \
     case 3: S8(3, HH, BB); break;        \
     case 2: S8(2, HH, BB); break;        \
@@ -611,17 +617,20 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
 }
 
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
- *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * Bt[c]
- * A (R, n_in), Bt (R, n_out) = B transposed, s (M / T, R) the per-row scale of each rank column;
- * a column whose scale is 0 on a row costs that row nothing. y rows are ldy floats apart.
- * y is read and written once per row: 32 outputs at a time stay in registers across the ranks.
- * span (R, 2): outputs [lo, hi) outside which column c of B is zero (the part of a stacked
- * projection an adapter targets): blocks of outputs outside it skip that column. */
+ *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * B[:, c]
+ * A (R, n_in); B is blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so
+ * each block of 32 outputs reads one contiguous stream; s (M / T, R) the per-row scale of each
+ * rank column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside
+ * which column c is zero (its part of a stacked projection). y rows are ldy floats apart.
+ * Rows, and the output blocks of a row when there are fewer rows than threads, run in parallel. */
 void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A, const float *s,
-             int64_t R, const float *Bt, const int64_t *span, int64_t n_out, float *y,
+             int64_t R, const float *Bb, const int64_t *span, int64_t n_out, float *y,
              int64_t ldy, int nth) {
-#pragma omp parallel for num_threads(nth) schedule(static) if (M * R * (n_in + n_out) > 400000)
-    for (int64_t i = 0; i < M; i++) {
+    const int64_t nb = (n_out + 31) / 32, ch = M >= nth ? 1 : nth;
+#pragma omp parallel for num_threads(nth) schedule(static) if (M * R * (n_in + n_out) > 20000)
+    for (int64_t task = 0; task < M * ch; task++) {
+        const int64_t i = task / ch, part = task % ch;
+        const int64_t jb0 = nb * part / ch, jb1 = nb * (part + 1) / ch;
         const float *si = s + (i / T) * R;
         float stack_a[256];
         int64_t stack_c[256];
@@ -629,33 +638,35 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A,
         int64_t *cv = R <= 256 ? stack_c : malloc(sizeof(int64_t) * (size_t)R);
         int64_t nc = 0;
         for (int64_t c = 0; c < R; c++) {
-            if (si[c] == 0.0f) continue;
+            if (si[c] == 0.0f || span[2 * c + 1] <= jb0 * 32 || span[2 * c] >= jb1 * 32) continue;
             av[nc] = si[c] * dot_f32(A + c * n_in, x + i * n_in, n_in);
             cv[nc++] = c;
         }
         float *yi = y + i * ldy;
-        int64_t j = 0;
-        for (; j + 32 <= n_out; j += 32) {
-            __m256 y0 = _mm256_loadu_ps(yi + j), y1 = _mm256_loadu_ps(yi + j + 8);
-            __m256 y2 = _mm256_loadu_ps(yi + j + 16), y3 = _mm256_loadu_ps(yi + j + 24);
+        for (int64_t jb = jb0; jb < jb1 && nc; jb++) {
+            const int64_t j = jb * 32;
+            float tail[32];
+            float *yo = j + 32 <= n_out ? yi + j : tail;
+            if (yo == tail) {
+                memset(tail, 0, sizeof(tail));
+                memcpy(tail, yi + j, sizeof(float) * (size_t)(n_out - j));
+            }
+            __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
+            __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
             for (int64_t t = 0; t < nc; t++) {
                 if (j >= span[2 * cv[t] + 1] || j + 32 <= span[2 * cv[t]]) continue;
                 const __m256 a = _mm256_set1_ps(av[t]);
-                const float *b = Bt + cv[t] * n_out + j;
+                const float *b = Bb + (jb * R + cv[t]) * 32;
                 y0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), y0);
                 y1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), y1);
                 y2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 16), y2);
                 y3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 24), y3);
             }
-            _mm256_storeu_ps(yi + j, y0);
-            _mm256_storeu_ps(yi + j + 8, y1);
-            _mm256_storeu_ps(yi + j + 16, y2);
-            _mm256_storeu_ps(yi + j + 24, y3);
-        }
-        for (; j < n_out; j++) {
-            float acc = yi[j];
-            for (int64_t t = 0; t < nc; t++) acc += av[t] * Bt[cv[t] * n_out + j];
-            yi[j] = acc;
+            _mm256_storeu_ps(yo, y0);
+            _mm256_storeu_ps(yo + 8, y1);
+            _mm256_storeu_ps(yo + 16, y2);
+            _mm256_storeu_ps(yo + 24, y3);
+            if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
         }
         if (av != stack_a) free(av);
         if (cv != stack_c) free(cv);

@@ -8,6 +8,16 @@ import torch
 
 from graftlm.native.build import library
 
+__all__ = [
+    "attn_decode",
+    "library",
+    "lora_block",
+    "lora_delta",
+    "lora_spans",
+    "lora_unblock",
+    "rms_norm",
+]
+
 MAX_HEAD_DIM = 1024  # the C code keeps a rotated query and an accumulator of this size on stack
 
 
@@ -45,18 +55,33 @@ def lora_spans(bt: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.where(any_nz, lo, 0), torch.where(any_nz, hi, 0)], 1).contiguous()
 
 
+def lora_block(bt: torch.Tensor) -> torch.Tensor:
+    """bt (R, n_out) -> (ceil(n_out / 32), R, 32) float32, zero-padded: what gl_lora streams."""
+    r, n_out = bt.shape
+    nb = -(-n_out // 32)
+    padded = torch.zeros(r, nb * 32, dtype=torch.float32)
+    padded[:, :n_out] = bt
+    return padded.view(r, nb, 32).transpose(0, 1).contiguous()
+
+
+def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
+    """The inverse of lora_block: (R, n_out)."""
+    nb, r, _ = bb.shape
+    return bb.transpose(0, 1).reshape(r, nb * 32)[:, :n_out].contiguous()
+
+
 def lora_delta(
     y: torch.Tensor,
     x: torch.Tensor,
     a: torch.Tensor,
     scales: torch.Tensor,
-    bt: torch.Tensor,
+    bb: torch.Tensor,
     spans: torch.Tensor,
 ) -> bool:
-    """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * bt[c], in place.
+    """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * B[:, c], in place.
 
-    a (R, n_in), bt (R, n_out): contiguous float32 (the caller's stacks); spans from lora_spans;
-    scales (B, 1, R) float32. False (nothing done) when it cannot serve the call."""
+    a (R, n_in) contiguous float32, bb = lora_block(B.T), spans = lora_spans(B.T), scales
+    (B, 1, R) float32. False (nothing done) when it cannot serve the call."""
     lib = library()
     if (
         lib is None
@@ -68,9 +93,9 @@ def lora_delta(
     ):
         return False
     b, t, n_in = x.shape
-    r, n_out = bt.shape
+    n_out = y.shape[-1]
     lib.gl_lora(
-        x.data_ptr(), b * t, t, n_in, a.data_ptr(), scales.data_ptr(), r, bt.data_ptr(),
+        x.data_ptr(), b * t, t, n_in, a.data_ptr(), scales.data_ptr(), a.shape[0], bb.data_ptr(),
         spans.data_ptr(), n_out, y.data_ptr(), n_out, _threads(),
     )  # fmt: skip
     return True

@@ -63,7 +63,16 @@ def test_rms_norm_matches_torch() -> None:
     assert ops.rms_norm(x.transpose(0, 1), w, 1e-5) is None  # not contiguous
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+@pytest.fixture(scope="module")
+def tiny_llama_wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 96: one 64-wide register block of the weighted sum plus a 32-wide tail."""
+    from tiny_models import TinySpec, write_tiny_model
+
+    spec = TinySpec(n_embd=192, n_head=2, n_head_kv=1, head_dim=96)
+    return write_tiny_model(tmp_path_factory.mktemp("wide") / "llama96.gguf", spec)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3", "tiny_llama_wide_heads"])
 def test_native_decode_attention_equals_torch_attention(
     fixture: str, request: pytest.FixtureRequest
 ) -> None:

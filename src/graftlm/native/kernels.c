@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 9; }
+int gl_abi_version(void) { return 10; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -509,6 +509,24 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
 
 /* ---------------------------------------------------------------- decode-step helpers */
 
+/* e^x for 8 floats (Cephes' expf polynomial; ~2 ulp), x clamped to [-87.3, 88.3]. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -589,30 +607,69 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
 #pragma omp parallel for num_threads(nth) schedule(dynamic, 1) if (work * (D + Dv) > 200000)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, hk = h / group, p = pos[b], s = slots[b];
-        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-        float qr[1024], acc[1024];
+        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p + 1 - lo;
+        float qr[1024], sbuf_stack[2048];
+        float *sc = n <= 2048 ? sbuf_stack : malloc(sizeof(float) * (size_t)n);
         rope_head(q + b * q_rs + h * D, qr, D, rot, cos_t + p * half, sin_t + p * half, neox);
-        const float *kb = kc + (s * Hkv + hk) * n_ctx * D;
-        const float *vb = vc + (s * Hkv + hk) * n_ctx * Dv;
-        float m = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < Dv; i++) acc[i] = 0.0f;
-        for (int64_t j = lo; j <= p; j++) {
-            float sc = dot_f32(qr, kb + j * D, D) * scale;
-            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-            if (sc > m) {
-                const float c = expf(m - sc);  /* 0 on the first key */
-                l = l * c + 1.0f;
-                scale_axpy(acc, c, 1.0f, vb + j * Dv, Dv);
-                m = sc;
+        const float *kb = kc + ((s * Hkv + hk) * n_ctx + lo) * D;
+        const float *vb = vc + ((s * Hkv + hk) * n_ctx + lo) * Dv;
+        /* scores, their max, exp(score - max) in place, their sum */
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float v = dot_f32(qr, kb + j * D, D) * scale;
+            if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
+            sc[j] = v;
+            m = v > m ? v : m;
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 lsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+            _mm256_storeu_ps(sc + j, e);
+            lsum = _mm256_add_ps(lsum, e);
+        }
+        float l = hsum8(lsum);
+        for (; j < n; j++) {
+            sc[j] = expf(sc[j] - m);
+            l += sc[j];
+        }
+        const float il = 1.0f / l;
+        /* out = sum_j e_j V_j / l, 64 outputs at a time held in registers */
+        float *o = out + (b * H + h) * Dv;
+        for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+            const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
+            if (w == 64) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+                for (int64_t t = 0; t < n; t++) {
+                    const __m256 e = _mm256_set1_ps(sc[t]);
+                    const float *vr = vb + t * Dv + c0;
+                    a0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), a0);
+                    a1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), a1);
+                    a2 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 16), a2);
+                    a3 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 24), a3);
+                    a4 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 32), a4);
+                    a5 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 40), a5);
+                    a6 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 48), a6);
+                    a7 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 56), a7);
+                }
+                const __m256 iv = _mm256_set1_ps(il);
+                _mm256_storeu_ps(o + c0, _mm256_mul_ps(a0, iv));
+                _mm256_storeu_ps(o + c0 + 8, _mm256_mul_ps(a1, iv));
+                _mm256_storeu_ps(o + c0 + 16, _mm256_mul_ps(a2, iv));
+                _mm256_storeu_ps(o + c0 + 24, _mm256_mul_ps(a3, iv));
+                _mm256_storeu_ps(o + c0 + 32, _mm256_mul_ps(a4, iv));
+                _mm256_storeu_ps(o + c0 + 40, _mm256_mul_ps(a5, iv));
+                _mm256_storeu_ps(o + c0 + 48, _mm256_mul_ps(a6, iv));
+                _mm256_storeu_ps(o + c0 + 56, _mm256_mul_ps(a7, iv));
             } else {
-                const float e = expf(sc - m);
-                l += e;
-                scale_axpy(acc, 1.0f, e, vb + j * Dv, Dv);
+                float acc[64] = {0};
+                for (int64_t t = 0; t < n; t++)
+                    scale_axpy(acc, 1.0f, sc[t], vb + t * Dv + c0, w);
+                for (int64_t i = 0; i < w; i++) o[c0 + i] = acc[i] * il;
             }
         }
-        float *o = out + (b * H + h) * Dv;
-        const float il = 1.0f / l;
-        for (int64_t i = 0; i < Dv; i++) o[i] = acc[i] * il;
+        if (sc != sbuf_stack) free(sc);
     }
 }
 

@@ -11,7 +11,7 @@ float32 GEMM instead.  Dequantization is bit-exact with ``gguf.quants.dequantize
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from gguf import GGMLQuantizationType
@@ -48,15 +48,22 @@ class NativeKernel(Kernel):
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
         return qtype in cls.TYPES and shape[1] % 32 == 0 and library() is not None
 
+    # the product's C function and its arguments between (x, M) and (y, threads): fixed per
+    # weight, bound once so a decode step pays one ctypes call per matmul and little else
+    _fn: Any = None
+    _args: tuple[Any, ...] = ()
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not config.use_fused(self.name, x.shape[0]):
+        m = x.shape[0]
+        if not config.use_fused(self.name, m):
             return self.chunked_matmul(x)
-        y = x.new_empty(x.shape[0], self.shape[0])
-        self._mm(x, y)
+        y = torch.empty((m, self.shape[0]), dtype=torch.float32)
+        self._fn(x.data_ptr(), m, *self._args, y.data_ptr(), _threads())
         return y
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        raise NotImplementedError
+        """y = x @ W.T through the native product (x (M, n_in), y (M, n_out), contiguous)."""
+        self._fn(x.data_ptr(), x.shape[0], *self._args, y.data_ptr(), _threads())
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         raise NotImplementedError
@@ -91,6 +98,11 @@ class NativeU4Kernel(NativeKernel):
         self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
         self.half = int(d.dtype == torch.float16)
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
+        lib = loaded_library()
+        assert lib is not None
+        n, k = shape
+        self._fn = lib.gl_mm_u4
+        self._args = (k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), self.half, n)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -110,15 +122,6 @@ class NativeU4Kernel(NativeKernel):
             if not inexact:
                 break
         return cls(shape, qs, d, m, 8 if qtype == T.Q4_0 else 0)
-
-    def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        lib = loaded_library()
-        assert lib is not None
-        n, k = self.shape
-        lib.gl_mm_u4(
-            x.data_ptr(), x.shape[0], k, self.qs.data_ptr(), self.d.data_ptr(),
-            self.m.data_ptr(), self.half, n, y.data_ptr(), _threads(),
-        )  # fmt: skip
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()
@@ -150,6 +153,11 @@ class NativeS8Kernel(NativeKernel):
         super().__init__(shape)
         self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
         self.half = int(s.dtype == torch.float16)
+        lib = loaded_library()
+        assert lib is not None
+        n, k = shape
+        self._fn = lib.gl_mm_s8
+        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, n)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -169,15 +177,6 @@ class NativeS8Kernel(NativeKernel):
             if not inexact:
                 break
         return cls(shape, q, s, sblk)
-
-    def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        lib = loaded_library()
-        assert lib is not None
-        n, k = self.shape
-        lib.gl_mm_s8(
-            x.data_ptr(), x.shape[0], k, self.q.data_ptr(), self.s.data_ptr(), self.half,
-            self.sblk, n, y.data_ptr(), _threads(),
-        )  # fmt: skip
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()

@@ -110,6 +110,10 @@ class QWeight:
         (relative error ~3e-3 of the output); see ``graftlm.quant.config``.
         """
         n_out, n_in = self._k.shape
+        if x.dim() == 3 and x.dtype is torch.float32 and x.shape[-1] == n_in and x.is_contiguous():
+            b, t, _ = x.shape  # the model's (B, T, n_in): straight to the kernel
+            if b * t:
+                return self._k.matmul(x.view(b * t, n_in)).view(b, t, n_out)
         if x.shape[-1] != n_in:
             raise ValueError(f"{self.name or 'weight'} {self.shape}: x has {x.shape[-1]} features")
         lead = x.shape[:-1]

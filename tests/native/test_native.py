@@ -198,3 +198,54 @@ def test_native_lora_delta_equals_torch_delta() -> None:
     for r in range(3):
         explicit[r] += scales[r, 0] * (x[r] @ a0.T) @ b0.T + scales[r, 2] * (x[r] @ a2.T) @ b2.T
     torch.testing.assert_close(got, explicit, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_0])
+def test_fused_layer_equals_the_pytorch_block(
+    qtype: Q, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-call native layer against the same layer composed in Python (same native
+    kernels): three rows at different positions, each with its own adapters and scales, one with
+    none; every projection carries an adapter."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    from graftlm.models.llama import Llama
+
+    spec = TinySpec(n_embd=64, n_ff=96, qtype=qtype, embd_type=Q.Q8_0, n_layer=3)
+    path = write_tiny_model(tmp_path / "m.gguf", spec)
+    m = graftlm.load(str(path), ctx_size=64, n_seq=3)
+    ids = [m.add_lora(write_tiny_adapter(tmp_path / f"a{s}.gguf", spec, seed=s), 0.0)
+           for s in (1, 2)]  # fmt: skip
+    model = m.model
+    assert isinstance(model, Llama)
+    rows = m.engine.lora_rows([{ids[0]: 1.0}, {ids[0]: 0.5, ids[1]: -1.0}, {}])
+    lens = [4, 9, 13]
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for s, n in enumerate(lens):
+                model.forward(Batch.single([(5 * s + j) % 40 + 3 for j in range(n)], s, 0))
+            for step in range(3):
+                tokens = torch.tensor([[11 + step + s] for s in range(3)])
+                out.append(model.forward(Batch(tokens, [0, 1, 2], [n + step for n in lens],
+                                               [1, 1, 1], rows)))  # fmt: skip
+        return out
+
+    from graftlm.native.layer import FusedLayer
+
+    served = []
+    call = FusedLayer.__call__
+
+    def spy(self: FusedLayer, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        y = call(self, x, batch)
+        served.append(y is not None)
+        return y
+
+    monkeypatch.setattr(FusedLayer, "__call__", spy)
+    fused = run()
+    assert served.count(True) == 3 * 3  # every layer of every decode step, none of the prefills
+    monkeypatch.setattr(Llama, "fused_layer", lambda self, i: None)
+    composed = run()
+    for a, b in zip(fused, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -38,6 +38,31 @@ def _timed(fn: Callable[[], int], reps: int) -> list[float]:
     return out
 
 
+def _paired(
+    a: Callable[[], int], b: Callable[[], int], reps: int
+) -> tuple[list[float], list[float]]:
+    """Both timed in alternation (a, b, a, b, ...): on a machine whose speed drifts by minutes,
+    each pair sees the same conditions, so the median of the pairs' ratios is the fair ratio."""
+    a()
+    b()
+    xs: list[float] = []
+    ys: list[float] = []
+    for _ in range(reps):
+        xs += _timed_once(a)
+        ys += _timed_once(b)
+    return xs, ys
+
+
+def _timed_once(fn: Callable[[], int]) -> list[float]:
+    t0 = time.perf_counter()
+    n = fn()
+    return [n / (time.perf_counter() - t0)]
+
+
+def _pair_ratio(xs: list[float], ys: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(xs, ys, strict=True))
+
+
 def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> Callable[[], int]:
     from graftlm.runtime.batch import Batch
 
@@ -119,19 +144,28 @@ def bench(args: argparse.Namespace) -> int:
     rows = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
     print("| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    self_ratios: list[str] = []
     for test, n in rows:
-        ours = _timed(_ours(model, test, n, lora), args.repetitions)
+        ours_fn = _ours(model, test, n, lora)
         theirs_fn = (
             None
             if args.no_llama_cpp
             else _llama_cpp(model.path, threads, test, n, [(s.path, s.scale) for s in specs])
         )
         if theirs_fn is not None:
-            theirs = _timed(theirs_fn, args.repetitions)
-            their_s, ratio = (
-                _stats(theirs) + " (same run)",
-                statistics.fmean(ours) / statistics.fmean(theirs),
+            ours, theirs = _paired(ours_fn, theirs_fn, args.repetitions)
+            their_s, ratio = _stats(theirs) + " (same run)", _pair_ratio(ours, theirs)
+        else:
+            ours = _timed(ours_fn, args.repetitions)
+        if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
+            off = [{"id": a["id"], "scale": 0.0} for a in lora]
+            on_s, off_s = _paired(ours_fn, _ours(model, test, n, off), args.repetitions)
+            self_ratios.append(
+                f"{test}{n}: with adapters {statistics.fmean(on_s):.1f} t/s, without "
+                f"{statistics.fmean(off_s):.1f} t/s, ratio {_pair_ratio(on_s, off_s):.2f}"
             )
+        if theirs_fn is not None:
+            pass  # their_s and ratio are set above
         elif f"{test}{n}" in ref and not specs:
             r = ref[f"{test}{n}"]
             their_s, ratio = f"{r:8.1f} (reference)", statistics.fmean(ours) / r
@@ -141,6 +175,8 @@ def bench(args: argparse.Namespace) -> int:
             f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio:.2f} |",
             flush=True,
         )
+    for line in self_ratios:
+        print(f"\ngraftlm {line} (median of alternated pairs)")
     print(
         f"\nresident: {model.resident_bytes / 2**20:.0f} MiB (file {model.path.stat().st_size / 2**20:.0f} MiB)"
     )

@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 10; }
+int gl_abi_version(void) { return 11; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -728,4 +728,84 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A,
         if (av != stack_a) free(av);
         if (cv != stack_c) free(cv);
     }
+}
+
+/* ---------------------------------------------------------------- one llama decoder layer */
+
+typedef struct {
+    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
+    int64_t half, sblk, n, k;
+    const void *q, *d, *m;
+} gl_weight;
+
+typedef struct {
+    const float *a, *bb, *scales; /* NULL a: no adapter on this projection in this step */
+    const int64_t *span;
+    int64_t r;
+} gl_lora_site;
+
+typedef struct {
+    gl_weight qkv, o, gate_up, down;
+    gl_lora_site l_qkv, l_o, l_gate_up, l_down;
+    const float *attn_norm, *ffn_norm;
+    float *kc, *vc;
+    const float *cos_t, *sin_t;
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
+    float eps, scale;
+} gl_layer;
+
+static void layer_mm(const gl_weight *w, const float *x, int64_t B, float *y, int nth) {
+    if (w->kind == 0)
+        gl_mm_u4(x, B, w->k, (const uint8_t *)w->q, w->d, w->m, (int)w->half, w->n, y, nth);
+    else
+        gl_mm_s8(x, B, w->k, (const int8_t *)w->q, w->d, (int)w->half, (int)w->sblk, w->n, y, nth);
+}
+
+static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t n_in, float *y,
+                       int64_t n_out, int nth) {
+    if (l->a) gl_lora(x, B, 1, n_in, l->a, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
+}
+
+/* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
+ *   x += O(attention(RoPE(QKV(norm(x)))));  x += down(silu(gate) * up)(norm(x))
+ * with every projection's LoRA delta, exactly as the PyTorch block composes the same kernels. */
+void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                     const int64_t *pos, int nth) {
+    const int64_t d = L->n_embd, nq = L->n_head * L->head_dim, nkv = L->n_head_kv * L->head_dim;
+    const int64_t nqkv = L->qkv.n, ff = L->n_ff;
+    float *h = malloc(sizeof(float) * (size_t)(B * (ff > d ? ff : d)));
+    float *big = malloc(sizeof(float) * (size_t)(B * (2 * ff > nqkv ? 2 * ff : nqkv)));
+    float *att = malloc(sizeof(float) * (size_t)(B * (nq > d ? nq : d)));
+    float *o = malloc(sizeof(float) * (size_t)(B * d));
+    gl_rms_norm(x, B, d, L->attn_norm, L->eps, h);
+    layer_mm(&L->qkv, h, B, big, nth);
+    layer_lora(&L->l_qkv, h, B, d, big, nqkv, nth);
+    gl_attn_decode(big, nqkv, big + nq, nqkv, big + nq + nkv, nqkv, L->kc, L->vc, slots, pos, B,
+                   L->n_head, L->n_head_kv, L->head_dim, L->head_dim, L->n_ctx, L->cos_t, L->sin_t,
+                   L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
+    layer_mm(&L->o, att, B, o, nth);
+    layer_lora(&L->l_o, att, B, nq, o, d, nth);
+    for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
+    gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h);
+    layer_mm(&L->gate_up, h, B, big, nth);
+    layer_lora(&L->l_gate_up, h, B, d, big, 2 * ff, nth);
+    for (int64_t b = 0; b < B; b++) { /* silu(gate) * up, into h (B, ff) */
+        const float *g = big + b * 2 * ff, *u = g + ff;
+        float *a = h + b * ff;
+        int64_t j = 0;
+        for (; j + 8 <= ff; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < ff; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    layer_mm(&L->down, h, B, o, nth);
+    layer_lora(&L->l_down, h, B, ff, o, d, nth);
+    for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
+    free(h);
+    free(big);
+    free(att);
+    free(o);
 }

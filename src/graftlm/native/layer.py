@@ -1,0 +1,120 @@
+"""A llama-style decoder layer's decode step as one native call (``gl_layer_decode``).
+
+The PyTorch block composes the same native pieces (RMS norm, the quantized products, each
+projection's LoRA delta, RoPE + attention through the cache, SiLU gate) one Python call at a
+time; at one token per row, those calls cost more than the arithmetic. ``FusedLayer`` binds a
+block's weights, norms, cache and RoPE tables once and runs the whole layer in C. It serves only
+what it was built for and says so by returning None: the caller then runs the PyTorch block.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graftlm.native.build import library
+from graftlm.quant import config
+
+if TYPE_CHECKING:
+    from graftlm.models.layers import Projection, Rope
+    from graftlm.runtime.batch import Batch
+
+_I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("half", _I64), ("sblk", _I64), ("n", _I64), ("k", _I64),
+                ("q", _P), ("d", _P), ("m", _P)]  # fmt: skip
+
+
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+        ("l_qkv", _Lora), ("l_o", _Lora), ("l_gate_up", _Lora), ("l_down", _Lora),
+        ("attn_norm", _P), ("ffn_norm", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
+        ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64), ("head_dim", _I64),
+        ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64), ("window", _I64),
+        ("eps", _F), ("scale", _F),
+    ]  # fmt: skip
+
+
+def native_weight(p: Projection) -> bool:
+    """Whether the projection's weight is held by a native kernel (what FusedLayer reads)."""
+    return _weight(p) is not None
+
+
+def _weight(p: Projection) -> _Weight | None:
+    from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
+
+    k: Any = p.weight._k
+    n, kk = p.weight.shape
+    if isinstance(k, NativeU4Kernel):
+        return _Weight(0, k.half, 0, n, kk, k.qs.data_ptr(), k.d.data_ptr(), k.m.data_ptr())
+    if isinstance(k, NativeS8Kernel):
+        return _Weight(1, k.half, k.sblk, n, kk, k.q.data_ptr(), k.s.data_ptr(), None)
+    return None
+
+
+class FusedLayer:
+    """Layer i of a llama-style model (norms, stacked QKV, output, stacked gate/up, down; no
+    biases, experts or QK-norm), bound to the model's current KV cache."""
+
+    SITES = ("l_qkv", "l_o", "l_gate_up", "l_down")
+
+    def __init__(
+        self,
+        projections: list[Projection],  # qkv, o, gate_up, down
+        norms: tuple[torch.Tensor, torch.Tensor],
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        rope: Rope,
+        dims: dict[str, int],
+        eps: float,
+        scale: float,
+    ) -> None:
+        weights = [_weight(p) for p in projections]
+        assert all(w is not None for w in weights)
+        self.projections = projections
+        self.keep = (norms, kc, vc, rope.cos, rope.sin)  # everything the struct points into
+        self.kc_ptr = kc.data_ptr()
+        self.n_ctx = int(kc.shape[2])
+        self.layer = _Layer(
+            *weights, _Lora(), _Lora(), _Lora(), _Lora(), norms[0].data_ptr(), norms[1].data_ptr(),
+            kc.data_ptr(), vc.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+            dims["n_embd"], dims["n_head"], dims["n_head_kv"], dims["head_dim"], dims["n_ff"],
+            self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox), dims["window"], eps, scale,
+        )  # fmt: skip
+        self.n_embd = dims["n_embd"]
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
+        lib = library()
+        rows = batch.decode_rows()
+        if lib is None or rows is None or config.get_compute_dtype() is not torch.bfloat16:
+            return None
+        if x.dtype is not torch.float32 or max(batch.starts) >= self.n_ctx:
+            return None
+        for field, p in zip(self.SITES, self.projections, strict=True):
+            site = getattr(self.layer, field)
+            st = p.lora._stack(batch.lora.active) if p.lora and batch.lora is not None else None
+            if st is None:
+                site.a = None
+                continue
+            if st.blocked is None or st.spans is None:
+                return None  # an adapter the native delta cannot read: the PyTorch block runs
+            assert batch.lora is not None
+            s = batch.lora.columns(st.layout, st.col_slot)
+            site.a, site.bb, site.scales = st.a.data_ptr(), st.blocked.data_ptr(), s.data_ptr()
+            site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
+        out = x.reshape(-1, self.n_embd).clone()
+        lib.gl_layer_decode(
+            ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows[0].data_ptr(),
+            rows[1].data_ptr(), max(1, torch.get_num_threads()),
+        )  # fmt: skip
+        return out.view(x.shape)

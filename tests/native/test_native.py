@@ -249,3 +249,33 @@ def test_fused_layer_equals_the_pytorch_block(
     composed = run()
     for a, b in zip(fused, composed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_compact_lora_stacks_are_bfloat16_in_fast_mode_only() -> None:
+    """A site over an approximate (native, int8-activation) base streams bfloat16 factors in the
+    fast mode: equal to the delta of the bfloat16-rounded factors, within bfloat16 rounding of
+    the float32 delta; the float32 mode keeps the exact factors."""
+    from graftlm.lora.site import LoraSite
+    from graftlm.quant import compute_dtype
+    from graftlm.runtime.batch import LoraRows
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(8, 64, generator=g), torch.randn(40, 8, generator=g)
+    site = LoraSite(64, 40, compact=True)
+    site.put(3, a, b)
+    rows = LoraRows(torch.tensor([[0.0, 0.0, 0.0, 1.5], [0.0, 0.0, 0.0, -1.0]]), (3,))
+    x = torch.randn(2, 3, 64, generator=g)
+    scale = torch.tensor([1.5, -1.0]).view(2, 1, 1)
+    got = site.add_delta(torch.zeros(2, 3, 40), x, rows)
+    st = site._stack((3,))
+    assert st is not None and st.a.dtype == torch.bfloat16
+    a16, b16 = a.bfloat16().float(), b.bfloat16().float()
+    torch.testing.assert_close(got, scale * (x @ a16.T) @ b16.T, rtol=1e-5, atol=1e-4)
+    exact = scale * (x @ a.T) @ b.T
+    assert (got - exact).norm() / exact.norm() < 1e-2
+    with compute_dtype(torch.float32):
+        st32 = site._stack((3,))
+        assert st32 is not None and st32.a.dtype == torch.float32
+        torch.testing.assert_close(
+            site.add_delta(torch.zeros(2, 3, 40), x, rows), exact, rtol=1e-5, atol=1e-4
+        )

@@ -69,7 +69,8 @@ class AdapterSet:
             else:
                 p = projections[name]
                 if p.lora is None:
-                    p.lora = LoraSite(p.n_in, p.n_out)
+                    approximate = p.weight.kernel.startswith("native")  # int8 activations
+                    p.lora = LoraSite(p.n_in, p.n_out, compact=approximate)
                 p.lora.put(slot, d.a, d.b)
         self.attached[slot] = Attached(slot, adapter, float(scale))
         return slot

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from graftlm.native import ops as native_ops
+from graftlm.quant.config import get_compute_dtype
 from graftlm.runtime.batch import LoraRows
 
 
@@ -35,19 +36,23 @@ class _Stack:
         if self.bt is not None:
             return self.bt
         assert self.blocked is not None
-        return native_ops.lora_unblock(self.blocked, self.n_out)
+        return native_ops.lora_unblock(self.blocked, self.n_out).float()
 
 
 class LoraSite:
     """Adapter slots on one projection (or on the embedding, with `gather=True`)."""
 
-    def __init__(self, n_in: int, n_out: int, gather: bool = False) -> None:
+    def __init__(self, n_in: int, n_out: int, gather: bool = False, compact: bool = False) -> None:
         self.n_in = n_in
         self.n_out = n_out
         # gather: A is a table (n_vocab, r) looked up by token id (llama.cpp's token_embd layout)
         self.gather = gather
+        # compact: in the fast compute mode, the native delta streams the stacked factors as
+        # bfloat16 (float32 arithmetic), half the bytes a token. Set for projections whose base
+        # product is itself approximate (int8 activations); float32 mode always gets float32.
+        self.compact = compact
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stacks: dict[tuple[int, ...], _Stack | None] = {}
+        self._stacks: dict[tuple[tuple[int, ...], bool], _Stack | None] = {}
 
     def __bool__(self) -> bool:
         return bool(self._slots)
@@ -70,9 +75,14 @@ class LoraSite:
         self._stacks = {}
 
     def _stack(self, active: tuple[int, ...]) -> _Stack | None:
-        key = tuple(s for s in active if s in self._slots)
-        if key in self._stacks:
-            return self._stacks[key]
+        """The stack of the active slots present here, in the form the current mode computes
+        with (cached per active set and mode)."""
+        exact = get_compute_dtype() is torch.float32
+        slots = tuple(s for s in active if s in self._slots)
+        cached = self._stacks.get((slots, exact), False)
+        if cached is not False:
+            return cached  # type: ignore[return-value]
+        key = slots
         stack = None
         if key:
             a_dim = 1 if self.gather else 0
@@ -89,11 +99,14 @@ class LoraSite:
                 and a.device.type == "cpu"
             )
             if native:  # one copy of B, blocked as the native delta streams it
-                blocked, spans = native_ops.lora_block(bt), native_ops.lora_spans(bt)
-                stack = _Stack(a.contiguous(), None, col, layout, self.n_out, blocked, spans)
+                half = self.compact and not exact
+                dtype = torch.bfloat16 if half else torch.float32
+                blocked, spans = native_ops.lora_block(bt, dtype), native_ops.lora_spans(bt)
+                a = a.to(dtype).contiguous()
+                stack = _Stack(a, None, col, layout, self.n_out, blocked, spans)
             else:
                 stack = _Stack(a, bt, col, layout, self.n_out)
-        self._stacks[key] = stack
+        self._stacks[(key, exact)] = stack
         return stack
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
@@ -108,7 +121,7 @@ class LoraSite:
         if st.blocked is not None and st.spans is not None:
             if native_ops.lora_delta(y, x, st.a, s, st.blocked, st.spans):
                 return y
-        xa = st.a[x] if self.gather else x @ st.a.T  # (B, T, R)
+        xa = st.a[x] if self.gather else x @ st.a.T.to(x.dtype)  # (B, T, R)
         xa = (xa * s).reshape(-1, xa.shape[-1])
         if not self.gather and y.is_contiguous():  # a fresh matmul output: add in place
             y.view(-1, y.shape[-1]).addmm_(xa, st.b_t())

@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 11; }
+int gl_abi_version(void) { return 13; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -675,33 +675,61 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
 
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
  *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * B[:, c]
- * A (R, n_in); B is blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so
+ * A (R, n_in) and B as float32, or as bfloat16 when bf (float32 arithmetic either way); B is blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so
  * each block of 32 outputs reads one contiguous stream; s (M / T, R) the per-row scale of each
  * rank column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside
  * which column c is zero (its part of a stacked projection). y rows are ldy floats apart.
  * Rows, and the output blocks of a row when there are fewer rows than threads, run in parallel. */
-void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A, const float *s,
-             int64_t R, const float *Bb, const int64_t *span, int64_t n_out, float *y,
-             int64_t ldy, int nth) {
-    const int64_t nb = (n_out + 31) / 32, ch = M >= nth ? 1 : nth;
-#pragma omp parallel for num_threads(nth) schedule(static) if (M * R * (n_in + n_out) > 20000)
-    for (int64_t task = 0; task < M * ch; task++) {
-        const int64_t i = task / ch, part = task % ch;
-        const int64_t jb0 = nb * part / ch, jb1 = nb * (part + 1) / ch;
-        const float *si = s + (i / T) * R;
-        float stack_a[256];
-        int64_t stack_c[256];
-        float *av = R <= 256 ? stack_a : malloc(sizeof(float) * (size_t)R);
-        int64_t *cv = R <= 256 ? stack_c : malloc(sizeof(int64_t) * (size_t)R);
-        int64_t nc = 0;
-        for (int64_t c = 0; c < R; c++) {
-            if (si[c] == 0.0f || span[2 * c + 1] <= jb0 * 32 || span[2 * c] >= jb1 * 32) continue;
-            av[nc] = si[c] * dot_f32(A + c * n_in, x + i * n_in, n_in);
-            cv[nc++] = c;
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float dot_bf16(const uint16_t *a, const float *x, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(bf16x8(a + i), _mm256_loadu_ps(x + i), s0);
+        s1 = _mm256_fmadd_ps(bf16x8(a + i + 8), _mm256_loadu_ps(x + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(bf16x8(a + i), _mm256_loadu_ps(x + i), s0);
+    float t = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)a[i] << 16;
+        float v;
+        memcpy(&v, &bits, 4);
+        t += v * x[i];
+    }
+    return t;
+}
+
+static inline __m256 load8(const void *p, int64_t i, int bf) {
+    return bf ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
+             const float *s, int64_t R, const void *Bb, const int64_t *span, int64_t n_out,
+             float *y, int64_t ldy, int nth) {
+    const int64_t nb = (n_out + 31) / 32;
+    float *av = malloc(sizeof(float) * (size_t)(M * R));
+#pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
+    {
+        /* xa[i, c] = s[i / T, c] * (A[c] . x[i]): each read of A serves one (row, column) */
+#pragma omp for schedule(static)
+        for (int64_t ic = 0; ic < M * R; ic++) {
+            const int64_t i = ic / R, c = ic % R;
+            const float sc = s[(i / T) * R + c];
+            const float dt = sc == 0.0f ? 0.0f
+                           : bf ? dot_bf16((const uint16_t *)A + c * n_in, x + i * n_in, n_in)
+                                : dot_f32((const float *)A + c * n_in, x + i * n_in, n_in);
+            av[ic] = sc * dt;
         }
-        float *yi = y + i * ldy;
-        for (int64_t jb = jb0; jb < jb1 && nc; jb++) {
-            const int64_t j = jb * 32;
+        /* y[i, block] += sum_c xa[i, c] * B[block, c], 32 outputs held in registers */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < M * nb; task++) {
+            const int64_t i = task / nb, jb = task % nb, j = jb * 32;
+            const float *ai = av + i * R;
+            float *yi = y + i * ldy;
             float tail[32];
             float *yo = j + 32 <= n_out ? yi + j : tail;
             if (yo == tail) {
@@ -710,14 +738,14 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A,
             }
             __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
             __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
-            for (int64_t t = 0; t < nc; t++) {
-                if (j >= span[2 * cv[t] + 1] || j + 32 <= span[2 * cv[t]]) continue;
-                const __m256 a = _mm256_set1_ps(av[t]);
-                const float *b = Bb + (jb * R + cv[t]) * 32;
-                y0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b), y0);
-                y1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 8), y1);
-                y2 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 16), y2);
-                y3 = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + 24), y3);
+            for (int64_t c = 0; c < R; c++) {
+                if (ai[c] == 0.0f || j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
+                const __m256 av8 = _mm256_set1_ps(ai[c]);
+                const int64_t at = (jb * R + c) * 32;
+                y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
+                y1 = _mm256_fmadd_ps(av8, load8(Bb, at + 8, bf), y1);
+                y2 = _mm256_fmadd_ps(av8, load8(Bb, at + 16, bf), y2);
+                y3 = _mm256_fmadd_ps(av8, load8(Bb, at + 24, bf), y3);
             }
             _mm256_storeu_ps(yo, y0);
             _mm256_storeu_ps(yo + 8, y1);
@@ -725,9 +753,8 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const float *A,
             _mm256_storeu_ps(yo + 24, y3);
             if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
         }
-        if (av != stack_a) free(av);
-        if (cv != stack_c) free(cv);
     }
+    free(av);
 }
 
 /* ---------------------------------------------------------------- one llama decoder layer */
@@ -739,9 +766,10 @@ typedef struct {
 } gl_weight;
 
 typedef struct {
-    const float *a, *bb, *scales; /* NULL a: no adapter on this projection in this step */
+    const void *a, *bb; /* NULL a: no adapter on this projection in this step */
+    const float *scales;
     const int64_t *span;
-    int64_t r;
+    int64_t r, bf;
 } gl_lora_site;
 
 typedef struct {
@@ -763,7 +791,8 @@ static void layer_mm(const gl_weight *w, const float *x, int64_t B, float *y, in
 
 static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t n_in, float *y,
                        int64_t n_out, int nth) {
-    if (l->a) gl_lora(x, B, 1, n_in, l->a, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
+    if (l->a)
+        gl_lora(x, B, 1, n_in, l->a, (int)l->bf, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
 }
 
 /* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:

@@ -30,7 +30,7 @@ class _Weight(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64)]
+    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64), ("bf", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -112,6 +112,7 @@ class FusedLayer:
             s = batch.lora.columns(st.layout, st.col_slot)
             site.a, site.bb, site.scales = st.a.data_ptr(), st.blocked.data_ptr(), s.data_ptr()
             site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
+            site.bf = int(st.a.dtype is torch.bfloat16)
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows[0].data_ptr(),

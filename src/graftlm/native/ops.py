@@ -55,11 +55,12 @@ def lora_spans(bt: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.where(any_nz, lo, 0), torch.where(any_nz, hi, 0)], 1).contiguous()
 
 
-def lora_block(bt: torch.Tensor) -> torch.Tensor:
-    """bt (R, n_out) -> (ceil(n_out / 32), R, 32) float32, zero-padded: what gl_lora streams."""
+def lora_block(bt: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bt (R, n_out) -> (ceil(n_out / 32), R, 32) of float32 or bfloat16, zero-padded: the
+    layout gl_lora streams."""
     r, n_out = bt.shape
     nb = -(-n_out // 32)
-    padded = torch.zeros(r, nb * 32, dtype=torch.float32)
+    padded = torch.zeros(r, nb * 32, dtype=dtype)
     padded[:, :n_out] = bt
     return padded.view(r, nb, 32).transpose(0, 1).contiguous()
 
@@ -80,8 +81,9 @@ def lora_delta(
 ) -> bool:
     """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * B[:, c], in place.
 
-    a (R, n_in) contiguous float32, bb = lora_block(B.T), spans = lora_spans(B.T), scales
-    (B, 1, R) float32. False (nothing done) when it cannot serve the call."""
+    a (R, n_in) contiguous, bb = lora_block(B.T) of the same dtype (float32 or bfloat16),
+    spans = lora_spans(B.T), scales (B, 1, R) float32. False (nothing done) when it cannot
+    serve the call."""
     lib = library()
     if (
         lib is None
@@ -95,8 +97,9 @@ def lora_delta(
     b, t, n_in = x.shape
     n_out = y.shape[-1]
     lib.gl_lora(
-        x.data_ptr(), b * t, t, n_in, a.data_ptr(), scales.data_ptr(), a.shape[0], bb.data_ptr(),
-        spans.data_ptr(), n_out, y.data_ptr(), n_out, _threads(),
+        x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16),
+        scales.data_ptr(), a.shape[0], bb.data_ptr(), spans.data_ptr(), n_out, y.data_ptr(),
+        n_out, _threads(),
     )  # fmt: skip
     return True
 

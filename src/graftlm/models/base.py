@@ -18,7 +18,9 @@ from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
+from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
+from graftlm.native.layer import FusedLayer, LayerSpec
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
@@ -134,6 +136,8 @@ class Transformer:
             ropes[base] = Rope(cfg.rope_dim, base, n_ctx, cfg.rope_neox)
         self.rope_of_layer = [ropes[b] for b in cfg.rope_base_layer]
         self.cache: KVCache | None = None
+        # layer -> (the cache it was bound to, its one-call native decode step or None)
+        self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
 
     # -- adapter seams -------------------------------------------------------------------------
     def projections(self) -> dict[str, Projection]:
@@ -176,6 +180,49 @@ class Transformer:
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         raise NotImplementedError
+
+    # -- the native decode step of a layer ------------------------------------------------------
+    def layer_spec(self, i: int) -> LayerSpec | None:
+        """Layer i's pieces for the one-call native decode step (graftlm.native.layer), or None
+        for a family (or a layer) it does not serve."""
+        return None
+
+    def fused_layer(self, i: int) -> FusedLayer | None:
+        """Layer i's native decode step bound to the current KV cache, or None."""
+        if self.cache is None:
+            return None
+        kc = self.cache.k[i]
+        known = self._fused.get(i)
+        if known is not None and known[0] == kc.data_ptr():
+            return known[1]
+        cfg = self.cfg
+        spec = self.layer_spec(i) if native_library() is not None else None
+        fused = None
+        if (
+            spec is not None
+            and spec.servable()
+            and cfg.v_head_dim == cfg.head_dim <= native_ops.MAX_HEAD_DIM
+            and kc.dtype == torch.float32
+            and kc.is_contiguous()
+        ):
+            dims = {
+                "n_embd": cfg.n_embd,
+                "n_head": cfg.n_head,
+                "n_head_kv": cfg.n_head_kv,
+                "head_dim": cfg.head_dim,
+                "n_ff": cfg.n_ff,
+                "window": cfg.sliding_window[i],
+            }
+            fused = FusedLayer(
+                spec, kc, self.cache.v[i], self.rope_of_layer[i], dims, cfg.rms_eps, cfg.scale
+            )
+        self._fused[i] = (kc.data_ptr(), fused)
+        return fused
+
+    def native_block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Layer i in one native call when this step is a decode step it serves, else None."""
+        fused = self.fused_layer(i)
+        return None if fused is None else fused(x, batch)
 
     def attend(
         self,

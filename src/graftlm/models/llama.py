@@ -17,8 +17,7 @@ from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.layers import Projection, Rope, rms_norm
 from graftlm.models.moe import Experts, moe_ffn
-from graftlm.native import library as native_library
-from graftlm.native.layer import FusedLayer, native_weight
+from graftlm.native.layer import LayerSpec
 from graftlm.runtime.batch import Batch
 
 
@@ -72,58 +71,23 @@ class Llama(Transformer):
                 Rope(cfg.rope_dim, b, n_ctx, cfg.rope_neox, factors) for b in cfg.rope_base_layer
             ]
         self.blocks = [self.Block(cfg, w, i) for i in range(cfg.n_layer)]
-        # layer -> (the cache it was bound to, its one-call native decode step or None)
-        self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
 
-    def fused_layer(self, i: int) -> FusedLayer | None:
-        """Layer i's native decode step, bound to the current KV cache, when the layer is one it
-        serves (no biases, experts or unstacked projections; native weights)."""
-        if self.cache is None:
-            return None
-        kc = self.cache.k[i]
-        known = self._fused.get(i)
-        if known is not None and known[0] == kc.data_ptr():
-            return known[1]
+    def layer_spec(self, i: int) -> LayerSpec | None:
         cfg, b = self.cfg, self.blocks[i]
-        projections = [b.attn_qkv.fused, b.attn_output, getattr(b, "ffn_gate_up", None), None]
-        if not cfg.n_expert:
-            projections[2], projections[3] = b.ffn_gate_up.fused, b.ffn_down
         biases = (b.attn_q_bias, b.attn_k_bias, b.attn_v_bias, b.attn_output_bias)
-        fused: FusedLayer | None = None
-        if (
-            native_library() is not None
-            and all(p is not None and native_weight(p) for p in projections)
-            and all(t is None for t in biases)
-            and cfg.v_head_dim == cfg.head_dim <= 1024
-            and kc.dtype == torch.float32
-            and kc.is_contiguous()
-        ):
-            fused = FusedLayer(
-                [p for p in projections if p is not None],
-                (b.attn_norm, b.ffn_norm),
-                kc,
-                self.cache.v[i],
-                self.rope_of_layer[i],
-                {
-                    "n_embd": cfg.n_embd,
-                    "n_head": cfg.n_head,
-                    "n_head_kv": cfg.n_head_kv,
-                    "head_dim": cfg.head_dim,
-                    "n_ff": cfg.n_ff,
-                    "window": cfg.sliding_window[i],
-                },
-                cfg.rms_eps,
-                cfg.scale,
-            )
-        self._fused[i] = (kc.data_ptr(), fused)
-        return fused
+        if cfg.n_expert or any(t is not None for t in biases):
+            return None
+        qkv = [b.attn_qkv.fused] if b.attn_qkv.fused is not None else b.attn_qkv.parts
+        if qkv is None or b.ffn_gate_up.fused is None:
+            return None
+        return LayerSpec(
+            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm
+        )
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        fused = self.fused_layer(i)
-        if fused is not None:
-            y = fused(x, batch)
-            if y is not None:
-                return y
+        y = self.native_block(i, x, batch)
+        if y is not None:
+            return y
         cfg, b = self.cfg, self.blocks[i]
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
         q, k, v = b.attn_qkv(h, batch)

@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 13; }
+int gl_abi_version(void) { return 14; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -773,12 +773,14 @@ typedef struct {
 } gl_lora_site;
 
 typedef struct {
-    gl_weight qkv, o, gate_up, down;
-    gl_lora_site l_qkv, l_o, l_gate_up, l_down;
+    gl_weight qkv[3], o, gate_up, down; /* qkv: one stacked weight (n_qkv 1) or Q, K, V (3) */
+    gl_lora_site l_qkv[3], l_o, l_gate_up, l_down;
     const float *attn_norm, *ffn_norm;
+    const float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* NULL: none */
     float *kc, *vc;
     const float *cos_t, *sin_t;
-    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
+    int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
+    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
     float eps, scale;
 } gl_layer;
 
@@ -795,43 +797,81 @@ static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t
         gl_lora(x, B, 1, n_in, l->a, (int)l->bf, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
 }
 
+/* gate (B, ff) and up, rows 2 ff apart -> act(gate) * up into out (B, ff). */
+static void gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
+    for (int64_t b = 0; b < B; b++) {
+        const float *g = gu + b * 2 * ff, *u = g + ff;
+        float *a = out + b * ff;
+        int64_t j = 0;
+        for (; j + 8 <= ff; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            __m256 v;
+            if (act == 0) { /* g / (1 + e^-g) */
+                v = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            } else { /* g/2 (1 + tanh(c0 (g + c1 g^3))), tanh(z) = 1 - 2 / (e^2z + 1) */
+                const __m256 z = _mm256_mul_ps(c0, _mm256_add_ps(gv, _mm256_mul_ps(c1, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))));
+                const __m256 e2 = exp256(_mm256_add_ps(z, z));
+                const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e2, one)));
+                v = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th));
+            }
+            _mm256_storeu_ps(a + j, _mm256_mul_ps(v, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < ff; j++) {
+            const float x = g[j];
+            const float v = act == 0 ? x / (1.0f + expf(-x))
+                                     : 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+            a[j] = v * u[j];
+        }
+    }
+}
+
 /* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
- *   x += O(attention(RoPE(QKV(norm(x)))));  x += down(silu(gate) * up)(norm(x))
- * with every projection's LoRA delta, exactly as the PyTorch block composes the same kernels. */
+ *   x += [post-norm] O(attention(RoPE([QK-norm] QKV(norm(x)))))
+ *   x += [post-norm] down(act(gate) * up)(norm(x))
+ * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels. */
 void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
                      const int64_t *pos, int nth) {
-    const int64_t d = L->n_embd, nq = L->n_head * L->head_dim, nkv = L->n_head_kv * L->head_dim;
-    const int64_t nqkv = L->qkv.n, ff = L->n_ff;
+    const int64_t d = L->n_embd, D = L->head_dim, H = L->n_head, Hkv = L->n_head_kv;
+    const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv, ff = L->n_ff;
     float *h = malloc(sizeof(float) * (size_t)(B * (ff > d ? ff : d)));
     float *big = malloc(sizeof(float) * (size_t)(B * (2 * ff > nqkv ? 2 * ff : nqkv)));
     float *att = malloc(sizeof(float) * (size_t)(B * (nq > d ? nq : d)));
     float *o = malloc(sizeof(float) * (size_t)(B * d));
+    float *qb, *kb, *vb;
+    int64_t qs, ks, vs;
     gl_rms_norm(x, B, d, L->attn_norm, L->eps, h);
-    layer_mm(&L->qkv, h, B, big, nth);
-    layer_lora(&L->l_qkv, h, B, d, big, nqkv, nth);
-    gl_attn_decode(big, nqkv, big + nq, nqkv, big + nq + nkv, nqkv, L->kc, L->vc, slots, pos, B,
-                   L->n_head, L->n_head_kv, L->head_dim, L->head_dim, L->n_ctx, L->cos_t, L->sin_t,
-                   L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
+    if (L->n_qkv == 1) {
+        layer_mm(&L->qkv[0], h, B, big, nth);
+        layer_lora(&L->l_qkv[0], h, B, d, big, nqkv, nth);
+        qb = big, kb = big + nq, vb = big + nq + nkv, qs = ks = vs = nqkv;
+    } else {
+        qb = big, kb = big + B * nq, vb = kb + B * nkv, qs = nq, ks = vs = nkv;
+        float *outs[3] = {qb, kb, vb};
+        const int64_t widths[3] = {nq, nkv, nkv};
+        for (int p = 0; p < 3; p++) {
+            layer_mm(&L->qkv[p], h, B, outs[p], nth);
+            layer_lora(&L->l_qkv[p], h, B, d, outs[p], widths[p], nth);
+        }
+    }
+    for (int64_t b = 0; b < B; b++) {
+        if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs);
+        if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks);
+    }
+    gl_attn_decode(qb, qs, kb, ks, vb, vs, L->kc, L->vc, slots, pos, B, H, Hkv, D, D, L->n_ctx,
+                   L->cos_t, L->sin_t, L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
     layer_mm(&L->o, att, B, o, nth);
     layer_lora(&L->l_o, att, B, nq, o, d, nth);
+    if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h);
     layer_mm(&L->gate_up, h, B, big, nth);
     layer_lora(&L->l_gate_up, h, B, d, big, 2 * ff, nth);
-    for (int64_t b = 0; b < B; b++) { /* silu(gate) * up, into h (B, ff) */
-        const float *g = big + b * 2 * ff, *u = g + ff;
-        float *a = h + b * ff;
-        int64_t j = 0;
-        for (; j + 8 <= ff; j += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + j);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
-        }
-        for (; j < ff; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-    }
+    gated(big, B, ff, L->act, h);
     layer_mm(&L->down, h, B, o, nth);
     layer_lora(&L->l_down, h, B, ff, o, d, nth);
+    if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     free(h);
     free(big);

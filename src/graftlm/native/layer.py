@@ -10,6 +10,7 @@ what it was built for and says so by returning None: the caller then runs the Py
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,13 +36,56 @@ class _Lora(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-        ("l_qkv", _Lora), ("l_o", _Lora), ("l_gate_up", _Lora), ("l_down", _Lora),
-        ("attn_norm", _P), ("ffn_norm", _P), ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
-        ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64), ("head_dim", _I64),
-        ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64), ("window", _I64),
-        ("eps", _F), ("scale", _F),
+        ("qkv", _Weight * 3), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+        ("l_qkv", _Lora * 3), ("l_o", _Lora), ("l_gate_up", _Lora), ("l_down", _Lora),
+        ("attn_norm", _P), ("ffn_norm", _P),
+        ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_ffw_norm", _P),
+        ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
+        ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
+        ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
+        ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F),
     ]  # fmt: skip
+
+
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+@dataclass
+class LayerSpec:
+    """What a family's block hands the native layer: its projections and vectors."""
+
+    qkv: list[Projection]  # one stacked projection, or Q, K, V
+    o: Projection
+    gate_up: Projection  # stacked gate/up
+    down: Projection
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    act: str = "silu"
+    q_norm: torch.Tensor | None = None  # per-head RMS norms before RoPE
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # RMS norms of the outputs, before the residual
+    post_ffw_norm: torch.Tensor | None = None
+
+    def projections(self) -> list[Projection]:
+        return [*self.qkv, self.o, self.gate_up, self.down]
+
+    def servable(self) -> bool:
+        vectors = [self.attn_norm, self.ffn_norm, self.q_norm, self.k_norm,
+                   self.post_attn_norm, self.post_ffw_norm]  # fmt: skip
+        return (
+            len(self.qkv) in (1, 3)
+            and self.act in ACTS
+            and all(_weight(p) is not None for p in self.projections())
+            and all(
+                v is None
+                or (v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu")
+                for v in vectors
+            )
+        )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def native_weight(p: Projection) -> bool:
@@ -62,15 +106,11 @@ def _weight(p: Projection) -> _Weight | None:
 
 
 class FusedLayer:
-    """Layer i of a llama-style model (norms, stacked QKV, output, stacked gate/up, down; no
-    biases, experts or QK-norm), bound to the model's current KV cache."""
-
-    SITES = ("l_qkv", "l_o", "l_gate_up", "l_down")
+    """A decoder layer (see LayerSpec) bound to the model's current KV cache."""
 
     def __init__(
         self,
-        projections: list[Projection],  # qkv, o, gate_up, down
-        norms: tuple[torch.Tensor, torch.Tensor],
+        spec: LayerSpec,
         kc: torch.Tensor,
         vc: torch.Tensor,
         rope: Rope,
@@ -78,19 +118,37 @@ class FusedLayer:
         eps: float,
         scale: float,
     ) -> None:
-        weights = [_weight(p) for p in projections]
-        assert all(w is not None for w in weights)
-        self.projections = projections
-        self.keep = (norms, kc, vc, rope.cos, rope.sin)  # everything the struct points into
-        self.kc_ptr = kc.data_ptr()
+        self.spec = spec
+        self.sites = [*spec.qkv, spec.o, spec.gate_up, spec.down]
+        self.keep = (kc, vc, rope.cos, rope.sin)  # everything the struct points into
         self.n_ctx = int(kc.shape[2])
-        self.layer = _Layer(
-            *weights, _Lora(), _Lora(), _Lora(), _Lora(), norms[0].data_ptr(), norms[1].data_ptr(),
-            kc.data_ptr(), vc.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-            dims["n_embd"], dims["n_head"], dims["n_head_kv"], dims["head_dim"], dims["n_ff"],
-            self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox), dims["window"], eps, scale,
-        )  # fmt: skip
         self.n_embd = dims["n_embd"]
+        weights = [_weight(p) for p in spec.qkv]
+        weights += [None] * (3 - len(weights))
+        layer = _Layer()
+        for i, w in enumerate(weights):
+            if w is not None:
+                layer.qkv[i] = w
+        layer.o, layer.gate_up, layer.down = (_weight(p) for p in (spec.o, spec.gate_up, spec.down))
+        for name in (
+            "attn_norm",
+            "ffn_norm",
+            "q_norm",
+            "k_norm",
+            "post_attn_norm",
+            "post_ffw_norm",
+        ):
+            setattr(layer, name, _ptr(getattr(spec, name)))
+        layer.kc, layer.vc = kc.data_ptr(), vc.data_ptr()
+        layer.cos_t, layer.sin_t = rope.cos.data_ptr(), rope.sin.data_ptr()
+        layer.n_qkv = len(spec.qkv)
+        for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "window"):
+            setattr(layer, name, dims[name])
+        layer.n_ctx, layer.rot, layer.neox = self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox)
+        layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
+        self.layer = layer
+        self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
+        self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
@@ -100,8 +158,7 @@ class FusedLayer:
             return None
         if x.dtype is not torch.float32 or max(batch.starts) >= self.n_ctx:
             return None
-        for field, p in zip(self.SITES, self.projections, strict=True):
-            site = getattr(self.layer, field)
+        for site, p in zip(self.lora_fields, self.sites, strict=True):
             st = p.lora._stack(batch.lora.active) if p.lora and batch.lora is not None else None
             if st is None:
                 site.a = None

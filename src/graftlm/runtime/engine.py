@@ -153,7 +153,7 @@ class Engine:
                 self.running.append(req)
             prefilling = [r for r in self.running if r.n_prefilled < len(r.prompt)]
             if prefilling:
-                self._prefill(prefilling[0])
+                self._prefill(prefilling)
             decoding = [
                 r
                 for r in self.running
@@ -162,16 +162,39 @@ class Engine:
             if decoding:
                 self._decode(decoding)
 
-    def _prefill(self, req: Request) -> None:
-        start = req.n_prefilled
-        piece = req.prompt[start : start + self.chunk]
-        logits = self.model.forward(
-            Batch.single(piece, req.slot, start, self.lora_rows([req.lora]))
-        )
-        req.n_prefilled += len(piece)
-        if req.n_prefilled == len(req.prompt):
-            req.t_prompt_done = time.perf_counter()
-            self._emit(req, logits[0])
+    def _prefill(self, waiting: list[Request]) -> None:
+        """One chunk of prompt: the next piece of the first request, and of as many more as fit
+        in `chunk` tokens counted with padding (rows are padded to the longest piece), so that
+        requests arriving together start decoding together."""
+        group: list[Request] = []
+        width = 0
+        for req in waiting:
+            n = min(len(req.prompt) - req.n_prefilled, self.chunk)
+            if group and (len(group) + 1) * max(width, n) > self.chunk:
+                break
+            group.append(req)
+            width = max(width, n)
+        pieces = [r.prompt[r.n_prefilled : r.n_prefilled + width] for r in group]
+        lora = self.lora_rows([r.lora for r in group])
+        if len(group) == 1:
+            batch = Batch.single(pieces[0], group[0].slot, group[0].n_prefilled, lora)
+        else:
+            tokens = torch.zeros(len(group), width, dtype=torch.long)  # padding: never read
+            for row, piece in enumerate(pieces):
+                tokens[row, : len(piece)] = torch.tensor(piece, dtype=torch.long)
+            batch = Batch(
+                tokens,
+                [r.slot for r in group],
+                [r.n_prefilled for r in group],
+                [len(p) for p in pieces],
+                lora,
+            )
+        logits = self.model.forward(batch)
+        for req, piece, row in zip(group, pieces, logits, strict=True):
+            req.n_prefilled += len(piece)
+            if req.n_prefilled == len(req.prompt):
+                req.t_prompt_done = time.perf_counter()
+                self._emit(req, row)
 
     def _decode(self, reqs: list[Request]) -> None:
         tokens = torch.tensor([[r.generated[-1]] for r in reqs], dtype=torch.long)

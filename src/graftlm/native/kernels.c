@@ -712,6 +712,7 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
              float *y, int64_t ldy, int nth) {
     const int64_t nb = (n_out + 31) / 32;
     float *av = malloc(sizeof(float) * (size_t)(M * R));
+    int64_t *cols = malloc(sizeof(int64_t) * (size_t)(M * R)), *cnt = malloc(sizeof(int64_t) * (size_t)M);
 #pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
     {
         /* xa[i, c] = s[i / T, c] * (A[c] . x[i]): each read of A serves one (row, column) */
@@ -723,6 +724,14 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
                            : bf ? dot_bf16((const uint16_t *)A + c * n_in, x + i * n_in, n_in)
                                 : dot_f32((const float *)A + c * n_in, x + i * n_in, n_in);
             av[ic] = sc * dt;
+        }
+        /* each row's columns with a nonzero scale: rows on different adapters skip the rest */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M; i++) {
+            int64_t k = 0;
+            for (int64_t c = 0; c < R; c++)
+                if (av[i * R + c] != 0.0f) cols[i * R + k++] = c;
+            cnt[i] = k;
         }
         /* y[i, block] += sum_c xa[i, c] * B[block, c], 32 outputs held in registers */
 #pragma omp for schedule(static)
@@ -738,8 +747,9 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
             }
             __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
             __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
-            for (int64_t c = 0; c < R; c++) {
-                if (ai[c] == 0.0f || j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
+            for (int64_t t = 0; t < cnt[i]; t++) {
+                const int64_t c = cols[i * R + t];
+                if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
                 const __m256 av8 = _mm256_set1_ps(ai[c]);
                 const int64_t at = (jb * R + c) * 32;
                 y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
@@ -755,6 +765,8 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
         }
     }
     free(av);
+    free(cols);
+    free(cnt);
 }
 
 /* ---------------------------------------------------------------- one llama decoder layer */

@@ -164,11 +164,18 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
     keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
+    # one sequence's first chunk inside its window: plain causal attention, which SDPA computes
+    # without the masked half (an explicit mask makes it compute every score)
+    causal = batch.n_rows == 1 and batch.starts[0] == 0 and batch.n_tokens > 1
+    causal = (
+        causal and batch.lengths[0] == batch.n_tokens and (window == 0 or batch.n_tokens <= window)
+    )
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         keys,
         values,
-        attn_mask=batch.mask(window),
+        attn_mask=None if causal else batch.mask(window),
+        is_causal=causal,
         scale=scale,
         enable_gqa=q.shape[2] != keys.shape[1],
     )  # (B, H, T, Dv)

@@ -551,6 +551,7 @@ static inline void scale_axpy(float *o, float c, float p, const float *v, int64_
 
 /* y = x * (1 / sqrt(mean(x^2) + eps)) * w over rows of n values (the sum in double, as ggml). */
 void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y) {
+#pragma omp parallel for schedule(static) if (rows * n > 65536)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;

@@ -4,7 +4,19 @@
 ``linear(x, w)`` is the only place the model multiplies by a weight; ``dequantize_any`` turns any
 tensor the gguf package understands into float32.  The model never branches on quantization.
 
-Kernel per GGUF type (first accepting kernel of ``FAST_KERNELS``):
+Kernel per GGUF type (first accepting kernel of ``FAST_KERNELS``). Where graftlm's native
+library builds (x86-64 with AVX2 and a C compiler; see ``graftlm.native``):
+
+=================  ============  ==========================================================
+type               kernel        storage (bytes per weight vs file)
+=================  ============  ==========================================================
+Q4_0, Q4_1         native-u4     4-bit codes + the file's float16 (d, m) per 32 (1.0x)
+Q4_K               native-u4     4-bit codes + float32 (d, m) per 32 (~1.33x)
+Q5_0, Q8_0         native-s8     int8 codes + the file's float16 d per 32 (1.45x, 1.0x)
+Q6_K               native-s8     int8 codes + float32 scale per 16 (~1.52x)
+=================  ============  ==========================================================
+
+Otherwise, and for every other type:
 
 =================  ============  ==========================================================
 type               kernel        storage (bytes per weight vs file)

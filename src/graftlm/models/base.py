@@ -167,6 +167,7 @@ class Transformer:
         self.cache = KVCache(
             cfg.n_layer, n_slots, cfg.n_head_kv, self.n_ctx, cfg.head_dim, cfg.v_head_dim
         )
+        self._fused = {}  # native layers point into the old cache: bind them again
         return self.cache
 
     def embed(self, batch: Batch) -> torch.Tensor:
@@ -193,7 +194,7 @@ class Transformer:
             return None
         kc = self.cache.k[i]
         known = self._fused.get(i)
-        if known is not None and known[0] == kc.data_ptr():
+        if known is not None and known[0] == kc.data_ptr():  # (allocate_cache also clears them)
             return known[1]
         cfg = self.cfg
         spec = self.layer_spec(i) if native_library() is not None else None

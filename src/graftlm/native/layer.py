@@ -26,8 +26,8 @@ _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("half", _I64), ("sblk", _I64), ("n", _I64), ("k", _I64),
-                ("q", _P), ("d", _P), ("m", _P)]  # fmt: skip
+    _fields_ = [("kind", _I64), ("half", _I64), ("sblk", _I64), ("small", _I64), ("n", _I64),
+                ("k", _I64), ("q", _P), ("d", _P), ("m", _P)]  # fmt: skip
 
 
 class _Lora(ctypes.Structure):
@@ -99,9 +99,9 @@ def _weight(p: Projection) -> _Weight | None:
     k: Any = p.weight._k
     n, kk = p.weight.shape
     if isinstance(k, NativeU4Kernel):
-        return _Weight(0, k.half, 0, n, kk, k.qs.data_ptr(), k.d.data_ptr(), k.m.data_ptr())
+        return _Weight(0, k.half, 0, 0, n, kk, k.qs.data_ptr(), k.d.data_ptr(), k.m.data_ptr())
     if isinstance(k, NativeS8Kernel):
-        return _Weight(1, k.half, k.sblk, n, kk, k.q.data_ptr(), k.s.data_ptr(), None)
+        return _Weight(1, k.half, k.sblk, k.small, n, kk, k.q.data_ptr(), k.s.data_ptr(), None)
     return None
 
 

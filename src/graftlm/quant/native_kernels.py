@@ -149,15 +149,18 @@ class NativeS8Kernel(NativeKernel):
     name = "native-s8"
     TYPES = (T.Q8_0, T.Q5_0, T.Q6_K)
 
-    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
+    def __init__(
+        self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int, small: bool = False
+    ) -> None:
         super().__init__(shape)
+        self.small = int(small)  # Q5_0's codes (|q| <= 16): the kernel's faster unsigned path
         self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
         self.half = int(s.dtype == torch.float16)
         lib = loaded_library()
         assert lib is not None
         n, k = shape
         self._fn = lib.gl_mm_s8
-        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, n)
+        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, self.small, n)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -176,7 +179,7 @@ class NativeS8Kernel(NativeKernel):
             )  # fmt: skip
             if not inexact:
                 break
-        return cls(shape, q, s, sblk)
+        return cls(shape, q, s, sblk, small=qtype == T.Q5_0)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()

@@ -327,3 +327,20 @@ def test_fused_gemma3_layer_with_separate_q_k_v(
         dc = (c.gather(-1, top) - e.gather(-1, top)).abs().mean()
         print(f"vs exact float32: native layer {df:.4f}, composed block {dc:.4f}")
         assert df <= 1.3 * dc + 0.02
+
+
+def test_out_of_range_slots_and_positions_never_reach_the_c_code(tiny_llama: Path) -> None:
+    """The native steps write the cache at (slot, position): anything out of range is left to the
+    PyTorch path, which raises instead of writing past the cache."""
+    model = graftlm.load(str(tiny_llama), ctx_size=16, n_seq=2).model
+    cache = model.cache
+    assert cache is not None
+    q = torch.zeros(1, 1, 4 * 16)
+    kv = torch.zeros(1, 1, 2 * 16)
+    rope = model.rope_of_layer[0]
+    for slot, pos in ((2, 3), (0, 16), (-1, 3), (0, -1)):
+        out = ops.attn_decode(q, kv, kv, cache.k[0], cache.v[0], torch.tensor([slot]),
+                              torch.tensor([pos]), rope.cos, rope.sin, rope.neox, 1.0, 0)  # fmt: skip
+        assert out is None
+    with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
+        model.forward(Batch(torch.tensor([[5]]), [2], [3], [1]))

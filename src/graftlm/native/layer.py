@@ -122,6 +122,7 @@ class FusedLayer:
         self.sites = [*spec.qkv, spec.o, spec.gate_up, spec.down]
         self.keep = (kc, vc, rope.cos, rope.sin)  # everything the struct points into
         self.n_ctx = int(kc.shape[2])
+        self.n_slots = int(kc.shape[0])
         self.n_embd = dims["n_embd"]
         weights = [_weight(p) for p in spec.qkv]
         weights += [None] * (3 - len(weights))
@@ -156,8 +157,11 @@ class FusedLayer:
         rows = batch.decode_rows()
         if lib is None or rows is None or config.get_compute_dtype() is not torch.bfloat16:
             return None
-        if x.dtype is not torch.float32 or max(batch.starts) >= self.n_ctx:
-            return None
+        if x.dtype is not torch.float32 or not (
+            0 <= min(batch.starts) and max(batch.starts) < self.n_ctx
+            and 0 <= min(batch.slots) and max(batch.slots) < self.n_slots
+        ):  # fmt: skip
+            return None  # the C code writes the cache at (slot, position): never out of range
         for site, p in zip(self.lora_fields, self.sites, strict=True):
             st = p.lora._stack(batch.lora.active) if p.lora and batch.lora is not None else None
             if st is None:

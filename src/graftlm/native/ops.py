@@ -149,7 +149,11 @@ def attn_decode(
     qs, ks, vs = _rows(q, h, d), _rows(k, hkv, d), _rows(v, hkv, dv)
     if qs is None or ks is None or vs is None or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    if positions.numel() and int(positions.max()) >= min(n_ctx, cos.shape[0]):
+    if positions.numel() and not (
+        0 <= int(positions.min()) and int(positions.max()) < min(n_ctx, cos.shape[0])
+    ):
+        return None  # the C code writes the cache at these: out of range stays in PyTorch
+    if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < n_slots):
         return None
     out = q.new_empty(b, 1, h * dv)
     lib.gl_attn_decode(

@@ -1,6 +1,6 @@
-"""Thin wrappers over the decode-step helpers of ``kernels.c``: each returns None when it cannot
-serve the call (no library, not CPU float32, unsupported shape), and the caller then runs its
-PyTorch twin."""
+"""Thin wrappers over the decode-step helpers of ``kernels.c``: each returns None (lora_delta:
+False) when it cannot serve the call (no library, not CPU float32, unsupported shape, an index
+out of range), and the caller then runs its PyTorch twin."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ __all__ = [
     "rms_norm",
 ]
 
-MAX_HEAD_DIM = 1024  # the C code keeps a rotated query and an accumulator of this size on stack
+MAX_HEAD_DIM = 1024  # the C attention keeps a rotated query of this size on its stack
 
 
 def _threads() -> int:

@@ -344,3 +344,15 @@ def test_out_of_range_slots_and_positions_never_reach_the_c_code(tiny_llama: Pat
         assert out is None
     with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
         model.forward(Batch(torch.tensor([[5]]), [2], [3], [1]))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_native_gate_matches_torch(act: str) -> None:
+    gu = torch.randn(3, 7, 2 * 100) * 4  # a tail past the 8-wide vectors; large |g| too
+    gu[0, 0, :5] = torch.tensor([0.0, -30.0, 30.0, 1e-3, -90.0])
+    gate, up = gu.split(100, dim=-1)
+    want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    got = ops.gated(gu, act)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert ops.gated(gu.transpose(0, 1), act) is None  # not contiguous: PyTorch's twin runs

@@ -7,7 +7,6 @@ GGUF gemma norms already hold (1 + w): llama.cpp's converter adds the one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
@@ -61,6 +60,5 @@ class Gemma3(Transformer):
         a = self.attend(i, q, k, v, batch, b.attn_q_norm, b.attn_k_norm)
         x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
         h = rms_norm(x, b.ffn_norm, eps)
-        gate, up = b.ffn_gate_up(h, batch)
-        h = F.gelu(gate, approximate="tanh") * up
+        h = b.ffn_gate_up.gated(h, batch, "gelu_tanh")
         return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)

@@ -78,6 +78,20 @@ class ProjectionGroup:
         assert self.parts is not None
         return [p(x, batch) for p in self.parts]
 
+    def gated(self, x: torch.Tensor, batch: Batch, act: str) -> torch.Tensor:
+        """act(gate) * up for a [gate, up] group: one native pass over the stacked output when
+        there is one, else PyTorch's ("silu" or "gelu_tanh")."""
+        if self.fused is not None:
+            gu = self.fused(x, batch)
+            out = native_ops.gated(gu, act)
+            if out is not None:
+                return out
+            gate, up = gu.split(self.sizes, dim=-1)
+        else:
+            gate, up = self(x, batch)
+        a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+        return a * up
+
     def projections(self) -> list[Projection]:
         return [self.fused] if self.fused is not None else list(self.parts or [])
 

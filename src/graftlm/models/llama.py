@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
@@ -101,8 +100,7 @@ class Llama(Transformer):
             return x + moe_ffn(
                 h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used
             )
-        gate, up = b.ffn_gate_up(h, batch)
-        return x + b.ffn_down(F.silu(gate) * up, batch)
+        return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property
     def nbytes(self) -> int:

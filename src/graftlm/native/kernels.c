@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 15; }
+int gl_abi_version(void) { return 16; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -873,10 +873,11 @@ static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t
         gl_lora(x, B, 1, n_in, l->a, (int)l->bf, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
 }
 
-/* gate (B, ff) and up, rows 2 ff apart -> act(gate) * up into out (B, ff). */
-static void gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+/* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
+void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
+#pragma omp parallel for schedule(static) if (B * ff > 65536)
     for (int64_t b = 0; b < B; b++) {
         const float *g = gu + b * 2 * ff, *u = g + ff;
         float *a = out + b * ff;
@@ -886,18 +887,17 @@ static void gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *ou
             __m256 v;
             if (act == 0) { /* g / (1 + e^-g) */
                 v = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-            } else { /* g/2 (1 + tanh(c0 (g + c1 g^3))), tanh(z) = 1 - 2 / (e^2z + 1) */
+            } else { /* g/2 (1 + tanh(z)) = g / (1 + e^-2z), z = c0 (g + c1 g^3): no cancellation */
                 const __m256 z = _mm256_mul_ps(c0, _mm256_add_ps(gv, _mm256_mul_ps(c1, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))));
-                const __m256 e2 = exp256(_mm256_add_ps(z, z));
-                const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e2, one)));
-                v = _mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th));
+                const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), z));
+                v = _mm256_div_ps(gv, _mm256_add_ps(one, e));
             }
             _mm256_storeu_ps(a + j, _mm256_mul_ps(v, _mm256_loadu_ps(u + j)));
         }
         for (; j < ff; j++) {
             const float x = g[j];
             const float v = act == 0 ? x / (1.0f + expf(-x))
-                                     : 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+                                     : x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x)));
             a[j] = v * u[j];
         }
     }
@@ -944,7 +944,7 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h);
     layer_mm(&L->gate_up, h, B, big, nth);
     layer_lora(&L->l_gate_up, h, B, d, big, 2 * ff, nth);
-    gated(big, B, ff, L->act, h);
+    gl_gated(big, B, ff, L->act, h);
     layer_mm(&L->down, h, B, o, nth);
     layer_lora(&L->l_down, h, B, ff, o, d, nth);
     if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o);

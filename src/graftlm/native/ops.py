@@ -10,6 +10,7 @@ from graftlm.native.build import library
 
 __all__ = [
     "attn_decode",
+    "gated",
     "library",
     "lora_block",
     "lora_delta",
@@ -102,6 +103,29 @@ def lora_delta(
         n_out, _threads(),
     )  # fmt: skip
     return True
+
+
+GATES = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+    """(..., 2 ff) = [gate | up] -> act(gate) * up (..., ff), or None.
+
+    Semantics: silu(g) = g / (1 + e^-g); gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+    as PyTorch's F.gelu(approximate="tanh"), with a vectorized exp (~2 ulp)."""
+    lib = library()
+    if (
+        lib is None
+        or gate_up.dtype is not torch.float32
+        or gate_up.device.type != "cpu"
+        or not gate_up.is_contiguous()
+        or gate_up.shape[-1] % 2
+    ):
+        return None
+    ff = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], ff)
+    lib.gl_gated(gate_up.data_ptr(), gate_up.numel() // (2 * ff), ff, GATES[act], out.data_ptr())
+    return out
 
 
 def _rows(t: torch.Tensor, heads: int, dim: int) -> int | None:

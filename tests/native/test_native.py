@@ -356,3 +356,42 @@ def test_native_gate_matches_torch(act: str) -> None:
     assert got is not None and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
     assert ops.gated(gu.transpose(0, 1), act) is None  # not contiguous: PyTorch's twin runs
+
+
+def test_fused_layer_rebinds_when_adapters_or_scales_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native layer caches its LoRA binding: new scales, a new active set, an adapter added
+    or removed between steps must each reach it (against the composed block)."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    from graftlm.models.base import Transformer
+
+    spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0)
+    m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32, n_seq=2)
+    a = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", spec, seed=1), 0.0)
+    model = m.model
+
+    def step(settings: list[dict[int, float]]) -> torch.Tensor:
+        with torch.inference_mode():
+            for s in range(2):
+                model.forward(Batch.single([3, 4, 5, 6], s, 0))
+            rows = m.engine.lora_rows(settings)
+            return model.forward(Batch(torch.tensor([[7], [8]]), [0, 1], [4, 4], [1, 1], rows))
+
+    def both(settings: list[dict[int, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = step(settings)
+        with monkeypatch.context() as mp:
+            mp.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+            composed = step(settings)
+        return fused, composed
+
+    assert model.fused_layer(0) is not None
+    outs = [both([{a: 1.0}, {}]), both([{a: -2.0}, {a: 0.5}])]
+    b = m.add_lora(write_tiny_adapter(tmp_path / "b.gguf", spec, seed=2), 0.0)
+    outs.append(both([{a: 1.0, b: 1.0}, {b: -1.0}]))
+    m.remove_lora(a)
+    outs.append(both([{b: 1.0}, {}]))
+    for fused, composed in outs:
+        torch.testing.assert_close(fused, composed, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs[0][0], outs[1][0])  # the settings did change the output

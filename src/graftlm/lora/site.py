@@ -39,6 +39,15 @@ class _Stack:
         return native_ops.lora_unblock(self.blocked, self.n_out).float()
 
 
+# Bumped by every put/drop on any site: whoever caches stacks (the native layer) rebinds on change.
+_GENERATION = [0]
+
+
+def generation() -> int:
+    """A counter that changes whenever any site's adapters change."""
+    return _GENERATION[0]
+
+
 class LoraSite:
     """Adapter slots on one projection (or on the embedding, with `gather=True`)."""
 
@@ -69,10 +78,12 @@ class LoraSite:
         """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r)."""
         self._slots[slot] = (a.contiguous(), b.contiguous())
         self._stacks = {}
+        _GENERATION[0] += 1
 
     def drop(self, slot: int) -> None:
         self._slots.pop(slot, None)
         self._stacks = {}
+        _GENERATION[0] += 1
 
     def _stack(self, active: tuple[int, ...]) -> _Stack | None:
         """The stack of the active slots present here, in the form the current mode computes

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from graftlm.lora.site import generation as lora_generation
 from graftlm.native.build import library
 from graftlm.quant import config
 
@@ -150,6 +151,40 @@ class FusedLayer:
         self.layer = layer
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]
+        # the adapters bound into the struct: (active slots, adapter generation) -> their stacks,
+        # and the step whose per-row scales are bound (its LoraRows keeps them alive)
+        self._bound: tuple[object, ...] | None = None
+        self._stacks: list[Any] = []
+        self._servable = True
+        self._rows: object = None
+
+    def _bind_lora(self, batch: Batch) -> bool:
+        """Point the struct's LoRA fields at this step's stacks and scales. The stacks change
+        only with the active set or the adapters; the scales every step."""
+        lora = batch.lora
+        key = None if lora is None else (lora.active, lora_generation())
+        if key != self._bound:
+            self._bound, self._stacks, self._servable, self._rows = key, [], True, None
+            for site, p in zip(self.lora_fields, self.sites, strict=True):
+                st = p.lora._stack(lora.active) if p.lora and lora is not None else None
+                self._stacks.append(st)
+                site.a = None
+                if st is None:
+                    continue
+                if st.blocked is None or st.spans is None:
+                    self._servable = False
+                    continue
+                site.a, site.bb = st.a.data_ptr(), st.blocked.data_ptr()
+                site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
+                site.bf = int(st.a.dtype is torch.bfloat16)
+        if not self._servable:
+            return False
+        if lora is not None and lora is not self._rows:
+            for site, st in zip(self.lora_fields, self._stacks, strict=True):
+                if st is not None:
+                    site.scales = lora.columns(st.layout, st.col_slot).data_ptr()
+            self._rows = lora  # keeps this step's scale tensors alive while they are bound
+        return True
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
@@ -162,18 +197,8 @@ class FusedLayer:
             and 0 <= min(batch.slots) and max(batch.slots) < self.n_slots
         ):  # fmt: skip
             return None  # the C code writes the cache at (slot, position): never out of range
-        for site, p in zip(self.lora_fields, self.sites, strict=True):
-            st = p.lora._stack(batch.lora.active) if p.lora and batch.lora is not None else None
-            if st is None:
-                site.a = None
-                continue
-            if st.blocked is None or st.spans is None:
-                return None  # an adapter the native delta cannot read: the PyTorch block runs
-            assert batch.lora is not None
-            s = batch.lora.columns(st.layout, st.col_slot)
-            site.a, site.bb, site.scales = st.a.data_ptr(), st.blocked.data_ptr(), s.data_ptr()
-            site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
-            site.bf = int(st.a.dtype is torch.bfloat16)
+        if not self._bind_lora(batch):
+            return None  # an adapter the native delta cannot read: the PyTorch block runs
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows[0].data_ptr(),

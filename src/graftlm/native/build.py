@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -41,9 +41,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "gl_deq_s8": [_P, _P, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT],
     "gl_mm_u4": [_P, _I64, _I64, _P, _P, _P, _INT, _I64, _P, _INT],
     "gl_mm_s8": [_P, _I64, _I64, _P, _P, _INT, _INT, _INT, _I64, _P, _INT],
-    "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P],
+    "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P, _INT],
     "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
-    "gl_gated": [_P, _I64, _I64, _I64, _P],
+    "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],
     "gl_lora": [_P, _I64, _I64, _I64, _P, _INT, _P, _I64, _P, _P, _I64, _P, _I64, _INT],
     "gl_attn_decode": [
         _P,

@@ -23,7 +23,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 16; }
+int gl_abi_version(void) { return 17; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -612,8 +612,9 @@ static inline void scale_axpy(float *o, float c, float p, const float *v, int64_
 }
 
 /* y = x * (1 / sqrt(mean(x^2) + eps)) * w over rows of n values (the sum in double, as ggml). */
-void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y) {
-#pragma omp parallel for schedule(static) if (rows * n > 65536)
+void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y,
+                 int nth) {
+#pragma omp parallel for num_threads(nth) schedule(static) if (rows * n > 65536)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
@@ -874,10 +875,10 @@ static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t
 }
 
 /* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
-void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out) {
+void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth) {
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
-#pragma omp parallel for schedule(static) if (B * ff > 65536)
+#pragma omp parallel for num_threads(nth) schedule(static) if (B * ff > 65536)
     for (int64_t b = 0; b < B; b++) {
         const float *g = gu + b * 2 * ff, *u = g + ff;
         float *a = out + b * ff;
@@ -917,7 +918,7 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     float *o = malloc(sizeof(float) * (size_t)(B * d));
     float *qb, *kb, *vb;
     int64_t qs, ks, vs;
-    gl_rms_norm(x, B, d, L->attn_norm, L->eps, h);
+    gl_rms_norm(x, B, d, L->attn_norm, L->eps, h, nth);
     if (L->n_qkv == 1) {
         layer_mm(&L->qkv[0], h, B, big, nth);
         layer_lora(&L->l_qkv[0], h, B, d, big, nqkv, nth);
@@ -932,22 +933,22 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
         }
     }
     for (int64_t b = 0; b < B; b++) {
-        if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs);
-        if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks);
+        if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
+        if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
     }
     gl_attn_decode(qb, qs, kb, ks, vb, vs, L->kc, L->vc, slots, pos, B, H, Hkv, D, D, L->n_ctx,
                    L->cos_t, L->sin_t, L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
     layer_mm(&L->o, att, B, o, nth);
     layer_lora(&L->l_o, att, B, nq, o, d, nth);
-    if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o);
+    if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
-    gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h);
+    gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
     layer_mm(&L->gate_up, h, B, big, nth);
     layer_lora(&L->l_gate_up, h, B, d, big, 2 * ff, nth);
-    gl_gated(big, B, ff, L->act, h);
+    gl_gated(big, B, ff, L->act, h, nth);
     layer_mm(&L->down, h, B, o, nth);
     layer_lora(&L->l_down, h, B, ff, o, d, nth);
-    if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o);
+    if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     free(h);
     free(big);

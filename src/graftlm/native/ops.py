@@ -41,7 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     y = torch.empty_like(x)
     n = x.shape[-1]
-    lib.gl_rms_norm(x.data_ptr(), x.numel() // max(n, 1), n, weight.data_ptr(), eps, y.data_ptr())
+    lib.gl_rms_norm(
+        x.data_ptr(), x.numel() // max(n, 1), n, weight.data_ptr(), eps, y.data_ptr(), _threads()
+    )
     return y
 
 
@@ -124,7 +126,8 @@ def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
         return None
     ff = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], ff)
-    lib.gl_gated(gate_up.data_ptr(), gate_up.numel() // (2 * ff), ff, GATES[act], out.data_ptr())
+    rows = gate_up.numel() // (2 * ff)
+    lib.gl_gated(gate_up.data_ptr(), rows, ff, GATES[act], out.data_ptr(), _threads())
     return out
 
 

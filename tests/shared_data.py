@@ -10,6 +10,16 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 GOLDEN = SHARED / "golden"
 FIXTURES = SHARED / "fixtures"
+TINY = FIXTURES / "tiny"  # tiny random models of seven families (HF, GGUF, PEFT, GGUF adapter)
+TINY_WITH_PEFT = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
+# the real fixture adapters: (model, adapter) under FIXTURES
+REAL_ADAPTERS = [
+    ("smollm2", "caps"),
+    ("smollm2", "pirate"),
+    ("smollm2", "rand_all"),
+    ("gemma3", "gpirate"),
+    ("gemma3", "grand"),
+]
 
 
 def golden(name: str) -> dict[str, Any]:

@@ -16,14 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from shared_data import TINY
 
 import graftlm
-
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-REAL_FIXTURES = {
-    "smollm2": ["caps", "pirate", "rand_all"],
-    "gemma3": ["gpirate", "grand"],
-}
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +57,7 @@ def hf_tiny() -> Callable[[str], Any]:
     transformers = pytest.importorskip("transformers")
 
     def get(family: str) -> Any:
-        d = SHARED / "fixtures" / "tiny" / family / "hf"
+        d = TINY / family / "hf"
         if not d.is_dir():
             pytest.skip(f"{d} is not available")
         with warnings.catch_warnings():
@@ -119,9 +114,19 @@ def tiny_base() -> Callable[[str], Path]:
     """family -> its tiny GGUF base converted by llama.cpp (float32)."""
 
     def get(family: str) -> Path:
-        p = SHARED / "fixtures" / "tiny" / family / "model-f32.gguf"
+        p = TINY / family / "model-f32.gguf"
         if not p.exists():
             pytest.skip(f"{p} is not available")
         return p
 
     return get
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """Tiny models: one thread is fastest, and two spin against each other on a shared machine.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

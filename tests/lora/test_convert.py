@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from shared_data import FIXTURES, REAL_ADAPTERS, TINY, TINY_WITH_PEFT
 from tiny_models import TinySpec, write_tiny_adapter
 
 import graftlm
@@ -25,26 +26,12 @@ from graftlm.lora.peft import gguf_to_hf, read_peft_adapter
 from graftlm.lora.peft_config import parse_config
 from graftlm.models import build_model
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-TINY = SHARED / "fixtures" / "tiny"
-TINY_WITH_PEFT = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
-REAL = [
-    ("smollm2", "caps"),
-    ("smollm2", "pirate"),
-    ("smollm2", "rand_all"),
-    ("gemma3", "gpirate"),
-    ("gemma3", "grand"),
-]
+REAL = REAL_ADAPTERS
 IDS = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(1)).tolist()
 ADAPTER_KEYS = ["general.architecture", "general.type", "adapter.type", "adapter.lora.alpha"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_same_gguf(got: Path, ref: Path) -> None:
@@ -91,7 +78,7 @@ def test_tiny_fixture_converts_like_llama_cpp(family: str, tmp_path: Path) -> No
 def test_real_fixture_converts_like_llama_cpp(
     family: str, name: str, tmp_path: Path, real_base: Callable[[str], Path]
 ) -> None:
-    d = SHARED / "fixtures" / family / name
+    d = FIXTURES / family / name
     out = tmp_path / "a.gguf"
     peft_to_gguf(d, real_base(family), out, "f32")
     assert_same_gguf(out, d.parent / f"{name}-f32.gguf")

@@ -11,23 +11,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from shared_data import TINY
 
 import graftlm
 from graftlm.errors import AdapterError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.export import export_lora
 
-TINY = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "tiny"
 IDS = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(2)).tolist()
 T = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def runtime_logprobs(base: Path, adapters: list[tuple[Path, float]]) -> torch.Tensor:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
+from shared_data import FIXTURES, GOLDEN, REAL_ADAPTERS, TINY, TINY_WITH_PEFT
 
 import graftlm
 from graftlm.gguf import GGUFFile
@@ -24,16 +24,7 @@ from graftlm.lora.peft import (
 )
 from graftlm.models import Transformer, build_model
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-TINY = SHARED / "fixtures" / "tiny"
-TINY_WITH_PEFT = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
-REAL = [
-    ("smollm2", "caps"),
-    ("smollm2", "pirate"),
-    ("smollm2", "rand_all"),
-    ("gemma3", "gpirate"),
-    ("gemma3", "grand"),
-]
+REAL = REAL_ADAPTERS
 
 
 def tiny_model(family: str) -> Transformer:
@@ -67,7 +58,7 @@ def test_real_fixture_resolves_like_the_converted_gguf(
     family: str, name: str, real_model: Callable[[str], graftlm.Model]
 ) -> None:
     model = real_model(family).model
-    d = SHARED / "fixtures" / family / name
+    d = FIXTURES / family / name
     peft = read_peft_adapter(d, model)
     ref = read_gguf_adapter(d.parent / f"{name}-f32.gguf", model, model.base_tensor_names)
     assert_same(peft, ref)
@@ -75,7 +66,7 @@ def test_real_fixture_resolves_like_the_converted_gguf(
 
 def _ids(family: str) -> list[int]:
     """A recorded chat prompt and its continuation (teacher forcing)."""
-    case = json.loads((SHARED / "golden" / f"{family}_generate.json").read_text())
+    case = json.loads((GOLDEN / f"{family}_generate.json").read_text())
     cases = case["cases"] if isinstance(case, dict) and "cases" in case else case
     c = cases[0]
     return list(c["prompt_ids"]) + list(c["generated_ids"])
@@ -95,7 +86,7 @@ def test_real_fixture_logprobs_match_the_converted_gguf(
 
     base = logprobs([])
     for name in [n for f, n in REAL if f == family]:
-        d = SHARED / "fixtures" / family / name
+        d = FIXTURES / family / name
         scale = 0.1 if name == "grand" else 1.0  # grand is strong: the README suggests ~0.1
         a = model.add_lora(d, scale=0.0)
         b = model.add_lora(d.parent / f"{name}-f32.gguf", scale=0.0)

@@ -103,13 +103,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    # tiny models: one thread is fastest, and two spin against each other on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def peft_logprobs(pm: Any, ids: list[int]) -> torch.Tensor:

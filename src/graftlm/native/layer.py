@@ -89,11 +89,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def native_weight(p: Projection) -> bool:
-    """Whether the projection's weight is held by a native kernel (what FusedLayer reads)."""
-    return _weight(p) is not None
-
-
 def _weight(p: Projection) -> _Weight | None:
     from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
 
@@ -192,16 +187,17 @@ class FusedLayer:
         rows = batch.decode_rows()
         if lib is None or rows is None or config.get_compute_dtype() is not torch.bfloat16:
             return None
-        if x.dtype is not torch.float32 or not (
-            0 <= min(batch.starts) and max(batch.starts) < self.n_ctx
-            and 0 <= min(batch.slots) and max(batch.slots) < self.n_slots
-        ):  # fmt: skip
+        if (
+            x.dtype is not torch.float32
+            or rows.max_position >= self.n_ctx
+            or rows.max_slot >= self.n_slots
+        ):
             return None  # the C code writes the cache at (slot, position): never out of range
         if not self._bind_lora(batch):
             return None  # an adapter the native delta cannot read: the PyTorch block runs
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
-            ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows[0].data_ptr(),
-            rows[1].data_ptr(), max(1, torch.get_num_threads()),
+            ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
+            rows.positions.data_ptr(), max(1, torch.get_num_threads()),
         )  # fmt: skip
         return out.view(x.shape)

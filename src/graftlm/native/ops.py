@@ -131,8 +131,8 @@ def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     return out
 
 
-def _rows(t: torch.Tensor, heads: int, dim: int) -> int | None:
-    """Row stride of (B, 1, heads * dim) with contiguous heads, else None."""
+def _row_stride(t: torch.Tensor) -> int | None:
+    """Row stride of a CPU float32 (B, 1, heads * dim) whose last dimension is contiguous."""
     if t.dtype is not torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
         return None
     return int(t.stride(0))
@@ -152,12 +152,15 @@ def attn_decode(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    bounds: tuple[int, int] | None = None,
 ) -> torch.Tensor | None:
     """Attention for B rows of one new token each (see gl_attn_decode), or None.
 
     q (B, 1, H*D), k (B, 1, Hkv*D), v (B, 1, Hkv*Dv), unrotated; kc/vc the layer's cache
     (slots, Hkv, n_ctx, D/Dv); slots/positions (B,) int64; cos/sin (n_ctx, rot/2) float32.
-    Writes the rotated k and v into the cache; returns (B, 1, H*Dv).
+    Writes the rotated k and v into the cache; returns (B, 1, H*Dv). bounds: (max slot, max
+    position) when the caller knows them to be non-negative (Batch.decode_rows), else they are
+    read from the tensors.
     """
     lib = library()
     if (
@@ -173,15 +176,17 @@ def attn_decode(
     rot = cos.shape[-1] * 2
     if max(d, dv) > MAX_HEAD_DIM or q.shape[1] != 1 or h % hkv or rot > d:
         return None
-    qs, ks, vs = _rows(q, h, d), _rows(k, hkv, d), _rows(v, hkv, dv)
+    qs, ks, vs = _row_stride(q), _row_stride(k), _row_stride(v)
     if qs is None or ks is None or vs is None or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
-    if positions.numel() and not (
-        0 <= int(positions.min()) and int(positions.max()) < min(n_ctx, cos.shape[0])
-    ):
-        return None  # the C code writes the cache at these: out of range stays in PyTorch
-    if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < n_slots):
-        return None
+    if bounds is None:
+        if positions.numel() and min(int(positions.min()), int(slots.min())) < 0:
+            return None
+        bounds = (int(slots.max()), int(positions.max())) if positions.numel() else (0, 0)
+    if bounds[0] >= n_slots or bounds[1] >= min(n_ctx, cos.shape[0]):
+        return (
+            None  # the C code writes the cache at (slot, position): out of range stays in PyTorch
+        )
     out = q.new_empty(b, 1, h * dv)
     lib.gl_attn_decode(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, kc.data_ptr(), vc.data_ptr(),

@@ -11,6 +11,7 @@ float32 GEMM instead.  Dequantization is bit-exact with ``gguf.quants.dequantize
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +31,23 @@ def _threads() -> int:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _pack_scales(
+    qtype: QType,
+    shape: tuple[int, int],
+    pack: Callable[[tuple[torch.Tensor, ...]], int],
+    count: int,
+) -> tuple[torch.Tensor, ...]:
+    """Allocate `count` scale tensors of `shape` and fill them with `pack` (the C packer, which
+    returns nonzero when a float16 scale would not be exact): float16 for the types whose scales
+    are the file's float16 values, float32 when that fails or for the others."""
+    dtypes = (torch.float16, torch.float32) if qtype in F16_SCALES else (torch.float32,)
+    for dtype in dtypes:
+        scales = tuple(torch.empty(shape, dtype=dtype) for _ in range(count))
+        if not pack(scales):
+            break
+    return scales
 
 
 def _check_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -58,7 +76,7 @@ class NativeKernel(Kernel):
         if not config.use_fused(self.name, m):
             return self.chunked_matmul(x)
         y = torch.empty((m, self.shape[0]), dtype=torch.float32)
-        self._fn(x.data_ptr(), m, *self._args, y.data_ptr(), _threads())
+        self._mm(x, y)
         return y
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -112,15 +130,14 @@ class NativeU4Kernel(NativeKernel):
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         qs = torch.empty(n8, k // 2, dtype=torch.uint8)
-        for dtype in (torch.float16, torch.float32) if qtype in F16_SCALES else (torch.float32,):
-            d = torch.empty(n8, k // 32, dtype=dtype)
-            m = torch.empty(n8, k // 32, dtype=dtype)
-            inexact = lib.gl_pack_u4(
-                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k,
-                qs.data_ptr(), d.data_ptr(), m.data_ptr(), int(dtype == torch.float16), _threads(),
-            )  # fmt: skip
-            if not inexact:
-                break
+        d, m = _pack_scales(
+            qtype, (n8, k // 32),
+            lambda dm: lib.gl_pack_u4(
+                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, qs.data_ptr(),
+                dm[0].data_ptr(), dm[1].data_ptr(), int(dm[0].dtype == torch.float16), _threads(),
+            ),
+            2,
+        )  # fmt: skip
         return cls(shape, qs, d, m, 8 if qtype == T.Q4_0 else 0)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
@@ -171,14 +188,14 @@ class NativeS8Kernel(NativeKernel):
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         q = torch.empty(n8, k, dtype=torch.int8)
-        for dtype in (torch.float16, torch.float32) if qtype in F16_SCALES else (torch.float32,):
-            s = torch.empty(n8, k // sblk, dtype=dtype)
-            inexact = lib.gl_pack_s8(
-                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), s.data_ptr(),
-                int(dtype == torch.float16), _threads(),
-            )  # fmt: skip
-            if not inexact:
-                break
+        (s,) = _pack_scales(
+            qtype, (n8, k // sblk),
+            lambda sc: lib.gl_pack_s8(
+                int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(),
+                sc[0].data_ptr(), int(sc[0].dtype == torch.float16), _threads(),
+            ),
+            1,
+        )  # fmt: skip
         return cls(shape, q, s, sblk, small=qtype == T.Q5_0)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ needs per step is computed here once, not per layer: positions and attention mas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,16 @@ class LoraRows:
         return s
 
 
+class DecodeRows(NamedTuple):
+    """A decode step's rows: cache slots and positions as (B,) int64, and their maxima (the
+    native steps check them against the cache once, not per layer)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    max_slot: int
+    max_position: int
+
+
 @dataclass
 class Batch:
     tokens: torch.Tensor  # (B, T) int64
@@ -46,7 +57,7 @@ class Batch:
     lora: LoraRows | None = None
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
-    _decode: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _decode: DecodeRows | None = field(default=None, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -68,17 +79,19 @@ class Batch:
             self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
         return self._positions
 
-    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(slots, positions) as (B,) int64 when every row is one real token of a distinct
-        sequence (a decode step), else None."""
+    def decode_rows(self) -> DecodeRows | None:
+        """Every row one real token of a distinct sequence (a decode step): its slots and
+        positions, made once per step; else None."""
         if self.n_tokens != 1 or any(n != 1 for n in self.lengths):
             return None
-        if len(set(self.slots)) != len(self.slots):
+        if len(set(self.slots)) != len(self.slots) or min(self.slots) < 0 or min(self.starts) < 0:
             return None
         if self._decode is None:
-            self._decode = (
+            self._decode = DecodeRows(
                 torch.tensor(self.slots, dtype=torch.long),
                 torch.tensor(self.starts, dtype=torch.long),
+                max(self.slots),
+                max(self.starts),
             )
         return self._decode
 

@@ -28,8 +28,9 @@ def _stats(xs: list[float]) -> str:
     return f"{mean:8.1f} ± {sd:5.1f}"
 
 
-def _timed(fn: Callable[[], int], reps: int) -> list[float]:
-    fn()  # warm-up: first-call allocations and kernel selection are not the steady state
+def _timed(fn: Callable[[], int], reps: int, warm: bool = True) -> list[float]:
+    if warm:
+        fn()  # warm-up: first-call allocations and kernel selection are not the steady state
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -48,15 +49,9 @@ def _paired(
     xs: list[float] = []
     ys: list[float] = []
     for _ in range(reps):
-        xs += _timed_once(a)
-        ys += _timed_once(b)
+        xs += _timed(a, 1, warm=False)
+        ys += _timed(b, 1, warm=False)
     return xs, ys
-
-
-def _timed_once(fn: Callable[[], int]) -> list[float]:
-    t0 = time.perf_counter()
-    n = fn()
-    return [n / (time.perf_counter() - t0)]
 
 
 def _pair_ratio(xs: list[float], ys: list[float]) -> float:
@@ -157,6 +152,9 @@ def bench(args: argparse.Namespace) -> int:
             their_s, ratio = _stats(theirs) + " (same run)", _pair_ratio(ours, theirs)
         else:
             ours = _timed(ours_fn, args.repetitions)
+            r = ref.get(f"{test}{n}") if not specs else None
+            their_s = "-" if r is None else f"{r:8.1f} (reference)"
+            ratio = float("nan") if r is None else statistics.fmean(ours) / r
         if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
             off = [{"id": a["id"], "scale": 0.0} for a in lora]
             on_s, off_s = _paired(ours_fn, _ours(model, test, n, off), args.repetitions)
@@ -164,13 +162,6 @@ def bench(args: argparse.Namespace) -> int:
                 f"{test}{n}: with adapters {statistics.fmean(on_s):.1f} t/s, without "
                 f"{statistics.fmean(off_s):.1f} t/s, ratio {_pair_ratio(on_s, off_s):.2f}"
             )
-        if theirs_fn is not None:
-            pass  # their_s and ratio are set above
-        elif f"{test}{n}" in ref and not specs:
-            r = ref[f"{test}{n}"]
-            their_s, ratio = f"{r:8.1f} (reference)", statistics.fmean(ours) / r
-        else:
-            their_s, ratio = "-", float("nan")
         print(
             f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio:.2f} |",
             flush=True,

@@ -303,6 +303,32 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
 #define MT 6 /* rows of x per tile: their accumulators live in registers */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
 
+/* The 8 outputs of a row group for R rows of x: nvalid < 8 in the last, padded group. */
+static inline __attribute__((always_inline)) void store_group(const __m256 *acc, int R, float *y,
+                                                              int64_t ldy, int64_t nvalid) {
+    for (int r = 0; r < R; r++) {
+        if (nvalid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, acc[r]);
+            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
+        }
+    }
+}
+
+/* F(rows) with rows a compile-time constant 1..MT: the group kernels keep R accumulators in
+ * registers only when R is known when they are inlined. */
+#define WITH_ROWS(R, F)                                                                            \
+    switch (R) {                                                                                   \
+    case 6: F(6); break;                                                                           \
+    case 5: F(5); break;                                                                           \
+    case 4: F(4); break;                                                                           \
+    case 3: F(3); break;                                                                           \
+    case 2: F(2); break;                                                                           \
+    default: F(1); break;                                                                          \
+    }
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -338,15 +364,7 @@ static inline __attribute__((always_inline)) void u4_group(
             acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        if (nvalid == 8) {
-            _mm256_storeu_ps(y + r * ldy, acc[r]);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, acc[r]);
-            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
-        }
-    }
+    store_group(acc, R, y, ldy, nvalid);
 }
 
 /* The same for an s8 weight: sblk 32 (one scale per block) or 16 (two). */
@@ -386,15 +404,7 @@ static inline __attribute__((always_inline)) void s8_group(
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        if (nvalid == 8) {
-            _mm256_storeu_ps(y + r * ldy, acc[r]);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, acc[r]);
-            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
-        }
-    }
+    store_group(acc, R, y, ldy, nvalid);
 }
 
 /* The same for an s8 weight whose codes are small (Q5_0: q in [-16, 15]): q + 16 is a byte in
@@ -424,15 +434,7 @@ static inline __attribute__((always_inline)) void s5_group(
         }
         for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
     }
-    for (int r = 0; r < R; r++) {
-        if (nvalid == 8) {
-            _mm256_storeu_ps(y + r * ldy, acc[r]);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, acc[r]);
-            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
-        }
-    }
+    store_group(acc, R, y, ldy, nvalid);
 }
 
 typedef struct {
@@ -473,27 +475,15 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
                 const void *dg = (const char *)d + g * kb * 8 * ss, *mg = (const char *)m + g * kb * 8 * ss;
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define U4(RR, HH) u4_group(qg, dg, mg, HH, kb, xt, dt, st, RR, yo, n, nv)
+#define U4H(RR) u4_group(qg, dg, mg, 1, kb, xt, dt, st, RR, yo, n, nv)
+#define U4F(RR) u4_group(qg, dg, mg, 0, kb, xt, dt, st, RR, yo, n, nv)
                 if (h) {
-                    switch (R) {
-                    case 6: U4(6, 1); break;
-                    case 5: U4(5, 1); break;
-                    case 4: U4(4, 1); break;
-                    case 3: U4(3, 1); break;
-                    case 2: U4(2, 1); break;
-                    default: U4(1, 1); break;
-                    }
+                    WITH_ROWS(R, U4H)
                 } else {
-                    switch (R) {
-                    case 6: U4(6, 0); break;
-                    case 5: U4(5, 0); break;
-                    case 4: U4(4, 0); break;
-                    case 3: U4(3, 0); break;
-                    case 2: U4(2, 0); break;
-                    default: U4(1, 0); break;
-                    }
+                    WITH_ROWS(R, U4F)
                 }
-#undef U4
+#undef U4H
+#undef U4F
             }
         }
     }
@@ -519,50 +509,27 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
                 const void *sg = (const char *)s + g * ns * 8 * ss;
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define S8(RR, HH, BB) s8_group(qg, sg, HH, BB, kb, xt, dt, RR, yo, n, nv)
-#define S8R(HH, BB)                      \
-    switch (R) {                         \
-    case 6: S8(6, HH, BB); break;        \
-    case 5: S8(5, HH, BB); break;        \
-    case 4: S8(4, HH, BB); break;        \
-    case 3: S8(3, HH, BB); break;        \
-    case 2: S8(2, HH, BB); break;        \
-    default: S8(1, HH, BB); break;       \
-    }
-                if (small) {
-                    const float *st = xb.xs + r0 * kb;
-#define S5(RR, HH) s5_group(qg, sg, HH, kb, xt, dt, st, RR, yo, n, nv)
-                    if (h) {
-                        switch (R) {
-                        case 6: S5(6, 1); break;
-                        case 5: S5(5, 1); break;
-                        case 4: S5(4, 1); break;
-                        case 3: S5(3, 1); break;
-                        case 2: S5(2, 1); break;
-                        default: S5(1, 1); break;
-                        }
-                    } else {
-                        switch (R) {
-                        case 6: S5(6, 0); break;
-                        case 5: S5(5, 0); break;
-                        case 4: S5(4, 0); break;
-                        case 3: S5(3, 0); break;
-                        case 2: S5(2, 0); break;
-                        default: S5(1, 0); break;
-                        }
-                    }
-#undef S5
+#define S5H(RR) s5_group(qg, sg, 1, kb, xt, dt, xb.xs + r0 * kb, RR, yo, n, nv)
+#define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb.xs + r0 * kb, RR, yo, n, nv)
+#define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
+#define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
+#define S8K(RR) s8_group(qg, sg, 0, 16, kb, xt, dt, RR, yo, n, nv)
+                if (small && h) {
+                    WITH_ROWS(R, S5H)
+                } else if (small) {
+                    WITH_ROWS(R, S5F)
+                } else if (sblk == 32 && h) {
+                    WITH_ROWS(R, S8H)
                 } else if (sblk == 32) {
-                    if (h) {
-                        S8R(1, 32)
-                    } else {
-                        S8R(0, 32)
-                    }
+                    WITH_ROWS(R, S8F)
                 } else {
-                    S8R(0, 16)
+                    WITH_ROWS(R, S8K)
                 }
-#undef S8R
-#undef S8
+#undef S5H
+#undef S5F
+#undef S8H
+#undef S8F
+#undef S8K
             }
         }
     }

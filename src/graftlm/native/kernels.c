@@ -260,10 +260,10 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32): per 32 values xd = max|x| / 127,
- * xq = round(x / xd), xs = xd * sum(xq). */
+/* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32), xs16 (M, k/16): per 32 values
+ * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values. */
 static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
-                       int nth) {
+                       float *xs16, int nth) {
     const int64_t kb = k / 32;
     const __m256 signbit = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(nth) schedule(static) if (M * k > 65536)
@@ -284,23 +284,27 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
         __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), rnd));
         __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), rnd));
         __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), rnd));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
+        const __m256i sa = _mm256_add_epi32(i0, i1), sb = _mm256_add_epi32(i2, i3);
+        __m128i s4 = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(sa), _mm256_extracti128_si256(sa, 1)),
+                                    _mm_add_epi32(_mm256_castsi256_si128(sb), _mm256_extracti128_si256(sb, 1)));
+        s4 = _mm_hadd_epi32(s4, s4); /* [sum of the first 16, of the last 16, ...] */
+        const int32_t sum0 = _mm_cvtsi128_si32(s4), sum1 = _mm_extract_epi32(s4, 1);
         /* pack 32 x int32 -> 32 x int8 in order */
         __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
         __m256i pk = _mm256_packs_epi16(p01, p23);
         pk = _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(xq + i * 32), pk);
         xd[i] = dd;
-        xs[i] = dd * (float)_mm_cvtsi128_si32(s4);
+        xs[i] = dd * (float)(sum0 + sum1);
+        xs16[2 * i] = dd * (float)sum0;
+        xs16[2 * i + 1] = dd * (float)sum1;
     }
 }
 
 /* ---------------------------------------------------------------- matrix products */
 
-#define MT 6 /* rows of x per tile: their accumulators live in registers */
+#define MT 6  /* rows of x per tile: their accumulators live in registers */
+#define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
 
 /* The 8 outputs of a row group for R rows of x: nvalid < 8 in the last, padded group. */
@@ -317,8 +321,16 @@ static inline __attribute__((always_inline)) void store_group(const __m256 *acc,
     }
 }
 
-/* F(rows) with rows a compile-time constant 1..MT: the group kernels keep R accumulators in
- * registers only when R is known when they are inlined. */
+/* F(rows) with rows a compile-time constant 1..MT (WITH_ROWS) or 1..MTU (WITH_ROWS_U): the group
+ * kernels keep R accumulators in registers only when R is known when they are inlined. */
+#define WITH_ROWS_U(R, F)                                                                           \
+    switch (R) {                                                                                   \
+    case 4: F(4); break;                                                                           \
+    case 3: F(3); break;                                                                           \
+    case 2: F(2); break;                                                                           \
+    default: F(1); break;                                                                          \
+    }
+
 #define WITH_ROWS(R, F)                                                                            \
     switch (R) {                                                                                   \
     case 6: F(6); break;                                                                           \
@@ -407,39 +419,81 @@ static inline __attribute__((always_inline)) void s8_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
+/* The 4 weight vectors of half a block (16 values of 8 rows), with `off` added to every code. */
+static inline __attribute__((always_inline)) void load_half(const int8_t *w, __m256i off, __m256i *v) {
+    for (int c = 0; c < 4; c++) v[c] = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + 32 * c)), off);
+}
+
+/* sum_c maddubs(v[c], x[4c .. 4c+3]) in int16 for 16 values of x. */
+static inline __attribute__((always_inline)) __m256i dot_half(const __m256i *v, const int8_t *xb) {
+    const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
+    return _mm256_add_epi16(a, _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xb + 8)), _mm256_maddubs_epi16(v[3], bcast4(xb + 12))));
+}
+
 /* The same for an s8 weight whose codes are small (Q5_0: q in [-16, 15]): q + 16 is a byte in
  * [0, 31], so maddubs takes it as the unsigned side directly (|pair| <= 2 * 31 * 127, four of
  * them fit in int16) and -16 * d * sum(x) corrects the offset: 3 ops per 32 products instead of
- * the 5 of the signed path. Scales per 32 values. */
+ * the 5 of the signed path. Scales per 32 values. Each half block's 4 weight vectors stay in
+ * registers across the rows, and the block's sums go to float once: MTU rows per tile (with MT,
+ * the accumulators spilled and this ran 25% slower). */
 static inline __attribute__((always_inline)) void s5_group(
     const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(16);
-    __m256 acc[MT];
+    __m256 acc[MTU];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const int8_t *w = q + b * 256;
-        const __m256 sv = load_scales8(s, b * 8, h), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-16.0f));
-        __m256i s16[MT];
+        __m256i s32[MTU];
         for (int half = 0; half < 2; half++) {
-            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-            for (int c = 4 * half; c < 4 * half + 4; c++) {
-                const __m256i wu = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + 32 * c)), off);
-                for (int r = 0; r < R; r++)
-                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(wu, bcast4(xq + (r * kb + b) * 32 + 4 * c)));
+            __m256i v[4];
+            load_half(w + 128 * half, off, v);
+            for (int r = 0; r < R; r++) {
+                const __m256i t = _mm256_madd_epi16(dot_half(v, xq + (r * kb + b) * 32 + 16 * half), ones);
+                s32[r] = half ? _mm256_add_epi32(s32[r], t) : t;
             }
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)),
-                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        const __m256 sv = load_scales8(s, b * 8, h), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-16.0f));
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* The same for Q6_K's codes (q in [-32, 31], a scale per 16 values): q + 32 is a byte in [0, 63]
+ * (|pair| <= 2 * 63 * 127, two of them fit in int16) and -32 * s * sum(x) per 16 values corrects
+ * the offset. */
+static inline __attribute__((always_inline)) void k6_group(
+    const int8_t *q, const void *s, int64_t kb, const int8_t *xq, const float *xd,
+    const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(32);
+    __m256 acc[MTU];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *w = q + b * 256;
+        for (int half = 0; half < 2; half++) {
+            __m256i v[4];
+            load_half(w + 128 * half, off, v);
+            const __m256 sv = load_scales8(s, b * 16 + 8 * half, 0), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
+                /* two int16 halves of the pairs: |2 maddubs| <= 4 * 63 * 127 fits, 4 would not */
+                const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
+                const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xb + 8)), _mm256_maddubs_epi16(v[3], bcast4(xb + 12)));
+                const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(t0, ones), _mm256_madd_epi16(t1, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs16[(r * kb + b) * 2 + half]), acc[r]);
+            }
+        }
     }
     store_group(acc, R, y, ldy, nvalid);
 }
 
 typedef struct {
     int8_t *xq;
-    float *xd, *xs;
+    float *xd, *xs, *xs16;
 } xbuf;
 
 static xbuf xbuf_make(const float *x, int64_t M, int64_t k, int nth) {
@@ -447,7 +501,8 @@ static xbuf xbuf_make(const float *x, int64_t M, int64_t k, int nth) {
     b.xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
     b.xd = malloc(sizeof(float) * (size_t)(M * (k / 32)));
     b.xs = malloc(sizeof(float) * (size_t)(M * (k / 32)));
-    quantize_x(x, M, k, b.xq, b.xd, b.xs, nth);
+    b.xs16 = malloc(sizeof(float) * (size_t)(M * (k / 16)));
+    quantize_x(x, M, k, b.xq, b.xd, b.xs, b.xs16, nth);
     return b;
 }
 
@@ -455,6 +510,7 @@ static void xbuf_free(xbuf b) {
     free(b.xq);
     free(b.xd);
     free(b.xs);
+    free(b.xs16);
 }
 
 /* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
@@ -496,12 +552,13 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
               int sblk, int small, int64_t n, float *y, int nth) {
     const int64_t kb = k / 32, groups = (n + 7) / 8, tasks = (groups + GT - 1) / GT;
     const int64_t ns = k / sblk, ss = h ? 2 : 4;
+    const int mt = small || sblk == 16 ? MTU : MT;
     const xbuf xb = xbuf_make(x, M, k, nth);
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
-        for (int64_t r0 = 0; r0 < M; r0 += MT) {
-            const int R = M - r0 < MT ? (int)(M - r0) : MT;
+        for (int64_t r0 = 0; r0 < M; r0 += mt) {
+            const int R = M - r0 < mt ? (int)(M - r0) : mt;
             const int8_t *xt = xb.xq + r0 * k;
             const float *dt = xb.xd + r0 * kb;
             for (int64_t g = t * GT; g < g1; g++) {
@@ -513,17 +570,17 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
 #define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb.xs + r0 * kb, RR, yo, n, nv)
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
-#define S8K(RR) s8_group(qg, sg, 0, 16, kb, xt, dt, RR, yo, n, nv)
+#define S8K(RR) k6_group(qg, sg, kb, xt, dt, xb.xs16 + r0 * kb * 2, RR, yo, n, nv)
                 if (small && h) {
-                    WITH_ROWS(R, S5H)
+                    WITH_ROWS_U(R, S5H)
                 } else if (small) {
-                    WITH_ROWS(R, S5F)
+                    WITH_ROWS_U(R, S5F)
                 } else if (sblk == 32 && h) {
                     WITH_ROWS(R, S8H)
                 } else if (sblk == 32) {
                     WITH_ROWS(R, S8F)
                 } else {
-                    WITH_ROWS(R, S8K)
+                    WITH_ROWS_U(R, S8K)
                 }
 #undef S5H
 #undef S5F

@@ -513,22 +513,29 @@ static void xbuf_free(xbuf b) {
     free(b.xs16);
 }
 
-/* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
-void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
-              const void *m, int h, int64_t n, float *y, int nth) {
-    const int64_t kb = k / 32, groups = (n + 7) / 8, tasks = (groups + GT - 1) / GT;
+/* A quantized weight of n rows of k values, as the packers lay it out. */
+typedef struct {
+    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
+    int64_t half, sblk, small, n, k;
+    const void *q, *d, *m;
+} gl_weight;
+
+/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of every row of x.
+ * The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, groups = (n + 7) / 8;
+    const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    const int h = (int)w->half;
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
-    const xbuf xb = xbuf_make(x, M, k, nth);
-#pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    if (w->kind == 0) {
+        const uint8_t *qs = (const uint8_t *)w->q;
         for (int64_t r0 = 0; r0 < M; r0 += MT) {
             const int R = M - r0 < MT ? (int)(M - r0) : MT;
-            const int8_t *xt = xb.xq + r0 * k;
-            const float *dt = xb.xd + r0 * kb, *st = xb.xs + r0 * kb;
+            const int8_t *xt = xb->xq + r0 * k;
+            const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
             for (int64_t g = t * GT; g < g1; g++) {
                 const uint8_t *qg = qs + g * kb * 128;
-                const void *dg = (const char *)d + g * kb * 8 * ss, *mg = (const char *)m + g * kb * 8 * ss;
+                const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #define U4H(RR) u4_group(qg, dg, mg, 1, kb, xt, dt, st, RR, yo, n, nv)
@@ -542,55 +549,44 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
 #undef U4F
             }
         }
+        return;
     }
-    xbuf_free(xb);
-}
-
-/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values. */
-/* small: the codes are Q5_0's (|q| <= 16): the unsigned path of s5_group. */
-void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
-              int sblk, int small, int64_t n, float *y, int nth) {
-    const int64_t kb = k / 32, groups = (n + 7) / 8, tasks = (groups + GT - 1) / GT;
-    const int64_t ns = k / sblk, ss = h ? 2 : 4;
-    const int mt = small || sblk == 16 ? MTU : MT;
-    const xbuf xb = xbuf_make(x, M, k, nth);
-#pragma omp parallel for num_threads(nth) schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
-        for (int64_t r0 = 0; r0 < M; r0 += mt) {
-            const int R = M - r0 < mt ? (int)(M - r0) : mt;
-            const int8_t *xt = xb.xq + r0 * k;
-            const float *dt = xb.xd + r0 * kb;
-            for (int64_t g = t * GT; g < g1; g++) {
-                const int8_t *qg = q + g * kb * 256;
-                const void *sg = (const char *)s + g * ns * 8 * ss;
-                float *yo = y + r0 * n + g * 8;
-                const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define S5H(RR) s5_group(qg, sg, 1, kb, xt, dt, xb.xs + r0 * kb, RR, yo, n, nv)
-#define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb.xs + r0 * kb, RR, yo, n, nv)
+    /* s8; small: the codes are Q5_0's (|q| <= 16), the unsigned path of s5_group */
+    const int8_t *q = (const int8_t *)w->q;
+    const int64_t sblk = w->sblk, ns = k / sblk;
+    const int small = (int)w->small, mt = small || sblk == 16 ? MTU : MT;
+    for (int64_t r0 = 0; r0 < M; r0 += mt) {
+        const int R = M - r0 < mt ? (int)(M - r0) : mt;
+        const int8_t *xt = xb->xq + r0 * k;
+        const float *dt = xb->xd + r0 * kb;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const int8_t *qg = q + g * kb * 256;
+            const void *sg = (const char *)w->d + g * ns * 8 * ss;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#define S5H(RR) s5_group(qg, sg, 1, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
+#define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
-#define S8K(RR) k6_group(qg, sg, kb, xt, dt, xb.xs16 + r0 * kb * 2, RR, yo, n, nv)
-                if (small && h) {
-                    WITH_ROWS_U(R, S5H)
-                } else if (small) {
-                    WITH_ROWS_U(R, S5F)
-                } else if (sblk == 32 && h) {
-                    WITH_ROWS(R, S8H)
-                } else if (sblk == 32) {
-                    WITH_ROWS(R, S8F)
-                } else {
-                    WITH_ROWS_U(R, S8K)
-                }
+#define S8K(RR) k6_group(qg, sg, kb, xt, dt, xb->xs16 + r0 * kb * 2, RR, yo, n, nv)
+            if (small && h) {
+                WITH_ROWS_U(R, S5H)
+            } else if (small) {
+                WITH_ROWS_U(R, S5F)
+            } else if (sblk == 32 && h) {
+                WITH_ROWS(R, S8H)
+            } else if (sblk == 32) {
+                WITH_ROWS(R, S8F)
+            } else {
+                WITH_ROWS_U(R, S8K)
+            }
 #undef S5H
 #undef S5F
 #undef S8H
 #undef S8F
 #undef S8K
-            }
         }
     }
-    xbuf_free(xb);
 }
 
 /* ---------------------------------------------------------------- decode-step helpers */
@@ -795,61 +791,75 @@ static inline __m256 load8(const void *p, int64_t i, int bf) {
     return bf ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
+/* Each scale row's columns with a nonzero scale (s (S, R)): rows on different adapters walk only
+ * their own. */
+static void lora_columns(const float *s, int64_t S, int64_t R, int64_t *cols, int64_t *cnt) {
+    for (int64_t i = 0; i < S; i++) {
+        int64_t k = 0;
+        for (int64_t c = 0; c < R; c++)
+            if (s[i * R + c] != 0.0f) cols[i * R + k++] = c;
+        cnt[i] = k;
+    }
+}
+
+/* xa = s * (A[c] . x), 0 without computing where the scale is 0. */
+static inline float lora_dot(const float *x, int64_t n_in, const void *A, int bf, float sc, int64_t c) {
+    if (sc == 0.0f) return 0.0f;
+    return sc * (bf ? dot_bf16((const uint16_t *)A + c * n_in, x, n_in) : dot_f32((const float *)A + c * n_in, x, n_in));
+}
+
+/* y[jb * 32 ..][:32] += sum over the listed columns c of xa[c] * B[block jb, c], 32 outputs held in
+ * registers; columns whose B is zero on this block (span) are skipped. */
+static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_t cnt, const void *Bb,
+                         int bf, const int64_t *span, int64_t R, int64_t jb, int64_t n_out) {
+    const int64_t j = jb * 32;
+    float tail[32];
+    float *yo = j + 32 <= n_out ? yi + j : tail;
+    if (yo == tail) {
+        memset(tail, 0, sizeof(tail));
+        memcpy(tail, yi + j, sizeof(float) * (size_t)(n_out - j));
+    }
+    __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
+    __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
+    for (int64_t t = 0; t < cnt; t++) {
+        const int64_t c = cols[t];
+        if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
+        const __m256 av8 = _mm256_set1_ps(xa[c]);
+        const int64_t at = (jb * R + c) * 32;
+        y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
+        y1 = _mm256_fmadd_ps(av8, load8(Bb, at + 8, bf), y1);
+        y2 = _mm256_fmadd_ps(av8, load8(Bb, at + 16, bf), y2);
+        y3 = _mm256_fmadd_ps(av8, load8(Bb, at + 24, bf), y3);
+    }
+    _mm256_storeu_ps(yo, y0);
+    _mm256_storeu_ps(yo + 8, y1);
+    _mm256_storeu_ps(yo + 16, y2);
+    _mm256_storeu_ps(yo + 24, y3);
+    if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
+}
+
+/* y (M, n_out) += the delta of a stacked adapter site: x (M, n_in), M = rows * T tokens, with
+ * s (rows, R) the scale of each rank column on each row, A (R, n_in), B blocked by 32 outputs
+ * (Bb (nb, R, 32), see lora_block in ops.py) and each column's nonzero output span. */
 void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
              const float *s, int64_t R, const void *Bb, const int64_t *span, int64_t n_out,
              float *y, int64_t ldy, int nth) {
-    const int64_t nb = (n_out + 31) / 32;
+    const int64_t nb = (n_out + 31) / 32, S = M / T;
     float *av = malloc(sizeof(float) * (size_t)(M * R));
-    int64_t *cols = malloc(sizeof(int64_t) * (size_t)(M * R)), *cnt = malloc(sizeof(int64_t) * (size_t)M);
+    int64_t *cols = malloc(sizeof(int64_t) * (size_t)(S * R)), *cnt = malloc(sizeof(int64_t) * (size_t)S);
+    lora_columns(s, S, R, cols, cnt);
 #pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
     {
-        /* xa[i, c] = s[i / T, c] * (A[c] . x[i]): each read of A serves one (row, column) */
+        /* each read of A serves one (row, column) */
 #pragma omp for schedule(static)
         for (int64_t ic = 0; ic < M * R; ic++) {
             const int64_t i = ic / R, c = ic % R;
-            const float sc = s[(i / T) * R + c];
-            const float dt = sc == 0.0f ? 0.0f
-                           : bf ? dot_bf16((const uint16_t *)A + c * n_in, x + i * n_in, n_in)
-                                : dot_f32((const float *)A + c * n_in, x + i * n_in, n_in);
-            av[ic] = sc * dt;
+            av[ic] = lora_dot(x + i * n_in, n_in, A, bf, s[(i / T) * R + c], c);
         }
-        /* each row's columns with a nonzero scale: rows on different adapters skip the rest */
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < M; i++) {
-            int64_t k = 0;
-            for (int64_t c = 0; c < R; c++)
-                if (av[i * R + c] != 0.0f) cols[i * R + k++] = c;
-            cnt[i] = k;
-        }
-        /* y[i, block] += sum_c xa[i, c] * B[block, c], 32 outputs held in registers */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * nb; task++) {
-            const int64_t i = task / nb, jb = task % nb, j = jb * 32;
-            const float *ai = av + i * R;
-            float *yi = y + i * ldy;
-            float tail[32];
-            float *yo = j + 32 <= n_out ? yi + j : tail;
-            if (yo == tail) {
-                memset(tail, 0, sizeof(tail));
-                memcpy(tail, yi + j, sizeof(float) * (size_t)(n_out - j));
-            }
-            __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
-            __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
-            for (int64_t t = 0; t < cnt[i]; t++) {
-                const int64_t c = cols[i * R + t];
-                if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
-                const __m256 av8 = _mm256_set1_ps(ai[c]);
-                const int64_t at = (jb * R + c) * 32;
-                y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
-                y1 = _mm256_fmadd_ps(av8, load8(Bb, at + 8, bf), y1);
-                y2 = _mm256_fmadd_ps(av8, load8(Bb, at + 16, bf), y2);
-                y3 = _mm256_fmadd_ps(av8, load8(Bb, at + 24, bf), y3);
-            }
-            _mm256_storeu_ps(yo, y0);
-            _mm256_storeu_ps(yo + 8, y1);
-            _mm256_storeu_ps(yo + 16, y2);
-            _mm256_storeu_ps(yo + 24, y3);
-            if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
+            const int64_t i = task / nb, jb = task % nb;
+            lora_b_block(y + i * ldy, av + i * R, cols + (i / T) * R, cnt[i / T], Bb, bf, span, R, jb, n_out);
         }
     }
     free(av);
@@ -857,13 +867,7 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
     free(cnt);
 }
 
-/* ---------------------------------------------------------------- one llama decoder layer */
-
-typedef struct {
-    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
-    int64_t half, sblk, small, n, k;
-    const void *q, *d, *m;
-} gl_weight;
+/* ---------------------------------------------------------------- one projection */
 
 typedef struct {
     const void *a, *bb; /* NULL a: no adapter on this projection in this step */
@@ -871,6 +875,62 @@ typedef struct {
     const int64_t *span;
     int64_t r, bf;
 } gl_lora_site;
+
+/* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (one token per row: l->scales (M, R))
+ * unless l is NULL or l->a is: one parallel region. The threads split the adapter's dot
+ * products, then each computes its tasks' base outputs and adds the delta to those same 32
+ * outputs (one block of B) while they are in cache. Apart, the two took three more barriers
+ * and one more fork per projection, which at one token a row cost as much as the delta. */
+static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lora_site *l, float *y,
+                     int nth) {
+    _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
+    const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
+    const int has = l != NULL && l->a != NULL;
+    const int64_t R = has ? l->r : 0;
+    const xbuf xb = xbuf_make(x, M, k, nth);
+    float *av = has ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
+    int64_t *cols = has ? malloc(sizeof(int64_t) * (size_t)(M * R)) : NULL;
+    int64_t *cnt = has ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
+    if (has) lora_columns(l->scales, M, R, cols, cnt);
+#pragma omp parallel num_threads(nth)
+    {
+        if (has) {
+#pragma omp for schedule(static)
+            for (int64_t ic = 0; ic < M * R; ic++) {
+                const int64_t i = ic / R, c = ic % R;
+                av[ic] = lora_dot(x + i * k, k, l->a, (int)l->bf, l->scales[ic], c);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            mm_task(w, &xb, M, t, y);
+            if (has)
+                for (int64_t i = 0; i < M; i++)
+                    lora_b_block(y + i * n, av + i * R, cols + i * R, cnt[i], l->bb, (int)l->bf, l->span, R, t, n);
+        }
+    }
+    xbuf_free(xb);
+    free(av);
+    free(cols);
+    free(cnt);
+}
+
+/* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
+void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
+              const void *m, int h, int64_t n, float *y, int nth) {
+    const gl_weight w = {0, h, 32, 0, n, k, qs, d, m};
+    proj_run(&w, x, M, NULL, y, nth);
+}
+
+/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values;
+ * small: the codes are Q5_0's. */
+void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
+              int sblk, int small, int64_t n, float *y, int nth) {
+    const gl_weight w = {1, h, sblk, small, n, k, q, s, NULL};
+    proj_run(&w, x, M, NULL, y, nth);
+}
+
+/* ---------------------------------------------------------------- one llama decoder layer */
 
 typedef struct {
     gl_weight qkv[3], o, gate_up, down; /* qkv: one stacked weight (n_qkv 1) or Q, K, V (3) */
@@ -883,20 +943,6 @@ typedef struct {
     int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
     float eps, scale;
 } gl_layer;
-
-static void layer_mm(const gl_weight *w, const float *x, int64_t B, float *y, int nth) {
-    if (w->kind == 0)
-        gl_mm_u4(x, B, w->k, (const uint8_t *)w->q, w->d, w->m, (int)w->half, w->n, y, nth);
-    else
-        gl_mm_s8(x, B, w->k, (const int8_t *)w->q, w->d, (int)w->half, (int)w->sblk, (int)w->small,
-                 w->n, y, nth);
-}
-
-static void layer_lora(const gl_lora_site *l, const float *x, int64_t B, int64_t n_in, float *y,
-                       int64_t n_out, int nth) {
-    if (l->a)
-        gl_lora(x, B, 1, n_in, l->a, (int)l->bf, l->scales, l->r, l->bb, l->span, n_out, y, n_out, nth);
-}
 
 /* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
 void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth) {
@@ -944,17 +990,12 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     int64_t qs, ks, vs;
     gl_rms_norm(x, B, d, L->attn_norm, L->eps, h, nth);
     if (L->n_qkv == 1) {
-        layer_mm(&L->qkv[0], h, B, big, nth);
-        layer_lora(&L->l_qkv[0], h, B, d, big, nqkv, nth);
+        proj_run(&L->qkv[0], h, B, &L->l_qkv[0], big, nth);
         qb = big, kb = big + nq, vb = big + nq + nkv, qs = ks = vs = nqkv;
     } else {
         qb = big, kb = big + B * nq, vb = kb + B * nkv, qs = nq, ks = vs = nkv;
         float *outs[3] = {qb, kb, vb};
-        const int64_t widths[3] = {nq, nkv, nkv};
-        for (int p = 0; p < 3; p++) {
-            layer_mm(&L->qkv[p], h, B, outs[p], nth);
-            layer_lora(&L->l_qkv[p], h, B, d, outs[p], widths[p], nth);
-        }
+        for (int p = 0; p < 3; p++) proj_run(&L->qkv[p], h, B, &L->l_qkv[p], outs[p], nth);
     }
     for (int64_t b = 0; b < B; b++) {
         if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
@@ -962,16 +1003,13 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     }
     gl_attn_decode(qb, qs, kb, ks, vb, vs, L->kc, L->vc, slots, pos, B, H, Hkv, D, D, L->n_ctx,
                    L->cos_t, L->sin_t, L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
-    layer_mm(&L->o, att, B, o, nth);
-    layer_lora(&L->l_o, att, B, nq, o, d, nth);
+    proj_run(&L->o, att, B, &L->l_o, o, nth);
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
-    layer_mm(&L->gate_up, h, B, big, nth);
-    layer_lora(&L->l_gate_up, h, B, d, big, 2 * ff, nth);
+    proj_run(&L->gate_up, h, B, &L->l_gate_up, big, nth);
     gl_gated(big, B, ff, L->act, h, nth);
-    layer_mm(&L->down, h, B, o, nth);
-    layer_lora(&L->l_down, h, B, ff, o, d, nth);
+    proj_run(&L->down, h, B, &L->l_down, o, nth);
     if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     free(h);

@@ -20,7 +20,7 @@ from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
 from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
-from graftlm.native.layer import FusedLayer, LayerSpec
+from graftlm.native.layer import FusedLayer, LayerSpec, ScaleBoard
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
@@ -138,6 +138,7 @@ class Transformer:
         self.cache: KVCache | None = None
         # layer -> (the cache it was bound to, its one-call native decode step or None)
         self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
+        self._scale_board = ScaleBoard()
 
     # -- adapter seams -------------------------------------------------------------------------
     def projections(self) -> dict[str, Projection]:
@@ -214,9 +215,8 @@ class Transformer:
                 "n_ff": cfg.n_ff,
                 "window": cfg.sliding_window[i],
             }
-            fused = FusedLayer(
-                spec, kc, self.cache.v[i], self.rope_of_layer[i], dims, cfg.rms_eps, cfg.scale
-            )
+            rope, board = self.rope_of_layer[i], self._scale_board
+            fused = FusedLayer(spec, kc, self.cache.v[i], rope, dims, cfg.rms_eps, cfg.scale, board)
         self._fused[i] = (kc.data_ptr(), fused)
         return fused
 

@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -876,11 +877,43 @@ typedef struct {
     int64_t r, bf;
 } gl_lora_site;
 
+/* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
+static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int64_t *end) {
+    const int64_t q = n / nt, r = n % nt;
+    *start = tid * q + (tid < r ? tid : r);
+    *end = *start + q + (tid < r);
+}
+
+/* The cache lines of a LoRA site's factors that thread tid of nt reads at one token a row: its
+ * static share of A's columns (the dots split M * R = R) and of B's blocks, only the columns whose
+ * span reaches a block; at most PF_MAX. */
+#define PF_MAX 1024
+static int lora_lines(const gl_lora_site *l, int64_t n_in, int64_t n_out, int tid, int nt, const char **pf) {
+    const int64_t R = l->r, es = l->bf ? 2 : 4, nb = (n_out + 31) / 32;
+    int64_t c0, c1, b0, b1;
+    int np = 0;
+    static_chunk(R, tid, nt, &c0, &c1);
+    for (int64_t off = c0 * n_in * es; off < c1 * n_in * es && np < PF_MAX; off += 64)
+        pf[np++] = (const char *)l->a + off;
+    static_chunk(nb, tid, nt, &b0, &b1);
+    for (int64_t jb = b0; jb < b1; jb++)
+        for (int64_t c = 0; c < R; c++)
+            if (jb * 32 < l->span[2 * c + 1] && jb * 32 + 32 > l->span[2 * c])
+                for (int64_t off = 0; off < 32 * es && np < PF_MAX; off += 64)
+                    pf[np++] = (const char *)l->bb + (jb * R + c) * 32 * es + off;
+    return np;
+}
+
 /* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (one token per row: l->scales (M, R))
- * unless l is NULL or l->a is: one parallel region. The threads split the adapter's dot
- * products, then each computes its tasks' base outputs and adds the delta to those same 32
- * outputs (one block of B) while they are in cache. Apart, the two took three more barriers
- * and one more fork per projection, which at one token a row cost as much as the delta. */
+ * unless l is NULL or l->a is: one parallel region, one barrier.
+ *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs). At one
+ *     token a row it asks for the adapter lines it will read next, spread over those tasks: the
+ *     factors are small scattered reads that miss every cache after a layer of base weights has
+ *     streamed through (in one burst, the prefetches were dropped; ahead of the base product,
+ *     evicted by it).
+ *  2. The threads split A's dot products (the barrier).
+ *  3. Each adds B's delta to its own tasks' outputs, still in cache (a task is one block of B).
+ * Apart, the base product and the delta took three more barriers and one more fork. */
 static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lora_site *l, float *y,
                      int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
@@ -894,17 +927,24 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
     if (has) lora_columns(l->scales, M, R, cols, cnt);
 #pragma omp parallel num_threads(nth)
     {
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t t0, t1;
+        static_chunk(tasks, me, nt, &t0, &t1);
+        const char *pf[PF_MAX];
+        const int np = has && M == 1 ? lora_lines(l, k, n, me, nt, pf) : 0;
+        int done = 0;
+        for (int64_t t = t0; t < t1; t++) {
+            const int upto = (int)((int64_t)np * (t - t0 + 1) / (t1 - t0));
+            for (; done < upto; done++) _mm_prefetch(pf[done], _MM_HINT_T0);
+            mm_task(w, &xb, M, t, y);
+        }
         if (has) {
 #pragma omp for schedule(static)
             for (int64_t ic = 0; ic < M * R; ic++) {
                 const int64_t i = ic / R, c = ic % R;
                 av[ic] = lora_dot(x + i * k, k, l->a, (int)l->bf, l->scales[ic], c);
             }
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            mm_task(w, &xb, M, t, y);
-            if (has)
+            for (int64_t t = t0; t < t1; t++)
                 for (int64_t i = 0; i < M; i++)
                     lora_b_block(y + i * n, av + i * R, cols + i * R, cnt[i], l->bb, (int)l->bf, l->span, R, t, n);
         }

@@ -395,3 +395,82 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     for fused, composed in outs:
         torch.testing.assert_close(fused, composed, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(outs[0][0], outs[1][0])  # the settings did change the output
+
+
+def _masked_sdpa(q, kc, vc, slots, starts, scale, window):  # type: ignore[no-untyped-def]
+    """The twin of attn_prefill: SDPA with an explicit mask, row by row."""
+    b, t, h, d = q.shape
+    outs = []
+    for r in range(b):
+        length = starts[r] + t
+        pos = torch.arange(starts[r], length).view(t, 1)
+        key = torch.arange(length).view(1, length)
+        mask = key <= pos
+        if window:
+            mask &= pos - key < window
+        o = F.scaled_dot_product_attention(
+            q[r : r + 1].transpose(1, 2), kc[slots[r] : slots[r] + 1, :, :length],
+            vc[slots[r] : slots[r] + 1, :, :length], attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        outs.append(o.transpose(1, 2).flatten(2))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("t", "h", "hkv", "d", "starts", "window"),
+    [
+        (512, 4, 1, 256, [0], 0),  # gemma-3's prompt: 64 score rows a task, full key blocks
+        (100, 9, 3, 64, [0], 0),  # SmolLM2's heads; partial query and key blocks
+        (37, 4, 1, 256, [300], 0),  # a later chunk: keys before the chunk, 301 of them
+        (200, 4, 2, 32, [70], 64),  # a window shorter than the chunk
+        (5, 3, 3, 16, [0, 9, 2], 4),  # three rows at their own starts, slots out of order
+        (1, 2, 1, 16, [6], 0),  # one query
+    ],
+)
+def test_native_prefill_attention_equals_masked_sdpa(
+    t: int, h: int, hkv: int, d: int, starts: list[int], window: int
+) -> None:
+    g = torch.Generator().manual_seed(t)
+    n_slots, n_ctx = 4, max(starts) + t + 3
+    kc = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
+    vc = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
+    q = torch.randn(len(starts), t, h, d, generator=g) * 2
+    slots = [3, 0, 1][: len(starts)]
+    out = ops.attn_prefill(q, kc, vc, slots, starts, d**-0.5, window)
+    assert out is not None
+    ref = _masked_sdpa(q, kc, vc, slots, starts, d**-0.5, window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+
+
+def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
+    kc = torch.zeros(2, 1, 16, 32)
+    q = torch.zeros(1, 4, 2, 32)
+    assert ops.attn_prefill(q, kc, kc, [0], [12], 1.0, 0) is not None  # positions 12..15: fits
+    assert ops.attn_prefill(q, kc, kc, [0], [13], 1.0, 0) is None  # position 16 past the cache
+    assert ops.attn_prefill(q, kc, kc, [2], [0], 1.0, 0) is None  # no slot 2
+    assert ops.attn_prefill(q, kc, kc, [-1], [0], 1.0, 0) is None
+    assert ops.attn_prefill(q.double(), kc, kc, [0], [0], 1.0, 0) is None
+    odd = torch.zeros(2, 1, 16, 24)  # head size not a multiple of 16: SDPA runs
+    assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, odd, [0], [0], 1.0, 0) is None
+
+
+def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
+    from graftlm.native.layer import ScaleBoard
+    from graftlm.runtime.batch import LoraRows
+
+    board = ScaleBoard()
+    layout, cols = ((1, 2),), torch.tensor([1, 1])
+    at = board.address(layout, cols, 2)
+    gen = board.generation
+    assert board.address(layout, cols, 2) == at and board.generation == gen
+    rows = LoraRows(torch.tensor([[0.0, 0.5], [0.0, -1.0]]), (1,))
+    board.fill(rows)
+    key = board.key(rows)
+    assert board.key(rows) is key  # layers compare it by identity
+    assert board.address(layout, cols, 3) != at and board.generation == gen + 1  # grew
+    board.fill(rows)
+    other = board.address(((3, 1),), torch.tensor([3]), 2)  # a slot this step's scales lack
+    board.fill(LoraRows(torch.tensor([[0.0, 2.0]]), (1,)))  # fills what it can, skips the rest
+    buf = board._bufs[layout][2]
+    assert buf[0].tolist() == [2.0, 2.0] and buf[1].tolist() == [-1.0, -1.0]
+    assert other != 0 and board.key(rows) is not key

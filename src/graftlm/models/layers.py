@@ -178,6 +178,12 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
     keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
+    if batch.n_tokens > 1:  # prompt chunks: causal blocks only, every row at its own start
+        out = native_ops.attn_prefill(
+            q.contiguous(), cache.k[layer], cache.v[layer], batch.slots, batch.starts, scale, window
+        )
+        if out is not None:
+            return out.view(*q.shape[:2], -1)
     # one sequence's first chunk inside its window: plain causal attention, which SDPA computes
     # without the masked half (an explicit mask makes it compute every score)
     causal = batch.n_rows == 1 and batch.starts[0] == 0 and batch.n_tokens > 1

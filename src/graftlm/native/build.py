@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -45,6 +45,23 @@ _SIGNATURES: dict[str, list[type]] = {
     "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
     "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],
     "gl_lora": [_P, _I64, _I64, _I64, _P, _INT, _P, _I64, _P, _P, _I64, _P, _I64, _INT],
+    "gl_attn_prefill": [
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        ctypes.c_float,
+        _I64,
+        _INT,
+    ],
     "gl_attn_decode": [
         _P,
         _I64,

@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 17; }
+int gl_abi_version(void) { return 18; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -755,6 +755,177 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
             }
         }
         if (sc != sbuf_stack) free(sc);
+    }
+}
+
+/* Prompt attention: B rows of T queries each, rows of one sequence each (slot[b]) whose keys and
+ * values for positions 0 .. start[b] + T - 1 are in the cache (this chunk's already written,
+ * rotated). q (B, T, H, D) rotated; out (B, T, H * D) (Dv == D). Query t of row b sits at
+ * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0).
+ *
+ * One task: a kv head g of a row and PQ queries, whose H / Hkv heads share g's keys: rows =
+ * PQ * group score rows. Keys go by blocks of PK, transposed once per block into Kt (D, PK), so
+ * the score tile is 4 rows x 16 keys of FMAs with every operand a load or a broadcast; softmax
+ * is online (flash attention): running max m and sum l per row, O rescaled when m grows. Blocks
+ * past a task's last query or before its window are never touched: causal prompts do half the
+ * work of a masked full product. */
+#define PQ 16
+#define PK 64
+#define AR 6 /* score / output rows per register tile */
+
+/* Kt (D, PK) = the nk <= PK keys k (nk, D) transposed, zero past nk: 8 x 8 tiles in registers. */
+static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
+    int64_t j0 = 0;
+    for (; j0 + 8 <= nk; j0 += 8)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8], t[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(k + (j0 + i) * D + d0);
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+            }
+            for (int i = 0; i < 4; i++) {
+                _mm256_store_ps(Kt + (d0 + i) * PK + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+                _mm256_store_ps(Kt + (d0 + i + 4) * PK + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+            }
+        }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = j0; j < PK; j++) Kt[d * PK + j] = j < nk ? k[j * D + d] : 0.0f;
+}
+void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
+                     const int64_t *slots, const int64_t *starts, int64_t B, int64_t T, int64_t H,
+                     int64_t Hkv, int64_t D, int64_t n_ctx, float scale, int64_t window, int nth) {
+    const int64_t group = H / Hkv, qblocks = (T + PQ - 1) / PQ, rows_max = PQ * group;
+    const int64_t ntask = B * Hkv * qblocks;
+#pragma omp parallel num_threads(nth)
+    {
+        float *Kt = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
+        float *S = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * PK));
+        float *O = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * D));
+        float *m = malloc(sizeof(float) * (size_t)rows_max), *l = malloc(sizeof(float) * (size_t)rows_max);
+        float *alpha = malloc(sizeof(float) * (size_t)rows_max);
+        const float **qr = malloc(sizeof(float *) * (size_t)rows_max);
+        int64_t *pr = malloc(sizeof(int64_t) * (size_t)rows_max);
+        /* later query blocks have more keys: hand them out first, one at a time */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntask; task++) {
+            const int64_t qb = qblocks - 1 - task % qblocks, bg = task / qblocks;
+            const int64_t b = bg / Hkv, g = bg % Hkv, s = slots[b], p0 = starts[b];
+            const int64_t t0 = qb * PQ, nq = T - t0 < PQ ? T - t0 : PQ, rows = nq * group;
+            /* row r: query t0 + r / group of head g * group + r % group */
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t t = t0 + r / group, h = g * group + r % group;
+                qr[r] = q + ((b * T + t) * H + h) * D;
+                pr[r] = p0 + t;
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+            }
+            memset(O, 0, sizeof(float) * (size_t)(rows * D));
+            const int64_t pmin = p0 + t0, pmax = p0 + t0 + nq - 1;
+            const int64_t klo = window > 0 && pmin - window + 1 > 0 ? pmin - window + 1 : 0;
+            const float *kg = kc + (s * Hkv + g) * n_ctx * D, *vg = vc + (s * Hkv + g) * n_ctx * D;
+            for (int64_t k0 = klo; k0 <= pmax; k0 += PK) {
+                const int64_t nk = pmax + 1 - k0 < PK ? pmax + 1 - k0 : PK;
+                key_block_t(kg + k0 * D, nk, D, Kt);
+                /* S = scale * Q Kt: AR rows x 16 keys a tile */
+                for (int64_t j0 = 0; j0 < nk; j0 += 16) { /* Kt[:, j0 .. j0 + 16] stays in L1 */
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR]; /* a tail tile repeats row r0: same values, same place */
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m256 acc[AR][2];
+                        for (int r = 0; r < AR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+                        for (int64_t d = 0; d < D; d++) {
+                            const __m256 k0v = _mm256_load_ps(Kt + d * PK + j0), k1v = _mm256_load_ps(Kt + d * PK + j0 + 8);
+                            for (int r = 0; r < AR; r++) {
+                                const __m256 x = _mm256_broadcast_ss(qr[rr[r]] + d);
+                                acc[r][0] = _mm256_fmadd_ps(x, k0v, acc[r][0]);
+                                acc[r][1] = _mm256_fmadd_ps(x, k1v, acc[r][1]);
+                            }
+                        }
+                        const __m256 sc = _mm256_set1_ps(scale);
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm256_store_ps(S + rr[r] * PK + j0, _mm256_mul_ps(acc[r][0], sc));
+                            _mm256_store_ps(S + rr[r] * PK + j0 + 8, _mm256_mul_ps(acc[r][1], sc));
+                        }
+                    }
+                }
+                /* mask, online softmax: P = exp(S - m_new) in S, alpha = exp(m_old - m_new) */
+                const int64_t nk16 = (nk + 15) / 16 * 16;
+                for (int64_t r = 0; r < rows; r++) {
+                    float *sr = S + r * PK;
+                    const int64_t p = pr[r], lo = window > 0 ? p - window + 1 : 0;
+                    for (int64_t j = 0; j < nk16; j++) {
+                        const int64_t key = k0 + j;
+                        if (j >= nk || key > p || key < lo) sr[j] = -INFINITY;
+                    }
+                    float mx = m[r];
+                    for (int64_t j = 0; j < nk16; j++) mx = sr[j] > mx ? sr[j] : mx;
+                    if (mx == -INFINITY) { /* nothing visible yet: P = 0, O and l stay 0 */
+                        memset(sr, 0, sizeof(float) * (size_t)nk16);
+                        alpha[r] = 1.0f;
+                        continue;
+                    }
+                    const __m256 mv = _mm256_set1_ps(mx);
+                    __m256 sum = _mm256_setzero_ps();
+                    for (int64_t j = 0; j < nk16; j += 8) {
+                        const __m256 sv = _mm256_load_ps(sr + j);
+                        const __m256 vis = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                        const __m256 e = _mm256_and_ps(vis, exp256(_mm256_sub_ps(sv, mv)));
+                        _mm256_store_ps(sr + j, e);
+                        sum = _mm256_add_ps(sum, e);
+                    }
+                    alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                    l[r] = l[r] * alpha[r] + hsum8(sum);
+                    m[r] = mx;
+                }
+                /* O = alpha O + P V: AR rows x 16 dims a tile */
+                for (int64_t d0 = 0; d0 < D; d0 += 16) { /* V[:, d0 .. d0 + 16] stays in L1 */
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR];
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m256 c[AR][2];
+                        for (int r = 0; r < AR; r++) {
+                            const __m256 a = _mm256_set1_ps(alpha[rr[r]]);
+                            c[r][0] = _mm256_mul_ps(a, _mm256_loadu_ps(O + rr[r] * D + d0));
+                            c[r][1] = _mm256_mul_ps(a, _mm256_loadu_ps(O + rr[r] * D + d0 + 8));
+                        }
+                        for (int64_t j = 0; j < nk; j++) {
+                            const float *vr = vg + (k0 + j) * D + d0;
+                            const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+                            for (int r = 0; r < AR; r++) {
+                                const __m256 x = _mm256_broadcast_ss(S + rr[r] * PK + j);
+                                c[r][0] = _mm256_fmadd_ps(x, v0, c[r][0]);
+                                c[r][1] = _mm256_fmadd_ps(x, v1, c[r][1]);
+                            }
+                        }
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm256_storeu_ps(O + rr[r] * D + d0, c[r][0]);
+                            _mm256_storeu_ps(O + rr[r] * D + d0 + 8, c[r][1]);
+                        }
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t t = t0 + r / group, h = g * group + r % group;
+                float *dst = out + ((b * T + t) * H + h) * D;
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
+            }
+        }
+        free(Kt);
+        free(S);
+        free(O);
+        free(m);
+        free(l);
+        free(alpha);
+        free(qr);
+        free(pr);
     }
 }
 

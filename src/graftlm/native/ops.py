@@ -10,6 +10,7 @@ from graftlm.native.build import library
 
 __all__ = [
     "attn_decode",
+    "attn_prefill",
     "gated",
     "library",
     "lora_block",
@@ -192,5 +193,54 @@ def attn_decode(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, kc.data_ptr(), vc.data_ptr(),
         slots.data_ptr(), positions.data_ptr(), b, h, hkv, d, dv, n_ctx, cos.data_ptr(),
         sin.data_ptr(), rot, int(neox), scale, window, softcap, out.data_ptr(), _threads(),
+    )  # fmt: skip
+    return out
+
+
+def attn_prefill(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slots: list[int],
+    starts: list[int],
+    scale: float,
+    window: int,
+) -> torch.Tensor | None:
+    """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
+
+    q (B, T, H, D) rotated; kc/vc the layer's cache (slots, Hkv, n_ctx, D) holding every row's keys
+    and values up to start + T - 1 (this chunk's included). Returns (B, T, H * D): query t of row b
+    at position starts[b] + t sees the keys at positions <= its own, within `window` when > 0.
+    Padding queries past a row's real tokens get values that nothing reads.
+    """
+    lib = library()
+    if lib is None or q.dim() != 4:
+        return None
+    b, t, h, d = q.shape
+    n_slots, hkv, n_ctx, dk = kc.shape
+    if (
+        q.dtype is not torch.float32
+        or kc.dtype is not torch.float32
+        or vc.dtype is not torch.float32
+        or q.device.type != "cpu"
+        or not (q.is_contiguous() and kc.is_contiguous() and vc.is_contiguous())
+        or vc.shape != kc.shape
+        or dk != d
+        or d % 16
+        or h % hkv
+        or len(slots) != b
+        or len(starts) != b
+        or min(slots, default=0) < 0
+        or max(slots, default=0) >= n_slots
+        or min(starts, default=0) < 0
+        or max(starts, default=0) + t > n_ctx
+    ):
+        return None
+    out = q.new_empty(b, t, h * d)
+    sl = torch.tensor(slots, dtype=torch.int64)
+    st = torch.tensor(starts, dtype=torch.int64)
+    lib.gl_attn_prefill(
+        q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), sl.data_ptr(), st.data_ptr(),
+        b, t, h, hkv, d, n_ctx, scale, window, _threads(),
     )  # fmt: skip
     return out

@@ -1055,23 +1055,32 @@ static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int6
     *end = *start + q + (tid < r);
 }
 
-/* The cache lines of a LoRA site's factors that thread tid of nt reads at one token a row: its
- * static share of A's columns (the dots split M * R = R) and of B's blocks, only the columns whose
- * span reaches a block; at most PF_MAX. */
+/* At one token a row, the columns thread tid of nt needs: those with a nonzero scale whose B
+ * reaches its static share [b0, b1) of the 32-output blocks. */
+static int lora_needed(const gl_lora_site *l, int64_t b0, int64_t b1, int64_t *cols) {
+    int k = 0;
+    for (int64_t c = 0; c < l->r; c++)
+        if (l->scales[c] != 0.0f && b0 * 32 < l->span[2 * c + 1] && b1 * 32 > l->span[2 * c]) cols[k++] = c;
+    return k;
+}
+
+/* The cache lines of those columns' factors: their rows of A and their blocks of B in
+ * [b0, b1); at most PF_MAX. */
 #define PF_MAX 1024
-static int lora_lines(const gl_lora_site *l, int64_t n_in, int64_t n_out, int tid, int nt, const char **pf) {
-    const int64_t R = l->r, es = l->bf ? 2 : 4, nb = (n_out + 31) / 32;
-    int64_t c0, c1, b0, b1;
+static int lora_lines(const gl_lora_site *l, int64_t n_in, const int64_t *cols, int nc, int64_t b0,
+                      int64_t b1, const char **pf) {
+    const int64_t R = l->r, es = l->bf ? 2 : 4;
     int np = 0;
-    static_chunk(R, tid, nt, &c0, &c1);
-    for (int64_t off = c0 * n_in * es; off < c1 * n_in * es && np < PF_MAX; off += 64)
-        pf[np++] = (const char *)l->a + off;
-    static_chunk(nb, tid, nt, &b0, &b1);
+    for (int i = 0; i < nc; i++)
+        for (int64_t off = cols[i] * n_in * es; off < (cols[i] + 1) * n_in * es && np < PF_MAX; off += 64)
+            pf[np++] = (const char *)l->a + off;
     for (int64_t jb = b0; jb < b1; jb++)
-        for (int64_t c = 0; c < R; c++)
+        for (int i = 0; i < nc; i++) {
+            const int64_t c = cols[i];
             if (jb * 32 < l->span[2 * c + 1] && jb * 32 + 32 > l->span[2 * c])
                 for (int64_t off = 0; off < 32 * es && np < PF_MAX; off += 64)
                     pf[np++] = (const char *)l->bb + (jb * R + c) * 32 * es + off;
+        }
     return np;
 }
 
@@ -1101,15 +1110,24 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
+        /* one row: this thread's own columns, dots and all, no barrier */
+        const int one = has && M == 1 && R <= PF_MAX;
+        int64_t mine[one ? R : 1];
+        float xa[one ? R : 1];
         const char *pf[PF_MAX];
-        const int np = has && M == 1 ? lora_lines(l, k, n, me, nt, pf) : 0;
+        const int nc = one ? lora_needed(l, t0, t1, mine) : 0;
+        const int np = one ? lora_lines(l, k, mine, nc, t0, t1, pf) : 0;
         int done = 0;
         for (int64_t t = t0; t < t1; t++) {
             const int upto = (int)((int64_t)np * (t - t0 + 1) / (t1 - t0));
             for (; done < upto; done++) _mm_prefetch(pf[done], _MM_HINT_T0);
             mm_task(w, &xb, M, t, y);
         }
-        if (has) {
+        if (one) {
+            for (int i = 0; i < nc; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
+            for (int64_t t = t0; t < t1; t++)
+                lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, R, t, n);
+        } else if (has) {
 #pragma omp for schedule(static)
             for (int64_t ic = 0; ic < M * R; ic++) {
                 const int64_t i = ic / R, c = ic % R;

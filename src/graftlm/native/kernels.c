@@ -1085,14 +1085,16 @@ static int lora_lines(const gl_lora_site *l, int64_t n_in, const int64_t *cols, 
 }
 
 /* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (one token per row: l->scales (M, R))
- * unless l is NULL or l->a is: one parallel region, one barrier.
- *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs). At one
- *     token a row it asks for the adapter lines it will read next, spread over those tasks: the
- *     factors are small scattered reads that miss every cache after a layer of base weights has
- *     streamed through (in one burst, the prefetches were dropped; ahead of the base product,
- *     evicted by it).
- *  2. The threads split A's dot products (the barrier).
- *  3. Each adds B's delta to its own tasks' outputs, still in cache (a task is one block of B).
+ * unless l is NULL or l->a is: one parallel region.
+ *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs, one block
+ *     of B each). At one token a row it asks for the adapter lines it will read, spread over
+ *     those tasks: the factors are small scattered reads that miss every cache after a layer of
+ *     base weights has streamed through (in one burst, the prefetches were dropped; ahead of
+ *     the base product, evicted by it).
+ *  2. One row: each thread computes the dots of the columns its own blocks need (some twice,
+ *     across the two threads, but no barrier). More rows: the threads split all the dots, then
+ *     meet at a barrier.
+ *  3. Each adds B's delta to its own tasks' outputs, still in cache.
  * Apart, the base product and the delta took three more barriers and one more fork. */
 static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lora_site *l, float *y,
                      int nth) {

@@ -1,6 +1,6 @@
-"""Thin wrappers over the decode-step helpers of ``kernels.c``: each returns None (lora_delta:
-False) when it cannot serve the call (no library, not CPU float32, unsupported shape, an index
-out of range), and the caller then runs its PyTorch twin."""
+"""Thin wrappers over the attention, norm, gate and LoRA helpers of ``kernels.c``: each returns
+None (lora_delta: False) when it cannot serve the call (no library, not CPU float32, unsupported
+shape, an index out of range), and the caller then runs its PyTorch twin."""
 
 from __future__ import annotations
 

@@ -203,12 +203,14 @@ def test_native_lora_delta_equals_torch_delta() -> None:
 @pytest.mark.parametrize(
     "arch,qtype", [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("llama", Q.Q4_0), ("gemma3", Q.Q5_0)]
 )
+@pytest.mark.parametrize("n_rows", [3, 1])
 def test_fused_layer_equals_the_pytorch_block(
-    arch: str, qtype: Q, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, qtype: Q, n_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The one-call native layer against the same layer composed in Python (same native
     kernels): three rows at different positions (past gemma-3's window of 8), each with its own
-    adapters and scales, one with none; every projection carries an adapter."""
+    adapters and scales, one with none; every projection carries an adapter. One row (the one
+    with two adapters) takes the delta's single-row path: each thread its own columns."""
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
     from graftlm.models.base import Transformer
@@ -221,8 +223,12 @@ def test_fused_layer_equals_the_pytorch_block(
     ids = [m.add_lora(write_tiny_adapter(tmp_path / f"a{s}.gguf", spec, seed=s), 0.0)
            for s in (1, 2)]  # fmt: skip
     model = m.model
-    rows = m.engine.lora_rows([{ids[0]: 1.0}, {ids[0]: 0.5, ids[1]: -1.0}, {}])
+    settings = [{ids[0]: 1.0}, {ids[0]: 0.5, ids[1]: -1.0}, {}]
     lens = [4, 9, 13]
+    if n_rows == 1:
+        settings, lens = settings[1:2], lens[1:2]
+    rows = m.engine.lora_rows(settings)
+    slots = list(range(n_rows))
 
     def run() -> list[torch.Tensor]:
         out = []
@@ -230,9 +236,9 @@ def test_fused_layer_equals_the_pytorch_block(
             for s, n in enumerate(lens):
                 model.forward(Batch.single([(5 * s + j) % 40 + 3 for j in range(n)], s, 0))
             for step in range(3):
-                tokens = torch.tensor([[11 + step + s] for s in range(3)])
-                out.append(model.forward(Batch(tokens, [0, 1, 2], [n + step for n in lens],
-                                               [1, 1, 1], rows)))  # fmt: skip
+                tokens = torch.tensor([[11 + step + s] for s in slots])
+                out.append(model.forward(Batch(tokens, slots, [n + step for n in lens],
+                                               [1] * n_rows, rows)))  # fmt: skip
         return out
 
     from graftlm.native.layer import FusedLayer

@@ -1102,18 +1102,18 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0;
+    const int one = has && M == 1 && R <= PF_MAX; /* one row: per-thread columns, no barrier */
+    const int many = has && !one;
     const xbuf xb = xbuf_make(x, M, k, nth);
-    float *av = has ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
-    int64_t *cols = has ? malloc(sizeof(int64_t) * (size_t)(M * R)) : NULL;
-    int64_t *cnt = has ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
-    if (has) lora_columns(l->scales, M, R, cols, cnt);
+    float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
+    int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(M * R)) : NULL;
+    int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
+    if (many) lora_columns(l->scales, M, R, cols, cnt);
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
-        /* one row: this thread's own columns, dots and all, no barrier */
-        const int one = has && M == 1 && R <= PF_MAX;
         int64_t mine[one ? R : 1];
         float xa[one ? R : 1];
         const char *pf[PF_MAX];
@@ -1129,7 +1129,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
             for (int i = 0; i < nc; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
             for (int64_t t = t0; t < t1; t++)
                 lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, R, t, n);
-        } else if (has) {
+        } else if (many) {
 #pragma omp for schedule(static)
             for (int64_t ic = 0; ic < M * R; ic++) {
                 const int64_t i = ic / R, c = ic % R;

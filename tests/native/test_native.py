@@ -448,6 +448,45 @@ def test_native_prefill_attention_equals_masked_sdpa(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
+def test_model_prompts_take_the_native_attention(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt chunks through the model serve every layer's attention natively (a spy counts it):
+    a first chunk, a later chunk past gemma-3's window of 8, and two padded rows prefilled
+    together; logits equal the PyTorch path's."""
+    path: Path = request.getfixturevalue(fixture)
+    model = graftlm.load(str(path), ctx_size=64, n_seq=2).model
+    served: list[bool] = []
+    real = ops.attn_prefill
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    def run() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [
+                model.forward(Batch.single(list(range(3, 14)), 0, 0), all_logits=True),
+                model.forward(Batch.single(list(range(20, 29)), 0, 11), all_logits=True),
+                model.forward(
+                    Batch(
+                        torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 0, 0]]), [1, 0], [0, 20], [5, 3]
+                    ),
+                ),
+            ]
+
+    monkeypatch.setattr(ops, "attn_prefill", spy)
+    got = run()
+    assert served and all(served) and len(served) == 3 * model.cfg.n_layer
+    with disabled():
+        want = run()
+    assert not any(served[3 * model.cfg.n_layer :])  # the twin: refused, SDPA ran
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
     kc = torch.zeros(2, 1, 16, 32)
     q = torch.zeros(1, 4, 2, 32)

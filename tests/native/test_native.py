@@ -15,7 +15,7 @@ import graftlm
 from graftlm.native import build, disabled, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
-from graftlm.runtime.batch import Batch
+from graftlm.runtime.batch import Batch, RowIndex
 
 pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
 
@@ -403,6 +403,12 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     assert not torch.allclose(outs[0][0], outs[1][0])  # the settings did change the output
 
 
+def _rows(slots: list[int], starts: list[int], t: int) -> RowIndex | None:
+    """The index a batch of t-token rows at these slots and starts hands the kernels."""
+    tokens = torch.zeros(len(slots), t, dtype=torch.long)
+    return Batch(tokens, slots, starts, [t] * len(slots)).index()
+
+
 def _masked_sdpa(q, kc, vc, slots, starts, scale, window):  # type: ignore[no-untyped-def]
     """The twin of attn_prefill: SDPA with an explicit mask, row by row."""
     b, t, h, d = q.shape
@@ -442,7 +448,7 @@ def test_native_prefill_attention_equals_masked_sdpa(
     vc = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
     q = torch.randn(len(starts), t, h, d, generator=g) * 2
     slots = [3, 0, 1][: len(starts)]
-    out = ops.attn_prefill(q, kc, vc, slots, starts, d**-0.5, window)
+    out = ops.attn_prefill(q, kc, vc, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
     ref = _masked_sdpa(q, kc, vc, slots, starts, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
@@ -490,13 +496,13 @@ def test_model_prompts_take_the_native_attention(
 def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
     kc = torch.zeros(2, 1, 16, 32)
     q = torch.zeros(1, 4, 2, 32)
-    assert ops.attn_prefill(q, kc, kc, [0], [12], 1.0, 0) is not None  # positions 12..15: fits
-    assert ops.attn_prefill(q, kc, kc, [0], [13], 1.0, 0) is None  # position 16 past the cache
-    assert ops.attn_prefill(q, kc, kc, [2], [0], 1.0, 0) is None  # no slot 2
-    assert ops.attn_prefill(q, kc, kc, [-1], [0], 1.0, 0) is None
-    assert ops.attn_prefill(q.double(), kc, kc, [0], [0], 1.0, 0) is None
+    assert ops.attn_prefill(q, kc, kc, _rows([0], [12], 4), 1.0, 0) is not None  # 12..15: fits
+    assert ops.attn_prefill(q, kc, kc, _rows([0], [13], 4), 1.0, 0) is None  # 16: past the cache
+    assert ops.attn_prefill(q, kc, kc, _rows([2], [0], 4), 1.0, 0) is None  # no slot 2
+    assert _rows([-1], [0], 4) is None  # a negative slot never becomes an index
+    assert ops.attn_prefill(q.double(), kc, kc, _rows([0], [0], 4), 1.0, 0) is None
     odd = torch.zeros(2, 1, 16, 24)  # head size not a multiple of 16: SDPA runs
-    assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, odd, [0], [0], 1.0, 0) is None
+    assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, odd, _rows([0], [0], 4), 1.0, 0) is None
 
 
 def test_scale_board_keeps_addresses_until_it_must_grow() -> None:

@@ -250,9 +250,9 @@ class Transformer:
         if rows is not None:  # one new token per row: the native step, when it can serve it
             out = native_ops.attn_decode(
                 q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1),
-                self.cache.k[i], self.cache.v[i], rows.slots, rows.positions, rope.cos, rope.sin,
+                self.cache.k[i], self.cache.v[i], rows.slots, rows.starts, rope.cos, rope.sin,
                 rope.neox, cfg.scale, cfg.sliding_window[i],
-                bounds=(rows.max_slot, rows.max_position),
+                bounds=(rows.max_slot, rows.max_start),
             )  # fmt: skip
             if out is not None:
                 return out

@@ -178,9 +178,10 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
     keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
-    if batch.n_tokens > 1:  # prompt chunks: causal blocks only, every row at its own start
+    rows = batch.index()
+    if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
         out = native_ops.attn_prefill(
-            q.contiguous(), cache.k[layer], cache.v[layer], batch.slots, batch.starts, scale, window
+            q.contiguous(), cache.k[layer], cache.v[layer], rows, scale, window
         )
         if out is not None:
             return out.view(*q.shape[:2], -1)

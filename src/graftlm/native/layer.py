@@ -244,7 +244,7 @@ class FusedLayer:
             return None
         if (
             x.dtype is not torch.float32
-            or rows.max_position >= self.n_ctx
+            or rows.max_start >= self.n_ctx
             or rows.max_slot >= self.n_slots
         ):
             return None  # the C code writes the cache at (slot, position): never out of range
@@ -253,6 +253,6 @@ class FusedLayer:
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.positions.data_ptr(), max(1, torch.get_num_threads()),
+            rows.starts.data_ptr(), max(1, torch.get_num_threads()),
         )  # fmt: skip
         return out.view(x.shape)

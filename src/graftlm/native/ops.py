@@ -4,9 +4,14 @@ shape, an index out of range), and the caller then runs its PyTorch twin."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from graftlm.native.build import library
+
+if TYPE_CHECKING:
+    from graftlm.runtime.batch import RowIndex
 
 __all__ = [
     "attn_decode",
@@ -160,7 +165,7 @@ def attn_decode(
     q (B, 1, H*D), k (B, 1, Hkv*D), v (B, 1, Hkv*Dv), unrotated; kc/vc the layer's cache
     (slots, Hkv, n_ctx, D/Dv); slots/positions (B,) int64; cos/sin (n_ctx, rot/2) float32.
     Writes the rotated k and v into the cache; returns (B, 1, H*Dv). bounds: (max slot, max
-    position) when the caller knows them to be non-negative (Batch.decode_rows), else they are
+    position) when the caller knows them to be non-negative (Batch.index), else they are
     read from the tensors.
     """
     lib = library()
@@ -201,17 +206,17 @@ def attn_prefill(
     q: torch.Tensor,
     kc: torch.Tensor,
     vc: torch.Tensor,
-    slots: list[int],
-    starts: list[int],
+    rows: RowIndex,
     scale: float,
     window: int,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
     q (B, T, H, D) rotated; kc/vc the layer's cache (slots, Hkv, n_ctx, D) holding every row's keys
-    and values up to start + T - 1 (this chunk's included). Returns (B, T, H * D): query t of row b
-    at position starts[b] + t sees the keys at positions <= its own, within `window` when > 0.
-    Padding queries past a row's real tokens get values that nothing reads.
+    and values up to start + T - 1 (this chunk's included); rows: the batch's slots and starts
+    (Batch.index). Returns (B, T, H * D): query t of row b at position starts[b] + t sees the keys
+    at positions <= its own, within `window` when > 0. Padding queries past a row's real tokens
+    get values that nothing reads.
     """
     lib = library()
     if lib is None or q.dim() != 4:
@@ -228,19 +233,14 @@ def attn_prefill(
         or dk != d
         or d % 16
         or h % hkv
-        or len(slots) != b
-        or len(starts) != b
-        or min(slots, default=0) < 0
-        or max(slots, default=0) >= n_slots
-        or min(starts, default=0) < 0
-        or max(starts, default=0) + t > n_ctx
+        or rows.slots.numel() != b
+        or rows.max_slot >= n_slots
+        or rows.max_start + t > n_ctx
     ):
         return None
     out = q.new_empty(b, t, h * d)
-    sl = torch.tensor(slots, dtype=torch.int64)
-    st = torch.tensor(starts, dtype=torch.int64)
     lib.gl_attn_prefill(
-        q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), sl.data_ptr(), st.data_ptr(),
-        b, t, h, hkv, d, n_ctx, scale, window, _threads(),
+        q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), rows.slots.data_ptr(),
+        rows.starts.data_ptr(), b, t, h, hkv, d, n_ctx, scale, window, _threads(),
     )  # fmt: skip
     return out

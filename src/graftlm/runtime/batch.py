@@ -8,6 +8,7 @@ needs per step is computed here once, not per layer: positions and attention mas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -38,14 +39,15 @@ class LoraRows:
         return s
 
 
-class DecodeRows(NamedTuple):
-    """A decode step's rows: cache slots and positions as (B,) int64, and their maxima (the
-    native steps check them against the cache once, not per layer)."""
+class RowIndex(NamedTuple):
+    """A step's rows as the native kernels index the cache with them: slots and starts as (B,)
+    int64 and their maxima, made once a step (the kernels check them against the cache once,
+    not per layer). In a decode step the starts are the positions of the new tokens."""
 
     slots: torch.Tensor
-    positions: torch.Tensor
+    starts: torch.Tensor
     max_slot: int
-    max_position: int
+    max_start: int
 
 
 @dataclass
@@ -57,7 +59,6 @@ class Batch:
     lora: LoraRows | None = None
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
-    _decode: DecodeRows | None = field(default=None, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -79,20 +80,27 @@ class Batch:
             self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
         return self._positions
 
-    def decode_rows(self) -> DecodeRows | None:
-        """Every row one real token of a distinct sequence (a decode step): its slots and
-        positions, made once per step; else None."""
-        if self.n_tokens != 1 or any(n != 1 for n in self.lengths):
+    @cached_property
+    def _index(self) -> RowIndex | None:
+        if min(self.slots) < 0 or min(self.starts) < 0:
             return None
-        if len(set(self.slots)) != len(self.slots) or min(self.slots) < 0 or min(self.starts) < 0:
-            return None
-        if self._decode is None:
-            self._decode = DecodeRows(
-                torch.tensor(self.slots, dtype=torch.long),
-                torch.tensor(self.starts, dtype=torch.long),
-                max(self.slots),
-                max(self.starts),
-            )
+        slots = torch.tensor(self.slots, dtype=torch.long)
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        return RowIndex(slots, starts, max(self.slots), max(self.starts))
+
+    def index(self) -> RowIndex | None:
+        """The rows' slots and starts as tensors, made once a step; None when any is negative
+        (nothing native may index the cache with it)."""
+        return self._index
+
+    @cached_property
+    def _decode(self) -> RowIndex | None:
+        one_each = self.n_tokens == 1 and all(n == 1 for n in self.lengths)
+        return self.index() if one_each and len(set(self.slots)) == len(self.slots) else None
+
+    def decode_rows(self) -> RowIndex | None:
+        """index() when every row is one real token of a distinct sequence (a decode step), else
+        None; decided once a step, though every layer asks."""
         return self._decode
 
     def mask(self, window: int) -> torch.Tensor | None:

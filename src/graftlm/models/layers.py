@@ -177,14 +177,15 @@ def attention(
     window: int = 0,
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
-    keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
+    cache.write(layer, batch, k, v)
     rows = batch.index()
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
         out = native_ops.attn_prefill(
             q.contiguous(), cache.k[layer], cache.v[layer], rows, scale, window
         )
-        if out is not None:
+        if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
+    keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)
     # one sequence's first chunk inside its window: plain causal attention, which SDPA computes
     # without the masked half (an explicit mask makes it compute every score)
     causal = batch.n_rows == 1 and batch.starts[0] == 0 and batch.n_tokens > 1

@@ -35,21 +35,34 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def update(
-        self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's k, v (B, T, Hkv, D) and return every row's keys and values so far,
-        (B, Hkv, kv_len, D)."""
+    def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's k, v (B, T, Hkv, D) at each row's slot and positions."""
         kc, vc = self.k[layer], self.v[layer]
-        kv_len = batch.kv_len
         if batch.n_rows == 1:
             slot, start, t = batch.slots[0], batch.starts[0], batch.n_tokens
             kc[slot, :, start : start + t] = k[0].transpose(0, 1)
             vc[slot, :, start : start + t] = v[0].transpose(0, 1)
-            return kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
+            return
         slots = torch.tensor(batch.slots, dtype=torch.long)
         # padding rows may run past the context: their writes land on the last cell, never read
         pos = batch.positions.clamp(max=self.n_ctx - 1)
         kc[slots.unsqueeze(1), :, pos] = k
         vc[slots.unsqueeze(1), :, pos] = v
+
+    def read(self, layer: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's keys and values so far, (B, Hkv, kv_len, D): views for one row, a gather
+        (a copy) for several."""
+        kc, vc = self.k[layer], self.v[layer]
+        kv_len = batch.kv_len
+        if batch.n_rows == 1:
+            slot = batch.slots[0]
+            return kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
+        slots = torch.tensor(batch.slots, dtype=torch.long)
         return kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+
+    def update(
+        self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """write() then read()."""
+        self.write(layer, batch, k, v)
+        return self.read(layer, batch)

@@ -425,10 +425,9 @@ static inline __attribute__((always_inline)) void load_half(const int8_t *w, __m
     for (int c = 0; c < 4; c++) v[c] = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + 32 * c)), off);
 }
 
-/* sum_c maddubs(v[c], x[4c .. 4c+3]) in int16 for 16 values of x. */
-static inline __attribute__((always_inline)) __m256i dot_half(const __m256i *v, const int8_t *xb) {
-    const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
-    return _mm256_add_epi16(a, _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xb + 8)), _mm256_maddubs_epi16(v[3], bcast4(xb + 12))));
+/* maddubs(v[0], x[0 .. 3]) + maddubs(v[1], x[4 .. 7]) in int16: 8 values of x. */
+static inline __attribute__((always_inline)) __m256i dot_pair(const __m256i *v, const int8_t *xb) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
 }
 
 /* The same for an s8 weight whose codes are small (Q5_0: q in [-16, 15]): q + 16 is a byte in
@@ -450,7 +449,8 @@ static inline __attribute__((always_inline)) void s5_group(
             __m256i v[4];
             load_half(w + 128 * half, off, v);
             for (int r = 0; r < R; r++) {
-                const __m256i t = _mm256_madd_epi16(dot_half(v, xq + (r * kb + b) * 32 + 16 * half), ones);
+                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
+                const __m256i t = _mm256_madd_epi16(_mm256_add_epi16(dot_pair(v, xb), dot_pair(v + 2, xb + 8)), ones);
                 s32[r] = half ? _mm256_add_epi32(s32[r], t) : t;
             }
         }
@@ -480,10 +480,9 @@ static inline __attribute__((always_inline)) void k6_group(
             const __m256 sv = load_scales8(s, b * 16 + 8 * half, 0), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f));
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
-                /* two int16 halves of the pairs: |2 maddubs| <= 4 * 63 * 127 fits, 4 would not */
-                const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
-                const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xb + 8)), _mm256_maddubs_epi16(v[3], bcast4(xb + 12)));
-                const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(t0, ones), _mm256_madd_epi16(t1, ones));
+                /* each pair widened alone: |2 maddubs| <= 4 * 63 * 127 fits in int16, 4 would not */
+                const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(dot_pair(v, xb), ones),
+                                                     _mm256_madd_epi16(dot_pair(v + 2, xb + 8), ones));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
                 acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs16[(r * kb + b) * 2 + half]), acc[r]);
             }
@@ -590,7 +589,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     }
 }
 
-/* ---------------------------------------------------------------- decode-step helpers */
+/* ---------------------------------------------------------------- norms, attention, gates */
 
 /* e^x for 8 floats (Cephes' expf polynomial; ~2 ulp), x clamped to [-87.3, 88.3]. */
 static inline __m256 exp256(__m256 x) {
@@ -798,6 +797,7 @@ static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
     for (int64_t d = 0; d < D; d++)
         for (int64_t j = j0; j < PK; j++) Kt[d * PK + j] = j < nk ? k[j * D + d] : 0.0f;
 }
+
 void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
                      const int64_t *slots, const int64_t *starts, int64_t B, int64_t T, int64_t H,
                      int64_t Hkv, int64_t D, int64_t n_ctx, float scale, int64_t window, int nth) {
@@ -929,13 +929,15 @@ void gl_attn_prefill(const float *q, float *out, const float *kc, const float *v
     }
 }
 
+/* ---------------------------------------------------------------- LoRA delta */
+
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
  *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * B[:, c]
- * A (R, n_in) and B as float32, or as bfloat16 when bf (float32 arithmetic either way); B is blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so
- * each block of 32 outputs reads one contiguous stream; s (M / T, R) the per-row scale of each
- * rank column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside
- * which column c is zero (its part of a stacked projection). y rows are ldy floats apart.
- * Rows, and the output blocks of a row when there are fewer rows than threads, run in parallel. */
+ * A (R, n_in) and B as float32, or as bfloat16 when bf (float32 arithmetic either way); B is
+ * blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so each
+ * block of 32 outputs reads one contiguous stream; s (M / T, R) the per-row scale of each rank
+ * column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside which
+ * column c is zero (its part of a stacked projection). y rows are ldy floats apart. */
 static inline __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -1010,9 +1012,8 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
     if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
 }
 
-/* y (M, n_out) += the delta of a stacked adapter site: x (M, n_in), M = rows * T tokens, with
- * s (rows, R) the scale of each rank column on each row, A (R, n_in), B blocked by 32 outputs
- * (Bb (nb, R, 32), see lora_block in ops.py) and each column's nonzero output span. */
+/* The delta above for the PyTorch blocks (any T; the threads split the dots, then the rows'
+ * output blocks). The decode layer adds it inside its products instead (proj_run). */
 void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
              const float *s, int64_t R, const void *Bb, const int64_t *span, int64_t n_out,
              float *y, int64_t ldy, int nth) {

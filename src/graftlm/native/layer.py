@@ -204,7 +204,7 @@ class FusedLayer:
         self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]
         # the adapters bound into the struct: (active slots, adapter generation, board generation)
         self._bound: tuple[object, ...] | None = None
-        self._stacks: list[Any] = []
+        self._stacks: list[Any] = []  # kept alive: the struct points into them until rebound
         self._servable = True
 
     def _bind_lora(self, batch: Batch) -> bool:

@@ -81,12 +81,16 @@ class Batch:
         return self._positions
 
     @cached_property
+    def slot_ids(self) -> torch.Tensor:
+        """(B,) int64: each row's cache slot (the cache's writes and reads index with it)."""
+        return torch.tensor(self.slots, dtype=torch.long)
+
+    @cached_property
     def _index(self) -> RowIndex | None:
         if min(self.slots) < 0 or min(self.starts) < 0:
             return None
-        slots = torch.tensor(self.slots, dtype=torch.long)
         starts = torch.tensor(self.starts, dtype=torch.long)
-        return RowIndex(slots, starts, max(self.slots), max(self.starts))
+        return RowIndex(self.slot_ids, starts, max(self.slots), max(self.starts))
 
     def index(self) -> RowIndex | None:
         """The rows' slots and starts as tensors, made once a step; None when any is negative

@@ -43,11 +43,11 @@ class KVCache:
             kc[slot, :, start : start + t] = k[0].transpose(0, 1)
             vc[slot, :, start : start + t] = v[0].transpose(0, 1)
             return
-        slots = torch.tensor(batch.slots, dtype=torch.long)
+        slots = batch.slot_ids.unsqueeze(1)
         # padding rows may run past the context: their writes land on the last cell, never read
         pos = batch.positions.clamp(max=self.n_ctx - 1)
-        kc[slots.unsqueeze(1), :, pos] = k
-        vc[slots.unsqueeze(1), :, pos] = v
+        kc[slots, :, pos] = k
+        vc[slots, :, pos] = v
 
     def read(self, layer: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values so far, (B, Hkv, kv_len, D): views for one row, a gather
@@ -57,8 +57,7 @@ class KVCache:
         if batch.n_rows == 1:
             slot = batch.slots[0]
             return kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
-        slots = torch.tensor(batch.slots, dtype=torch.long)
-        return kc[slots, :, :kv_len], vc[slots, :, :kv_len]
+        return kc[batch.slot_ids, :, :kv_len], vc[batch.slot_ids, :, :kv_len]
 
     def update(
         self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor

@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 18; }
+int gl_abi_version(void) { return 19; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -934,8 +934,9 @@ void gl_attn_prefill(const float *q, float *out, const float *kc, const float *v
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
  *   y[i] += sum_c (s[i / T, c] * dot(A[c], x[i])) * B[:, c]
  * A (R, n_in) and B as float32, or as bfloat16 when bf (float32 arithmetic either way); B is
- * blocked by 32 outputs: Bb[(jb * R + c) * 32 + u] = B[32 jb + u, c] (zero past n_out), so each
- * block of 32 outputs reads one contiguous stream; s (M / T, R) the per-row scale of each rank
+ * stored by column, padded to whole blocks of 32 outputs: Bb[c * nb * 32 + o] = B[o, c] (zero
+ * past n_out, nb = ceil(n_out / 32)), so the blocks of a column that one thread adds are one
+ * contiguous range (see lora_ranges); s (M / T, R) the per-row scale of each rank
  * column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside which
  * column c is zero (its part of a stacked projection). y rows are ldy floats apart. */
 static inline __m256 bf16x8(const uint16_t *p) {
@@ -985,8 +986,8 @@ static inline float lora_dot(const float *x, int64_t n_in, const void *A, int bf
 /* y[jb * 32 ..][:32] += sum over the listed columns c of xa[c] * B[block jb, c], 32 outputs held in
  * registers; columns whose B is zero on this block (span) are skipped. */
 static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_t cnt, const void *Bb,
-                         int bf, const int64_t *span, int64_t R, int64_t jb, int64_t n_out) {
-    const int64_t j = jb * 32;
+                         int bf, const int64_t *span, int64_t jb, int64_t n_out) {
+    const int64_t j = jb * 32, nb = (n_out + 31) / 32;
     float tail[32];
     float *yo = j + 32 <= n_out ? yi + j : tail;
     if (yo == tail) {
@@ -999,7 +1000,7 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
         const int64_t c = cols[t];
         if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
         const __m256 av8 = _mm256_set1_ps(xa[c]);
-        const int64_t at = (jb * R + c) * 32;
+        const int64_t at = (c * nb + jb) * 32;
         y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
         y1 = _mm256_fmadd_ps(av8, load8(Bb, at + 8, bf), y1);
         y2 = _mm256_fmadd_ps(av8, load8(Bb, at + 16, bf), y2);
@@ -1032,7 +1033,7 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * nb; task++) {
             const int64_t i = task / nb, jb = task % nb;
-            lora_b_block(y + i * ldy, av + i * R, cols + (i / T) * R, cnt[i / T], Bb, bf, span, R, jb, n_out);
+            lora_b_block(y + i * ldy, av + i * R, cols + (i / T) * R, cnt[i / T], Bb, bf, span, jb, n_out);
         }
     }
     free(av);
@@ -1065,24 +1066,45 @@ static int lora_needed(const gl_lora_site *l, int64_t b0, int64_t b1, int64_t *c
     return k;
 }
 
-/* The cache lines of those columns' factors: their rows of A and their blocks of B in
- * [b0, b1); at most PF_MAX. */
-#define PF_MAX 1024
-static int lora_lines(const gl_lora_site *l, int64_t n_in, const int64_t *cols, int nc, int64_t b0,
-                      int64_t b1, const char **pf) {
-    const int64_t R = l->r, es = l->bf ? 2 : 4;
-    int np = 0;
-    for (int i = 0; i < nc; i++)
-        for (int64_t off = cols[i] * n_in * es; off < (cols[i] + 1) * n_in * es && np < PF_MAX; off += 64)
-            pf[np++] = (const char *)l->a + off;
-    for (int64_t jb = b0; jb < b1; jb++)
-        for (int i = 0; i < nc; i++) {
-            const int64_t c = cols[i];
-            if (jb * 32 < l->span[2 * c + 1] && jb * 32 + 32 > l->span[2 * c])
-                for (int64_t off = 0; off < 32 * es && np < PF_MAX; off += 64)
-                    pf[np++] = (const char *)l->bb + (jb * R + c) * 32 * es + off;
+/* The memory those columns' factors occupy, as at most 2 nc contiguous ranges (start, bytes):
+ * their rows of A, and for each its blocks of B in [b0, b1) that its span reaches. */
+static int lora_ranges(const gl_lora_site *l, int64_t n_in, int64_t n_out, const int64_t *cols,
+                       int nc, int64_t b0, int64_t b1, const char **at, int64_t *len) {
+    const int64_t es = l->bf ? 2 : 4, nb = (n_out + 31) / 32, row = n_in * es;
+    int nr = 0;
+    for (int i = 0; i < nc; i++) { /* rows of A, merged where the columns are consecutive */
+        if (nr > 0 && at[nr - 1] + len[nr - 1] == (const char *)l->a + cols[i] * row) {
+            len[nr - 1] += row;
+        } else {
+            at[nr] = (const char *)l->a + cols[i] * row;
+            len[nr++] = row;
         }
-    return np;
+    }
+    for (int i = 0; i < nc; i++) {
+        const int64_t c = cols[i], lo = l->span[2 * c] / 32, hi = (l->span[2 * c + 1] + 31) / 32;
+        const int64_t j0 = b0 > lo ? b0 : lo, j1 = b1 < hi ? b1 : hi;
+        if (j0 < j1) {
+            at[nr] = (const char *)l->bb + (c * nb + j0) * 32 * es;
+            len[nr++] = (j1 - j0) * 32 * es;
+        }
+    }
+    return nr;
+}
+
+/* Walks ranges of memory one cache line at a time, asking for `upto` lines in all. */
+typedef struct {
+    const char *const *at;
+    const int64_t *len;
+    int nr, r;
+    int64_t off, done;
+} line_walk;
+
+static inline void prefetch_upto(line_walk *w, int64_t upto) {
+    for (; w->done < upto && w->r < w->nr; w->done++) {
+        _mm_prefetch(w->at[w->r] + w->off, _MM_HINT_T0);
+        w->off += 64;
+        if (w->off >= w->len[w->r]) w->r++, w->off = 0;
+    }
 }
 
 /* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (one token per row: l->scales (M, R))
@@ -1103,7 +1125,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0;
-    const int one = has && M == 1 && R <= PF_MAX; /* one row: per-thread columns, no barrier */
+    const int one = has && M == 1 && R <= 1024; /* one row: per-thread columns, no barrier */
     const int many = has && !one;
     const xbuf xb = xbuf_make(x, M, k, nth);
     float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
@@ -1115,21 +1137,21 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
-        int64_t mine[one ? R : 1];
+        int64_t mine[one ? R : 1], len[one ? 2 * R : 1];
         float xa[one ? R : 1];
-        const char *pf[PF_MAX];
+        const char *at[one ? 2 * R : 1];
         const int nc = one ? lora_needed(l, t0, t1, mine) : 0;
-        const int np = one ? lora_lines(l, k, mine, nc, t0, t1, pf) : 0;
-        int done = 0;
+        line_walk walk = {at, len, one ? lora_ranges(l, k, n, mine, nc, t0, t1, at, len) : 0, 0, 0, 0};
+        int64_t lines = 0;
+        for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
         for (int64_t t = t0; t < t1; t++) {
-            const int upto = (int)((int64_t)np * (t - t0 + 1) / (t1 - t0));
-            for (; done < upto; done++) _mm_prefetch(pf[done], _MM_HINT_T0);
+            prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
             mm_task(w, &xb, M, t, y);
         }
         if (one) {
             for (int i = 0; i < nc; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
             for (int64_t t = t0; t < t1; t++)
-                lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, R, t, n);
+                lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, t, n);
         } else if (many) {
 #pragma omp for schedule(static)
             for (int64_t ic = 0; ic < M * R; ic++) {
@@ -1138,7 +1160,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
             }
             for (int64_t t = t0; t < t1; t++)
                 for (int64_t i = 0; i < M; i++)
-                    lora_b_block(y + i * n, av + i * R, cols + i * R, cnt[i], l->bb, (int)l->bf, l->span, R, t, n);
+                    lora_b_block(y + i * n, av + i * R, cols + i * R, cnt[i], l->bb, (int)l->bf, l->span, t, n);
         }
     }
     xbuf_free(xb);

@@ -65,19 +65,17 @@ def lora_spans(bt: torch.Tensor) -> torch.Tensor:
 
 
 def lora_block(bt: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """bt (R, n_out) -> (ceil(n_out / 32), R, 32) of float32 or bfloat16, zero-padded: the
-    layout gl_lora streams."""
+    """bt (R, n_out) -> (R, ceil(n_out / 32) * 32) of float32 or bfloat16, zero-padded: each
+    column of B in whole 32-output blocks, the layout the native delta streams."""
     r, n_out = bt.shape
-    nb = -(-n_out // 32)
-    padded = torch.zeros(r, nb * 32, dtype=dtype)
+    padded = torch.zeros(r, -(-n_out // 32) * 32, dtype=dtype)
     padded[:, :n_out] = bt
-    return padded.view(r, nb, 32).transpose(0, 1).contiguous()
+    return padded
 
 
 def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
     """The inverse of lora_block: (R, n_out)."""
-    nb, r, _ = bb.shape
-    return bb.transpose(0, 1).reshape(r, nb * 32)[:, :n_out].contiguous()
+    return bb[:, :n_out].contiguous()
 
 
 def lora_delta(

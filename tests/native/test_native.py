@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
 import graftlm
 from graftlm.native import build, disabled, library, ops, unavailable_reason
@@ -260,10 +261,20 @@ def test_fused_layer_equals_the_pytorch_block(
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_compact_lora_stacks_are_bfloat16_in_fast_mode_only() -> None:
-    """A site over an approximate (native, int8-activation) base streams bfloat16 factors in the
-    fast mode: equal to the delta of the bfloat16-rounded factors, within bfloat16 rounding of
-    the float32 delta; the float32 mode keeps the exact factors."""
+def _q8_x(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 32 k) rounded as the kernels round activations, per 32 values: d = max|v| / 127,
+    q = round(v * 127 / max|v|), float32 d."""
+    v = x.reshape(-1, 32)
+    amax = v.abs().amax(dim=1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(v * (127 / torch.where(amax > 0, amax, 1))), 0)
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+def test_compact_lora_stacks_in_fast_mode_only() -> None:
+    """A site over an approximate (native, int8-activation) base computes A . x as the base
+    products do in the fast mode (x rounded to int8 per 32 values, A as Q8_0) and streams B as
+    bfloat16: equal to that arithmetic spelled out, within 1% of the float32 delta; the float32
+    mode keeps the exact factors."""
     from graftlm.lora.site import LoraSite
     from graftlm.quant import compute_dtype
     from graftlm.runtime.batch import LoraRows
@@ -277,14 +288,15 @@ def test_compact_lora_stacks_are_bfloat16_in_fast_mode_only() -> None:
     scale = torch.tensor([1.5, -1.0]).view(2, 1, 1)
     got = site.add_delta(torch.zeros(2, 3, 40), x, rows)
     st = site._stack((3,))
-    assert st is not None and st.a.dtype == torch.bfloat16
-    a16, b16 = a.bfloat16().float(), b.bfloat16().float()
-    torch.testing.assert_close(got, scale * (x @ a16.T) @ b16.T, rtol=1e-5, atol=1e-4)
+    assert st is not None and st.a.dtype == torch.bfloat16 and st.a_s8 is not None
+    aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
+    want = scale * (_q8_x(x) @ aq.T) @ b.bfloat16().float().T
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     exact = scale * (x @ a.T) @ b.T
     assert (got - exact).norm() / exact.norm() < 1e-2
     with compute_dtype(torch.float32):
         st32 = site._stack((3,))
-        assert st32 is not None and st32.a.dtype == torch.float32
+        assert st32 is not None and st32.a.dtype == torch.float32 and st32.a_s8 is None
         torch.testing.assert_close(
             site.add_delta(torch.zeros(2, 3, 40), x, rows), exact, rtol=1e-5, atol=1e-4
         )

@@ -30,6 +30,7 @@ class _Stack:
     n_out: int
     blocked: torch.Tensor | None = None  # B_cat in the native delta's layout (lora_block)
     spans: torch.Tensor | None = None  # (R, 2): nonzero output range of each column
+    a_s8: tuple[torch.Tensor, torch.Tensor] | None = None  # A for the decode's integer dots
 
     def b_t(self) -> torch.Tensor:
         """B_cat transposed, (R, n_out), from whichever form is kept."""
@@ -56,9 +57,10 @@ class LoraSite:
         self.n_out = n_out
         # gather: A is a table (n_vocab, r) looked up by token id (llama.cpp's token_embd layout)
         self.gather = gather
-        # compact: in the fast compute mode, the native delta streams the stacked factors as
-        # bfloat16 (float32 arithmetic), half the bytes a token. Set for projections whose base
-        # product is itself approximate (int8 activations); float32 mode always gets float32.
+        # compact: in the fast compute mode, the native delta streams B as bfloat16 (float32
+        # arithmetic) and takes A . x as the base product takes W x: int8 x, A as Q8_0, integer
+        # dots. Set for projections whose base product is itself approximate (int8
+        # activations); float32 mode always gets the float32 factors.
         self.compact = compact
         self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stacks: dict[tuple[tuple[int, ...], bool], _Stack | None] = {}
@@ -113,8 +115,9 @@ class LoraSite:
                 half = self.compact and not exact
                 dtype = torch.bfloat16 if half else torch.float32
                 blocked, spans = native_ops.lora_block(bt, dtype), native_ops.lora_spans(bt)
+                a_s8 = native_ops.lora_a_s8(a) if half else None
                 a = a.to(dtype).contiguous()
-                stack = _Stack(a, None, col, layout, self.n_out, blocked, spans)
+                stack = _Stack(a, None, col, layout, self.n_out, blocked, spans, a_s8)
             else:
                 stack = _Stack(a, bt, col, layout, self.n_out)
         self._stacks[(key, exact)] = stack
@@ -130,7 +133,7 @@ class LoraSite:
             return y
         s = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
         if st.blocked is not None and st.spans is not None:
-            if native_ops.lora_delta(y, x, st.a, s, st.blocked, st.spans):
+            if native_ops.lora_delta(y, x, st.a, s, st.blocked, st.spans, st.a_s8):
                 return y
         xa = st.a[x] if self.gather else x @ st.a.T.to(x.dtype)  # (B, T, R)
         xa = (xa * s).reshape(-1, xa.shape[-1])

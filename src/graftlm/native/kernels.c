@@ -1013,22 +1013,79 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
     if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
 }
 
-/* The delta above for the PyTorch blocks (any T; the threads split the dots, then the rows'
- * output blocks). The decode layer adds it inside its products instead (proj_run). */
+/* ---------------------------------------------------------------- one projection */
+
+/* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
+static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int64_t *end) {
+    const int64_t q = n / nt, r = n % nt;
+    *start = tid * q + (tid < r ? tid : r);
+    *end = *start + q + (tid < r);
+}
+
+typedef struct {
+    const void *a, *bb; /* NULL a: no adapter on this projection in this step */
+    const float *scales;
+    const int64_t *span;
+    int64_t r, bf;
+    /* A again as an s8 weight of r rows (Q8_0 codes and scales, laid out as gl_pack_s8 lays
+     * them), or NULL: the decode products take A . x from the quantized x the base product
+     * already made, with the base kernel's integer dots (a quarter of the instructions and half
+     * the bytes of the bfloat16 dots) */
+    const void *aq, *as;
+    int64_t ah;
+} gl_lora_site;
+
+/* xa[i * r + 8 g + u] = A[8 g + u] . x[i] for rows [r0, r1) of x and group g (8 columns) of l's
+ * int8 A. */
+static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64_t r0, int64_t r1,
+                         int64_t g, float *xa) {
+    const int64_t kb = k / 32, R = l->r, nv = R - g * 8 < 8 ? R - g * 8 : 8;
+    const int8_t *qg = (const int8_t *)l->aq + g * kb * 256;
+    const void *sg = (const char *)l->as + g * kb * 8 * (l->ah ? 2 : 4);
+    for (int64_t i = r0; i < r1; i += MT) {
+        const int rows = r1 - i < MT ? (int)(r1 - i) : MT;
+        const int8_t *xt = xb->xq + i * k;
+        const float *dt = xb->xd + i * kb;
+        float *yo = xa + i * R + g * 8;
+#define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, R, nv)
+#define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, R, nv)
+        if (l->ah) {
+            WITH_ROWS(rows, S8H)
+        } else {
+            WITH_ROWS(rows, S8F)
+        }
+#undef S8H
+#undef S8F
+    }
+}
+
+/* The LoRA delta (see its section) for the PyTorch blocks (any T; the threads split the dots,
+ * then the rows' output blocks), A . x with the integer dots when aq is given (as gl_lora_site's).
+ * The decode layer adds it inside its products instead (proj_run). */
 void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
-             const float *s, int64_t R, const void *Bb, const int64_t *span, int64_t n_out,
-             float *y, int64_t ldy, int nth) {
+             const void *aq, const void *as, int ah, const float *s, int64_t R, const void *Bb,
+             const int64_t *span, int64_t n_out, float *y, int64_t ldy, int nth) {
     const int64_t nb = (n_out + 31) / 32, S = M / T;
     float *av = malloc(sizeof(float) * (size_t)(M * R));
     int64_t *cols = malloc(sizeof(int64_t) * (size_t)(S * R)), *cnt = malloc(sizeof(int64_t) * (size_t)S);
     lora_columns(s, S, R, cols, cnt);
+    const gl_lora_site l = {A, Bb, s, span, R, bf, aq, as, ah};
+    xbuf xb = {0};
+    if (aq) xb = xbuf_make(x, M, n_in, nth);
 #pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
     {
-        /* each read of A serves one (row, column) */
+        if (aq) { /* the integer dots of the decode layer's products (proj_run), row by row */
+            int64_t i0, i1;
+            static_chunk(M, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
+            for (int64_t g = 0; g < (R + 7) / 8; g++) lora_dots_s8(&l, &xb, n_in, i0, i1, g, av);
+            for (int64_t ic = i0 * R; ic < i1 * R; ic++) av[ic] *= s[(ic / R / T) * R + ic % R];
+#pragma omp barrier
+        } else { /* each read of A serves one (row, column) */
 #pragma omp for schedule(static)
-        for (int64_t ic = 0; ic < M * R; ic++) {
-            const int64_t i = ic / R, c = ic % R;
-            av[ic] = lora_dot(x + i * n_in, n_in, A, bf, s[(i / T) * R + c], c);
+            for (int64_t ic = 0; ic < M * R; ic++) {
+                const int64_t i = ic / R, c = ic % R;
+                av[ic] = lora_dot(x + i * n_in, n_in, A, bf, s[(i / T) * R + c], c);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * nb; task++) {
@@ -1036,25 +1093,10 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
             lora_b_block(y + i * ldy, av + i * R, cols + (i / T) * R, cnt[i / T], Bb, bf, span, jb, n_out);
         }
     }
+    if (aq) xbuf_free(xb);
     free(av);
     free(cols);
     free(cnt);
-}
-
-/* ---------------------------------------------------------------- one projection */
-
-typedef struct {
-    const void *a, *bb; /* NULL a: no adapter on this projection in this step */
-    const float *scales;
-    const int64_t *span;
-    int64_t r, bf;
-} gl_lora_site;
-
-/* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
-static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int64_t *end) {
-    const int64_t q = n / nt, r = n % nt;
-    *start = tid * q + (tid < r ? tid : r);
-    *end = *start + q + (tid < r);
 }
 
 /* At one token a row, the columns thread tid of nt needs: those with a nonzero scale whose B
@@ -1066,13 +1108,23 @@ static int lora_needed(const gl_lora_site *l, int64_t b0, int64_t b1, int64_t *c
     return k;
 }
 
-/* The memory those columns' factors occupy, as at most 2 nc contiguous ranges (start, bytes):
- * their rows of A, and for each its blocks of B in [b0, b1) that its span reaches. */
+/* The memory those columns' factors occupy, as at most 3 nc contiguous ranges (start, bytes):
+ * their rows of A (or their groups of the int8 A), and for each its blocks of B in [b0, b1) that
+ * its span reaches. */
 static int lora_ranges(const gl_lora_site *l, int64_t n_in, int64_t n_out, const int64_t *cols,
                        int nc, int64_t b0, int64_t b1, const char **at, int64_t *len) {
     const int64_t es = l->bf ? 2 : 4, nb = (n_out + 31) / 32, row = n_in * es;
     int nr = 0;
-    for (int i = 0; i < nc; i++) { /* rows of A, merged where the columns are consecutive */
+    if (l->aq) { /* the groups of 8 rows of the int8 A holding them, codes and scales */
+        const int64_t kb = n_in / 32, ss = l->ah ? 2 : 4;
+        for (int i = 0; i < nc; i++) {
+            const int64_t g = cols[i] / 8;
+            if (i > 0 && cols[i - 1] / 8 == g) continue;
+            at[nr] = (const char *)l->aq + g * kb * 256, len[nr++] = kb * 256;
+            at[nr] = (const char *)l->as + g * kb * 8 * ss, len[nr++] = kb * 8 * ss;
+        }
+    }
+    for (int i = 0; i < nc && !l->aq; i++) { /* rows of A, merged where the columns are consecutive */
         if (nr > 0 && at[nr - 1] + len[nr - 1] == (const char *)l->a + cols[i] * row) {
             len[nr - 1] += row;
         } else {
@@ -1137,9 +1189,9 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
-        int64_t mine[one ? R : 1], len[one ? 2 * R : 1];
-        float xa[one ? R : 1];
-        const char *at[one ? 2 * R : 1];
+        int64_t mine[one ? R : 1], len[one ? 3 * R : 1];
+        float xa[one ? R + 8 : 1];
+        const char *at[one ? 3 * R : 1];
         const int nc = one ? lora_needed(l, t0, t1, mine) : 0;
         line_walk walk = {at, len, one ? lora_ranges(l, k, n, mine, nc, t0, t1, at, len) : 0, 0, 0, 0};
         int64_t lines = 0;
@@ -1148,15 +1200,28 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
             prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
             mm_task(w, &xb, M, t, y);
         }
+        if (one && l->aq) {
+            for (int i = 0; i < nc; i++)
+                if (i == 0 || mine[i - 1] / 8 != mine[i] / 8) lora_dots_s8(l, &xb, k, 0, 1, mine[i] / 8, xa);
+            for (int i = 0; i < nc; i++) xa[mine[i]] *= l->scales[mine[i]];
+        }
         if (one) {
-            for (int i = 0; i < nc; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
+            for (int i = 0; i < nc && !l->aq; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
             for (int64_t t = t0; t < t1; t++)
                 lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, t, n);
         } else if (many) {
+            if (l->aq) { /* each thread its share of the rows, every group */
+                int64_t i0, i1;
+                static_chunk(M, me, nt, &i0, &i1);
+                for (int64_t g = 0; g < (R + 7) / 8; g++) lora_dots_s8(l, &xb, k, i0, i1, g, av);
+                for (int64_t ic = i0 * R; ic < i1 * R; ic++) av[ic] *= l->scales[ic];
+#pragma omp barrier
+            } else {
 #pragma omp for schedule(static)
-            for (int64_t ic = 0; ic < M * R; ic++) {
-                const int64_t i = ic / R, c = ic % R;
-                av[ic] = lora_dot(x + i * k, k, l->a, (int)l->bf, l->scales[ic], c);
+                for (int64_t ic = 0; ic < M * R; ic++) {
+                    const int64_t i = ic / R, c = ic % R;
+                    av[ic] = lora_dot(x + i * k, k, l->a, (int)l->bf, l->scales[ic], c);
+                }
             }
             for (int64_t t = t0; t < t1; t++)
                 for (int64_t i = 0; i < M; i++)

@@ -32,7 +32,8 @@ class _Weight(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64), ("bf", _I64)]
+    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64), ("bf", _I64),
+                ("aq", _P), ("a_scales", _P), ("a_half", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -218,7 +219,7 @@ class FusedLayer:
             for site, p in zip(self.lora_fields, self.sites, strict=True):
                 st = p.lora._stack(lora.active) if p.lora and lora is not None else None
                 self._stacks.append(st)
-                site.a = None
+                site.a = site.aq = None
                 if st is None:
                     continue
                 if st.blocked is None or st.spans is None:
@@ -227,6 +228,9 @@ class FusedLayer:
                 site.a, site.bb = st.a.data_ptr(), st.blocked.data_ptr()
                 site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
                 site.bf = int(st.a.dtype is torch.bfloat16)
+                if st.a_s8 is not None:
+                    site.aq, site.a_scales = st.a_s8[0].data_ptr(), st.a_s8[1].data_ptr()
+                    site.a_half = int(st.a_s8[1].dtype is torch.float16)
                 site.scales = board.address(st.layout, st.col_slot, self.n_slots)
             # address() may have replaced a buffer: the key holds the generation after binding
             self._bound = None if lora is None else board.key(lora)

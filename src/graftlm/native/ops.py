@@ -78,6 +78,26 @@ def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
     return bb[:, :n_out].contiguous()
 
 
+def lora_a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A (R, n_in) float32 as an s8 weight for the decode products' integer dots: Q8_0 codes and
+    scales (per 32 values, |error| <= max|block| / 254), packed as gl_pack_s8 packs a Q8_0 weight.
+    None when n_in is not a whole number of blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from graftlm.quant.native_kernels import NativeS8Kernel
+
+    r, n_in = a.shape
+    if n_in % 32 or library() is None:
+        return None
+    raw = quants.quantize(a.detach().cpu().float().numpy(), GGMLQuantizationType.Q8_0)
+    k = NativeS8Kernel.build(
+        torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (r, n_in)
+    )
+    assert isinstance(k, NativeS8Kernel)
+    return k.q, k.s
+
+
 def lora_delta(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -85,12 +105,14 @@ def lora_delta(
     scales: torch.Tensor,
     bb: torch.Tensor,
     spans: torch.Tensor,
+    a_s8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> bool:
     """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * B[:, c], in place.
 
     a (R, n_in) contiguous, bb = lora_block(B.T) of the same dtype (float32 or bfloat16),
-    spans = lora_spans(B.T), scales (B, 1, R) float32. False (nothing done) when it cannot
-    serve the call."""
+    spans = lora_spans(B.T), scales (B, 1, R) float32. With a_s8 = lora_a_s8(A), A . x is the
+    decode layer's: x rounded to int8 per 32 values as the base products round it, the integer
+    dots of Q8_0. False (nothing done) when it cannot serve the call."""
     lib = library()
     if (
         lib is None
@@ -103,8 +125,10 @@ def lora_delta(
         return False
     b, t, n_in = x.shape
     n_out = y.shape[-1]
+    aq, asc = (None, None) if a_s8 is None else (a_s8[0].data_ptr(), a_s8[1].data_ptr())
+    half = int(a_s8 is not None and a_s8[1].dtype is torch.float16)
     lib.gl_lora(
-        x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16),
+        x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16), aq, asc, half,
         scales.data_ptr(), a.shape[0], bb.data_ptr(), spans.data_ptr(), n_out, y.data_ptr(),
         n_out, _threads(),
     )  # fmt: skip

@@ -45,9 +45,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
     "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],
     # x, M, T, n_in, A, bf; aq, as, ah; s, R, Bb, span, n_out, y, ldy, threads
-    "gl_lora": [_P, _I64, _I64, _I64, _P, _INT]
-    + [_P, _P, _INT]
-    + [_P, _I64, _P, _P, _I64, _P, _I64, _INT],
+    "gl_lora": [_P] + [_I64] * 3 + [_P, _INT, _P, _P, _INT, _P, _I64, _P, _P, _I64, _P, _I64, _INT],
     # q, out, kc, vc, slots, starts; B, T, H, Hkv, D, n_ctx; scale, window, threads
     "gl_attn_prefill": [_P] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _INT],
     "gl_attn_decode": [

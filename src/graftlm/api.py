@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from graftlm.config import ModelConfig
-from graftlm.errors import AdapterError, RequestError
+from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
 from graftlm.resources import default_model_path
+from graftlm.runtime.device import resolve_device
 from graftlm.runtime.engine import Engine, Request
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.textstream import TextStream
@@ -49,11 +50,20 @@ def load(
     n_seq: int = 1,
     reference: bool = False,
     progress: bool = False,
+    device: str | torch.device = "cpu",
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
 
     `reference=True` dequantizes every weight to float32: the slow oracle, not the product.
+    `device`: "cpu" (compact quantized weights, native kernels), or "cuda" / "cuda:N": every
+    weight becomes a dense bfloat16 copy on the GPU and the step runs in plain PyTorch (close to,
+    not bit-exact with, the CPU path). GraftError when the device is not there.
     """
+    dev = resolve_device(device)
+    if reference and dev.type != "cpu":
+        raise GraftError(
+            f"reference=True is the float32 CPU oracle; it does not run on device {str(device)!r}"
+        )
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     file = GGUFFile(default_model_path() if path is None else path)
@@ -64,6 +74,8 @@ def load(
     )
     n_ctx = n_ctx or int(file.get(f"{file.architecture}.context_length", 4096))
     model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)
+    if dev.type != "cpu":
+        model.to(dev)
     tokenizer = Tokenizer.from_metadata(file.metadata)
     return Model(file, model, tokenizer, n_seq=n_seq)
 
@@ -91,6 +103,10 @@ class Model:
     @property
     def n_ctx(self) -> int:
         return self.model.n_ctx
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     @property
     def resident_bytes(self) -> int:

@@ -67,6 +67,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from graftlm.commands import add_device_argument
     from graftlm.lora.cli_args import add_lora_arguments
 
     parser = argparse.ArgumentParser(
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-cnv", "--conversation", action="store_true", help="interactive chat")
     r.add_argument("-sys", "--system-prompt", default=None)
     r.add_argument("--reference", action="store_true", help="float32 reference path (slow)")
+    add_device_argument(r)
     add_lora_arguments(r)
     r.set_defaults(func=_run)
 
@@ -138,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-n", "--n-gen", type=int, nargs="+", default=[128], help="generation lengths")
     b.add_argument("-t", "--threads", type=int, default=None)
     b.add_argument("-r", "--repetitions", type=int, default=3)
+    add_device_argument(b)
     b.add_argument(
         "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
     )

@@ -58,6 +58,14 @@ def _pair_ratio(xs: list[float], ys: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(xs, ys, strict=True))
 
 
+def _sync(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work (a GPU runs ahead of Python), so a clock read after it
+    counts the work; nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> Callable[[], int]:
     from graftlm.runtime.batch import Batch
 
@@ -65,6 +73,8 @@ def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> C
     ids = torch.randint(100, model.config.n_vocab - 100, (n,), generator=g).tolist()
     settings = model._lora_settings(lora)
     engine = model.engine
+    device = model.model.device
+    sync = _sync(device)
 
     if test == "pp":
 
@@ -72,13 +82,16 @@ def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> C
             with torch.inference_mode():
                 for start in range(0, n, engine.chunk):
                     piece = ids[start : start + engine.chunk]
-                    model.model.forward(Batch.single(piece, 0, start, engine.lora_rows([settings])))
+                    rows = engine.lora_rows([settings])
+                    model.model.forward(Batch.single(piece, 0, start, rows, device))
+            sync()
             return n
 
         return pp
 
     def tg() -> int:
         model.generate(ids[:1], max_tokens=n, temperature=0, ignore_eos=True, lora=lora)
+        sync()
         return n - 1 if n > 1 else 1  # tokens after the first, as llama-bench counts decode steps
 
     return tg
@@ -127,7 +140,9 @@ def bench(args: argparse.Namespace) -> int:
     from graftlm.lora.cli_args import lora_specs
 
     threads = args.threads or torch.get_num_threads()
-    model = graftlm.load(args.model, threads=threads, ctx_size=max(args.n_prompt + args.n_gen) + 16)
+    n_ctx = max(args.n_prompt + args.n_gen) + 16
+    model = graftlm.load(args.model, threads=threads, ctx_size=n_ctx, device=args.device)
+    on_cpu = model.model.device.type == "cpu"
     lora = None
     specs = lora_specs(args.lora, args.lora_scaled)
     for spec in specs:
@@ -135,7 +150,9 @@ def bench(args: argparse.Namespace) -> int:
     if model.loras:
         lora = [{"id": a["id"], "scale": a["scale"]} for a in model.loras]
     name = model.path.name
-    ref = REFERENCE.get(name, {})
+    ref = REFERENCE.get(name, {}) if on_cpu else {}  # llama.cpp's figures are CPU figures
+    if not on_cpu:
+        print(f"device: {model.model.device} (bfloat16 weights); llama.cpp is not compared\n")
     rows = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
     print("| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -144,7 +161,7 @@ def bench(args: argparse.Namespace) -> int:
         ours_fn = _ours(model, test, n, lora)
         theirs_fn = (
             None
-            if args.no_llama_cpp
+            if args.no_llama_cpp or not on_cpu
             else _llama_cpp(model.path, threads, test, n, [(s.path, s.scale) for s in specs])
         )
         if theirs_fn is not None:

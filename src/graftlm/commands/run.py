@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         ctx_size=args.ctx_size,
         reference=args.reference,
         progress=True,
+        device=args.device,
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from graftlm.commands import add_device_argument
 from graftlm.lora.cli_args import add_lora_arguments
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -75,6 +76,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "-c", "--ctx-size", type=int, default=4096, help="context of each sequence (0: the model's)"
     )
     p.add_argument("-t", "--threads", type=int, default=None)
+    add_device_argument(p)
     p.add_argument(
         "-np",
         "--parallel",
@@ -156,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx_size=args.ctx_size,
         n_seq=args.parallel + 1,
         progress=True,
+        device=args.device,
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, context {model.n_ctx}, "

@@ -55,23 +55,29 @@ class AdapterSet:
 
     def attach(self, adapter: ResolvedAdapter, scale: float = 1.0) -> int:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
-        every check ran when the adapter was resolved."""
+        every check ran when the adapter was resolved, and off the CPU every factor is copied to
+        the model's device (where memory can run out) before any is attached."""
+        dev = self.model.device
+        factors = {name: (d.a.to(dev), d.b.to(dev)) for name, d in adapter.deltas.items()}
         slot = self._next_id
         self._next_id += 1
         projections = self.model.projections()
-        for name, d in adapter.deltas.items():
+        for name, (a, b) in factors.items():
             if name == EMBEDDING:
                 if self.model.embd_lora is None:
                     self.model.embd_lora = LoraSite(
-                        self.model.cfg.n_vocab, self.model.cfg.n_embd, gather=True
+                        self.model.cfg.n_vocab,
+                        self.model.cfg.n_embd,
+                        gather=True,
+                        device=dev,
                     )
-                self.model.embd_lora.put(slot, d.a, d.b)
+                self.model.embd_lora.put(slot, a, b)
             else:
                 p = projections[name]
                 if p.lora is None:
                     approximate = p.weight.kernel.startswith("native")  # int8 activations
-                    p.lora = LoraSite(p.n_in, p.n_out, compact=approximate)
-                p.lora.put(slot, d.a, d.b)
+                    p.lora = LoraSite(p.n_in, p.n_out, compact=approximate, device=dev)
+                p.lora.put(slot, a, b)
         self.attached[slot] = Attached(slot, adapter, float(scale))
         return slot
 

@@ -52,9 +52,17 @@ def generation() -> int:
 class LoraSite:
     """Adapter slots on one projection (or on the embedding, with `gather=True`)."""
 
-    def __init__(self, n_in: int, n_out: int, gather: bool = False, compact: bool = False) -> None:
+    def __init__(
+        self,
+        n_in: int,
+        n_out: int,
+        gather: bool = False,
+        compact: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.n_in = n_in
         self.n_out = n_out
+        self.device = torch.device(device)  # the model's: factors are moved here when put
         # gather: A is a table (n_vocab, r) looked up by token id (llama.cpp's token_embd layout)
         self.gather = gather
         # compact: in the fast compute mode, the native delta streams B as bfloat16 (float32
@@ -77,10 +85,22 @@ class LoraSite:
         return a.numel() * a.element_size() + b.numel() * b.element_size()
 
     def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r)."""
-        self._slots[slot] = (a.contiguous(), b.contiguous())
+        """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r).
+        Both are moved to the site's device (no copy on the CPU)."""
+        dev = self.device
+        self._slots[slot] = (a.to(dev).contiguous(), b.to(dev).contiguous())
         self._stacks = {}
         _GENERATION[0] += 1
+
+    def to(self, device: torch.device | str) -> LoraSite:
+        """Every slot's factors on `device`, and later ones put there (in place; returns self)."""
+        self.device = torch.device(device)
+        self._slots = {
+            s: (a.to(self.device), b.to(self.device)) for s, (a, b) in self._slots.items()
+        }
+        self._stacks = {}
+        _GENERATION[0] += 1
+        return self
 
     def drop(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -102,7 +122,10 @@ class LoraSite:
             a = torch.cat([self._slots[s][0] for s in key], dim=a_dim)
             bt = torch.cat([self._slots[s][1].T for s in key], dim=0).contiguous()
             col = torch.cat(
-                [torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long) for s in key]
+                [
+                    torch.full((self._slots[s][1].shape[1],), s, dtype=torch.long, device=a.device)
+                    for s in key
+                ]
             )
             layout = tuple((s, int(self._slots[s][1].shape[1])) for s in key)
             native = (

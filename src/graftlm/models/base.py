@@ -121,6 +121,7 @@ class Transformer:
     def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
         self.cfg = cfg
         self.n_ctx = n_ctx
+        self.device = torch.device("cpu")  # built here; `to` moves it
         self.base_tensor_names = set(w.file.tensors)
         self.token_embd = w.matrix("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
         self.embd_lora: LoraSite | None = None
@@ -162,11 +163,71 @@ class Transformer:
                     return [t] if t is not None else None
         return None
 
+    # -- the device ------------------------------------------------------------------------------
+    def to(self, device: torch.device | str) -> Transformer:
+        """Move the model to `device`, in place (returns self): every weight (off the CPU a dense
+        bfloat16 copy, see QWeight.to), every vector of the blocks, the final norm, the RoPE
+        tables, the attached adapters' factors, and the KV cache (allocated afresh: empty).
+
+        A weight shared by two projections (a tied head) stays one weight. The CPU-only pieces
+        (native kernels, the native decode layer) are simply not used off the CPU: their checks
+        see the device."""
+        dev = torch.device(device)
+        if dev == self.device:
+            return self
+        # id -> (the object, moved): shared weights and RoPEs move once; holding the object keeps
+        # its id from being reused by a new one before the move ends
+        moved: dict[int, tuple[Any, Any]] = {}
+
+        def move(v: Any) -> Any:
+            if v is None or isinstance(v, (bool, int, float, str)):
+                return v
+            key = id(v)
+            if key not in moved:
+                if isinstance(v, Projection):
+                    v.weight = move(v.weight)
+                    if v.lora is not None:
+                        v.lora.to(dev)
+                    out: Any = v
+                elif isinstance(v, ProjectionGroup):
+                    for p in v.projections():
+                        move(p)
+                    out = v
+                elif isinstance(v, list):
+                    out = [move(x) for x in v]
+                elif isinstance(v, (torch.Tensor, QWeight)) or callable(getattr(v, "to", None)):
+                    out = v.to(dev)  # tensors, weights, Rope, Experts, LoraSite
+                else:
+                    raise TypeError(f"{type(self).__name__}.to: cannot move a {type(v).__name__}")
+                moved[key] = (v, out)
+            return moved[key][1]
+
+        self.token_embd = move(self.token_embd)
+        self.output = move(self.output)
+        self.output_norm = move(self.output_norm)
+        self.rope_of_layer = move(self.rope_of_layer)
+        if self.embd_lora is not None:
+            self.embd_lora.to(dev)
+        for blk in self.blocks:
+            for name, v in list(vars(blk).items()):
+                setattr(blk, name, move(v))
+        self.device = dev
+        if self.cache is not None:
+            self.allocate_cache(self.cache.n_slots)
+        self._fused = {}
+        return self
+
     # -- the step --------------------------------------------------------------------------------
     def allocate_cache(self, n_slots: int) -> KVCache:
         cfg = self.cfg
         self.cache = KVCache(
-            cfg.n_layer, n_slots, cfg.n_head_kv, self.n_ctx, cfg.head_dim, cfg.v_head_dim
+            cfg.n_layer,
+            n_slots,
+            cfg.n_head_kv,
+            self.n_ctx,
+            cfg.head_dim,
+            cfg.v_head_dim,
+            device=self.device,
         )
         self._fused = {}  # native layers point into the old cache: bind them again
         return self.cache
@@ -205,6 +266,7 @@ class Transformer:
             and spec.servable()
             and cfg.v_head_dim == cfg.head_dim <= native_ops.MAX_HEAD_DIM
             and kc.dtype == torch.float32
+            and kc.device.type == "cpu"
             and kc.is_contiguous()
         ):
             dims = {
@@ -266,8 +328,7 @@ class Transformer:
         for i in range(self.cfg.n_layer):
             x = self.block(i, x, batch)
         if not all_logits:
-            last = torch.tensor(batch.lengths, dtype=torch.long) - 1
-            x = x[torch.arange(batch.n_rows), last].unsqueeze(1)  # (B, 1, n_embd)
+            x = x[batch.last_tokens()].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)
         logits = self.output(x, batch)
         return logits if all_logits else logits[:, 0]

@@ -140,6 +140,12 @@ class Rope:
         # every layer of a step rotates q and k at the same positions: gather the rows once
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def to(self, device: torch.device) -> Rope:
+        """The tables moved to `device` (in place; returns self)."""
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self._memo = None
+        return self
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         memo = self._memo
         if memo is not None and memo[0] is positions:

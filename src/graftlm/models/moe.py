@@ -39,6 +39,11 @@ class Experts:
             for e in range(n_expert)
         ]
 
+    def to(self, device: torch.device) -> Experts:
+        """Every expert's weight on `device` (in place; returns self)."""
+        self.weights = [q.to(device) for q in self.weights]
+        return self
+
     def __getitem__(self, e: int) -> QWeight:
         return self.weights[e]
 

@@ -2,7 +2,8 @@
 
 A row carries its cache slot, where it starts, how many of its T tokens are real, and (when any
 adapter is active in this step) the scale of every adapter slot for that row. Everything the model
-needs per step is computed here once, not per layer: positions and attention masks.
+needs per step is computed here once, not per layer: positions and attention masks. Every tensor
+made here is on the device of `tokens` (the model's: the engine builds the batch there).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 class LoraRows:
     """Per-row adapter scales for one step.
 
-    scales: (B, n_slots) float32, scale of adapter slot s on row b (0 = off).
+    scales: (B, n_slots) float32, scale of adapter slot s on row b (0 = off), on the model's
+        device.
     active: the slots with any nonzero scale in this step, ascending; only these are computed.
     """
 
@@ -69,6 +71,10 @@ class Batch:
         return int(self.tokens.shape[1])
 
     @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
     def kv_len(self) -> int:
         """Keys every row may need to see: up to the furthest position written this step."""
         return max(s + n for s, n in zip(self.starts, self.lengths, strict=False))
@@ -76,20 +82,32 @@ class Batch:
     @property
     def positions(self) -> torch.Tensor:
         if self._positions is None:
-            start = torch.tensor(self.starts, dtype=torch.long).unsqueeze(1)
-            self._positions = start + torch.arange(self.n_tokens, dtype=torch.long)  # (B, T)
+            dev = self.tokens.device
+            start = torch.tensor(self.starts, dtype=torch.long, device=dev).unsqueeze(1)
+            steps = torch.arange(self.n_tokens, dtype=torch.long, device=dev)
+            self._positions = start + steps  # (B, T)
         return self._positions
 
     @cached_property
     def slot_ids(self) -> torch.Tensor:
         """(B,) int64: each row's cache slot (the cache's writes and reads index with it)."""
-        return torch.tensor(self.slots, dtype=torch.long)
+        return torch.tensor(self.slots, dtype=torch.long, device=self.tokens.device)
+
+    @cached_property
+    def _last(self) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.tokens.device
+        rows = torch.arange(self.n_rows, device=dev)
+        return rows, torch.tensor(self.lengths, dtype=torch.long, device=dev) - 1
+
+    def last_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns), each (B,): where each row's last real token sits in (B, T)."""
+        return self._last
 
     @cached_property
     def _index(self) -> RowIndex | None:
         if min(self.slots) < 0 or min(self.starts) < 0:
             return None
-        starts = torch.tensor(self.starts, dtype=torch.long)
+        starts = torch.tensor(self.starts, dtype=torch.long, device=self.tokens.device)
         return RowIndex(self.slot_ids, starts, max(self.slots), max(self.starts))
 
     def index(self) -> RowIndex | None:
@@ -117,7 +135,7 @@ class Batch:
             pass
         else:
             q = self.positions.unsqueeze(2)  # (B, T, 1)
-            k = torch.arange(self.kv_len, dtype=torch.long).view(1, 1, -1)
+            k = torch.arange(self.kv_len, dtype=torch.long, device=q.device).view(1, 1, -1)
             m = k <= q
             if window > 0:
                 # llama.cpp's standard SWA: masked when p - j >= window
@@ -128,6 +146,12 @@ class Batch:
 
     @classmethod
     def single(
-        cls, ids: list[int], slot: int = 0, start: int = 0, lora: LoraRows | None = None
+        cls,
+        ids: list[int],
+        slot: int = 0,
+        start: int = 0,
+        lora: LoraRows | None = None,
+        device: torch.device | None = None,
     ) -> Batch:
-        return cls(torch.tensor([ids], dtype=torch.long), [slot], [start], [len(ids)], lora)
+        tokens = torch.tensor([ids], dtype=torch.long, device=device)
+        return cls(tokens, [slot], [start], [len(ids)], lora)

@@ -69,6 +69,11 @@ class Engine:
         self.running: list[Request] = []
         self.lock = threading.RLock()
 
+    @property
+    def device(self) -> torch.device:
+        """The model's device: every batch's tensors are made there."""
+        return self.model.device
+
     # -- adapters ----------------------------------------------------------------------------------
     def lora_rows(self, settings: list[dict[int, float]]) -> LoraRows | None:
         """Per-row scales for a batch; None when no row uses any adapter (the plain base step)."""
@@ -81,12 +86,13 @@ class Engine:
             for s, v in row.items():
                 if v != 0.0:
                     scales[r, s] = v
-        return LoraRows(scales, tuple(active))
+        return LoraRows(scales.to(self.device), tuple(active))
 
     # -- one-shot scoring --------------------------------------------------------------------------
     @torch.inference_mode()
     def score(self, ids: list[int], lora: dict[int, float]) -> torch.Tensor:
-        """Logits (len(ids), n_vocab) after each prefix, in chunks, on a borrowed cache slot."""
+        """Logits (len(ids), n_vocab) on the CPU after each prefix, in chunks, on a borrowed
+        cache slot."""
         if len(ids) > self.model.n_ctx:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens, more than the context size {self.model.n_ctx}",
@@ -102,12 +108,9 @@ class Engine:
                 out = []
                 for start in range(0, len(ids), self.chunk):
                     piece = ids[start : start + self.chunk]
-                    out.append(
-                        self.model.forward(Batch.single(piece, slot, start, rows), all_logits=True)[
-                            0
-                        ]
-                    )
-                return torch.cat(out)
+                    batch = Batch.single(piece, slot, start, rows, self.device)
+                    out.append(self.model.forward(batch, all_logits=True)[0])
+                return torch.cat(out).cpu()
             finally:
                 self.free_slots.append(slot)
 
@@ -177,19 +180,19 @@ class Engine:
         pieces = [r.prompt[r.n_prefilled : r.n_prefilled + width] for r in group]
         lora = self.lora_rows([r.lora for r in group])
         if len(group) == 1:
-            batch = Batch.single(pieces[0], group[0].slot, group[0].n_prefilled, lora)
+            batch = Batch.single(pieces[0], group[0].slot, group[0].n_prefilled, lora, self.device)
         else:
             tokens = torch.zeros(len(group), width, dtype=torch.long)  # padding: never read
             for row, piece in enumerate(pieces):
                 tokens[row, : len(piece)] = torch.tensor(piece, dtype=torch.long)
             batch = Batch(
-                tokens,
+                tokens.to(self.device),
                 [r.slot for r in group],
                 [r.n_prefilled for r in group],
                 [len(p) for p in pieces],
                 lora,
             )
-        logits = self.model.forward(batch)
+        logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for req, piece, row in zip(group, pieces, logits, strict=True):
             req.n_prefilled += len(piece)
             if req.n_prefilled == len(req.prompt):
@@ -197,7 +200,9 @@ class Engine:
                 self._emit(req, row)
 
     def _decode(self, reqs: list[Request]) -> None:
-        tokens = torch.tensor([[r.generated[-1]] for r in reqs], dtype=torch.long)
+        tokens = torch.tensor(
+            [[r.generated[-1]] for r in reqs], dtype=torch.long, device=self.device
+        )
         batch = Batch(
             tokens,
             [r.slot for r in reqs],
@@ -205,7 +210,7 @@ class Engine:
             [1] * len(reqs),
             self.lora_rows([r.lora for r in reqs]),
         )
-        logits = self.model.forward(batch)
+        logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for r, row in zip(reqs, logits, strict=False):
             self._emit(r, row)
 

@@ -1179,6 +1179,10 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
     const int64_t R = has ? l->r : 0;
     const int one = has && M == 1 && R <= 1024; /* one row: per-thread columns, no barrier */
     const int many = has && !one;
+    if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
+        for (int64_t off = 0; off < R * 16; off += 64) _mm_prefetch((const char *)l->span + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);
+    }
     const xbuf xb = xbuf_make(x, M, k, nth);
     float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
     int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(M * R)) : NULL;

@@ -255,6 +255,15 @@ def test_device_flag_on_every_loading_command() -> None:
         assert parser.parse_args([*cmd, "--device", "cuda:1"]).device == "cuda:1"
 
 
+def test_the_cli_refuses_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    """meta holds no data: the API takes it (placement tests), the commands refuse it up front
+    instead of failing at the first sampled token."""
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "-p", "hi", "--device", "meta"])
+    assert exc.value.code == 2
+    assert "'meta' holds no data" in capsys.readouterr().err
+
+
 # -- the device kernel's numbers, on the CPU ---------------------------------------------------
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
 def test_device_dense_kernel_agrees_with_the_cpu_path(name: str) -> None:

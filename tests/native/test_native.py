@@ -201,6 +201,14 @@ def test_native_lora_delta_equals_torch_delta() -> None:
     torch.testing.assert_close(got, explicit, rtol=1e-4, atol=1e-3)
 
 
+def _compose(mp: pytest.MonkeyPatch) -> None:
+    """From here on the model runs its PyTorch blocks: no native layer, alone or all at once."""
+    from graftlm.models.base import Transformer
+
+    mp.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    mp.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+
+
 @pytest.mark.parametrize(
     "arch,qtype", [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("llama", Q.Q4_0), ("gemma3", Q.Q5_0)]
 )
@@ -242,23 +250,34 @@ def test_fused_layer_equals_the_pytorch_block(
                                                [1] * n_rows, rows)))  # fmt: skip
         return out
 
-    from graftlm.native.layer import FusedLayer
+    from graftlm.native.layer import FusedLayer, FusedStack
 
-    served = []
-    call = FusedLayer.__call__
+    served: list[tuple[str, bool]] = []
 
-    def spy(self: FusedLayer, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        y = call(self, x, batch)
-        served.append(y is not None)
-        return y
+    def spy(cls: type, kind: str) -> None:
+        call = cls.__call__
 
-    monkeypatch.setattr(FusedLayer, "__call__", spy)
+        def counted(self: object, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+            y = call(self, x, batch)  # type: ignore[operator]
+            served.append((kind, y is not None))
+            return y
+
+        monkeypatch.setattr(cls, "__call__", counted)
+
+    spy(FusedLayer, "layer")
+    spy(FusedStack, "stack")
     fused = run()
-    assert served.count(True) == 3 * 3  # every layer of every decode step, none of the prefills
-    monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    # every decode step in one call over all layers; the prefills in PyTorch blocks
+    assert served.count(("stack", True)) == 3 and ("layer", True) not in served
+    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    served.clear()
+    one_by_one = run()  # each layer its own call
+    assert served.count(("layer", True)) == 3 * 3
+    _compose(monkeypatch)
     composed = run()
-    for a, b in zip(fused, composed, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b, c in zip(fused, one_by_one, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
 def _q8_x(x: torch.Tensor) -> torch.Tensor:
@@ -315,7 +334,6 @@ def test_fused_gemma3_layer_with_separate_q_k_v(
     differ by int8 noise, which on this random-token prompt is a tenth or two: the native layer
     must be as close to the exact path as the composed block is (measured: mean 0.15-0.19 each
     over the exact path's top 20)."""
-    from graftlm.models.base import Transformer
     from graftlm.quant import compute_dtype
 
     m = graftlm.load(str(gemma3_file), ctx_size=1100, n_seq=2)
@@ -337,7 +355,7 @@ def test_fused_gemma3_layer_with_separate_q_k_v(
     fused = run()
     with compute_dtype(torch.float32):
         exact = run()
-    monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    _compose(monkeypatch)
     composed = run()
     for f, c, e in zip(fused, composed, exact, strict=True):
         top = e.topk(20, dim=-1).indices
@@ -383,7 +401,6 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     or removed between steps must each reach it (against the composed block)."""
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
-    from graftlm.models.base import Transformer
 
     spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0)
     m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32, n_seq=2)
@@ -400,7 +417,7 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     def both(settings: list[dict[int, float]]) -> tuple[torch.Tensor, torch.Tensor]:
         fused = step(settings)
         with monkeypatch.context() as mp:
-            mp.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+            _compose(mp)
             composed = step(settings)
         return fused, composed
 

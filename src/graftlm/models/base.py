@@ -20,7 +20,7 @@ from graftlm.lora.targets import Target
 from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
 from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
-from graftlm.native.layer import FusedLayer, LayerSpec, ScaleBoard
+from graftlm.native.layer import FusedLayer, FusedStack, LayerSpec, ScaleBoard
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.runtime.batch import Batch
@@ -139,6 +139,7 @@ class Transformer:
         self.cache: KVCache | None = None
         # layer -> (the cache it was bound to, its one-call native decode step or None)
         self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
+        self._stack: list[FusedStack | None] = []  # [] unknown, [None] some layer has none
         self._scale_board = ScaleBoard()
 
     # -- adapter seams -------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class Transformer:
         self.device = dev
         if self.cache is not None:
             self.allocate_cache(self.cache.n_slots)
-        self._fused = {}
+        self._fused, self._stack = {}, []
         return self
 
     # -- the step --------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class Transformer:
             cfg.v_head_dim,
             device=self.device,
         )
-        self._fused = {}  # native layers point into the old cache: bind them again
+        self._fused, self._stack = {}, []  # native layers point into the old cache: bind again
         return self.cache
 
     def embed(self, batch: Batch) -> torch.Tensor:
@@ -282,6 +283,24 @@ class Transformer:
         self._fused[i] = (kc.data_ptr(), fused)
         return fused
 
+    def fused_stack(self) -> FusedStack | None:
+        """Every layer's native decode step for one call over them all, or None when some layer
+        has none (bound to the current cache; made once)."""
+        if self.cache is None:
+            return None
+        if not self._stack:
+            layers = [self.fused_layer(i) for i in range(self.cfg.n_layer)]
+            full = [f for f in layers if f is not None]
+            self._stack = [FusedStack(full) if full and len(full) == len(layers) else None]
+        return self._stack[0]
+
+    def native_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Every layer in one native call when this step is a decode step they all serve."""
+        if batch.decode_rows() is None:
+            return None
+        stack = self.fused_stack()
+        return None if stack is None else stack(x, batch)
+
     def native_block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """Layer i in one native call when this step is a decode step it serves, else None."""
         fused = self.fused_layer(i)
@@ -325,8 +344,12 @@ class Transformer:
         """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token."""
         assert self.cache is not None, "allocate_cache() first"
         x = self.embed(batch)
-        for i in range(self.cfg.n_layer):
-            x = self.block(i, x, batch)
+        y = self.native_layers(x, batch)
+        if y is not None:
+            x = y
+        else:
+            for i in range(self.cfg.n_layer):
+                x = self.block(i, x, batch)
         if not all_logits:
             x = x[batch.last_tokens()].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)

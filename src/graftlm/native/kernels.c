@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 19; }
+int gl_abi_version(void) { return 20; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -1301,6 +1301,16 @@ void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, i
  *   x += [post-norm] O(attention(RoPE([QK-norm] QKV(norm(x)))))
  *   x += [post-norm] down(act(gate) * up)(norm(x))
  * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels. */
+void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                     const int64_t *pos, int nth);
+
+/* n layers one after another: a model's whole decode step between the embedding and the final
+ * norm in one call. */
+void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
+                      const int64_t *slots, const int64_t *pos, int nth) {
+    for (int64_t i = 0; i < n; i++) gl_layer_decode(layers[i], x, B, slots, pos, nth);
+}
+
 void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
                      const int64_t *pos, int nth) {
     const int64_t d = L->n_embd, D = L->head_dim, H = L->n_head, Hkv = L->n_head_kv;

@@ -21,7 +21,7 @@ from graftlm.quant import config
 
 if TYPE_CHECKING:
     from graftlm.models.layers import Projection, Rope
-    from graftlm.runtime.batch import Batch, LoraRows
+    from graftlm.runtime.batch import Batch, LoraRows, RowIndex
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -242,21 +242,57 @@ class FusedLayer:
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
-        lib = library()
-        rows = batch.decode_rows()
-        if lib is None or rows is None or config.get_compute_dtype() is not torch.bfloat16:
-            return None
-        if (
-            x.dtype is not torch.float32
-            or rows.max_start >= self.n_ctx
-            or rows.max_slot >= self.n_slots
-        ):
-            return None  # the C code writes the cache at (slot, position): never out of range
-        if not self._bind_lora(batch):
-            return None  # an adapter the native delta cannot read: the PyTorch block runs
+        lib, rows = library(), _decode_rows(x, batch, self.n_ctx, self.n_slots)
+        if lib is None or rows is None or not self._bind_lora(batch):
+            return None  # (an adapter the native delta cannot read: the PyTorch block runs)
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
+            rows.starts.data_ptr(), max(1, torch.get_num_threads()),
+        )  # fmt: skip
+        return out.view(x.shape)
+
+
+def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:
+    """The step's rows when the native layers serve it: one new token a row, the fast mode,
+    float32 x, and every (slot, position) inside the cache (the C code writes the cache there:
+    never out of range)."""
+    rows = batch.decode_rows()
+    if (
+        rows is None
+        or config.get_compute_dtype() is not torch.bfloat16
+        or x.dtype is not torch.float32
+        or rows.max_start >= n_ctx
+        or rows.max_slot >= n_slots
+    ):
+        return None
+    return rows
+
+
+class FusedStack:
+    """Every layer of a model, each a FusedLayer, run in one native call a decode step
+    (``gl_layers_decode``): the per-layer Python between the calls cost about 5% of SmolLM2's
+    step. A step some layer cannot serve (an adapter the native delta cannot read) is refused
+    whole, and the layers run one call each, or in PyTorch."""
+
+    def __init__(self, layers: list[FusedLayer]) -> None:
+        self.layers = layers
+        self.n_embd = layers[0].n_embd
+        self.n_ctx = min(f.n_ctx for f in layers)
+        self.n_slots = min(f.n_slots for f in layers)
+        self._ptrs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(f.layer) for f in layers])
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
+        lib, rows = library(), _decode_rows(x, batch, self.n_ctx, self.n_slots)
+        if lib is None or rows is None:
+            return None
+        for f in self.layers:  # each binds its sites; the board fills once for all
+            if not f._bind_lora(batch):
+                return None
+        out = x.reshape(-1, self.n_embd).clone()
+        lib.gl_layers_decode(
+            self._ptrs, len(self.layers), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
             rows.starts.data_ptr(), max(1, torch.get_num_threads()),
         )  # fmt: skip
         return out.view(x.shape)

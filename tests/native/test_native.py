@@ -401,7 +401,6 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     or removed between steps must each reach it (against the composed block)."""
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
-
     spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0)
     m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32, n_seq=2)
     a = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", spec, seed=1), 0.0)

@@ -553,3 +553,24 @@ def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
     buf = board._bufs[layout][2]
     assert buf[0].tolist() == [2.0, 2.0] and buf[1].tolist() == [-1.0, -1.0]
     assert other != 0 and board.key(rows) is not key
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rot", [32, 16])
+def test_native_rope_equals_the_pytorch_rotation(neox: bool, rot: int) -> None:
+    """Prompt RoPE natively: two rows at their own starts, heads split out of a stacked
+    projection's output (a strided view), full or partial rotation, either pair order."""
+    from graftlm.models.layers import Rope
+
+    rope = Rope(rot, 10000.0, 64, neox)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 5, 4 * 32 + 2 * 32, generator=g)
+    q = qkv[..., : 4 * 32].view(2, 5, 4, 32)  # (B, T, H, D), rows nqkv apart
+    positions = torch.tensor([[0, 1, 2, 3, 4], [40, 41, 42, 43, 44]])
+    got = ops.rope(q, positions, 44, rope.cos, rope.sin, neox)
+    assert got is not None and got.is_contiguous()
+    want = rope.rotate(q, positions)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope(q, positions), got, rtol=0, atol=0)  # the model's way in
+    # refused, not read out of range: a position past the tables
+    assert ops.rope(q, positions, 64, rope.cos, rope.sin, neox) is None

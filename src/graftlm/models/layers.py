@@ -110,6 +110,8 @@ class ProjectionGroup:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Semantics: x * rsqrt(mean(x^2, -1) + eps) * weight."""
     y = native_ops.rms_norm(x, weight, eps)
+    if y is None and not x.is_contiguous() and x.device.type == "cpu":
+        y = native_ops.rms_norm(x.contiguous(), weight, eps)  # QK-norm of a stacked q, k
     return y if y is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -137,13 +139,15 @@ class Rope:
         self.sin = (ang.sin() * mscale).float()
         self.dim = dim
         self.neox = neox
-        # every layer of a step rotates q and k at the same positions: gather the rows once
+        # every layer of a step rotates q and k at the same positions: gather the rows (or find
+        # the largest, for the native rotation) once
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._bound: tuple[torch.Tensor, int] | None = None
 
     def to(self, device: torch.device) -> Rope:
         """The tables moved to `device` (in place; returns self)."""
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        self._memo = None
+        self._memo = self._bound = None
         return self
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +164,17 @@ class Rope:
         return cos, sin
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, T, H, D) rotated at positions (B, T): natively where it can, else in PyTorch."""
+        if x.device.type == "cpu" and positions.numel():
+            if self._bound is None or self._bound[0] is not positions:
+                self._bound = (positions, int(positions.max()))
+            out = native_ops.rope(x, positions, self._bound[1], self.cos, self.sin, self.neox)
+            if out is not None:
+                return out
+        return self.rotate(x, positions)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The PyTorch twin of the native rotation."""
         cos, sin = self.tables(positions)
         d = self.dim
         rot, rest = x[..., :d], x[..., d:]

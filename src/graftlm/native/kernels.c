@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 20; }
+int gl_abi_version(void) { return 21; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -663,6 +663,18 @@ static inline void rope_head(const float *x, float *o, int64_t d, int64_t rot, c
         }
     }
     for (int64_t i = rot; i < d; i++) o[i] = x[i];
+}
+
+/* RoPE for N rows of H heads of D values (a prompt's q or k): row i at x + i * rs, its heads D
+ * apart, rotated at position pos[i] (first rot values of each head), into out (N, H, D). */
+void gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const int64_t *pos,
+             const float *cos_t, const float *sin_t, int64_t rot, int neox, float *out, int nth) {
+    const int64_t half = rot / 2;
+#pragma omp parallel for num_threads(nth) schedule(static) if (N * H * D > 65536)
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t h = 0; h < H; h++)
+            rope_head(x + i * rs + h * D, out + (i * H + h) * D, D, rot, cos_t + pos[i] * half,
+                      sin_t + pos[i] * half, neox);
 }
 
 /* One decode step of attention for B rows, each one new token of its own sequence:

@@ -166,6 +166,46 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return int(t.stride(0))
 
 
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    max_position: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neox: bool,
+) -> torch.Tensor | None:
+    """x (B, T, H, D) rotated at positions (B, T) by the tables (n_ctx, rot / 2): a fresh
+    contiguous (B, T, H, D), or None. max_position bounds the positions (the tables are read at
+    them). Same arithmetic as the PyTorch twin: a * cos - b * sin, b * cos + a * sin."""
+    lib = library()
+    if lib is None or x.dim() != 4 or x.device.type != "cpu" or x.dtype is not torch.float32:
+        return None
+    b, t, h, d = x.shape
+    rot = 2 * cos.shape[-1]
+    rs = x.stride(1)
+    if (
+        x.stride(3) != 1
+        or x.stride(2) != d
+        or (b > 1 and x.stride(0) != t * rs)
+        or rot > d
+        or rot % 2
+        or not 0 <= max_position < cos.shape[0]
+        or positions.shape != (b, t)
+        or positions.dtype is not torch.long
+        or not positions.is_contiguous()
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.dtype is not torch.float32
+        or sin.dtype is not torch.float32
+    ):
+        return None
+    out = torch.empty(b, t, h, d)
+    lib.gl_rope(
+        x.data_ptr(), b * t, rs, h, d, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rot,
+        int(neox), out.data_ptr(), _threads(),
+    )  # fmt: skip
+    return out
+
+
 def attn_decode(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,10 +1,13 @@
-"""A llama-style decoder layer's decode step as one native call (``gl_layer_decode``).
+"""A llama-style decoder layer's decode step as one native call (``gl_layer_decode``), and a
+model's layers as one call.
 
 The PyTorch block composes the same native pieces (RMS norm, the quantized products, each
 projection's LoRA delta, RoPE + attention through the cache, SiLU gate) one Python call at a
 time; at one token per row, those calls cost more than the arithmetic. ``FusedLayer`` binds a
-block's weights, norms, cache and RoPE tables once and runs the whole layer in C. It serves only
-what it was built for and says so by returning None: the caller then runs the PyTorch block.
+block's weights, norms, cache and RoPE tables once and runs the whole layer in C; ``FusedStack``
+runs every layer of the model in one call (``gl_layers_decode``). Each serves only what it was
+built for and says so by returning None: the caller then runs the layers one call each, or the
+PyTorch blocks.
 """
 
 from __future__ import annotations

@@ -574,3 +574,50 @@ def test_native_rope_equals_the_pytorch_rotation(neox: bool, rot: int) -> None:
     torch.testing.assert_close(rope(q, positions), got, rtol=0, atol=0)  # the model's way in
     # refused, not read out of range: a position past the tables
     assert ops.rope(q, positions, 64, rope.cos, rope.sin, neox) is None
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_0])
+@pytest.mark.parametrize("shape", [(2, 7), (3, 1), (1, 1)])
+def test_projection_with_adapters_in_one_native_pass(
+    qtype: Q, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A projection with adapters runs base product and delta in one native pass (gl_proj): the
+    same numbers as the product followed by the delta (gl_lora), for prompt rows (T tokens a
+    scale row), batched rows and one row; rows with different adapters and scales, one with
+    none."""
+    from graftlm.lora.site import LoraSite
+    from graftlm.models.layers import Projection
+    from graftlm.native import layer as native_layer
+    from graftlm.runtime.batch import LoraRows
+
+    n_out, n_in = 96, 64
+    raw = random_blocks(qtype, (n_out, n_in), np.random.default_rng(4))
+    w = QWeight.from_gguf(raw, qtype, (n_out, n_in))
+    p = Projection("blk.0.ffn_gate_up", w)
+    p.lora = LoraSite(n_in, n_out, compact=True)
+    g = torch.Generator().manual_seed(5)
+    p.lora.put(1, torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g))
+    b2 = torch.randn(n_out, 8, generator=g)
+    b2[:40] = 0  # an adapter on part of a stacked projection
+    p.lora.put(2, torch.randn(8, n_in, generator=g), b2)
+    bsz, t = shape
+    table = [[0.0, 1.0, 0.5], [0.0, 0.0, -1.0], [0.0, 0.0, 0.0]][:bsz]
+    rows = LoraRows(torch.tensor(table), (1, 2))
+    x = torch.randn(bsz, t, n_in, generator=g)
+    batch = Batch(
+        torch.zeros(bsz, t, dtype=torch.long), list(range(bsz)), [0] * bsz, [t] * bsz, rows
+    )
+    passes = []
+    one_pass = native_layer.project
+    monkeypatch.setattr(
+        native_layer, "project", lambda *a: passes.append(one_pass(*a)) or passes[-1]
+    )
+    fused = p(x, batch)
+    assert passes and passes[0] is not None
+    monkeypatch.setattr(native_layer, "project", lambda *a: None)
+    composed = p(x, batch)  # the product, then the delta
+    torch.testing.assert_close(fused, composed, rtol=1e-6, atol=1e-5)
+    base = w.matmul(x)
+    assert not torch.allclose(fused[0], base[0], atol=1e-3)  # the adapters did something
+    if bsz == 3:
+        torch.testing.assert_close(fused[2], base[2], rtol=0, atol=0)  # a row without adapters

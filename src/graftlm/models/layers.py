@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from graftlm.lora.targets import Target
+from graftlm.native import layer as native_layer
 from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
 from graftlm.runtime.batch import Batch
@@ -41,6 +42,10 @@ class Projection:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        if self.lora is not None and batch.lora is not None:
+            y = native_layer.project(self.weight, x, self.lora, batch.lora)  # one native pass
+            if y is not None:
+                return y
         y = linear(x, self.weight)
         if self.lora is not None and batch.lora is not None:
             y = self.lora.add_delta(y, x, batch.lora)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 21
+ABI_VERSION = 23
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -44,6 +44,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P, _INT],
     "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
     "gl_layers_decode": [_P, _I64, _P, _I64, _P, _P, _INT],
+    "gl_proj": [_P, _P, _P, _I64, _I64, _P, _INT],  # weight, lora site, x, M, T, y, threads
     # x, N, rs, H, D, pos, cos, sin, rot, neox, out, threads
     "gl_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT, _P, _INT],
     "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],

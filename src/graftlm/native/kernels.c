@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 21; }
+int gl_abi_version(void) { return 23; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -1071,6 +1071,27 @@ static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64
     }
 }
 
+/* av (M, R) = s * (A . x) for the rows of x (rows r*T .. r*T+T-1 share scale row r), the
+ * threads of the enclosing parallel region splitting the rows; ends at a barrier. With l->aq,
+ * the integer dots of the decode layer's products (proj_run) on xb, x quantized. */
+static void lora_xa_rows(const gl_lora_site *l, const xbuf *xb, const float *x, int64_t M,
+                         int64_t T, int64_t n_in, float *av) {
+    const int64_t R = l->r;
+    if (l->aq) {
+        int64_t i0, i1;
+        static_chunk(M, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
+        for (int64_t g = 0; g < (R + 7) / 8; g++) lora_dots_s8(l, xb, n_in, i0, i1, g, av);
+        for (int64_t ic = i0 * R; ic < i1 * R; ic++) av[ic] *= l->scales[(ic / R / T) * R + ic % R];
+#pragma omp barrier
+    } else { /* each read of A serves one (row, column) */
+#pragma omp for schedule(static)
+        for (int64_t ic = 0; ic < M * R; ic++) {
+            const int64_t i = ic / R, c = ic % R;
+            av[ic] = lora_dot(x + i * n_in, n_in, l->a, (int)l->bf, l->scales[(i / T) * R + c], c);
+        }
+    }
+}
+
 /* The LoRA delta (see its section) for the PyTorch blocks (any T; the threads split the dots,
  * then the rows' output blocks), A . x with the integer dots when aq is given (as gl_lora_site's).
  * The decode layer adds it inside its products instead (proj_run). */
@@ -1086,19 +1107,7 @@ void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, 
     if (aq) xb = xbuf_make(x, M, n_in, nth);
 #pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
     {
-        if (aq) { /* the integer dots of the decode layer's products (proj_run), row by row */
-            int64_t i0, i1;
-            static_chunk(M, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
-            for (int64_t g = 0; g < (R + 7) / 8; g++) lora_dots_s8(&l, &xb, n_in, i0, i1, g, av);
-            for (int64_t ic = i0 * R; ic < i1 * R; ic++) av[ic] *= s[(ic / R / T) * R + ic % R];
-#pragma omp barrier
-        } else { /* each read of A serves one (row, column) */
-#pragma omp for schedule(static)
-            for (int64_t ic = 0; ic < M * R; ic++) {
-                const int64_t i = ic / R, c = ic % R;
-                av[ic] = lora_dot(x + i * n_in, n_in, A, bf, s[(i / T) * R + c], c);
-            }
-        }
+        lora_xa_rows(&l, &xb, x, M, T, n_in, av);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < M * nb; task++) {
             const int64_t i = task / nb, jb = task % nb;
@@ -1171,35 +1180,37 @@ static inline void prefetch_upto(line_walk *w, int64_t upto) {
     }
 }
 
-/* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (one token per row: l->scales (M, R))
- * unless l is NULL or l->a is: one parallel region.
+/* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (T tokens a scale row:
+ * l->scales (M / T, R)) unless l is NULL or l->a is: one parallel region.
  *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs, one block
  *     of B each). At one token a row it asks for the adapter lines it will read, spread over
  *     those tasks: the factors are small scattered reads that miss every cache after a layer of
  *     base weights has streamed through (in one burst, the prefetches were dropped; ahead of
  *     the base product, evicted by it).
- *  2. One row: each thread computes the dots of the columns its own blocks need (some twice,
- *     across the two threads, but no barrier). More rows: the threads split all the dots, then
- *     meet at a barrier.
- *  3. Each adds B's delta to its own tasks' outputs, still in cache.
+ *  2. One row: after its tasks, each thread computes the dots of the columns its own blocks
+ *     need (some twice, across the two threads, but no barrier) and adds B's delta to its
+ *     outputs, still in cache. More rows: first the threads split all the rows' dots and meet at
+ *     a barrier; then each adds B's delta to every task's outputs right after computing them
+ *     (at 512 rows a task's outputs are 64 KB: added later, they came back from memory).
  * Apart, the base product and the delta took three more barriers and one more fork. */
-static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lora_site *l, float *y,
-                     int nth) {
+static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
+                     float *y, int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0;
     const int one = has && M == 1 && R <= 1024; /* one row: per-thread columns, no barrier */
     const int many = has && !one;
+    const int64_t S = M / T; /* scale rows: T tokens each */
     if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
         for (int64_t off = 0; off < R * 16; off += 64) _mm_prefetch((const char *)l->span + off, _MM_HINT_T0);
         for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);
     }
     const xbuf xb = xbuf_make(x, M, k, nth);
     float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
-    int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(M * R)) : NULL;
-    int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
-    if (many) lora_columns(l->scales, M, R, cols, cnt);
+    int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(S * R)) : NULL;
+    int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)S) : NULL;
+    if (many) lora_columns(l->scales, S, R, cols, cnt);
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -1212,9 +1223,12 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
         line_walk walk = {at, len, one ? lora_ranges(l, k, n, mine, nc, t0, t1, at, len) : 0, 0, 0, 0};
         int64_t lines = 0;
         for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
+        if (many) lora_xa_rows(l, &xb, x, M, T, k, av); /* the threads split the rows' dots */
         for (int64_t t = t0; t < t1; t++) {
             prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
             mm_task(w, &xb, M, t, y);
+            for (int64_t i = 0; many && i < M; i++) /* the task's outputs, while still in cache */
+                lora_b_block(y + i * n, av + i * R, cols + (i / T) * R, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
         }
         if (one && l->aq) {
             for (int i = 0; i < nc; i++)
@@ -1225,23 +1239,6 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
             for (int i = 0; i < nc && !l->aq; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
             for (int64_t t = t0; t < t1; t++)
                 lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, t, n);
-        } else if (many) {
-            if (l->aq) { /* each thread its share of the rows, every group */
-                int64_t i0, i1;
-                static_chunk(M, me, nt, &i0, &i1);
-                for (int64_t g = 0; g < (R + 7) / 8; g++) lora_dots_s8(l, &xb, k, i0, i1, g, av);
-                for (int64_t ic = i0 * R; ic < i1 * R; ic++) av[ic] *= l->scales[ic];
-#pragma omp barrier
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t ic = 0; ic < M * R; ic++) {
-                    const int64_t i = ic / R, c = ic % R;
-                    av[ic] = lora_dot(x + i * k, k, l->a, (int)l->bf, l->scales[ic], c);
-                }
-            }
-            for (int64_t t = t0; t < t1; t++)
-                for (int64_t i = 0; i < M; i++)
-                    lora_b_block(y + i * n, av + i * R, cols + i * R, cnt[i], l->bb, (int)l->bf, l->span, t, n);
         }
     }
     xbuf_free(xb);
@@ -1254,7 +1251,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, const gl_lor
 void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
               const void *m, int h, int64_t n, float *y, int nth) {
     const gl_weight w = {0, h, 32, 0, n, k, qs, d, m};
-    proj_run(&w, x, M, NULL, y, nth);
+    proj_run(&w, x, M, 1, NULL, y, nth);
 }
 
 /* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values;
@@ -1262,7 +1259,15 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
 void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
               int sblk, int small, int64_t n, float *y, int nth) {
     const gl_weight w = {1, h, sblk, small, n, k, q, s, NULL};
-    proj_run(&w, x, M, NULL, y, nth);
+    proj_run(&w, x, M, 1, NULL, y, nth);
+}
+
+/* y (M, n) = x (M, k) @ W.T plus the LoRA delta of l (scales (M / T, R): T tokens a scale row),
+ * in one pass: the PyTorch blocks' projections (prompts, batched rows) as the decode layer
+ * runs its own. */
+void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M, int64_t T,
+             float *y, int nth) {
+    proj_run(w, x, M, T, l, y, nth);
 }
 
 /* ---------------------------------------------------------------- one llama decoder layer */
@@ -1335,12 +1340,12 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     int64_t qs, ks, vs;
     gl_rms_norm(x, B, d, L->attn_norm, L->eps, h, nth);
     if (L->n_qkv == 1) {
-        proj_run(&L->qkv[0], h, B, &L->l_qkv[0], big, nth);
+        proj_run(&L->qkv[0], h, B, 1, &L->l_qkv[0], big, nth);
         qb = big, kb = big + nq, vb = big + nq + nkv, qs = ks = vs = nqkv;
     } else {
         qb = big, kb = big + B * nq, vb = kb + B * nkv, qs = nq, ks = vs = nkv;
         float *outs[3] = {qb, kb, vb};
-        for (int p = 0; p < 3; p++) proj_run(&L->qkv[p], h, B, &L->l_qkv[p], outs[p], nth);
+        for (int p = 0; p < 3; p++) proj_run(&L->qkv[p], h, B, 1, &L->l_qkv[p], outs[p], nth);
     }
     for (int64_t b = 0; b < B; b++) {
         if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
@@ -1348,13 +1353,13 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     }
     gl_attn_decode(qb, qs, kb, ks, vb, vs, L->kc, L->vc, slots, pos, B, H, Hkv, D, D, L->n_ctx,
                    L->cos_t, L->sin_t, L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
-    proj_run(&L->o, att, B, &L->l_o, o, nth);
+    proj_run(&L->o, att, B, 1, &L->l_o, o, nth);
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
-    proj_run(&L->gate_up, h, B, &L->l_gate_up, big, nth);
+    proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, nth);
     gl_gated(big, B, ff, L->act, h, nth);
-    proj_run(&L->down, h, B, &L->l_down, o, nth);
+    proj_run(&L->down, h, B, 1, &L->l_down, o, nth);
     if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     free(h);

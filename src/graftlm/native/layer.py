@@ -23,7 +23,9 @@ from graftlm.native.build import library
 from graftlm.quant import config
 
 if TYPE_CHECKING:
+    from graftlm.lora.site import LoraSite, _Stack
     from graftlm.models.layers import Projection, Rope
+    from graftlm.quant import QWeight
     from graftlm.runtime.batch import Batch, LoraRows, RowIndex
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -89,15 +91,67 @@ class LayerSpec:
         )
 
 
+def _point(site: _Lora, st: _Stack, scales: int) -> None:
+    """Point a LoRA site at a stack's native forms (blocked B, spans, Q8_0 A) and at scales."""
+    assert st.blocked is not None and st.spans is not None
+    site.a, site.bb = st.a.data_ptr(), st.blocked.data_ptr()
+    site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
+    site.bf = int(st.a.dtype is torch.bfloat16)
+    site.aq = None
+    if st.a_s8 is not None:
+        site.aq, site.a_scales = st.a_s8[0].data_ptr(), st.a_s8[1].data_ptr()
+        site.a_half = int(st.a_s8[1].dtype is torch.float16)
+    site.scales = scales
+
+
+def project(
+    weight: QWeight, x: torch.Tensor, lora: LoraSite, rows: LoraRows
+) -> torch.Tensor | None:
+    """x (B, T, n_in) @ W.T plus the delta of the adapters on `lora` for rows, in one native pass
+    (``gl_proj``: each task's outputs get B's delta while still in cache), or None where the
+    native product would not run (the caller composes the product and ``LoraSite.add_delta``)."""
+    lib = library()
+    if (
+        lib is None
+        or x.dim() != 3
+        or x.dtype is not torch.float32
+        or x.device.type != "cpu"
+        or not x.is_contiguous()
+        or config.get_compute_dtype() is not torch.bfloat16
+    ):
+        return None
+    b, t, _ = x.shape
+    w = _weight_of(weight)  # (None first for a kernel the native product does not know)
+    if w is None or b * t == 0 or not config.use_fused(weight.kernel, b * t):
+        return None
+    st = lora._stack(rows.active)
+    if st is None or st.blocked is None or st.spans is None:
+        return None
+    scales = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
+    site = _Lora()
+    _point(site, st, scales.data_ptr())
+    y = torch.empty(b, t, weight.shape[0])
+    lib.gl_proj(
+        ctypes.byref(w), ctypes.byref(site), x.data_ptr(), b * t, t, y.data_ptr(),
+        max(1, torch.get_num_threads()),
+    )  # fmt: skip
+    return y
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def _weight(p: Projection) -> _Weight | None:
+    return _weight_of(p.weight)
+
+
+def _weight_of(w: QWeight) -> _Weight | None:
+    """The native product's view of a weight, or None for a kernel it does not know."""
     from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
 
-    k: Any = p.weight._k
-    n, kk = p.weight.shape
+    k: Any = w._k
+    n, kk = w.shape
     if isinstance(k, NativeU4Kernel):
         return _Weight(0, k.half, 0, 0, n, kk, k.qs.data_ptr(), k.d.data_ptr(), k.m.data_ptr())
     if isinstance(k, NativeS8Kernel):
@@ -228,13 +282,7 @@ class FusedLayer:
                 if st.blocked is None or st.spans is None:
                     self._servable = False
                     continue
-                site.a, site.bb = st.a.data_ptr(), st.blocked.data_ptr()
-                site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
-                site.bf = int(st.a.dtype is torch.bfloat16)
-                if st.a_s8 is not None:
-                    site.aq, site.a_scales = st.a_s8[0].data_ptr(), st.a_s8[1].data_ptr()
-                    site.a_half = int(st.a_s8[1].dtype is torch.float16)
-                site.scales = board.address(st.layout, st.col_slot, self.n_slots)
+                _point(site, st, board.address(st.layout, st.col_slot, self.n_slots))
             # address() may have replaced a buffer: the key holds the generation after binding
             self._bound = None if lora is None else board.key(lora)
         if not self._servable:

@@ -577,7 +577,7 @@ def test_native_rope_equals_the_pytorch_rotation(neox: bool, rot: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q5_0])
-@pytest.mark.parametrize("shape", [(2, 7), (3, 1), (1, 1)])
+@pytest.mark.parametrize("shape", [(2, 7), (4, 1), (1, 1)])
 def test_projection_with_adapters_in_one_native_pass(
     qtype: Q, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -596,12 +596,13 @@ def test_projection_with_adapters_in_one_native_pass(
     p = Projection("blk.0.ffn_gate_up", w)
     p.lora = LoraSite(n_in, n_out, compact=True)
     g = torch.Generator().manual_seed(5)
-    p.lora.put(1, torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g))
-    b2 = torch.randn(n_out, 8, generator=g)
+    a1, b1 = torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g)
+    a2, b2 = torch.randn(8, n_in, generator=g), torch.randn(n_out, 8, generator=g)
     b2[:40] = 0  # an adapter on part of a stacked projection
-    p.lora.put(2, torch.randn(8, n_in, generator=g), b2)
+    p.lora.put(1, a1, b1)
+    p.lora.put(2, a2, b2)
     bsz, t = shape
-    table = [[0.0, 1.0, 0.5], [0.0, 0.0, -1.0], [0.0, 0.0, 0.0]][:bsz]
+    table = [[0.0, 1.0, 0.5], [0.0, 0.0, -1.0], [0.0, 0.7, 0.0], [0.0, 0.0, 0.0]][:bsz]
     rows = LoraRows(torch.tensor(table), (1, 2))
     x = torch.randn(bsz, t, n_in, generator=g)
     batch = Batch(
@@ -619,5 +620,12 @@ def test_projection_with_adapters_in_one_native_pass(
     torch.testing.assert_close(fused, composed, rtol=1e-6, atol=1e-5)
     base = w.matmul(x)
     assert not torch.allclose(fused[0], base[0], atol=1e-3)  # the adapters did something
-    if bsz == 3:
-        torch.testing.assert_close(fused[2], base[2], rtol=0, atol=0)  # a row without adapters
+    # spelled out: each row's own adapters at its own scales (int8 x, Q8_0 A, bfloat16 B)
+    want = base.clone()
+    for slot, (a, b) in ((1, (a1, b1)), (2, (a2, b2))):
+        aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
+        scale = torch.tensor(table)[:, slot].view(bsz, 1, 1)
+        want += scale * (_q8_x(x) @ aq.T) @ b.bfloat16().float().T
+    torch.testing.assert_close(fused, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    if bsz == 4:
+        torch.testing.assert_close(fused[3], base[3], rtol=0, atol=0)  # a row without adapters

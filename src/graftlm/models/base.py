@@ -296,8 +296,6 @@ class Transformer:
 
     def native_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """Every layer in one native call when this step is a decode step they all serve."""
-        if batch.decode_rows() is None:
-            return None
         stack = self.fused_stack()
         return None if stack is None else stack(x, batch)
 
@@ -351,7 +349,7 @@ class Transformer:
             for i in range(self.cfg.n_layer):
                 x = self.block(i, x, batch)
         if not all_logits:
-            x = x[batch.last_tokens()].unsqueeze(1)  # (B, 1, n_embd)
+            x = x[batch.last_tokens].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)
         logits = self.output(x, batch)
         return logits if all_logits else logits[:, 0]

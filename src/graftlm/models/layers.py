@@ -144,15 +144,13 @@ class Rope:
         self.sin = (ang.sin() * mscale).float()
         self.dim = dim
         self.neox = neox
-        # every layer of a step rotates q and k at the same positions: gather the rows (or find
-        # the largest, for the native rotation) once
+        # every layer of a step rotates q and k at the same positions: gather the rows once
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._bound: tuple[torch.Tensor, int] | None = None
 
     def to(self, device: torch.device) -> Rope:
         """The tables moved to `device` (in place; returns self)."""
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        self._memo = self._bound = None
+        self._memo = None
         return self
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,13 +168,8 @@ class Rope:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, T, H, D) rotated at positions (B, T): natively where it can, else in PyTorch."""
-        if x.device.type == "cpu" and positions.numel():
-            if self._bound is None or self._bound[0] is not positions:
-                self._bound = (positions, int(positions.max()))
-            out = native_ops.rope(x, positions, self._bound[1], self.cos, self.sin, self.neox)
-            if out is not None:
-                return out
-        return self.rotate(x, positions)
+        out = native_ops.rope(x, positions, self.cos, self.sin, self.neox)
+        return out if out is not None else self.rotate(x, positions)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The PyTorch twin of the native rotation."""

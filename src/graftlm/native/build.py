@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 23
+ABI_VERSION = 24
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -45,11 +45,11 @@ _SIGNATURES: dict[str, list[type]] = {
     "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
     "gl_layers_decode": [_P, _I64, _P, _I64, _P, _P, _INT],
     "gl_proj": [_P, _P, _P, _I64, _I64, _P, _INT],  # weight, lora site, x, M, T, y, threads
-    # x, N, rs, H, D, pos, cos, sin, rot, neox, out, threads
-    "gl_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT, _P, _INT],
+    # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
+    "gl_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT],
     "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],
-    # x, M, T, n_in, A, bf; aq, as, ah; s, R, Bb, span, n_out, y, ldy, threads
-    "gl_lora": [_P] + [_I64] * 3 + [_P, _INT, _P, _P, _INT, _P, _I64, _P, _P, _I64, _P, _I64, _INT],
+    # x, M, T, n_in, A, bf; aq, as, ah; s, R, Bb, span, n_out, y, threads
+    "gl_lora": [_P] + [_I64] * 3 + [_P, _INT, _P, _P, _INT, _P, _I64, _P, _P, _I64, _P, _INT],
     # q, out, kc, vc, slots, starts; B, T, H, Hkv, D, n_ctx; scale, window, threads
     "gl_attn_prefill": [_P] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _INT],
     "gl_attn_decode": [
@@ -179,7 +179,7 @@ def loaded_library() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = ctypes.c_int if name.startswith("gl_pack") else None
+        fn.restype = ctypes.c_int if name.startswith(("gl_pack", "gl_rope")) else None
     return lib
 
 

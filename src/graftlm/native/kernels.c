@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 23; }
+int gl_abi_version(void) { return 24; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -666,15 +666,20 @@ static inline void rope_head(const float *x, float *o, int64_t d, int64_t rot, c
 }
 
 /* RoPE for N rows of H heads of D values (a prompt's q or k): row i at x + i * rs, its heads D
- * apart, rotated at position pos[i] (first rot values of each head), into out (N, H, D). */
-void gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const int64_t *pos,
-             const float *cos_t, const float *sin_t, int64_t rot, int neox, float *out, int nth) {
+ * apart, rotated at position pos[i] (first rot values of each head), into out (N, H, D).
+ * The tables have n_pos rows: -1 (nothing written) when a position is outside them. */
+int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const int64_t *pos,
+            const float *cos_t, const float *sin_t, int64_t n_pos, int64_t rot, int neox,
+            float *out, int nth) {
     const int64_t half = rot / 2;
+    for (int64_t i = 0; i < N; i++)
+        if (pos[i] < 0 || pos[i] >= n_pos) return -1;
 #pragma omp parallel for num_threads(nth) schedule(static) if (N * H * D > 65536)
     for (int64_t i = 0; i < N; i++)
         for (int64_t h = 0; h < H; h++)
             rope_head(x + i * rs + h * D, out + (i * H + h) * D, D, rot, cos_t + pos[i] * half,
                       sin_t + pos[i] * half, neox);
+    return 0;
 }
 
 /* One decode step of attention for B rows, each one new token of its own sequence:
@@ -1092,34 +1097,6 @@ static void lora_xa_rows(const gl_lora_site *l, const xbuf *xb, const float *x, 
     }
 }
 
-/* The LoRA delta (see its section) for the PyTorch blocks (any T; the threads split the dots,
- * then the rows' output blocks), A . x with the integer dots when aq is given (as gl_lora_site's).
- * The decode layer adds it inside its products instead (proj_run). */
-void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
-             const void *aq, const void *as, int ah, const float *s, int64_t R, const void *Bb,
-             const int64_t *span, int64_t n_out, float *y, int64_t ldy, int nth) {
-    const int64_t nb = (n_out + 31) / 32, S = M / T;
-    float *av = malloc(sizeof(float) * (size_t)(M * R));
-    int64_t *cols = malloc(sizeof(int64_t) * (size_t)(S * R)), *cnt = malloc(sizeof(int64_t) * (size_t)S);
-    lora_columns(s, S, R, cols, cnt);
-    const gl_lora_site l = {A, Bb, s, span, R, bf, aq, as, ah};
-    xbuf xb = {0};
-    if (aq) xb = xbuf_make(x, M, n_in, nth);
-#pragma omp parallel num_threads(nth) if (M * R * (n_in + n_out) > 20000)
-    {
-        lora_xa_rows(&l, &xb, x, M, T, n_in, av);
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < M * nb; task++) {
-            const int64_t i = task / nb, jb = task % nb;
-            lora_b_block(y + i * ldy, av + i * R, cols + (i / T) * R, cnt[i / T], Bb, bf, span, jb, n_out);
-        }
-    }
-    if (aq) xbuf_free(xb);
-    free(av);
-    free(cols);
-    free(cnt);
-}
-
 /* At one token a row, the columns thread tid of nt needs: those with a nonzero scale whose B
  * reaches its static share [b0, b1) of the 32-output blocks. */
 static int lora_needed(const gl_lora_site *l, int64_t b0, int64_t b1, int64_t *cols) {
@@ -1199,14 +1176,16 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0;
-    const int one = has && M == 1 && R <= 1024; /* one row: per-thread columns, no barrier */
+    /* one row: per-thread columns, no barrier (R bounds the stack arrays below) */
+    const int one = has && M == 1 && R <= 1024;
     const int many = has && !one;
     const int64_t S = M / T; /* scale rows: T tokens each */
     if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
         for (int64_t off = 0; off < R * 16; off += 64) _mm_prefetch((const char *)l->span + off, _MM_HINT_T0);
         for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);
     }
-    const xbuf xb = xbuf_make(x, M, k, nth);
+    const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
+    const xbuf xb = base || (has && l->aq) ? xbuf_make(x, M, k, nth) : (xbuf){0};
     float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
     int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(S * R)) : NULL;
     int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)S) : NULL;
@@ -1217,7 +1196,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
         int64_t mine[one ? R : 1], len[one ? 3 * R : 1];
-        float xa[one ? R + 8 : 1];
+        float xa[one ? R : 1];
         const char *at[one ? 3 * R : 1];
         const int nc = one ? lora_needed(l, t0, t1, mine) : 0;
         line_walk walk = {at, len, one ? lora_ranges(l, k, n, mine, nc, t0, t1, at, len) : 0, 0, 0, 0};
@@ -1226,17 +1205,18 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         if (many) lora_xa_rows(l, &xb, x, M, T, k, av); /* the threads split the rows' dots */
         for (int64_t t = t0; t < t1; t++) {
             prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
-            mm_task(w, &xb, M, t, y);
+            if (base) mm_task(w, &xb, M, t, y);
             for (int64_t i = 0; many && i < M; i++) /* the task's outputs, while still in cache */
                 lora_b_block(y + i * n, av + i * R, cols + (i / T) * R, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
         }
-        if (one && l->aq) {
-            for (int i = 0; i < nc; i++)
-                if (i == 0 || mine[i - 1] / 8 != mine[i] / 8) lora_dots_s8(l, &xb, k, 0, 1, mine[i] / 8, xa);
-            for (int i = 0; i < nc; i++) xa[mine[i]] *= l->scales[mine[i]];
-        }
         if (one) {
-            for (int i = 0; i < nc && !l->aq; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
+            if (l->aq) { /* each group of 8 columns holding one of them, then the scales */
+                for (int i = 0; i < nc; i++)
+                    if (i == 0 || mine[i - 1] / 8 != mine[i] / 8) lora_dots_s8(l, &xb, k, 0, 1, mine[i] / 8, xa);
+                for (int i = 0; i < nc; i++) xa[mine[i]] *= l->scales[mine[i]];
+            } else {
+                for (int i = 0; i < nc; i++) xa[mine[i]] = lora_dot(x, k, l->a, (int)l->bf, l->scales[mine[i]], mine[i]);
+            }
             for (int64_t t = t0; t < t1; t++)
                 lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, t, n);
         }
@@ -1268,6 +1248,16 @@ void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void 
 void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M, int64_t T,
              float *y, int nth) {
     proj_run(w, x, M, T, l, y, nth);
+}
+
+/* y (M, n_out) += the LoRA delta alone (see the LoRA delta's section), for a product that ran
+ * elsewhere: proj_run with no base weight. A . x takes the integer dots when aq is given. */
+void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
+             const void *aq, const void *as, int ah, const float *s, int64_t R, const void *Bb,
+             const int64_t *span, int64_t n_out, float *y, int nth) {
+    const gl_lora_site l = {A, Bb, s, span, R, bf, aq, as, ah};
+    const gl_weight none = {-1, 0, 32, 0, n_out, n_in, NULL, NULL, NULL};
+    proj_run(&none, x, M, T, &l, y, nth);
 }
 
 /* ---------------------------------------------------------------- one llama decoder layer */
@@ -1319,16 +1309,6 @@ void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, i
  *   x += [post-norm] down(act(gate) * up)(norm(x))
  * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels. */
 void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
-                     const int64_t *pos, int nth);
-
-/* n layers one after another: a model's whole decode step between the embedding and the final
- * norm in one call. */
-void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
-                      const int64_t *slots, const int64_t *pos, int nth) {
-    for (int64_t i = 0; i < n; i++) gl_layer_decode(layers[i], x, B, slots, pos, nth);
-}
-
-void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
                      const int64_t *pos, int nth) {
     const int64_t d = L->n_embd, D = L->head_dim, H = L->n_head, Hkv = L->n_head_kv;
     const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv, ff = L->n_ff;
@@ -1366,4 +1346,11 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
     free(big);
     free(att);
     free(o);
+}
+
+/* n layers one after another: a model's whole decode step between the embedding and the final
+ * norm in one call. */
+void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
+                      const int64_t *slots, const int64_t *pos, int nth) {
+    for (int64_t i = 0; i < n; i++) gl_layer_decode(layers[i], x, B, slots, pos, nth);
 }

@@ -82,7 +82,7 @@ class LayerSpec:
         return (
             len(self.qkv) in (1, 3)
             and self.act in ACTS
-            and all(_weight(p) is not None for p in self.projections())
+            and all(_weight_of(p.weight) is not None for p in self.projections())
             and all(
                 v is None
                 or (v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu")
@@ -140,10 +140,6 @@ def project(
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _weight(p: Projection) -> _Weight | None:
-    return _weight_of(p.weight)
 
 
 def _weight_of(w: QWeight) -> _Weight | None:
@@ -234,13 +230,15 @@ class FusedLayer:
         self.n_ctx = int(kc.shape[2])
         self.n_slots = int(kc.shape[0])
         self.n_embd = dims["n_embd"]
-        weights = [_weight(p) for p in spec.qkv]
+        weights = [_weight_of(p.weight) for p in spec.qkv]
         weights += [None] * (3 - len(weights))
         layer = _Layer()
         for i, w in enumerate(weights):
             if w is not None:
                 layer.qkv[i] = w
-        layer.o, layer.gate_up, layer.down = (_weight(p) for p in (spec.o, spec.gate_up, spec.down))
+        layer.o, layer.gate_up, layer.down = (
+            _weight_of(p.weight) for p in (spec.o, spec.gate_up, spec.down)
+        )
         for name in (
             "attn_norm",
             "ffn_norm",
@@ -276,7 +274,7 @@ class FusedLayer:
             for site, p in zip(self.lora_fields, self.sites, strict=True):
                 st = p.lora._stack(lora.active) if p.lora and lora is not None else None
                 self._stacks.append(st)
-                site.a = site.aq = None
+                site.a = None  # no adapter here this step
                 if st is None:
                     continue
                 if st.blocked is None or st.spans is None:
@@ -322,7 +320,7 @@ def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> Row
 
 class FusedStack:
     """Every layer of a model, each a FusedLayer, run in one native call a decode step
-    (``gl_layers_decode``): the per-layer Python between the calls cost about 5% of SmolLM2's
+    (``gl_layers_decode``): the per-layer Python between the calls cost about 10% of SmolLM2's
     step. A step some layer cannot serve (an adapter the native delta cannot read) is refused
     whole, and the layers run one call each, or in PyTorch."""
 

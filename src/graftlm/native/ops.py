@@ -90,7 +90,7 @@ def lora_a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     r, n_in = a.shape
     if n_in % 32 or library() is None:
         return None
-    raw = quants.quantize(a.detach().cpu().float().numpy(), GGMLQuantizationType.Q8_0)
+    raw = quants.quantize(a.contiguous().numpy(), GGMLQuantizationType.Q8_0)
     k = NativeS8Kernel.build(
         torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (r, n_in)
     )
@@ -130,7 +130,7 @@ def lora_delta(
     lib.gl_lora(
         x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16), aq, asc, half,
         scales.data_ptr(), a.shape[0], bb.data_ptr(), spans.data_ptr(), n_out, y.data_ptr(),
-        n_out, _threads(),
+        _threads(),
     )  # fmt: skip
     return True
 
@@ -167,16 +167,12 @@ def _row_stride(t: torch.Tensor) -> int | None:
 
 
 def rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    max_position: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    neox: bool,
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
 ) -> torch.Tensor | None:
     """x (B, T, H, D) rotated at positions (B, T) by the tables (n_ctx, rot / 2): a fresh
-    contiguous (B, T, H, D), or None. max_position bounds the positions (the tables are read at
-    them). Same arithmetic as the PyTorch twin: a * cos - b * sin, b * cos + a * sin."""
+    contiguous (B, T, H, D), or None (also for a position outside the tables, which the C code
+    checks before it reads them). Same arithmetic as the PyTorch twin: a * cos - b * sin,
+    b * cos + a * sin."""
     lib = library()
     if lib is None or x.dim() != 4 or x.device.type != "cpu" or x.dtype is not torch.float32:
         return None
@@ -188,8 +184,6 @@ def rope(
         or x.stride(2) != d
         or (b > 1 and x.stride(0) != t * rs)
         or rot > d
-        or rot % 2
-        or not 0 <= max_position < cos.shape[0]
         or positions.shape != (b, t)
         or positions.dtype is not torch.long
         or not positions.is_contiguous()
@@ -199,11 +193,11 @@ def rope(
     ):
         return None
     out = torch.empty(b, t, h, d)
-    lib.gl_rope(
-        x.data_ptr(), b * t, rs, h, d, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rot,
-        int(neox), out.data_ptr(), _threads(),
+    done = lib.gl_rope(
+        x.data_ptr(), b * t, rs, h, d, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        cos.shape[0], rot, int(neox), out.data_ptr(), _threads(),
     )  # fmt: skip
-    return out
+    return out if done == 0 else None
 
 
 def attn_decode(

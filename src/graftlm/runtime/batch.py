@@ -94,14 +94,11 @@ class Batch:
         return torch.tensor(self.slots, dtype=torch.long, device=self.tokens.device)
 
     @cached_property
-    def _last(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def last_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns), each (B,): where each row's last real token sits in (B, T)."""
         dev = self.tokens.device
         rows = torch.arange(self.n_rows, device=dev)
         return rows, torch.tensor(self.lengths, dtype=torch.long, device=dev) - 1
-
-    def last_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, columns), each (B,): where each row's last real token sits in (B, T)."""
-        return self._last
 
     @cached_property
     def _index(self) -> RowIndex | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# beside the checkout; GRAFTLM_SHARED elsewhere (a lent GPU machine gets a staged copy)
+SHARED = Path(os.environ.get("GRAFTLM_SHARED") or REPO.parent / "shared")
 GOLDEN = SHARED / "golden"
 FIXTURES = SHARED / "fixtures"
 TINY = FIXTURES / "tiny"  # tiny random models of seven families (HF, GGUF, PEFT, GGUF adapter)

@@ -300,3 +300,93 @@ def test_qweight_to_makes_the_device_kernel() -> None:
     m = q.to("meta")
     assert m.kernel == "device-bf16" and m.device == META and m.shape == (8, 32)
     assert all(t.dtype == torch.bfloat16 for t in m._k.tensors())
+
+
+# -- on a real GPU (skipped without one; `scripts/device_check.sh` runs them on a lent machine) ---
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+def _agree(cpu: torch.Tensor, dev: torch.Tensor, what: str) -> None:
+    """Logits (..., V) from the CPU path and the device path: log-probabilities within what bf16
+    weights and bf16 matrix products cost, and the same top token wherever the CPU's top two are
+    apart by more than that."""
+    a = torch.log_softmax(cpu.double(), dim=-1)
+    b = torch.log_softmax(dev.cpu().double(), dim=-1)
+    diff = (a - b).abs()
+    assert float(diff.mean()) <= 0.03 and float(diff.max()) <= 0.3, (
+        f"{what}: log-prob difference mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f}"
+    )
+    top2 = a.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1
+    same = a.argmax(-1) == b.argmax(-1)
+    assert bool(same[clear].all()), (
+        f"{what}: top tokens differ at {(~same & clear).nonzero().tolist()}"
+    )
+
+
+@CUDA
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_scores_like_the_cpu(case: str) -> None:
+    """Teacher-forced logits of one prompt, base and under the adapter at two scales."""
+    family, quant, lora = CASES[case]
+    path = _family(family, quant)
+    models = [graftlm.load(path, ctx_size=64, device=d) for d in ("cpu", "cuda")]
+    if lora is not None:
+        assert all(m.add_lora(TINY / family / lora) == 0 for m in models)
+    ids = [(7 * i + 3) % models[0].config.n_vocab for i in range(24)]
+    settings: list[list[dict[str, Any]] | None] = [None]
+    settings += [[{"id": 0, "scale": s}] for s in (1.0, -2.0)] if lora is not None else []
+    for lo in settings:
+        cpu, dev = (m.logits(ids, lora=lo) for m in models)
+        assert dev.device.type == "cpu"  # handed back on the host
+        _agree(cpu, dev, f"{case}, lora {lo}")
+
+
+@CUDA
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_cuda_decodes_mixed_adapter_rows_like_the_cpu(family: str) -> None:
+    """A decode step of three rows on the fixture adapter at scales 1, 0 and -1 (plus, on llama,
+    its PEFT twin as a second adapter on the first row), after each row's prompt."""
+    path = _family(family)
+    outs = []
+    for device in ("cpu", "cuda"):
+        m = graftlm.load(path, ctx_size=64, n_seq=3, device=device)
+        m.add_lora(TINY / family / "lora-f32.gguf")
+        second = family == "llama" and m.add_lora(TINY / family / "peft") == 1
+        dev = m.model.device
+        with torch.inference_mode():
+            for s in range(3):
+                m.model.forward(Batch.single([5 + s, 9, 13, 17 + s], s, 0, None, dev))
+            rows = [{0: 1.0, 1: 0.5} if second else {0: 1.0}, {}, {0: -1.0}]
+            lora = m.engine.lora_rows(rows)
+            tokens = torch.tensor([[21], [22], [23]], device=dev)
+            outs.append(m.model.forward(Batch(tokens, [0, 1, 2], [4, 4, 4], [1, 1, 1], lora)))
+    _agree(outs[0], outs[1], f"{family} decode step")
+
+
+@CUDA
+def test_cuda_engine_serves_requests_on_different_adapters(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The engine's own loop on the GPU: two requests on different adapter settings share its
+    batches, each ends with its 6 tokens, and each first token is the CPU's greedy choice where
+    the CPU's top two are clearly apart."""
+    adapter = _tiny_adapter(tiny_llama, tmp_path)
+    prompt, settings = [5, 6, 7], [{0: 1.0}, {}]
+    runs, firsts = [], []
+    for device in ("cpu", "cuda"):
+        m = graftlm.load(tiny_llama, ctx_size=64, n_seq=2, device=device)
+        m.add_lora(adapter)
+        reqs = [Request(prompt, SamplingParams(temperature=0, max_tokens=6), lo) for lo in settings]
+        for r in reqs:
+            m.engine.submit(r)
+        while not all(r.done for r in reqs):
+            m.engine.step()
+        runs.append([list(r.generated) for r in reqs])
+        lo_args = [[{"id": 0, "scale": 1.0}], None]
+        firsts.append([m.logits(prompt, lora=lo)[-1] for lo in lo_args])
+    assert all(len(g) == 6 for g in runs[1]), runs[1]
+    for row in range(2):
+        top2 = torch.log_softmax(firsts[0][row].double(), -1).topk(2).values
+        if float(top2[0] - top2[1]) > 0.1:
+            assert runs[1][row][0] == runs[0][row][0], (row, runs)

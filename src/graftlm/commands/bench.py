@@ -166,12 +166,12 @@ def bench(args: argparse.Namespace) -> int:
         )
         if theirs_fn is not None:
             ours, theirs = _paired(ours_fn, theirs_fn, args.repetitions)
-            their_s, ratio = _stats(theirs) + " (same run)", _pair_ratio(ours, theirs)
+            their_s, ratio = _stats(theirs) + " (same run)", f"{_pair_ratio(ours, theirs):.2f}"
         else:
             ours = _timed(ours_fn, args.repetitions)
             r = ref.get(f"{test}{n}") if not specs else None
             their_s = "-" if r is None else f"{r:8.1f} (reference)"
-            ratio = float("nan") if r is None else statistics.fmean(ours) / r
+            ratio = "-" if r is None else f"{statistics.fmean(ours) / r:.2f}"
         if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
             off = [{"id": a["id"], "scale": 0.0} for a in lora]
             on_s, off_s = _paired(ours_fn, _ours(model, test, n, off), args.repetitions)
@@ -180,7 +180,7 @@ def bench(args: argparse.Namespace) -> int:
                 f"{statistics.fmean(off_s):.1f} t/s, ratio {_pair_ratio(on_s, off_s):.2f}"
             )
         print(
-            f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio:.2f} |",
+            f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio} |",
             flush=True,
         )
     for line in self_ratios:

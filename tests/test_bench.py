@@ -1,0 +1,66 @@
+"""`graftlm bench` on a tiny model: the table, the adapter's self-ratio, the reference column."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from tiny_models import write_tiny_adapter
+
+from graftlm.cli import main
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and re.fullmatch(r"(pp|tg)\d+", cells[3]):
+            rows[cells[3]] = cells
+    return rows
+
+
+def test_bench_prints_a_row_per_test(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "-m", str(tiny_llama), "-p", "16", "-n", "4", "-r", "2", "--no-llama-cpp"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert set(rows) == {"pp16", "tg4"}
+    for cells in rows.values():
+        assert cells[0] == tiny_llama.name and cells[1] == "0"
+        mean, sd = re.fullmatch(r"([\d.]+) ± +([\d.]+)", cells[4]).groups()  # type: ignore[union-attr]
+        assert float(mean) > 0 and float(sd) >= 0
+        assert cells[5] == "-" and cells[6] == "-"  # not in the reference file: no ratio
+    assert re.search(r"resident: \d+ MiB \(file \d+ MiB\)", out)
+
+
+def test_bench_with_an_adapter_prints_its_self_ratio(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lora = write_tiny_adapter(tmp_path / "a.gguf")
+    argv = ["bench", "-m", str(tiny_llama), "-p", "8", "-n", "3", "-r", "2", "--no-llama-cpp"]
+    assert main([*argv, "--lora", str(lora)]) == 0
+    out = capsys.readouterr().out
+    assert {c[1] for c in _rows(out).values()} == {"1"}
+    for test in ("pp8", "tg3"):
+        m = re.search(
+            rf"graftlm {test}: with adapters ([\d.]+) t/s, without ([\d.]+) t/s, ratio ([\d.]+)",
+            out,
+        )
+        assert m is not None, out
+        assert all(float(g) > 0 for g in m.groups())
+
+
+@pytest.mark.real
+def test_bench_sets_smollm2_beside_the_reference_figures(
+    smollm2_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference file's figures for this model, and the ratio of the mean to them (no
+    llama.cpp in the same run)."""
+    argv = ["bench", "-m", str(smollm2_file), "-p", "128", "-n", "16", "-r", "1", "--no-llama-cpp"]
+    assert main(argv) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["pp128"][5] == "398.0 (reference)"
+    ours = float(rows["pp128"][4].split()[0])
+    assert abs(float(rows["pp128"][6]) - ours / 398) <= 0.006  # (the mean printed to 0.1)
+    assert rows["tg16"][5] == "-" and rows["tg16"][6] == "-"  # no reference figure for tg16

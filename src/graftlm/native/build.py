@@ -26,7 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 24
+ABI_VERSION = 25
 
 _REASON: list[str] = []
 _ENABLED = [True]

@@ -24,7 +24,7 @@
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
-int gl_abi_version(void) { return 24; }
+int gl_abi_version(void) { return 25; }
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -953,7 +953,8 @@ void gl_attn_prefill(const float *q, float *out, const float *kc, const float *v
  * A (R, n_in) and B as float32, or as bfloat16 when bf (float32 arithmetic either way); B is
  * stored by column, padded to whole blocks of 32 outputs: Bb[c * nb * 32 + o] = B[o, c] (zero
  * past n_out, nb = ceil(n_out / 32)), so the blocks of a column that one thread adds are one
- * contiguous range (see lora_ranges); s (M / T, R) the per-row scale of each rank
+ * contiguous range (see lora_ranges); in bfloat16 each 16 outputs o .. o + 15 are stored as the
+ * pairs (o + u, o + 8 + u), u = 0 .. 7 (ops.lora_block); s (M / T, R) the per-row scale of each rank
  * column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside which
  * column c is zero (its part of a stacked projection). y rows are ldy floats apart. */
 static inline __m256 bf16x8(const uint16_t *p) {
@@ -977,10 +978,6 @@ static inline float dot_bf16(const uint16_t *a, const float *x, int64_t n) {
         t += v * x[i];
     }
     return t;
-}
-
-static inline __m256 load8(const void *p, int64_t i, int bf) {
-    return bf ? bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
 }
 
 /* Each scale row's columns with a nonzero scale (s (S, R)): rows on different adapters walk only
@@ -1013,15 +1010,26 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
     }
     __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
     __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
+    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t t = 0; t < cnt; t++) {
         const int64_t c = cols[t];
         if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
         const __m256 av8 = _mm256_set1_ps(xa[c]);
         const int64_t at = (c * nb + jb) * 32;
-        y0 = _mm256_fmadd_ps(av8, load8(Bb, at, bf), y0);
-        y1 = _mm256_fmadd_ps(av8, load8(Bb, at + 8, bf), y1);
-        y2 = _mm256_fmadd_ps(av8, load8(Bb, at + 16, bf), y2);
-        y3 = _mm256_fmadd_ps(av8, load8(Bb, at + 24, bf), y3);
+        if (bf) { /* 16 outputs a load: lane u holds outputs u (low half) and 8 + u (high) */
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)Bb + at));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)Bb + at + 16));
+            y0 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), y0);
+            y1 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_and_si256(v0, hi16)), y1);
+            y2 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), y2);
+            y3 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_and_si256(v1, hi16)), y3);
+        } else {
+            const float *b = (const float *)Bb + at;
+            y0 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b), y0);
+            y1 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 8), y1);
+            y2 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 16), y2);
+            y3 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 24), y3);
+        }
     }
     _mm256_storeu_ps(yo, y0);
     _mm256_storeu_ps(yo + 8, y1);

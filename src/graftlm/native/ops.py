@@ -66,15 +66,21 @@ def lora_spans(bt: torch.Tensor) -> torch.Tensor:
 
 def lora_block(bt: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """bt (R, n_out) -> (R, ceil(n_out / 32) * 32) of float32 or bfloat16, zero-padded: each
-    column of B in whole 32-output blocks, the layout the native delta streams."""
+    column of B in whole 32-output blocks, the layout the native delta streams. In bfloat16 each
+    16 outputs o .. o + 15 are stored as pairs (o + u, o + 8 + u), u = 0 .. 7: one 32-byte load
+    widens to two float32 vectors with a shift and a mask."""
     r, n_out = bt.shape
     padded = torch.zeros(r, -(-n_out // 32) * 32, dtype=dtype)
     padded[:, :n_out] = bt
+    if dtype == torch.bfloat16:
+        padded = padded.view(r, -1, 2, 8).transpose(2, 3).reshape(r, -1)
     return padded
 
 
 def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
     """The inverse of lora_block: (R, n_out)."""
+    if bb.dtype == torch.bfloat16:
+        bb = bb.view(bb.shape[0], -1, 8, 2).transpose(2, 3).reshape(bb.shape[0], -1)
     return bb[:, :n_out].contiguous()
 
 

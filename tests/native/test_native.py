@@ -629,3 +629,19 @@ def test_projection_with_adapters_in_one_native_pass(
     torch.testing.assert_close(fused, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     if bsz == 4:
         torch.testing.assert_close(fused[3], base[3], rtol=0, atol=0)  # a row without adapters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
+    """B's native layout: each column padded to whole 32-output blocks; in bfloat16 each 16
+    outputs stored as the pairs (o + u, o + 8 + u). lora_unblock gives B back exactly."""
+    bt = torch.randn(3, 70).to(dtype)  # 70 outputs: 3 blocks, the last one partly padding
+    bb = ops.lora_block(bt, dtype)
+    assert bb.shape == (3, 96) and bb.dtype == dtype
+    torch.testing.assert_close(ops.lora_unblock(bb, 70), bt, rtol=0, atol=0)
+    padded = torch.cat([bt, torch.zeros(3, 26, dtype=dtype)], dim=1)
+    if dtype == torch.bfloat16:
+        order = [16 * h + u + 8 * p for h in range(6) for u in range(8) for p in range(2)]
+        torch.testing.assert_close(bb, padded[:, order], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(bb, padded, rtol=0, atol=0)

@@ -164,8 +164,21 @@ def test_scales_stay_float16_only_when_exact() -> None:
     np.testing.assert_array_equal(w.dequantize().numpy().view(np.int32), want.view(np.int32))
 
 
-def test_native_lora_delta_equals_torch_delta() -> None:
-    """Rows with different scales (zeros included), several tokens per row, added in place."""
+@pytest.mark.parametrize(
+    ("scales", "t"),
+    [
+        ([[1.0, 0.0, 0.5], [0.0, 0.0, -2.0], [0.25, 0.0, 0.0]], 5),
+        # one token a row: neighbours on the same columns (at other scales) go two at a time
+        (
+            [[0.0, 0.0, -2.0], [1.0, 0.0, 0.5], [-1.0, 0.0, 2.0], [0.0, 0.0, 3.0], [0.5, 0.0, 0.0]],
+            1,
+        ),
+    ],
+    ids=["tokens", "rows"],
+)
+def test_native_lora_delta_equals_torch_delta(scales: list[list[float]], t: int) -> None:
+    """Rows with different scales (zeros included), several tokens per row or one, added in
+    place; 48 outputs: a whole block of 32 and a part of one."""
     from graftlm.lora.site import LoraSite
     from graftlm.runtime.batch import LoraRows
 
@@ -176,12 +189,13 @@ def test_native_lora_delta_equals_torch_delta() -> None:
     b2[:20] = 0  # a part of a stacked projection: outputs 20..47 only
     b2[40:, 3] = 0
     site.put(2, torch.randn(8, 64, generator=g), b2)
-    scales = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, -2.0], [0.25, 0.0, 0.0]])
-    x = torch.randn(3, 5, 64, generator=g)
-    base = torch.randn(3, 5, 48, generator=g)
+    n = len(scales)
+    x = torch.randn(n, t, 64, generator=g)
+    base = torch.randn(n, t, 48, generator=g)
+    s = torch.tensor(scales)
 
     def delta(native: bool) -> torch.Tensor:
-        rows = LoraRows(scales, (0, 2))
+        rows = LoraRows(s, (0, 2))
         y = base.clone()
         if native:
             return site.add_delta(y, x, rows)
@@ -196,8 +210,8 @@ def test_native_lora_delta_equals_torch_delta() -> None:
     a0, b0 = site._slots[0]
     a2, b2 = site._slots[2]
     explicit = base.clone()
-    for r in range(3):
-        explicit[r] += scales[r, 0] * (x[r] @ a0.T) @ b0.T + scales[r, 2] * (x[r] @ a2.T) @ b2.T
+    for r in range(n):
+        explicit[r] += s[r, 0] * (x[r] @ a0.T) @ b0.T + s[r, 2] * (x[r] @ a2.T) @ b2.T
     torch.testing.assert_close(got, explicit, rtol=1e-4, atol=1e-3)
 
 

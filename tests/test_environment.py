@@ -5,8 +5,7 @@ llama.cpp. (`-m "not real"` leaves these out with the rest.)"""
 from __future__ import annotations
 
 import pytest
-from conftest import smollm2_path
-from shared_data import GOLDEN, TINY
+from shared_data import GOLDEN, TINY, smollm2_path
 
 from graftlm.resources import gemma3_path
 

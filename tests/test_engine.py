@@ -125,3 +125,59 @@ def test_requests_arriving_together_prefill_together(
     assert [r.generated for r in together] == alone
     # three prefill steps (one request at a time: five); a request decodes in its prefill step
     assert steps == 3 + 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_row_whose_logits_blow_up_fails_alone(
+    tiny_llama: object, tmp_path: object, temperature: float
+) -> None:
+    """An adapter at a scale the model cannot take (3e38: finite, but the logits come out inf or nan)
+    ends that request with a RequestError; the requests sharing its steps go on, token for token
+    as they would alone, and its slot comes back."""
+    from pathlib import Path
+
+    from tiny_models import write_tiny_adapter
+
+    from graftlm.errors import RequestError
+
+    m = graftlm.load(tiny_llama, ctx_size=64, n_seq=3)  # type: ignore[arg-type]
+    a = m.add_lora(write_tiny_adapter(Path(str(tmp_path)) / "a.gguf"), 0.0)
+    eng = m.engine
+
+    def request(lora: dict[int, float], t: float = 0.0) -> Request:
+        return Request([5, 6, 7, 8], SamplingParams(temperature=t, max_tokens=6, seed=1), lora)
+
+    alone = [request({}), request({a: 1.0})]
+    for r in alone:
+        eng.run(eng.submit(r))
+    reqs = [request({}), request({a: 3e38}, temperature), request({a: 1.0})]
+    for r in reqs:
+        eng.submit(r)
+    while not all(r.done for r in reqs):
+        eng.step()
+    bad = reqs[1]
+    assert bad.finish_reason == "error" and isinstance(bad.error, RequestError)
+    assert "not finite" in str(bad.error) and "3e+38" in str(bad.error)
+    assert [r.generated for r in (reqs[0], reqs[2])] == [r.generated for r in alone]
+    assert not eng.running and len(eng.free_slots) == eng.n_slots
+    with pytest.raises(RequestError, match="not finite"):  # the API raises it
+        m.generate([5, 6, 7], max_tokens=3, temperature=0, lora=[{"id": a, "scale": 3e38}])
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1e39])
+def test_scales_outside_float32_are_refused(
+    tiny_llama: object, tmp_path: object, scale: float
+) -> None:
+    from pathlib import Path
+
+    from tiny_models import write_tiny_adapter
+
+    from graftlm.errors import GraftError, RequestError
+
+    m = graftlm.load(tiny_llama, ctx_size=64)  # type: ignore[arg-type]
+    a = m.add_lora(write_tiny_adapter(Path(str(tmp_path)) / "a.gguf"), 0.5)
+    with pytest.raises(RequestError, match=f"adapter {a}: scale"):
+        m.generate([5, 6], max_tokens=2, lora=[{"id": a, "scale": scale}])
+    with pytest.raises(GraftError, match="finite|float32"):
+        m.set_lora_scales({a: scale})
+    assert m.loras[0]["scale"] == 0.5  # refused: nothing changed

@@ -285,6 +285,8 @@ class Model:
                         self.engine.stop(req)
                     if piece:
                         yield piece
+            if req.error is not None:
+                raise req.error
             tail = text.flush()
             if tail:
                 yield tail

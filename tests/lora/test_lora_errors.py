@@ -138,6 +138,10 @@ def test_lora_scaled_parsing() -> None:
     assert parse_lora_scaled("a.gguf:-1").scale == -1.0
     with pytest.raises(ValueError, match="'big' is not a number"):
         parse_lora_scaled("a.gguf:big")
+    with pytest.raises(ValueError, match="'nan' is not a finite number"):
+        parse_lora_scaled("a.gguf:nan")
+    with pytest.raises(ValueError, match="'1e39' is beyond float32's range"):
+        parse_lora_scaled("a.gguf:1e39")
     with pytest.raises(ValueError, match="the file name is empty"):
         parse_lora_scaled(":0.5")
     with pytest.raises(ValueError, match="expected FNAME:SCALE"):

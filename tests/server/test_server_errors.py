@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +107,20 @@ CASES = [
     ),
     ("entry without scale /lora-adapters", "/lora-adapters", [{"id": 0}], 400, ["scale"]),
     (
+        "scale past float32",
+        "/v1/completions",
+        {"prompt": "the", "lora": [{"id": 0, "scale": 1e39}]},
+        400,
+        ["scale", "float32"],
+    ),
+    (
+        "scale past float32 /lora-adapters",
+        "/lora-adapters",
+        [{"id": 0, "scale": -1e39}],
+        400,
+        ["scale", "float32"],
+    ),
+    (
         "n_predict wrong type",
         "/completion",
         {"prompt": "the", "n_predict": [1]},
@@ -198,6 +213,27 @@ def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: P
     )
     names = {m["id"] for m in http.get("/v1/models").json()["data"]}
     assert "bad" not in names
+
+
+def test_a_request_whose_logits_blow_up_fails_alone(server: TinyServer) -> None:
+    """Requests in the same steps as one whose adapter scale makes its logits inf or nan: that
+    one gets a 400 naming the cause, the others their usual tokens, and the server its slots."""
+    ids = [5, 6, 7, 8]
+    good = {"model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    bad = {**good, "lora": [{"id": 0, "scale": 3e38}]}
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            bodies = [good, bad, {**bad, "temperature": 1.0}, good]
+            return await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
+
+    rs = asyncio.run(go())
+    for r in (rs[1], rs[2]):
+        _check(r, 400, "not finite", "3e+38")
+    want = server.ref.detokenize(server.ref_tokens(ids, 5))
+    assert [r.json()["choices"][0]["text"] for r in (rs[0], rs[3])] == [want, want]
+    svc = server.state.service
+    assert svc.alive and not svc.engine.running and len(svc.engine.free_slots) == svc.engine.n_slots
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
+
+from graftlm.lora.scales import scale_problem
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ def parse_lora_scaled(item: str) -> LoraSpec:
         value = float(scale)
     except ValueError:
         raise ValueError(f"--lora-scaled {item!r}: scale {scale!r} is not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"--lora-scaled {item!r}: scale {scale!r} is not a finite number")
+    problem = scale_problem(value)
+    if problem is not None:
+        raise ValueError(f"--lora-scaled {item!r}: scale {scale!r} {problem}")
     return LoraSpec(path, value)
 
 

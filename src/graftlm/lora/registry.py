@@ -12,6 +12,7 @@ from pathlib import Path
 
 from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
+from graftlm.lora.scales import scale_problem
 from graftlm.lora.site import LoraSite
 from graftlm.models.base import Transformer
 
@@ -111,10 +112,14 @@ class AdapterSet:
         return f"valid ids are {ids}"
 
     def check_scale(self, adapter_id: object, scale: object) -> float:
-        """The scale as a float, or AdapterError naming the unknown id or the non-number."""
+        """The scale as a float, or AdapterError naming the unknown id or the bad scale (not a
+        number, not finite, past float32's range)."""
         self._check(adapter_id)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise AdapterError(f"adapter {adapter_id}: scale must be a number, got {scale!r}")
+        problem = scale_problem(float(scale))
+        if problem is not None:
+            raise AdapterError(f"adapter {adapter_id}: scale {scale!r} {problem}")
         return float(scale)
 
     def set_scales(self, scales: dict[int, float]) -> None:

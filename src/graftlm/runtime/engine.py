@@ -8,6 +8,7 @@ The CLI, the Python API and the HTTP server are all clients of this loop.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -216,7 +217,14 @@ class Engine:
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         assert req.sampler is not None
-        tok = req.sampler(logits, req.prompt + req.generated)
+        try:
+            tok = req.sampler(logits, req.prompt + req.generated)
+            if not math.isfinite(float(logits[tok])):  # argmax picks a nan or an inf, if any
+                raise FloatingPointError(f"the chosen token's logit is {float(logits[tok])}")
+        except Exception as exc:  # noqa: BLE001 - this row's failure ends this request alone
+            req.error = _sampling_error(req, logits, exc)
+            self._finish(req, "error")
+            return
         if req.t_first is None:
             req.t_first = time.perf_counter()
         req.generated.append(tok)
@@ -245,3 +253,16 @@ class Engine:
         """Drive the loop until this request ends (for single-threaded clients)."""
         while not req.done:
             self.step()
+
+
+def _sampling_error(req: Request, logits: torch.Tensor, exc: Exception) -> RequestError:
+    """What to tell the one request whose token could not be sampled: the other rows of the step
+    go on. Non-finite logits come from the request's own settings (an adapter at a scale too
+    large for the model, say), so they are its error."""
+    where = f"token {len(req.generated) + 1} of the generation"
+    if not bool(torch.isfinite(logits).all()):
+        return RequestError(
+            f"the logits for {where} are not finite (inf or nan); the adapter scales "
+            f"{req.lora or 'none'} may be too large for this model"
+        )
+    return RequestError(f"sampling {where} failed: {type(exc).__name__}: {exc}", "sampling_error")

@@ -482,7 +482,9 @@ class EngineService:
         if finished:
             self._active = [t for t in self._active if not t.req.done]
             for t in finished:
-                if t.req.finish_reason != "cancelled":
+                if t.req.finish_reason == "error" and t.req.error is not None:
+                    t.sub.post(ErrorEvent(t.index, t.req.error))  # this request's alone
+                elif t.req.finish_reason != "cancelled":
                     t.sub.post(self._finish_event(t, t.req.finish_reason or "stop"))
         if self.observer is not None:
             self.observer.on_step(rows, len(self.engine.running), self._n_waiting())

@@ -18,13 +18,13 @@ when it ends; that is what keeps its adapters resident.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
+from graftlm.lora.scales import scale_problem
 from graftlm.runtime.service import AdapterFacts, EngineService
 
 
@@ -202,8 +202,9 @@ class AdapterRegistry:
         for i, s in lora:
             if i not in self.by_id:
                 raise RequestError(f"lora: unknown adapter id {i}; {self.describe_ids()}")
-            if not math.isfinite(s):
-                raise RequestError(f"lora: adapter {i}: scale must be a finite number, got {s}")
+            problem = scale_problem(s)
+            if problem is not None:
+                raise RequestError(f"lora: adapter {i}: scale {s} {problem}")
             out[i] = float(s)
         return out
 

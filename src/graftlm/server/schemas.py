@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from graftlm.lora.scales import scale_problem
+
 NonNegInt = Annotated[int, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0)]
@@ -28,8 +30,9 @@ class LoraItem(_Body):
     @field_validator("scale")
     @classmethod
     def _finite(cls, v: float) -> float:
-        if v != v or v in (float("inf"), float("-inf")):
-            raise ValueError("scale must be a finite number")
+        problem = scale_problem(v)
+        if problem is not None:
+            raise ValueError(f"scale {problem}")
         return v
 
 

@@ -39,8 +39,7 @@ def _convert_lora(args: argparse.Namespace) -> int:
             )
         notes = peft_to_gguf(args.input, args.base, args.outfile, args.outtype)
     for note in notes:
-        print(note)
-    print(f"wrote {args.outfile}")
+        print(note)  # the last says what was written
     return 0
 
 
@@ -55,8 +54,7 @@ def _export_lora(args: argparse.Namespace) -> int:
         args.model, [(s.path, s.scale) for s in specs], args.output, args.outtype, progress=True
     )
     for note in notes:
-        print(note)
-    print(f"wrote {args.output}")
+        print(note)  # the last says what was written
     return 0
 
 

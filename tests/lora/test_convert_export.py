@@ -125,3 +125,33 @@ def test_refusals_write_nothing(tmp_path: Path) -> None:
         export_lora(base, [(TINY / "llama" / "peft", 1.0)], out, outtype="q4_k")
     with pytest.raises(AdapterError, match="no adapter to merge"):
         export_lora(base, [], out)
+
+
+def test_an_output_folder_that_does_not_exist_is_named_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """convert-lora (both ways) and export-lora say which folder is missing before any work, and
+    print what they wrote once."""
+    from graftlm.cli import main
+
+    base, missing = TINY / "llama" / "model-f32.gguf", tmp_path / "no" / "such"
+    runs = [
+        ["convert-lora", str(TINY / "llama" / "peft"), "--base", str(base), "-o"],
+        [
+            "convert-lora",
+            "--to-peft",
+            str(TINY / "llama" / "lora-f32.gguf"),
+            "--base",
+            str(base),
+            "-o",
+        ],
+        ["export-lora", "-m", str(base), "--lora", str(TINY / "llama" / "lora-f32.gguf"), "-o"],
+    ]
+    for argv in runs:
+        assert main([*argv, str(missing / "out")]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot write {missing / 'out'}: the folder {missing} does not exist" in err
+    assert not (tmp_path / "no").exists()
+    assert main([*runs[0], str(tmp_path / "a.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("wrote ") == 1 and f"wrote {tmp_path / 'a.gguf'}: " in out

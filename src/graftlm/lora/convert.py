@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from graftlm.errors import AdapterError, ModelFileError
+from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.peft import (
@@ -68,6 +68,15 @@ def _single_alpha(pairs: list[LoraPair], preferred: float) -> float | None:
     return None
 
 
+def check_output_folder(out_path: str | os.PathLike[str]) -> Path:
+    """The output path, once its folder is known to exist: say so before any work is done, not
+    with an OSError about a temporary file at the end."""
+    out = Path(out_path)
+    if not out.parent.is_dir():
+        raise GraftError(f"cannot write {out}: the folder {out.parent} does not exist")
+    return out
+
+
 def peft_to_gguf(
     peft_dir: str | os.PathLike[str],
     base_gguf_path: str | os.PathLike[str],
@@ -82,6 +91,7 @@ def peft_to_gguf(
     is written then."""
     if outtype not in OUTTYPES:
         raise AdapterError(f"outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
+    check_output_folder(out_path)
     base = BaseInfo.from_gguf(_open_base(base_gguf_path))
     adapter = read_peft(Path(peft_dir), base)
     if base.tied_head and any(p.base == "output" for p in adapter.pairs):
@@ -175,6 +185,7 @@ def gguf_to_peft(
     adapter without Q/K tensors). Per-tensor ranks that differ become rank_pattern entries (and
     alpha_pattern ones when alpha is 0). Returns notes; raises AdapterError listing every
     problem."""
+    check_output_folder(out_dir)
     f = GGUFFile(adapter_gguf)
     if f.file_type != "adapter" or f.metadata.get("adapter.type") != "lora":
         raise AdapterError(f"{f.path}: not a llama.cpp LoRA adapter (general.type / adapter.type)")

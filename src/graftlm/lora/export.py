@@ -25,6 +25,7 @@ from tqdm import tqdm
 from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING
+from graftlm.lora.convert import check_output_folder
 from graftlm.lora.peft import BaseInfo, read_peft
 from graftlm.quant import dequantize_any
 
@@ -54,6 +55,7 @@ def export_lora(
         raise AdapterError(f"outtype {outtype!r}: expected one of {', '.join(MERGE_TYPES)}")
     if not adapters:
         raise AdapterError("no adapter to merge")
+    check_output_folder(out_path)
     f = GGUFFile(base_gguf_path)
     if f.file_type == "adapter":
         raise ModelFileError(f"{f.path}: is a LoRA adapter, not a base model")

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from tiny_models import TinySpec, write_tiny_adapter
 
+import graftlm
 from graftlm.cli import main
+from graftlm.errors import GraftError, RequestError
 
 
 def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -75,3 +77,26 @@ def test_inspect_lists_tensors(tiny_llama: Path, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "general.architecture = 'llama'" in out
     assert "blk.0.attn_q.weight" in out and "F32" in out
+
+
+# -- the Python API's own arguments ------------------------------------------------------------
+@pytest.mark.parametrize("n_seq", [0, -1, 1.5, True])
+def test_load_refuses_no_sequences(tiny_llama: Path, n_seq: object) -> None:
+    """n_seq=0 left the engine without a slot: generate() waited forever."""
+    with pytest.raises(GraftError, match="n_seq must be .* at least 1"):
+        graftlm.load(tiny_llama, n_seq=n_seq)  # type: ignore[arg-type]
+
+
+def test_api_arguments_get_clear_errors(tiny_llama: Path) -> None:
+    m = graftlm.load(tiny_llama, ctx_size=64)
+    n = m.config.n_vocab
+    with pytest.raises(RequestError, match="the ids are empty"):
+        m.logits([])
+    with pytest.raises(RequestError, match="top must be a whole number >= 0, got -1"):
+        m.logprobs([1, 2, 3], top=-1)
+    everything = m.logprobs([1, 2, 3], top=10**6)  # at most the whole vocabulary
+    assert [len(p["top"]) for p in everything] == [n, n]
+    with pytest.raises(RequestError, match=rf"out of range \[0, {n}\): \[{n}\]"):
+        m.detokenize([1, n])
+    with pytest.raises(TypeError, match="tokenize takes a str, got int"):
+        m.tokenize(5)  # type: ignore[arg-type]

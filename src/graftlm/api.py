@@ -59,6 +59,8 @@ def load(
     weight becomes a dense bfloat16 copy on the GPU and the step runs in plain PyTorch (close to,
     not bit-exact with, the CPU path). GraftError when the device is not there.
     """
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
+        raise GraftError(f"n_seq must be a whole number of sequences, at least 1; got {n_seq!r}")
     dev = resolve_device(device)
     if reference and dev.type != "cpu":
         raise GraftError(
@@ -118,9 +120,12 @@ class Model:
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        self._check_ids(ids)
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(
@@ -181,12 +186,18 @@ class Model:
     def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:
         """Raw logits (len(ids), n_vocab) after each prefix of ids, in one teacher-forced pass."""
         self._check_ids(ids)
+        if len(ids) == 0:
+            raise RequestError("nothing to score: the ids are empty")
         return self.engine.score(list(ids), self._lora_settings(lora))
 
     def logprobs(
         self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None
     ) -> list[dict[str, Any]]:
-        """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the top tokens."""
+        """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the `top` most
+        likely tokens (at most the whole vocabulary)."""
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise RequestError(f"top must be a whole number >= 0, got {top!r}")
+        top = min(top, self.model.cfg.n_vocab)
         ids = list(ids)
         if len(ids) < 2:
             return []

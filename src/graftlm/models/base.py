@@ -213,9 +213,8 @@ class Transformer:
             for name, v in list(vars(blk).items()):
                 setattr(blk, name, move(v))
         self.device = dev
-        if self.cache is not None:
+        if self.cache is not None:  # (also unbinds the native layers, which point into it)
             self.allocate_cache(self.cache.n_slots)
-        self._fused, self._stack = {}, []
         return self
 
     # -- the step --------------------------------------------------------------------------------

@@ -183,6 +183,13 @@ def loaded_library() -> ctypes.CDLL | None:
     return lib
 
 
+def threads() -> int:
+    """The threads every native call runs on: torch's (its OpenMP pool, which the library shares)."""
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
 def unavailable_reason() -> str | None:
     """Why ``library()`` is None, or None when the native kernels are in use."""
     if not _ENABLED[0]:

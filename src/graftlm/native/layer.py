@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graftlm.lora.site import generation as lora_generation
-from graftlm.native.build import library
+from graftlm.native.build import library, threads
 from graftlm.quant import config
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def project(
     y = torch.empty(b, t, weight.shape[0])
     lib.gl_proj(
         ctypes.byref(w), ctypes.byref(site), x.data_ptr(), b * t, t, y.data_ptr(),
-        max(1, torch.get_num_threads()),
+        threads(),
     )  # fmt: skip
     return y
 
@@ -297,7 +297,7 @@ class FusedLayer:
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), max(1, torch.get_num_threads()),
+            rows.starts.data_ptr(), threads(),
         )  # fmt: skip
         return out.view(x.shape)
 
@@ -342,6 +342,6 @@ class FusedStack:
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layers_decode(
             self._ptrs, len(self.layers), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), max(1, torch.get_num_threads()),
+            rows.starts.data_ptr(), threads(),
         )  # fmt: skip
         return out.view(x.shape)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graftlm.native.build import library
+from graftlm.native.build import library, threads
 
 if TYPE_CHECKING:
     from graftlm.runtime.batch import RowIndex
@@ -28,10 +28,6 @@ __all__ = [
 MAX_HEAD_DIM = 1024  # the C attention keeps a rotated query of this size on its stack
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Semantics: x * rsqrt(mean(x^2, -1) + eps) * weight (sum of squares in double), or None."""
     lib = library()
@@ -48,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty_like(x)
     n = x.shape[-1]
     lib.gl_rms_norm(
-        x.data_ptr(), x.numel() // max(n, 1), n, weight.data_ptr(), eps, y.data_ptr(), _threads()
+        x.data_ptr(), x.numel() // max(n, 1), n, weight.data_ptr(), eps, y.data_ptr(), threads()
     )
     return y
 
@@ -136,7 +132,7 @@ def lora_delta(
     lib.gl_lora(
         x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16), aq, asc, half,
         scales.data_ptr(), a.shape[0], bb.data_ptr(), spans.data_ptr(), n_out, y.data_ptr(),
-        _threads(),
+        threads(),
     )  # fmt: skip
     return True
 
@@ -161,7 +157,7 @@ def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     ff = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], ff)
     rows = gate_up.numel() // (2 * ff)
-    lib.gl_gated(gate_up.data_ptr(), rows, ff, GATES[act], out.data_ptr(), _threads())
+    lib.gl_gated(gate_up.data_ptr(), rows, ff, GATES[act], out.data_ptr(), threads())
     return out
 
 
@@ -201,7 +197,7 @@ def rope(
     out = torch.empty(b, t, h, d)
     done = lib.gl_rope(
         x.data_ptr(), b * t, rs, h, d, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        cos.shape[0], rot, int(neox), out.data_ptr(), _threads(),
+        cos.shape[0], rot, int(neox), out.data_ptr(), threads(),
     )  # fmt: skip
     return out if done == 0 else None
 
@@ -259,7 +255,7 @@ def attn_decode(
     lib.gl_attn_decode(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, kc.data_ptr(), vc.data_ptr(),
         slots.data_ptr(), positions.data_ptr(), b, h, hkv, d, dv, n_ctx, cos.data_ptr(),
-        sin.data_ptr(), rot, int(neox), scale, window, softcap, out.data_ptr(), _threads(),
+        sin.data_ptr(), rot, int(neox), scale, window, softcap, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
 
@@ -303,6 +299,6 @@ def attn_prefill(
     out = q.new_empty(b, t, h * d)
     lib.gl_attn_prefill(
         q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), rows.slots.data_ptr(),
-        rows.starts.data_ptr(), b, t, h, hkv, d, n_ctx, scale, window, _threads(),
+        rows.starts.data_ptr(), b, t, h, hkv, d, n_ctx, scale, window, threads(),
     )  # fmt: skip
     return out

@@ -17,16 +17,12 @@ from typing import Any, ClassVar
 import torch
 from gguf import GGMLQuantizationType
 
-from graftlm.native import library
+from graftlm.native import library, threads
 from graftlm.native.build import loaded_library
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
 
 T = GGMLQuantizationType
-
-
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -81,7 +77,7 @@ class NativeKernel(Kernel):
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = x @ W.T through the native product (x (M, n_in), y (M, n_out), contiguous)."""
-        self._fn(x.data_ptr(), x.shape[0], *self._args, y.data_ptr(), _threads())
+        self._fn(x.data_ptr(), x.shape[0], *self._args, y.data_ptr(), threads())
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         raise NotImplementedError
@@ -134,7 +130,7 @@ class NativeU4Kernel(NativeKernel):
             qtype, (n8, k // 32),
             lambda dm: lib.gl_pack_u4(
                 int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, qs.data_ptr(),
-                dm[0].data_ptr(), dm[1].data_ptr(), int(dm[0].dtype == torch.float16), _threads(),
+                dm[0].data_ptr(), dm[1].data_ptr(), int(dm[0].dtype == torch.float16), threads(),
             ),
             2,
         )  # fmt: skip
@@ -147,7 +143,7 @@ class NativeU4Kernel(NativeKernel):
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_u4(
             self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.half, self.offset, k,
-            _ptr(ids), row0, count, out.data_ptr(), _threads(),
+            _ptr(ids), row0, count, out.data_ptr(), threads(),
         )  # fmt: skip
         return out
 
@@ -192,7 +188,7 @@ class NativeS8Kernel(NativeKernel):
             qtype, (n8, k // sblk),
             lambda sc: lib.gl_pack_s8(
                 int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(),
-                sc[0].data_ptr(), int(sc[0].dtype == torch.float16), _threads(),
+                sc[0].data_ptr(), int(sc[0].dtype == torch.float16), threads(),
             ),
             1,
         )  # fmt: skip
@@ -205,7 +201,7 @@ class NativeS8Kernel(NativeKernel):
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_s8(
             self.q.data_ptr(), self.s.data_ptr(), self.half, self.sblk, k, _ptr(ids), row0,
-            count, out.data_ptr(), _threads(),
+            count, out.data_ptr(), threads(),
         )  # fmt: skip
         return out
 

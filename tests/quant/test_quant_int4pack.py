@@ -26,10 +26,11 @@ def test_layout_unpacks_and_gathers_what_torch_packed(n: int, k: int) -> None:
     assert layout is not None
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     packed = _pack(codes)
-    bn = layout.block_n
+    bn = layout.block_n  # 64 on AVX-512 builds of torch, 32 on AVX2 ones
     assert torch.equal(layout.unpack(packed, k, 0, n // bn), codes)
-    assert torch.equal(layout.unpack(packed, k, 1, 2), codes[bn : 2 * bn])
-    ids = torch.tensor([n - 1, 0, bn, bn // 2 + 1, 3])
+    if n >= 2 * bn:  # a second tile exists
+        assert torch.equal(layout.unpack(packed, k, 1, 2), codes[bn : 2 * bn])
+    ids = torch.tensor([n - 1, 0, min(bn, n - 1), bn // 2 + 1, 3])
     assert torch.equal(layout.gather(packed, k, ids), codes[ids])
 
 

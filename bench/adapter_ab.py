@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import graftlm
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 import graftlm
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 
 def main() -> None:

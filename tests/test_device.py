@@ -29,10 +29,10 @@ from graftlm.errors import GraftError
 from graftlm.gguf import GGUFFile
 from graftlm.quant import QWeight
 from graftlm.quant.kernels import DeviceDenseKernel
-from graftlm.runtime.batch import Batch, LoraRows
 from graftlm.runtime.device import resolve_device
 from graftlm.runtime.engine import Request
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.step.batch import Batch, LoraRows
 
 META = torch.device("meta")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"]

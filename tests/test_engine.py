@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import graftlm
-from graftlm.runtime.batch import Batch
 from graftlm.runtime.engine import Request
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.step.batch import Batch
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_gemma3"])

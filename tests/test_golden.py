@@ -94,7 +94,7 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
     max 0.29-0.49, twin mean 0.015 max 0.20-0.42. The max against llama.cpp is printed, not held to
     0.5: one near-flat position of gemma-3 under the strong random `grand` adapter (g-grand-0.1,
     step 14) is at 0.45 even in float32."""
-    from graftlm.runtime.batch import Batch
+    from graftlm.step.batch import Batch
 
     model = graftlm.load(request.getfixturevalue(f"{which}_file"), ctx_size=1024)
     data = golden(f"{which}_generate.json")

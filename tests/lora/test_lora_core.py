@@ -10,7 +10,7 @@ from tiny_models import TinySpec, write_tiny_adapter
 
 import graftlm
 from graftlm.lora.site import LoraSite
-from graftlm.runtime.batch import LoraRows
+from graftlm.step.batch import LoraRows
 
 IDS = [5, 70, 33, 200, 41, 9, 120, 87, 66, 13, 150, 21]
 
@@ -72,7 +72,7 @@ def test_delta_matches_merged_weight(model: graftlm.Model, adapter: Path) -> Non
     import gguf as g
 
     from graftlm.lora.targets import resolve_target
-    from graftlm.runtime.batch import Batch
+    from graftlm.step.batch import Batch
 
     model.add_lora(adapter, scale=0.6)
     projections = model.model.projections()

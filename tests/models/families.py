@@ -16,7 +16,7 @@ import torch
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
-from graftlm.runtime.batch import Batch, LoraRows
+from graftlm.step.batch import Batch, LoraRows
 
 TINY = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "tiny"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"]

@@ -24,7 +24,7 @@ from families import (
 from graftlm.config import ModelConfig, build_config
 from graftlm.gguf import GGUFFile
 from graftlm.models import ARCHITECTURES
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 TOL = 1e-3
 

@@ -16,7 +16,7 @@ import graftlm
 from graftlm.native import build, disabled, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
-from graftlm.runtime.batch import Batch, RowIndex
+from graftlm.step.batch import Batch, RowIndex
 
 pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
 
@@ -180,7 +180,7 @@ def test_native_lora_delta_equals_torch_delta(scales: list[list[float]], t: int)
     """Rows with different scales (zeros included), several tokens per row or one, added in
     place; 48 outputs: a whole block of 32 and a part of one."""
     from graftlm.lora.site import LoraSite
-    from graftlm.runtime.batch import LoraRows
+    from graftlm.step.batch import LoraRows
 
     g = torch.Generator().manual_seed(0)
     site = LoraSite(64, 48)
@@ -310,7 +310,7 @@ def test_compact_lora_stacks_in_fast_mode_only() -> None:
     mode keeps the exact factors."""
     from graftlm.lora.site import LoraSite
     from graftlm.quant import compute_dtype
-    from graftlm.runtime.batch import LoraRows
+    from graftlm.step.batch import LoraRows
 
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(8, 64, generator=g), torch.randn(40, 8, generator=g)
@@ -552,7 +552,7 @@ def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
 
 def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
     from graftlm.native.layer import ScaleBoard
-    from graftlm.runtime.batch import LoraRows
+    from graftlm.step.batch import LoraRows
 
     board = ScaleBoard()
     layout, cols = ((1, 2),), torch.tensor([1, 1])
@@ -605,7 +605,7 @@ def test_projection_with_adapters_in_one_native_pass(
     from graftlm.lora.site import LoraSite
     from graftlm.models.layers import Projection
     from graftlm.native import layer as native_layer
-    from graftlm.runtime.batch import LoraRows
+    from graftlm.step.batch import LoraRows
 
     n_out, n_in = 96, 64
     raw = random_blocks(qtype, (n_out, n_in), np.random.default_rng(4))

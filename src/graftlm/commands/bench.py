@@ -67,7 +67,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> Callable[[], int]:
-    from graftlm.runtime.batch import Batch
+    from graftlm.step.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.n_vocab - 100, (n,), generator=g).tolist()

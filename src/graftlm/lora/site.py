@@ -18,7 +18,7 @@ import torch
 
 from graftlm.native import ops as native_ops
 from graftlm.quant.config import get_compute_dtype
-from graftlm.runtime.batch import LoraRows
+from graftlm.step.batch import LoraRows
 
 
 @dataclass(frozen=True)

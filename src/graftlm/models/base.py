@@ -23,8 +23,8 @@ from graftlm.native import ops as native_ops
 from graftlm.native.layer import FusedLayer, FusedStack, LayerSpec, ScaleBoard
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
-from graftlm.runtime.batch import Batch
-from graftlm.runtime.kv_cache import KVCache
+from graftlm.step.batch import Batch
+from graftlm.step.kv_cache import KVCache
 
 
 class Weights:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.layers import Projection, rms_norm
-from graftlm.runtime.batch import Batch
-from graftlm.runtime.kv_cache import KVCache
+from graftlm.step.batch import Batch
+from graftlm.step.kv_cache import KVCache
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.layers import Projection, rms_norm
 from graftlm.native.layer import LayerSpec
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 
 class Gemma3Block:

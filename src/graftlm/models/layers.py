@@ -11,8 +11,8 @@ from graftlm.lora.targets import Target
 from graftlm.native import layer as native_layer
 from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
-from graftlm.runtime.batch import Batch
-from graftlm.runtime.kv_cache import KVCache
+from graftlm.step.batch import Batch
+from graftlm.step.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from graftlm.lora.site import LoraSite

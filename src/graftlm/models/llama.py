@@ -17,7 +17,7 @@ from graftlm.models.base import Transformer, Weights
 from graftlm.models.layers import Projection, Rope, rms_norm
 from graftlm.models.moe import Experts, moe_ffn
 from graftlm.native.layer import LayerSpec
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 
 def _bias(w: Weights, name: str) -> torch.Tensor | None:

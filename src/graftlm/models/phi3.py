@@ -16,7 +16,7 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.layers import Projection, Rope, attention, rms_norm
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 LONG, SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 

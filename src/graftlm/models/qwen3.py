@@ -10,7 +10,7 @@ from graftlm.config import ModelConfig
 from graftlm.models.base import Weights
 from graftlm.models.layers import rms_norm
 from graftlm.models.llama import Llama, LlamaBlock
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 
 class Qwen3Block(LlamaBlock):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from graftlm.lora.site import LoraSite, _Stack
     from graftlm.models.layers import Projection, Rope
     from graftlm.quant import QWeight
-    from graftlm.runtime.batch import Batch, LoraRows, RowIndex
+    from graftlm.step.batch import Batch, LoraRows, RowIndex
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 

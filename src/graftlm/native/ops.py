@@ -11,7 +11,7 @@ import torch
 from graftlm.native.build import library, threads
 
 if TYPE_CHECKING:
-    from graftlm.runtime.batch import RowIndex
+    from graftlm.step.batch import RowIndex
 
 __all__ = [
     "attn_decode",

@@ -20,8 +20,8 @@ import torch
 from graftlm.errors import RequestError
 from graftlm.models import Transformer
 from graftlm.quant import compute_dtype
-from graftlm.runtime.batch import Batch, LoraRows
 from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.step.batch import Batch, LoraRows
 
 _ids = itertools.count()
 

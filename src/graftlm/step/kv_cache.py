@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graftlm.runtime.batch import Batch
+from graftlm.step.batch import Batch
 
 
 class KVCache:

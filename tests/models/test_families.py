@@ -112,7 +112,7 @@ def test_phi3_adapter_lands_on_the_fused_projections() -> None:
     proj = model.projections()
     assert proj["blk.0.attn_qkv"].lora and proj["blk.0.attn_qkv"].n_out == 128 + 2 * 64
     assert proj["blk.0.ffn_up"].lora and proj["blk.0.ffn_up"].n_out == 2 * 256
-    assert model.fused_targets("blk.0.attn_qkv") is None
+    assert "blk.0.attn_qkv" not in model.seams.parts  # no stacked parts to map rows into
 
 
 @pytest.mark.parametrize("family", FAMILIES)

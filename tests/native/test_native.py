@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 import graftlm
+from graftlm.models import seam
 from graftlm.native import build, disabled, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
@@ -198,11 +199,10 @@ def test_native_lora_delta_equals_torch_delta(scales: list[list[float]], t: int)
         rows = LoraRows(s, (0, 2))
         y = base.clone()
         if native:
-            return site.add_delta(y, x, rows)
-        with disabled():
-            return site.add_delta(y, x, rows)
+            return seam.add_delta(site, y, x, rows, exact=False)
+        return site.add_delta(y, x, rows)  # the PyTorch twin
 
-    spans = site._stack((0, 2)).spans  # type: ignore[union-attr]
+    spans = seam.native_lora(site, (0, 2), exact=False).spans  # type: ignore[union-attr]
     assert spans is not None and spans[4:].tolist() == [[20, 48]] * 3 + [[20, 40]] + [[20, 48]] * 4
     got, want = delta(True), delta(False)  # entries ~50: float32 summation order differs
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
@@ -264,7 +264,7 @@ def test_fused_layer_equals_the_pytorch_block(
                                                [1] * n_rows, rows)))  # fmt: skip
         return out
 
-    from graftlm.native.layer import FusedLayer, FusedStack
+    from graftlm.models.fused import FusedLayer, FusedStack
 
     served: list[tuple[str, bool]] = []
 
@@ -309,7 +309,6 @@ def test_compact_lora_stacks_in_fast_mode_only() -> None:
     bfloat16: equal to that arithmetic spelled out, within 1% of the float32 delta; the float32
     mode keeps the exact factors."""
     from graftlm.lora.site import LoraSite
-    from graftlm.quant import compute_dtype
     from graftlm.step.batch import LoraRows
 
     g = torch.Generator().manual_seed(1)
@@ -319,20 +318,22 @@ def test_compact_lora_stacks_in_fast_mode_only() -> None:
     rows = LoraRows(torch.tensor([[0.0, 0.0, 0.0, 1.5], [0.0, 0.0, 0.0, -1.0]]), (3,))
     x = torch.randn(2, 3, 64, generator=g)
     scale = torch.tensor([1.5, -1.0]).view(2, 1, 1)
-    got = site.add_delta(torch.zeros(2, 3, 40), x, rows)
-    st = site._stack((3,))
+    got = seam.add_delta(site, torch.zeros(2, 3, 40), x, rows, exact=False)
+    st = seam.native_lora(site, (3,), exact=False)
     assert st is not None and st.a.dtype == torch.bfloat16 and st.a_s8 is not None
     aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
     want = scale * (_q8_x(x) @ aq.T) @ b.bfloat16().float().T
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     exact = scale * (x @ a.T) @ b.T
     assert (got - exact).norm() / exact.norm() < 1e-2
-    with compute_dtype(torch.float32):
-        st32 = site._stack((3,))
-        assert st32 is not None and st32.a.dtype == torch.float32 and st32.a_s8 is None
-        torch.testing.assert_close(
-            site.add_delta(torch.zeros(2, 3, 40), x, rows), exact, rtol=1e-5, atol=1e-4
-        )
+    st32 = seam.native_lora(site, (3,), exact=True)
+    assert st32 is not None and st32.a.dtype == torch.float32 and st32.a_s8 is None
+    torch.testing.assert_close(
+        seam.add_delta(site, torch.zeros(2, 3, 40), x, rows, exact=True),
+        exact,
+        rtol=1e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.real
@@ -348,27 +349,24 @@ def test_fused_gemma3_layer_with_separate_q_k_v(
     differ by int8 noise, which on this random-token prompt is a tenth or two: the native layer
     must be as close to the exact path as the composed block is (measured: mean 0.15-0.19 each
     over the exact path's top 20)."""
-    from graftlm.quant import compute_dtype
-
     m = graftlm.load(str(gemma3_file), ctx_size=1100, n_seq=2)
     model = m.model
     spec = model.layer_spec(0)
     assert spec is not None and len(spec.qkv) == 3 and model.fused_layer(0) is not None
 
-    def run() -> list[torch.Tensor]:
+    def run(exact: bool = False) -> list[torch.Tensor]:
         out = []
         with torch.inference_mode():
-            model.forward(Batch.single(list(range(1000, 1520)), 0, 0))
-            model.forward(Batch.single(list(range(2000, 2030)), 1, 0))
+            model.forward(Batch.single(list(range(1000, 1520)), 0, 0, exact=exact))
+            model.forward(Batch.single(list(range(2000, 2030)), 1, 0, exact=exact))
             for step in range(3):
                 batch = Batch(torch.tensor([[300 + step], [400 + step]]), [0, 1],
-                              [520 + step, 30 + step], [1, 1])  # fmt: skip
+                              [520 + step, 30 + step], [1, 1], exact=exact)  # fmt: skip
                 out.append(torch.log_softmax(model.forward(batch), -1))
         return out
 
     fused = run()
-    with compute_dtype(torch.float32):
-        exact = run()
+    exact = run(exact=True)
     _compose(monkeypatch)
     composed = run()
     for f, c, e in zip(fused, composed, exact, strict=True):
@@ -551,10 +549,11 @@ def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
 
 
 def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
-    from graftlm.native.layer import ScaleBoard
+    from graftlm.lora.site import Generation
+    from graftlm.models.fused import ScaleBoard
     from graftlm.step.batch import LoraRows
 
-    board = ScaleBoard()
+    board = ScaleBoard(Generation())
     layout, cols = ((1, 2),), torch.tensor([1, 1])
     at = board.address(layout, cols, 2)
     gen = board.generation
@@ -603,8 +602,7 @@ def test_projection_with_adapters_in_one_native_pass(
     scale row), batched rows and one row; rows with different adapters and scales, one with
     none."""
     from graftlm.lora.site import LoraSite
-    from graftlm.models.layers import Projection
-    from graftlm.native import layer as native_layer
+    from graftlm.models.seam import Projection
     from graftlm.step.batch import LoraRows
 
     n_out, n_in = 96, 64
@@ -626,13 +624,11 @@ def test_projection_with_adapters_in_one_native_pass(
         torch.zeros(bsz, t, dtype=torch.long), list(range(bsz)), [0] * bsz, [t] * bsz, rows
     )
     passes = []
-    one_pass = native_layer.project
-    monkeypatch.setattr(
-        native_layer, "project", lambda *a: passes.append(one_pass(*a)) or passes[-1]
-    )
+    one_pass = seam._one_pass
+    monkeypatch.setattr(seam, "_one_pass", lambda *a: passes.append(one_pass(*a)) or passes[-1])
     fused = p(x, batch)
     assert passes and passes[0] is not None
-    monkeypatch.setattr(native_layer, "project", lambda *a: None)
+    monkeypatch.setattr(seam, "_one_pass", lambda *a: None)
     composed = p(x, batch)  # the product, then the delta
     torch.testing.assert_close(fused, composed, rtol=1e-6, atol=1e-5)
     base = w.matmul(x)

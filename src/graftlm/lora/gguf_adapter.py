@@ -17,8 +17,7 @@ import torch
 from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
-from graftlm.lora.targets import resolve_target
-from graftlm.models.base import Transformer
+from graftlm.lora.targets import Base, resolve_target
 from graftlm.quant import dequantize_any
 
 ADAPTER_TYPES = {
@@ -48,9 +47,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def read_gguf_adapter(
-    path: str | Path, model: Transformer, base_tensors: set[str]
-) -> ResolvedAdapter:
+def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> ResolvedAdapter:
     """Read, check and resolve a GGUF adapter for `model`. Raises AdapterError listing every problem."""
     try:
         f = GGUFFile(path)
@@ -165,7 +162,7 @@ def _ne(e: TensorEntry) -> str:
     return "ne=[" + ", ".join(str(d) for d in reversed(e.shape)) + "]"
 
 
-def _n_out(model: Transformer, name: str) -> int:
+def _n_out(model: Base, name: str) -> int:
     return model.cfg.n_embd if name == EMBEDDING else model.projections()[name].n_out
 
 

@@ -35,7 +35,7 @@ from graftlm.lora.targets import resolve_target
 
 if TYPE_CHECKING:
     from graftlm.gguf import GGUFFile
-    from graftlm.models.base import Transformer
+    from graftlm.lora.targets import Base
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
@@ -170,7 +170,7 @@ class BaseInfo:
     lookup: Callable[[str], tuple[int, int] | str]
 
     @classmethod
-    def from_model(cls, model: Transformer, path: str = "") -> BaseInfo:
+    def from_model(cls, model: Base, path: str = "") -> BaseInfo:
         cfg = model.cfg
 
         def lookup(base: str) -> tuple[int, int] | str:
@@ -466,7 +466,7 @@ def _tied_head(embd: LoraPair, cfg: PeftConfig) -> LoraPair:
     )
 
 
-def read_peft_adapter(path: str | Path, model: Transformer) -> ResolvedAdapter:
+def read_peft_adapter(path: str | Path, model: Base) -> ResolvedAdapter:
     """Read, check and resolve a PEFT directory for `model`; PEFT's factor folded into B.
 
     Raises AdapterError listing every problem; nothing is attached either way."""

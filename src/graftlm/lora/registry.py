@@ -14,7 +14,7 @@ from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
 from graftlm.lora.scales import scale_problem
 from graftlm.lora.site import LoraSite
-from graftlm.models.base import Transformer
+from graftlm.lora.targets import Base
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Attached:
 
 
 class AdapterSet:
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Base) -> None:
         self.model = model
         self.attached: dict[int, Attached] = {}
         self._next_id = 0
@@ -62,37 +62,38 @@ class AdapterSet:
         factors = {name: (d.a.to(dev), d.b.to(dev)) for name, d in adapter.deltas.items()}
         slot = self._next_id
         self._next_id += 1
-        projections = self.model.projections()
+        table = self.model.seams
         for name, (a, b) in factors.items():
             if name == EMBEDDING:
-                if self.model.embd_lora is None:
-                    self.model.embd_lora = LoraSite(
-                        self.model.cfg.n_vocab,
-                        self.model.cfg.n_embd,
-                        gather=True,
-                        device=dev,
-                    )
-                self.model.embd_lora.put(slot, a, b)
+                if table.embedding is None:
+                    table.embedding = LoraSite(
+                        table.n_vocab, table.n_embd, gather=True, device=dev,
+                        generation=table.generation,
+                    )  # fmt: skip
+                table.embedding.put(slot, a, b)
             else:
-                p = projections[name]
+                p = table.projections[name]
                 if p.lora is None:
-                    approximate = p.weight.kernel.startswith("native")  # int8 activations
-                    p.lora = LoraSite(p.n_in, p.n_out, compact=approximate, device=dev)
+                    p.lora = LoraSite(
+                        p.n_in, p.n_out, compact=p.approximate, device=dev,
+                        generation=table.generation,
+                    )  # fmt: skip
                 p.lora.put(slot, a, b)
         self.attached[slot] = Attached(slot, adapter, float(scale))
         return slot
 
     def detach(self, adapter_id: int) -> None:
         self._check(adapter_id)
-        for p in self.model.projections().values():
+        table = self.model.seams
+        for p in table.projections.values():
             if p.lora is not None:
                 p.lora.drop(adapter_id)
                 if not p.lora:
                     p.lora = None
-        if self.model.embd_lora is not None:
-            self.model.embd_lora.drop(adapter_id)
-            if not self.model.embd_lora:
-                self.model.embd_lora = None
+        if table.embedding is not None:
+            table.embedding.drop(adapter_id)
+            if not table.embedding:
+                table.embedding = None
         del self.attached[adapter_id]
 
     def _check(self, adapter_id: object) -> None:

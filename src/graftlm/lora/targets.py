@@ -1,16 +1,23 @@
-"""Where an adapter tensor lands in the engine: the mapping from a base tensor name to the
-projections (and row ranges) that hold it, and the refusals for what is not a projection."""
+"""Where an adapter tensor lands in a model: the model's table of seams (every place an adapter
+can attach), the mapping from a base tensor name to the projections (and row ranges) that hold
+it, and the refusals for what is not a projection.
+
+The models build the table as they load their weights (`graftlm.models`); adapter code reads it
+through the `Base` protocol and never looks inside a model's blocks.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
+
+from graftlm.config import ModelConfig
 from graftlm.lora.adapter import EMBEDDING
-
-if TYPE_CHECKING:
-    from graftlm.models.base import Transformer
+from graftlm.lora.site import Generation, LoraSite
 
 _EXPERT = re.compile(r"_exps$|_exps\.|_shexp_gate")
 _NORM_OR_BIAS = re.compile(r"(norm|\.bias$|_b$)")
@@ -30,25 +37,77 @@ class Target:
     at: slice
 
 
-def resolve_target(model: Transformer, base: str) -> list[Target] | str:
+class Seam(Protocol):
+    """One projection as adapters see it: its sizes and its slots."""
+
+    name: str
+    lora: LoraSite | None
+
+    @property
+    def n_in(self) -> int: ...
+
+    @property
+    def n_out(self) -> int: ...
+
+    @property
+    def approximate(self) -> bool:
+        """Whether the base product rounds its input (int8 activations): its adapter's fast form
+        may then round too (LoraSite.compact)."""
+        ...
+
+
+@dataclass
+class SeamTable:
+    """Every place of a model an adapter can attach, filled as the weights load.
+
+    projections: by GGUF base name ("blk.0.attn_q", "output"), each the engine's projection;
+    parts: file tensors the engine stacked into one projection (Q/K/V, gate/up), with their rows;
+    embedding: the slots on the token embedding (made on the first adapter that has one);
+    generation: changes whenever any slot of the model changes."""
+
+    n_vocab: int
+    n_embd: int
+    projections: dict[str, Seam] = field(default_factory=dict)
+    parts: dict[str, Target] = field(default_factory=dict)
+    embedding: LoraSite | None = None
+    generation: Generation = field(default_factory=Generation)
+
+    def sites(self) -> list[LoraSite]:
+        """Every site with slots, the embedding's included."""
+        out = [p.lora for p in self.projections.values() if p.lora is not None]
+        return out + ([self.embedding] if self.embedding is not None else [])
+
+
+class Base(Protocol):
+    """What reading and attaching an adapter needs of a base model."""
+
+    cfg: ModelConfig
+    base_tensor_names: set[str]
+    seams: SeamTable
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def projections(self) -> Mapping[str, Seam]: ...
+
+
+def resolve_target(model: Base, base: str) -> list[Target] | str:
     """The targets of base tensor `base` ("blk.0.attn_q"), or the reason it cannot take an adapter."""
     if _EXPERT.search(base):
         return (
             "routed-expert tensor: per-expert adapters are not served (only attention and shared "
             "projections of mixture-of-experts models take adapters)"
         )
-    cfg = model.cfg
+    table = model.seams
     if base == EMBEDDING:
-        return [
-            Target(EMBEDDING, cfg.n_vocab, cfg.n_embd, slice(0, cfg.n_embd), slice(0, cfg.n_embd))
-        ]
-    proj = model.projections()
-    if base in proj:
-        p = proj[base]
+        d = table.n_embd
+        return [Target(EMBEDDING, table.n_vocab, d, slice(0, d), slice(0, d))]
+    p = table.projections.get(base)
+    if p is not None:
         return [Target(base, p.n_in, p.n_out, slice(0, p.n_out), slice(0, p.n_out))]
-    mapped = model.fused_targets(base)
-    if mapped:
-        return mapped
+    part = table.parts.get(base)
+    if part is not None:
+        return [part]
     if _NORM_OR_BIAS.search(base):
         return "norm or bias tensor: LoRA applies to projections only"
     return "not a projection of this model"

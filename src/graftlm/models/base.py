@@ -6,7 +6,7 @@ owns the rest of the step: embedding (with its adapter seam), the blocks, final 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -16,11 +16,12 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
-from graftlm.lora.targets import Target
-from graftlm.models.layers import Projection, ProjectionGroup, Rope, attention, rms_norm
+from graftlm.lora.targets import SeamTable
+from graftlm.models.fused import FusedLayer, FusedStack, LayerSpec, ScaleBoard
+from graftlm.models.layers import Rope, attention, rms_norm
+from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
-from graftlm.native.layer import FusedLayer, FusedStack, LayerSpec, ScaleBoard
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.step.batch import Batch
@@ -28,12 +29,15 @@ from graftlm.step.kv_cache import KVCache
 
 
 class Weights:
-    """Typed access to a GGUF file's tensors, with errors that name the missing tensor."""
+    """Typed access to a GGUF file's tensors, with errors that name the missing tensor.
+
+    Every projection it builds is entered in `seams` (the model's table; set by Transformer)."""
 
     def __init__(self, file: GGUFFile, prefer: str = "fast", progress: bool = False) -> None:
         self.file = file
         self.prefer = prefer
         self.used: set[str] = set()
+        self.seams: SeamTable | None = None
         self.bar = (
             tqdm(total=len(file.tensors), desc="loading", unit="tensor", leave=False)
             if progress
@@ -66,7 +70,13 @@ class Weights:
         return QWeight.from_gguf(e.data, e.ggml_type, shape, name=name, prefer=self.prefer)
 
     def proj(self, base: str, n_in: int, n_out: int) -> Projection:
-        return Projection(base, self.matrix(base + ".weight", (n_out, n_in)))
+        return self.seam(Projection(base, self.matrix(base + ".weight", (n_out, n_in))))
+
+    def seam(self, p: Projection) -> Projection:
+        """p, entered in the model's seam table."""
+        assert self.seams is not None, "the model sets Weights.seams before building projections"
+        self.seams.projections[p.name] = p
+        return p
 
     def attn_qkv(self, cfg: ModelConfig, i: int) -> ProjectionGroup:
         """Q, K and V of block i over the normed input (stacked where the types allow)."""
@@ -99,6 +109,7 @@ class Weights:
                 )
         if len({e.ggml_type for e in entries}) != 1:
             return ProjectionGroup(names, sizes, parts=[self.proj(b, n_in, n) for b, n in parts])
+        assert self.seams is not None
         data = np.concatenate([np.asarray(e.data) for e in entries], axis=0)
         weight = QWeight.from_gguf(
             data,
@@ -109,7 +120,9 @@ class Weights:
         )
         for e in entries:
             release_pages(e.data)  # the stacked copy replaces the mapped pages
-        return ProjectionGroup(names, sizes, fused=Projection(fused, weight))
+        group = ProjectionGroup(names, sizes, fused=self.seam(Projection(fused, weight)))
+        self.seams.parts.update(group.targets())
+        return group
 
 
 class Transformer:
@@ -123,13 +136,14 @@ class Transformer:
         self.n_ctx = n_ctx
         self.device = torch.device("cpu")  # built here; `to` moves it
         self.base_tensor_names = set(w.file.tensors)
+        # every place an adapter can attach, entered as the weights load
+        self.seams = w.seams = SeamTable(cfg.n_vocab, cfg.n_embd)
         self.token_embd = w.matrix("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
-        self.embd_lora: LoraSite | None = None
         self.output_norm = w.vector("output_norm.weight")
         if cfg.tied_head:
             # Tied: the head reads the embedding table; an adapter on the embedding changes the
             # lookup only (as PEFT does), so the head gets its own seam over the same weight.
-            self.output = Projection("output", self.token_embd)
+            self.output = w.seam(Projection("output", self.token_embd))
         else:
             self.output = w.proj("output", cfg.n_embd, cfg.n_vocab)
         ropes: dict[float, Rope] = {}
@@ -140,29 +154,17 @@ class Transformer:
         # layer -> (the cache it was bound to, its one-call native decode step or None)
         self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
         self._stack: list[FusedStack | None] = []  # [] unknown, [None] some layer has none
-        self._scale_board = ScaleBoard()
+        self._scale_board = ScaleBoard(self.seams.generation)
 
     # -- adapter seams -------------------------------------------------------------------------
     def projections(self) -> dict[str, Projection]:
         """Every projection by its GGUF base name ("blk.0.attn_q", "output")."""
-        out: dict[str, Projection] = {"output": self.output}
-        for blk in self.blocks:
-            for p in vars(blk).values():
-                if isinstance(p, Projection):
-                    out[p.name] = p
-                elif isinstance(p, ProjectionGroup):
-                    out.update((q.name, q) for q in p.projections())
-        return out
+        return cast(dict[str, Projection], dict(self.seams.projections))
 
-    def fused_targets(self, base: str) -> list[Target] | None:
-        """Where a base tensor that is not one engine projection lands: split over several (a fused
-        file tensor) or into part of one (an engine-stacked projection). None: nowhere."""
-        for blk in self.blocks:
-            for g in vars(blk).values():
-                if isinstance(g, ProjectionGroup) and base in g.names:
-                    t = g.targets().get(base)
-                    return [t] if t is not None else None
-        return None
+    @property
+    def embd_lora(self) -> LoraSite | None:
+        """The adapter slots on the token embedding (None while no adapter has one)."""
+        return self.seams.embedding
 
     # -- the device ------------------------------------------------------------------------------
     def to(self, device: torch.device | str) -> Transformer:

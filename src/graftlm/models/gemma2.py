@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, rms_norm
+from graftlm.models.layers import rms_norm
+from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 from graftlm.step.kv_cache import KVCache
 

@@ -10,8 +10,9 @@ import torch
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, rms_norm
-from graftlm.native.layer import LayerSpec
+from graftlm.models.fused import LayerSpec
+from graftlm.models.layers import rms_norm
+from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
 

@@ -1,115 +1,14 @@
-"""Pieces every architecture shares: the projection seam, norms, RoPE, attention over the cache."""
+"""Pieces every architecture shares besides the projection seam (seam.py): norms, RoPE, attention
+over the cache."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from graftlm.lora.targets import Target
-from graftlm.native import layer as native_layer
 from graftlm.native import ops as native_ops
-from graftlm.quant import QWeight, linear
 from graftlm.step.batch import Batch
 from graftlm.step.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from graftlm.lora.site import LoraSite
-
-
-class Projection:
-    """One matrix product of the model: y = W x + sum_s scale[row, s] * B_s (A_s x).
-
-    The single place where a base weight meets the adapters attached to it. The base weight knows
-    its own quantization; `lora` (set by the adapter machinery, None while no adapter touches this
-    projection) knows its stacked slots; the batch knows each row's scales.
-    """
-
-    __slots__ = ("name", "weight", "lora")
-
-    def __init__(self, name: str, weight: QWeight) -> None:
-        self.name = name  # GGUF base name, e.g. "blk.3.attn_q"
-        self.weight = weight
-        self.lora: LoraSite | None = None
-
-    @property
-    def n_in(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def n_out(self) -> int:
-        return self.weight.shape[0]
-
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.lora is not None and batch.lora is not None:
-            y = native_layer.project(self.weight, x, self.lora, batch.lora)  # one native pass
-            if y is not None:
-                return y
-        y = linear(x, self.weight)
-        if self.lora is not None and batch.lora is not None:
-            y = self.lora.add_delta(y, x, batch.lora)
-        return y
-
-
-class ProjectionGroup:
-    """Projections that read the same input (Q/K/V; gate/up), returned as one output each.
-
-    When their weights share a quantization type the loader stacks their rows into one weight and
-    the group runs one matmul (one kernel call, one activation cast, one LoRA product for all of
-    them); the parts' adapters then sit on the stacked projection at their row offsets (see
-    `targets`). Otherwise the parts run one after another. Either way the model sees the same
-    outputs.
-    """
-
-    __slots__ = ("names", "sizes", "parts", "fused")
-
-    def __init__(
-        self,
-        names: list[str],
-        sizes: list[int],
-        parts: list[Projection] | None = None,
-        fused: Projection | None = None,
-    ) -> None:
-        assert (parts is None) != (fused is None)
-        self.names = names  # GGUF base names of the parts, e.g. ["blk.0.attn_q", ...]
-        self.sizes = sizes  # their output rows
-        self.parts = parts
-        self.fused = fused
-
-    def __call__(self, x: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-        if self.fused is not None:
-            return list(self.fused(x, batch).split(self.sizes, dim=-1))
-        assert self.parts is not None
-        return [p(x, batch) for p in self.parts]
-
-    def gated(self, x: torch.Tensor, batch: Batch, act: str) -> torch.Tensor:
-        """act(gate) * up for a [gate, up] group: one native pass over the stacked output when
-        there is one, else PyTorch's ("silu" or "gelu_tanh")."""
-        if self.fused is not None:
-            gu = self.fused(x, batch)
-            out = native_ops.gated(gu, act)
-            if out is not None:
-                return out
-            gate, up = gu.split(self.sizes, dim=-1)
-        else:
-            gate, up = self(x, batch)
-        a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-        return a * up
-
-    def projections(self) -> list[Projection]:
-        return [self.fused] if self.fused is not None else list(self.parts or [])
-
-    def targets(self) -> dict[str, Target]:
-        """Where each part's rows sit in the stacked projection ({} when not stacked)."""
-        if self.fused is None:
-            return {}
-        out, at = {}, 0
-        n_in = self.fused.n_in
-        for name, n in zip(self.names, self.sizes, strict=True):
-            out[name] = Target(self.fused.name, n_in, n, slice(0, n), slice(at, at + n))
-            at += n
-        return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

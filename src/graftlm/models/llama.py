@@ -14,9 +14,10 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, Rope, rms_norm
+from graftlm.models.fused import LayerSpec
+from graftlm.models.layers import Rope, rms_norm
 from graftlm.models.moe import Experts, moe_ffn
-from graftlm.native.layer import LayerSpec
+from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
 

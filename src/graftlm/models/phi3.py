@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.layers import Projection, Rope, attention, rms_norm
+from graftlm.models.layers import Rope, attention, rms_norm
+from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
 LONG, SHORT = "rope_factors_long.weight", "rope_factors_short.weight"

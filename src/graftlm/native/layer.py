@@ -1,32 +1,17 @@
-"""A llama-style decoder layer's decode step as one native call (``gl_layer_decode``), and a
-model's layers as one call.
+"""Bindings of the native projection and decoder-layer calls: the C structs they take, mirrored
+in ctypes, and thin wrappers that take those structs and plain tensors.
 
-The PyTorch block composes the same native pieces (RMS norm, the quantized products, each
-projection's LoRA delta, RoPE + attention through the cache, SiLU gate) one Python call at a
-time; at one token per row, those calls cost more than the arithmetic. ``FusedLayer`` binds a
-block's weights, norms, cache and RoPE tables once and runs the whole layer in C; ``FusedStack``
-runs every layer of the model in one call (``gl_layers_decode``). Each serves only what it was
-built for and says so by returning None: the caller then runs the layers one call each, or the
-PyTorch blocks.
+What a projection or a layer runs is decided in ``graftlm.models`` (``seam`` and ``fused``), which
+fill these structs from the model's weights, adapters and cache; nothing here knows a model.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graftlm.lora.site import generation as lora_generation
 from graftlm.native.build import library, threads
-from graftlm.quant import config
-
-if TYPE_CHECKING:
-    from graftlm.lora.site import LoraSite, _Stack
-    from graftlm.models.layers import Projection, Rope
-    from graftlm.quant import QWeight
-    from graftlm.step.batch import Batch, LoraRows, RowIndex
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -54,294 +39,42 @@ class _Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
-ACTS = {"silu": 0, "gelu_tanh": 1}
+ACTS = {"silu": 0, "gelu_tanh": 1}  # gl_layer.act
 
 
-@dataclass
-class LayerSpec:
-    """What a family's block hands the native layer: its projections and vectors."""
-
-    qkv: list[Projection]  # one stacked projection, or Q, K, V
-    o: Projection
-    gate_up: Projection  # stacked gate/up
-    down: Projection
-    attn_norm: torch.Tensor
-    ffn_norm: torch.Tensor
-    act: str = "silu"
-    q_norm: torch.Tensor | None = None  # per-head RMS norms before RoPE
-    k_norm: torch.Tensor | None = None
-    post_attn_norm: torch.Tensor | None = None  # RMS norms of the outputs, before the residual
-    post_ffw_norm: torch.Tensor | None = None
-
-    def projections(self) -> list[Projection]:
-        return [*self.qkv, self.o, self.gate_up, self.down]
-
-    def servable(self) -> bool:
-        vectors = [self.attn_norm, self.ffn_norm, self.q_norm, self.k_norm,
-                   self.post_attn_norm, self.post_ffw_norm]  # fmt: skip
-        return (
-            len(self.qkv) in (1, 3)
-            and self.act in ACTS
-            and all(_weight_of(p.weight) is not None for p in self.projections())
-            and all(
-                v is None
-                or (v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu")
-                for v in vectors
-            )
-        )
-
-
-def _point(site: _Lora, st: _Stack, scales: int) -> None:
-    """Point a LoRA site at a stack's native forms (blocked B, spans, Q8_0 A) and at scales."""
-    assert st.blocked is not None and st.spans is not None
-    site.a, site.bb = st.a.data_ptr(), st.blocked.data_ptr()
-    site.span, site.r = st.spans.data_ptr(), st.a.shape[0]
-    site.bf = int(st.a.dtype is torch.bfloat16)
-    site.aq = None
-    if st.a_s8 is not None:
-        site.aq, site.a_scales = st.a_s8[0].data_ptr(), st.a_s8[1].data_ptr()
-        site.a_half = int(st.a_s8[1].dtype is torch.float16)
-    site.scales = scales
-
-
-def project(
-    weight: QWeight, x: torch.Tensor, lora: LoraSite, rows: LoraRows
-) -> torch.Tensor | None:
-    """x (B, T, n_in) @ W.T plus the delta of the adapters on `lora` for rows, in one native pass
-    (``gl_proj``: each task's outputs get B's delta while still in cache), or None where the
-    native product would not run (the caller composes the product and ``LoraSite.add_delta``)."""
+def proj(weight: _Weight, site: _Lora, x: torch.Tensor, y: torch.Tensor) -> None:
+    """y (B, T, n_out) = x (B, T, n_in) @ W.T plus the delta of `site` (its scales a (B, R) row
+    of columns per row of x), in one pass (``gl_proj``). x, y float32, contiguous, on the CPU;
+    the library loaded (the caller checked)."""
     lib = library()
-    if (
-        lib is None
-        or x.dim() != 3
-        or x.dtype is not torch.float32
-        or x.device.type != "cpu"
-        or not x.is_contiguous()
-        or config.get_compute_dtype() is not torch.bfloat16
-    ):
-        return None
+    assert lib is not None
     b, t, _ = x.shape
-    w = _weight_of(weight)  # (None first for a kernel the native product does not know)
-    if w is None or b * t == 0 or not config.use_fused(weight.kernel, b * t):
-        return None
-    st = lora._stack(rows.active)
-    if st is None or st.blocked is None or st.spans is None:
-        return None
-    scales = rows.columns(st.layout, st.col_slot)  # (B, 1, R)
-    site = _Lora()
-    _point(site, st, scales.data_ptr())
-    y = torch.empty(b, t, weight.shape[0])
     lib.gl_proj(
-        ctypes.byref(w), ctypes.byref(site), x.data_ptr(), b * t, t, y.data_ptr(),
+        ctypes.byref(weight), ctypes.byref(site), x.data_ptr(), b * t, t, y.data_ptr(), threads()
+    )
+
+
+def layer_decode(layer: _Layer, x: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor) -> None:
+    """One decoder layer's decode step on x (B, n_embd), in place (``gl_layer_decode``): row b is
+    the token at position starts[b] of cache slot slots[b] (both (B,) int64, inside the cache)."""
+    lib = library()
+    assert lib is not None
+    lib.gl_layer_decode(
+        ctypes.byref(layer), x.data_ptr(), x.shape[0], slots.data_ptr(), starts.data_ptr(),
         threads(),
     )  # fmt: skip
-    return y
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _weight_of(w: QWeight) -> _Weight | None:
-    """The native product's view of a weight, or None for a kernel it does not know."""
-    from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
-
-    k: Any = w._k
-    n, kk = w.shape
-    if isinstance(k, NativeU4Kernel):
-        return _Weight(0, k.half, 0, 0, n, kk, k.qs.data_ptr(), k.d.data_ptr(), k.m.data_ptr())
-    if isinstance(k, NativeS8Kernel):
-        return _Weight(1, k.half, k.sblk, k.small, n, kk, k.q.data_ptr(), k.s.data_ptr(), None)
-    return None
-
-
-class ScaleBoard:
-    """The current decode step's per-column adapter scales, in buffers that stay where they are.
-
-    One per model. Every native layer with adapters reads its sites' scales (row, rank column)
-    from here: it binds a buffer's address once per adapter set, and the step fills each buffer
-    once for all layers (`fill`). Rebinding four ctypes fields per layer every step cost about
-    as much as the adapter's arithmetic (7 us a layer).
-    """
-
-    def __init__(self) -> None:
-        # column layout ((slot, rank), ...) -> (slot of each column, the largest, (rows, R) buffer)
-        self._bufs: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self._filled: LoraRows | None = None
-        self.generation = 0  # bumped when a buffer is replaced: bound addresses are stale
-        self._key: tuple[object, ...] | None = None
-        self._key_rows: LoraRows | None = None
-
-    def key(self, lora: LoraRows) -> tuple[object, ...]:
-        """What a layer's binding depends on: (active slots, adapter generation, board
-        generation). Computed once a step; the same object while it does not change, so layers
-        compare it by identity."""
-        if lora is not self._key_rows:
-            k = (lora.active, lora_generation(), self.generation)
-            if k != self._key:
-                self._key = k
-            self._key_rows = lora
-        assert self._key is not None
-        return self._key
-
-    def address(
-        self, layout: tuple[tuple[int, int], ...], col_slot: torch.Tensor, rows: int
-    ) -> int:
-        """The buffer of this column layout, with room for `rows` rows."""
-        entry = self._bufs.get(layout)
-        if entry is None or entry[2].shape[0] < rows:
-            buf = torch.zeros(rows, col_slot.numel(), dtype=torch.float32)
-            entry = (col_slot, int(col_slot.max()), buf)
-            self._bufs[layout] = entry
-            self.generation += 1
-            self._filled = self._key_rows = None
-        return entry[2].data_ptr()
-
-    def fill(self, lora: LoraRows) -> None:
-        """Write this step's scales into every buffer its active set can fill (once a step)."""
-        if lora is self._filled:
-            return
-        scales = lora.scales
-        b, n_cols = scales.shape
-        for col_slot, top, buf in self._bufs.values():
-            if top < n_cols:  # a layout of another active set: no layer reads it this step
-                torch.index_select(scales, 1, col_slot, out=buf[:b])  # in place: 3 us, not 7
-        self._filled = lora
-
-
-class FusedLayer:
-    """A decoder layer (see LayerSpec) bound to the model's current KV cache."""
-
-    def __init__(
-        self,
-        spec: LayerSpec,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        rope: Rope,
-        dims: dict[str, int],
-        eps: float,
-        scale: float,
-        board: ScaleBoard,
-    ) -> None:
-        self.spec = spec
-        self.board = board
-        self.sites = [*spec.qkv, spec.o, spec.gate_up, spec.down]
-        self.keep = (kc, vc, rope.cos, rope.sin)  # everything the struct points into
-        self.n_ctx = int(kc.shape[2])
-        self.n_slots = int(kc.shape[0])
-        self.n_embd = dims["n_embd"]
-        weights = [_weight_of(p.weight) for p in spec.qkv]
-        weights += [None] * (3 - len(weights))
-        layer = _Layer()
-        for i, w in enumerate(weights):
-            if w is not None:
-                layer.qkv[i] = w
-        layer.o, layer.gate_up, layer.down = (
-            _weight_of(p.weight) for p in (spec.o, spec.gate_up, spec.down)
-        )
-        for name in (
-            "attn_norm",
-            "ffn_norm",
-            "q_norm",
-            "k_norm",
-            "post_attn_norm",
-            "post_ffw_norm",
-        ):
-            setattr(layer, name, _ptr(getattr(spec, name)))
-        layer.kc, layer.vc = kc.data_ptr(), vc.data_ptr()
-        layer.cos_t, layer.sin_t = rope.cos.data_ptr(), rope.sin.data_ptr()
-        layer.n_qkv = len(spec.qkv)
-        for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "window"):
-            setattr(layer, name, dims[name])
-        layer.n_ctx, layer.rot, layer.neox = self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox)
-        layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
-        self.layer = layer
-        self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
-        self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]
-        # the adapters bound into the struct: (active slots, adapter generation, board generation)
-        self._bound: tuple[object, ...] | None = None
-        self._stacks: list[Any] = []  # kept alive: the struct points into them until rebound
-        self._servable = True
-
-    def _bind_lora(self, batch: Batch) -> bool:
-        """Point the struct's LoRA fields at the active adapters' stacks and at the board's scale
-        buffers; both change only with the active set, the adapters or the board. The step's
-        scales go into the board once, for every layer."""
-        lora, board = batch.lora, self.board
-        key = None if lora is None else board.key(lora)
-        if key is not self._bound:
-            self._stacks, self._servable = [], True
-            for site, p in zip(self.lora_fields, self.sites, strict=True):
-                st = p.lora._stack(lora.active) if p.lora and lora is not None else None
-                self._stacks.append(st)
-                site.a = None  # no adapter here this step
-                if st is None:
-                    continue
-                if st.blocked is None or st.spans is None:
-                    self._servable = False
-                    continue
-                _point(site, st, board.address(st.layout, st.col_slot, self.n_slots))
-            # address() may have replaced a buffer: the key holds the generation after binding
-            self._bound = None if lora is None else board.key(lora)
-        if not self._servable:
-            return False
-        if lora is not None:
-            board.fill(lora)
-        return True
-
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
-        lib, rows = library(), _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if lib is None or rows is None or not self._bind_lora(batch):
-            return None  # (an adapter the native delta cannot read: the PyTorch block runs)
-        out = x.reshape(-1, self.n_embd).clone()
-        lib.gl_layer_decode(
-            ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), threads(),
-        )  # fmt: skip
-        return out.view(x.shape)
-
-
-def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:
-    """The step's rows when the native layers serve it: one new token a row, the fast mode,
-    float32 x, and every (slot, position) inside the cache (the C code writes the cache there:
-    never out of range)."""
-    rows = batch.decode_rows()
-    if (
-        rows is None
-        or config.get_compute_dtype() is not torch.bfloat16
-        or x.dtype is not torch.float32
-        or rows.max_start >= n_ctx
-        or rows.max_slot >= n_slots
-    ):
-        return None
-    return rows
-
-
-class FusedStack:
-    """Every layer of a model, each a FusedLayer, run in one native call a decode step
-    (``gl_layers_decode``): the per-layer Python between the calls cost about 10% of SmolLM2's
-    step. A step some layer cannot serve (an adapter the native delta cannot read) is refused
-    whole, and the layers run one call each, or in PyTorch."""
-
-    def __init__(self, layers: list[FusedLayer]) -> None:
-        self.layers = layers
-        self.n_embd = layers[0].n_embd
-        self.n_ctx = min(f.n_ctx for f in layers)
-        self.n_slots = min(f.n_slots for f in layers)
-        self._ptrs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(f.layer) for f in layers])
-
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
-        lib, rows = library(), _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if lib is None or rows is None:
-            return None
-        for f in self.layers:  # each binds its sites; the board fills once for all
-            if not f._bind_lora(batch):
-                return None
-        out = x.reshape(-1, self.n_embd).clone()
-        lib.gl_layers_decode(
-            self._ptrs, len(self.layers), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), threads(),
-        )  # fmt: skip
-        return out.view(x.shape)
+def layers_decode(
+    layers: ctypes.Array[ctypes.c_void_p],
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+) -> None:
+    """Every layer of `layers` (addresses of _Layer structs) in turn on x, as layer_decode."""
+    lib = library()
+    assert lib is not None
+    lib.gl_layers_decode(
+        layers, len(layers), x.data_ptr(), x.shape[0], slots.data_ptr(), starts.data_ptr(),
+        threads(),
+    )  # fmt: skip

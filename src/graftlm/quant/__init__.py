@@ -35,7 +35,6 @@ Every kernel also keeps the file's exact scales, so ``dequantize()`` / ``rows()`
 with ``gguf.quants.dequantize``; ``prefer="reference"`` gives the dense float32 oracle instead.
 """
 
-from graftlm.quant.config import compute_dtype, get_compute_dtype, set_compute_dtype
 from graftlm.quant.qweight import (
     FAST_KERNELS,
     QWeight,
@@ -47,10 +46,7 @@ from graftlm.quant.qweight import (
 __all__ = [
     "FAST_KERNELS",
     "QWeight",
-    "compute_dtype",
     "dequantize_any",
-    "get_compute_dtype",
     "linear",
     "register_kernel",
-    "set_compute_dtype",
 ]

@@ -8,7 +8,7 @@ import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -117,8 +117,14 @@ class Kernel(ABC):
         """raw: (n_out, row_bytes) uint8 GGUF bytes (may be a read-only memory map view)."""
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, n_in) float32, contiguous -> (M, n_out) float32 = x @ W.T."""
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """x (M, n_in) float32, contiguous -> (M, n_out) float32 = x @ W.T. exact: through float32
+        dequantization and a float32 GEMM (no fused kernel, no rounding of x)."""
+
+    def native(self) -> Any:
+        """The weight as graftlm's native projection and layer calls read it (a gl_weight
+        struct), or None for a kernel they do not know."""
+        return None
 
     @abstractmethod
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:

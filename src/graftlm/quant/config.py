@@ -1,23 +1,15 @@
-"""Process-wide knobs of the matmul seam: the compute dtype and the decode/prefill switch-over.
+"""Constants of the matmul seam: the decode/prefill switch-over and the chunk sizes.
 
-``set_compute_dtype(torch.bfloat16)`` (the default) is the fast mode: quantized weights use fused
-kernels for small batches of rows. Those are graftlm's native kernels where they built (x quantized
-to int8 per 32 values, as llama.cpp does: ~5e-3 relative error), else torch's weight-only kernels,
-which take bfloat16 activations (~3e-3 relative).  ``set_compute_dtype(torch.float32)``
-routes every quantized matmul through exact float32 dequantization + float32 GEMM, slower for
-decode but equal to ``x @ w.dequantize().T`` up to float32 summation order.
-
-The setting is a plain module global (not thread-local); flip it before serving, not per request.
+The precision of a product is not a setting of the process: it is chosen per call
+(``linear(x, w, exact=...)``), and the model takes it from the step's batch (``Batch.exact``).
+Fast (the default): quantized weights use fused kernels for small batches of rows. Those are
+graftlm's native kernels where they built (x quantized to int8 per 32 values, as llama.cpp does:
+~5e-3 relative error), else torch's weight-only kernels, which take bfloat16 activations (~3e-3
+relative). Exact: every quantized matmul goes through exact float32 dequantization + float32
+GEMM, slower for decode but equal to ``x @ w.dequantize().T`` up to float32 summation order.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import torch
-
-_COMPUTE: list[torch.dtype] = [torch.bfloat16]
 
 # Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
 # float32 + float32 GEMM" (measured on an AVX2 core, see graftlm.quant.bench).  Per kernel, since
@@ -34,32 +26,9 @@ CHUNK_ELEMS = 1 << 18
 LOAD_CHUNK_ELEMS = 1 << 20  # the same, for repacking at load time
 
 
-def set_compute_dtype(dtype: torch.dtype) -> None:
-    """Choose the activation dtype of quantized matmuls: torch.bfloat16 (fast) or torch.float32."""
-    if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"compute dtype must be torch.bfloat16 or torch.float32, not {dtype}")
-    _COMPUTE[0] = dtype
-
-
-def get_compute_dtype() -> torch.dtype:
-    """The activation dtype quantized matmuls use (see set_compute_dtype)."""
-    return _COMPUTE[0]
-
-
-@contextmanager
-def compute_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Temporarily set the compute dtype: ``with compute_dtype(torch.float32): ...``."""
-    old = get_compute_dtype()
-    set_compute_dtype(dtype)
-    try:
-        yield
-    finally:
-        set_compute_dtype(old)
-
-
-def use_fused(kernel: str, m: int) -> bool:
-    """Whether a fused bf16 kernel should serve a matmul with m rows of x."""
-    return _COMPUTE[0] is torch.bfloat16 and m < PREFILL_M[kernel]
+def use_fused(kernel: str, m: int, exact: bool = False) -> bool:
+    """Whether a fused kernel should serve a matmul with m rows of x (never an exact one)."""
+    return not exact and m < PREFILL_M[kernel]
 
 
 def chunk_rows(n_in: int, multiple: int = 1, elems: int | None = None) -> int:

@@ -291,8 +291,8 @@ class Int4PackKernel(Kernel):
         fields = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         return cls(shape, planes, layout, packed, sz, fields)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if not config.use_fused(self.name, x.shape[0]):
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if not config.use_fused(self.name, x.shape[0], exact):
             return self.chunked_matmul(x)
         xp = self.planes.expand_x(x.to(torch.bfloat16))  # (M, K')
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xp, self.packed, GROUP, self.sz)

@@ -54,7 +54,7 @@ class DenseKernel(Kernel):
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         return cls(raw.view(cls.DTYPES[qtype]))  # (n_out, row_bytes) u8 -> (n_out, n_in)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         if self.w.dtype is torch.float32:
             return F.linear(x, self.w)
         return self.chunked_matmul(x)
@@ -101,9 +101,9 @@ class Int8GroupKernel(Kernel):
         d16 = blocks[:, :, :2].contiguous().view(torch.float16).view(n, k // 32)
         return cls(shape, q, d16)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         m = x.shape[0]
-        if not config.use_fused(self.name, m):
+        if not config.use_fused(self.name, m, exact):
             return self.chunked_matmul(x)
         g_count = self.q.shape[0]
         xs = x.to(torch.bfloat16).view(m, g_count, 32).transpose(0, 1).contiguous()  # (G, M, 32)
@@ -157,7 +157,7 @@ class BlockKernel(Kernel):
             return self.fmt.dequantize(*self.fmt.split_rows(raw, self.shape[1]))
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), self.qtype).copy())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         return self.chunked_matmul(x)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
@@ -191,7 +191,7 @@ class ReferenceKernel(Kernel):
         w = np.array(gguf.quants.dequantize(raw.numpy(), qtype), dtype=np.float32, copy=True)
         return cls(torch.from_numpy(w).view(shape))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         return F.linear(x, self.w)
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
@@ -220,7 +220,7 @@ class DeviceDenseKernel(Kernel):
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         raise NotImplementedError("made by QWeight.to(device), not from GGUF bytes")
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         return F.linear(x.to(self.w.device, torch.bfloat16), self.w).float()
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:

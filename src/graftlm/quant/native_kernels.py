@@ -5,7 +5,7 @@
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
 llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
-on, and whenever the compute dtype is float32, the weight is dequantized exactly in chunks for a
+on, and for every exact product, the weight is dequantized exactly in chunks for a
 float32 GEMM instead.  Dequantization is bit-exact with ``gguf.quants.dequantize``.
 """
 
@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 
 from graftlm.native import library, threads
 from graftlm.native.build import loaded_library
+from graftlm.native.layer import _Weight
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
 
@@ -67,13 +68,19 @@ class NativeKernel(Kernel):
     _fn: Any = None
     _args: tuple[Any, ...] = ()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         m = x.shape[0]
-        if not config.use_fused(self.name, m):
+        if not config.use_fused(self.name, m, exact):
             return self.chunked_matmul(x)
         y = torch.empty((m, self.shape[0]), dtype=torch.float32)
         self._mm(x, y)
         return y
+
+    _view: _Weight | None = None
+
+    def native(self) -> _Weight | None:
+        """The weight as the native projection and layer calls read it (gl_weight)."""
+        return self._view
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = x @ W.T through the native product (x (M, n_in), y (M, n_out), contiguous)."""
@@ -111,6 +118,8 @@ class NativeU4Kernel(NativeKernel):
         super().__init__(shape)
         self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
         self.half = int(d.dtype == torch.float16)
+        n, kk = shape
+        self._view = _Weight(0, self.half, 0, 0, n, kk, qs.data_ptr(), d.data_ptr(), m.data_ptr())
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
         lib = loaded_library()
         assert lib is not None
@@ -169,6 +178,10 @@ class NativeS8Kernel(NativeKernel):
         self.small = int(small)  # Q5_0's codes (|q| <= 16): the kernel's faster unsigned path
         self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
         self.half = int(s.dtype == torch.float16)
+        n, kk = shape
+        self._view = _Weight(
+            1, self.half, sblk, self.small, n, kk, q.data_ptr(), s.data_ptr(), None
+        )
         lib = loaded_library()
         assert lib is not None
         n, k = shape

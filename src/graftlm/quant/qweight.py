@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import gguf
 import numpy as np
@@ -103,17 +104,19 @@ class QWeight:
     def device(self) -> torch.device:
         return self._k.tensors()[0].device
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """x (..., n_in) -> (..., n_out) float32.  Semantics: y = x @ W.T.
 
-        Under the default bf16 compute dtype, x is rounded to bfloat16 for the fused kernels
-        (relative error ~3e-3 of the output); see ``graftlm.quant.config``.
+        Fast (exact=False): for few rows of x the fused kernels round x (to int8 per 32 values
+        in the native ones, ~5e-3 relative error of the output; to bfloat16 in torch's, ~3e-3).
+        exact=True: float32 dequantization + float32 GEMM, equal to ``x @ w.dequantize().T`` up
+        to float32 summation order. See ``graftlm.quant.config``.
         """
         n_out, n_in = self._k.shape
         if x.dim() == 3 and x.dtype is torch.float32 and x.shape[-1] == n_in and x.is_contiguous():
             b, t, _ = x.shape  # the model's (B, T, n_in): straight to the kernel
             if b * t:
-                return self._k.matmul(x.view(b * t, n_in)).view(b, t, n_out)
+                return self._k.matmul(x.view(b * t, n_in), exact).view(b, t, n_out)
         if x.shape[-1] != n_in:
             raise ValueError(f"{self.name or 'weight'} {self.shape}: x has {x.shape[-1]} features")
         lead = x.shape[:-1]
@@ -122,8 +125,13 @@ class QWeight:
             x2 = x2.float()
         if x2.shape[0] == 0:
             return x2.new_zeros(*lead, n_out)
-        y = self._k.matmul(x2.contiguous())
+        y = self._k.matmul(x2.contiguous(), exact)
         return y if x.dim() == 2 else y.reshape(*lead, n_out)
+
+    def native(self) -> Any:
+        """This weight as the native projection and layer calls read it, or None (see
+        Kernel.native)."""
+        return self._k.native()
 
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The slow twin of ``matmul``: x @ dequantize().T in float32."""
@@ -160,9 +168,10 @@ class QWeight:
         )
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """The model's one matmul seam.  Semantics: y = x @ W.T, float32 (..., n_out)."""
-    return w.matmul(x)
+def linear(x: torch.Tensor, w: QWeight, exact: bool = False) -> torch.Tensor:
+    """The base product of the model's projection seam.  Semantics: y = x @ W.T, float32
+    (..., n_out); exact as in QWeight.matmul."""
+    return w.matmul(x, exact)
 
 
 def dequantize_any(

@@ -19,7 +19,6 @@ import torch
 
 from graftlm.errors import RequestError
 from graftlm.models import Transformer
-from graftlm.quant import compute_dtype
 from graftlm.runtime.sampling import Sampler, SamplingParams
 from graftlm.step.batch import Batch, LoraRows
 
@@ -100,16 +99,16 @@ class Engine:
                 "context_length_exceeded",
             )
         # Scoring is a prefill-shaped workload, where exact float32 dequantization costs what the
-        # bfloat16 weight-only kernels cost; log-probabilities are the product here, so they get
-        # the exact path (decode steps keep the fast kernels).
-        with self.lock, compute_dtype(torch.float32):
+        # fast kernels cost; log-probabilities are the product here, so its batches are exact
+        # (decode steps keep the fast kernels).
+        with self.lock:
             slot = self._take_slot()
             try:
                 rows = self.lora_rows([lora])
                 out = []
                 for start in range(0, len(ids), self.chunk):
                     piece = ids[start : start + self.chunk]
-                    batch = Batch.single(piece, slot, start, rows, self.device)
+                    batch = Batch.single(piece, slot, start, rows, self.device, exact=True)
                     out.append(self.model.forward(batch, all_logits=True)[0])
                 return torch.cat(out).cpu()
             finally:

@@ -59,6 +59,9 @@ class Batch:
     starts: list[int]  # position of each row's first token
     lengths: list[int]  # real tokens per row (the rest of T is padding)
     lora: LoraRows | None = None
+    # the step's precision: exact float32 products (scoring: log-probabilities are the product)
+    # or the fast kernels (generation); every projection of the step reads it from here
+    exact: bool = False
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
@@ -149,6 +152,7 @@ class Batch:
         start: int = 0,
         lora: LoraRows | None = None,
         device: torch.device | None = None,
+        exact: bool = False,
     ) -> Batch:
         tokens = torch.tensor([ids], dtype=torch.long, device=device)
-        return cls(tokens, [slot], [start], [len(ids)], lora)
+        return cls(tokens, [slot], [start], [len(ids)], lora, exact)

@@ -80,26 +80,6 @@ def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
     return bb[:, :n_out].contiguous()
 
 
-def lora_a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A (R, n_in) float32 as an s8 weight for the decode products' integer dots: Q8_0 codes and
-    scales (per 32 values, |error| <= max|block| / 254), packed as gl_pack_s8 packs a Q8_0 weight.
-    None when n_in is not a whole number of blocks."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, quants
-
-    from graftlm.quant.native_kernels import NativeS8Kernel
-
-    r, n_in = a.shape
-    if n_in % 32 or library() is None:
-        return None
-    raw = quants.quantize(a.contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    k = NativeS8Kernel.build(
-        torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (r, n_in)
-    )
-    assert isinstance(k, NativeS8Kernel)
-    return k.q, k.s
-
-
 def lora_delta(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -112,7 +92,8 @@ def lora_delta(
     """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * B[:, c], in place.
 
     a (R, n_in) contiguous, bb = lora_block(B.T) of the same dtype (float32 or bfloat16),
-    spans = lora_spans(B.T), scales (B, 1, R) float32. With a_s8 = lora_a_s8(A), A . x is the
+    spans = lora_spans(B.T), scales (B, 1, R) float32. With a_s8 (A as Q8_0 codes and scales,
+    packed as an s8 weight: graftlm.models.seam.lora_a_s8), A . x is the
     decode layer's: x rounded to int8 per 32 values as the base products round it, the integer
     dots of Q8_0. False (nothing done) when it cannot serve the call."""
     lib = library()

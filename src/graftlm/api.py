@@ -15,7 +15,7 @@ from graftlm.config import ModelConfig
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
-from graftlm.models import Transformer, build_model
+from graftlm.models import Transformer, build_model, context_size
 from graftlm.resources import default_model_path
 from graftlm.runtime.device import resolve_device
 from graftlm.runtime.engine import Engine, Request
@@ -69,16 +69,11 @@ def load(
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
     file = GGUFFile(default_model_path() if path is None else path)
-    n_ctx = (
-        min(ctx_size, file.get(f"{file.architecture}.context_length", ctx_size))
-        if ctx_size > 0
-        else 0
-    )
-    n_ctx = n_ctx or int(file.get(f"{file.architecture}.context_length", 4096))
+    n_ctx = context_size(file, ctx_size)
     model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)
     if dev.type != "cpu":
         model.to(dev)
-    tokenizer = Tokenizer.from_metadata(file.metadata)
+    tokenizer = Tokenizer.from_file(file)
     return Model(file, model, tokenizer, n_seq=n_seq)
 
 

@@ -58,35 +58,84 @@ def _req(meta: dict[str, Any], key: str, path: str) -> Any:
     return meta[key]
 
 
-def _per_layer(value: Any, n_layer: int, key: str, path: str) -> int:
+MAX_LAYERS = 1024  # deepest model known is ~200 layers
+MAX_DIM = 1 << 20  # widths, heads, vocabulary: far past any model, short of a made-up size
+
+
+def whole_field(value: Any, key: str, path: str, lo: int = 1, hi: int = MAX_DIM) -> int:
+    """value as an int in [lo, hi], or ModelFileError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFileError(
+            f"{path}: metadata field {key!r} must be a whole number, got {type(value).__name__} "
+            f"{value!r}"[:300]
+        )
+    if not lo <= value <= hi:
+        raise ModelFileError(f"{path}: metadata field {key!r} is {value}; expected {lo}..{hi}")
+    return value
+
+
+def _number(value: Any, key: str, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelFileError(
+            f"{path}: metadata field {key!r} must be a finite number, got {value!r}"[:300]
+        )
+    return float(value)
+
+
+def _per_layer(value: Any, n_layer: int, key: str, path: str, lo: int = 1) -> int:
     """GGUF allows a per-layer array for head counts; we need them uniform."""
     if isinstance(value, list):
         if len(set(value)) != 1:
-            raise ModelFileError(f"{path}: per-layer {key} {value} is not supported")
-        return int(value[0])
-    return int(value)
+            raise ModelFileError(f"{path}: per-layer {key} {value[:8]} is not supported"[:300])
+        value = value[0]
+    return whole_field(value, key, path, lo)
+
+
+def _check_blocks(n_layer: int, tensor_names: set[str], key: str, path: str) -> None:
+    """Every block the metadata declares has tensors, and no tensor names a block past them."""
+    present = {
+        int(n.split(".")[1])
+        for n in tensor_names
+        if n.startswith("blk.") and n.split(".")[1].isdigit()
+    }
+    if present != set(range(n_layer)):
+        have = f"blocks {min(present)}..{max(present)}" if present else "no block tensors"
+        raise ModelFileError(f"{path}: {key} = {n_layer}, but the file has tensors for {have}")
 
 
 def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<gguf>") -> ModelConfig:
     """Read every hyperparameter the engine uses from GGUF metadata (llama.cpp's key names)."""
     arch = _req(meta, "general.architecture", path)
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{path}: metadata field 'general.architecture' must be a string")
     p = arch + "."
-    n_layer = int(_req(meta, p + "block_count", path))
-    n_embd = int(_req(meta, p + "embedding_length", path))
-    n_head = _per_layer(_req(meta, p + "attention.head_count", path), n_layer, "head_count", path)
-    n_head_kv = _per_layer(
-        meta.get(p + "attention.head_count_kv", n_head), n_layer, "head_count_kv", path
+    n_layer = whole_field(
+        _req(meta, p + "block_count", path), p + "block_count", path, 1, MAX_LAYERS
     )
-    head_dim = int(meta.get(p + "attention.key_length", n_embd // n_head))
-    v_head_dim = int(meta.get(p + "attention.value_length", head_dim))
-    n_ff = _per_layer(
-        _req(meta, p + "feed_forward_length", path), n_layer, "feed_forward_length", path
-    )
+    _check_blocks(n_layer, tensor_names, p + "block_count", path)
+    n_embd = whole_field(_req(meta, p + "embedding_length", path), p + "embedding_length", path)
+    key = p + "attention.head_count"
+    n_head = _per_layer(_req(meta, key, path), n_layer, key, path)
+    key = p + "attention.head_count_kv"
+    n_head_kv = _per_layer(meta.get(key, n_head), n_layer, key, path)
+    if n_head % n_head_kv:
+        raise ModelFileError(
+            f"{path}: {n_head} attention heads cannot share {n_head_kv} key/value heads evenly"
+        )
+    key = p + "attention.key_length"
+    head_dim = whole_field(meta.get(key, n_embd // n_head), key, path)
+    key = p + "attention.value_length"
+    v_head_dim = whole_field(meta.get(key, head_dim), key, path)
+    key = p + "feed_forward_length"
+    n_ff = _per_layer(_req(meta, key, path), n_layer, key, path, lo=0)
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = int(meta.get(p + "vocab_size", len(tokens) if tokens is not None else 0))
-    rope_base = float(meta.get(p + "rope.freq_base", 10000.0))
-    rms_eps = float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5))
-    window = int(meta.get(p + "attention.sliding_window", 0))
+    n_tokens = len(tokens) if isinstance(tokens, list) else 0
+    n_vocab = whole_field(meta.get(p + "vocab_size", n_tokens), p + "vocab_size", path)
+    rope_base = _number(meta.get(p + "rope.freq_base", 10000.0), p + "rope.freq_base", path)
+    key = p + "attention.layer_norm_rms_epsilon"
+    rms_eps = _number(meta.get(key, 1e-5), key, path)
+    key = p + "attention.sliding_window"
+    window = whole_field(meta.get(key, 0), key, path, 0, 1 << 31)
 
     sliding = [0] * n_layer
     rope_layer = [rope_base] * n_layer
@@ -128,10 +177,18 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         v_head_dim=v_head_dim,
         n_ff=n_ff,
         n_vocab=n_vocab,
-        n_ctx_train=int(meta.get(p + "context_length", 2048)),
+        n_ctx_train=whole_field(
+            meta.get(p + "context_length", 2048), p + "context_length", path, 1, 1 << 31
+        ),
         rms_eps=rms_eps,
         rope_base=rope_base,
-        rope_dim=int(meta.get(p + "rope.dimension_count", head_dim)),
+        rope_dim=whole_field(
+            meta.get(p + "rope.dimension_count", head_dim),
+            p + "rope.dimension_count",
+            path,
+            0,
+            head_dim,
+        ),
         rope_neox=rope_neox,
         sliding_window=tuple(sliding),
         rope_base_layer=tuple(rope_layer),
@@ -141,8 +198,16 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         name=str(meta.get("general.name", "")),
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
-        n_expert=int(meta.get(p + "expert_count", 0)),
-        n_expert_used=int(meta.get(p + "expert_used_count", 0)),
-        n_ctx_orig=int(meta.get(p + "rope.scaling.original_context_length", 0)),
+        n_expert=whole_field(meta.get(p + "expert_count", 0), p + "expert_count", path, 0, 1024),
+        n_expert_used=whole_field(
+            meta.get(p + "expert_used_count", 0), p + "expert_used_count", path, 0, 1024
+        ),
+        n_ctx_orig=whole_field(
+            meta.get(p + "rope.scaling.original_context_length", 0),
+            p + "rope.scaling.original_context_length",
+            path,
+            0,
+            1 << 31,
+        ),
         rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
     )

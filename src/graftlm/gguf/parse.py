@@ -4,10 +4,16 @@ gguf.GGUFReader builds a numpy memmap for every part of every field, which takes
 gemma-3's 262k-token vocabulary on this machine; this parser reads the same header in well under
 a second. Types and layouts come from the gguf package (GGMLQuantizationType, GGML_QUANT_SIZES,
 GGUFValueType); only the walk over the header is ours.
+
+The file is untrusted: every count and length is checked against the bytes left before anything
+is allocated from it, nesting is bounded, keys and tensor names are unique, the alignment is a
+power of two, and every tensor's data is whole blocks inside the file, laid out as llama.cpp
+lays it (in order, each where the one before ends). Any failure is a GGUFFormatError naming the field or tensor and what was expected.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -54,6 +60,11 @@ _FLOAT_NP = {
 }
 
 
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DEPTH = 8  # arrays of arrays: deeper nesting is refused (llama.cpp reads none at all)
+_MIN_SIZE = {**{t: size for t, (_, size) in _SCALAR.items()}, V.STRING: 8, V.ARRAY: 12}
+
+
 class GGUFFormatError(ValueError):
     pass
 
@@ -63,48 +74,76 @@ class _Cursor:
         self.buf = buf
         self.pos = 0
 
+    @property
+    def left(self) -> int:
+        return len(self.buf) - self.pos
+
     def take(self, n: int) -> memoryview:
-        end = self.pos + n
-        if end > len(self.buf):
-            raise GGUFFormatError(f"unexpected end of file at byte {self.pos} (needed {n} more)")
-        out = self.buf[self.pos : end]
-        self.pos = end
+        if n < 0 or n > self.left:
+            raise GGUFFormatError(
+                f"unexpected end of file at byte {self.pos}: needed {n} more, {self.left} left"
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
         return out
 
     def unpack(self, fmt: str, size: int) -> Any:
         return struct.unpack(fmt, self.take(size))[0]
 
-    def string(self) -> str:
+    def count(self, what: str, min_size: int) -> int:
+        """A uint64 count of items of at least min_size bytes each, checked against the bytes
+        left (so nothing is allocated from a count the file cannot hold)."""
         n = self.unpack("<Q", 8)
+        if n * max(min_size, 1) > self.left:
+            raise GGUFFormatError(
+                f"{what}: declares {n} entries of at least {min_size} bytes at byte {self.pos}, "
+                f"but only {self.left} bytes are left"
+            )
+        return int(n)
+
+    def string(self, what: str = "string") -> str:
+        n = self.count(what, 1)
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
-        t = V(vtype)
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        try:
+            t = V(vtype)
+        except ValueError:
+            raise GGUFFormatError(f"{what}: unknown metadata value type {vtype}") from None
         if t in _SCALAR:
             fmt, size = _SCALAR[t]
             return self.unpack(fmt, size)
         if t == V.STRING:
-            return self.string()
-        if t == V.ARRAY:
-            etype = V(self.unpack("<I", 4))
-            n = self.unpack("<Q", 8)
-            if etype in _NP:
-                dt = np.dtype(_NP[etype]).newbyteorder("<")
-                return np.frombuffer(self.take(n * dt.itemsize), dtype=dt).tolist()
-            if etype == V.STRING:
-                out = []
-                buf, pos = self.buf, self.pos
-                for _ in range(n):
-                    (ln,) = struct.unpack_from("<Q", buf, pos)
-                    pos += 8
-                    out.append(bytes(buf[pos : pos + ln]).decode("utf-8", errors="replace"))
-                    pos += ln
-                if pos > len(buf):
-                    raise GGUFFormatError("unexpected end of file in a string array")
-                self.pos = pos
-                return out
-            return [self.value(etype) for _ in range(n)]
-        raise GGUFFormatError(f"unknown metadata value type {vtype}")
+            return self.string(what)
+        assert t == V.ARRAY
+        if depth >= MAX_DEPTH:
+            raise GGUFFormatError(f"{what}: arrays nested deeper than {MAX_DEPTH}")
+        raw_type = self.unpack("<I", 4)
+        try:
+            etype = V(raw_type)
+        except ValueError:
+            raise GGUFFormatError(f"{what}: unknown array element type {raw_type}") from None
+        n = self.count(what, _MIN_SIZE[etype])
+        if etype in _NP:
+            dt = np.dtype(_NP[etype]).newbyteorder("<")
+            return np.frombuffer(self.take(n * dt.itemsize), dtype=dt).tolist()
+        if etype == V.STRING:
+            out = []
+            buf, pos, end = self.buf, self.pos, len(self.buf)
+            for i in range(n):
+                if pos + 8 > end:
+                    raise GGUFFormatError(f"{what}: string {i} of {n} runs past the end of file")
+                (ln,) = struct.unpack_from("<Q", buf, pos)
+                pos += 8
+                if ln > end - pos:
+                    raise GGUFFormatError(
+                        f"{what}: string {i} of {n} declares {ln} bytes, {end - pos} are left"
+                    )
+                out.append(bytes(buf[pos : pos + ln]).decode("utf-8", errors="replace"))
+                pos += ln
+            self.pos = pos
+            return out
+        return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(n)]
 
 
 def parse_gguf(
@@ -123,38 +162,46 @@ def parse_gguf(
     if version not in (2, 3):
         raise GGUFFormatError(f"unsupported GGUF version {version}")
     n_tensors = c.unpack("<Q", 8)
-    n_kv = c.unpack("<Q", 8)
+    n_kv = c.count("metadata", 8 + 4 + 1)  # key length, value type, the smallest value
+    if n_tensors * (8 + 4 + 4 + 8) > c.left:  # name length, n_dims, type, offset
+        raise GGUFFormatError(
+            f"the header declares {n_tensors} tensors; {c.left} bytes cannot describe them"
+        )
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = c.string()
-        meta[key] = c.value(c.unpack("<I", 4))
-    infos = []
-    for _ in range(n_tensors):
-        name = c.string()
-        n_dims = c.unpack("<I", 4)
-        ne = tuple(c.unpack("<Q", 8) for _ in range(n_dims))
-        try:
-            qtype = gguf.GGMLQuantizationType(c.unpack("<I", 4))
-        except ValueError as exc:
-            raise GGUFFormatError(f"tensor {name!r}: {exc}") from None
-        offset = c.unpack("<Q", 8)
-        infos.append((name, qtype, ne, offset))
-    align = int(meta.get("general.alignment", 32))
+        key = c.string("a metadata key")
+        if key in meta:
+            raise GGUFFormatError(f"metadata key {key!r} appears twice")
+        meta[key] = c.value(c.unpack("<I", 4), f"metadata {key!r}")
+    infos = [_tensor_info(c) for _ in range(n_tensors)]
+    names = [i[0] for i in infos]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise GGUFFormatError(f"tensor names appear twice: {twice[:5]}")
+    align = _alignment(meta)
     start = (c.pos + align - 1) // align * align
     # np.memmap (not frombuffer): kernels that repack a tensor can then tell the pages are clean
     # file-backed ones and drop them from this process's resident set
     raw = np.memmap(path, dtype=np.uint8, mode="r")
+    spans = []
     tensors = []
     for name, qtype, ne, offset in infos:
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(ne)) if ne else 1
+        if ne and ne[0] % block:
+            raise GGUFFormatError(
+                f"tensor {name!r}: {qtype.name} rows are blocks of {block} values, but ne[0] = "
+                f"{ne[0]} (shape ne = {list(ne)})"
+            )
+        n = math.prod(ne) if ne else 1
         nbytes = n // block * type_size
         begin = start + offset
         if begin + nbytes > len(raw):
             raise GGUFFormatError(
-                f"tensor {name!r} needs bytes {begin}..{begin + nbytes} but the file has {len(raw)}"
+                f"tensor {name!r} ({qtype.name}, ne = {list(ne)}) needs bytes "
+                f"{begin}..{begin + nbytes} but the file has {len(raw)}"
             )
-        data = raw[begin : begin + nbytes]
+        spans.append((name, offset, nbytes))
+        data: np.ndarray = raw[begin : begin + nbytes]
         rows = list(reversed(ne))
         if qtype in _FLOAT_NP:
             data = data.view(_FLOAT_NP[qtype]).reshape(rows)
@@ -164,4 +211,47 @@ def parse_gguf(
             rows[-1] = rows[-1] // block * type_size
             data = data.reshape(rows)
         tensors.append((name, qtype, ne, data))
+    _check_layout(spans, align)
     return meta, tensors
+
+
+def _tensor_info(c: _Cursor) -> tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], int]:
+    name = c.string("a tensor name")
+    n_dims = c.unpack("<I", 4)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise GGUFFormatError(f"tensor {name!r}: {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+    ne = tuple(int(c.unpack("<Q", 8)) for _ in range(n_dims))
+    if math.prod(ne) >= 1 << 62:
+        raise GGUFFormatError(f"tensor {name!r}: shape ne = {list(ne)} is too large")
+    raw_type = c.unpack("<I", 4)
+    try:
+        qtype = gguf.GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise GGUFFormatError(f"tensor {name!r}: unknown tensor type {raw_type}") from None
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        raise GGUFFormatError(f"tensor {name!r}: tensor type {qtype.name} has no block size")
+    return name, qtype, ne, int(c.unpack("<Q", 8))
+
+
+def _alignment(meta: dict[str, Any]) -> int:
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise GGUFFormatError(
+            f"metadata 'general.alignment' is {align!r}; it must be a power of two"
+        )
+    return align
+
+
+def _check_layout(infos: list[tuple[str, int, int]], align: int) -> None:
+    """Tensor data in header order, each starting where the one before ends, padded to the
+    alignment (llama.cpp's rule): a type or shape changed in the header, an overlap, a gap or a
+    reordering all break it."""
+    expected = 0
+    for name, offset, nbytes in infos:
+        if offset != expected:
+            raise GGUFFormatError(
+                f"tensor {name!r}: data offset {offset}, expected {expected} (where the previous "
+                f"tensor's data ends, padded to the alignment {align}): the header's types, "
+                "shapes or offsets do not match the data"
+            )
+        expected = (offset + nbytes + align - 1) // align * align

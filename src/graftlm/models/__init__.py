@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graftlm.config import build_config
+from graftlm.config import build_config, whole_field
 from graftlm.errors import ModelFileError, UnsupportedArchitectureError
 from graftlm.gguf import GGUFFile
 from graftlm.models.base import Transformer, Weights
@@ -16,6 +16,19 @@ from graftlm.models.qwen3 import Qwen3
 ARCHITECTURES: dict[str, type[Transformer]] = {
     cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Phi3, Gemma2, Gemma3)
 }
+
+
+def context_size(file: GGUFFile, requested: int) -> int:
+    """The context a model is built for: `requested` up to the file's training context
+    (`<arch>.context_length`); requested <= 0: the training context (4096 when the file has
+    none). The field is checked as the config checks it."""
+    key = f"{file.architecture}.context_length"
+    trained = file.get(key)
+    if trained is not None:
+        trained = whole_field(trained, key, str(file.path), 1, 1 << 31)
+    if requested > 0:
+        return min(requested, trained) if trained is not None else requested
+    return trained if trained is not None else 4096
 
 
 def build_model(
@@ -45,4 +58,4 @@ def build_model(
             w.bar.close()
 
 
-__all__ = ["ARCHITECTURES", "Transformer", "build_model"]
+__all__ = ["ARCHITECTURES", "Transformer", "build_model", "context_size"]

@@ -6,6 +6,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from graftlm.errors import ModelFileError
+from graftlm.gguf import GGUFFile
 from graftlm.tokenizer.bpe import (
     PRE_TOKENIZERS,
     byte_decode,
@@ -57,6 +59,15 @@ class Tokenizer:
         self.add_space_prefix: bool = vocab.add_space_prefix
         self._encode_text = encode_text
         self._pieces: dict[int, bytes] = {}
+
+    @classmethod
+    def from_file(cls, file: GGUFFile) -> Tokenizer:
+        """from_metadata on a file's metadata; a malformed tokenizer (wrong value types, tables
+        of different lengths, unknown token types) is a ModelFileError naming the file."""
+        try:
+            return cls.from_metadata(file.metadata)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ModelFileError(f"{file.path}: cannot build its tokenizer: {exc}"[:500]) from None
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:

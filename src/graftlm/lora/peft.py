@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from graftlm.lora.targets import Base
 
 WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20
 KEY_PREFIX = "base_model.model."
 _BASE_LAYER = ".base_layer.weight"
 # PEFT key suffix -> (which factor, is the embedding layout)
@@ -269,9 +270,16 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
         )
     problems: list[str] = []
     try:
+        if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterError(
+                f"{cfg_path}: {cfg_path.stat().st_size} bytes; a PEFT config is a few KB "
+                f"(at most {MAX_CONFIG_BYTES} read)"
+            )
         raw = json.loads(cfg_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{cfg_path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise AdapterError(f"{cfg_path}: JSON nested too deep to be a PEFT config") from None
     cfg = parse_config(raw, str(cfg_path), problems)
     if arch_rules(base.arch) is None:
         problems.append(

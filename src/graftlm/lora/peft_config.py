@@ -7,17 +7,70 @@ its full name equals one or ends with "." + one) or a regex matched with `re.ful
 `alpha_pattern` key that matches its full name as `(.*\\.)?{key}$`, else from `r` /
 `lora_alpha`; the factor is alpha / r, or alpha / sqrt(r) with `use_rslora`.
 Fields that select a LoRA variant graftlm does not compute are refused by name.
+
+The file is untrusted: every field's type is checked, numbers must be finite and within float32's
+range, and the patterns are compiled when the config is read (a bad one is named) and matched
+with the `regex` package under a time limit, so a catastrophic pattern such as `(.|.)*X` is
+refused in a fraction of a second instead of freezing the process (Python's `re` cannot be
+interrupted, not even by Ctrl-C).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
+from graftlm.errors import AdapterError
+
 CONFIG_FILE = "adapter_config.json"
+MATCH_SECONDS = 0.25  # per match of a config pattern against a module name; normal ones take us
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_RANK = 1 << 16
+
+
+class Pattern:
+    """A pattern of the config, compiled once, matched with a time limit."""
+
+    __slots__ = ("field", "source", "_re")
+
+    def __init__(self, source: str, field: str, wrap: str = "{}") -> None:
+        self.field, self.source = field, source
+        self._re = regex.compile(wrap.format(source))  # regex.error for a malformed one
+
+    def fullmatch(self, text: str) -> bool:
+        return self._run(self._re.fullmatch, text)
+
+    def match(self, text: str) -> regex.Match[str] | None:
+        try:
+            return self._re.match(text, timeout=MATCH_SECONDS)
+        except TimeoutError:
+            raise self._slow() from None
+
+    def _run(self, fn: Any, text: str) -> bool:
+        try:
+            return fn(text, timeout=MATCH_SECONDS) is not None
+        except TimeoutError:
+            raise self._slow() from None
+
+    def _slow(self) -> AdapterError:
+        return AdapterError(
+            f"{self.field} pattern {self.source[:80]!r} takes more than {MATCH_SECONDS} s to match "
+            "one module name (catastrophic backtracking): not used"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pattern) and other.source == self.source
+
+    def __hash__(self) -> int:
+        return hash(self.source)
+
+    def __repr__(self) -> str:
+        return repr(self.source)
+
 
 # Config fields that change what the adapter computes and that graftlm does not implement.
 _UNSUPPORTED: dict[str, str] = {
@@ -44,21 +97,19 @@ class PeftConfig:
     r: int
     lora_alpha: float
     use_rslora: bool = False
-    rank_pattern: dict[str, int] = field(default_factory=dict)
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
-    target_modules: tuple[str, ...] | str | None = None
-    exclude_modules: tuple[str, ...] | str | None = None
+    rank_pattern: dict[Pattern, int] = field(default_factory=dict)
+    alpha_pattern: dict[Pattern, float] = field(default_factory=dict)
+    target_modules: tuple[str, ...] | Pattern | str | None = None  # str: only "all-linear"
+    exclude_modules: tuple[str, ...] | Pattern | None = None
     layers_to_transform: tuple[int, ...] | None = None
-    layers_pattern: tuple[str, ...] = ()
+    layers_pattern: tuple[Pattern, ...] = ()
     ensure_weight_tying: bool = False
     invocation_tokens: tuple[int, ...] = ()  # aLoRA
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
         """(r, alpha) of one module, after rank_pattern / alpha_pattern (PEFT's first match)."""
-        r = next((v for k, v in self.rank_pattern.items() if _pattern_match(k, module)), self.r)
-        a = next(
-            (v for k, v in self.alpha_pattern.items() if _pattern_match(k, module)), self.lora_alpha
-        )
+        r = next((v for k, v in self.rank_pattern.items() if k.fullmatch(module)), self.r)
+        a = next((v for k, v in self.alpha_pattern.items() if k.fullmatch(module)), self.lora_alpha)
         return r, a
 
     def scaling(self, module: str) -> float:
@@ -68,15 +119,16 @@ class PeftConfig:
     def targets(self, module: str) -> bool:
         """Whether PEFT would put a LoRA on `module` (peft's check_target_module_exists)."""
         ex = self.exclude_modules
-        if ex and (re.fullmatch(ex, module) if isinstance(ex, str) else _name_in(module, ex)):
+        if ex and (ex.fullmatch(module) if isinstance(ex, Pattern) else _name_in(module, ex)):
             return False
         tm = self.target_modules
         if tm is None:
             return False
-        if isinstance(tm, str):
-            if tm == "all-linear":  # PEFT's shorthand: every linear layer but the output head
-                return module != "lm_head" and not module.endswith("embed_tokens")
-            return re.fullmatch(tm, module) is not None
+        if tm == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+            return module != "lm_head" and not module.endswith("embed_tokens")
+        if isinstance(tm, Pattern):
+            return tm.fullmatch(module)
+        assert not isinstance(tm, str)
         if module in tm:
             return True
         if not _name_in(module, tm):
@@ -86,16 +138,12 @@ class PeftConfig:
         m = None
         if self.layers_pattern:
             for p in self.layers_pattern:
-                m = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module)
+                m = p.match(module)
                 if m:
                     break
         else:
-            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+            m = regex.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         return m is not None and int(m.group("idx")) in self.layers_to_transform
-
-
-def _pattern_match(key: str, module: str) -> bool:
-    return re.match(rf"(.*\.)?({key})$", module) is not None
 
 
 def _name_in(module: str, names: tuple[str, ...]) -> bool:
@@ -124,21 +172,46 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
     def num(key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
         v = raw.get(key, default)
         if not _positive(v, kind):
-            problems.append(f"{where}: {key} must be a positive number, got {v!r}")
+            problems.append(
+                f"{where}: {key} must be a positive number, got {v!r} (finite, at most 3.4e38)"
+            )
             return None
         return v
 
     r = num("r", 8, int)
     alpha = num("lora_alpha", 8, (int, float))
+    if r is not None and r > MAX_RANK:
+        problems.append(f"{where}: r = {r} is past any real adapter's rank (at most {MAX_RANK})")
     rank_pattern = _pattern_dict(
         raw.get("rank_pattern") or {}, int, "rank_pattern", where, problems
     )
     alpha_pattern = _pattern_dict(
         raw.get("alpha_pattern") or {}, (int, float), "alpha_pattern", where, problems
     )
-    tm = raw.get("target_modules")
-    ltt = raw.get("layers_to_transform")
+    tm = _modules(raw.get("target_modules"), "target_modules", where, problems)
+    ex = _modules(raw.get("exclude_modules"), "exclude_modules", where, problems)
+    ltt_raw: Any = raw.get("layers_to_transform")
+    if isinstance(ltt_raw, int) and not isinstance(ltt_raw, bool):
+        ltt_raw = [ltt_raw]
+    ltt: tuple[int, ...] | None = None
+    if ltt_raw is not None and not _ints(ltt_raw):
+        problems.append(f"{where}: layers_to_transform must be a layer index or a list of them")
+    elif ltt_raw:
+        ltt = tuple(ltt_raw)
     lp = raw.get("layers_pattern")
+    lp = [lp] if isinstance(lp, str) and lp else lp or []
+    layer_patterns = []
+    if not isinstance(lp, list) or not all(isinstance(x, str) for x in lp):
+        problems.append(f"{where}: layers_pattern must be a string or a list of strings")
+    else:
+        for x in lp:
+            pat = _compile(x, "layers_pattern", where, problems, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
+            if pat is not None:
+                layer_patterns.append(pat)
+    invocation: list[int] = raw.get("alora_invocation_tokens") or []
+    if not _ints(invocation) or any(t < 0 for t in invocation):
+        problems.append(f"{where}: alora_invocation_tokens must be a list of token ids")
+        invocation = []
     if r is None or alpha is None:
         return None
     return PeftConfig(
@@ -147,28 +220,67 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
         use_rslora=bool(raw.get("use_rslora", False)),
         rank_pattern=rank_pattern,
         alpha_pattern={k: float(v) for k, v in alpha_pattern.items()},
-        target_modules=tm if isinstance(tm, str) or tm is None else tuple(tm),
-        exclude_modules=_str_or_tuple(raw.get("exclude_modules")),
-        layers_to_transform=(ltt,) if isinstance(ltt, int) else tuple(ltt) if ltt else None,
-        layers_pattern=(lp,) if isinstance(lp, str) and lp else tuple(lp or ()),
+        target_modules=tm,
+        exclude_modules=ex if not isinstance(ex, str) else None,
+        layers_to_transform=ltt,
+        layers_pattern=tuple(layer_patterns),
         ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
-        invocation_tokens=tuple(raw.get("alora_invocation_tokens") or ()),
+        invocation_tokens=tuple(invocation),
     )
 
 
-def _str_or_tuple(v: Any) -> tuple[str, ...] | str | None:
-    return v if isinstance(v, str) or v is None else tuple(v)
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _compile(
+    source: str, key: str, where: str, problems: list[str], wrap: str = "{}"
+) -> Pattern | None:
+    try:
+        return Pattern(source, key, wrap)
+    except (regex.error, OverflowError, RecursionError) as exc:
+        problems.append(f"{where}: {key} pattern {source[:80]!r} does not compile ({exc})")
+        return None
+
+
+def _modules(
+    v: Any, key: str, where: str, problems: list[str]
+) -> tuple[str, ...] | Pattern | str | None:
+    """target_modules / exclude_modules: a regex (a string), or a list of module names."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return (
+            v
+            if v == "all-linear" and key == "target_modules"
+            else _compile(v, key, where, problems)
+        )
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return tuple(v)
+    problems.append(f"{where}: {key} must be a string (a regex) or a list of module names")
+    return None
 
 
 def _positive(v: Any, kind: type | tuple[type, ...]) -> bool:
     ok: bool = not isinstance(v, bool) and isinstance(v, kind)
-    return ok and float(v) > 0
+    return ok and math.isfinite(float(v)) and 0 < float(v) <= FLOAT32_MAX
 
 
 def _pattern_dict(
     d: Any, kind: type | tuple[type, ...], key: str, where: str, problems: list[str]
-) -> dict[str, Any]:
-    if not isinstance(d, dict) or not all(_positive(v, kind) for v in d.values()):
-        problems.append(f"{where}: {key} must map module patterns to positive numbers, got {d!r}")
+) -> dict[Pattern, Any]:
+    if (
+        not isinstance(d, dict)
+        or not all(isinstance(k, str) for k in d)
+        or not all(_positive(v, kind) for v in d.values())
+    ):
+        problems.append(
+            f"{where}: {key} must map module patterns to positive finite numbers, got {d!r}"[:300]
+        )
         return {}
-    return dict(d)
+    out = {}
+    for k, v in d.items():  # PEFT's rule: a key matches a module named (.*\.)?{key}$
+        pat = _compile(k, key, where, problems, r"(.*\.)?({})$")
+        if pat is not None:
+            out[pat] = v
+    return out

@@ -248,3 +248,15 @@ def test_mutated_files_load_or_fail_cleanly(tmp_path: Path, which: str) -> None:
         assert time.perf_counter() - t0 < 10, f"mutant {i} took too long"
         p.unlink()
     assert outcomes["refused"] > 20  # the mutations reach the checks
+
+
+def test_only_regular_files_are_read_and_no_content_is_quoted(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    _refused(fifo, "not a regular file")  # (opening it would block for ever)
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$secret-hash:19000:0:99999:7:::\n")
+    msg = _refused(secret, "not a GGUF file")
+    assert "root" not in msg and "secret" not in msg.replace(str(secret), "")

@@ -119,3 +119,29 @@ def test_patterns_keep_peft_semantics() -> None:
     assert not cfg.targets("model.layers.1.self_attn.q_proj")  # excluded
     assert cfg.rank_alpha("model.layers.0.self_attn.q_proj") == (4, 16.0)
     assert cfg.rank_alpha("model.layers.0.self_attn.v_proj") == (8, 16.0)
+
+
+def test_a_huge_declared_tensor_is_refused_from_the_header(
+    llama: graftlm.Model, tmp_path: Path
+) -> None:
+    """A safetensors header declaring an 8 GiB lora_A (a sparse file: no disk used) is refused by
+    its shape before a byte of it is read."""
+    import struct
+
+    d = _with_config(tmp_path, {})
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    n = 1 << 20
+    header = {
+        f"{q}.lora_A.weight": {"dtype": "F32", "shape": [n, 2048], "data_offsets": [0, n * 8192]},
+        f"{q}.lora_B.weight": {
+            "dtype": "F32",
+            "shape": [128, 4],
+            "data_offsets": [n * 8192, n * 8192 + 2048],
+        },
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(d / "adapter_model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + n * 8192 + 2048)
+    _refused(llama, d, "lora_A [1048576, 2048]", "does not fit")

@@ -72,12 +72,12 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[Any]]:
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
         raise ModelFileError(f"{path}: is a directory, not a GGUF file")
+    if not path.is_file():  # a FIFO or a device would block the read, or never end
+        raise ModelFileError(f"{path}: not a regular file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelFileError(
-            f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
-        )
+    if magic != GGUF_MAGIC:  # (the bytes it has are not quoted: they may be a secret's)
+        raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic at its start)")
     try:
         return parse_gguf(path)
     except (GGUFFormatError, ValueError, OSError, UnicodeDecodeError) as exc:

@@ -388,30 +388,29 @@ def _read_pair(
         kind = "lora_embedding_A/B" if embd else "lora_A/B.weight"
         problems.append(f"{where} -> {gname}.weight: expected {kind} tensors for this module")
         return None
-    a = st.get_tensor(parts["a"][0]).float()
-    b = st.get_tensor(parts["b"][0]).float()
+    # shapes from the header first: nothing is read (or allocated) for a tensor that cannot fit
+    sa = list(st.get_slice(parts["a"][0]).get_shape())
+    sb = list(st.get_slice(parts["b"][0]).get_shape())
     n_in, n_out = shape
     r_cfg, alpha = cfg.rank_alpha(module)
     bad = []
-    if a.dim() != 2 or b.dim() != 2:
-        bad.append(f"lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be 2-D")
+    if len(sa) != 2 or len(sb) != 2:
+        bad.append(f"lora_A {sa} and lora_B {sb} must both be 2-D")
     else:
         in_name, out_name = ("n_vocab", "n_embd") if embd else ("input size", "output size")
-        if a.shape[1] != n_in:
-            bad.append(
-                f"lora_A {list(a.shape)} (r, {in_name}) does not fit the base's {in_name} {n_in}"
-            )
-        if b.shape[0] != n_out:
-            bad.append(
-                f"lora_B {list(b.shape)} ({out_name}, r) does not fit the base's {out_name} {n_out}"
-            )
-        if a.shape[0] != b.shape[1]:
-            bad.append(
-                f"ranks differ: lora_A {list(a.shape)} has {a.shape[0]}, "
-                f"lora_B {list(b.shape)} has {b.shape[1]}"
-            )
-        elif a.shape[0] != r_cfg:
-            bad.append(f"rank {a.shape[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+        if sa[1] != n_in:
+            bad.append(f"lora_A {sa} (r, {in_name}) does not fit the base's {in_name} {n_in}")
+        if sb[0] != n_out:
+            bad.append(f"lora_B {sb} ({out_name}, r) does not fit the base's {out_name} {n_out}")
+        if sa[0] != sb[1]:
+            bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
+        elif sa[0] != r_cfg:
+            bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+    if bad:
+        problems.append(f"{where} -> {gname}.weight: " + "; ".join(bad))
+        return None
+    a = st.get_tensor(parts["a"][0]).float()
+    b = st.get_tensor(parts["b"][0]).float()
     rules = ARCH_RULES[base.arch]
     kind = gname.rsplit(".", 1)[-1]
     if not bad and rules.rope_permuted and kind in _PERMUTED_KINDS:

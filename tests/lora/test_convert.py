@@ -314,3 +314,38 @@ def test_target_modules_select_exactly_the_converted_modules(
     ]
     selected = {m for m in every + ["model.embed_tokens", "lm_head"] if m and parsed.targets(m)}
     assert selected == {gguf_to_hf("llama", t) for t in targets}
+
+
+def test_to_peft_over_an_existing_adapter_never_mixes_the_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between any two steps of the write, the folder holds the old pair, the new pair, or
+    no config (refused as 'missing adapter_config.json'): never the old config beside the new
+    weights. Other files of the folder stay."""
+    import os
+
+    from graftlm.lora import convert
+
+    out = tmp_path / "peft"
+    gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
+    (out / "README.md").write_text("mine")
+    old_config = (out / "adapter_config.json").read_text()
+    real_replace = os.replace
+    calls: list[str] = []
+
+    def dying_replace(src: object, dst: object) -> None:
+        calls.append(str(dst))
+        if str(dst).endswith("adapter_model.safetensors"):
+            real_replace(src, dst)  # type: ignore[arg-type]
+            raise KeyboardInterrupt  # killed right after the weights went in
+        real_replace(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(convert.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
+    assert not (out / "adapter_config.json").exists()  # not the old one beside new weights
+    assert (out / "README.md").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_model.safetensors"]
+    monkeypatch.setattr(convert.os, "replace", real_replace)
+    gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
+    assert (out / "adapter_config.json").read_text() == old_config

@@ -20,6 +20,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -268,11 +269,27 @@ def gguf_to_peft(
     n_layer = base.n_layer if base is not None else None
     config, notes = _peft_config(ranks, alpha, n_layer)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_peft(out, tensors, config)
     notes.append(f"wrote {out}: {len(tensors)} tensors ({len(ranks)} modules), r = {config['r']}")
     return notes
+
+
+def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write the pair into `out` so that a process killed at any moment leaves the old adapter,
+    the new one, or (between the last two steps) a folder without adapter_config.json, which
+    reads as "not a PEFT adapter directory": never the old config beside the new weights. Both
+    files are written aside first; other files of the folder are left alone."""
+    out.mkdir(parents=True, exist_ok=True)
+    w_tmp, c_tmp = out / f".{WEIGHTS_FILE}.partial", out / f".{CONFIG_FILE}.partial"
+    try:
+        save_file(tensors, str(w_tmp), metadata={"format": "pt"})
+        c_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (out / CONFIG_FILE).unlink(missing_ok=True)  # the old config goes first
+        os.replace(w_tmp, out / WEIGHTS_FILE)
+        os.replace(c_tmp, out / CONFIG_FILE)  # the new one last: it completes the pair
+    finally:
+        w_tmp.unlink(missing_ok=True)
+        c_tmp.unlink(missing_ok=True)
 
 
 def _peft_config(

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
+from graftlm.errors import RequestError
 from graftlm.runtime.sampling import Sampler, SamplingParams
 
 
@@ -38,3 +40,33 @@ def test_same_seed_same_draws() -> None:
     p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
     a, b = Sampler(p), Sampler(p)
     assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", float("inf")),
+        ("repeat_penalty", float("nan")),
+        ("repeat_penalty", -1.0),
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
+        ("seed", 2**64),
+        ("seed", 1.5),
+    ],
+)
+def test_bad_settings_are_request_errors(field: str, value: object) -> None:
+    """Refused by name (a RequestError, and a ValueError for the server's 400): a NaN penalty
+    used to invert itself, a seed of 2^64 to kill the request on the engine thread."""
+    with pytest.raises(RequestError, match=field) as info:
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    """1e-45 overflowed the division (inf and nan probabilities); below 1e-5 it is the argmax."""
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    s = Sampler(SamplingParams(temperature=1e-45, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    assert s(logits) == 1
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    Sampler(SamplingParams(seed=2**64 - 1))  # the largest seed torch takes

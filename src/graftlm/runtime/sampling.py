@@ -6,10 +6,19 @@ top-p and min-p look at the distribution before temperature, as llama.cpp's do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from graftlm.errors import RequestError
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
+class SamplingError(RequestError, ValueError):
+    """A sampling setting out of range: a bad request (a ValueError for the server's schemas)."""
 
 
 @dataclass(frozen=True)
@@ -28,14 +37,29 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
+                     "presence_penalty"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise SamplingError(f"{name} must be a finite number, got {v!r}")
         if self.top_p < 0 or self.top_p > 1:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+            raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.min_p < 0 or self.min_p > 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty < 0:
+            raise SamplingError(f"repeat_penalty must be >= 0, got {self.repeat_penalty}")
+        if self.seed is not None and not (
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed < 1 << 64
+        ):
+            raise SamplingError(
+                f"seed must be a whole number below 2^64 (negative: random), got {self.seed!r}"
+            )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """Greedy below GREEDY_BELOW, as vLLM does: dividing logits by a temperature that small
+        overflows float32 (1e-45 gives inf and nan), and the draw is the argmax anyway."""
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:

@@ -14,7 +14,7 @@ from graftlm.native import build, library, unavailable_reason
 
 def test_the_source_and_the_loader_agree_on_the_abi() -> None:
     m = re.search(r"int gl_abi_version\(void\) \{ return (\d+); \}", build.SOURCE.read_text())
-    assert m is not None, "gl_abi_version not found in kernels.c"
+    assert m is not None, "gl_abi_version not found in csrc/graftlm.c"
     assert int(m.group(1)) == build.ABI_VERSION
 
 

@@ -1,8 +1,9 @@
-"""Compile ``kernels.c`` once per machine with the system C compiler and load it with ctypes.
+"""Compile ``csrc/graftlm.c`` (one translation unit: it includes the other files of ``csrc/``)
+once per machine with the system C compiler and load it with ctypes.
 
 The library is cached under ``$GRAFTLM_CACHE/native`` (default ``~/.cache/graftlm/native``), keyed
-by the source, the flags, the compiler and the CPU, so a rebuild happens only when one of them
-changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
+by every file of ``csrc/``, the flags, the compiler and the CPU, so a rebuild happens only when one
+of them changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
 It links the OpenMP runtime torch has already loaded (same soname), so both share one thread pool.
 
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
@@ -24,7 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels.c")
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 ABI_VERSION = 25
 
@@ -82,6 +84,11 @@ _SIGNATURES: dict[str, list[type]] = {
 }
 
 
+def sources() -> list[Path]:
+    """Every file the library is built from (the unit and what it includes)."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
 def cache_dir() -> Path:
     root = Path(os.environ.get("GRAFTLM_CACHE", Path.home() / ".cache" / "graftlm"))
     return root / "native"
@@ -107,15 +114,16 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
     for part in (
-        SOURCE.read_bytes(),
         " ".join(FLAGS).encode(),
         version.encode(),
         _cpu_flags().encode(),
     ):
         key.update(part)
     out_dir = cache_dir()
-    target = out_dir / f"kernels-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"graftlm-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Thin wrappers over the attention, norm, gate and LoRA helpers of ``kernels.c``: each returns
+"""Thin wrappers over the attention, norm, gate and LoRA helpers of ``csrc/``: each returns
 None (lora_delta: False) when it cannot serve the call (no library, not CPU float32, unsupported
 shape, an index out of range), and the caller then runs its PyTorch twin."""
 

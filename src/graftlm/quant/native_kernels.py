@@ -1,4 +1,4 @@
-"""Quantized weights held in the native layouts of ``graftlm/native/kernels.c`` (see its header comment).
+"""Quantized weights in the native layouts of ``graftlm/native/csrc/quant.c`` (see its header).
 
 * ``NativeU4Kernel``: Q4_0, Q4_1, Q4_K as 4-bit codes with a float scale and offset per 32 values.
 * ``NativeS8Kernel``: Q8_0, Q5_0 (scale per 32) and Q6_K (scale per 16) as int8 codes.
@@ -109,7 +109,7 @@ class NativeU4Kernel(NativeKernel):
         self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
     ) -> None:
         super().__init__(shape)
-        self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
+        self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see csrc/quant.c)
         self.half = int(d.dtype == torch.float16)
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
         lib = loaded_library()
@@ -167,7 +167,7 @@ class NativeS8Kernel(NativeKernel):
     ) -> None:
         super().__init__(shape)
         self.small = int(small)  # Q5_0's codes (|q| <= 16): the kernel's faster unsigned path
-        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
+        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see csrc/quant.c)
         self.half = int(s.dtype == torch.float16)
         lib = loaded_library()
         assert lib is not None

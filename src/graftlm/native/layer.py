@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graftlm.lora.site import generation as lora_generation
+from graftlm.native.abi import GlLayer as _Layer
+from graftlm.native.abi import GlLoraSite as _Lora
+from graftlm.native.abi import GlWeight as _Weight
 from graftlm.native.build import library, threads
 from graftlm.quant import config
 
@@ -27,32 +30,6 @@ if TYPE_CHECKING:
     from graftlm.models.layers import Projection, Rope
     from graftlm.quant import QWeight
     from graftlm.runtime.batch import Batch, LoraRows, RowIndex
-
-_I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("half", _I64), ("sblk", _I64), ("small", _I64), ("n", _I64),
-                ("k", _I64), ("q", _P), ("d", _P), ("m", _P)]  # fmt: skip
-
-
-class _Lora(ctypes.Structure):
-    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64), ("bf", _I64),
-                ("aq", _P), ("a_scales", _P), ("a_half", _I64)]  # fmt: skip
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _Weight * 3), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
-        ("l_qkv", _Lora * 3), ("l_o", _Lora), ("l_gate_up", _Lora), ("l_down", _Lora),
-        ("attn_norm", _P), ("ffn_norm", _P),
-        ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_ffw_norm", _P),
-        ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
-        ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
-        ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
-        ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F),
-    ]  # fmt: skip
-
 
 ACTS = {"silu": 0, "gelu_tanh": 1}
 

@@ -17,6 +17,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +29,10 @@
 
 /* ---------------------------------------------------------------- the structs Python mirrors */
 
+/* graftlm/native/abi.py mirrors these in ctypes, field for field and by the same names; the
+ * library describes their layout (gl_abi_layout, graftlm.c) and the loader refuses a library whose
+ * layout is not the mirrors'. */
+
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
     int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
@@ -35,6 +40,7 @@ typedef struct {
     const void *q, *d, *m;
 } gl_weight;
 
+/* The adapters on one projection in this step (layouts: lora.c's LoRA delta section). */
 typedef struct {
     const void *a, *bb; /* NULL a: no adapter on this projection in this step */
     const float *scales;
@@ -44,8 +50,8 @@ typedef struct {
      * them), or NULL: the decode products take A . x from the quantized x the base product
      * already made, with the base kernel's integer dots (a quarter of the instructions and half
      * the bytes of the bfloat16 dots) */
-    const void *aq, *as;
-    int64_t ah;
+    const void *aq, *a_scales;
+    int64_t a_half;
 } gl_lora_site;
 
 /* The weights, vectors, cache and dimensions of one decoder layer (layer.c). */
@@ -63,50 +69,60 @@ typedef struct {
 
 /* ---------------------------------------------------------------- exported functions */
 
-int gl_abi_version(void);
+/* Each declared here once, after GL_API: the loader reads these prototypes and checks abi.py's
+ * argument types against them. Pointers go over as void pointers; int64_t, int and float as
+ * themselves. */
+#define GL_API __attribute__((visibility("default")))
+
+/* graftlm.c: names[i] = "struct" (values[i] its size) or "struct.field" (its offset), for i below
+ * cap; returns how many there are. */
+GL_API int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap);
 
 /* quant.c */
-int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
-               uint8_t *qs, void *d, void *m, int h, int nth);
-int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
-               void *s, int h, int nth);
-void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset, int64_t k,
-               const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth);
-void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k, const int64_t *ids,
-               int64_t row0, int64_t nrows, float *out, int nth);
-void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
-              const void *m, int h, int64_t n, float *y, int nth);
-void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
-              int sblk, int small, int64_t n, float *y, int nth);
+GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      uint8_t *qs, void *d, void *m, int h, int nth);
+GL_API int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      int8_t *q, void *s, int h, int nth);
+GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset,
+                      int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out,
+                      int nth);
+GL_API void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k,
+                      const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth);
+GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
+                     const void *m, int h, int64_t n, float *y, int nth);
+GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
+                     int sblk, int small, int64_t n, float *y, int nth);
 
 /* attn.c */
-void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y,
-                 int nth);
-int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const int64_t *pos,
-            const float *cos_t, const float *sin_t, int64_t n_pos, int64_t rot, int neox,
-            float *out, int nth);
-void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, const float *v,
-                    int64_t v_rs, float *kc, float *vc, const int64_t *slots, const int64_t *pos,
-                    int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t n_ctx,
-                    const float *cos_t, const float *sin_t, int64_t rot, int neox, float scale,
-                    int64_t window, float softcap, float *out, int nth);
-void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
-                     const int64_t *slots, const int64_t *starts, int64_t B, int64_t T, int64_t H,
-                     int64_t Hkv, int64_t D, int64_t n_ctx, float scale, int64_t window, int nth);
-void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
+GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
+                        float *y, int nth);
+GL_API int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D,
+                   const int64_t *pos, const float *cos_t, const float *sin_t, int64_t n_pos,
+                   int64_t rot, int neox, float *out, int nth);
+GL_API void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs,
+                           const float *v, int64_t v_rs, float *kc, float *vc,
+                           const int64_t *slots, const int64_t *pos, int64_t B, int64_t H,
+                           int64_t Hkv, int64_t D, int64_t Dv, int64_t n_ctx, const float *cos_t,
+                           const float *sin_t, int64_t rot, int neox, float scale, int64_t window,
+                           float softcap, float *out, int nth);
+GL_API void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
+                            const int64_t *slots, const int64_t *starts, int64_t B, int64_t T,
+                            int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, float scale,
+                            int64_t window, int nth);
+GL_API void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
 
 /* lora.c */
-void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M, int64_t T,
-             float *y, int nth);
-void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
-             const void *aq, const void *as, int ah, const float *s, int64_t R, const void *Bb,
-             const int64_t *span, int64_t n_out, float *y, int nth);
+GL_API void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M,
+                    int64_t T, float *y, int nth);
+GL_API void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
+                    const void *aq, const void *as, int ah, const float *s, int64_t R,
+                    const void *Bb, const int64_t *span, int64_t n_out, float *y, int nth);
 
 /* layer.c */
-void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
-                     const int64_t *pos, int nth);
-void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
-                      const int64_t *slots, const int64_t *pos, int nth);
+GL_API void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                            const int64_t *pos, int nth);
+GL_API void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
+                             const int64_t *slots, const int64_t *pos, int nth);
 
 /* ---------------------------------------------------------------- vector helpers */
 

@@ -144,7 +144,7 @@ static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64
                          int64_t g, float *xa) {
     const int64_t kb = k / 32, R = l->r, nv = R - g * 8 < 8 ? R - g * 8 : 8;
     const int8_t *qg = (const int8_t *)l->aq + g * kb * 256;
-    const void *sg = (const char *)l->as + g * kb * 8 * (l->ah ? 2 : 4);
+    const void *sg = (const char *)l->a_scales + g * kb * 8 * (l->a_half ? 2 : 4);
     for (int64_t i = r0; i < r1; i += MT) {
         const int rows = r1 - i < MT ? (int)(r1 - i) : MT;
         const int8_t *xt = xb->xq + i * k;
@@ -152,7 +152,7 @@ static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64
         float *yo = xa + i * R + g * 8;
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, R, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, R, nv)
-        if (l->ah) {
+        if (l->a_half) {
             WITH_ROWS(rows, S8H)
         } else {
             WITH_ROWS(rows, S8F)
@@ -200,12 +200,12 @@ static int lora_ranges(const gl_lora_site *l, int64_t n_in, int64_t n_out, const
     const int64_t es = l->bf ? 2 : 4, nb = (n_out + 31) / 32, row = n_in * es;
     int nr = 0;
     if (l->aq) { /* the groups of 8 rows of the int8 A holding them, codes and scales */
-        const int64_t kb = n_in / 32, ss = l->ah ? 2 : 4;
+        const int64_t kb = n_in / 32, ss = l->a_half ? 2 : 4;
         for (int i = 0; i < nc; i++) {
             const int64_t g = cols[i] / 8;
             if (i > 0 && cols[i - 1] / 8 == g) continue;
             at[nr] = (const char *)l->aq + g * kb * 256, len[nr++] = kb * 256;
-            at[nr] = (const char *)l->as + g * kb * 8 * ss, len[nr++] = kb * 8 * ss;
+            at[nr] = (const char *)l->a_scales + g * kb * 8 * ss, len[nr++] = kb * 8 * ss;
         }
     }
     for (int i = 0; i < nc && !l->aq; i++) { /* rows of A, merged where the columns are consecutive */

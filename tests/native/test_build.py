@@ -55,16 +55,20 @@ def test_a_stale_layout_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPa
     lib = build.loaded_library()
     assert lib is not None, unavailable_reason()
     kc, drifted = abi.GlLayer.kc.offset, _drifted_layer()
-    problems = abi.layout_problems(lib, (abi.GlWeight, abi.GlLoraSite, drifted))
+    structs = tuple(drifted if s is abi.GlLayer else s for s in abi.STRUCTS)
+    problems = abi.layout_problems(lib, structs)
     assert f"gl_layer.kc at offset {kc}, ctypes expects {kc + 8}" in problems
     assert (
         "ctypes expects gl_layer.extra at offset " + str(kc) + ", the library has no such field"
         in problems
     )
     assert len(problems) == 2  # the fields after kc, moved with it, go unsaid
+    assert abi.layout_problems(lib, abi.STRUCTS[:-1]) == [
+        f"{abi.STRUCTS[-1].c_name} is described by the library alone"
+    ]
     build.loaded_library.cache_clear()
     try:
-        monkeypatch.setattr(abi, "STRUCTS", (abi.GlWeight, abi.GlLoraSite, drifted))
+        monkeypatch.setattr(abi, "STRUCTS", structs)
         assert library() is None
         assert f"stale native library: gl_layer.kc at offset {kc}, ctypes expects {kc + 8}" in (
             unavailable_reason() or ""

@@ -53,7 +53,15 @@ class GlLayer(Mirror):
     ]  # fmt: skip
 
 
-STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlLayer)
+class GlAttn(Mirror):
+    c_name = "gl_attn"
+    _fields_ = [("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("n_head", _I64),
+                ("n_head_kv", _I64), ("head_dim", _I64), ("v_dim", _I64), ("n_ctx", _I64),
+                ("rot", _I64), ("neox", _I64), ("window", _I64), ("scale", _F),
+                ("softcap", _F)]  # fmt: skip
+
+
+STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlLayer, GlAttn)
 
 # name -> (return type, argument types); pointers of every kind as c_void_p
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -67,47 +75,13 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_rms_norm": (None, [_P, _I64, _I64, _P, _F, _P, _INT]),
     # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
     "gl_rope": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT]),
-    # q, q_rs, k, k_rs, v, v_rs, kc, vc, slots, pos; B, H, Hkv, D, Dv, n_ctx; cos, sin, rot, neox,
-    # scale, window, softcap, out, threads
-    "gl_attn_decode": (
-        None,
-        [
-            _P,
-            _I64,
-            _P,
-            _I64,
-            _P,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _I64,
-            _INT,
-            _F,
-            _I64,
-            _F,
-            _P,
-            _INT,
-        ],
-    ),  # fmt: skip
-    # q, out, kc, vc, slots, starts; B, T, H, Hkv, D, n_ctx; scale, window, threads
-    "gl_attn_prefill": (None, [_P] * 6 + [_I64] * 6 + [_F, _I64, _INT]),
+    # attn, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, threads
+    "gl_attn_decode": (None, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _INT]),
+    # attn, q, slots, starts, B, T, out, threads
+    "gl_attn_prefill": (None, [_P, _P, _P, _P, _I64, _I64, _P, _INT]),
     "gl_gated": (None, [_P, _I64, _I64, _I64, _P, _INT]),
     "gl_proj": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),  # weight, lora site, x, M, T, y, threads
-    # x, M, T, n_in, A, bf; aq, as, ah; s, R, Bb, span, n_out, y, threads
-    "gl_lora": (
-        None,
-        [_P] + [_I64] * 3 + [_P, _INT, _P, _P, _INT, _P, _I64, _P, _P, _I64, _P, _INT],
-    ),
+    "gl_lora": (None, [_P, _I64, _I64, _P, _I64, _I64, _P, _INT]),  # site, n_in, n_out, x, M, T, y
     "gl_layer_decode": (None, [_P, _P, _I64, _P, _P, _INT]),
     "gl_layers_decode": (None, [_P, _I64, _P, _I64, _P, _P, _INT]),
 }
@@ -151,6 +125,10 @@ def layout_problems(lib: ctypes.CDLL, structs: tuple[type[Mirror], ...] | None =
     have, want = library_layout(lib), layout(structs)
     out = []
     for struct in dict.fromkeys(k.split(".")[0] for k in [*want, *have]):
+        if struct not in want or struct not in have:
+            side = "the library" if struct in have else "ctypes"
+            out.append(f"{struct} is described by {side} alone")
+            continue
         fields = [k for k in dict.fromkeys([*want, *have]) if k.startswith(struct + ".")]
         found = [
             f"ctypes expects {k} at offset {want[k]}, the library has no such field"
@@ -165,11 +143,7 @@ def layout_problems(lib: ctypes.CDLL, structs: tuple[type[Mirror], ...] | None =
             found.insert(
                 0, f"{moved[0]} at offset {have[moved[0]]}, ctypes expects {want[moved[0]]}"
             )
-        if not found and struct not in have:
-            found.append(f"the library does not describe {struct}")
-        elif not found and struct not in want:
-            found.append(f"the library describes {struct}, ctypes does not")
-        elif not found and have[struct] != want[struct]:
+        if not found and have[struct] != want[struct]:
             found.append(f"{struct} is {have[struct]} bytes, ctypes expects {want[struct]}")
         out += found
     return out

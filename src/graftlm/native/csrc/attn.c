@@ -68,13 +68,18 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * RoPE on q and k at the row's position, k and v written into the cache at (slot, position),
  * then softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all),
  * with GQA (query head h reads kv head h / (H / Hkv)) and an optional tanh soft-cap.
- * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row.
+ * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row; the cache, the
+ * RoPE tables, the dimensions and the scales are a's.
  * Cache layout: (slot, kv head, position, dim).  out: (B, H * Dv). */
-void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, const float *v,
-                    int64_t v_rs, float *kc, float *vc, const int64_t *slots, const int64_t *pos,
-                    int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t n_ctx,
-                    const float *cos_t, const float *sin_t, int64_t rot, int neox, float scale,
-                    int64_t window, float softcap, float *out, int nth) {
+void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
+                    const float *v, int64_t v_rs, const int64_t *slots, const int64_t *pos,
+                    int64_t B, float *out, int nth) {
+    float *kc = a->kc, *vc = a->vc;
+    const float *cos_t = a->cos_t, *sin_t = a->sin_t;
+    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
+    const int64_t n_ctx = a->n_ctx, rot = a->rot, window = a->window;
+    const int neox = (int)a->neox;
+    const float scale = a->scale, softcap = a->softcap;
     const int64_t half = rot / 2;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -158,7 +163,8 @@ void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs, 
 
 /* Prompt attention: B rows of T queries each, rows of one sequence each (slot[b]) whose keys and
  * values for positions 0 .. start[b] + T - 1 are in the cache (this chunk's already written,
- * rotated). q (B, T, H, D) rotated; out (B, T, H * D) (Dv == D). Query t of row b sits at
+ * rotated; a: the cache and the dimensions, no RoPE tables). q (B, T, H, D) rotated;
+ * out (B, T, H * D) (Dv == D). Query t of row b sits at
  * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0).
  *
  * One task: a kv head g of a row and PQ queries, whose H / Hkv heads share g's keys: rows =
@@ -197,9 +203,12 @@ static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
         for (int64_t j = j0; j < PK; j++) Kt[d * PK + j] = j < nk ? k[j * D + d] : 0.0f;
 }
 
-void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
-                     const int64_t *slots, const int64_t *starts, int64_t B, int64_t T, int64_t H,
-                     int64_t Hkv, int64_t D, int64_t n_ctx, float scale, int64_t window, int nth) {
+void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
+                     const int64_t *starts, int64_t B, int64_t T, float *out, int nth) {
+    const float *kc = a->kc, *vc = a->vc;
+    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, n_ctx = a->n_ctx;
+    const int64_t window = a->window;
+    const float scale = a->scale;
     const int64_t group = H / Hkv, qblocks = (T + PQ - 1) / PQ, rows_max = PQ * group;
     const int64_t ntask = B * Hkv * qblocks;
 #pragma omp parallel num_threads(nth)

@@ -30,6 +30,11 @@ static const struct {
     GL_AT(gl_layer, head_dim), GL_AT(gl_layer, n_ff), GL_AT(gl_layer, n_ctx), GL_AT(gl_layer, rot),
     GL_AT(gl_layer, neox), GL_AT(gl_layer, window), GL_AT(gl_layer, act), GL_AT(gl_layer, eps),
     GL_AT(gl_layer, scale),
+
+    GL_SIZE(gl_attn), GL_AT(gl_attn, kc), GL_AT(gl_attn, vc), GL_AT(gl_attn, cos_t),
+    GL_AT(gl_attn, sin_t), GL_AT(gl_attn, n_head), GL_AT(gl_attn, n_head_kv),
+    GL_AT(gl_attn, head_dim), GL_AT(gl_attn, v_dim), GL_AT(gl_attn, n_ctx), GL_AT(gl_attn, rot),
+    GL_AT(gl_attn, neox), GL_AT(gl_attn, window), GL_AT(gl_attn, scale), GL_AT(gl_attn, softcap),
 };
 
 int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {

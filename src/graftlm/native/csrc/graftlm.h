@@ -67,6 +67,15 @@ typedef struct {
     float eps, scale;
 } gl_layer;
 
+/* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
+ * and the scales, which a decode step's or a prompt's rows share. */
+typedef struct {
+    float *kc, *vc;             /* (slots, n_head_kv, n_ctx, head_dim / v_dim) */
+    const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
+    int64_t n_head, n_head_kv, head_dim, v_dim, n_ctx, rot, neox, window; /* window 0: all */
+    float scale, softcap; /* softcap 0: none */
+} gl_attn;
+
 /* ---------------------------------------------------------------- exported functions */
 
 /* Each declared here once, after GL_API: the loader reads these prototypes and checks abi.py's
@@ -99,24 +108,18 @@ GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w,
 GL_API int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D,
                    const int64_t *pos, const float *cos_t, const float *sin_t, int64_t n_pos,
                    int64_t rot, int neox, float *out, int nth);
-GL_API void gl_attn_decode(const float *q, int64_t q_rs, const float *k, int64_t k_rs,
-                           const float *v, int64_t v_rs, float *kc, float *vc,
-                           const int64_t *slots, const int64_t *pos, int64_t B, int64_t H,
-                           int64_t Hkv, int64_t D, int64_t Dv, int64_t n_ctx, const float *cos_t,
-                           const float *sin_t, int64_t rot, int neox, float scale, int64_t window,
-                           float softcap, float *out, int nth);
-GL_API void gl_attn_prefill(const float *q, float *out, const float *kc, const float *vc,
-                            const int64_t *slots, const int64_t *starts, int64_t B, int64_t T,
-                            int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, float scale,
-                            int64_t window, int nth);
+GL_API void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                           int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                           const int64_t *pos, int64_t B, float *out, int nth);
+GL_API void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
+                            const int64_t *starts, int64_t B, int64_t T, float *out, int nth);
 GL_API void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
 
 /* lora.c */
 GL_API void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M,
                     int64_t T, float *y, int nth);
-GL_API void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
-                    const void *aq, const void *as, int ah, const float *s, int64_t R,
-                    const void *Bb, const int64_t *span, int64_t n_out, float *y, int nth);
+GL_API void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x,
+                    int64_t M, int64_t T, float *y, int nth);
 
 /* layer.c */
 GL_API void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,

@@ -28,8 +28,9 @@ void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slot
         if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
         if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
     }
-    gl_attn_decode(qb, qs, kb, ks, vb, vs, L->kc, L->vc, slots, pos, B, H, Hkv, D, D, L->n_ctx,
-                   L->cos_t, L->sin_t, L->rot, (int)L->neox, L->scale, L->window, 0.0f, att, nth);
+    const gl_attn a = {L->kc, L->vc, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
+                       L->window, L->scale, 0.0f};
+    gl_attn_decode(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, nth);
     proj_run(&L->o, att, B, 1, &L->l_o, o, nth);
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];

@@ -333,12 +333,11 @@ void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t 
     proj_run(w, x, M, T, l, y, nth);
 }
 
-/* y (M, n_out) += the LoRA delta alone (see the LoRA delta's section), for a product that ran
- * elsewhere: proj_run with no base weight. A . x takes the integer dots when aq is given. */
-void gl_lora(const float *x, int64_t M, int64_t T, int64_t n_in, const void *A, int bf,
-             const void *aq, const void *as, int ah, const float *s, int64_t R, const void *Bb,
-             const int64_t *span, int64_t n_out, float *y, int nth) {
-    const gl_lora_site l = {A, Bb, s, span, R, bf, aq, as, ah};
+/* y (M, n_out) += the LoRA delta of l alone (see the LoRA delta's section), for a product of n_in
+ * inputs that ran elsewhere: proj_run with no base weight. A . x takes the integer dots when l
+ * has aq. */
+void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x, int64_t M,
+             int64_t T, float *y, int nth) {
     const gl_weight none = {-1, 0, 32, 0, n_out, n_in, NULL, NULL, NULL};
-    proj_run(&none, x, M, T, &l, y, nth);
+    proj_run(&none, x, M, T, l, y, nth);
 }

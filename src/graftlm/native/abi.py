@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import weakref
 from typing import ClassVar
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -61,11 +62,18 @@ class GlAttn(Mirror):
                 ("softcap", _F)]  # fmt: skip
 
 
-STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlLayer, GlAttn)
+class GlScratch(Mirror):
+    c_name = "gl_scratch"
+    _fields_ = [("base", _P), ("cap", _I64), ("used", _I64), ("busy", _I64)]
+
+
+STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlLayer, GlAttn, GlScratch)
 
 # name -> (return type, argument types); pointers of every kind as c_void_p
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_abi_layout": (_I64, [_P, _P, _I64]),
+    "gl_scratch_free": (None, [_P]),
+    "gl_alloc_count": (_I64, []),
     "gl_pack_u4": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT]),
     "gl_pack_s8": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
     "gl_deq_u4": (None, [_P, _P, _P, _INT, _INT, _I64, _P, _I64, _I64, _P, _INT]),
@@ -82,8 +90,10 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_gated": (None, [_P, _I64, _I64, _I64, _P, _INT]),
     "gl_proj": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),  # weight, lora site, x, M, T, y, threads
     "gl_lora": (None, [_P, _I64, _I64, _P, _I64, _I64, _P, _INT]),  # site, n_in, n_out, x, M, T, y
-    "gl_layer_decode": (None, [_P, _P, _I64, _P, _P, _INT]),
-    "gl_layers_decode": (None, [_P, _I64, _P, _I64, _P, _P, _INT]),
+    # layer, x, B, slots, pos, scratch, threads
+    "gl_layer_decode": (None, [_P, _P, _I64, _P, _P, _P, _INT]),
+    # layers, n, x, B, slots, pos, scratch, threads
+    "gl_layers_decode": (None, [_P, _I64, _P, _I64, _P, _P, _P, _INT]),
 }
 
 
@@ -194,3 +204,21 @@ def bind(lib: ctypes.CDLL) -> None:
     for name, (ret, args) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ret
+
+
+class Scratch:
+    """A gl_scratch: the memory native decode layers carve their buffers from, kept between steps
+    and grown by the C side when a step needs more (more rows, an adapter of higher rank); freed
+    with this object. One per FusedLayer and FusedStack, so models never share one (a call that
+    finds it in use by another thread takes memory of its own)."""
+
+    def __init__(self, lib: ctypes.CDLL | None) -> None:
+        self.struct = GlScratch()
+        self.ref = ctypes.byref(self.struct)  # what the calls pass
+        if lib is not None:
+            weakref.finalize(self, lib.gl_scratch_free, self.ref)
+
+    @property
+    def capacity(self) -> int:
+        """The bytes it holds now."""
+        return int(self.struct.cap)

@@ -65,13 +65,15 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
+    """The library built with FLAGS and `extra` (tests: -DGL_COUNT_ALLOC), from the cache if there."""
+    flags = [*FLAGS, *extra]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
     for path in sources():
         key.update(path.name.encode() + b"\0" + path.read_bytes())
     for part in (
-        " ".join(FLAGS).encode(),
+        " ".join(flags).encode(),
         version.encode(),
         _cpu_flags().encode(),
     ):
@@ -84,7 +86,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, target)

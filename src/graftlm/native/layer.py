@@ -22,7 +22,8 @@ from graftlm.lora.site import generation as lora_generation
 from graftlm.native.abi import GlLayer as _Layer
 from graftlm.native.abi import GlLoraSite as _Lora
 from graftlm.native.abi import GlWeight as _Weight
-from graftlm.native.build import library, threads
+from graftlm.native.abi import Scratch
+from graftlm.native.build import library, loaded_library, threads
 from graftlm.quant import config
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ class FusedLayer:
         self._bound: tuple[object, ...] | None = None
         self._stacks: list[Any] = []  # kept alive: the struct points into them until rebound
         self._servable = True
+        self.scratch = Scratch(loaded_library())  # the step's buffers, kept from step to step
 
     def _bind_lora(self, batch: Batch) -> bool:
         """Point the struct's LoRA fields at the active adapters' stacks and at the board's scale
@@ -274,7 +276,7 @@ class FusedLayer:
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layer_decode(
             ctypes.byref(self.layer), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), threads(),
+            rows.starts.data_ptr(), self.scratch.ref, threads(),
         )  # fmt: skip
         return out.view(x.shape)
 
@@ -307,6 +309,7 @@ class FusedStack:
         self.n_ctx = min(f.n_ctx for f in layers)
         self.n_slots = min(f.n_slots for f in layers)
         self._ptrs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(f.layer) for f in layers])
+        self.scratch = Scratch(loaded_library())  # every layer's buffers, kept from step to step
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
@@ -319,6 +322,6 @@ class FusedStack:
         out = x.reshape(-1, self.n_embd).clone()
         lib.gl_layers_decode(
             self._ptrs, len(self.layers), out.data_ptr(), out.shape[0], rows.slots.data_ptr(),
-            rows.starts.data_ptr(), threads(),
+            rows.starts.data_ptr(), self.scratch.ref, threads(),
         )  # fmt: skip
         return out.view(x.shape)

@@ -70,10 +70,12 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * with GQA (query head h reads kv head h / (H / Hkv)) and an optional tanh soft-cap.
  * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row; the cache, the
  * RoPE tables, the dimensions and the scales are a's.
- * Cache layout: (slot, kv head, position, dim).  out: (B, H * Dv). */
-void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
-                    const float *v, int64_t v_rs, const int64_t *slots, const int64_t *pos,
-                    int64_t B, float *out, int nth) {
+ * Cache layout: (slot, kv head, position, dim).  out: (B, H * Dv).  scores: `per` floats for
+ * each thread, for the rows that see more positions than the stack holds (per >= their count). */
+static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                            const int64_t *pos, int64_t B, float *out, float *scores,
+                            int64_t per, int nth) {
     float *kc = a->kc, *vc = a->vc;
     const float *cos_t = a->cos_t, *sin_t = a->sin_t;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
@@ -96,8 +98,8 @@ void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float 
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, hk = h / group, p = pos[b], s = slots[b];
         const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p + 1 - lo;
-        float qr[1024], sbuf_stack[2048];
-        float *sc = n <= 2048 ? sbuf_stack : malloc(sizeof(float) * (size_t)n);
+        float qr[1024], sbuf_stack[GL_STACK_SCORES];
+        float *sc = n <= GL_STACK_SCORES ? sbuf_stack : scores + omp_get_thread_num() * per;
         rope_head(q + b * q_rs + h * D, qr, D, rot, cos_t + p * half, sin_t + p * half, neox);
         const float *kb = kc + ((s * Hkv + hk) * n_ctx + lo) * D;
         const float *vb = vc + ((s * Hkv + hk) * n_ctx + lo) * Dv;
@@ -157,8 +159,23 @@ void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float 
                 for (int64_t i = 0; i < w; i++) o[c0 + i] = acc[i] * il;
             }
         }
-        if (sc != sbuf_stack) free(sc);
     }
+}
+
+/* Attention of a decode step from Python: the scores of the longest rows in one allocation. */
+void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
+                    const float *v, int64_t v_rs, const int64_t *slots, const int64_t *pos,
+                    int64_t B, float *out, int nth) {
+    int64_t per = 0; /* the most positions a row sees, past what the stack holds */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t lo = a->window > 0 && pos[b] - a->window + 1 > 0 ? pos[b] - a->window + 1 : 0;
+        if (pos[b] + 1 - lo > GL_STACK_SCORES && pos[b] + 1 - lo > per) per = pos[b] + 1 - lo;
+    }
+    const int64_t bytes = (int64_t)sizeof(float) * nth * per;
+    gl_scratch own, *s = scratch_open(NULL, &own, bytes);
+    attn_decode_run(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scratch_take(s, bytes), per,
+                    nth);
+    scratch_close(s, &own);
 }
 
 /* Prompt attention: B rows of T queries each, rows of one sequence each (slot[b]) whose keys and

@@ -35,7 +35,23 @@ static const struct {
     GL_AT(gl_attn, sin_t), GL_AT(gl_attn, n_head), GL_AT(gl_attn, n_head_kv),
     GL_AT(gl_attn, head_dim), GL_AT(gl_attn, v_dim), GL_AT(gl_attn, n_ctx), GL_AT(gl_attn, rot),
     GL_AT(gl_attn, neox), GL_AT(gl_attn, window), GL_AT(gl_attn, scale), GL_AT(gl_attn, softcap),
+
+    GL_SIZE(gl_scratch), GL_AT(gl_scratch, base), GL_AT(gl_scratch, cap), GL_AT(gl_scratch, used),
+    GL_AT(gl_scratch, busy),
 };
+
+void gl_scratch_free(gl_scratch *s) {
+    free(s->base);
+    *s = (gl_scratch){0};
+}
+
+int64_t gl_alloc_count(void) {
+#ifdef GL_COUNT_ALLOC
+    return __atomic_load_n(&gl_allocs, __ATOMIC_RELAXED);
+#else
+    return -1;
+#endif
+}
 
 int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
     const int64_t n = (int64_t)(sizeof(layout) / sizeof(layout[0]));

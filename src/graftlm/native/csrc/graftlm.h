@@ -27,6 +27,14 @@
 #error "graftlm native kernels need AVX2 and FMA"
 #endif
 
+#ifdef GL_COUNT_ALLOC /* a build that counts its heap allocations (gl_alloc_count) */
+static int64_t gl_allocs;
+#define GL_COUNTED(call) (__atomic_fetch_add(&gl_allocs, 1, __ATOMIC_RELAXED), call)
+#define malloc(n) GL_COUNTED(malloc(n))
+#define calloc(n, size) GL_COUNTED(calloc(n, size))
+#define aligned_alloc(align, n) GL_COUNTED(aligned_alloc(align, n))
+#endif
+
 /* ---------------------------------------------------------------- the structs Python mirrors */
 
 /* graftlm/native/abi.py mirrors these in ctypes, field for field and by the same names; the
@@ -76,6 +84,17 @@ typedef struct {
     float scale, softcap; /* softcap 0: none */
 } gl_attn;
 
+/* Memory the decode layers carve their buffers from, kept between calls so that a step allocates
+ * nothing: grown when a step needs more than any before it (more rows, an adapter of higher
+ * rank), freed by gl_scratch_free. Python owns one per FusedLayer and FusedStack (abi.Scratch),
+ * zeroed: empty. busy: a call is using it; a call that finds it busy (two threads on one model)
+ * takes a block of its own instead. Inside a call only the calling thread carves it; the OpenMP
+ * threads work in what it carved. */
+typedef struct {
+    char *base;
+    int64_t cap, used, busy;
+} gl_scratch;
+
 /* ---------------------------------------------------------------- exported functions */
 
 /* Each declared here once, after GL_API: the loader reads these prototypes and checks abi.py's
@@ -86,6 +105,11 @@ typedef struct {
 /* graftlm.c: names[i] = "struct" (values[i] its size) or "struct.field" (its offset), for i below
  * cap; returns how many there are. */
 GL_API int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap);
+/* graftlm.c: s's block freed, s zeroed. */
+GL_API void gl_scratch_free(gl_scratch *s);
+/* graftlm.c: the heap allocations the library has made, in a build with -DGL_COUNT_ALLOC (tests
+ * count a decode step's); -1 in any other. */
+GL_API int64_t gl_alloc_count(void);
 
 /* quant.c */
 GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -123,9 +147,10 @@ GL_API void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const fl
 
 /* layer.c */
 GL_API void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
-                            const int64_t *pos, int nth);
+                            const int64_t *pos, gl_scratch *scratch, int nth);
 GL_API void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
-                             const int64_t *slots, const int64_t *pos, int nth);
+                             const int64_t *slots, const int64_t *pos, gl_scratch *scratch,
+                             int nth);
 
 /* ---------------------------------------------------------------- vector helpers */
 
@@ -200,15 +225,60 @@ typedef struct {
     float *xd, *xs, *xs16;
 } xbuf;
 
-static xbuf xbuf_make(const float *x, int64_t M, int64_t k, int nth);
-static void xbuf_free(xbuf b);
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
+                       float *xs16, int nth);
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
     int R, float *y, int64_t ldy, int64_t nvalid);
 
-/* lora.c: y (M, n) = x (M, k) @ W.T plus l's delta, in one parallel region. */
+/* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */
+#define GL_STACK_SCORES 2048 /* the scores a decode thread keeps on its stack */
+static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                            const int64_t *pos, int64_t B, float *out, float *scores,
+                            int64_t per, int nth);
+
+/* lora.c: y (M, n) = x (M, k) @ W.T plus l's delta, in one parallel region, its buffers from sc
+ * (proj_bytes of them past sc->used); proj_alone: the same with buffers of its own. */
 static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
-                     float *y, int nth);
+                     float *y, gl_scratch *sc, int nth);
+static int64_t proj_bytes(const gl_weight *w, const gl_lora_site *l, int64_t M, int64_t T);
+static void proj_alone(const gl_weight *w, const float *x, int64_t M, int64_t T,
+                       const gl_lora_site *l, float *y, int nth);
+
+/* Scratch: a call's buffers, carved in turn from one block (64-byte aligned each). A counter
+ * (cap -1) carves NULLs and adds up what they would take: the size functions carve into one. */
+#define SCRATCH_COUNTER ((gl_scratch){NULL, -1, 0, 0})
+
+static inline void *scratch_take(gl_scratch *s, int64_t bytes) {
+    char *p = s->cap < 0 ? NULL : s->base + s->used;
+    s->used += (bytes + 63) / 64 * 64;
+    if (s->cap >= 0 && s->used > s->cap) abort(); /* a size function missed a buffer */
+    return p;
+}
+
+/* The scratch a call uses, with room for `bytes`: s, unless it is NULL or another call holds it;
+ * then own, a block of the call's own (scratch_close frees it). */
+static inline gl_scratch *scratch_open(gl_scratch *s, gl_scratch *own, int64_t bytes) {
+    gl_scratch *use = s && !__atomic_exchange_n(&s->busy, 1, __ATOMIC_ACQUIRE) ? s : own;
+    if (use == own) *own = (gl_scratch){0};
+    if (use->cap < bytes) {
+        free(use->base);
+        use->cap = (bytes + 63) / 64 * 64;
+        use->base = aligned_alloc(64, (size_t)use->cap);
+        if (!use->base) abort();
+    }
+    use->used = 0;
+    return use;
+}
+
+static inline void scratch_close(gl_scratch *use, gl_scratch *own) {
+    if (use == own)
+        free(own->base);
+    else
+        __atomic_store_n(&use->busy, 0, __ATOMIC_RELEASE);
+}
 
 #endif

@@ -243,6 +243,44 @@ static inline void prefetch_upto(line_walk *w, int64_t upto) {
     }
 }
 
+/* Which delta path proj_run takes: one row (each thread its own columns, no barrier; R bounds its
+ * stack arrays), or many rows. */
+static inline int proj_one_row(const gl_lora_site *l, int64_t M) {
+    return l != NULL && l->a != NULL && M == 1 && l->r <= 1024;
+}
+
+/* proj_run's buffers, carved from s: x quantized (for the base product and the integer dots of
+ * A), and with many rows their s * A . x (M, R), each scale row's columns (S, R) and their counts
+ * (S), and two[i]: rows i and i + 1 pair up (lora_b_two). */
+typedef struct {
+    xbuf xb;
+    float *av;
+    int64_t *cols, *cnt;
+    char *two;
+} proj_bufs;
+
+static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M, int64_t T,
+                           gl_scratch *s) {
+    const int has = l != NULL && l->a != NULL;
+    const int64_t R = has ? l->r : 0, S = M / T;
+    proj_bufs b = {0};
+    if (w->q != NULL || (has && l->aq)) b.xb = xbuf_take(s, M, w->k);
+    if (has && !proj_one_row(l, M)) {
+        b.av = scratch_take(s, (int64_t)sizeof(float) * M * R);
+        b.cols = scratch_take(s, (int64_t)sizeof(int64_t) * S * R);
+        b.cnt = scratch_take(s, (int64_t)sizeof(int64_t) * S);
+        b.two = scratch_take(s, M);
+    }
+    return b;
+}
+
+/* The scratch proj_run takes for these rows. */
+static int64_t proj_bytes(const gl_weight *w, const gl_lora_site *l, int64_t M, int64_t T) {
+    gl_scratch count = SCRATCH_COUNTER;
+    proj_take(w, l, M, T, &count);
+    return count.used;
+}
+
 /* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (T tokens a scale row:
  * l->scales (M / T, R)) unless l is NULL or l->a is: one parallel region.
  *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs, one block
@@ -257,13 +295,12 @@ static inline void prefetch_upto(line_walk *w, int64_t upto) {
  *     (at 512 rows a task's outputs are 64 KB: added later, they came back from memory).
  * Apart, the base product and the delta took three more barriers and one more fork. */
 static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
-                     float *y, int nth) {
+                     float *y, gl_scratch *sc, int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0;
-    /* one row: per-thread columns, no barrier (R bounds the stack arrays below) */
-    const int one = has && M == 1 && R <= 1024;
+    const int one = proj_one_row(l, M);
     const int many = has && !one;
     const int64_t S = M / T; /* scale rows: T tokens each */
     if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
@@ -271,11 +308,13 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);
     }
     const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
-    const xbuf xb = base || (has && l->aq) ? xbuf_make(x, M, k, nth) : (xbuf){0};
-    float *av = many ? malloc(sizeof(float) * (size_t)(M * R)) : NULL;
-    int64_t *cols = many ? malloc(sizeof(int64_t) * (size_t)(S * R)) : NULL;
-    int64_t *cnt = many ? malloc(sizeof(int64_t) * (size_t)S) : NULL;
-    char *two = many ? malloc((size_t)M) : NULL; /* two[i]: rows i and i + 1 pair up (lora_b_two) */
+    const int64_t mark = sc->used;
+    const proj_bufs b = proj_take(w, l, M, T, sc);
+    const xbuf xb = b.xb;
+    if (xb.xq) quantize_x(x, M, k, xb.xq, xb.xd, xb.xs, xb.xs16, nth);
+    float *av = b.av;
+    int64_t *cols = b.cols, *cnt = b.cnt;
+    char *two = b.two;
     if (many) {
         lora_columns(l->scales, S, R, cols, cnt);
         for (int64_t i = 0; i < M; i++) two[i] = i + 1 < M && lora_same_cols(cols, cnt, R, T, i);
@@ -318,11 +357,15 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
                 lora_b_block(y, xa, mine, nc, l->bb, (int)l->bf, l->span, t, n);
         }
     }
-    xbuf_free(xb);
-    free(av);
-    free(cols);
-    free(cnt);
-    free(two);
+    sc->used = mark;
+}
+
+/* proj_run for a call from Python: its buffers in one allocation, freed at the end. */
+static void proj_alone(const gl_weight *w, const float *x, int64_t M, int64_t T,
+                       const gl_lora_site *l, float *y, int nth) {
+    gl_scratch own, *sc = scratch_open(NULL, &own, proj_bytes(w, l, M, T));
+    proj_run(w, x, M, T, l, y, sc, nth);
+    scratch_close(sc, &own);
 }
 
 /* y (M, n) = x (M, k) @ W.T plus the LoRA delta of l (scales (M / T, R): T tokens a scale row),
@@ -330,7 +373,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
  * runs its own. */
 void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M, int64_t T,
              float *y, int nth) {
-    proj_run(w, x, M, T, l, y, nth);
+    proj_alone(w, x, M, T, l, y, nth);
 }
 
 /* y (M, n_out) += the LoRA delta of l alone (see the LoRA delta's section), for a product of n_in
@@ -339,5 +382,5 @@ void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t 
 void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x, int64_t M,
              int64_t T, float *y, int nth) {
     const gl_weight none = {-1, 0, 32, 0, n_out, n_in, NULL, NULL, NULL};
-    proj_run(&none, x, M, T, l, y, nth);
+    proj_alone(&none, x, M, T, l, y, nth);
 }

@@ -448,21 +448,14 @@ static inline __attribute__((always_inline)) void k6_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
-static xbuf xbuf_make(const float *x, int64_t M, int64_t k, int nth) {
+/* Room for M rows of k values of x quantized (quantize_x fills it). */
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
     xbuf b;
-    b.xq = aligned_alloc(64, (size_t)((M * k + 63) / 64 * 64));
-    b.xd = malloc(sizeof(float) * (size_t)(M * (k / 32)));
-    b.xs = malloc(sizeof(float) * (size_t)(M * (k / 32)));
-    b.xs16 = malloc(sizeof(float) * (size_t)(M * (k / 16)));
-    quantize_x(x, M, k, b.xq, b.xd, b.xs, b.xs16, nth);
+    b.xq = scratch_take(s, M * k);
+    b.xd = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
+    b.xs = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
+    b.xs16 = scratch_take(s, (int64_t)sizeof(float) * M * (k / 16));
     return b;
-}
-
-static void xbuf_free(xbuf b) {
-    free(b.xq);
-    free(b.xd);
-    free(b.xs);
-    free(b.xs16);
 }
 
 /* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of every row of x.
@@ -538,7 +531,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
 void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
               const void *m, int h, int64_t n, float *y, int nth) {
     const gl_weight w = {0, h, 32, 0, n, k, qs, d, m};
-    proj_run(&w, x, M, 1, NULL, y, nth);
+    proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
 /* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values;
@@ -546,5 +539,5 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
 void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
               int sblk, int small, int64_t n, float *y, int nth) {
     const gl_weight w = {1, h, sblk, small, n, k, q, s, NULL};
-    proj_run(&w, x, M, 1, NULL, y, nth);
+    proj_alone(&w, x, M, 1, NULL, y, nth);
 }

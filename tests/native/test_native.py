@@ -3,6 +3,7 @@ numpy, torch's RMS norm, and the PyTorch attention path of the model."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -469,6 +470,59 @@ def _masked_sdpa(q, kc, vc, slots, starts, scale, window):  # type: ignore[no-un
         )  # fmt: skip
         outs.append(o.transpose(1, 2).flatten(2))
     return torch.cat(outs)
+
+
+def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The native decode steps carve their buffers from scratch kept between steps (one per
+    FusedStack and FusedLayer). Counted in a build that counts the library's heap allocations:
+    a step allocates only to grow its scratch, when it has more rows or adapters than any step
+    before it. A step that finds the scratch in use (another thread on the same model) takes a
+    block of its own and leaves the scratch alone."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    from graftlm.models.base import Transformer
+    from graftlm.native import abi
+    from graftlm.native import layer as native_layer
+
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    counting = ctypes.CDLL(str(build._build(cc, ("-DGL_COUNT_ALLOC",))))
+    abi.bind(counting)
+    lib = library()
+    assert lib is not None and lib.gl_alloc_count() == -1  # the library in use counts nothing
+    spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0, n_layer=3)
+    m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=64, n_seq=3)
+    aid = m.add_lora(str(write_tiny_adapter(tmp_path / "a.gguf", spec, seed=1)), 0.0)
+    model = m.model
+    adapters = m.engine.lora_rows([{aid: 1.0}, {aid: -0.5}, {}])
+    monkeypatch.setattr(native_layer, "library", lambda: counting)  # the decode steps' calls
+    with torch.inference_mode():
+        for s in range(3):
+            model.forward(Batch.single([3 + s, 4, 5], s, 0))
+        pos = [3]
+
+        def step(n: int, lora: bool = False) -> int:  # n rows (3 with the adapters)
+            before = counting.gl_alloc_count()
+            tokens = torch.tensor([[7 + s] for s in range(n)])
+            model.forward(Batch(tokens, list(range(n)), [pos[0]] * n, [1] * n,
+                                adapters if lora else None))  # fmt: skip
+            pos[0] += 1
+            return int(counting.gl_alloc_count() - before)
+
+        assert [step(1), step(1), step(3), step(3), step(1)] == [1, 0, 1, 0, 0]
+        assert [step(3, lora=True), step(3, lora=True), step(3)] == [1, 0, 0]  # A . x per row
+        stack = model.fused_stack()
+        assert stack is not None and stack.scratch.capacity > 0
+        cap = stack.scratch.capacity
+        stack.scratch.struct.busy = 1  # as while another thread's step runs on it
+        assert step(3) == 1 and stack.scratch.capacity == cap and stack.scratch.struct.busy == 1
+        stack.scratch.struct.busy = 0
+        assert step(3) == 0
+        monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+        assert [step(3), step(3)] == [spec.n_layer, 0]  # one call a layer, a scratch each
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,9 @@ from graftlm.lora.site import Generation
 from graftlm.models.seam import NativeLora, Projection, native_lora
 from graftlm.native import layer as native_layer
 from graftlm.native import library
-from graftlm.native.layer import ACTS, _Layer
+from graftlm.native.abi import GlLayer, Scratch
+from graftlm.native.build import loaded_library
+from graftlm.native.layer import ACTS
 
 if TYPE_CHECKING:
     from graftlm.models.layers import Rope
@@ -145,7 +147,7 @@ class FusedLayer:
         self.n_embd = dims["n_embd"]
         weights = [p.weight.native() for p in spec.qkv]
         weights += [None] * (3 - len(weights))
-        layer = _Layer()
+        layer = GlLayer()
         for i, w in enumerate(weights):
             if w is not None:
                 layer.qkv[i] = w
@@ -175,6 +177,7 @@ class FusedLayer:
         self._bound: tuple[object, ...] | None = None
         self._forms: list[NativeLora | None] = []  # kept alive: the struct points into them
         self._servable = True
+        self.scratch = Scratch(loaded_library())  # the step's buffers, kept from step to step
 
     def _bind_lora(self, batch: Batch) -> bool:
         """Point the struct's LoRA fields at the active adapters' stacks and at the board's scale
@@ -208,7 +211,7 @@ class FusedLayer:
         if rows is None or not self._bind_lora(batch):
             return None  # (an adapter the native delta cannot read: the PyTorch block runs)
         out = x.reshape(-1, self.n_embd).clone()
-        native_layer.layer_decode(self.layer, out, rows.slots, rows.starts)
+        native_layer.layer_decode(self.layer, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)
 
 
@@ -241,6 +244,7 @@ class FusedStack:
         self.n_ctx = min(f.n_ctx for f in layers)
         self.n_slots = min(f.n_slots for f in layers)
         self._ptrs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(f.layer) for f in layers])
+        self.scratch = Scratch(loaded_library())  # every layer's buffers, kept from step to step
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
@@ -251,5 +255,5 @@ class FusedStack:
             if not f._bind_lora(batch):
                 return None
         out = x.reshape(-1, self.n_embd).clone()
-        native_layer.layers_decode(self._ptrs, out, rows.slots, rows.starts)
+        native_layer.layers_decode(self._ptrs, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)

@@ -31,6 +31,7 @@ from graftlm.lora.targets import Target
 from graftlm.native import layer as native_layer
 from graftlm.native import library
 from graftlm.native import ops as native_ops
+from graftlm.native.abi import GlLoraSite
 from graftlm.quant import QWeight, config, linear
 from graftlm.step.batch import Batch, LoraRows
 
@@ -46,7 +47,7 @@ class NativeLora:
     layout: tuple[tuple[int, int], ...]
     a_s8: tuple[torch.Tensor, torch.Tensor] | None  # A as Q8_0 for the integer dots (compact)
 
-    def point(self, site: native_layer._Lora, scales: int) -> None:
+    def point(self, site: GlLoraSite, scales: int) -> None:
         """Point a gl_lora_site at this form and at a scale table's address."""
         site.a, site.bb = self.a.data_ptr(), self.blocked.data_ptr()
         site.span, site.r = self.spans.data_ptr(), self.a.shape[0]
@@ -136,7 +137,7 @@ def _one_pass(
     if form is None:
         return None
     scales = lora.columns(form.layout, form.col_slot)  # (B, 1, R)
-    view = native_layer._Lora()
+    view = GlLoraSite()
     form.point(view, scales.data_ptr())
     y = torch.empty(b, t, weight.shape[0])
     native_layer.proj(w, view, x, y)

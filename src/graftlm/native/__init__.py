@@ -1,4 +1,4 @@
-"""graftlm's optional native code: one C file (``kernels.c``) compiled on first use.
+"""graftlm's optional native code: the C files of ``csrc/``, compiled as one unit on first use.
 
 * quantized matrix products over repacked GGUF blocks (``graftlm.quant.native_kernels``);
 * decode-step helpers: RMS norm, and attention of one new token per row through the KV cache

@@ -1,9 +1,13 @@
-"""Compile ``kernels.c`` once per machine with the system C compiler and load it with ctypes.
+"""Compile ``csrc/graftlm.c`` (one translation unit: it includes the other files of ``csrc/``)
+once per machine with the system C compiler and load it with ctypes.
 
 The library is cached under ``$GRAFTLM_CACHE/native`` (default ``~/.cache/graftlm/native``), keyed
-by the source, the flags, the compiler and the CPU, so a rebuild happens only when one of them
-changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
+by every file of ``csrc/``, the flags, the compiler and the CPU, so a rebuild happens only when one
+of them changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
 It links the OpenMP runtime torch has already loaded (same soname), so both share one thread pool.
+Before its first use, the library's struct layout and the prototypes of ``csrc/graftlm.h`` are
+checked against ``abi.py``, the one Python description of the ABI: a library that disagrees is
+not used, and ``unavailable_reason()`` names the field or the function.
 
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
 ``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
@@ -24,62 +28,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("kernels.c")
+from graftlm.native import abi
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-ABI_VERSION = 25
 
 _REASON: list[str] = []
 _ENABLED = [True]
 
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_INT = ctypes.c_int
-_SIGNATURES: dict[str, list[type]] = {
-    "gl_pack_u4": [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT],
-    "gl_pack_s8": [_INT, _P, _I64, _I64, _I64, _P, _P, _INT, _INT],
-    "gl_deq_u4": [_P, _P, _P, _INT, _INT, _I64, _P, _I64, _I64, _P, _INT],
-    "gl_deq_s8": [_P, _P, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT],
-    "gl_mm_u4": [_P, _I64, _I64, _P, _P, _P, _INT, _I64, _P, _INT],
-    "gl_mm_s8": [_P, _I64, _I64, _P, _P, _INT, _INT, _INT, _I64, _P, _INT],
-    "gl_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P, _INT],
-    "gl_layer_decode": [_P, _P, _I64, _P, _P, _INT],
-    "gl_layers_decode": [_P, _I64, _P, _I64, _P, _P, _INT],
-    "gl_proj": [_P, _P, _P, _I64, _I64, _P, _INT],  # weight, lora site, x, M, T, y, threads
-    # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
-    "gl_rope": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT],
-    "gl_gated": [_P, _I64, _I64, _I64, _P, _INT],
-    # x, M, T, n_in, A, bf; aq, as, ah; s, R, Bb, span, n_out, y, threads
-    "gl_lora": [_P] + [_I64] * 3 + [_P, _INT, _P, _P, _INT, _P, _I64, _P, _P, _I64, _P, _INT],
-    # q, out, kc, vc, slots, starts; B, T, H, Hkv, D, n_ctx; scale, window, threads
-    "gl_attn_prefill": [_P] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, _INT],
-    "gl_attn_decode": [
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _P,
-        _P,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _INT,
-        ctypes.c_float,
-        _I64,
-        ctypes.c_float,
-        _P,
-        _INT,
-    ],  # fmt: skip
-}
+
+def sources() -> list[Path]:
+    """Every file the library is built from (the unit and what it includes)."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".h"))
 
 
 def cache_dir() -> Path:
@@ -104,25 +65,28 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
+    """The library built with FLAGS and `extra` (tests: -DGL_COUNT_ALLOC), from the cache if there."""
+    flags = [*FLAGS, *extra]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
     for part in (
-        SOURCE.read_bytes(),
-        " ".join(FLAGS).encode(),
+        " ".join(flags).encode(),
         version.encode(),
         _cpu_flags().encode(),
     ):
         key.update(part)
     out_dir = cache_dir()
-    target = out_dir / f"kernels-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"graftlm-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{cc} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, target)
@@ -173,14 +137,25 @@ def loaded_library() -> ctypes.CDLL | None:
     except OSError as exc:
         _REASON.append(str(exc))
         return None
-    if lib.gl_abi_version() != ABI_VERSION:
-        _REASON.append("stale native library")
+    problem = abi_problem(lib)
+    if problem is not None:
+        _REASON.append(problem)
         return None
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = ctypes.c_int if name.startswith(("gl_pack", "gl_rope")) else None
+    abi.bind(lib)
     return lib
+
+
+def abi_problem(lib: ctypes.CDLL) -> str | None:
+    """Why the library and abi.py disagree (the structs' layout, then the functions), or None."""
+    layout = abi.layout_problems(lib)
+    if layout:
+        return "stale native library: " + "; ".join(layout)
+    header = (CSRC / "graftlm.h").read_text()
+    missing = [n for n in abi.SIGNATURES if not hasattr(lib, n)]
+    calls = abi.signature_problems(header) + [f"the library has no {n}" for n in missing]
+    if calls:
+        return "native functions and abi.py disagree: " + "; ".join(calls)
+    return None
 
 
 def threads() -> int:

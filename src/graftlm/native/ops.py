@@ -1,13 +1,15 @@
-"""Thin wrappers over the attention, norm, gate and LoRA helpers of ``kernels.c``: each returns
+"""Thin wrappers over the attention, norm, gate and LoRA helpers of ``csrc/``: each returns
 None (lora_delta: False) when it cannot serve the call (no library, not CPU float32, unsupported
 shape, an index out of range), and the caller then runs its PyTorch twin."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import torch
 
+from graftlm.native.abi import GlAttn, GlLoraSite
 from graftlm.native.build import library, threads
 
 if TYPE_CHECKING:
@@ -107,14 +109,14 @@ def lora_delta(
     ):
         return False
     b, t, n_in = x.shape
-    n_out = y.shape[-1]
-    aq, asc = (None, None) if a_s8 is None else (a_s8[0].data_ptr(), a_s8[1].data_ptr())
-    half = int(a_s8 is not None and a_s8[1].dtype is torch.float16)
+    site = GlLoraSite(a.data_ptr(), bb.data_ptr(), scales.data_ptr(), spans.data_ptr(), a.shape[0],
+                      int(a.dtype is torch.bfloat16))  # fmt: skip
+    if a_s8 is not None:
+        site.aq, site.a_scales = a_s8[0].data_ptr(), a_s8[1].data_ptr()
+        site.a_half = int(a_s8[1].dtype is torch.float16)
     lib.gl_lora(
-        x.data_ptr(), b * t, t, n_in, a.data_ptr(), int(a.dtype is torch.bfloat16), aq, asc, half,
-        scales.data_ptr(), a.shape[0], bb.data_ptr(), spans.data_ptr(), n_out, y.data_ptr(),
-        threads(),
-    )  # fmt: skip
+        ctypes.byref(site), n_in, y.shape[-1], x.data_ptr(), b * t, t, y.data_ptr(), threads()
+    )
     return True
 
 
@@ -233,10 +235,11 @@ def attn_decode(
             None  # the C code writes the cache at (slot, position): out of range stays in PyTorch
         )
     out = q.new_empty(b, 1, h * dv)
+    attn = GlAttn(kc.data_ptr(), vc.data_ptr(), cos.data_ptr(), sin.data_ptr(), h, hkv, d, dv,
+                  n_ctx, rot, int(neox), window, scale, softcap)  # fmt: skip
     lib.gl_attn_decode(
-        q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, kc.data_ptr(), vc.data_ptr(),
-        slots.data_ptr(), positions.data_ptr(), b, h, hkv, d, dv, n_ctx, cos.data_ptr(),
-        sin.data_ptr(), rot, int(neox), scale, window, softcap, out.data_ptr(), threads(),
+        ctypes.byref(attn), q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
+        slots.data_ptr(), positions.data_ptr(), b, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
 
@@ -278,8 +281,10 @@ def attn_prefill(
     ):
         return None
     out = q.new_empty(b, t, h * d)
+    attn = GlAttn(kc.data_ptr(), vc.data_ptr(), None, None, h, hkv, d, d, n_ctx, 0, 0, window,
+                  scale, 0.0)  # fmt: skip
     lib.gl_attn_prefill(
-        q.data_ptr(), out.data_ptr(), kc.data_ptr(), vc.data_ptr(), rows.slots.data_ptr(),
-        rows.starts.data_ptr(), b, t, h, hkv, d, n_ctx, scale, window, threads(),
+        ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
+        out.data_ptr(), threads(),
     )  # fmt: skip
     return out

@@ -1,4 +1,4 @@
-"""Quantized weights held in the native layouts of ``graftlm/native/kernels.c`` (see its header comment).
+"""Quantized weights in the native layouts of ``graftlm/native/csrc/quant.c`` (see its header).
 
 * ``NativeU4Kernel``: Q4_0, Q4_1, Q4_K as 4-bit codes with a float scale and offset per 32 values.
 * ``NativeS8Kernel``: Q8_0, Q5_0 (scale per 32) and Q6_K (scale per 16) as int8 codes.
@@ -18,8 +18,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from graftlm.native import library, threads
+from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
-from graftlm.native.layer import _Weight
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
 
@@ -76,9 +76,9 @@ class NativeKernel(Kernel):
         self._mm(x, y)
         return y
 
-    _view: _Weight | None = None
+    _view: GlWeight | None = None
 
-    def native(self) -> _Weight | None:
+    def native(self) -> GlWeight | None:
         """The weight as the native projection and layer calls read it (gl_weight)."""
         return self._view
 
@@ -116,10 +116,10 @@ class NativeU4Kernel(NativeKernel):
         self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
     ) -> None:
         super().__init__(shape)
-        self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see kernels.c)
+        self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see csrc/quant.c)
         self.half = int(d.dtype == torch.float16)
         n, kk = shape
-        self._view = _Weight(0, self.half, 0, 0, n, kk, qs.data_ptr(), d.data_ptr(), m.data_ptr())
+        self._view = GlWeight(0, self.half, 0, 0, n, kk, qs.data_ptr(), d.data_ptr(), m.data_ptr())
         self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
         lib = loaded_library()
         assert lib is not None
@@ -176,10 +176,10 @@ class NativeS8Kernel(NativeKernel):
     ) -> None:
         super().__init__(shape)
         self.small = int(small)  # Q5_0's codes (|q| <= 16): the kernel's faster unsigned path
-        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see kernels.c)
+        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see csrc/quant.c)
         self.half = int(s.dtype == torch.float16)
         n, kk = shape
-        self._view = _Weight(
+        self._view = GlWeight(
             1, self.half, sblk, self.small, n, kk, q.data_ptr(), s.data_ptr(), None
         )
         lib = loaded_library()

@@ -1,0 +1,68 @@
+/* The library's one translation unit: the files of each concern, compiled together as one (the
+ * compiler inlines across them as it did when they were one file). graftlm/native/build.py builds
+ * this file; every file of csrc/ is part of its cache key. */
+#include "graftlm.h"
+
+/* The structs' layout as this compiler laid them out, for the loader to compare with ctypes'. A
+ * field missing here and in abi.py but present in the struct shows as the struct's size. */
+#define GL_SIZE(S) {#S, (int64_t)sizeof(S)}
+#define GL_AT(S, f) {#S "." #f, (int64_t)offsetof(S, f)}
+static const struct {
+    const char *name;
+    int64_t value;
+} layout[] = {
+    GL_SIZE(gl_weight), GL_AT(gl_weight, kind), GL_AT(gl_weight, half), GL_AT(gl_weight, sblk),
+    GL_AT(gl_weight, small), GL_AT(gl_weight, n), GL_AT(gl_weight, k), GL_AT(gl_weight, q),
+    GL_AT(gl_weight, d), GL_AT(gl_weight, m),
+
+    GL_SIZE(gl_lora_site), GL_AT(gl_lora_site, a), GL_AT(gl_lora_site, bb),
+    GL_AT(gl_lora_site, scales), GL_AT(gl_lora_site, span), GL_AT(gl_lora_site, r),
+    GL_AT(gl_lora_site, bf), GL_AT(gl_lora_site, aq), GL_AT(gl_lora_site, a_scales),
+    GL_AT(gl_lora_site, a_half),
+
+    GL_SIZE(gl_layer), GL_AT(gl_layer, qkv), GL_AT(gl_layer, o), GL_AT(gl_layer, gate_up),
+    GL_AT(gl_layer, down), GL_AT(gl_layer, l_qkv), GL_AT(gl_layer, l_o),
+    GL_AT(gl_layer, l_gate_up), GL_AT(gl_layer, l_down), GL_AT(gl_layer, attn_norm),
+    GL_AT(gl_layer, ffn_norm), GL_AT(gl_layer, q_norm), GL_AT(gl_layer, k_norm),
+    GL_AT(gl_layer, post_attn_norm), GL_AT(gl_layer, post_ffw_norm), GL_AT(gl_layer, kc),
+    GL_AT(gl_layer, vc), GL_AT(gl_layer, cos_t), GL_AT(gl_layer, sin_t), GL_AT(gl_layer, n_qkv),
+    GL_AT(gl_layer, n_embd), GL_AT(gl_layer, n_head), GL_AT(gl_layer, n_head_kv),
+    GL_AT(gl_layer, head_dim), GL_AT(gl_layer, n_ff), GL_AT(gl_layer, n_ctx), GL_AT(gl_layer, rot),
+    GL_AT(gl_layer, neox), GL_AT(gl_layer, window), GL_AT(gl_layer, act), GL_AT(gl_layer, eps),
+    GL_AT(gl_layer, scale),
+
+    GL_SIZE(gl_attn), GL_AT(gl_attn, kc), GL_AT(gl_attn, vc), GL_AT(gl_attn, cos_t),
+    GL_AT(gl_attn, sin_t), GL_AT(gl_attn, n_head), GL_AT(gl_attn, n_head_kv),
+    GL_AT(gl_attn, head_dim), GL_AT(gl_attn, v_dim), GL_AT(gl_attn, n_ctx), GL_AT(gl_attn, rot),
+    GL_AT(gl_attn, neox), GL_AT(gl_attn, window), GL_AT(gl_attn, scale), GL_AT(gl_attn, softcap),
+
+    GL_SIZE(gl_scratch), GL_AT(gl_scratch, base), GL_AT(gl_scratch, cap), GL_AT(gl_scratch, used),
+    GL_AT(gl_scratch, busy),
+};
+
+void gl_scratch_free(gl_scratch *s) {
+    free(s->base);
+    *s = (gl_scratch){0};
+}
+
+int64_t gl_alloc_count(void) {
+#ifdef GL_COUNT_ALLOC
+    return __atomic_load_n(&gl_allocs, __ATOMIC_RELAXED);
+#else
+    return -1;
+#endif
+}
+
+int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
+    const int64_t n = (int64_t)(sizeof(layout) / sizeof(layout[0]));
+    for (int64_t i = 0; i < n && i < cap; i++) {
+        names[i] = layout[i].name;
+        values[i] = layout[i].value;
+    }
+    return n;
+}
+
+#include "quant.c"
+#include "attn.c"
+#include "lora.c"
+#include "layer.c"

@@ -1,0 +1,284 @@
+/* graftlm's native kernels (x86-64 AVX2 + FMA, OpenMP): the one header of one translation unit.
+ *
+ * graftlm.c includes the files of each concern, so the compiler sees (and inlines across) them all
+ * as it saw the one file they were:
+ *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
+ *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
+ *            gated activation
+ *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
+ *   layer.c  a llama-style decoder layer's decode step, and a model's layers, in one call
+ * Here: what crosses files. The structs Python mirrors, the exported functions, the vector helpers
+ * more than one file uses, and the pieces one file takes from another (static: one unit).
+ * AVX-512 variants of a helper or a kernel go beside it, behind #ifdef __AVX512F__ (__AVX512VNNI__,
+ * __AVX512BF16__): the helpers here, the kernels in the file of their concern.
+ */
+#ifndef GRAFTLM_H
+#define GRAFTLM_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stddef.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "graftlm native kernels need AVX2 and FMA"
+#endif
+
+#ifdef GL_COUNT_ALLOC /* a build that counts its heap allocations (gl_alloc_count) */
+static int64_t gl_allocs;
+#define GL_COUNTED(call) (__atomic_fetch_add(&gl_allocs, 1, __ATOMIC_RELAXED), call)
+#define malloc(n) GL_COUNTED(malloc(n))
+#define calloc(n, size) GL_COUNTED(calloc(n, size))
+#define aligned_alloc(align, n) GL_COUNTED(aligned_alloc(align, n))
+#endif
+
+/* ---------------------------------------------------------------- the structs Python mirrors */
+
+/* graftlm/native/abi.py mirrors these in ctypes, field for field and by the same names; the
+ * library describes their layout (gl_abi_layout, graftlm.c) and the loader refuses a library whose
+ * layout is not the mirrors'. */
+
+/* A quantized weight of n rows of k values, as the packers lay it out. */
+typedef struct {
+    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
+    int64_t half, sblk, small, n, k;
+    const void *q, *d, *m;
+} gl_weight;
+
+/* The adapters on one projection in this step (layouts: lora.c's LoRA delta section). */
+typedef struct {
+    const void *a, *bb; /* NULL a: no adapter on this projection in this step */
+    const float *scales;
+    const int64_t *span;
+    int64_t r, bf;
+    /* A again as an s8 weight of r rows (Q8_0 codes and scales, laid out as gl_pack_s8 lays
+     * them), or NULL: the decode products take A . x from the quantized x the base product
+     * already made, with the base kernel's integer dots (a quarter of the instructions and half
+     * the bytes of the bfloat16 dots) */
+    const void *aq, *a_scales;
+    int64_t a_half;
+} gl_lora_site;
+
+/* The weights, vectors, cache and dimensions of one decoder layer (layer.c). */
+typedef struct {
+    gl_weight qkv[3], o, gate_up, down; /* qkv: one stacked weight (n_qkv 1) or Q, K, V (3) */
+    gl_lora_site l_qkv[3], l_o, l_gate_up, l_down;
+    const float *attn_norm, *ffn_norm;
+    const float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* NULL: none */
+    float *kc, *vc;
+    const float *cos_t, *sin_t;
+    int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
+    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
+    float eps, scale;
+} gl_layer;
+
+/* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
+ * and the scales, which a decode step's or a prompt's rows share. */
+typedef struct {
+    float *kc, *vc;             /* (slots, n_head_kv, n_ctx, head_dim / v_dim) */
+    const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
+    int64_t n_head, n_head_kv, head_dim, v_dim, n_ctx, rot, neox, window; /* window 0: all */
+    float scale, softcap; /* softcap 0: none */
+} gl_attn;
+
+/* Memory the decode layers carve their buffers from, kept between calls so that a step allocates
+ * nothing: grown when a step needs more than any before it (more rows, an adapter of higher
+ * rank), freed by gl_scratch_free. Python owns one per FusedLayer and FusedStack (abi.Scratch),
+ * zeroed: empty. busy: a call is using it; a call that finds it busy (two threads on one model)
+ * takes a block of its own instead. Inside a call only the calling thread carves it; the OpenMP
+ * threads work in what it carved. */
+typedef struct {
+    char *base;
+    int64_t cap, used, busy;
+} gl_scratch;
+
+/* ---------------------------------------------------------------- exported functions */
+
+/* Each declared here once, after GL_API: the loader reads these prototypes and checks abi.py's
+ * argument types against them. Pointers go over as void pointers; int64_t, int and float as
+ * themselves. */
+#define GL_API __attribute__((visibility("default")))
+
+/* graftlm.c: names[i] = "struct" (values[i] its size) or "struct.field" (its offset), for i below
+ * cap; returns how many there are. */
+GL_API int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap);
+/* graftlm.c: s's block freed, s zeroed. */
+GL_API void gl_scratch_free(gl_scratch *s);
+/* graftlm.c: the heap allocations the library has made, in a build with -DGL_COUNT_ALLOC (tests
+ * count a decode step's); -1 in any other. */
+GL_API int64_t gl_alloc_count(void);
+
+/* quant.c */
+GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      uint8_t *qs, void *d, void *m, int h, int nth);
+GL_API int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      int8_t *q, void *s, int h, int nth);
+GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset,
+                      int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out,
+                      int nth);
+GL_API void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k,
+                      const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth);
+GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
+                     const void *m, int h, int64_t n, float *y, int nth);
+GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
+                     int sblk, int small, int64_t n, float *y, int nth);
+
+/* attn.c */
+GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
+                        float *y, int nth);
+GL_API int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D,
+                   const int64_t *pos, const float *cos_t, const float *sin_t, int64_t n_pos,
+                   int64_t rot, int neox, float *out, int nth);
+GL_API void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                           int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                           const int64_t *pos, int64_t B, float *out, int nth);
+GL_API void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
+                            const int64_t *starts, int64_t B, int64_t T, float *out, int nth);
+GL_API void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
+
+/* lora.c */
+GL_API void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M,
+                    int64_t T, float *y, int nth);
+GL_API void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x,
+                    int64_t M, int64_t T, float *y, int nth);
+
+/* layer.c */
+GL_API void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                            const int64_t *pos, gl_scratch *scratch, int nth);
+GL_API void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
+                             const int64_t *slots, const int64_t *pos, gl_scratch *scratch,
+                             int nth);
+
+/* ---------------------------------------------------------------- vector helpers */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for 8 floats (Cephes' expf polynomial; ~2 ulp), x clamped to [-87.3, 88.3]. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float t = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+/* ---------------------------------------------------------------- between the files of the unit */
+
+/* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
+#define MT 6  /* rows of x per tile: their accumulators live in registers */
+#define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */
+#define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
+
+/* F(rows) with rows a compile-time constant 1..MT (WITH_ROWS) or 1..MTU (WITH_ROWS_U): the group
+ * kernels keep R accumulators in registers only when R is known when they are inlined. */
+#define WITH_ROWS_U(R, F)                                                                           \
+    switch (R) {                                                                                   \
+    case 4: F(4); break;                                                                           \
+    case 3: F(3); break;                                                                           \
+    case 2: F(2); break;                                                                           \
+    default: F(1); break;                                                                          \
+    }
+
+#define WITH_ROWS(R, F)                                                                            \
+    switch (R) {                                                                                   \
+    case 6: F(6); break;                                                                           \
+    case 5: F(5); break;                                                                           \
+    case 4: F(4); break;                                                                           \
+    case 3: F(3); break;                                                                           \
+    case 2: F(2); break;                                                                           \
+    default: F(1); break;                                                                          \
+    }
+
+/* x quantized to int8 per 32 values, as every product reads it (quant.c: quantize_x). */
+typedef struct {
+    int8_t *xq;
+    float *xd, *xs, *xs16;
+} xbuf;
+
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
+                       float *xs16, int nth);
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
+static inline __attribute__((always_inline)) void s8_group(
+    const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
+    int R, float *y, int64_t ldy, int64_t nvalid);
+
+/* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */
+#define GL_STACK_SCORES 2048 /* the scores a decode thread keeps on its stack */
+static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                            const int64_t *pos, int64_t B, float *out, float *scores,
+                            int64_t per, int nth);
+
+/* lora.c: y (M, n) = x (M, k) @ W.T plus l's delta, in one parallel region, its buffers from sc
+ * (proj_bytes of them past sc->used); proj_alone: the same with buffers of its own. */
+static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
+                     float *y, gl_scratch *sc, int nth);
+static int64_t proj_bytes(const gl_weight *w, const gl_lora_site *l, int64_t M, int64_t T);
+static void proj_alone(const gl_weight *w, const float *x, int64_t M, int64_t T,
+                       const gl_lora_site *l, float *y, int nth);
+
+/* Scratch: a call's buffers, carved in turn from one block (64-byte aligned each). A counter
+ * (cap -1) carves NULLs and adds up what they would take: the size functions carve into one. */
+#define SCRATCH_COUNTER ((gl_scratch){NULL, -1, 0, 0})
+
+static inline void *scratch_take(gl_scratch *s, int64_t bytes) {
+    char *p = s->cap < 0 ? NULL : s->base + s->used;
+    s->used += (bytes + 63) / 64 * 64;
+    if (s->cap >= 0 && s->used > s->cap) abort(); /* a size function missed a buffer */
+    return p;
+}
+
+/* The scratch a call uses, with room for `bytes`: s, unless it is NULL or another call holds it;
+ * then own, a block of the call's own (scratch_close frees it). */
+static inline gl_scratch *scratch_open(gl_scratch *s, gl_scratch *own, int64_t bytes) {
+    gl_scratch *use = s && !__atomic_exchange_n(&s->busy, 1, __ATOMIC_ACQUIRE) ? s : own;
+    if (use == own) *own = (gl_scratch){0};
+    if (use->cap < bytes) {
+        free(use->base);
+        use->cap = (bytes + 63) / 64 * 64;
+        use->base = aligned_alloc(64, (size_t)use->cap);
+        if (!use->base) abort();
+    }
+    use->used = 0;
+    return use;
+}
+
+static inline void scratch_close(gl_scratch *use, gl_scratch *own) {
+    if (use == own)
+        free(own->base);
+    else
+        __atomic_store_n(&use->busy, 0, __ATOMIC_RELEASE);
+}
+
+#endif

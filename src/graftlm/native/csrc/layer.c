@@ -1,0 +1,102 @@
+/* A llama-style decoder layer's decode step in one call, and a model's layers in one call. */
+#include "graftlm.h"
+
+/* One layer's buffers for B rows: the normed input and the gated activation (h), the QKV or
+ * gate/up outputs (big), the attention output (att), each block's output (o), and the attention
+ * scores of rows longer than the stack holds (n_ctx per thread; NULL when no row can be). */
+typedef struct {
+    float *h, *big, *att, *o, *scores;
+} layer_bufs;
+
+static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
+    const int64_t d = L->n_embd, nq = L->n_head * L->head_dim;
+    const int64_t nqkv = nq + 2 * L->n_head_kv * L->head_dim, ff = L->n_ff;
+    const int64_t f = (int64_t)sizeof(float);
+    layer_bufs b;
+    b.h = scratch_take(s, f * B * (ff > d ? ff : d));
+    b.big = scratch_take(s, f * B * (2 * ff > nqkv ? 2 * ff : nqkv));
+    b.att = scratch_take(s, f * B * (nq > d ? nq : d));
+    b.o = scratch_take(s, f * B * d);
+    b.scores = L->n_ctx > GL_STACK_SCORES ? scratch_take(s, f * nth * L->n_ctx) : NULL;
+    return b;
+}
+
+/* The scratch a decode step of layer L takes for B rows: its buffers, then the largest of its
+ * projections' (they run one after another). */
+static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
+    gl_scratch count = SCRATCH_COUNTER;
+    layer_take(L, B, nth, &count);
+    int64_t most = 0;
+    const gl_weight *w[6] = {&L->o, &L->gate_up, &L->down, &L->qkv[0], &L->qkv[1], &L->qkv[2]};
+    const gl_lora_site *l[6] = {&L->l_o, &L->l_gate_up, &L->l_down, &L->l_qkv[0], &L->l_qkv[1],
+                                &L->l_qkv[2]};
+    for (int p = 0; p < 3 + L->n_qkv; p++) {
+        const int64_t bytes = proj_bytes(w[p], l[p], B, 1);
+        most = bytes > most ? bytes : most;
+    }
+    return count.used + most;
+}
+
+/* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
+ *   x += [post-norm] O(attention(RoPE([QK-norm] QKV(norm(x)))))
+ *   x += [post-norm] down(act(gate) * up)(norm(x))
+ * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels.
+ * Its buffers come from sc, which holds layer_bytes(L, B, nth) past sc->used. */
+static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                      const int64_t *pos, gl_scratch *sc, int nth) {
+    const int64_t d = L->n_embd, D = L->head_dim, H = L->n_head, Hkv = L->n_head_kv;
+    const int64_t nq = H * D, nkv = Hkv * D, nqkv = nq + 2 * nkv, ff = L->n_ff;
+    const int64_t mark = sc->used;
+    const layer_bufs bufs = layer_take(L, B, nth, sc);
+    float *h = bufs.h, *big = bufs.big, *att = bufs.att, *o = bufs.o;
+    float *qb, *kb, *vb;
+    int64_t qs, ks, vs;
+    gl_rms_norm(x, B, d, L->attn_norm, L->eps, h, nth);
+    if (L->n_qkv == 1) {
+        proj_run(&L->qkv[0], h, B, 1, &L->l_qkv[0], big, sc, nth);
+        qb = big, kb = big + nq, vb = big + nq + nkv, qs = ks = vs = nqkv;
+    } else {
+        qb = big, kb = big + B * nq, vb = kb + B * nkv, qs = nq, ks = vs = nkv;
+        float *outs[3] = {qb, kb, vb};
+        for (int p = 0; p < 3; p++) proj_run(&L->qkv[p], h, B, 1, &L->l_qkv[p], outs[p], sc, nth);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
+        if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
+    }
+    const gl_attn a = {L->kc, L->vc, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
+                       L->window, L->scale, 0.0f};
+    attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.scores, L->n_ctx, nth);
+    proj_run(&L->o, att, B, 1, &L->l_o, o, sc, nth);
+    if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
+    for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
+    gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
+    proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, sc, nth);
+    gl_gated(big, B, ff, L->act, h, nth);
+    proj_run(&L->down, h, B, 1, &L->l_down, o, sc, nth);
+    if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o, nth);
+    for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
+    sc->used = mark;
+}
+
+/* One layer's decode step (layer_run), its buffers from scratch (grown to fit if need be). */
+void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_t *slots,
+                     const int64_t *pos, gl_scratch *scratch, int nth) {
+    gl_scratch own, *sc = scratch_open(scratch, &own, layer_bytes(L, B, nth));
+    layer_run(L, x, B, slots, pos, sc, nth);
+    scratch_close(sc, &own);
+}
+
+/* n layers one after another: a model's whole decode step between the embedding and the final
+ * norm in one call, every layer's buffers from the one scratch. */
+void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
+                      const int64_t *slots, const int64_t *pos, gl_scratch *scratch, int nth) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t need = layer_bytes(layers[i], B, nth);
+        bytes = need > bytes ? need : bytes;
+    }
+    gl_scratch own, *sc = scratch_open(scratch, &own, bytes);
+    for (int64_t i = 0; i < n; i++) layer_run(layers[i], x, B, slots, pos, sc, nth);
+    scratch_close(sc, &own);
+}

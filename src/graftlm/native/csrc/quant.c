@@ -1,0 +1,543 @@
+/* The quantized weights: repacking at load, exact dequantization, the products.
+ *
+ * Two weight formats, both repacked once at load from GGUF blocks (layouts: see gl_pack_u4):
+ *   u4: Q4_0, Q4_1, Q4_K.  4-bit codes q in 0..15 with a float scale d and offset m per 32
+ *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for the three types).
+ *   s8: Q8_0, Q5_0 (scale per 32 values), Q6_K (scale per 16).  One int8 code per value and a
+ *       float scale per block: w = q * s   (bit-exact likewise).
+ * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
+ * Q8_1 activations do) and accumulate the integer dot products of each block in float:
+ *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
+ * with xs[r,b] = xd[r,b] * sum_j xq[r,b,j].  Built with -ffp-contract=off so the dequantizers
+ * round exactly as numpy does.
+ */
+#include "graftlm.h"
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+static float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
+    if (exp == 0) {
+        if (man == 0) {
+            f = sign;
+        } else {
+            exp = 113;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            f = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        f = sign | 0x7f800000u | (man << 13);
+    } else {
+        f = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float r;
+    memcpy(&r, &f, 4);
+    return r;
+}
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* ---------------------------------------------------------------- repacking (load time) */
+
+/* Scales are stored as float, or as float16 where every one of a weight's scales is exactly a
+ * float16 (the file's own d and m of Q4_0, Q4_1, Q5_0, Q8_0): a quarter less to read per step. */
+static inline void put_scale(void *dst, int64_t idx, float v, int h, int *inexact) {
+    if (h) {
+        const uint16_t b = (uint16_t)_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+        if (h2f(b) != v) *inexact = 1;
+        ((uint16_t *)dst)[idx] = b;
+    } else {
+        ((float *)dst)[idx] = v;
+    }
+}
+
+static inline float get_scale(const void *src, int64_t idx, int h) {
+    return h ? h2f(((const uint16_t *)src)[idx]) : ((const float *)src)[idx];
+}
+
+static inline __m256 load_scales8(const void *src, int64_t idx, int h) {
+    return h ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + idx)))
+             : _mm256_loadu_ps((const float *)src + idx);
+}
+
+static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One GGUF row of a u4 type -> codes (k bytes, 0..15), d and m per 32 values. */
+static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d, float *m) {
+    if (type == T_Q4_0 || type == T_Q4_1) {
+        const int bs = type == T_Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = src + b * bs, *qs = blk + bs - 16;
+            d[b] = h2f(rd16(blk));
+            m[b] = type == T_Q4_0 ? -8.0f * d[b] : h2f(rd16(blk + 2));
+            for (int j = 0; j < 16; j++) {
+                q[b * 32 + j] = qs[j] & 0xF;
+                q[b * 32 + j + 16] = qs[j] >> 4;
+            }
+        }
+        return;
+    }
+    for (int64_t sb = 0; sb < k / 256; sb++) { /* Q4_K: 144 bytes per 256 values */
+        const uint8_t *blk = src + sb * 144;
+        const float dk = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            const int64_t b = sb * 8 + j;
+            d[b] = dk * (float)sc;
+            m[b] = -(dmin * (float)mn);
+            const uint8_t *c = blk + 16 + (j / 2) * 32;
+            for (int t = 0; t < 32; t++) q[b * 32 + t] = (j & 1) ? c[t] >> 4 : c[t] & 0xF;
+        }
+    }
+}
+
+/* One GGUF row of an s8 type -> codes (k int8) and scales per sblk values. */
+static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s) {
+    if (type == T_Q8_0) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            s[b] = h2f(rd16(src + b * 34));
+            memcpy(o + b * 32, src + b * 34 + 2, 32);
+        }
+    } else if (type == T_Q5_0) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = src + b * 22, *ql = blk + 6;
+            s[b] = h2f(rd16(blk));
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            for (int j = 0; j < 16; j++) {
+                o[b * 32 + j] = (int8_t)(((ql[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
+                o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
+            }
+        }
+    } else { /* Q6_K: ql[128] qh[64] scales[16] d, 210 bytes per 256 values */
+        for (int64_t sb = 0; sb < k / 256; sb++) {
+            const uint8_t *blk = src + sb * 210;
+            const float dk = h2f(rd16(blk + 208));
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int j = 0; j < 16; j++) s[sb * 16 + j] = dk * (float)sc[j];
+            int8_t *y = o + sb * 256;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
+                for (int l = 0; l < 32; l++) {
+                    y[h * 128 + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                    y[h * 128 + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                    y[h * 128 + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                    y[h * 128 + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+                }
+            }
+        }
+    }
+}
+
+/* Layouts, rows in groups of 8 (n padded to a multiple of 8 with zero rows), g = row / 8,
+ * i = row % 8, b = block of 32 values, j = 0..3:
+ *   u4: qs[((g*kb + b)*4 + c)*32 + 4i + j] = q[32b + 4c + j] | q[32b + 16 + 4c + j] << 4
+ *       d[(g*kb + b)*8 + i], m[(g*kb + b)*8 + i]
+ *   s8: q[((g*kb + b)*8 + t)*32 + 4i + j] = q[32b + 4t + j]
+ *       s[(g*ns + u)*8 + i] for scale block u of the row (ns = k / sblk)
+ * so one 32-byte load holds 4 consecutive values of 8 rows: the products below yield 8 outputs
+ * per vector, with their scales loaded as one vector. */
+/* Returns 1 when h (float16 scales) was asked for but some scale is not a float16. */
+int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+               uint8_t *qs, void *d, void *m, int h, int nth) {
+    const int64_t kb = k / 32, groups = (n + 7) / 8;
+    int inexact = 0;
+#pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
+    for (int64_t g = 0; g < groups; g++) {
+        uint8_t *q = calloc((size_t)(8 * k), 1);
+        float *dd = calloc((size_t)(8 * kb), sizeof(float)), *mm = calloc((size_t)(8 * kb), sizeof(float));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_u4(type, raw + (g * 8 + i) * rowbytes, k, q + i * k, dd + i * kb, mm + i * kb);
+        for (int64_t b = 0; b < kb; b++) {
+            for (int i = 0; i < 8; i++) {
+                put_scale(d, (g * kb + b) * 8 + i, dd[i * kb + b], h, &inexact);
+                put_scale(m, (g * kb + b) * 8 + i, mm[i * kb + b], h, &inexact);
+                for (int c = 0; c < 4; c++)
+                    for (int j = 0; j < 4; j++)
+                        qs[((g * kb + b) * 4 + c) * 32 + 4 * i + j] =
+                            (uint8_t)(q[i * k + 32 * b + 4 * c + j] | (q[i * k + 32 * b + 16 + 4 * c + j] << 4));
+            }
+        }
+        free(q);
+        free(dd);
+        free(mm);
+    }
+    return inexact;
+}
+
+int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
+               void *s, int h, int nth) {
+    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = type == T_Q6_K ? k / 16 : k / 32;
+    int inexact = 0;
+#pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
+    for (int64_t g = 0; g < groups; g++) {
+        int8_t *t = calloc((size_t)(8 * k), 1);
+        float *ss = calloc((size_t)(8 * ns), sizeof(float));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_s8(type, raw + (g * 8 + i) * rowbytes, k, t + i * k, ss + i * ns);
+        for (int i = 0; i < 8; i++) {
+            for (int64_t u = 0; u < ns; u++) put_scale(s, (g * ns + u) * 8 + i, ss[i * ns + u], h, &inexact);
+            for (int64_t b = 0; b < kb; b++)
+                for (int c = 0; c < 8; c++)
+                    memcpy(q + ((g * kb + b) * 8 + c) * 32 + 4 * i, t + i * k + 32 * b + 4 * c, 4);
+        }
+        free(t);
+        free(ss);
+    }
+    return inexact;
+}
+
+/* ---------------------------------------------------------------- dequantization (exact) */
+
+/* Rows ids[i] (or row0 + i when ids is NULL) of a u4 weight -> out (nrows, k) float.
+ * offset 8 (Q4_0): w = (q - 8) * d, as gguf computes it (which keeps the sign of a zero). */
+void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset, int64_t k,
+               const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        float *o = out + r * k;
+        for (int64_t b = 0; b < kb; b++) {
+            const float dd = get_scale(d, (g * kb + b) * 8 + i, h), mm = get_scale(m, (g * kb + b) * 8 + i, h);
+            const uint8_t *blk = qs + (g * kb + b) * 128 + 4 * i;
+            for (int c = 0; c < 4; c++) {
+                for (int j = 0; j < 4; j++) {
+                    const int lo = blk[c * 32 + j] & 0xF, hi = blk[c * 32 + j] >> 4;
+                    float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
+                    if (offset) {
+                        *v0 = (float)(lo - offset) * dd;
+                        *v1 = (float)(hi - offset) * dd;
+                    } else {
+                        const float a = (float)lo * dd, e = (float)hi * dd;
+                        *v0 = a + mm;
+                        *v1 = e + mm;
+                    }
+                }
+            }
+        }
+    }
+}
+
+void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k, const int64_t *ids,
+               int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32, ns = k / sblk;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        for (int64_t v = 0; v < k; v++) {
+            const int64_t b = v / 32, t = (v % 32) / 4, j = v % 4;
+            out[r * k + v] = (float)q[((g * kb + b) * 8 + t) * 32 + 4 * i + j] * get_scale(s, (g * ns + v / sblk) * 8 + i, h);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- activations -> int8 */
+/* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32), xs16 (M, k/16): per 32 values
+ * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values. */
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
+                       float *xs16, int nth) {
+    const int64_t kb = k / 32;
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for num_threads(nth) schedule(static) if (M * k > 65536)
+    for (int64_t i = 0; i < M * kb; i++) {
+        const float *p = x + i * 32;
+        __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
+                                 _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
+        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+        a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+        const float amax = _mm_cvtss_f32(a4);
+        const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 mul = _mm256_set1_ps(id);
+        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), rnd));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), rnd));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), rnd));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), rnd));
+        const __m256i sa = _mm256_add_epi32(i0, i1), sb = _mm256_add_epi32(i2, i3);
+        __m128i s4 = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(sa), _mm256_extracti128_si256(sa, 1)),
+                                    _mm_add_epi32(_mm256_castsi256_si128(sb), _mm256_extracti128_si256(sb, 1)));
+        s4 = _mm_hadd_epi32(s4, s4); /* [sum of the first 16, of the last 16, ...] */
+        const int32_t sum0 = _mm_cvtsi128_si32(s4), sum1 = _mm_extract_epi32(s4, 1);
+        /* pack 32 x int32 -> 32 x int8 in order */
+        __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        __m256i pk = _mm256_packs_epi16(p01, p23);
+        pk = _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + i * 32), pk);
+        xd[i] = dd;
+        xs[i] = dd * (float)(sum0 + sum1);
+        xs16[2 * i] = dd * (float)sum0;
+        xs16[2 * i + 1] = dd * (float)sum1;
+    }
+}
+
+/* ---------------------------------------------------------------- matrix products */
+
+/* The 8 outputs of a row group for R rows of x: nvalid < 8 in the last, padded group. */
+static inline __attribute__((always_inline)) void store_group(const __m256 *acc, int R, float *y,
+                                                              int64_t ldy, int64_t nvalid) {
+    for (int r = 0; r < R; r++) {
+        if (nvalid == 8) {
+            _mm256_storeu_ps(y + r * ldy, acc[r]);
+        } else {
+            float t[8];
+            _mm256_storeu_ps(t, acc[r]);
+            memcpy(y + r * ldy, t, sizeof(float) * (size_t)nvalid);
+        }
+    }
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 weight. */
+static inline __attribute__((always_inline)) void u4_group(
+    const uint8_t *qs, const void *d, const void *m, int h, int64_t kb, const int8_t *xq,
+    const float *xd, const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *w = qs + b * 128;
+        __m256i s16[MT];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i lo = _mm256_and_si256(raw, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                /* |pair| <= 2 * 15 * 127: eight of them still fit in int16 */
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+            }
+        }
+        const __m256 dv = load_scales8(d, b * 8, h), mv = load_scales8(m, b * 8, h);
+        for (int r = 0; r < R; r++) {
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+            acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* The same for an s8 weight: sblk 32 (one scale per block) or 16 (two). */
+static inline __attribute__((always_inline)) void s8_group(
+    const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
+    int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *w = q + b * 256;
+        __m256i i0[MT], i1[MT];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = bcast4(xq + (r * kb + b) * 32 + 4 * c);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+                if (sblk == 32 || c < 4)
+                    i0[r] = _mm256_add_epi32(i0[r], p);
+                else
+                    i1[r] = _mm256_add_epi32(i1[r], p);
+            }
+        }
+        if (sblk == 32) {
+            const __m256 sv = load_scales8(s, b * 8, h);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]),
+                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+        } else {
+            const __m256 s0 = load_scales8(s, b * 16, h), s1 = load_scales8(s, b * 16 + 8, h);
+            for (int r = 0; r < R; r++) {
+                const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(s0, xdv), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(s1, xdv), acc[r]);
+            }
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* The 4 weight vectors of half a block (16 values of 8 rows), with `off` added to every code. */
+static inline __attribute__((always_inline)) void load_half(const int8_t *w, __m256i off, __m256i *v) {
+    for (int c = 0; c < 4; c++) v[c] = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + 32 * c)), off);
+}
+
+/* maddubs(v[0], x[0 .. 3]) + maddubs(v[1], x[4 .. 7]) in int16: 8 values of x. */
+static inline __attribute__((always_inline)) __m256i dot_pair(const __m256i *v, const int8_t *xb) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
+}
+
+/* The same for an s8 weight whose codes are small (Q5_0: q in [-16, 15]): q + 16 is a byte in
+ * [0, 31], so maddubs takes it as the unsigned side directly (|pair| <= 2 * 31 * 127, four of
+ * them fit in int16) and -16 * d * sum(x) corrects the offset: 3 ops per 32 products instead of
+ * the 5 of the signed path. Scales per 32 values. Each half block's 4 weight vectors stay in
+ * registers across the rows, and the block's sums go to float once: MTU rows per tile (with MT,
+ * the accumulators spilled and this ran 25% slower). */
+static inline __attribute__((always_inline)) void s5_group(
+    const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const float *xd,
+    const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(16);
+    __m256 acc[MTU];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *w = q + b * 256;
+        __m256i s32[MTU];
+        for (int half = 0; half < 2; half++) {
+            __m256i v[4];
+            load_half(w + 128 * half, off, v);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
+                const __m256i t = _mm256_madd_epi16(_mm256_add_epi16(dot_pair(v, xb), dot_pair(v + 2, xb + 8)), ones);
+                s32[r] = half ? _mm256_add_epi32(s32[r], t) : t;
+            }
+        }
+        const __m256 sv = load_scales8(s, b * 8, h), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-16.0f));
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* The same for Q6_K's codes (q in [-32, 31], a scale per 16 values): q + 32 is a byte in [0, 63]
+ * (|pair| <= 2 * 63 * 127, two of them fit in int16) and -32 * s * sum(x) per 16 values corrects
+ * the offset. */
+static inline __attribute__((always_inline)) void k6_group(
+    const int8_t *q, const void *s, int64_t kb, const int8_t *xq, const float *xd,
+    const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(32);
+    __m256 acc[MTU];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *w = q + b * 256;
+        for (int half = 0; half < 2; half++) {
+            __m256i v[4];
+            load_half(w + 128 * half, off, v);
+            const __m256 sv = load_scales8(s, b * 16 + 8 * half, 0), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
+                /* each pair widened alone: |2 maddubs| <= 4 * 63 * 127 fits in int16, 4 would not */
+                const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(dot_pair(v, xb), ones),
+                                                     _mm256_madd_epi16(dot_pair(v + 2, xb + 8), ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs16[(r * kb + b) * 2 + half]), acc[r]);
+            }
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* Room for M rows of k values of x quantized (quantize_x fills it). */
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
+    xbuf b;
+    b.xq = scratch_take(s, M * k);
+    b.xd = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
+    b.xs = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
+    b.xs16 = scratch_take(s, (int64_t)sizeof(float) * M * (k / 16));
+    return b;
+}
+
+/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of every row of x.
+ * The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, groups = (n + 7) / 8;
+    const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    const int h = (int)w->half;
+    const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
+    if (w->kind == 0) {
+        const uint8_t *qs = (const uint8_t *)w->q;
+        for (int64_t r0 = 0; r0 < M; r0 += MT) {
+            const int R = M - r0 < MT ? (int)(M - r0) : MT;
+            const int8_t *xt = xb->xq + r0 * k;
+            const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
+            for (int64_t g = t * GT; g < g1; g++) {
+                const uint8_t *qg = qs + g * kb * 128;
+                const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
+                float *yo = y + r0 * n + g * 8;
+                const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#define U4H(RR) u4_group(qg, dg, mg, 1, kb, xt, dt, st, RR, yo, n, nv)
+#define U4F(RR) u4_group(qg, dg, mg, 0, kb, xt, dt, st, RR, yo, n, nv)
+                if (h) {
+                    WITH_ROWS(R, U4H)
+                } else {
+                    WITH_ROWS(R, U4F)
+                }
+#undef U4H
+#undef U4F
+            }
+        }
+        return;
+    }
+    /* s8; small: the codes are Q5_0's (|q| <= 16), the unsigned path of s5_group */
+    const int8_t *q = (const int8_t *)w->q;
+    const int64_t sblk = w->sblk, ns = k / sblk;
+    const int small = (int)w->small, mt = small || sblk == 16 ? MTU : MT;
+    for (int64_t r0 = 0; r0 < M; r0 += mt) {
+        const int R = M - r0 < mt ? (int)(M - r0) : mt;
+        const int8_t *xt = xb->xq + r0 * k;
+        const float *dt = xb->xd + r0 * kb;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const int8_t *qg = q + g * kb * 256;
+            const void *sg = (const char *)w->d + g * ns * 8 * ss;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#define S5H(RR) s5_group(qg, sg, 1, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
+#define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
+#define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
+#define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
+#define S8K(RR) k6_group(qg, sg, kb, xt, dt, xb->xs16 + r0 * kb * 2, RR, yo, n, nv)
+            if (small && h) {
+                WITH_ROWS_U(R, S5H)
+            } else if (small) {
+                WITH_ROWS_U(R, S5F)
+            } else if (sblk == 32 && h) {
+                WITH_ROWS(R, S8H)
+            } else if (sblk == 32) {
+                WITH_ROWS(R, S8F)
+            } else {
+                WITH_ROWS_U(R, S8K)
+            }
+#undef S5H
+#undef S5F
+#undef S8H
+#undef S8F
+#undef S8K
+        }
+    }
+}
+
+/* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
+void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
+              const void *m, int h, int64_t n, float *y, int nth) {
+    const gl_weight w = {0, h, 32, 0, n, k, qs, d, m};
+    proj_alone(&w, x, M, 1, NULL, y, nth);
+}
+
+/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values;
+ * small: the codes are Q5_0's. */
+void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
+              int sblk, int small, int64_t n, float *y, int nth) {
+    const gl_weight w = {1, h, sblk, small, n, k, q, s, NULL};
+    proj_alone(&w, x, M, 1, NULL, y, nth);
+}

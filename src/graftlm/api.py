@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from graftlm.config import ModelConfig
-from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.errors import GraftError, RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
@@ -164,23 +164,7 @@ class Model:
     def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
         """The adapter scales one call runs with: the model's own, or `lora` for this call only
         (unlisted adapters at 0)."""
-        if lora is None:
-            return self.adapters.scales()
-        if not isinstance(lora, list):
-            raise RequestError(
-                f"lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}"
-            )
-        out: dict[int, float] = {}
-        for item in lora:
-            if not isinstance(item, dict) or "id" not in item or "scale" not in item:
-                raise RequestError(f"each lora entry needs an 'id' and a 'scale', got {item!r}")
-            try:
-                scale = self.adapters.check_scale(item["id"], item["scale"])
-            except AdapterError as exc:  # a bad request, not a bad adapter file
-                raise RequestError(str(exc)) from None
-            if scale != 0.0:
-                out[item["id"]] = scale
-        return out
+        return dict(self.adapters.settings(lora))
 
     # -- scoring and generation ------------------------------------------------------------------
     def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:

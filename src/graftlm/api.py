@@ -15,11 +15,13 @@ from graftlm.config import ModelConfig
 from graftlm.errors import GraftError, RequestError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
+from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model
 from graftlm.resources import default_model_path
 from graftlm.runtime.device import resolve_device
-from graftlm.runtime.engine import Engine, Request
+from graftlm.runtime.engine import Engine
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.runtime.textstream import TextStream
 from graftlm.tokenizer import Tokenizer, render_chat
 
@@ -161,10 +163,10 @@ class Model:
         with self.engine.lock:
             self.adapters.set_scales(scales)
 
-    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
+    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> AdapterSettings:
         """The adapter scales one call runs with: the model's own, or `lora` for this call only
         (unlisted adapters at 0)."""
-        return dict(self.adapters.settings(lora))
+        return self.adapters.settings(lora)
 
     # -- scoring and generation ------------------------------------------------------------------
     def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:
@@ -261,10 +263,10 @@ class Model:
         bos = self.tokenizer.bos_id
         return self.tokenizer.decode([bos]) if bos is not None and self.tokenizer.add_bos else "\0"
 
-    def _run(self, ids: list[int], params: SamplingParams, lora: dict[int, float]) -> Iterator[str]:
+    def _run(self, ids: list[int], params: SamplingParams, lora: AdapterSettings) -> Iterator[str]:
         tok = self.tokenizer
         text = TextStream(tok, params.stop, tok.eog_ids if not params.ignore_eos else frozenset())
-        req = Request(ids, params, dict(lora), eog=tok.eog_ids)
+        req = Request(ids, params, lora, eog=tok.eog_ids)
         if params.max_tokens == 0:
             return
         self.engine.submit(req)

@@ -154,13 +154,11 @@ def test_replacing_an_adapter_leaves_running_requests_alone(
 
 
 def _greedy(model: graftlm.Model, prompt: list[int], n: int, adapter: int) -> list[int]:
-    from graftlm.runtime.engine import Request
+    from graftlm.lora.settings import AdapterSettings
+    from graftlm.runtime.scheduler import Request
 
-    req = model.engine.submit(
-        Request(
-            prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), {adapter: 1.0}
-        )
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req = model.engine.submit(Request(prompt, params, AdapterSettings({adapter: 1.0})))
     model.engine.run(req)
     return req.generated
 

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from graftlm.errors import AdapterError, GraftError, RequestError
-from graftlm.runtime.engine import Request
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.runtime.textstream import TextStream
 
 if TYPE_CHECKING:
@@ -426,7 +427,7 @@ class EngineService:
         tok = self.model.tokenizer
         for index, job in enumerate(sub.jobs):
             p = job.params
-            req = Request(list(job.prompt), p, dict(job.lora), eog=tok.eog_ids)
+            req = Request(list(job.prompt), p, AdapterSettings(job.lora), eog=tok.eog_ids)
             text = _Text(tok, p.stop, tok.eog_ids if not p.ignore_eos else frozenset())
             t = _Tracked(sub, index, job, req, text)
             req.on_token = self._on_token_for(t)

@@ -96,11 +96,7 @@ def sampling_params(
 
 def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
     """A prompt as text (tokenized with the model's special tokens) or as token ids (checked)."""
-    if isinstance(prompt, str):
-        ids = state.service.tokenize(prompt, add_special=True, parse_special=True)
-    else:
-        ids = list(prompt)
-        state.service.check_ids(ids)
+    ids = state.prompter.prompt_ids(prompt)
     if not ids:
         raise ApiError(400, "the prompt is empty", "invalid_prompt")
     return ids

@@ -25,6 +25,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.scales import scale_problem
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import AdapterFacts, EngineService
 
 
@@ -56,7 +57,7 @@ class AdapterEntry:
 class Lease:
     """The adapter settings one request runs with (id -> scale) and the adapters it holds."""
 
-    lora: dict[int, float]
+    lora: AdapterSettings
     entries: list[AdapterEntry] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
     released: bool = False
@@ -95,7 +96,7 @@ class AdapterRegistry:
         self.by_id[adapter_id] = entry
         if scale != 0.0:
             self.scales[adapter_id] = float(scale)
-        self.service.call(lambda: self.service.model.set_lora_scales(dict(self.scales))).result()
+        self.service.set_scales(AdapterSettings(self.scales)).result()
         self._changed()
         return entry
 
@@ -184,7 +185,7 @@ class AdapterRegistry:
         for e in held:
             e.last_used = now
         labels = sorted({self.by_id[i].name for i in settings})
-        return Lease(settings, held, labels)
+        return Lease(AdapterSettings(settings), held, labels)
 
     def release(self, lease: Lease) -> None:
         if lease.released:
@@ -212,8 +213,7 @@ class AdapterRegistry:
         """POST /lora-adapters: these scales, every other adapter at 0."""
         scales = self._check_lora(items)
         self.scales = {i: s for i, s in scales.items() if s != 0.0}
-        snapshot = dict(self.scales)
-        await self.service.acall(lambda: self.service.model.set_lora_scales(snapshot))
+        await asyncio.wrap_future(self.service.set_scales(AdapterSettings(self.scales)))
 
     # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:

@@ -117,7 +117,7 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
 
 async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
-    items = None if lora is None else [(x.id, x.scale) for x in lora]
+    items = None if lora is None else {x.id: x.scale for x in lora}
     try:
         lease = await state.registry.lease(model, items, state.base_names)
     except UnknownModelError as exc:

@@ -235,7 +235,7 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
             f"got {type(payload).__name__}",
             "invalid_value",
         )
-    items: list[tuple[int, float]] = []
+    items: dict[int, float] = {}
     for k, raw in enumerate(payload):
         try:
             item = LoraItem.model_validate(raw)
@@ -246,7 +246,7 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
             raise ApiError(
                 400, f"POST /lora-adapters item {k}: {problems}", "invalid_value"
             ) from None
-        items.append((item.id, item.scale))
+        items[item.id] = item.scale
     await state.registry.set_scales(items)
     return state.registry.adapter_list()
 

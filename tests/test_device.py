@@ -27,11 +27,12 @@ import graftlm
 from graftlm.cli import main
 from graftlm.errors import GraftError
 from graftlm.gguf import GGUFFile
+from graftlm.lora.settings import AdapterSettings
 from graftlm.quant import QWeight
 from graftlm.quant.kernels import DeviceDenseKernel
 from graftlm.runtime.device import resolve_device
-from graftlm.runtime.engine import Request
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.step.batch import Batch, LoraRows
 
 META = torch.device("meta")
@@ -196,13 +197,17 @@ def test_engine_builds_its_batches_on_the_device(tiny_llama: Path, tmp_path: Pat
         model.generate([5, 6, 7], max_tokens=2, lora=[{"id": 0, "scale": 1.0}])
     greedy = SamplingParams(temperature=0, max_tokens=2)
     model.engine.chunk = 8  # both prompts in one padded prefill batch
-    for r in (Request([5, 6], greedy, {0: 1.0}), Request([7, 8, 9], greedy, {})):
+    first = (Request([5, 6], greedy, AdapterSettings({0: 1.0})), Request([7, 8, 9], greedy))
+    for r in first:
         model.engine.submit(r)
     with DeviceGuard(), pytest.raises(NotImplementedError, match="meta"):
         model.engine.step()
-    reqs = [Request([5, 6], greedy, {0: 1.0}), Request([7, 8, 9], greedy, {})]
+    for r in first:
+        model.engine.stop(r)  # their slots back: slot 0 and slot 1 in that order
+    reqs = [Request([5, 6], greedy, AdapterSettings({0: 1.0})), Request([7, 8, 9], greedy)]
     for slot, r in enumerate(reqs):  # as if prefilled, each with one sampled token
-        r.slot, r.n_prefilled, r.generated = slot, len(r.prompt), [10 + slot]
+        model.engine.slots.admit(r)
+        r.n_prefilled, r.generated = len(r.prompt), [10 + slot]
     with torch.inference_mode(), DeviceGuard(), pytest.raises(NotImplementedError, match="meta"):
         model.engine._decode(reqs)
 
@@ -377,7 +382,8 @@ def test_cuda_engine_serves_requests_on_different_adapters(
     for device in ("cpu", "cuda"):
         m = graftlm.load(tiny_llama, ctx_size=64, n_seq=2, device=device)
         m.add_lora(adapter)
-        reqs = [Request(prompt, SamplingParams(temperature=0, max_tokens=6), lo) for lo in settings]
+        params = SamplingParams(temperature=0, max_tokens=6)
+        reqs = [Request(prompt, params, AdapterSettings(lo)) for lo in settings]
         for r in reqs:
             m.engine.submit(r)
         while not all(r.done for r in reqs):

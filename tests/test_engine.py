@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import graftlm
-from graftlm.runtime.engine import Request
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.step.batch import Batch
 
 
@@ -46,10 +47,10 @@ def test_batch_of_sequences_equals_one_at_a_time(tiny: graftlm.Model) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=6)
     alone = []
     for p in prompts:
-        r = tiny.engine.submit(Request(p, greedy, {}))
+        r = tiny.engine.submit(Request(p, greedy))
         tiny.engine.run(r)
         alone.append(r.generated)
-    reqs = [tiny.engine.submit(Request(p, greedy, {})) for p in prompts]
+    reqs = [tiny.engine.submit(Request(p, greedy)) for p in prompts]
     while any(not r.done for r in reqs):
         tiny.engine.step()
     assert [r.generated for r in reqs] == alone
@@ -68,7 +69,7 @@ def test_seeded_sampling_repeats(tiny: graftlm.Model) -> None:
             max_tokens=16,
             ignore_eos=True,
         )
-        r = tiny.engine.submit(Request(ids, params, {}))
+        r = tiny.engine.submit(Request(ids, params))
         tiny.engine.run(r)
         return r.generated
 
@@ -110,7 +111,7 @@ def test_requests_arriving_together_prefill_together(
 
     def request(i: int) -> Request:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        return Request(prompts[i], params, loras[i])
+        return Request(prompts[i], params, AdapterSettings(loras[i]))
 
     alone = []
     for i in range(4):
@@ -145,7 +146,8 @@ def test_a_row_whose_logits_blow_up_fails_alone(
     eng = m.engine
 
     def request(lora: dict[int, float], t: float = 0.0) -> Request:
-        return Request([5, 6, 7, 8], SamplingParams(temperature=t, max_tokens=6, seed=1), lora)
+        params = SamplingParams(temperature=t, max_tokens=6, seed=1)
+        return Request([5, 6, 7, 8], params, AdapterSettings(lora))
 
     alone = [request({}), request({a: 1.0})]
     for r in alone:

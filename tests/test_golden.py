@@ -108,7 +108,7 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
     checked = agree = 0
     for case in data["cases"]:
         lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
-        rows = model.engine.lora_rows([model._lora_settings(lora)])
+        rows = model.engine.lora_rows([model.adapters.settings(lora)])
         prompt, ids = case["prompt_ids"], case["prompt_ids"] + case["generated_ids"]
         with torch.inference_mode():
             out = [model.model.forward(Batch.single(prompt, 0, 0, rows))[0]]

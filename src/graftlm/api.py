@@ -12,16 +12,19 @@ from typing import Any
 import torch
 
 from graftlm.config import ModelConfig
-from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.errors import GraftError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
+from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
 from graftlm.resources import default_model_path
 from graftlm.runtime.device import resolve_device
-from graftlm.runtime.engine import Engine, Request
+from graftlm.runtime.engine import Engine
+from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import SamplingParams
-from graftlm.runtime.textstream import TextStream
-from graftlm.tokenizer import Tokenizer, render_chat
+from graftlm.runtime.scheduler import Request
+from graftlm.runtime.scoring import Scorer
+from graftlm.tokenizer import Tokenizer
 
 
 @dataclass
@@ -88,7 +91,7 @@ class Model:
         self.model = model
         self.tokenizer = tokenizer
         self.engine = Engine(model, n_slots=n_seq)
-        self.chat_template: str | None = file.get("tokenizer.chat_template")
+        self.prompter = Prompter(tokenizer, file.get("tokenizer.chat_template"), model.cfg.n_vocab)
         self.last_timings = Timings()
         self.adapters = AdapterSet(model)
 
@@ -111,27 +114,27 @@ class Model:
         assert self.model.cache is not None
         return self.model.nbytes + self.model.cache.nbytes
 
+    @property
+    def chat_template(self) -> str | None:
+        return self.prompter.chat_template
+
+    @property
+    def scorer(self) -> Scorer:
+        return Scorer(self.engine, self.prompter)
+
     # -- text ------------------------------------------------------------------------------------
     def tokenize(
         self, text: str, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
-        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+        return self.prompter.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        self._check_ids(ids)
-        return self.tokenizer.decode(list(ids))
+        return self.prompter.detokenize(ids)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        tok = self.tokenizer
-        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
-        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        return render_chat(
-            self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        return self.prompter.apply_chat_template(messages, add_generation_prompt)
 
     # -- adapters -------------------------------------------------------------------------------
     def add_lora(self, path: str | os.PathLike[str], scale: float = 1.0) -> int:
@@ -156,72 +159,19 @@ class Model:
         with self.engine.lock:
             self.adapters.set_scales(scales)
 
-    def _lora_settings(self, lora: list[dict[str, Any]] | None) -> dict[int, float]:
-        """The adapter scales one call runs with: the model's own, or `lora` for this call only
-        (unlisted adapters at 0)."""
-        if lora is None:
-            return self.adapters.scales()
-        if not isinstance(lora, list):
-            raise RequestError(
-                f"lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}"
-            )
-        out: dict[int, float] = {}
-        for item in lora:
-            if not isinstance(item, dict) or "id" not in item or "scale" not in item:
-                raise RequestError(f"each lora entry needs an 'id' and a 'scale', got {item!r}")
-            try:
-                scale = self.adapters.check_scale(item["id"], item["scale"])
-            except AdapterError as exc:  # a bad request, not a bad adapter file
-                raise RequestError(str(exc)) from None
-            if scale != 0.0:
-                out[item["id"]] = scale
-        return out
-
     # -- scoring and generation ------------------------------------------------------------------
     def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:
-        """Raw logits (len(ids), n_vocab) after each prefix of ids, in one teacher-forced pass."""
-        self._check_ids(ids)
-        if len(ids) == 0:
-            raise RequestError("nothing to score: the ids are empty")
-        return self.engine.score(list(ids), self._lora_settings(lora))
+        """Raw logits (len(ids), n_vocab) after each prefix of ids, in one teacher-forced pass.
+        `lora`: [{"id", "scale"}] for this call only (unlisted adapters at 0); None: the model's
+        own scales."""
+        return self.scorer.logits(ids, self.adapters.settings(lora))
 
     def logprobs(
         self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None
     ) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the `top` most
         likely tokens (at most the whole vocabulary)."""
-        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-            raise RequestError(f"top must be a whole number >= 0, got {top!r}")
-        top = min(top, self.model.cfg.n_vocab)
-        ids = list(ids)
-        if len(ids) < 2:
-            return []
-        lp = torch.log_softmax(self.logits(ids, lora)[:-1].float(), dim=-1)  # (n-1, V)
-        target = torch.tensor(ids[1:])
-        chosen = lp.gather(1, target.unsqueeze(1))[:, 0].tolist()
-        tv, ti = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
-        tv_l, ti_l = tv.tolist(), ti.tolist()
-        return [
-            {
-                "id": ids[i + 1],
-                "logprob": chosen[i],
-                "top": [[t, v] for t, v in zip(ti_l[i], tv_l[i], strict=False)],
-            }
-            for i in range(len(ids) - 1)
-        ]
-
-    def _check_ids(self, ids: Sequence[int]) -> None:
-        n = self.model.cfg.n_vocab
-        bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
-        if bad:
-            raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenize(prompt, add_special=True, parse_special=True)
-        ids = list(prompt)
-        self._check_ids(ids)
-        return ids
+        return self.scorer.logprobs(ids, top, self.adapters.settings(lora))
 
     def generate(
         self,
@@ -257,25 +207,17 @@ class Model:
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             ignore_eos=ignore_eos,
         )
-        pieces = self._run(self._prompt_ids(prompt), params, self._lora_settings(lora))
+        ids = self.prompter.prompt_ids(prompt)
+        pieces = self._run(ids, params, self.adapters.settings(lora))
         return pieces if stream else "".join(pieces)
 
     def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str | Iterator[str]:
         """`generate` on the messages rendered through the model's chat template."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenize(
-            text, add_special=not text.startswith(self._bos_text()), parse_special=True
-        )
-        return self.generate(ids, **kwargs)
+        return self.generate(self.prompter.chat_prompt(messages), **kwargs)
 
-    def _bos_text(self) -> str:
-        bos = self.tokenizer.bos_id
-        return self.tokenizer.decode([bos]) if bos is not None and self.tokenizer.add_bos else "\0"
-
-    def _run(self, ids: list[int], params: SamplingParams, lora: dict[int, float]) -> Iterator[str]:
-        tok = self.tokenizer
-        text = TextStream(tok, params.stop, tok.eog_ids if not params.ignore_eos else frozenset())
-        req = Request(ids, params, dict(lora), eog=tok.eog_ids)
+    def _run(self, ids: list[int], params: SamplingParams, lora: AdapterSettings) -> Iterator[str]:
+        text = self.prompter.text_stream(params.stop, params.ignore_eos)
+        req = Request(ids, params, lora, eog=self.prompter.eog)
         if params.max_tokens == 0:
             return
         self.engine.submit(req)

@@ -132,8 +132,9 @@ def test_mixed_rows_in_one_batch_equal_each_alone(
     model: graftlm.Model, adapter: Path, tmp_path: Path
 ) -> None:
     """Rows with different adapters and scales share one decode step and match running alone."""
-    from graftlm.runtime.engine import Request
+    from graftlm.lora.settings import AdapterSettings
     from graftlm.runtime.sampling import SamplingParams
+    from graftlm.runtime.scheduler import Request
 
     a = model.add_lora(adapter, scale=0.0)
     b = model.add_lora(write_tiny_adapter(tmp_path / "b.gguf", TinySpec(), seed=4), scale=0.0)
@@ -142,10 +143,10 @@ def test_mixed_rows_in_one_batch_equal_each_alone(
     model.engine = type(model.engine)(model.model, n_slots=4)
     alone = []
     for s in settings:
-        r = model.engine.submit(Request(IDS[:6], greedy, s))
+        r = model.engine.submit(Request(IDS[:6], greedy, AdapterSettings(s)))
         model.engine.run(r)
         alone.append(r.generated)
-    reqs = [model.engine.submit(Request(IDS[:6], greedy, s)) for s in settings]
+    reqs = [model.engine.submit(Request(IDS[:6], greedy, AdapterSettings(s))) for s in settings]
     while any(not r.done for r in reqs):
         model.engine.step()
     assert [r.generated for r in reqs] == alone

@@ -11,8 +11,9 @@ from typing import Any
 from tiny_models import TinySpec
 
 import graftlm
-from graftlm.runtime.engine import Request
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.server.state import ServerState
 
 SPEC = TinySpec(n_ctx=1024)
@@ -44,7 +45,7 @@ class TinyServer:
         """Greedy continuation from the reference model, adapters (by name) at these scales."""
         settings = {self.ref_ids[k]: v for k, v in (lora or {}).items() if v != 0.0}
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        req = self.ref.engine.submit(Request(list(prompt), params, settings))
+        req = self.ref.engine.submit(Request(list(prompt), params, AdapterSettings(settings)))
         self.ref.engine.run(req)
         return req.generated
 

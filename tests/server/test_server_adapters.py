@@ -26,7 +26,7 @@ BASE = {"tiny"}
 @pytest.fixture
 def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
     model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
-    service = EngineService(model).start()
+    service = EngineService(model.engine, model.prompter, model.adapters).start()
     yield service
     service.close()
 
@@ -39,7 +39,7 @@ def _registry(svc: EngineService, files: dict[str, Path], **limits: int) -> Adap
 
 
 def _attached(svc: EngineService) -> set[int]:
-    return set(svc.model.adapters.attached)
+    return set(svc.adapters.attached)
 
 
 def test_lru_eviction_never_takes_an_adapter_in_use(
@@ -154,13 +154,11 @@ def test_replacing_an_adapter_leaves_running_requests_alone(
 
 
 def _greedy(model: graftlm.Model, prompt: list[int], n: int, adapter: int) -> list[int]:
-    from graftlm.runtime.engine import Request
+    from graftlm.lora.settings import AdapterSettings
+    from graftlm.runtime.scheduler import Request
 
-    req = model.engine.submit(
-        Request(
-            prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), {adapter: 1.0}
-        )
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req = model.engine.submit(Request(prompt, params, AdapterSettings({adapter: 1.0})))
     model.engine.run(req)
     return req.generated
 
@@ -206,4 +204,4 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
             break
         time.sleep(0.01)
     assert not any(e.name == "gamma" for e in server.state.registry.by_id.values())
-    assert set(server.state.service.model.adapters.attached) == set(server.state.registry.by_id)
+    assert set(server.state.service.adapters.attached) == set(server.state.registry.by_id)

@@ -71,7 +71,7 @@ def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> C
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.n_vocab - 100, (n,), generator=g).tolist()
-    settings = model._lora_settings(lora)
+    settings = model.adapters.settings(lora)
     engine = model.engine
     device = model.model.device
     sync = _sync(device)

@@ -7,12 +7,14 @@ silently reach a different adapter.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from graftlm.errors import AdapterError
+from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
 from graftlm.lora.scales import scale_problem
+from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Base
 
@@ -104,18 +106,28 @@ class AdapterSet:
         ):
             raise AdapterError(f"unknown adapter id {adapter_id!r}; {self.describe_ids()}")
 
-    def describe_ids(self) -> str:
-        ids = sorted(self.attached)
-        if not ids:
+    def describe_ids(self, ids: Iterable[int] | None = None) -> str:
+        """Which ids a request may name: every attached adapter's, or `ids`."""
+        known = sorted(self.attached if ids is None else ids)
+        if not known:
             return "no adapter is loaded"
-        if ids == list(range(ids[0], ids[-1] + 1)):
-            return f"valid ids are {ids[0]}..{ids[-1]}"
-        return f"valid ids are {ids}"
+        if known == list(range(known[0], known[-1] + 1)):
+            return f"valid ids are {known[0]}..{known[-1]}"
+        return f"valid ids are {known}"
 
-    def check_scale(self, adapter_id: object, scale: object) -> float:
-        """The scale as a float, or AdapterError naming the unknown id or the bad scale (not a
-        number, not finite, past float32's range)."""
-        self._check(adapter_id)
+    def check_scale(
+        self, adapter_id: object, scale: object, among: Collection[int] | None = None
+    ) -> float:
+        """The scale as a float, or AdapterError naming the unknown id (not attached, or not in
+        `among`) or the bad scale (not a number, not finite, past float32's range)."""
+        if among is None:
+            self._check(adapter_id)
+        elif (
+            isinstance(adapter_id, bool)
+            or not isinstance(adapter_id, int)
+            or adapter_id not in among
+        ):
+            raise AdapterError(f"unknown adapter id {adapter_id!r}; {self.describe_ids(among)}")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise AdapterError(f"adapter {adapter_id}: scale must be a number, got {scale!r}")
         problem = scale_problem(float(scale))
@@ -123,15 +135,56 @@ class AdapterSet:
             raise AdapterError(f"adapter {adapter_id}: scale {scale!r} {problem}")
         return float(scale)
 
-    def set_scales(self, scales: dict[int, float]) -> None:
-        """llama-server's POST /lora-adapters: the listed adapters get these scales, the rest 0."""
-        for i, s in scales.items():
-            self.check_scale(i, s)
-        for i, a in self.attached.items():
-            a.scale = float(scales.get(i, 0.0))
+    def settings(
+        self,
+        lora: object = None,
+        *,
+        base: Mapping[int, float] | None = None,
+        among: Collection[int] | None = None,
+        where: str = "",
+        error: type[GraftError] = RequestError,
+    ) -> AdapterSettings:
+        """The one check of adapter settings that come from outside, into the value every later
+        stage carries unchanged.
 
-    def scales(self) -> dict[int, float]:
-        return {i: a.scale for i, a in self.attached.items() if a.scale != 0.0}
+        lora: the API's `[{"id": ..., "scale": ...}]` list, or a mapping id -> scale (a later
+        entry for an id wins); None: `base`, or the model's global scales when there is no base
+        either. base: what the listed entries are laid over (the server's adapter named as the
+        model, at scale 1). among: the ids that may be named (default: every attached adapter).
+        Raises `error` (default RequestError: a bad request), its message prefixed by `where`."""
+        if lora is None:
+            return self.scales() if base is None else AdapterSettings(base)
+        if isinstance(lora, Mapping):
+            entries: list[object] = [{"id": i, "scale": s} for i, s in lora.items()]
+        elif isinstance(lora, list):
+            entries = list(lora)
+        else:
+            raise error(
+                f"{where}lora must be a list of {{'id', 'scale'}} objects, got {type(lora).__name__}"
+            )
+        out: dict[int, float] = dict(base or {})
+        for item in entries:
+            if not isinstance(item, dict) or "id" not in item or "scale" not in item:
+                raise error(f"{where}each lora entry needs an 'id' and a 'scale', got {item!r}")
+            try:
+                out[item["id"]] = self.check_scale(item["id"], item["scale"], among)
+            except AdapterError as exc:
+                raise error(f"{where}{exc}") from None
+        return AdapterSettings(out)
+
+    def set_scales(self, scales: Mapping[int, float]) -> None:
+        """llama-server's POST /lora-adapters: the listed adapters get these scales, the rest 0.
+        AdapterSettings were checked when they were built; any other mapping is checked here
+        (AdapterError, and nothing changes)."""
+        if not isinstance(scales, AdapterSettings):
+            scales = self.settings(scales, error=AdapterError)
+        for i, a in self.attached.items():
+            a.scale = scales.get(i, 0.0)
+
+    def scales(self) -> AdapterSettings:
+        """The model's global scales, the default a request starts from: their one copy (the
+        server asks here too). Safe from any thread: the table is copied in one C call."""
+        return AdapterSettings((i, a.scale) for i, a in list(self.attached.items()))
 
     def info(self) -> list[dict[str, object]]:
         return [a.info() for _, a in sorted(self.attached.items())]

@@ -11,6 +11,11 @@ that disconnects) cancels its requests and their cache slots are free at the nex
 
 One cache slot is kept back from generation (when the engine has more than one) so that a scoring
 pass (`prompt_logprobs`) never waits for a generation to end.
+
+The queue of requests waiting to start is the engine's scheduler's; this object keeps only the
+thread, its inbox of calls and submissions, and which submission each request's events go to.
+It knows the model through three narrow objects: the engine, the prompter (text) and the
+adapter set.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +34,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from graftlm.errors import AdapterError, GraftError, RequestError
-from graftlm.runtime.engine import Request
+from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
+from graftlm.runtime.engine import Engine
+from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.scheduler import Request
+from graftlm.runtime.scoring import Scorer
 from graftlm.runtime.textstream import TextStream
 
 if TYPE_CHECKING:
-    from graftlm.api import Model
     from graftlm.lora.adapter import ResolvedAdapter
+    from graftlm.lora.registry import AdapterSet
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -45,12 +53,12 @@ log = logging.getLogger(__name__)
 # -- what goes in and what comes out --
 @dataclass(frozen=True)
 class Job:
-    """One sequence to generate. `lora` maps adapter id -> scale, fixed for the job's whole life.
+    """One sequence to generate. `lora`: the adapter settings, fixed for the job's whole life.
     `logprobs`: None for none, k >= 0 for the chosen token's log-probability plus the top k."""
 
     prompt: list[int]
     params: SamplingParams
-    lora: dict[int, float] = field(default_factory=dict)
+    lora: AdapterSettings = NO_ADAPTERS
     logprobs: int | None = None
 
 
@@ -156,7 +164,7 @@ class _Tracked:
     index: int
     job: Job
     req: Request
-    text: _Text
+    text: TextStream
     recorder: _RecordingSampler | None = None
 
 
@@ -185,70 +193,39 @@ _STOP = object()
 
 
 class EngineService:
-    """Runs `model.engine` on one thread; every other thread talks to it through this object.
+    """Runs an engine on one thread; every other thread talks to it through this object.
 
+    prompter: the model's text rules (stop strings, end tokens, the routes' tokenizing).
+    adapters: the model's adapter set, changed only on the engine thread.
     max_running: how many requests generate at once (default: the engine's slots, less the one
-    kept for scoring)."""
+    kept for scoring); the engine's scheduler admits under it while the service runs."""
 
     def __init__(
-        self, model: Model, max_running: int | None = None, observer: ServiceObserver | None = None
+        self,
+        engine: Engine,
+        prompter: Prompter,
+        adapters: AdapterSet,
+        max_running: int | None = None,
+        observer: ServiceObserver | None = None,
     ) -> None:
-        self.model = model
-        self.engine = model.engine
-        # facts the HTTP layer shows
-        self.n_ctx: int = model.n_ctx
-        self.n_vocab: int = int(model.config.n_vocab)
-        self.model_path: Path = model.path
-        self.chat_template: str | None = model.chat_template
-        n_slots = self.engine.n_slots
+        self.engine = engine
+        self.prompter = prompter
+        self.adapters = adapters
+        self.scorer = Scorer(engine, prompter)
+        self.n_ctx: int = engine.model.n_ctx
+        n_slots = engine.n_slots
         default = n_slots - 1 if n_slots > 1 else n_slots
         self.max_running = max(1, min(max_running or default, n_slots))
+        self._cap_before = engine.scheduler.max_running
+        engine.scheduler.max_running = self.max_running
         self.observer = observer
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._pending: deque[_Tracked] = deque()  # accepted, waiting for a generation slot
-        self._active: list[_Tracked] = []  # submitted to the engine
+        self._active: list[_Tracked] = []  # given to the engine: queued there or running
         self._deferred: list[_Call] = []  # calls waiting for a free cache slot
         self._thread: threading.Thread | None = None
         self.n_running = 0
         self.n_waiting = 0
         self.n_cancelled = 0  # requests ended early because their caller left
-
-    # -- text (pure Python, safe from any thread) --
-    def tokenize(
-        self, text: str, add_special: bool = True, parse_special: bool = True
-    ) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        self.check_ids(ids)
-        return self.model.detokenize(ids)
-
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes one token renders as (may be part of a UTF-8 character)."""
-        return self.model.tokenizer.token_to_piece(token)
-
-    def token_str(self, token: int) -> str:
-        return self.token_bytes(token).decode("utf-8", errors="replace")
-
-    def check_ids(self, ids: Sequence[int]) -> None:
-        n = self.n_vocab
-        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
-        return self.model.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt ids of a chat, as `Model.chat` builds them (a BOS only where the template
-        has none)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
-        tok = self.model.tokenizer
-        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
-        add_special = bos is None or not text.startswith(bos)
-        return self.tokenize(text, add_special=add_special, parse_special=True)
 
     # -- lifecycle --
     def start(self) -> EngineService:
@@ -263,6 +240,7 @@ class EngineService:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
+        self.engine.scheduler.max_running = self._cap_before
 
     @property
     def alive(self) -> bool:
@@ -287,15 +265,14 @@ class EngineService:
         return await asyncio.wrap_future(self.call(fn, needs_slot))
 
     def prompt_logprobs(
-        self, ids: list[int], top: int, lora: dict[int, float]
+        self, ids: list[int], top: int, lora: AdapterSettings
     ) -> concurrent.futures.Future[list[dict[str, Any]]]:
         """`Model.logprobs(ids, top, lora)` on the engine thread: for i >= 1, the log-probability
         of ids[i] after ids[:i], and the top alternatives."""
-        settings = [{"id": i, "scale": s} for i, s in lora.items()]
-        return self.call(lambda: self.model.logprobs(ids, top=top, lora=settings), needs_slot=True)
+        return self.call(lambda: self.scorer.logprobs(ids, top, lora), needs_slot=True)
 
     async def aprompt_logprobs(
-        self, ids: list[int], top: int, lora: dict[int, float]
+        self, ids: list[int], top: int, lora: AdapterSettings
     ) -> list[dict[str, Any]]:
         """`prompt_logprobs`, awaited from the event loop."""
         return await asyncio.wrap_future(self.prompt_logprobs(ids, top, lora))
@@ -308,7 +285,7 @@ class EngineService:
         if not p.exists():
             raise AdapterError(f"{p}: no such file or directory")
         try:
-            resolved = self.model.adapters.load(p)
+            resolved = self.adapters.load(p)
         except ImportError as exc:
             raise AdapterError(f"{p}: this kind of adapter is not supported yet ({exc})") from None
         except GraftError:
@@ -327,17 +304,32 @@ class EngineService:
         )
         return PreparedAdapter(facts, resolved)
 
-    def attach(self, prepared: PreparedAdapter) -> concurrent.futures.Future[int]:
-        """Attach a prepared adapter at model scale 0; its id in the future."""
+    def attach(
+        self, prepared: PreparedAdapter, scale: float = 0.0
+    ) -> concurrent.futures.Future[int]:
+        """Attach a prepared adapter at this global scale; its id in the future."""
 
         def attach() -> int:
             with self.engine.lock:
-                return self.model.adapters.attach(prepared.resolved, 0.0)
+                return self.adapters.attach(prepared.resolved, scale)
 
         return self.call(attach)
 
     def detach(self, adapter_id: int) -> concurrent.futures.Future[None]:
-        return self.call(lambda: self.model.remove_lora(adapter_id))
+        def detach() -> None:
+            with self.engine.lock:
+                self.adapters.detach(adapter_id)
+
+        return self.call(detach)
+
+    def set_scales(self, scales: AdapterSettings) -> concurrent.futures.Future[None]:
+        """The adapter set's global scales (checked settings; adapters not listed go to 0)."""
+
+        def set_scales() -> None:
+            with self.engine.lock:
+                self.adapters.set_scales(scales)
+
+        return self.call(set_scales)
 
     # -- generation --
     async def stream(self, jobs: Sequence[Job]) -> AsyncGenerator[Event, None]:
@@ -368,7 +360,7 @@ class EngineService:
     def _loop(self) -> None:
         while True:
             # sleep only when there is nothing to step
-            idle = not (self.engine.busy or self._pending)
+            idle = not self.engine.busy
             try:
                 item = self._inbox.get() if idle else self._inbox.get_nowait()
             except queue.Empty:
@@ -384,7 +376,6 @@ class EngineService:
                     item = None
             try:
                 self._run_deferred()
-                self._admit()
                 if self.engine.busy:
                     self._step()
                 self._publish_counts()
@@ -394,7 +385,7 @@ class EngineService:
     def _handle(self, item: Any) -> None:
         try:
             if isinstance(item, _Call):
-                if item.needs_slot and not self.engine.free_slots:
+                if item.needs_slot and not self.engine.slots.n_free:
                     self._deferred.append(item)
                 else:
                     self._run_call(item)
@@ -419,38 +410,30 @@ class EngineService:
             call.future.set_exception(exc)
 
     def _run_deferred(self) -> None:
-        while self._deferred and self.engine.free_slots:
+        while self._deferred and self.engine.slots.n_free:
             self._run_call(self._deferred.pop(0))
 
     def _accept(self, sub: _Submission) -> None:
-        tok = self.model.tokenizer
+        """Each job becomes a request in the engine's queue (its scheduler admits it)."""
         for index, job in enumerate(sub.jobs):
             p = job.params
-            req = Request(list(job.prompt), p, dict(job.lora), eog=tok.eog_ids)
-            text = _Text(tok, p.stop, tok.eog_ids if not p.ignore_eos else frozenset())
-            t = _Tracked(sub, index, job, req, text)
+            req = Request(list(job.prompt), p, job.lora, eog=self.prompter.eog)
+            t = _Tracked(sub, index, job, req, self.prompter.text_stream(p.stop, p.ignore_eos))
             req.on_token = self._on_token_for(t)
             sub.tracked.append(t)
             if p.max_tokens == 0:
                 req.t_end = time.perf_counter()
                 sub.post(self._finish_event(t, "length"))
-            else:
-                self._pending.append(t)
-
-    def _admit(self) -> None:
-        while (
-            self._pending and len(self.engine.running) + len(self.engine.waiting) < self.max_running
-        ):
-            t = self._pending.popleft()
-            try:
-                self.engine.submit(t.req)
-            except GraftError as exc:
-                t.req.finish_reason = "error"
-                t.sub.post(ErrorEvent(t.index, exc))
                 continue
-            if t.job.logprobs is not None:
-                t.recorder = _RecordingSampler(t.req.params, t.job.logprobs)
-                t.req.sampler = t.recorder  # before any token: the same seed, the same draws
+            if job.logprobs is not None:
+                t.recorder = _RecordingSampler(p, job.logprobs)
+                req.sampler = t.recorder
+            try:
+                self.engine.submit(req)
+            except GraftError as exc:
+                req.finish_reason = "error"
+                sub.post(ErrorEvent(index, exc))
+                continue
             self._active.append(t)
 
     def _on_token_for(self, t: _Tracked) -> Callable[[Request, int], None]:
@@ -467,10 +450,8 @@ class EngineService:
         return on_token
 
     def _step(self) -> None:
-        # sequences in this step: those running plus those the engine admits now
-        rows = len(self.engine.running) + min(len(self.engine.waiting), len(self.engine.free_slots))
         try:
-            self.engine.step()
+            plan = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
             for t in list(self._active):
                 if not t.req.done:
@@ -487,7 +468,8 @@ class EngineService:
                 elif t.req.finish_reason != "cancelled":
                     t.sub.post(self._finish_event(t, t.req.finish_reason or "stop"))
         if self.observer is not None:
-            self.observer.on_step(rows, len(self.engine.running), self._n_waiting())
+            # sequences in this step: those running, the ones admitted now included
+            self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
 
     def _finish_event(self, t: _Tracked, reason: str) -> FinishEvent:
         req = t.req
@@ -508,7 +490,6 @@ class EngineService:
         )
 
     def _cancel(self, sub: _Submission) -> None:
-        self._pending = deque(t for t in self._pending if t.sub is not sub)
         for t in sub.tracked:
             if not t.req.done:
                 self.engine.stop(t.req, "cancelled")
@@ -516,7 +497,7 @@ class EngineService:
         self._active = [t for t in self._active if t.sub is not sub]
 
     def _n_waiting(self) -> int:
-        return len(self._pending) + len(self.engine.waiting)
+        return len(self.engine.waiting)
 
     def _publish_counts(self) -> None:
         self.n_running = len(self.engine.running)
@@ -525,26 +506,13 @@ class EngineService:
             self.observer.on_step(0, self.n_running, self.n_waiting)  # idle: counts only
 
     def _shutdown(self) -> None:
-        for t in list(self._pending) + self._active:
+        for t in self._active:
             if not t.req.done:
                 self.engine.stop(t.req, "cancelled")
             t.sub.post(
                 ErrorEvent(t.index, RequestError("the server is shutting down", "server_shutdown"))
             )
-        self._pending.clear()
         self._active.clear()
         for call in self._deferred:
             call.future.cancel()
         self._deferred.clear()
-
-
-class _Text(TextStream):
-    """TextStream that also remembers which stop string ended the text."""
-
-    matched: str | None = None
-
-    def _release(self, final: bool) -> str:
-        hits = [(i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
-        if hits:
-            self.matched = min(hits, key=lambda h: h[0])[1]
-        return super()._release(final)

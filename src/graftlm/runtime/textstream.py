@@ -1,7 +1,7 @@
 """Generated tokens to text pieces: whole UTF-8 characters only, stop strings cut out.
 
 The one place that turns a request's tokens into what a client sees; streaming and non-streaming
-answers both come from it.
+answers, from the Python API and from the server, all come from it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from graftlm.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextStream:
+    """One sequence's text. `stopped` is set when a stop string matched, `matched` is that
+    string (the earliest in the text; of those, the first listed)."""
+
     def __init__(
         self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), eog: frozenset[int] = frozenset()
     ) -> None:
@@ -19,6 +22,7 @@ class TextStream:
         self.pending = ""  # text held back: it may be the start of a stop string
         self.text = ""  # everything released so far
         self.stopped = False
+        self.matched: str | None = None
 
     def push(self, token: int) -> str:
         """Text released by this token ("" while held back). Sets `stopped` on a stop string."""
@@ -38,7 +42,7 @@ class TextStream:
         for s in self.stop:
             i = self.pending.find(s)
             if i >= 0 and (cut < 0 or i < cut):
-                cut = i
+                cut, self.matched = i, s
         if cut >= 0:
             out, self.pending, self.stopped = self.pending[:cut], "", True
         elif final:

@@ -124,7 +124,9 @@ def build_state(
     order; `lora_modules`: by name, attached on first use) and metrics. The caller closes
     `state.service` when done. Raises AdapterError when a pinned adapter cannot be attached."""
     metrics = Metrics()
-    service = EngineService(model, max_running=parallel, observer=metrics)
+    service = EngineService(
+        model.engine, model.prompter, model.adapters, max_running=parallel, observer=metrics
+    )
     registry = AdapterRegistry(
         service, max_bytes=max_lora_bytes, max_loras=max_loras, max_rank=max_lora_rank
     )
@@ -133,7 +135,7 @@ def build_state(
     for name, path in lora_modules:
         registry.add_module(name, path)
     service.start()
-    return ServerState(config, service, registry, metrics)
+    return ServerState(config, service, registry, metrics, model.path)
 
 
 class ServerThread:

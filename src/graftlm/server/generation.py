@@ -96,11 +96,7 @@ def sampling_params(
 
 def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
     """A prompt as text (tokenized with the model's special tokens) or as token ids (checked)."""
-    if isinstance(prompt, str):
-        ids = state.service.tokenize(prompt, add_special=True, parse_special=True)
-    else:
-        ids = list(prompt)
-        state.service.check_ids(ids)
+    ids = state.prompter.prompt_ids(prompt)
     if not ids:
         raise ApiError(400, "the prompt is empty", "invalid_prompt")
     return ids
@@ -121,7 +117,7 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
 
 async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
-    items = None if lora is None else [(x.id, x.scale) for x in lora]
+    items = None if lora is None else {x.id: x.scale for x in lora}
     try:
         lease = await state.registry.lease(model, items, state.base_names)
     except UnknownModelError as exc:

@@ -75,7 +75,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
     job = Job(ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None)
     pieces = deltas(state, [job], lease, "completion")
     model = body.model or state.config.model_name
-    prompt_text = body.prompt if isinstance(body.prompt, str) else state.service.detokenize(ids)
+    prompt_text = body.prompt if isinstance(body.prompt, str) else state.prompter.detokenize(ids)
 
     def final(c: Choice, stream: bool) -> dict[str, Any]:
         f = c.finish
@@ -149,7 +149,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
 # -- tokens and templates --
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    svc = state_of(request).service
+    svc = state_of(request).prompter
     ids = svc.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
     if not body.with_pieces:
         return {"tokens": ids}
@@ -166,12 +166,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
-    return {"content": state_of(request).service.detokenize(body.tokens)}
+    return {"content": state_of(request).prompter.detokenize(body.tokens)}
 
 
 @router.post("/apply-template")
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, str]:
-    svc = state_of(request).service
+    svc = state_of(request).prompter
     return {"prompt": svc.apply_chat_template([m.as_template_input() for m in body.messages])}
 
 
@@ -205,9 +205,9 @@ async def props(request: Request) -> dict[str, Any]:
             },
         },
         "total_slots": svc.max_running,
-        "model_path": str(svc.model_path),
+        "model_path": str(state.model_path),
         "model_alias": cfg.model_name,
-        "chat_template": svc.chat_template or "",
+        "chat_template": state.prompter.chat_template or "",
         "modalities": {"vision": False, "audio": False},
         "build_info": f"graftlm {__version__}",
     }
@@ -235,7 +235,7 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
             f"got {type(payload).__name__}",
             "invalid_value",
         )
-    items: list[tuple[int, float]] = []
+    items: dict[int, float] = {}
     for k, raw in enumerate(payload):
         try:
             item = LoraItem.model_validate(raw)
@@ -246,7 +246,7 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
             raise ApiError(
                 400, f"POST /lora-adapters item {k}: {problems}", "invalid_value"
             ) from None
-        items.append((item.id, item.scale))
+        items[item.id] = item.scale
     await state.registry.set_scales(items)
     return state.registry.adapter_list()
 

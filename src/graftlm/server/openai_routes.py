@@ -49,7 +49,7 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """The legacy completions shape; `offset`: text offset of the first token. The chosen token
     is always among its top_logprobs (lm-evaluation-harness compares it with the best one)."""
-    svc = state.service
+    svc = state.prompter
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -81,7 +81,7 @@ def token_logprobs(
 ) -> list[dict[str, Any]]:
     """Chosen tokens with their top alternatives, in the shape both OpenAI's chat `logprobs`
     and llama-server's `completion_probabilities` use (the latter also carries `id`)."""
-    svc = state.service
+    svc = state.prompter
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         e: dict[str, Any] = {"id": token} if with_id else {}
@@ -133,7 +133,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             if body.logprobs is not None:
                 scored = [await svc.aprompt_logprobs(x, body.logprobs, lease.lora) for x in ids]
             for pi, (p, x) in enumerate(zip(prompts, ids, strict=True)):
-                text = p if isinstance(p, str) else svc.detokenize(x)
+                text = p if isinstance(p, str) else state.prompter.detokenize(x)
                 lps: list[TokenLogprob] = []
                 if scored is not None:
                     lps = [TokenLogprob(x[0], None)] + [
@@ -218,7 +218,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     max_tokens = state.config.n_predict if limit is None else limit
-    ids = state.service.chat_prompt([m.as_template_input() for m in body.messages])
+    ids = state.prompter.chat_prompt([m.as_template_input() for m in body.messages])
     check_context(state, ids, max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
@@ -304,16 +304,14 @@ async def models(request: Request) -> dict[str, Any]:
     """The base model and every adapter (`parent`: the base), loaded or loadable."""
     state = state_of(request)
     base = state.config.model_name
-    created = (
-        int(state.service.model_path.stat().st_mtime) if state.service.model_path.exists() else 0
-    )
+    created = int(state.model_path.stat().st_mtime) if state.model_path.exists() else 0
     data = [
         {
             "id": base,
             "object": "model",
             "created": created,
             "owned_by": "graftlm",
-            "root": str(state.service.model_path),
+            "root": str(state.model_path),
             "parent": None,
             "max_model_len": state.service.n_ctx,
         }

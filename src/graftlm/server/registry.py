@@ -1,4 +1,5 @@
-"""The server's adapters: names, ids, global scales, and which are resident under a memory budget.
+"""The server's adapters: names, ids, and which are resident under a memory budget. The global
+scales are the model's adapter set's (`service.adapters`): this registry asks it, keeps no copy.
 
 Lives on the asyncio side and is only touched from the event loop (no locks); the model itself
 changes only on the engine thread, through the service (`attach`, `detach`).
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.scales import scale_problem
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import AdapterFacts, EngineService
 
 
@@ -54,9 +56,9 @@ class AdapterEntry:
 
 @dataclass
 class Lease:
-    """The adapter settings one request runs with (id -> scale) and the adapters it holds."""
+    """The adapter settings one request runs with and the adapters it holds."""
 
-    lora: dict[int, float]
+    lora: AdapterSettings
     entries: list[AdapterEntry] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
     released: bool = False
@@ -71,12 +73,12 @@ class AdapterRegistry:
         max_rank: int | None = None,
     ) -> None:
         self.service = service
+        self.adapters = service.adapters  # the global scales live there
         self.max_bytes = max_bytes
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
-        self.scales: dict[int, float] = {}  # llama-server's global scales, by id
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
         self._attach_lock = asyncio.Lock()
         self._drops: set[asyncio.Task[None]] = set()
@@ -86,16 +88,13 @@ class AdapterRegistry:
         """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
-        adapter_id = self.service.attach(prepared).result()
+        adapter_id = self.service.attach(prepared, float(scale)).result()
         entry = AdapterEntry(
             self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True
         )
         entry.id, entry.facts = adapter_id, prepared.facts
         self.names[entry.name] = entry
         self.by_id[adapter_id] = entry
-        if scale != 0.0:
-            self.scales[adapter_id] = float(scale)
-        self.service.call(lambda: self.service.model.set_lora_scales(dict(self.scales))).result()
         self._changed()
         return entry
 
@@ -125,13 +124,14 @@ class AdapterRegistry:
     def adapter_list(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
         out = []
+        scales = self.adapters.scales()
         for i, e in sorted(self.by_id.items()):
             f = e.facts
             out.append(
                 {
                     "id": i,
                     "path": e.path,
-                    "scale": self.scales.get(i, 0.0),
+                    "scale": scales.get(i, 0.0),
                     "task_name": f.task_name if f else "",
                     "prompt_prefix": f.prompt_prefix if f else "",
                     "name": e.name,
@@ -139,18 +139,15 @@ class AdapterRegistry:
             )
         return out
 
-    def describe_ids(self) -> str:
-        ids = sorted(self.by_id)
-        return f"valid ids are {ids}" if ids else "no adapter is loaded"
-
     # -- requests --
     async def lease(
-        self, model: str | None, lora: list[tuple[int, float]] | None, base_names: set[str]
+        self, model: str | None, lora: Mapping[int, float] | None, base_names: set[str]
     ) -> Lease:
         """The adapter settings of one request, with its adapters held resident until `release`.
 
         model: None or a base name -> the base with the global scales (or `lora` if given); an
-        adapter's name -> that adapter at scale 1 (plus `lora`, if given)."""
+        adapter's name -> that adapter at scale 1 (plus `lora`, if given). `lora` is checked
+        here, once: RequestError for an id that is not attached or a scale out of range."""
         entry: AdapterEntry | None = None
         if model is not None and model not in base_names:
             entry = self.names.get(model)
@@ -160,21 +157,22 @@ class AdapterRegistry:
                     f"the model {model!r} does not exist; available: {', '.join(known)}"
                 )
         held: list[AdapterEntry] = []
-        settings: dict[int, float] = {}
+        named: dict[int, float] = {}
         if entry is not None:
-            settings[await self._ensure(entry)] = 1.0  # acquired: stays resident
+            named[await self._ensure(entry)] = 1.0  # acquired: stays resident
             held.append(entry)
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
-            if lora is not None:
-                settings.update(self._check_lora(lora))
-            elif entry is None:
-                settings = dict(self.scales)
+            if lora is None and entry is None:
+                settings = self._global_scales()
+            else:
+                settings = self.adapters.settings(
+                    lora, base=named, among=self.by_id, where="lora: "
+                )
         except Exception:
             if entry is not None:
                 entry.refs -= 1
             raise
-        settings = {i: s for i, s in settings.items() if s != 0.0}
         for i in settings:
             e = self.by_id[i]
             if e is not entry:
@@ -197,23 +195,18 @@ class AdapterRegistry:
             if e.retired and e.refs == 0 and e.resident:
                 self._drop_later(e)
 
-    def _check_lora(self, lora: list[tuple[int, float]]) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for i, s in lora:
-            if i not in self.by_id:
-                raise RequestError(f"lora: unknown adapter id {i}; {self.describe_ids()}")
-            problem = scale_problem(s)
-            if problem is not None:
-                raise RequestError(f"lora: adapter {i}: scale {s} {problem}")
-            out[i] = float(s)
-        return out
+    def _global_scales(self) -> AdapterSettings:
+        """The adapter set's global scales, without an adapter already on its way out (dropped
+        here, not yet detached on the engine thread)."""
+        scales = self.adapters.scales()
+        if all(i in self.by_id for i in scales):
+            return scales
+        return AdapterSettings((i, s) for i, s in scales.items() if i in self.by_id)
 
-    async def set_scales(self, items: list[tuple[int, float]]) -> None:
-        """POST /lora-adapters: these scales, every other adapter at 0."""
-        scales = self._check_lora(items)
-        self.scales = {i: s for i, s in scales.items() if s != 0.0}
-        snapshot = dict(self.scales)
-        await self.service.acall(lambda: self.service.model.set_lora_scales(snapshot))
+    async def set_scales(self, items: Mapping[int, float]) -> None:
+        """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
+        scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
+        await asyncio.wrap_future(self.service.set_scales(scales))
 
     # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:
@@ -292,10 +285,11 @@ class AdapterRegistry:
             return too_big or too_many
 
         while over():
+            scales = self.adapters.scales()
             idle = [
                 e
                 for e in self.by_id.values()
-                if not e.pinned and e.refs == 0 and e.id not in self.scales
+                if not e.pinned and e.refs == 0 and e.id not in scales
             ]
             if not idle:
                 raise RequestError(
@@ -320,7 +314,6 @@ class AdapterRegistry:
             return
         entry.id = None  # nobody can lease it from here on
         del self.by_id[adapter_id]
-        self.scales.pop(adapter_id, None)
         self._changed()
         await asyncio.wrap_future(self.service.detach(adapter_id))
 

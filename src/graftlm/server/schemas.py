@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from graftlm.lora.scales import scale_problem
+from pydantic import BaseModel, ConfigDict, Field
 
 NonNegInt = Annotated[int, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -25,15 +23,7 @@ class LoraItem(_Body):
     """One adapter's scale for one request (llama-server's `lora` field, POST /lora-adapters)."""
 
     id: int
-    scale: float
-
-    @field_validator("scale")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        problem = scale_problem(v)
-        if problem is not None:
-            raise ValueError(f"scale {problem}")
-        return v
+    scale: float  # its range is checked with the id, by the adapter set (AdapterSet.settings)
 
 
 class SamplingFields(_Body):

@@ -4,9 +4,11 @@ the one error type routes raise (rendered as an OpenAI error object)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.service import EngineService
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
@@ -34,6 +36,12 @@ class ServerState:
     service: EngineService
     registry: AdapterRegistry
     metrics: Metrics = field(default_factory=Metrics)
+    model_path: Path = field(default_factory=Path)  # the base model's file
+
+    @property
+    def prompter(self) -> Prompter:
+        """The model's text rules (tokenizing, ids, templates, token text)."""
+        return self.service.prompter
 
     @property
     def base_names(self) -> set[str]:

@@ -1,0 +1,86 @@
+"""Text in and out of one model: tokenizing, checking ids, chat prompts, and the text stream of a
+generation. The Python API and the engine service both use this one object, so a prompt is built
+and a generation is turned into text the same way wherever a request comes from. Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from graftlm.errors import RequestError
+from graftlm.runtime.textstream import TextStream
+from graftlm.tokenizer import Tokenizer, render_chat
+
+
+class Prompter:
+    """A model's tokenizer, chat template and vocabulary size, and every rule built on them."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, n_vocab: int) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.n_vocab = n_vocab
+
+    @property
+    def eog(self) -> frozenset[int]:
+        """The end-of-generation tokens."""
+        return self.tokenizer.eog_ids
+
+    # -- ids --
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """RequestError naming the ids that are not tokens of this vocabulary (up to ten)."""
+        n = self.n_vocab
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {n}): {bad[:10]}")
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt as text (tokenized with the model's special tokens) or as ids (checked)."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt, add_special=True, parse_special=True)
+        ids = list(prompt)
+        self.check_ids(ids)
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        self.check_ids(ids)
+        return self.tokenizer.decode(list(ids))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token renders as (may be part of a UTF-8 character)."""
+        return self.tokenizer.token_to_piece(token)
+
+    def token_str(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    # -- chats --
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids of a chat: the rendered template, with a BOS only where the template
+        has none of its own."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
+        add_special = bos is None or not text.startswith(bos)
+        return self.tokenize(text, add_special=add_special, parse_special=True)
+
+    # -- generations --
+    def text_stream(self, stop: tuple[str, ...] = (), ignore_eos: bool = False) -> TextStream:
+        """The text of one generation, cut at the first of `stop`; end tokens render as nothing
+        unless they are ignored (then they are text like any other token)."""
+        return TextStream(self.tokenizer, stop, frozenset() if ignore_eos else self.eog)

@@ -1,0 +1,238 @@
+"""The batching scheduler: the one admission queue, the sequences' states, and each step's plan.
+
+Plain Python, no tensors (design decision 6). Every step the engine asks for a `StepPlan`: which
+waiting requests start (in arrival order, under a cap on running requests and while the cache
+has room), which prompt chunks are prefilled, and which sequences decode one token. The engine
+turns the plan into a batch, runs the model, samples, and reports back (`finish`).
+
+The plan names sequences and token ranges, never cache places: a `CacheAllocator` maps a
+sequence to where its keys and values live. Today that is `SlotAllocator`, one slot of the full
+context per sequence. A paged cache (decision 9) replaces it without changing the plan:
+
+- `can_admit(seq)` asks for the blocks of the sequence's first chunk (after looking its prompt
+  up in the prefix table, keyed by tokens and adapter settings; shared blocks cost nothing);
+- before the engine runs a step it asks the allocator to grow each planned sequence to the end of
+  its range (`Chunk.end`, or `n_past + 1` for a decode row); a sequence that cannot grow is
+  preempted by the scheduler (back to the head of the queue, its blocks freed) before planning;
+- `slot(seq)` becomes the sequence's block table, which the engine hands to the batch in place
+  of a slot number; `release(seq)` returns the blocks not shared with another sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from graftlm.errors import RequestError
+from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
+
+if TYPE_CHECKING:
+    from graftlm.runtime.sampling import Sampler, SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to continue. `lora` is the request's own settings, fixed when it was built:
+    later changes to the model's scales do not reach it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    lora: AdapterSettings = NO_ADAPTERS
+    eog: frozenset[int] = frozenset()
+    on_token: Callable[[Request, int], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    # state, owned by the scheduler and the engine
+    generated: list[int] = field(default_factory=list)
+    n_prefilled: int = 0
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_prompt_done: float | None = None
+    t_end: float | None = None
+    sampler: Sampler | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def n_past(self) -> int:
+        return self.n_prefilled + max(0, len(self.generated) - 1)
+
+
+class CacheAllocator(Protocol):
+    """Where each running sequence's keys and values live (see the module docstring)."""
+
+    n_slots: int
+
+    @property
+    def n_free(self) -> int: ...
+    def can_admit(self, seq: Request) -> bool: ...
+    def admit(self, seq: Request) -> None: ...
+    def release(self, seq: Request) -> None: ...
+    def slot(self, seq: Request) -> int: ...
+    def borrow(self) -> int: ...
+    def give_back(self, slot: int) -> None: ...
+
+
+class SlotAllocator:
+    """One cache slot of the full context per sequence; the lowest free slot first, a freed
+    slot goes to the back. `borrow` lends a slot outside any sequence (a scoring pass)."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.free: list[int] = list(range(n_slots))
+        self._slot_of: dict[int, int] = {}  # request id -> slot
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free)
+
+    def can_admit(self, seq: Request) -> bool:
+        return bool(self.free)
+
+    def admit(self, seq: Request) -> None:
+        self._slot_of[seq.id] = self.free.pop(0)
+
+    def release(self, seq: Request) -> None:
+        self.free.append(self._slot_of.pop(seq.id))
+
+    def slot(self, seq: Request) -> int:
+        return self._slot_of[seq.id]
+
+    def borrow(self) -> int:
+        if not self.free:
+            raise RequestError("no free sequence slot", "server_busy")
+        return self.free.pop(0)
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens [start, end) of one sequence, prefilled in this step."""
+
+    seq: Request
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.prompt[self.start : self.end]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step. `prefill`: the chunks of one padded prefill batch (rows padded to `width`).
+    `decode`: the sequences that decode one token, in admission order, including those whose
+    prompt ends in this step's prefill (they decode in the same step, from the token their
+    prompt's logits gave); one that ended on that token is skipped. `n_running`: sequences
+    running in this step, those just admitted included."""
+
+    admitted: tuple[Request, ...] = ()
+    prefill: tuple[Chunk, ...] = ()
+    decode: tuple[Request, ...] = ()
+    n_running: int = 0
+
+    @property
+    def width(self) -> int:
+        return max((c.length for c in self.prefill), default=0)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """The admission queue (`waiting`, arrival order) and the running sequences.
+
+    max_running: how many sequences run at once (default: every cache slot); the engine service
+    sets it one below the slots so that a scoring pass always finds one. chunk: the most prompt
+    tokens one step prefills, padding counted."""
+
+    def __init__(
+        self, allocator: CacheAllocator, chunk: int = 512, max_running: int | None = None
+    ) -> None:
+        self.allocator = allocator
+        self.chunk = chunk
+        self.max_running = allocator.n_slots if max_running is None else max_running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def plan(self) -> StepPlan:
+        """Admit what fits, then plan this step's prefill chunks and decode rows."""
+        admitted: list[Request] = []
+        while (
+            self.waiting
+            and len(self.running) < self.max_running
+            and self.allocator.can_admit(self.waiting[0])
+        ):
+            req = self.waiting.popleft()
+            if req.cancelled:
+                continue
+            self.allocator.admit(req)
+            self.running.append(req)
+            admitted.append(req)
+        prefill = self._prefill()
+        completing = {c.seq.id for c in prefill if c.end == len(c.seq.prompt)}
+        decode = tuple(
+            r
+            for r in self.running
+            if r.id in completing or (r.n_prefilled == len(r.prompt) and r.generated)
+        )
+        return StepPlan(tuple(admitted), prefill, decode, len(self.running))
+
+    def _prefill(self) -> tuple[Chunk, ...]:
+        """The next piece of the first prompt not yet prefilled, and of as many more as fit in
+        `chunk` tokens counted with padding (rows are padded to the longest piece), so that
+        requests arriving together start decoding together."""
+        group: list[Chunk] = []
+        width = 0
+        for req in self.running:
+            if req.n_prefilled >= len(req.prompt):
+                continue
+            n = min(len(req.prompt) - req.n_prefilled, self.chunk)
+            if group and (len(group) + 1) * max(width, n) > self.chunk:
+                break
+            group.append(Chunk(req, req.n_prefilled, n))
+            width = max(width, n)
+        return tuple(group)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """A running sequence ends: its cache room is free for the next step."""
+        req.finish_reason = reason
+        req.t_end = time.perf_counter()
+        self.running.remove(req)
+        self.allocator.release(req)
+
+    def cancel(self, req: Request, reason: str) -> None:
+        """End a request early, running or not yet started."""
+        if req.done:
+            return
+        if req in self.running:
+            self.finish(req, reason)
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.cancelled = True
+        req.finish_reason = reason

@@ -1,0 +1,51 @@
+"""Teacher-forced scoring: the logits after each prefix of a sequence, and the log-probability of
+each next token with its most likely alternatives. `Model.logits`/`Model.logprobs` and the
+server's `prompt_logprobs` (on the engine thread) both come from here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graftlm.errors import RequestError
+from graftlm.lora.settings import AdapterSettings
+from graftlm.runtime.engine import Engine
+from graftlm.runtime.prompting import Prompter
+
+
+class Scorer:
+    def __init__(self, engine: Engine, prompter: Prompter) -> None:
+        self.engine = engine
+        self.prompter = prompter
+
+    def logits(self, ids: Sequence[int], lora: AdapterSettings) -> torch.Tensor:
+        """Raw logits (len(ids), n_vocab) after each prefix of ids, in one pass."""
+        self.prompter.check_ids(ids)
+        if len(ids) == 0:
+            raise RequestError("nothing to score: the ids are empty")
+        return self.engine.score(list(ids), lora)
+
+    def logprobs(self, ids: Sequence[int], top: int, lora: AdapterSettings) -> list[dict[str, Any]]:
+        """For i in 1..len(ids)-1: {"id": ids[i], "logprob": log p(ids[i] | ids[:i]), "top":
+        [[token, logprob], ...] the `top` most likely, best first (at most the vocabulary)}."""
+        if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+            raise RequestError(f"top must be a whole number >= 0, got {top!r}")
+        top = min(top, self.prompter.n_vocab)
+        ids = list(ids)
+        if len(ids) < 2:
+            return []
+        lp = torch.log_softmax(self.logits(ids, lora)[:-1].float(), dim=-1)  # (n-1, V)
+        target = torch.tensor(ids[1:])
+        chosen = lp.gather(1, target.unsqueeze(1))[:, 0].tolist()
+        tv, ti = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
+        tv_l, ti_l = tv.tolist(), ti.tolist()
+        return [
+            {
+                "id": ids[i + 1],
+                "logprob": chosen[i],
+                "top": [[t, v] for t, v in zip(ti_l[i], tv_l[i], strict=False)],
+            }
+            for i in range(len(ids) - 1)
+        ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,6 +129,21 @@ CASES = [
         ["n_predict"],
     ),
     ("detokenize bad ids", "/detokenize", {"tokens": [-4]}, 400, ["-4"]),
+    (
+        "NaN penalty",
+        "/completion",
+        {"prompt": "the", "presence_penalty": float("nan")},
+        400,
+        ["presence_penalty", "finite"],
+    ),
+    (
+        "inf penalty",
+        "/v1/completions",
+        {"prompt": "the", "frequency_penalty": float("inf")},
+        400,
+        ["frequency_penalty"],
+    ),
+    ("seed past 2^64", "/completion", {"prompt": "the", "seed": 2**64}, 400, ["seed"]),
     ("tokenize without content", "/tokenize", {}, 400, ["content"]),
     (
         "load_lora_adapter missing path",
@@ -142,7 +158,22 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(http: httpx.Client, case: tuple) -> None:
     _, path, body, status, words = case
-    _check(http.post(path, json=body), status, *words)
+    raw = json.dumps(body)  # (Python's encoder writes NaN and Infinity, as some clients do)
+    _check(
+        http.post(path, content=raw, headers={"Content-Type": "application/json"}), status, *words
+    )
+
+
+def test_extreme_values_that_mean_something_are_served(http: httpx.Client) -> None:
+    """A temperature of 1e-45 is greedy (it overflowed to nan probabilities); n_probs past the
+    vocabulary gives the whole vocabulary (it was torch's 'index k out of range')."""
+    tiny = http.post("/completion", json={"prompt": "the", "n_predict": 3, "temperature": 1e-45})
+    greedy = http.post("/completion", json={"prompt": "the", "n_predict": 3, "temperature": 0})
+    assert tiny.status_code == 200 and tiny.json()["content"] == greedy.json()["content"]
+    r = http.post("/completion", json={"prompt": "the", "n_predict": 1, "n_probs": 1_000_000})
+    assert r.status_code == 200, r.text
+    (p,) = r.json()["completion_probabilities"]
+    assert len(p["top_logprobs"]) > 100
 
 
 def test_malformed_json(http: httpx.Client) -> None:

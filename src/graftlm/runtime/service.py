@@ -152,7 +152,7 @@ class _RecordingSampler(Sampler):
         lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
         top: tuple[tuple[int, float], ...] = ()
         if self.top > 0:
-            v, i = lp.topk(self.top)
+            v, i = lp.topk(min(self.top, lp.shape[-1]))  # at most the vocabulary
             top = tuple(zip(i.tolist(), v.tolist(), strict=True))
         self.last = (float(lp[tok]), top)
         return tok

@@ -36,10 +36,15 @@ def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_files: dict[str, Path]) -> Iterator[TinyServer]:
+def server(
+    tiny_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TinyServer]:
     model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=PARALLEL + 1)
     config = ServerConfig(
-        model_name="tiny", allow_runtime_lora=True, extra_model_names=("tiny.gguf",)
+        model_name="tiny",
+        allow_runtime_lora=True,
+        extra_model_names=("tiny.gguf",),
+        lora_dirs=(tmp_path_factory.getbasetemp().resolve(),),  # the tests' own folders
     )
     state = build_state(
         model,

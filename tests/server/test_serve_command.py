@@ -56,6 +56,9 @@ def test_flags_and_defaults() -> None:
         a.lora_modules == [["x=x.gguf", "y=y.gguf"]] and a.max_loras == 2 and a.max_lora_rank == 16
     )
     assert a.max_lora_memory == 8 * 2**20 and a.allow_runtime_lora and a.n_predict == 9
+    assert a.max_body_size == 8 * 2**20 and a.lora_dir == [] and a.lora_wait == 60.0
+    b = p.parse_args("--lora-dir /a --lora-dir /b --lora-wait 5 --max-body-size 1M".split())
+    assert b.lora_dir == ["/a", "/b"] and b.lora_wait == 5.0 and b.max_body_size == 2**20
 
 
 def _free_port() -> int:

@@ -32,7 +32,7 @@ def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
 
 
 def _registry(svc: EngineService, files: dict[str, Path], **limits: int) -> AdapterRegistry:
-    reg = AdapterRegistry(svc, **limits)
+    reg = AdapterRegistry(svc, room_wait_s=0.3, **limits)  # a short wait before the 503
     for name in ("alpha", "beta", "gamma"):
         reg.add_module(name, str(files[name]))
     return reg
@@ -65,6 +65,29 @@ def test_lru_eviction_never_takes_an_adapter_in_use(
         assert b.resident and lease.lora == {b.id: 1.0} and lease.labels == ["beta"]
         reg.release(lease)
         assert _attached(svc) == set(reg.by_id)
+
+    asyncio.run(go())
+
+
+def test_a_request_waits_for_room_instead_of_failing(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Both resident adapters in use: a third request waits in the queue (it used to get a 503
+    at once) and is served as soon as one of them is released."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s = 30.0
+        held_a = await reg.lease("alpha", None, BASE)
+        held_b = await reg.lease("beta", None, BASE)
+        waiting = asyncio.ensure_future(reg.lease("gamma", None, BASE))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # queued, not refused
+        reg.release(held_a)
+        lease = await asyncio.wait_for(waiting, 10)
+        assert reg.names["gamma"].resident and not reg.names["alpha"].resident
+        reg.release(lease)
+        reg.release(held_b)
 
     asyncio.run(go())
 

@@ -14,6 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from graftlm.commands import add_device_argument
 from graftlm.lora.cli_args import add_lora_arguments
@@ -125,6 +126,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
     )
+    g.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="where runtime loads may read adapters from (repeatable; default with "
+        "--allow-runtime-lora: the current directory)",
+    )
+    g.add_argument(
+        "--lora-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a request waits for adapter memory held by other requests (then a 503)",
+    )
+    p.add_argument(
+        "--max-body-size",
+        type=_size_arg,
+        default=8 << 20,
+        metavar="SIZE",
+        help="largest request body accepted (default 8M; larger: 413)",
+    )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -177,7 +200,12 @@ def serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         n_predict=args.n_predict,
         extra_model_names=(model.path.name, model.path.stem) if args.alias else (model.path.stem,),
+        max_body_bytes=args.max_body_size,
+        lora_dirs=tuple(Path(d).resolve() for d in (args.lora_dir or ["."])),
     )
+    if args.allow_runtime_lora:
+        dirs = ", ".join(str(d) for d in config.lora_dirs)
+        print(f"runtime adapter loads read only under: {dirs} (--lora-dir)", file=sys.stderr)
     state = build_state(
         model,
         config,
@@ -187,6 +215,7 @@ def serve(args: argparse.Namespace) -> int:
         max_lora_bytes=args.max_lora_memory,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        lora_wait_s=args.lora_wait,
     )
     for a in state.registry.adapter_list():
         print(f"lora {a['id']} ({a['name']}): {a['path']} scale {a['scale']:g}", file=sys.stderr)

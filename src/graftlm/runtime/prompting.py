@@ -31,6 +31,7 @@ class Prompter:
     ) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"tokenize takes a str, got {type(text).__name__}")
+        unicode_problem(text, "the text")
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
     def check_ids(self, ids: Sequence[int]) -> None:
@@ -84,3 +85,15 @@ class Prompter:
         """The text of one generation, cut at the first of `stop`; end tokens render as nothing
         unless they are ignored (then they are text like any other token)."""
         return TextStream(self.tokenizer, stop, frozenset() if ignore_eos else self.eog)
+
+
+def unicode_problem(text: str, what: str) -> None:
+    """RequestError when `text` holds a lone surrogate (JSON's "\\ud800" decodes to one): it has
+    no UTF-8 form, so it can be neither tokenized nor sent back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"{what} holds an unpaired surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}: not valid Unicode"
+        ) from None

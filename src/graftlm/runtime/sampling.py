@@ -42,6 +42,11 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise SamplingError(f"{name} must be a finite number, got {v!r}")
+        for stop in self.stop:
+            try:
+                stop.encode("utf-8")
+            except (UnicodeEncodeError, AttributeError):
+                raise SamplingError(f"stop must be valid Unicode strings, got {stop!r}") from None
         if self.top_p < 0 or self.top_p > 1:
             raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.min_p < 0 or self.min_p > 1:

@@ -282,7 +282,11 @@ class EngineService:
         """Read and check an adapter against the base (blocking; call it off the event loop).
         Nothing is attached; raises AdapterError when the file cannot be used."""
         p = Path(path)
-        if not p.exists():
+        try:
+            found = p.exists()
+        except OSError as exc:  # a name too long, a path through a file
+            raise AdapterError(f"{str(p)[:200]}: cannot be read ({exc.strerror})") from None
+        if not found:
             raise AdapterError(f"{p}: no such file or directory")
         try:
             resolved = self.adapters.load(p)

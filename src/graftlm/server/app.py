@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from graftlm.errors import GraftError
 from graftlm.runtime.service import EngineService
 from graftlm.server import llama_routes, openai_routes
+from graftlm.server.guard import Guard
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
 from graftlm.server.state import ApiError, ServerConfig, ServerState
@@ -74,7 +75,12 @@ def _error(request: Request, err: ApiError) -> JSONResponse:
 
 def create_app(state: ServerState) -> FastAPI:
     """The HTTP app over `state` (whose service must be started before requests arrive)."""
-    app = FastAPI(title="graftlm", version="0.1.0", docs_url=None, redoc_url=None)
+    # the schema is public only where the API is (with --api-key it would list every route)
+    openapi = None if state.config.api_key else "/openapi.json"
+    app = FastAPI(
+        title="graftlm", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=openapi
+    )
+    app.add_middleware(Guard, max_body=state.config.max_body_bytes)
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
@@ -92,6 +98,17 @@ def create_app(state: ServerState) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return _error(request, ApiError(exc.status_code, message, code))
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        return _error(
+            request, ApiError(400, "the request body is nested too deeply", "invalid_json")
+        )
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def not_unicode(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        message = f"the request holds text that is not valid Unicode ({exc.reason})"
+        return _error(request, ApiError(400, message, "invalid_unicode"))
 
     @app.exception_handler(GraftError)
     async def graft_error(request: Request, exc: GraftError) -> JSONResponse:
@@ -119,6 +136,7 @@ def build_state(
     max_lora_bytes: int | None = None,
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
+    lora_wait_s: float = 60.0,
 ) -> ServerState:
     """A started engine service over `model`, its adapters (`lora`: pinned, llama-server's ids in
     order; `lora_modules`: by name, attached on first use) and metrics. The caller closes
@@ -128,7 +146,11 @@ def build_state(
         model.engine, model.prompter, model.adapters, max_running=parallel, observer=metrics
     )
     registry = AdapterRegistry(
-        service, max_bytes=max_lora_bytes, max_loras=max_loras, max_rank=max_lora_rank
+        service,
+        max_bytes=max_lora_bytes,
+        max_loras=max_loras,
+        max_rank=max_lora_rank,
+        room_wait_s=lora_wait_s,
     )
     for path, scale in lora:
         registry.preload(path, scale)

@@ -3,6 +3,7 @@ the Prometheus /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -68,7 +69,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
     """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives)."""
     state = state_of(request)
     n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
-    ids = prompt_ids(state, body.prompt)
+    ids = await asyncio.to_thread(prompt_ids, state, body.prompt)  # off the event loop
     check_context(state, ids, n_predict)
     params = sampling_params(state, body, n_predict)
     lease = await admit(state, body.model, body.lora)
@@ -148,20 +149,26 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
 
 # -- tokens and templates --
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     svc = state_of(request).prompter
-    ids = svc.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
-    if not body.with_pieces:
-        return {"tokens": ids}
-    out = []
-    for i in ids:
-        raw = svc.token_bytes(i)
-        try:
-            piece: str | list[int] = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(raw)
-        out.append({"id": i, "piece": piece})
-    return {"tokens": out}
+
+    def work() -> bytes:  # tokens and their JSON off the event loop: a large body takes seconds
+        ids = svc.tokenize(
+            body.content, add_special=body.add_special, parse_special=body.parse_special
+        )
+        if not body.with_pieces:
+            return json.dumps({"tokens": ids}).encode()
+        out = []
+        for i in ids:
+            raw = svc.token_bytes(i)
+            try:
+                piece: str | list[int] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            out.append({"id": i, "piece": piece})
+        return json.dumps({"tokens": out}, ensure_ascii=False).encode()
+
+    return Response(await asyncio.to_thread(work), media_type="application/json")
 
 
 @router.post("/detokenize")

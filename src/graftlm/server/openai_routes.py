@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -120,7 +122,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     svc = state.service
     max_tokens = state.config.n_predict if body.max_tokens is None else body.max_tokens
     prompts = _prompts(body)
-    ids = [prompt_ids(state, p) for p in prompts]
+    ids = [await asyncio.to_thread(prompt_ids, state, p) for p in prompts]  # off the loop
     for x in ids:
         check_context(state, x, max_tokens)
     params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
@@ -218,7 +220,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     max_tokens = state.config.n_predict if limit is None else limit
-    ids = state.prompter.chat_prompt([m.as_template_input() for m in body.messages])
+    messages = [m.as_template_input() for m in body.messages]
+    ids = await asyncio.to_thread(state.prompter.chat_prompt, messages)  # off the event loop
     check_context(state, ids, max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
@@ -341,6 +344,31 @@ def _runtime_lora(state: ServerState) -> None:
         )
 
 
+def _confined(state: ServerState, path: str) -> str:
+    """The path, resolved (symlinks followed), when it lies under one of the server's --lora-dir
+    folders; else a 403 that says nothing of whether it exists. What exists there must be a
+    regular file or a directory (not a FIFO or a device, whose reads block)."""
+    try:
+        real = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # too long, a symlink loop, a NUL byte
+        raise ApiError(400, f"lora_path cannot be used: {exc}"[:300], "invalid_value") from None
+    dirs = state.config.lora_dirs
+    if not any(real.is_relative_to(d) for d in dirs):
+        allowed = ", ".join(str(d) for d in dirs) or "none (start the server with --lora-dir)"
+        raise ApiError(
+            403,
+            f"lora_path {path[:200]!r} is outside the folders runtime loads may read: {allowed}",
+            "permission_denied",
+        )
+    try:
+        is_other = real.exists() and not (real.is_file() or real.is_dir())
+    except OSError as exc:
+        raise ApiError(400, f"lora_path cannot be used: {exc.strerror}", "invalid_value") from None
+    if is_other:
+        raise ApiError(400, f"{path[:200]}: not a regular file or a directory", "invalid_value")
+    return str(real)
+
+
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
     """Attach an adapter (GGUF file or PEFT directory) under a name; a name in use is replaced."""
@@ -348,7 +376,7 @@ async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> PlainTex
     _runtime_lora(state)
     if body.lora_name in state.base_names:
         raise ApiError(400, f"{body.lora_name!r} is the base model's name", "invalid_value")
-    await state.registry.load(body.lora_name, body.lora_path)
+    await state.registry.load(body.lora_name, _confined(state, body.lora_path))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

@@ -19,6 +19,7 @@ when it ends; that is what keeps its adapters resident.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,8 +72,12 @@ class AdapterRegistry:
         max_bytes: int | None = None,
         max_loras: int | None = None,
         max_rank: int | None = None,
+        room_wait_s: float = 60.0,
     ) -> None:
         self.service = service
+        # how long a request waits for adapters in use to be released before its 503
+        self.room_wait_s = room_wait_s
+        self._freed = asyncio.Event()  # set whenever an adapter may have become evictable
         self.adapters = service.adapters  # the global scales live there
         self.max_bytes = max_bytes
         self.max_loras = max_loras
@@ -192,6 +197,8 @@ class AdapterRegistry:
         for e in lease.entries:
             e.refs -= 1
             e.last_used = now
+            if e.refs == 0:
+                self._freed.set()
             if e.retired and e.refs == 0 and e.resident:
                 self._drop_later(e)
 
@@ -207,6 +214,7 @@ class AdapterRegistry:
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
         await asyncio.wrap_future(self.service.set_scales(scales))
+        self._freed.set()  # an adapter at global scale 0 may now be evicted
 
     # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:
@@ -284,6 +292,8 @@ class AdapterRegistry:
             too_many = self.max_loras is not None and len(self.by_id) + 1 > self.max_loras
             return too_big or too_many
 
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.room_wait_s
         while over():
             scales = self.adapters.scales()
             idle = [
@@ -291,14 +301,20 @@ class AdapterRegistry:
                 for e in self.by_id.values()
                 if not e.pinned and e.refs == 0 and e.id not in scales
             ]
-            if not idle:
+            if idle:
+                await self._drop(min(idle, key=lambda e: e.last_used))
+                continue
+            left = deadline - loop.time()
+            if left <= 0:  # queued as long as we wait: then the client hears why
                 raise RequestError(
                     f"no room for adapter {name!r}: the LoRA budget "
-                    f"({self._budget_text()}) is held by "
-                    "adapters in use; retry when requests end",
+                    f"({self._budget_text()}) stayed held by adapters in use for "
+                    f"{self.room_wait_s:g} s; retry when requests end",
                     "adapter_memory_busy",
                 )
-            await self._drop(min(idle, key=lambda e: e.last_used))
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
 
     def _budget_text(self) -> str:
         parts = []

@@ -28,6 +28,9 @@ class ServerConfig:
     seed: int = -1  # -1: a random seed per request
     n_predict: int = -1  # -1: until an end token or the context is full
     extra_model_names: tuple[str, ...] = ()  # other names accepted for the base (its file name)
+    max_body_bytes: int = 8 << 20  # larger request bodies are refused with a 413
+    # where /v1/load_lora_adapter may read (resolved, symlinks followed); () = nowhere
+    lora_dirs: tuple[Path, ...] = ()
 
 
 @dataclass

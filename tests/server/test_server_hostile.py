@@ -1,0 +1,163 @@
+"""Hostile requests: bodies past the limit, cross-site requests from a web page, JSON nested a
+thousand deep, text that is not Unicode, runtime-load paths outside the allowed folders or that
+would block; each a 4xx with an error object, nothing changed, and the server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import TinyServer
+
+import graftlm
+from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.state import ServerConfig
+
+
+@pytest.fixture(scope="module")
+def http(server: TinyServer) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=60)
+
+
+def _err(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err
+
+
+def _alive(http: httpx.Client) -> None:
+    r = http.post("/completion", json={"prompt": "the", "n_predict": 2})
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def small(tiny_files: dict[str, Path]) -> Iterator[tuple[str, ServerConfig]]:
+    """A server with a 4 KiB body limit and an API key."""
+    model = graftlm.load(tiny_files["model"], ctx_size=64, n_seq=2)
+    config = ServerConfig(model_name="tiny", api_key="k", max_body_bytes=4096)
+    state = build_state(model, config, parallel=1)
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield srv.url, config
+    finally:
+        srv.stop()
+        state.service.close()
+
+
+def test_bodies_past_the_limit_are_413(small: tuple[str, ServerConfig]) -> None:
+    url, _ = small
+    key = {"Authorization": "Bearer k"}
+    big = {"prompt": "x" * 10_000, "max_tokens": 1}
+    _err(httpx.post(url + "/v1/completions", json=big, headers=key), 413, "4096", "--max-body")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = httpx.post(
+        url + "/v1/completions",
+        content=chunks(),
+        headers={**key, "Content-Type": "application/json"},
+    )
+    _err(r, 413, "past the limit")
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "the", "max_tokens": 1}, headers=key)
+    assert ok.status_code == 200, ok.text
+
+
+def test_the_schema_is_not_public_behind_a_key(
+    small: tuple[str, ServerConfig], http: httpx.Client
+) -> None:
+    url, _ = small
+    assert httpx.get(url + "/openapi.json").status_code == 404
+    assert http.get("/openapi.json").status_code == 200  # no key: nothing to hide
+
+
+def test_cross_site_requests_are_refused(server: TinyServer, http: httpx.Client) -> None:
+    """A page on another site posting a text/plain body (no preflight) cannot change scales."""
+    before = http.get("/lora-adapters").json()
+    body = '[{"id": 0, "scale": 1.0}]'
+    for headers in (
+        {"Origin": "https://evil.example", "Content-Type": "text/plain"},
+        {"Origin": "null", "Content-Type": "text/plain"},
+        {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"},
+    ):
+        r = http.post("/lora-adapters", content=body, headers=headers)
+        assert _err(r, 403, "cross-site")["type"] == "permission_error"
+    assert http.get("/lora-adapters").json() == before
+    same = {"Origin": server.url, "Content-Type": "application/json"}
+    assert http.post("/lora-adapters", content=body, headers=same).status_code == 200
+    http.post("/lora-adapters", json=[{"id": e["id"], "scale": e["scale"]} for e in before])
+    assert http.get("/lora-adapters").json() == before
+
+
+def test_nested_json_and_lone_surrogates_are_400(http: httpx.Client) -> None:
+    deep = "[" * 1000 + "]" * 1000
+    headers = {"Content-Type": "application/json"}
+    _err(http.post("/lora-adapters", content=deep, headers=headers), 400, "nested")
+    for path, raw in (
+        ("/completion", '{"prompt": "a\\ud800b", "n_predict": 2}'),
+        ("/v1/completions", '{"prompt": "\\udfff", "max_tokens": 2, "echo": true}'),
+        ("/tokenize", '{"content": "x\\ud83d"}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+        ("/completion", '{"prompt": "a", "n_predict": 1, "stop": ["\\ud800"]}'),
+    ):
+        r = http.post(path, content=raw, headers=headers)
+        _err(r, 400, "Unicode")
+    _alive(http)
+
+
+def test_runtime_load_paths_are_confined(
+    server: TinyServer, http: httpx.Client, tmp_path: Path
+) -> None:
+    load = "/v1/load_lora_adapter"
+    for path in ("/etc/shadow", "/proc/self/environ", "/nonexistent/a.gguf"):
+        err = _err(http.post(load, json={"lora_name": "x", "lora_path": path}), 403, "outside")
+        said = err["message"].split("may read:")[0]  # (the allowed folders follow)
+        assert "root:" not in said and "SHEL" not in said and "no such" not in said
+    # a symlink inside an allowed folder that points outside is outside
+    link = tmp_path / "sneaky.gguf"
+    link.symlink_to("/etc/hostname")
+    _err(http.post(load, json={"lora_name": "x", "lora_path": str(link)}), 403, "outside")
+    long = str(tmp_path / ("a" * 300))
+    r = http.post(load, json={"lora_name": "x", "lora_path": long})
+    assert r.status_code == 400, r.text
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    _err(http.post(load, json={"lora_name": "x", "lora_path": str(fifo)}), 400, "regular file")
+    assert "x" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+    _alive(http)
+
+
+def test_a_large_tokenize_does_not_hold_up_the_event_loop(http: httpx.Client) -> None:
+    """Tokenizing a large body runs off the event loop: /health answers meanwhile."""
+    text = "hello world, some text to split into tokens. " * 150_000  # ~7 MB
+    done: list[float] = []
+
+    def big() -> None:
+        t0 = time.perf_counter()
+        r = httpx.post(http.base_url.join("/tokenize"), json={"content": text}, timeout=120)
+        assert r.status_code == 200
+        done.append(time.perf_counter() - t0)
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    time.sleep(0.3)
+    waits = []
+    while worker.is_alive() and len(waits) < 20:
+        t0 = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    worker.join()
+    assert done
+    if len(waits) >= 3:  # the tokenization lasted long enough to be overlapped
+        assert max(waits) < max(0.5 * done[0], 1.0), (waits, done)

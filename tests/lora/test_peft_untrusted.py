@@ -145,3 +145,29 @@ def test_a_huge_declared_tensor_is_refused_from_the_header(
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + n * 8192 + 2048)
     _refused(llama, d, "lora_A [1048576, 2048]", "does not fit")
+
+
+def test_mutated_configs_load_or_fail_cleanly(llama: graftlm.Model, tmp_path: Path) -> None:
+    """A seeded fuzzer over adapter_config.json: every field of the real config in turn set to
+    a value of another type or an extreme one. Each case attaches (and is detached) or is one
+    AdapterError; no other exception, nothing left attached, none slow."""
+    import random
+
+    rng = random.Random(3)
+    real = json.loads((TINY / "llama" / "peft" / "adapter_config.json").read_text())
+    values: list[Any] = [
+        None, True, 0, -1, 2**40, 1e308, float("inf"), "", "(", EVIL, "x" * 3000, [], [1],
+        ["q_proj", 5], {}, {"q_proj": "x"}, {"(": 2}, [[["deep"]]],
+    ]  # fmt: skip
+    keys = [*real, "alora_invocation_tokens", "layers_pattern", "rank_pattern", "use_dora"]
+    n = len(llama.loras)
+    for i in range(60):
+        edit = {rng.choice(keys): rng.choice(values)}
+        d = _with_config(tmp_path / str(i), edit)
+        t0 = time.perf_counter()
+        try:
+            llama.remove_lora(llama.add_lora(d))
+        except AdapterError:
+            pass
+        assert time.perf_counter() - t0 < 5, edit
+        assert len(llama.loras) == n

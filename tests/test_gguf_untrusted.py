@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,3 +262,77 @@ def test_only_regular_files_are_read_and_no_content_is_quoted(tmp_path: Path) ->
     msg = _refused(secret, "not a GGUF file")
     rest = msg.replace(str(secret), "")
     assert "root" not in rest and "secret" not in rest and "$6$" not in rest
+
+
+def _retyped(src: Path, dst: Path, change: Any) -> Path:
+    """A copy of src with tensors changed by change(name, array, type) -> (array, type)."""
+    import gguf
+
+    f = GGUFFile(src)
+    w = gguf.GGUFWriter(str(dst), arch="llama")
+    for key, value in f.metadata.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+            continue
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_int32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_array(key, value)
+    for name, e in f.tensors.items():
+        arr, qtype = change(name, np.asarray(e.data), e.ggml_type)
+        w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_tensors_that_cannot_serve_are_named_at_load(tmp_path: Path) -> None:
+    """A norm of the wrong length failed only at inference (a torch RuntimeError); an integer
+    tensor as a weight was a NotImplementedError; a tokenizer of the wrong value types a raw
+    TypeError."""
+    import gguf
+
+    src = write_tiny_model(tmp_path / "m.gguf", TinySpec())
+
+    def short(name: str, a: np.ndarray, t: Any) -> tuple[np.ndarray, Any]:
+        return (a[:-4].copy(), t) if name == "blk.0.attn_norm.weight" else (a, t)
+
+    def as_i8(name: str, a: np.ndarray, t: Any) -> tuple[np.ndarray, Any]:
+        if name == "blk.0.attn_q.weight":
+            return np.zeros(a.shape, np.int8), gguf.GGMLQuantizationType.I8
+        return a, t
+
+    for change, words in (
+        (short, ("'blk.0.attn_norm.weight'", "60 values", "expected 64")),
+        (as_i8, ("'blk.0.attn_q.weight'", "I8")),
+    ):
+        bad = _retyped(src, tmp_path / "bad.gguf", change)
+        with pytest.raises(ModelFileError) as info:
+            graftlm.load(str(bad), ctx_size=32)
+        assert all(w in str(info.value) for w in words), str(info.value)
+    ints = _with_meta(src, tmp_path / "t.gguf", **{"tokenizer.ggml.tokens": list(range(10))})
+    with pytest.raises(ModelFileError, match="cannot build its tokenizer"):
+        graftlm.load(str(ints), ctx_size=32)
+
+
+def test_an_adapter_alpha_past_float32_is_refused(tmp_path: Path) -> None:
+    spec = TinySpec()
+    model = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32)
+    src = write_tiny_adapter(tmp_path / "a.gguf", spec)
+    data = src.read_bytes()
+    key = b"adapter.lora.alpha"
+    at = data.index(key) + len(key)
+    vtype = struct.unpack("<I", data[at : at + 4])[0]
+    assert vtype == V.FLOAT32
+    bad = tmp_path / "big.gguf"
+    bad.write_bytes(data[:at] + struct.pack("<If", vtype, float("inf")) + data[at + 8 :])
+    with pytest.raises(GraftError, match="adapter.lora.alpha"):
+        model.add_lora(bad)
+    assert model.loras == []

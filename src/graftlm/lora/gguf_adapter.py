@@ -8,6 +8,7 @@ Scale rule (llama.cpp): s = user_scale * alpha / r with r the rank of each tenso
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
+from graftlm.lora.scales import FLOAT32_MAX
 from graftlm.lora.targets import Base, resolve_target
 from graftlm.quant import dequantize_any
 
@@ -69,6 +71,9 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
             f"general.architecture is {arch!r} but the base model is {model.cfg.arch!r}"
         )
     alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
+    if not math.isfinite(alpha) or abs(alpha) > FLOAT32_MAX:
+        problems.append(f"metadata 'adapter.lora.alpha' is {alpha!r}: not a finite float32")
+        alpha = 0.0
     task_name = _meta(f, "adapter.lora.task_name", str, problems, "")
     prompt_prefix = _meta(f, "adapter.lora.prompt_prefix", str, problems, "")
     invocation = _meta(f, "adapter.alora.invocation_tokens", list, problems, [])

@@ -57,9 +57,19 @@ class Weights:
             self.bar.update(1)
         return entry
 
-    def vector(self, name: str) -> torch.Tensor:
+    def vector(self, name: str, n: int | None = None) -> torch.Tensor:
+        """A 1-D tensor (a norm, a bias) as float32; n: the length it must have."""
         e = self._entry(name)
-        return dequantize_any(e.data, e.ggml_type, e.shape).reshape(-1)
+        try:
+            v = dequantize_any(e.data, e.ggml_type, e.shape).reshape(-1)
+        except (ValueError, NotImplementedError) as exc:
+            raise ModelFileError(f"{self.file.path}: tensor {name!r}: {exc}") from None
+        if n is not None and v.numel() != n:
+            raise ModelFileError(
+                f"{self.file.path}: tensor {name!r} has {v.numel()} values (shape "
+                f"{list(e.shape)}), expected {n}"
+            )
+        return v
 
     def matrix(self, name: str, shape: tuple[int, int]) -> QWeight:
         e = self._entry(name)
@@ -67,7 +77,17 @@ class Weights:
             raise ModelFileError(
                 f"{self.file.path}: tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}"
             )
-        return QWeight.from_gguf(e.data, e.ggml_type, shape, name=name, prefer=self.prefer)
+        return self.qweight(e, e.data, shape, name)
+
+    def qweight(self, e: TensorEntry, data: Any, shape: tuple[int, int], name: str) -> QWeight:
+        """`data` (all of e's bytes, or a part of them) as a weight of this shape."""
+        try:
+            return QWeight.from_gguf(data, e.ggml_type, shape, name=name, prefer=self.prefer)
+        except NotImplementedError:
+            raise ModelFileError(
+                f"{self.file.path}: tensor {e.name!r} is of type {e.ggml_type.name}, which no "
+                "kernel computes with (integer tensors are not weights)"
+            ) from None
 
     def proj(self, base: str, n_in: int, n_out: int) -> Projection:
         return self.seam(Projection(base, self.matrix(base + ".weight", (n_out, n_in))))
@@ -111,13 +131,7 @@ class Weights:
             return ProjectionGroup(names, sizes, parts=[self.proj(b, n_in, n) for b, n in parts])
         assert self.seams is not None
         data = np.concatenate([np.asarray(e.data) for e in entries], axis=0)
-        weight = QWeight.from_gguf(
-            data,
-            entries[0].ggml_type,
-            (sum(sizes), n_in),
-            name=fused + ".weight",
-            prefer=self.prefer,
-        )
+        weight = self.qweight(entries[0], data, (sum(sizes), n_in), fused + ".weight")
         for e in entries:
             release_pages(e.data)  # the stacked copy replaces the mapped pages
         group = ProjectionGroup(names, sizes, fused=self.seam(Projection(fused, weight)))
@@ -139,7 +153,7 @@ class Transformer:
         # every place an adapter can attach, entered as the weights load
         self.seams = w.seams = SeamTable(cfg.n_vocab, cfg.n_embd)
         self.token_embd = w.matrix("token_embd.weight", (cfg.n_vocab, cfg.n_embd))
-        self.output_norm = w.vector("output_norm.weight")
+        self.output_norm = w.vector("output_norm.weight", cfg.n_embd)
         if cfg.tied_head:
             # Tied: the head reads the embedding table; an adapter on the embedding changes the
             # lookup only (as PEFT does), so the head gets its own seam over the same weight.

@@ -53,14 +53,14 @@ class Gemma2Block:
     def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
         p = f"blk.{i}."
         d, vd = cfg.n_embd, cfg.v_head_dim
-        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.attn_norm = w.vector(p + "attn_norm.weight", cfg.n_embd)
         self.attn_qkv = w.attn_qkv(cfg, i)
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
-        self.post_attention_norm = w.vector(p + "post_attention_norm.weight")
-        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.post_attention_norm = w.vector(p + "post_attention_norm.weight", cfg.n_embd)
+        self.ffn_norm = w.vector(p + "ffn_norm.weight", cfg.n_embd)
         self.ffn_gate_up = w.ffn_gate_up(cfg, i)
         self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
-        self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight")
+        self.post_ffw_norm = w.vector(p + "post_ffw_norm.weight", cfg.n_embd)
 
 
 class Gemma2(Transformer):

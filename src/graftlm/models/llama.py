@@ -21,8 +21,8 @@ from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
 
-def _bias(w: Weights, name: str) -> torch.Tensor | None:
-    return w.vector(name) if w.has(name) else None
+def _bias(w: Weights, name: str, n: int) -> torch.Tensor | None:
+    return w.vector(name, n) if w.has(name) else None
 
 
 def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -34,14 +34,14 @@ class LlamaBlock:
     def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
         p = f"blk.{i}."
         d, vd = cfg.n_embd, cfg.v_head_dim
-        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.attn_norm = w.vector(p + "attn_norm.weight", cfg.n_embd)
         self.attn_qkv = w.attn_qkv(cfg, i)
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * vd, d)
-        self.attn_q_bias = _bias(w, p + "attn_q.bias")
-        self.attn_k_bias = _bias(w, p + "attn_k.bias")
-        self.attn_v_bias = _bias(w, p + "attn_v.bias")
-        self.attn_output_bias = _bias(w, p + "attn_output.bias")
-        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.attn_q_bias = _bias(w, p + "attn_q.bias", cfg.n_head * cfg.head_dim)
+        self.attn_k_bias = _bias(w, p + "attn_k.bias", cfg.n_head_kv * cfg.head_dim)
+        self.attn_v_bias = _bias(w, p + "attn_v.bias", cfg.n_head_kv * vd)
+        self.attn_output_bias = _bias(w, p + "attn_output.bias", d)
+        self.ffn_norm = w.vector(p + "ffn_norm.weight", cfg.n_embd)
         if cfg.n_expert:
             shape, down = (cfg.n_expert, cfg.n_ff, d), (cfg.n_expert, d, cfg.n_ff)
             self.ffn_gate_inp: Projection = w.proj(p + "ffn_gate_inp", d, cfg.n_expert)

@@ -33,10 +33,7 @@ class Experts:
         n_expert, n_out, n_in = shape
         # entry.data is (n_expert, n_out, n_in) floats or (n_expert, n_out, row bytes) blocks
         self.weights = [
-            QWeight.from_gguf(
-                entry.data[e], entry.ggml_type, (n_out, n_in), name=f"{name}[{e}]", prefer=w.prefer
-            )
-            for e in range(n_expert)
+            w.qweight(entry, entry.data[e], (n_out, n_in), f"{name}[{e}]") for e in range(n_expert)
         ]
 
     def to(self, device: torch.device) -> Experts:

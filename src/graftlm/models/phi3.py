@@ -27,10 +27,10 @@ class Phi3Block:
         p = f"blk.{i}."
         d = cfg.n_embd
         n_qkv = cfg.n_head * cfg.head_dim + cfg.n_head_kv * (cfg.head_dim + cfg.v_head_dim)
-        self.attn_norm = w.vector(p + "attn_norm.weight")
+        self.attn_norm = w.vector(p + "attn_norm.weight", cfg.n_embd)
         self.attn_qkv: Projection = w.proj(p + "attn_qkv", d, n_qkv)  # rows: q | k | v
         self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * cfg.v_head_dim, d)
-        self.ffn_norm = w.vector(p + "ffn_norm.weight")
+        self.ffn_norm = w.vector(p + "ffn_norm.weight", cfg.n_embd)
         self.ffn_up: Projection = w.proj(p + "ffn_up", d, 2 * cfg.n_ff)  # rows: gate | up
         self.ffn_down: Projection = w.proj(p + "ffn_down", cfg.n_ff, d)
 

@@ -17,8 +17,10 @@ class Qwen3Block(LlamaBlock):
     def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
         super().__init__(cfg, w, i)
         p = f"blk.{i}."
-        self.attn_q_norm = w.vector(p + "attn_q_norm.weight")  # (head_dim,), shared by all heads
-        self.attn_k_norm = w.vector(p + "attn_k_norm.weight")
+        self.attn_q_norm = w.vector(
+            p + "attn_q_norm.weight", cfg.head_dim
+        )  # (head_dim,), shared by all heads
+        self.attn_k_norm = w.vector(p + "attn_k_norm.weight", cfg.head_dim)
 
 
 class Qwen3(Llama):

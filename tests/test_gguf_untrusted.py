@@ -146,6 +146,7 @@ def _with_meta(src: Path, dst: Path, **changes: object) -> Path:
     """A copy of src with metadata fields replaced (gguf's writer: real tensors, real layout)."""
     import gguf
 
+    change: Any = changes.pop("_tensors", lambda name, a, t: (a, t))
     f = GGUFFile(src)
     w = gguf.GGUFWriter(str(dst), arch="llama")
     for key, value in f.metadata.items():
@@ -167,9 +168,8 @@ def _with_meta(src: Path, dst: Path, **changes: object) -> Path:
     for key, value in changes.items():
         w.add_string(key, value) if isinstance(value, str) else w.add_int64(key, value)  # type: ignore[arg-type]
     for name, e in f.tensors.items():
-        w.add_tensor(
-            name, np.asarray(e.data), raw_shape=np.asarray(e.data).shape, raw_dtype=e.ggml_type
-        )
+        arr, qtype = change(name, np.asarray(e.data), e.ggml_type)
+        w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -266,31 +266,7 @@ def test_only_regular_files_are_read_and_no_content_is_quoted(tmp_path: Path) ->
 
 def _retyped(src: Path, dst: Path, change: Any) -> Path:
     """A copy of src with tensors changed by change(name, array, type) -> (array, type)."""
-    import gguf
-
-    f = GGUFFile(src)
-    w = gguf.GGUFWriter(str(dst), arch="llama")
-    for key, value in f.metadata.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
-            continue
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_int32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_array(key, value)
-    for name, e in f.tensors.items():
-        arr, qtype = change(name, np.asarray(e.data), e.ggml_type)
-        w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return _with_meta(src, dst, _tensors=change)
 
 
 def test_tensors_that_cannot_serve_are_named_at_load(tmp_path: Path) -> None:

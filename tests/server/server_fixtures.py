@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tiny_models import TinySpec
 
 import graftlm
@@ -54,3 +55,14 @@ class TinyServer:
     ) -> list[dict]:
         settings = [{"id": self.ref_ids[k], "scale": v} for k, v in (lora or {}).items()]
         return self.ref.logprobs(ids, top=top, lora=settings)
+
+
+def error_of(r: httpx.Response, status: int, *words: str) -> dict:
+    """The error object of a refused request, checked: the status, OpenAI's three fields, and
+    the words its message must hold."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return dict(err)

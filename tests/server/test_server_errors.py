@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from server_fixtures import SPEC, TinyServer
+from server_fixtures import error_of as _check
 
 import graftlm
 from graftlm.server.app import ServerThread, build_state, create_app
@@ -22,15 +23,6 @@ CHAT = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def http(server: TinyServer) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=60)
-
-
-def _check(r: httpx.Response, status: int, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "code"}
-    for w in words:
-        assert w in err["message"], (w, err["message"])
-    return err
 
 
 CASES = [

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_fixtures import TinyServer
+from server_fixtures import error_of as _err
 
 import graftlm
 from graftlm.server.app import ServerThread, build_state, create_app
@@ -22,14 +23,6 @@ from graftlm.server.state import ServerConfig
 @pytest.fixture(scope="module")
 def http(server: TinyServer) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=60)
-
-
-def _err(r: httpx.Response, status: int, *words: str) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    for w in words:
-        assert w in err["message"], (w, err["message"])
-    return err
 
 
 def _alive(http: httpx.Client) -> None:

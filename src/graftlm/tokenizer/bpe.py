@@ -345,9 +345,18 @@ def make_merger(
                 else:
                     out += py.word_ids(w)
             return out
-        return list(encode(words, is_pretokenized=True, add_special_tokens=False).ids)
+        # words merge independently: in slices, so that a large text does not hold the GIL
+        # (and the server's event loop) for the whole of one Rust call
+        ids: list[int] = []
+        for at in range(0, len(words), MERGE_SLICE):
+            piece = words[at : at + MERGE_SLICE]
+            ids += encode(piece, is_pretokenized=True, add_special_tokens=False).ids
+        return ids
 
     return merge_hf, "tokenizers"
+
+
+MERGE_SLICE = 8192  # words per call into HF tokenizers (~10 ms)
 
 
 def _hf_model(token_to_id: dict[str, int], merges: list[tuple[str, str]]) -> Any:

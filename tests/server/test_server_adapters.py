@@ -228,3 +228,33 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
         time.sleep(0.01)
     assert not any(e.name == "gamma" for e in server.state.registry.by_id.values())
     assert set(server.state.service.adapters.attached) == set(server.state.registry.by_id)
+
+
+def test_a_slow_adapter_read_ends_its_request_with_a_503(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading runs in a worker thread under a deadline: a read that hangs (a network mount,
+    say) ends the request that waits for it, and the registry goes on serving."""
+    import threading
+
+    release = threading.Event()
+    real = svc.prepare_adapter
+
+    def hanging(path: str) -> object:
+        release.wait(10)
+        return real(path)
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        reg.load_timeout_s = 0.3
+        monkeypatch.setattr(svc, "prepare_adapter", hanging)
+        with pytest.raises(RequestError) as exc:
+            await reg.lease("alpha", None, BASE)
+        assert exc.value.code == "adapter_load_timeout" and not reg.names["alpha"].resident
+        release.set()
+        monkeypatch.setattr(svc, "prepare_adapter", real)
+        lease = await reg.lease("alpha", None, BASE)
+        assert reg.names["alpha"].resident
+        reg.release(lease)
+
+    asyncio.run(go())

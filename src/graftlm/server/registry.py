@@ -73,10 +73,12 @@ class AdapterRegistry:
         max_loras: int | None = None,
         max_rank: int | None = None,
         room_wait_s: float = 60.0,
+        load_timeout_s: float = 300.0,
     ) -> None:
         self.service = service
         # how long a request waits for adapters in use to be released before its 503
         self.room_wait_s = room_wait_s
+        self.load_timeout_s = load_timeout_s  # the longest a request waits for an adapter's read
         self._freed = asyncio.Event()  # set whenever an adapter may have become evictable
         self.adapters = service.adapters  # the global scales live there
         self.max_bytes = max_bytes
@@ -264,7 +266,15 @@ class AdapterRegistry:
         )
 
     async def _attach(self, entry: AdapterEntry) -> int:
-        prepared = await asyncio.to_thread(self.service.prepare_adapter, entry.path)
+        try:  # read in a worker thread, off the event loop and the engine thread
+            prepared = await asyncio.wait_for(
+                asyncio.to_thread(self.service.prepare_adapter, entry.path), self.load_timeout_s
+            )
+        except TimeoutError:  # (the read goes on in its thread; this request no longer waits)
+            raise RequestError(
+                f"reading adapter {entry.name!r} took more than {self.load_timeout_s:g} s",
+                "adapter_load_timeout",
+            ) from None
         self._check_rank(prepared.facts)
         async with self._attach_lock:
             await self._make_room(prepared.facts.nbytes, entry.name)

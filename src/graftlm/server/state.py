@@ -90,7 +90,8 @@ class ApiError(Exception):
         if isinstance(exc, RequestError):
             status = (
                 503
-                if exc.code in ("server_busy", "server_shutdown", "adapter_memory_busy")
+                if exc.code
+                in ("server_busy", "server_shutdown", "adapter_memory_busy", "adapter_load_timeout")
                 else 400
             )
             return cls(status, str(exc), exc.code)

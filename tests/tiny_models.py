@@ -135,7 +135,7 @@ def write_tiny_model(path: Path, spec: TinySpec | None = None, seed: int = 0) ->
         p = f"blk.{i}."
         for n in norms:
             w.add_tensor(p + n + ".weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
-        if a == "gemma3":
+        if a in ("gemma3", "qwen3"):
             for n in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(
                     p + n + ".weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)

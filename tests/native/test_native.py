@@ -225,7 +225,14 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch,qtype", [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("llama", Q.Q4_0), ("gemma3", Q.Q5_0)]
+    "arch,qtype",
+    [
+        ("llama", Q.Q4_1),
+        ("llama", Q.Q8_0),
+        ("llama", Q.Q4_0),
+        ("gemma3", Q.Q5_0),
+        ("qwen3", Q.Q8_0),
+    ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])
 def test_fused_layer_equals_the_pytorch_block(

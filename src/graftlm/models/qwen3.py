@@ -3,11 +3,14 @@ over halves, no biases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Weights
+from graftlm.models.fused import LayerSpec
 from graftlm.models.layers import rms_norm
 from graftlm.models.llama import Llama, LlamaBlock
 from graftlm.step.batch import Batch
@@ -28,7 +31,18 @@ class Qwen3(Llama):
     Block = Qwen3Block
     blocks: list[Qwen3Block]
 
+    def layer_spec(self, i: int) -> LayerSpec | None:
+        """The llama layer's spec plus the per-head QK-norm (the native layer's gemma-3 path)."""
+        spec = super().layer_spec(i)
+        if spec is None:
+            return None
+        b = self.blocks[i]
+        return dataclasses.replace(spec, q_norm=b.attn_q_norm, k_norm=b.attn_k_norm)
+
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        y = self.native_block(i, x, batch)
+        if y is not None:
+            return y
         cfg, b = self.cfg, self.blocks[i]
         eps = cfg.rms_eps
         h = rms_norm(x, b.attn_norm, eps)

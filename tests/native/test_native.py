@@ -719,3 +719,51 @@ def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(bb, padded[:, order], rtol=0, atol=0)
     else:
         torch.testing.assert_close(bb, padded, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "phi3"])
+def test_fused_layer_serves_the_converted_families(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's own conversions (Q8_0) of four families, with their converted adapter: every
+    decode step runs in one native call, bit-identical to one call a layer and within 1e-4 of
+    the composed blocks, rows with the adapter and without."""
+    from shared_data import TINY
+
+    from graftlm.models.base import Transformer
+    from graftlm.models.fused import FusedStack
+
+    d = TINY / family
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2)
+    aid = m.add_lora(d / "lora-f32.gguf", 0.0)
+    model = m.model
+    rows = m.engine.lora_rows([{aid: 1.0}, {}])
+    served: list[bool] = []
+    call = FusedStack.__call__
+
+    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        y = call(self, x, batch)
+        served.append(y is not None)
+        return y
+
+    monkeypatch.setattr(FusedStack, "__call__", counted)
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for s, n in enumerate((5, 9)):
+                model.forward(Batch.single([7 * s + j + 3 for j in range(n)], s, 0))
+            for step in range(3):
+                tokens = torch.tensor([[20 + step], [30 + step]])
+                out.append(model.forward(Batch(tokens, [0, 1], [5 + step, 9 + step], [1, 1], rows)))
+        return out
+
+    fused = run()
+    assert served.count(True) == 3 and served[-3:] == [True] * 3  # the decode steps
+    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    one_by_one = run()
+    _compose(monkeypatch)
+    composed = run()
+    for a, b, c in zip(fused, one_by_one, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
+from graftlm.models.fused import LayerSpec
 from graftlm.models.layers import Rope, attention, rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
@@ -59,7 +60,16 @@ class Phi3(Transformer):
             self.rope_of_layer = [rope] * cfg.n_layer
         self.blocks = [Phi3Block(cfg, w, i) for i in range(cfg.n_layer)]
 
+    def layer_spec(self, i: int) -> LayerSpec | None:
+        """The fused tensors are the stacked projections the native layer takes: attn_qkv's rows
+        q | k | v, ffn_up's gate | up (LongRoPE's factors and scale live in the RoPE tables)."""
+        b = self.blocks[i]
+        return LayerSpec([b.attn_qkv], b.attn_output, b.ffn_up, b.ffn_down, b.attn_norm, b.ffn_norm)
+
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        y = self.native_block(i, x, batch)
+        if y is not None:
+            return y
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         n_q, n_k = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim

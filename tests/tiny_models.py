@@ -140,6 +140,10 @@ def write_tiny_model(path: Path, spec: TinySpec | None = None, seed: int = 0) ->
                 w.add_tensor(
                     p + n + ".weight", (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
                 )
+        if a == "qwen2":  # Q/K/V biases
+            for n, rows in (("attn_q", spec.n_head * hd), ("attn_k", spec.n_head_kv * hd),
+                            ("attn_v", spec.n_head_kv * hd)):  # fmt: skip
+                w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
         std = 1.0 / np.sqrt(d)
         _matrix(w, p + "attn_q.weight", spec.n_head * hd, d, spec.qtype, rng, std)
         _matrix(w, p + "attn_k.weight", spec.n_head_kv * hd, d, spec.qtype, rng, std)

@@ -232,6 +232,7 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("llama", Q.Q4_0),
         ("gemma3", Q.Q5_0),
         ("qwen3", Q.Q8_0),
+        ("qwen2", Q.Q4_0),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])
@@ -721,11 +722,12 @@ def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(bb, padded, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_fused_layer_serves_the_converted_families(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """llama.cpp's own conversions (Q8_0) of four families, with their converted adapter: every
+    """llama.cpp's own conversions (Q8_0) of five families (qwen2 with its Q/K/V biases), with
+    their converted adapter: every
     decode step runs in one native call, bit-identical to one call a layer and within 1e-4 of
     the composed blocks, rows with the adapter and without."""
     from shared_data import TINY

@@ -46,13 +46,18 @@ class LayerSpec:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None  # RMS norms of the outputs, before the residual
     post_ffw_norm: torch.Tensor | None = None
+    q_bias: torch.Tensor | None = None  # added to the products (qwen2), outside the adapters
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
 
     def projections(self) -> list[Projection]:
         return [*self.qkv, self.o, self.gate_up, self.down]
 
     def servable(self) -> bool:
         vectors = [self.attn_norm, self.ffn_norm, self.q_norm, self.k_norm,
-                   self.post_attn_norm, self.post_ffw_norm]  # fmt: skip
+                   self.post_attn_norm, self.post_ffw_norm,
+                   self.q_bias, self.k_bias, self.v_bias, self.o_bias]  # fmt: skip
         return (
             len(self.qkv) in (1, 3)
             and self.act in ACTS
@@ -161,6 +166,10 @@ class FusedLayer:
             "k_norm",
             "post_attn_norm",
             "post_ffw_norm",
+            "q_bias",
+            "k_bias",
+            "v_bias",
+            "o_bias",
         ):
             setattr(layer, name, _ptr(getattr(spec, name)))
         layer.kc, layer.vc = kc.data_ptr(), vc.data_ptr()

@@ -74,15 +74,16 @@ class Llama(Transformer):
 
     def layer_spec(self, i: int) -> LayerSpec | None:
         cfg, b = self.cfg, self.blocks[i]
-        biases = (b.attn_q_bias, b.attn_k_bias, b.attn_v_bias, b.attn_output_bias)
-        if cfg.n_expert or any(t is not None for t in biases):
+        if cfg.n_expert:
             return None
         qkv = [b.attn_qkv.fused] if b.attn_qkv.fused is not None else b.attn_qkv.parts
         if qkv is None or b.ffn_gate_up.fused is None:
             return None
         return LayerSpec(
-            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm
-        )
+            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm,
+            q_bias=b.attn_q_bias, k_bias=b.attn_k_bias, v_bias=b.attn_v_bias,
+            o_bias=b.attn_output_bias,
+        )  # fmt: skip
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         y = self.native_block(i, x, batch)

@@ -47,6 +47,7 @@ class GlLayer(Mirror):
         ("l_down", GlLoraSite),
         ("attn_norm", _P), ("ffn_norm", _P),
         ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_ffw_norm", _P),
+        ("q_bias", _P), ("k_bias", _P), ("v_bias", _P), ("o_bias", _P),
         ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
         ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
         ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),

@@ -68,6 +68,7 @@ typedef struct {
     gl_lora_site l_qkv[3], l_o, l_gate_up, l_down;
     const float *attn_norm, *ffn_norm;
     const float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* NULL: none */
+    const float *q_bias, *k_bias, *v_bias, *o_bias; /* added to the products; NULL: none */
     float *kc, *vc;
     const float *cos_t, *sin_t;
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;

@@ -37,8 +37,13 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
     return count.used + most;
 }
 
+static inline void add_bias(float *y, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) y[i] += bias[i];
+}
+
 /* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
- *   x += [post-norm] O(attention(RoPE([QK-norm] QKV(norm(x)))))
+ *   x += [post-norm] (O(attention(RoPE([QK-norm] (QKV(norm(x)) [+ biases])))) [+ bias])
  *   x += [post-norm] down(act(gate) * up)(norm(x))
  * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels.
  * Its buffers come from sc, which holds layer_bytes(L, B, nth) past sc->used. */
@@ -60,6 +65,11 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
         float *outs[3] = {qb, kb, vb};
         for (int p = 0; p < 3; p++) proj_run(&L->qkv[p], h, B, 1, &L->l_qkv[p], outs[p], sc, nth);
     }
+    for (int64_t b = 0; b < B; b++) { /* biases, as the PyTorch block adds them: after the product */
+        add_bias(qb + b * qs, L->q_bias, nq);
+        add_bias(kb + b * ks, L->k_bias, nkv);
+        add_bias(vb + b * vs, L->v_bias, nkv);
+    }
     for (int64_t b = 0; b < B; b++) {
         if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
         if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
@@ -68,6 +78,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
                        L->window, L->scale, 0.0f};
     attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.scores, L->n_ctx, nth);
     proj_run(&L->o, att, B, 1, &L->l_o, o, sc, nth);
+    for (int64_t b = 0; b < B; b++) add_bias(o + b * d, L->o_bias, d);
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);

@@ -722,12 +722,12 @@ def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(bb, padded, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_fused_layer_serves_the_converted_families(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """llama.cpp's own conversions (Q8_0) of five families (qwen2 with its Q/K/V biases), with
-    their converted adapter: every
+    """llama.cpp's own conversions (Q8_0) of six families (qwen2 with its Q/K/V biases, gemma2
+    with soft-capped attention and a window of 16), with their converted adapter: every
     decode step runs in one native call, bit-identical to one call a layer and within 1e-4 of
     the composed blocks, rows with the adapter and without."""
     from shared_data import TINY
@@ -753,11 +753,13 @@ def test_fused_layer_serves_the_converted_families(
     def run() -> list[torch.Tensor]:
         out = []
         with torch.inference_mode():
-            for s, n in enumerate((5, 9)):
-                model.forward(Batch.single([7 * s + j + 3 for j in range(n)], s, 0))
+            for s, n in enumerate((20, 9)):  # row 0 past gemma2's window of 16
+                model.forward(Batch.single([(7 * s + j) % 50 + 3 for j in range(n)], s, 0))
             for step in range(3):
                 tokens = torch.tensor([[20 + step], [30 + step]])
-                out.append(model.forward(Batch(tokens, [0, 1], [5 + step, 9 + step], [1, 1], rows)))
+                out.append(
+                    model.forward(Batch(tokens, [0, 1], [20 + step, 9 + step], [1, 1], rows))
+                )
         return out
 
     fused = run()

@@ -50,6 +50,7 @@ class LayerSpec:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    softcap: float = 0.0  # gemma-2: cap * tanh(score / cap) on the attention scores
 
     def projections(self) -> list[Projection]:
         return [*self.qkv, self.o, self.gate_up, self.down]
@@ -179,6 +180,7 @@ class FusedLayer:
             setattr(layer, name, dims[name])
         layer.n_ctx, layer.rot, layer.neox = self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox)
         layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
+        layer.softcap = spec.softcap
         self.layer = layer
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]

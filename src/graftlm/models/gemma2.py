@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
+from graftlm.models.fused import LayerSpec
 from graftlm.models.layers import rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
@@ -70,7 +71,22 @@ class Gemma2(Transformer):
         super().__init__(cfg, w, n_ctx)
         self.blocks = [Gemma2Block(cfg, w, i) for i in range(cfg.n_layer)]
 
+    def layer_spec(self, i: int) -> LayerSpec | None:
+        """gemma-3's layer without QK-norm, with the soft-capped attention scores."""
+        b = self.blocks[i]
+        qkv = [b.attn_qkv.fused] if b.attn_qkv.fused is not None else b.attn_qkv.parts
+        if qkv is None or b.ffn_gate_up.fused is None:
+            return None
+        return LayerSpec(
+            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm,
+            act="gelu_tanh", post_attn_norm=b.post_attention_norm, post_ffw_norm=b.post_ffw_norm,
+            softcap=self.cfg.attn_softcap,
+        )  # fmt: skip
+
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        y = self.native_block(i, x, batch)
+        if y is not None:
+            return y
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         eps = cfg.rms_eps

@@ -51,7 +51,7 @@ class GlLayer(Mirror):
         ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
         ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
         ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
-        ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F),
+        ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F), ("softcap", _F),
     ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ static const struct {
     GL_AT(gl_layer, n_embd), GL_AT(gl_layer, n_head), GL_AT(gl_layer, n_head_kv),
     GL_AT(gl_layer, head_dim), GL_AT(gl_layer, n_ff), GL_AT(gl_layer, n_ctx), GL_AT(gl_layer, rot),
     GL_AT(gl_layer, neox), GL_AT(gl_layer, window), GL_AT(gl_layer, act), GL_AT(gl_layer, eps),
-    GL_AT(gl_layer, scale),
+    GL_AT(gl_layer, scale), GL_AT(gl_layer, softcap),
 
     GL_SIZE(gl_attn), GL_AT(gl_attn, kc), GL_AT(gl_attn, vc), GL_AT(gl_attn, cos_t),
     GL_AT(gl_attn, sin_t), GL_AT(gl_attn, n_head), GL_AT(gl_attn, n_head_kv),

@@ -73,7 +73,7 @@ typedef struct {
     const float *cos_t, *sin_t;
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
     int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
-    float eps, scale;
+    float eps, scale, softcap; /* softcap: cap * tanh(score / cap) on attention scores, 0: none */
 } gl_layer;
 
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions

@@ -258,6 +258,8 @@ class Transformer:
         return x
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer i composed in PyTorch (the twin of the native layer, which `forward` tries
+        first)."""
         raise NotImplementedError
 
     # -- the native decode step of a layer ------------------------------------------------------
@@ -360,9 +362,10 @@ class Transformer:
         y = self.native_layers(x, batch)
         if y is not None:
             x = y
-        else:
+        else:  # each layer natively when it serves the step, else its family's composed block
             for i in range(self.cfg.n_layer):
-                x = self.block(i, x, batch)
+                y = self.native_block(i, x, batch)
+                x = y if y is not None else self.block(i, x, batch)
         if not all_logits:
             x = x[batch.last_tokens].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graftlm.lora.site import Generation
-from graftlm.models.seam import NativeLora, Projection, native_lora
+from graftlm.models.seam import NativeLora, Projection, ProjectionGroup, native_lora
 from graftlm.native import layer as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, Scratch
@@ -51,6 +51,23 @@ class LayerSpec:
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     softcap: float = 0.0  # gemma-2: cap * tanh(score / cap) on the attention scores
+
+    @classmethod
+    def of(
+        cls,
+        qkv: ProjectionGroup,
+        o: Projection,
+        gate_up: ProjectionGroup,
+        down: Projection,
+        attn_norm: torch.Tensor,
+        ffn_norm: torch.Tensor,
+        **extra: Any,
+    ) -> LayerSpec | None:
+        """The spec of a block whose Q/K/V and gate/up are the loader's groups, or None when
+        gate and up could not be stacked (the layer takes them as one weight)."""
+        if gate_up.fused is None:
+            return None
+        return cls(qkv.projections(), o, gate_up.fused, down, attn_norm, ffn_norm, **extra)
 
     def projections(self) -> list[Projection]:
         return [*self.qkv, self.o, self.gate_up, self.down]

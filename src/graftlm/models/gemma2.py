@@ -74,19 +74,13 @@ class Gemma2(Transformer):
     def layer_spec(self, i: int) -> LayerSpec | None:
         """gemma-3's layer without QK-norm, with the soft-capped attention scores."""
         b = self.blocks[i]
-        qkv = [b.attn_qkv.fused] if b.attn_qkv.fused is not None else b.attn_qkv.parts
-        if qkv is None or b.ffn_gate_up.fused is None:
-            return None
-        return LayerSpec(
-            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm,
+        return LayerSpec.of(
+            b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm, b.ffn_norm,
             act="gelu_tanh", post_attn_norm=b.post_attention_norm, post_ffw_norm=b.post_ffw_norm,
             softcap=self.cfg.attn_softcap,
         )  # fmt: skip
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        y = self.native_block(i, x, batch)
-        if y is not None:
-            return y
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         eps = cfg.rms_eps

@@ -76,19 +76,13 @@ class Llama(Transformer):
         cfg, b = self.cfg, self.blocks[i]
         if cfg.n_expert:
             return None
-        qkv = [b.attn_qkv.fused] if b.attn_qkv.fused is not None else b.attn_qkv.parts
-        if qkv is None or b.ffn_gate_up.fused is None:
-            return None
-        return LayerSpec(
-            list(qkv), b.attn_output, b.ffn_gate_up.fused, b.ffn_down, b.attn_norm, b.ffn_norm,
+        return LayerSpec.of(
+            b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm, b.ffn_norm,
             q_bias=b.attn_q_bias, k_bias=b.attn_k_bias, v_bias=b.attn_v_bias,
             o_bias=b.attn_output_bias,
         )  # fmt: skip
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        y = self.native_block(i, x, batch)
-        if y is not None:
-            return y
         cfg, b = self.cfg, self.blocks[i]
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
         q, k, v = b.attn_qkv(h, batch)

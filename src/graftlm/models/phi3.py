@@ -67,9 +67,6 @@ class Phi3(Transformer):
         return LayerSpec([b.attn_qkv], b.attn_output, b.ffn_up, b.ffn_down, b.attn_norm, b.ffn_norm)
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        y = self.native_block(i, x, batch)
-        if y is not None:
-            return y
         cfg, b = self.cfg, self.blocks[i]
         B, T, _ = x.shape
         n_q, n_k = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim

@@ -40,9 +40,6 @@ class Qwen3(Llama):
         return dataclasses.replace(spec, q_norm=b.attn_q_norm, k_norm=b.attn_k_norm)
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        y = self.native_block(i, x, batch)
-        if y is not None:
-            return y
         cfg, b = self.cfg, self.blocks[i]
         eps = cfg.rms_eps
         h = rms_norm(x, b.attn_norm, eps)

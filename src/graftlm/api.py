@@ -92,6 +92,7 @@ class Model:
         self.tokenizer = tokenizer
         self.engine = Engine(model, n_slots=n_seq)
         self.prompter = Prompter(tokenizer, file.get("tokenizer.chat_template"), model.cfg.n_vocab)
+        self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
         self.adapters = AdapterSet(model)
 
@@ -117,10 +118,6 @@ class Model:
     @property
     def chat_template(self) -> str | None:
         return self.prompter.chat_template
-
-    @property
-    def scorer(self) -> Scorer:
-        return Scorer(self.engine, self.prompter)
 
     # -- text ------------------------------------------------------------------------------------
     def tokenize(

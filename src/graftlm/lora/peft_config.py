@@ -42,25 +42,17 @@ class Pattern:
         self._re = regex.compile(wrap.format(source))  # regex.error for a malformed one
 
     def fullmatch(self, text: str) -> bool:
-        return self._run(self._re.fullmatch, text)
+        return self.match(text, whole=True) is not None
 
-    def match(self, text: str) -> regex.Match[str] | None:
+    def match(self, text: str, whole: bool = False) -> regex.Match[str] | None:
         try:
-            return self._re.match(text, timeout=MATCH_SECONDS)
+            fn = self._re.fullmatch if whole else self._re.match
+            return fn(text, timeout=MATCH_SECONDS)
         except TimeoutError:
-            raise self._slow() from None
-
-    def _run(self, fn: Any, text: str) -> bool:
-        try:
-            return fn(text, timeout=MATCH_SECONDS) is not None
-        except TimeoutError:
-            raise self._slow() from None
-
-    def _slow(self) -> AdapterError:
-        return AdapterError(
-            f"{self.field} pattern {self.source[:80]!r} takes more than {MATCH_SECONDS} s to match "
-            "one module name (catastrophic backtracking): not used"
-        )
+            raise AdapterError(
+                f"{self.field} pattern {self.source[:80]!r} takes more than {MATCH_SECONDS} s to "
+                "match one module name (catastrophic backtracking): not used"
+            ) from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Pattern) and other.source == self.source

@@ -130,9 +130,12 @@ class LoraSite:
         slots = self.present(active)
         if not slots:
             return None
-        return self.derived(("stack", slots), lambda: self._build(slots))
+        return self.derived(("stack", slots), lambda: self.concat(slots))
 
-    def _build(self, slots: tuple[int, ...]) -> Stack:
+    def concat(self, slots: tuple[int, ...]) -> Stack:
+        """These slots concatenated, not cached (a faster form built from it keeps only its own
+        copy: B is the bulk of an adapter, and the torch twin's float32 copy is made only if the
+        twin runs)."""
         parts = self.factors(slots)
         a = torch.cat([a for a, _ in parts], dim=1 if self.gather else 0)
         bt = torch.cat([b.T for _, b in parts], dim=0).contiguous()

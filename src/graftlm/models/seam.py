@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
 
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
@@ -33,6 +34,7 @@ from graftlm.native import library
 from graftlm.native import ops as native_ops
 from graftlm.native.abi import GlLoraSite
 from graftlm.quant import QWeight, config, linear
+from graftlm.quant.native_kernels import NativeS8Kernel
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -71,26 +73,19 @@ def native_lora(site: LoraSite, active: tuple[int, ...], exact: bool) -> NativeL
 
 
 def _native_form(site: LoraSite, slots: tuple[int, ...], half: bool) -> NativeLora | None:
-    st = site.stack(slots)
-    assert st is not None
+    st = site.concat(slots)
     if not st.a.dtype == st.bt.dtype == torch.float32:
         return None
     dtype = torch.bfloat16 if half else torch.float32
     blocked, spans = native_ops.lora_block(st.bt, dtype), native_ops.lora_spans(st.bt)
     a_s8 = lora_a_s8(st.a) if half else None
-    return NativeLora(
-        st.a.to(dtype).contiguous(), blocked, spans, st.col_slot, st.layout, a_s8
-    )  # (the float32 stack itself is the torch twin's, made again only if it runs)
+    return NativeLora(st.a.to(dtype).contiguous(), blocked, spans, st.col_slot, st.layout, a_s8)
 
 
 def lora_a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A (R, n_in) float32 as an s8 weight for the decode products' integer dots: Q8_0 codes and
     scales (per 32 values, |error| <= max|block| / 254), packed as a Q8_0 weight is. None when
     n_in is not a whole number of blocks."""
-    from gguf import GGMLQuantizationType, quants
-
-    from graftlm.quant.native_kernels import NativeS8Kernel
-
     r, n_in = a.shape
     if n_in % 32 or library() is None:
         return None

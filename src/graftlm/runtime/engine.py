@@ -31,12 +31,12 @@ def lora_rows(settings: Sequence[Mapping[int, float]], device: torch.device) -> 
     if not active:
         return None
     # columns up to the highest active slot: only active slots are ever looked up
-    scales = torch.zeros(len(settings), active[-1] + 1)
+    table = [[0.0] * (active[-1] + 1) for _ in settings]
     for r, row in enumerate(settings):
         for s, v in row.items():
-            if v != 0.0:
-                scales[r, s] = v
-    return LoraRows(scales.to(device), tuple(active))
+            if v != 0.0:  # (a zero may name a slot past the highest active one)
+                table[r][s] = v
+    return LoraRows(torch.tensor(table, dtype=torch.float32, device=device), tuple(active))
 
 
 class Engine:

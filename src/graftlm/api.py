@@ -24,6 +24,7 @@ from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
+from graftlm.step.kv_cache import DEFAULT_KV_TYPE, kv_dtype
 from graftlm.tokenizer import Tokenizer
 
 
@@ -54,8 +55,16 @@ def load(
     reference: bool = False,
     progress: bool = False,
     device: str | torch.device = "cpu",
+    cache_type: str | None = None,
+    cache_blocks: int | None = None,
+    prefix_cache: bool = True,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
+
+    The KV cache is paged: `cache_type` is its values' type as llama.cpp names it ("f16", the
+    default, "bf16" or "f32"; the reference oracle's default is "f32"); `cache_blocks` its pool in blocks of 16 positions (default: every
+    sequence's whole context); `prefix_cache` reuses what earlier requests (earlier turns of a
+    chat) computed for the same tokens under the same adapter settings.
 
     `reference=True` dequantizes every weight to float32: the slow oracle, not the product.
     `device`: "cpu" (compact quantized weights, native kernels), or "cuda" / "cuda:N": every
@@ -77,20 +86,41 @@ def load(
     if dev.type != "cpu":
         model.to(dev)
     tokenizer = Tokenizer.from_file(file)
-    return Model(file, model, tokenizer, n_seq=n_seq)
+    return Model(
+        file,
+        model,
+        tokenizer,
+        n_seq=n_seq,
+        kv_dtype=kv_dtype(cache_type or ("f32" if reference else DEFAULT_KV_TYPE)),
+        cache_blocks=cache_blocks,
+        prefix_cache=prefix_cache,
+    )
 
 
 class Model:
     """A loaded base model, its tokenizer and its engine (and, later, its adapters)."""
 
     def __init__(
-        self, file: GGUFFile, model: Transformer, tokenizer: Tokenizer, n_seq: int = 1
+        self,
+        file: GGUFFile,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        n_seq: int = 1,
+        kv_dtype: torch.dtype | None = None,
+        cache_blocks: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, n_slots=n_seq)
+        self.engine = Engine(
+            model,
+            n_slots=n_seq,
+            n_blocks=cache_blocks,
+            kv_dtype=kv_dtype,
+            prefix_cache=prefix_cache,
+        )
         self.prompter = Prompter(tokenizer, file.get("tokenizer.chat_template"), model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()

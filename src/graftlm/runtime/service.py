@@ -212,7 +212,7 @@ class EngineService:
         self.prompter = prompter
         self.adapters = adapters
         self.scorer = Scorer(engine, prompter)
-        self.n_ctx: int = engine.model.n_ctx
+        self.n_ctx: int = engine.n_ctx
         n_slots = engine.n_slots
         default = n_slots - 1 if n_slots > 1 else n_slots
         self.max_running = max(1, min(max_running or default, n_slots))

@@ -217,3 +217,67 @@ def test_a_prompt_longer_than_the_pool_is_refused_naming_the_sizes(
     with pytest.raises(RequestError, match=r"40 tokens; the context size is 32 .*pool holds 32"):
         m.engine.submit(Request(_ids(40, 1), GREEDY))
     assert m.engine.n_ctx == 32
+
+
+def test_model_chat_turns_compute_only_what_is_new(adapters: tuple[Path, Path, Path]) -> None:
+    """Model.chat: the second turn's prompt (the first turn, its answer and a new message) finds
+    the first turn's blocks; the answer is the one a model without the cache gives."""
+    on = graftlm.load(adapters[0], ctx_size=256)
+    off = graftlm.load(adapters[0], ctx_size=256, prefix_cache=False)
+    history = [{"role": "system", "content": "You answer briefly. " * 8},
+               {"role": "user", "content": "one two three"}]  # fmt: skip
+    answers = []
+    for m in (on, off):
+        msgs = list(history)
+        first = m.chat(msgs, max_tokens=8, temperature=0)
+        assert m.last_timings.n_cached == 0
+        n_first = m.last_timings.n_prompt
+        msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "four"}]
+        answers.append(m.chat(msgs, max_tokens=8, temperature=0))
+        n_prompt, n_cached = m.last_timings.n_prompt, m.last_timings.n_cached
+        if m is on:
+            # at least the first turn's prompt, in whole blocks (the answer's text may tokenize
+            # otherwise than it was generated, which ends the match there)
+            assert n_cached >= (n_first - 1) // 16 * 16 > 0, (n_first, n_prompt, n_cached)
+        else:
+            assert n_cached == 0
+    assert answers[0] == answers[1]
+
+
+def test_an_activated_lora_reuses_the_base_conversation(tmp_path: Path) -> None:
+    """aLoRA's point: a conversation the base computed, then the aLoRA invoked on it. Every
+    full block before the invocation is the base's and is found; the plain LoRA of the same
+    weights finds nothing (it changes every position). Both give what an engine without the
+    cache gives, and the aLoRA's answer differs from the base's. A prompt without the
+    invocation runs as base and says so (`inactive`)."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    spec = TinySpec()
+    model = write_tiny_model(tmp_path / "m.gguf", spec)
+    invocation = [7, 8, 9]
+    alora_file = write_tiny_adapter(tmp_path / "al.gguf", spec, seed=3,
+                                    metadata={"adapter.alora.invocation_tokens": invocation})  # fmt: skip
+    plain_file = write_tiny_adapter(tmp_path / "pl.gguf", spec, seed=3)
+    conversation = _ids(70, 21)
+    prompt = conversation + invocation + _ids(5, 22)
+    results = {}
+    for cache in (True, False):
+        m = graftlm.load(model, ctx_size=256, cache_type="f32", prefix_cache=cache)
+        al, pl = m.add_lora(alora_file), m.add_lora(plain_file)
+        base_first, _ = _run(m, conversation)
+        with_alora, lp_a = _run(m, prompt, AdapterSettings({al: 1.0}))
+        with_plain, lp_p = _run(m, prompt, AdapterSettings({pl: 1.0}))
+        base, lp_b = _run(m, prompt)
+        missing, _ = _run(m, conversation + [3], AdapterSettings({al: 1.0}))
+        results[cache] = (with_alora, lp_a, with_plain, lp_p, base, lp_b, missing)
+        if cache:
+            assert with_alora.n_cached == 64  # 4 blocks: positions 0..63, all before 70
+            assert with_plain.n_cached == 0
+            assert base.n_cached == 64
+    on, off = results[True], results[False]
+    for i in (0, 2, 4):
+        assert on[i].generated == off[i].generated
+        torch.testing.assert_close(on[i + 1], off[i + 1], rtol=0, atol=1e-5)
+    assert on[0].generated != on[4].generated or not torch.allclose(on[1], on[5])
+    assert not torch.allclose(on[1], on[3])  # the aLoRA is not the plain LoRA
+    assert on[6].inactive == (0,) and on[6].segments == ((0, NO_ADAPTERS),)

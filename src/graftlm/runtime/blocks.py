@@ -135,7 +135,6 @@ class _Held:
     slot: int
     blocks: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)  # of blocks[: len(digests)], entered
-    key: bytes = b"base"
 
 
 class PagedAllocator:
@@ -179,19 +178,23 @@ class PagedAllocator:
         return min(self.pool.n_usable, self.max_blocks) * self.block
 
     # -- the prefix cache ----------------------------------------------------------------------------
-    def _key(self, lora: AdapterSettings) -> bytes:
-        return settings_key(lora, self.epoch)
+    def _key(self, seq: Request, i: int) -> bytes:
+        """Block i's setting: the one that computed its last position (an aLoRA's start may
+        fall inside it; the digest chain holds the tokens, which fix the start)."""
+        return settings_key(seq.settings_at((i + 1) * self.block - 1), self.epoch)
 
-    def lookup(self, tokens: list[int], lora: AdapterSettings) -> tuple[list[int], list[bytes]]:
-        """The cached blocks of the longest cached run of tokens' full blocks (leaving at least
-        the last token to compute), and their digests."""
-        if not self.prefix:
+    def lookup(self, seq: Request) -> tuple[list[int], list[bytes]]:
+        """The cached blocks of the longest cached run of seq's full blocks to fill (leaving at
+        least the last token to compute), and their digests; none when seq uses no cache."""
+        if not (self.prefix and seq.use_cache):
             return [], []
-        key, parent = self._key(lora), b""
+        tokens, parent = seq.fill, b""
         found: list[int] = []
         digests: list[bytes] = []
         for i in range((len(tokens) - 1) // self.block):
-            d = block_digest(parent, tokens[i * self.block : (i + 1) * self.block], key)
+            d = block_digest(
+                parent, tokens[i * self.block : (i + 1) * self.block], self._key(seq, i)
+            )
             b = self.pool.by_digest.get(d)
             if b is None:
                 break
@@ -211,20 +214,20 @@ class PagedAllocator:
     def can_admit(self, seq: Request) -> bool:
         if not self.free:
             return False
-        found, _ = self.lookup(seq.fill, seq.lora)
+        found, _ = self.lookup(seq)
         idle_found = sum(1 for b in found if self.pool.refs[b] == 0)
         first = min(len(seq.fill), len(found) * self.block + self.admit_tokens)
         need = self.blocks_for(first) - len(found)
         return need <= self.pool.n_available - idle_found
 
     def admit(self, seq: Request) -> None:
-        found, digests = self.lookup(seq.fill, seq.lora)
+        found, digests = self.lookup(seq)
         self.pool.stats.queries += 1
         self.pool.stats.query_tokens += len(seq.fill)
         self.pool.stats.hit_tokens += len(found) * self.block
         for b in found:
             self.pool.share(b)
-        held = _Held(self.free.pop(0), list(found), list(digests), self._key(seq.lora))
+        held = _Held(self.free.pop(0), list(found), list(digests))
         self._held[seq.id] = held
         seq.n_prefilled = len(found) * self.block
         if seq.resume is None:  # (a preempted sequence keeps what its first admission found)
@@ -257,9 +260,10 @@ class PagedAllocator:
         tokens = seq.tokens_upto(full * self.block)
         parent = held.digests[-1] if held.digests else b""
         for i in range(len(held.digests), full):
-            d = block_digest(parent, tokens[i * self.block : (i + 1) * self.block], held.key)
+            key = self._key(seq, i)
+            d = block_digest(parent, tokens[i * self.block : (i + 1) * self.block], key)
             self.pool.enter(held.blocks[i], d)
-            if held.key == b"base":
+            if key == b"base":
                 self._base.add(d)
             held.digests.append(d)
             parent = d

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -20,8 +20,8 @@ from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.blocks import PagedAllocator
-from graftlm.runtime.sampling import Sampler
-from graftlm.runtime.scheduler import Chunk, Request, Scheduler, StepPlan
+from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.scheduler import Chunk, Request, Scheduler, StepPlan, activation
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -64,6 +64,8 @@ class Engine:
         self.slots.admit_tokens = chunk
         self.lock = threading.RLock()
         self._adapters_seen = model.seams.generation.value
+        # activated-LoRA adapters by id -> their invocation tokens (the model's adapter set's)
+        self.invocations: Callable[[], Mapping[int, tuple[int, ...]]] = dict
 
     # -- facts (the server's metrics and the tests read them) -------------------------------------
     @property
@@ -145,10 +147,15 @@ class Engine:
         with self.lock:
             slot = self.slots.borrow(len(ids))
             try:
-                rows = self.lora_rows([lora])
+                segments, _ = activation(ids, lora, self.invocations())
+                edges = sorted(
+                    {s for s, _ in segments} | {len(ids)} | set(range(0, len(ids), self.chunk))
+                )
+                probe = Request(ids, SamplingParams(), lora, segments=segments)
                 out = []
-                for start in range(0, len(ids), self.chunk):
-                    piece = ids[start : start + self.chunk]
+                for start, end in zip(edges, edges[1:], strict=False):
+                    rows = self.lora_rows([probe.settings_at(start)])
+                    piece = ids[start:end]
                     batch = Batch.single(piece, slot, start, rows, self.device, exact=True)
                     out.append(self.model.forward(batch, all_logits=True)[0])
                 return torch.cat(out).cpu()
@@ -173,6 +180,9 @@ class Engine:
             )
         if req.sampler is None:
             req.sampler = Sampler(req.params)
+        invocations = self.invocations()
+        if invocations and not req.segments:
+            req.segments, req.inactive = activation(req.prompt, req.lora, invocations)
         with self.lock:
             self.scheduler.submit(req)
         return req
@@ -193,7 +203,7 @@ class Engine:
 
     def _prefill(self, chunks: Sequence[Chunk]) -> None:
         """One padded batch of prompt chunks; a prompt that ends here samples its first token."""
-        lora = self.lora_rows([c.seq.lora for c in chunks])
+        lora = self.lora_rows([c.lora for c in chunks])
         slot = self.slots.slot
         if len(chunks) == 1:
             c = chunks[0]
@@ -229,7 +239,7 @@ class Engine:
             [self.slots.slot(r) for r in reqs],
             [r.n_past for r in reqs],
             [1] * len(reqs),
-            self.lora_rows([r.lora for r in reqs]),
+            self.lora_rows([r.settings_at(r.n_past) for r in reqs]),
         )
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for r, row in zip(reqs, logits, strict=False):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,6 +50,7 @@ class Request:
     lora: AdapterSettings = NO_ADAPTERS
     eog: frozenset[int] = frozenset()
     on_token: Callable[[Request, int], None] | None = None
+    use_cache: bool = True  # look the prompt up in the prefix cache (what it computes enters it)
     id: int = field(default_factory=lambda: next(_ids))
     # state, owned by the scheduler and the engine
     generated: list[int] = field(default_factory=list)
@@ -66,6 +67,11 @@ class Request:
     n_cached: int = 0
     # after a preemption: the tokens to compute again (prompt + generated[:-1]), else None
     resume: list[int] | None = None
+    # activated LoRA: (start, settings) from each start on, ascending from 0; () when `lora`
+    # holds from the first token (see activation())
+    segments: tuple[tuple[int, AdapterSettings], ...] = ()
+    # aLoRA adapters the request named whose invocation tokens its prompt lacks (run as base)
+    inactive: tuple[int, ...] = ()
 
     @property
     def done(self) -> bool:
@@ -82,11 +88,58 @@ class Request:
         """The position of the token a decode step feeds (the last generated)."""
         return len(self.prompt) + max(0, len(self.generated) - 1)
 
+    def settings_at(self, pos: int) -> AdapterSettings:
+        """The adapter settings that compute position pos."""
+        if not self.segments:
+            return self.lora
+        now = self.segments[0][1]
+        for start, s in self.segments:
+            if start > pos:
+                break
+            now = s
+        return now
+
+    def boundary_after(self, pos: int) -> int | None:
+        """The first position past pos where the settings change, or None."""
+        return next((start for start, _ in self.segments if start > pos), None)
+
     def tokens_upto(self, n: int) -> list[int]:
         """The sequence's first n tokens (prompt, then generated)."""
         if n <= len(self.prompt):
             return self.prompt[:n]
         return self.prompt + self.generated[: n - len(self.prompt)]
+
+
+def activation(
+    prompt: list[int], lora: AdapterSettings, invocations: Mapping[int, tuple[int, ...]]
+) -> tuple[tuple[tuple[int, AdapterSettings], ...], tuple[int, ...]]:
+    """Activated LoRA (PEFT's and llama.cpp's rule): an adapter with invocation tokens applies
+    from the start of their last occurrence in the prompt on; before it, the other adapters
+    alone compute (the base, when there are none), so those positions share the cache of that
+    setting. An aLoRA whose invocation the prompt lacks does not apply at all. Returns the
+    (start, settings) segments (() when nothing activates late) and the adapters left out."""
+    starts: dict[int, int] = {}
+    inactive: list[int] = []
+    for aid, _ in lora.pairs:
+        inv = invocations.get(aid)
+        if not inv:
+            continue
+        n = len(inv)
+        at = next(
+            (i for i in range(len(prompt) - n, -1, -1) if tuple(prompt[i : i + n]) == inv), None
+        )
+        if at is None:
+            inactive.append(aid)
+        else:
+            starts[aid] = at
+    if not starts and not inactive:
+        return (), ()
+    live = [(aid, s) for aid, s in lora.pairs if aid not in inactive]
+    points = sorted({0, *starts.values()})
+    segments = tuple(
+        (p, AdapterSettings((aid, s) for aid, s in live if starts.get(aid, 0) <= p)) for p in points
+    )
+    return segments, tuple(inactive)
 
 
 class CacheAllocator(Protocol):
@@ -162,6 +215,11 @@ class Chunk:
     @property
     def tokens(self) -> list[int]:
         return self.seq.fill[self.start : self.end]
+
+    @property
+    def lora(self) -> AdapterSettings:
+        """The settings of this chunk's tokens (a chunk never crosses an aLoRA start)."""
+        return self.seq.settings_at(self.start)
 
 
 @dataclass(frozen=True)
@@ -277,6 +335,9 @@ class Scheduler:
             if req.n_prefilled >= len(req.fill):
                 continue
             n = min(len(req.fill) - req.n_prefilled, self.chunk)
+            edge = req.boundary_after(req.n_prefilled)  # an aLoRA start: the chunk ends there
+            if edge is not None:
+                n = min(n, edge - req.n_prefilled)
             if group and (len(group) + 1) * max(width, n) > self.chunk:
                 break
             group.append(Chunk(req, req.n_prefilled, n))

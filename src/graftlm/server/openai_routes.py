@@ -22,6 +22,7 @@ from graftlm.server.generation import (
     collect,
     deltas,
     finish_reason,
+    generated_and_cached,
     prompt_ids,
     sampling_params,
     sse,
@@ -167,11 +168,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     if body.stream:
         offsets = [0] * len(jobs)
-        n_gen = [0]
+        n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
+                n_gen[1] += d.finish.n_cached
             if not d.text and d.finish is None and not d.logprobs:
                 return []
             lp = None
@@ -189,7 +191,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         def tail() -> list[dict[str, Any]]:
             if body.stream_options is None or not body.stream_options.include_usage:
                 return []
-            return [chunk([]) | {"usage": usage(n_prompt, n_gen[0])}]
+            return [chunk([]) | {"usage": usage(n_prompt, n_gen[0], n_gen[1])}]
 
         return StreamingResponse(
             sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
@@ -197,7 +199,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     choices = await collect(request, pieces, len(jobs))
     return chunk([_completion_choice(state, c, body.logprobs is not None) for c in choices]) | {
-        "usage": usage(n_prompt, sum(c.finish.n_generated for c in choices if c.finish))
+        "usage": usage(n_prompt, *generated_and_cached(choices))
     }
 
 
@@ -245,7 +247,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     if body.stream:
         started = [False] * body.n
-        n_gen = [0]
+        n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             out = []
@@ -260,6 +262,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 out.append(chunk([role]))
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
+                n_gen[1] += d.finish.n_cached
             if d.text or d.logprobs or d.finish is not None:
                 c = {
                     "index": d.index,
@@ -275,7 +278,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         def tail() -> list[dict[str, Any]]:
             if body.stream_options is None or not body.stream_options.include_usage:
                 return []
-            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0])}]
+            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0], n_gen[1])}]
 
         return StreamingResponse(
             sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
@@ -296,7 +299,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             }
             for c in choices
         ],
-        "usage": usage([len(ids)], sum(c.finish.n_generated for c in choices if c.finish)),
+        "usage": usage([len(ids)], *generated_and_cached(choices)),
     }
 
 

@@ -110,7 +110,7 @@ class LlamaCompletionRequest(SamplingFields):
     n_predict: int | None = None
     stream: bool = False
     n_probs: NonNegInt = 0
-    cache_prompt: bool = True  # accepted; every prompt is evaluated in full
+    cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
     return_tokens: bool = False
     model: str | None = None
 

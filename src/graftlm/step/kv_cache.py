@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from graftlm.config import ModelConfig
 from graftlm.errors import GraftError
 from graftlm.step.batch import Batch
 
@@ -33,6 +34,12 @@ def kv_dtype(name: str) -> torch.dtype:
     if name not in KV_TYPES:
         raise GraftError(f"cache type {name!r} is not supported; use one of {', '.join(KV_TYPES)}")
     return KV_TYPES[name][0]
+
+
+def block_nbytes(cfg: ModelConfig, dtype: torch.dtype, block: int = BLOCK) -> int:
+    """Bytes one block of a model's cache takes: keys and values of every layer."""
+    per = cfg.n_layer * cfg.n_head_kv * block * (cfg.head_dim + cfg.v_head_dim)
+    return per * torch.empty(0, dtype=dtype).element_size()
 
 
 class KVCache:

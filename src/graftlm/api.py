@@ -18,6 +18,7 @@ from graftlm.lora.registry import AdapterSet
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
 from graftlm.resources import default_model_path
+from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.device import resolve_device
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
@@ -187,9 +188,21 @@ class Model:
         ignore_eos: bool = False,
         lora: list[dict[str, Any]] | None = None,
         stream: bool = False,
+        logit_bias: dict[int | str, float | bool] | list[Any] | None = None,
+        json_schema: dict[str, Any] | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
     ) -> str | Iterator[str]:
         """Continue a prompt (text or token ids). Returns the text, or with stream=True an iterator
-        of text pieces as they are generated."""
+        of text pieces as they are generated.
+
+        `logit_bias`: {token id: bias in [-100, 100]} (-100 or False bans, 100 forces; a text key
+        biases each of its tokens), or llama-server's [[token, bias]]. At most one constraint:
+        `json_schema` (a JSON schema as a dict), `regex`, `choice` (one of these strings) or
+        `grammar` (GBNF, as llama.cpp's grammars): every token generated follows it, and the end
+        comes only where it is complete. ConstraintError when it does not compile."""
+        constraint = _constraint(json_schema, regex, choice, grammar)
         params = SamplingParams(
             temperature=temperature,
             top_k=top_k,
@@ -203,6 +216,8 @@ class Model:
             max_tokens=max_tokens,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             ignore_eos=ignore_eos,
+            logit_bias=self.prompter.logit_bias(logit_bias),
+            grammar=None if constraint is None else self.prompter.compile(constraint),
         )
         ids = self.prompter.prompt_ids(prompt)
         pieces = self._run(ids, params, self.adapters.settings(lora))
@@ -243,3 +258,32 @@ class Model:
             self.last_timings = Timings(
                 len(ids), len(req.generated), t_prompt, t_end - (req.t_prompt_done or t_end)
             )
+
+
+def _constraint(
+    json_schema: dict[str, Any] | None,
+    regex: str | None,
+    choice: Sequence[str] | None,
+    grammar: str | None,
+) -> Constraint | None:
+    given = {
+        k: v
+        for k, v in (
+            ("json_schema", json_schema),
+            ("regex", regex),
+            ("choice", choice),
+            ("grammar", grammar),
+        )
+        if v is not None
+    }
+    if len(given) > 1:
+        raise GraftError(f"give at most one constraint; got {', '.join(given)}")
+    if json_schema is not None:
+        return Constraint.json_schema(json_schema)
+    if regex is not None:
+        return Constraint("regex", regex, "regex")
+    if choice is not None:
+        return Constraint.choice(list(choice))
+    if grammar is not None:
+        return Constraint("gbnf", grammar, "grammar")
+    return None

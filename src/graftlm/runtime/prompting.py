@@ -4,10 +4,13 @@ and a generation is turned into text the same way wherever a request comes from.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from graftlm.errors import RequestError
+from graftlm.runtime.constraints import CompiledGrammar, Constraint, ConstraintCompiler
 from graftlm.runtime.textstream import TextStream
 from graftlm.tokenizer import Tokenizer, render_chat
 
@@ -19,6 +22,8 @@ class Prompter:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.n_vocab = n_vocab
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     @property
     def eog(self) -> frozenset[int]:
@@ -59,6 +64,70 @@ class Prompter:
 
     def token_str(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def logit_bias(self, raw: Any, field: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+        """A request's logit bias as (token id, bias) pairs, in any of the shapes clients send:
+        OpenAI's {"token id": bias}, llama-server's [[id, bias]] and [["text", bias]] (every
+        token of the text gets the bias; so does a key that is not a number), with `false` for
+        a ban. RequestError naming the field for ids outside the vocabulary, biases that are
+        not finite or outside [-100, 100]."""
+        if raw is None:
+            return ()
+        if isinstance(raw, dict):
+            items = list(raw.items())
+        elif isinstance(raw, list):
+            items = []
+            for k, item in enumerate(raw):
+                if not isinstance(item, (list, tuple)) or len(item) != 2:
+                    raise RequestError(
+                        f"{field}[{k}] must be a [token, bias] pair, got {item!r:.80}"
+                    )
+                items.append((item[0], item[1]))
+        else:
+            raise RequestError(f"{field} must be an object or a list of [token, bias] pairs")
+        out: dict[int, float] = {}
+        for key, value in items:
+            if value is False:
+                bias = -math.inf
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{field}[{key!r}] must be a number or false, got {value!r:.80}")
+            elif not math.isfinite(value) or not -100 <= value <= 100:
+                raise RequestError(
+                    f"{field}[{key!r}] must be a finite number in [-100, 100], got {value}"
+                )
+            else:
+                bias = float(value)
+            for tok in self._bias_tokens(key, field):
+                out[tok] = bias
+        return tuple(out.items())
+
+    def _bias_tokens(self, key: Any, field: str) -> list[int]:
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                return self.tokenize(key, add_special=False, parse_special=False)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise RequestError(f"{field}: {key!r:.80} is neither a token id nor a text")
+        if not 0 <= key < self.n_vocab:
+            raise RequestError(
+                f"{field}: token id {key} is outside the vocabulary [0, {self.n_vocab})"
+            )
+        return [key]
+
+    # -- constraints --
+    @property
+    def constraints(self) -> ConstraintCompiler:
+        """This vocabulary's grammar compiler and its cache (built on first use)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.n_vocab, self.eog)
+            return self._compiler
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of a constraint (cached); ConstraintError when it does not
+        compile. Blocking: a server calls it off its event loop."""
+        return self.constraints.compile(constraint)
 
     # -- chats --
     def apply_chat_template(

@@ -20,9 +20,11 @@ from graftlm.server.generation import (
     admit,
     check_context,
     collect,
+    compile_constraint,
     deltas,
     finish_reason,
     prompt_ids,
+    request_constraint,
     sampling_params,
     sse,
     usage,
@@ -125,7 +127,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     ids = [await asyncio.to_thread(prompt_ids, state, p) for p in prompts]  # off the loop
     for x in ids:
         check_context(state, x, max_tokens)
-    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    grammar = await compile_constraint(state, request_constraint(body))
+    params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     try:
         jobs = [Job(x, params[j], lease.lora, body.logprobs) for x in ids for j in range(body.n)]
@@ -224,7 +227,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     ids = await asyncio.to_thread(state.prompter.chat_prompt, messages)  # off the event loop
     check_context(state, ids, max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    grammar = await compile_constraint(state, request_constraint(body))
+    params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     jobs = [Job(ids, params[j], lease.lora, top) for j in range(body.n)]
     pieces = deltas(state, jobs, lease, "chat")

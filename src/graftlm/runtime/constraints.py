@@ -68,7 +68,8 @@ class Constraint:
     ) -> Constraint:
         if not isinstance(schema, dict) and not isinstance(schema, bool):
             raise ConstraintError(f"{field}: a JSON schema must be an object, got {schema!r:.80}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True), field, strict)
+        # key order kept: properties are written in the order the schema lists them
+        return cls("json_schema", json.dumps(schema), field, strict)
 
     @classmethod
     def choice(cls, choices: Sequence[str], field: str = "choice") -> Constraint:

@@ -26,6 +26,7 @@ from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
 from graftlm.tokenizer import Tokenizer
+from graftlm.tokenizer.templates import resolve_chat_template
 
 
 @dataclass
@@ -55,6 +56,8 @@ def load(
     reference: bool = False,
     progress: bool = False,
     device: str | torch.device = "cpu",
+    chat_template: str | None = None,
+    chat_template_file: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
 
@@ -62,7 +65,10 @@ def load(
     `device`: "cpu" (compact quantized weights, native kernels), or "cuda" / "cuda:N": every
     weight becomes a dense bfloat16 copy on the GPU and the step runs in plain PyTorch (close to,
     not bit-exact with, the CPU path). GraftError when the device is not there.
+    `chat_template`: a built-in template's name (chatml, llama3, gemma, phi3, mistral) or Jinja
+    text, or `chat_template_file` a file of it, in place of the file's own template.
     """
+    template = resolve_chat_template(chat_template, chat_template_file)
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise GraftError(f"n_seq must be a whole number of sequences, at least 1; got {n_seq!r}")
     dev = resolve_device(device)
@@ -78,21 +84,27 @@ def load(
     if dev.type != "cpu":
         model.to(dev)
     tokenizer = Tokenizer.from_file(file)
-    return Model(file, model, tokenizer, n_seq=n_seq)
+    return Model(file, model, tokenizer, n_seq=n_seq, chat_template=template)
 
 
 class Model:
     """A loaded base model, its tokenizer and its engine (and, later, its adapters)."""
 
     def __init__(
-        self, file: GGUFFile, model: Transformer, tokenizer: Tokenizer, n_seq: int = 1
+        self,
+        file: GGUFFile,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        n_seq: int = 1,
+        chat_template: str | None = None,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
         self.model = model
         self.tokenizer = tokenizer
         self.engine = Engine(model, n_slots=n_seq)
-        self.prompter = Prompter(tokenizer, file.get("tokenizer.chat_template"), model.cfg.n_vocab)
+        template = chat_template or file.get("tokenizer.chat_template")
+        self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
         self.adapters = AdapterSet(model)

@@ -13,6 +13,7 @@ from graftlm.errors import RequestError
 from graftlm.runtime.constraints import CompiledGrammar, Constraint, ConstraintCompiler
 from graftlm.runtime.textstream import TextStream
 from graftlm.tokenizer import Tokenizer, render_chat
+from graftlm.tokenizer.templates import supports_tools, tool_format
 
 
 class Prompter:
@@ -131,19 +132,46 @@ class Prompter:
 
     # -- chats --
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The chat rendered through the template; `tools` (OpenAI's function definitions) are
+        passed to it as Hugging Face's `apply_chat_template` passes them. RequestError when tools
+        are given and the template never reads them."""
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        extra: dict[str, Any] = {}
+        if tools:
+            if not supports_tools(self.chat_template):
+                raise RequestError(
+                    "tools: this model's chat template does not render tools; start the server "
+                    "with --chat-template chatml or llama3 (or a --chat-template-file that does)",
+                    "tools_not_supported",
+                )
+            extra["tools"] = tools
         return render_chat(
-            self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+            **extra,
         )
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def tool_format(self) -> str:
+        """How this template's model writes a tool call ("hermes" or "llama3")."""
+        return tool_format(self.chat_template)
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The prompt ids of a chat: the rendered template, with a BOS only where the template
         has none of its own."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
         add_special = bos is None or not text.startswith(bos)

@@ -261,20 +261,72 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCallItem(_Body):
+    """An assistant message's tool call, in a chat's history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string."""
+        """The message as chat templates expect it: content as one string, tool-call arguments
+        as objects (templates write them with `tojson`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass  # kept as text: the template writes it as a string
+                fn = {"name": c.function.name, "arguments": args}
+                calls.append({"id": c.id, "type": "function", "function": fn})
+            out["tool_calls"] = calls
         return out
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -289,6 +341,9 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # see IGNORED
 
 
 class LlamaCompletionRequest(SamplingFields):

@@ -32,7 +32,7 @@ IGNORED: dict[str, str] = {
     "metadata": "OpenAI's stored-completion tags",
     "store": "OpenAI's stored completions (nothing is stored)",
     "service_tier": "OpenAI's billing tier",
-    "parallel_tool_calls": "several tool calls may always come in one answer",
+    "parallel_tool_calls": "with auto every call the model writes is returned; required and a named function give one",
     "cache_prompt": "llama-server's prompt cache (every prompt is evaluated in full)",
     "id_slot": "llama-server's slot choice (the scheduler picks)",
     "n_keep": "llama-server's context shift (a prompt must fit the context)",

@@ -183,6 +183,14 @@ class Model:
         likely tokens (at most the whole vocabulary)."""
         return self.scorer.logprobs(ids, top, self.adapters.settings(lora))
 
+    def embed(
+        self, text: str | Sequence[int], lora: list[dict[str, Any]] | None = None
+    ) -> list[float]:
+        """The text's embedding: the mean of the final-norm hidden states over its tokens,
+        L2-normalized (n_embd floats); `lora` as for `logits`."""
+        ids = self.prompter.prompt_ids(text)
+        return self.scorer.embedding(ids, self.adapters.settings(lora))
+
     def generate(
         self,
         prompt: str | Sequence[int],

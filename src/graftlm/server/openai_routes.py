@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,6 +36,8 @@ from graftlm.server.registry import UnknownModelError
 from graftlm.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
+    LlamaEmbeddingRequest,
     LoadLoraRequest,
     UnloadLoraRequest,
 )
@@ -394,6 +398,86 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         "model": model,
         "choices": out,
         "usage": usage([len(ids)], sum(c.finish.n_generated for c in choices if c.finish)),
+    }
+
+
+# -- embeddings --
+async def embed_all(
+    state: ServerState, inputs: list[str | list[int]], model: str | None, lora: Any
+) -> tuple[list[list[float]], int]:
+    """Each input's embedding (mean-pooled, normalized, the request's adapter applied) and the
+    number of tokens read."""
+    ids = [await asyncio.to_thread(prompt_ids, state, x) for x in inputs]
+    for x in ids:
+        check_context(state, x, 0)
+    lease = await admit(state, model, lora)
+    try:
+        vecs = [await state.service.aembedding(x, lease.lora) for x in ids]
+    finally:
+        state.registry.release(lease)
+    return vecs, sum(len(x) for x in ids)
+
+
+def _inputs(value: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ApiError(400, "input is empty", "invalid_value")
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
+
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings", include_in_schema=False)
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    """OpenAI's embeddings: the mean of the last hidden state (after the final norm) over the
+    input's tokens, L2-normalized."""
+    state = state_of(request)
+    vecs, n = await embed_all(state, _inputs(body.input), body.model, body.lora)
+    data = []
+    for i, v in enumerate(vecs):
+        emb: Any = v
+        if body.encoding_format == "base64":
+            emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model or state.config.model_name,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }
+
+
+@router.post("/embedding")
+async def llama_embedding(body: LlamaEmbeddingRequest, request: Request) -> list[dict[str, Any]]:
+    """llama-server's /embedding (mean pooling): [{"index", "embedding": [vector]}]."""
+    state = state_of(request)
+    vecs, _ = await embed_all(state, _inputs(body.content), body.model, body.lora)
+    return [{"index": i, "embedding": [v]} for i, v in enumerate(vecs)]
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: what a remote-tokenizer client needs to tokenize as we do."""
+    state = state_of(request)
+    p = state.prompter
+    tok = p.tokenizer
+
+    def text(i: int | None) -> str | None:
+        return None if i is None else tok.token_text(i)
+
+    return {
+        "tokenizer_class": "GGUFTokenizer",
+        "tokenizer_model": tok.model,
+        "vocab_size": p.n_vocab,
+        "model_max_length": state.service.n_ctx,
+        "bos_token": text(tok.bos_id),
+        "eos_token": text(tok.eos_id),
+        "add_bos_token": tok.add_bos,
+        "add_eos_token": tok.add_eos,
+        "eog_token_ids": sorted(p.eog),
+        "chat_template": p.chat_template,
     }
 
 

@@ -357,6 +357,24 @@ class LlamaCompletionRequest(SamplingFields):
     model: str | None = None
 
 
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI): one text or token list, or several."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None  # see IGNORED
+    lora: list[LoraItem] | None = None
+
+
+class LlamaEmbeddingRequest(_Body):
+    """POST /embedding (llama-server)."""
+
+    content: str | list[str] | list[int]
+    model: str | None = None
+    lora: list[LoraItem] | None = None
+
+
 class TokenizeRequest(_Body):
     content: str
     add_special: bool = False

@@ -5,10 +5,11 @@
    schema (no cache), and the mask time per token along one valid JSON document, for one row and
    for a batch of rows with different schemas (masks computed one row after another, as the
    sampler does).
-2. The engine: aggregate tokens/s of a mixed batch (a quarter JSON schema, a quarter regex, half
-   free) against the same batch with no constraints, and the mask time per constrained token.
+2. The engine: aggregate tokens/s of a mixed batch (a quarter JSON schema, a quarter regex, a
+   quarter free, a quarter tool calls, over the base and three adapters from ../shared/fixtures)
+   against the same batch with no constraints, and the mask time per constrained token.
 
-    PYTHONPATH=src python bench/constraints.py [--rows 8] [--tokens 64]
+    PYTHONPATH=src python bench/constraints.py [--rows 16] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 import graftlm
+from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.constraints import Constraint, ConstraintCompiler
 from graftlm.runtime.sampling import Sampler, SamplingParams
 from graftlm.runtime.scheduler import Request
+from graftlm.server.tools import tool_constraint
 
 SCHEMAS: list[dict[str, Any]] = [
     {
@@ -150,21 +154,28 @@ def engines(m: graftlm.Model, rows: int) -> None:
     print(f"  mask, one row: {_ms(one_row)}/token; {rows} rows: {_ms(per_step)}/step")
 
 
-def engine_batch(m: graftlm.Model, rows: int, n_tokens: int) -> None:
-    """Aggregate tokens/s of one mixed batch, constrained against unconstrained. Constrained
-    rows may end early (their grammar completes); tokens/s counts what was generated."""
+def engine_batch(m: graftlm.Model, rows: int, n_tokens: int, adapters: list[int]) -> None:
+    """Aggregate tokens/s of the issue's mixed batch: a quarter JSON schema, a quarter regex, a
+    quarter free, a quarter tool calls (the `required` grammar), row r on adapter r % 4 (0: the
+    base), sampled; against the same batch with no constraint. Constrained rows may end early
+    (their grammar completes): tokens/s counts what was generated."""
     ids = m.prompter.chat_prompt([{"role": "user", "content": "Describe a person as JSON."}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMAS[1]}}]
     grammars = [
         m.prompter.compile(Constraint.json_schema(SCHEMAS[0])),
         m.prompter.compile(Constraint("regex", r"[A-Z][a-z]+( [a-z]+){3,12}\.")),
+        None,
+        m.prompter.compile(tool_constraint(tools, None, "hermes")),
     ]
+    settings = [NO_ADAPTERS] + [AdapterSettings({a: 1.0}) for a in adapters]
 
     def run(constrained: bool) -> tuple[float, int, float, int]:
         reqs = []
         for r in range(rows):
-            g = grammars[r % 2] if constrained and r % 4 < 2 else None
+            g = grammars[r % 4] if constrained else None
             p = SamplingParams(temperature=0.8, seed=r, max_tokens=n_tokens, grammar=g)
-            req = Request(list(ids), p, eog=m.prompter.eog)
+            lora = settings[(r // 4) % len(settings)]
+            req = Request(list(ids), p, lora, eog=m.prompter.eog)
             req.sampler = Sampler(p)
             reqs.append(m.engine.submit(req))
         t0 = time.perf_counter()
@@ -185,22 +196,25 @@ def engine_batch(m: graftlm.Model, rows: int, n_tokens: int) -> None:
     c_tps = statistics.median(n / w for w, n, _, _ in cons)
     mask = statistics.median(s / k for _, _, s, k in cons if k)
     print(
-        f"engine, {rows} rows x {n_tokens} tokens (half constrained): free {f_tps:.1f} tok/s, "
-        f"constrained {c_tps:.1f} tok/s, ratio {c_tps / f_tps:.2f}x; mask {mask * 1e3:.3f} ms "
-        f"per constrained token"
+        f"engine, {rows} rows x {n_tokens} tokens, {len(settings)} adapter settings "
+        f"(3/4 constrained): free {f_tps:.1f} tok/s, constrained {c_tps:.1f} tok/s, ratio "
+        f"{c_tps / f_tps:.2f}x; mask {mask * 1e3:.3f} ms per constrained token"
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     m = graftlm.load(None, ctx_size=512, n_seq=a.rows)
-    engines(m, a.rows)
-    engine_batch(m, a.rows, a.tokens)
+    engines(m, 8)
+    fixtures = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "smollm2"
+    files = [fixtures / f for f in ("pirate-f32.gguf", "caps-f32.gguf", "rand_all-f32.gguf")]
+    adapters = [m.add_lora(f, scale=0.0) for f in files if f.exists()]
+    engine_batch(m, a.rows, a.tokens, adapters)
 
 
 if __name__ == "__main__":

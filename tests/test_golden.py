@@ -110,10 +110,14 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
         lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
         rows = model.engine.lora_rows([model.adapters.settings(lora)])
         prompt, ids = case["prompt_ids"], case["prompt_ids"] + case["generated_ids"]
-        with torch.inference_mode():
-            out = [model.model.forward(Batch.single(prompt, 0, 0, rows))[0]]
-            for i in range(len(prompt), len(ids) - 1):
-                out.append(model.model.forward(Batch.single([ids[i]], 0, i, rows))[0])
+        slot = model.engine.slots.borrow(len(ids))  # a slot with blocks for the sequence
+        try:
+            with torch.inference_mode():
+                out = [model.model.forward(Batch.single(prompt, slot, 0, rows))[0]]
+                for i in range(len(prompt), len(ids) - 1):
+                    out.append(model.model.forward(Batch.single([ids[i]], slot, i, rows))[0])
+        finally:
+            model.engine.slots.give_back(slot)
         lp = torch.log_softmax(torch.stack(out).float(), -1)
         ref = torch.log_softmax(model.logits(ids, lora=lora)[len(prompt) - 1 : -1].float(), -1)
         for row, ref_row, step in zip(lp, ref, case["steps"], strict=True):

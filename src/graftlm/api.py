@@ -25,6 +25,7 @@ from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
+from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
 from graftlm.tokenizer.templates import resolve_chat_template
 
@@ -35,10 +36,13 @@ class Timings:
     n_generated: int = 0
     prompt_s: float = 0.0
     generate_s: float = 0.0
+    n_cached: int = 0  # prompt tokens the prefix cache served (not computed)
 
     @property
     def prompt_tps(self) -> float:
-        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
+        """Prompt tokens computed a second (those the cache served not counted)."""
+        n = self.n_prompt - self.n_cached
+        return n / self.prompt_s if self.prompt_s > 0 else 0.0
 
     @property
     def generate_tps(self) -> float:
@@ -58,8 +62,17 @@ def load(
     device: str | torch.device = "cpu",
     chat_template: str | None = None,
     chat_template_file: str | os.PathLike[str] | None = None,
+    cache_type: str | None = None,
+    cache_blocks: int | None = None,
+    cache_bytes: int | None = None,
+    prefix_cache: bool = True,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
+
+    The KV cache is paged: `cache_type` is its values' type as llama.cpp names it ("f16", the
+    default, "bf16" or "f32"; the reference oracle's default is "f32"); `cache_blocks` its pool in blocks of 16 positions (default: every
+    sequence's whole context), or `cache_bytes` its size in bytes; `prefix_cache` reuses what earlier requests (earlier turns of a
+    chat) computed for the same tokens under the same adapter settings.
 
     `reference=True` dequantizes every weight to float32: the slow oracle, not the product.
     `device`: "cpu" (compact quantized weights, native kernels), or "cuda" / "cuda:N": every
@@ -84,7 +97,25 @@ def load(
     if dev.type != "cpu":
         model.to(dev)
     tokenizer = Tokenizer.from_file(file)
-    return Model(file, model, tokenizer, n_seq=n_seq, chat_template=template)
+    kv_type = cache_type or ("f32" if reference else DEFAULT_KV_TYPE)
+    if cache_bytes is not None:
+        per = block_nbytes(model.cfg, kv_dtype(kv_type))
+        if cache_bytes < per:
+            raise GraftError(
+                f"a KV cache of {cache_bytes} bytes holds no block: one block of {BLOCK} "
+                f"positions takes {per} bytes ({kv_type})"
+            )
+        cache_blocks = cache_bytes // per + 1  # (block 0 holds nothing)
+    return Model(
+        file,
+        model,
+        tokenizer,
+        n_seq=n_seq,
+        kv_dtype=kv_dtype(kv_type),
+        cache_blocks=cache_blocks,
+        prefix_cache=prefix_cache,
+        chat_template=template,
+    )
 
 
 class Model:
@@ -96,18 +127,28 @@ class Model:
         model: Transformer,
         tokenizer: Tokenizer,
         n_seq: int = 1,
+        kv_dtype: torch.dtype | None = None,
+        cache_blocks: int | None = None,
+        prefix_cache: bool = True,
         chat_template: str | None = None,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, n_slots=n_seq)
+        self.engine = Engine(
+            model,
+            n_slots=n_seq,
+            n_blocks=cache_blocks,
+            kv_dtype=kv_dtype,
+            prefix_cache=prefix_cache,
+        )
         template = chat_template or file.get("tokenizer.chat_template")
         self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
         self.adapters = AdapterSet(model)
+        self.engine.invocations = self.adapters.invocations  # activated LoRA's starts
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -276,7 +317,11 @@ class Model:
             t_prompt = (req.t_prompt_done or time.perf_counter()) - t0
             t_end = req.t_end or time.perf_counter()
             self.last_timings = Timings(
-                len(ids), len(req.generated), t_prompt, t_end - (req.t_prompt_done or t_end)
+                len(ids),
+                len(req.generated),
+                t_prompt,
+                t_end - (req.t_prompt_done or t_end),
+                req.n_cached,
             )
 
 

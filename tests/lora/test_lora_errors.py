@@ -125,6 +125,7 @@ def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> Non
         "prompt_prefix": "Arr: ",
         "n_tensors": 12,
         "bytes": info["bytes"],
+        "alora_invocation_tokens": [5, 6],
     }
     # float32, rank 4, A (r, n_in) + B (r, n_out) per target as resident: attn_q and attn_v land
     # on the stacked Q/K/V projection (64 + 32 + 32 rows), ffn_down on its own; two layers

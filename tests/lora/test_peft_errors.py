@@ -137,9 +137,15 @@ def test_tensor_not_selected_by_the_config(llama: graftlm.Model, tmp_path: Path)
     assert "layers.1" not in msg
 
 
-def test_activated_lora_is_refused_when_serving(llama: graftlm.Model, tmp_path: Path) -> None:
+def test_activated_lora_loads_with_its_invocation(llama: graftlm.Model, tmp_path: Path) -> None:
+    """(It was refused before graftlm served aLoRA; its behaviour is tested against PEFT in
+    test_peft_reference.)"""
     d = variant(tmp_path, config=lambda c: c.update(alora_invocation_tokens=[5, 6]))
-    assert "alora_invocation_tokens: activated LoRA" in refused(llama, d)
+    i = llama.add_lora(d)
+    try:
+        assert llama.adapters.invocations() == {i: (5, 6)}
+    finally:
+        llama.remove_lora(i)
 
 
 def test_saved_base_layer_other_than_the_embedding(llama: graftlm.Model, tmp_path: Path) -> None:

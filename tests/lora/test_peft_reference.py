@@ -153,3 +153,40 @@ def test_scale_is_linear_in_the_user_scale(
     y = graftlm_logprobs(ours, IDS, [{"id": b, "scale": 1.0}])
     assert (x - y).abs().max() < 1e-4
     assert (y - peft_logprobs(pm, IDS)).abs().max() < 1e-3
+
+
+def test_activated_lora_matches_peft_and_differs_from_the_plain_lora(
+    make_peft: Callable[..., tuple[Path, Any]], tiny_base: Callable[[str], Path]
+) -> None:
+    """aLoRA (PEFT's alora_invocation_tokens): the delta applies from the start of the last
+    occurrence of the invocation on. graftlm gives PEFT's log-probabilities; before the
+    invocation they are the base's, after it they differ from the same weights as a plain LoRA."""
+    invocation = IDS[14:17]
+    kwargs = dict(r=4, lora_alpha=8, target_modules=ALL7)
+    alora_dir, pm = make_peft(
+        "llama", "alora", seed=5, alora_invocation_tokens=invocation, **kwargs
+    )
+    plain_dir, _ = make_peft("llama", "plain", seed=5, **kwargs)
+    ours = graftlm.load(tiny_base("llama"), ctx_size=64, reference=True)
+    a, p = ours.add_lora(alora_dir), ours.add_lora(plain_dir)
+    assert ours.loras[a]["alora_invocation_tokens"] == invocation
+    assert ours.loras[p]["alora_invocation_tokens"] == []
+    got = graftlm_logprobs(ours, IDS, [{"id": a, "scale": 1.0}])
+    plain = graftlm_logprobs(ours, IDS, [{"id": p, "scale": 1.0}])
+    base = graftlm_logprobs(ours, IDS, [])
+    # PEFT's forward takes the activation as alora_offsets (tokens from the end; its generate()
+    # finds them itself): the invocation starts at 14
+    with torch.no_grad():
+        logits = pm(input_ids=torch.tensor([IDS]), alora_offsets=[len(IDS) - 14]).logits
+    ref = torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(IDS[1:])[:, None])
+    assert (got - ref[:, 0]).abs().max() < 1e-3
+    # logprobs[i] is of token i + 1, computed at position i: positions before 14 are the base's
+    assert torch.equal(got[:14], base[:14])
+    assert (got[14:] - base[14:]).abs().mean() > 0.01
+    assert (got[14:] - plain[14:]).abs().mean() > 0.01  # the plain LoRA acts from the start
+    assert (plain[:14] - base[:14]).abs().mean() > 0.01
+    # without the invocation in the prompt the aLoRA does not apply: the base's log-probabilities
+    no_inv = IDS[:14]
+    torch.testing.assert_close(
+        graftlm_logprobs(ours, no_inv, [{"id": a, "scale": 1.0}]), base[:13], rtol=0, atol=0
+    )

@@ -34,17 +34,22 @@ def test_the_library_and_the_mirrors_agree_on_the_abi() -> None:
     lib = build.loaded_library()
     assert lib is not None, unavailable_reason()
     have = abi.library_layout(lib)
-    assert have == abi.layout() and "gl_layer.kc" in have and "gl_lora_site" in have
+    assert (
+        have == abi.layout()
+        and "gl_layer.kv" in have
+        and "gl_kv.tables" in have
+        and "gl_lora_site" in have
+    )
     header = (build.CSRC / "graftlm.h").read_text()
     assert abi.signature_problems(header) == []
     assert set(abi.prototypes(header)) == set(abi.SIGNATURES)
 
 
 def _drifted_layer() -> type[abi.Mirror]:
-    """gl_layer's mirror with one more field before kc: a mirror edited without the C struct."""
+    """gl_layer's mirror with one more field before kv: a mirror edited without the C struct."""
     fields = []
     for name, t in abi.GlLayer._fields_:
-        if name == "kc":
+        if name == "kv":
             fields.append(("extra", ctypes.c_int64))
         fields.append((name, t))
     return type("Drifted", (abi.Mirror,), {"c_name": "gl_layer", "_fields_": fields})
@@ -54,15 +59,15 @@ def test_a_stale_layout_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPa
     _buildable()
     lib = build.loaded_library()
     assert lib is not None, unavailable_reason()
-    kc, drifted = abi.GlLayer.kc.offset, _drifted_layer()
+    kc, drifted = abi.GlLayer.kv.offset, _drifted_layer()
     structs = tuple(drifted if s is abi.GlLayer else s for s in abi.STRUCTS)
     problems = abi.layout_problems(lib, structs)
-    assert f"gl_layer.kc at offset {kc}, ctypes expects {kc + 8}" in problems
+    assert f"gl_layer.kv at offset {kc}, ctypes expects {kc + 8}" in problems
     assert (
         "ctypes expects gl_layer.extra at offset " + str(kc) + ", the library has no such field"
         in problems
     )
-    assert len(problems) == 2  # the fields after kc, moved with it, go unsaid
+    assert len(problems) == 2  # the fields after kv, moved with it, go unsaid
     assert abi.layout_problems(lib, abi.STRUCTS[:-1]) == [
         f"{abi.STRUCTS[-1].c_name} is described by the library alone"
     ]
@@ -70,7 +75,7 @@ def test_a_stale_layout_is_refused_naming_the_field(monkeypatch: pytest.MonkeyPa
     try:
         monkeypatch.setattr(abi, "STRUCTS", structs)
         assert library() is None
-        assert f"stale native library: gl_layer.kc at offset {kc}, ctypes expects {kc + 8}" in (
+        assert f"stale native library: gl_layer.kv at offset {kc}, ctypes expects {kc + 8}" in (
             unavailable_reason() or ""
         )
     finally:

@@ -19,6 +19,7 @@ from graftlm.native import build, disabled, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
 from graftlm.step.batch import Batch, RowIndex
+from graftlm.step.kv_cache import KVCache, kv_dtype
 
 pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
 
@@ -82,7 +83,7 @@ def test_native_decode_attention_equals_torch_attention(
     """Prefill three sequences past gemma-3's sliding window (8), then decode them together at
     different positions: native attention (RoPE, cache writes, GQA, window) vs PyTorch's."""
     path: Path = request.getfixturevalue(fixture)
-    model = graftlm.load(str(path), ctx_size=64, n_seq=3).model
+    model = graftlm.load(str(path), ctx_size=64, n_seq=3, cache_type="f32").model
     lens = [5, 12, 17]
 
     def run(native: bool) -> list[torch.Tensor]:
@@ -251,7 +252,7 @@ def test_fused_layer_equals_the_pytorch_block(
     spec = TinySpec(arch=arch, n_embd=64, n_ff=96, qtype=qtype, embd_type=Q.Q8_0, n_layer=3,
                     **extra)  # type: ignore[arg-type]  # fmt: skip
     path = write_tiny_model(tmp_path / "m.gguf", spec)
-    m = graftlm.load(str(path), ctx_size=64, n_seq=3)
+    m = graftlm.load(str(path), ctx_size=64, n_seq=3, cache_type="f32")
     ids = [m.add_lora(write_tiny_adapter(tmp_path / f"a{s}.gguf", spec, seed=s), 0.0)
            for s in (1, 2)]  # fmt: skip
     model = m.model
@@ -396,7 +397,7 @@ def test_out_of_range_slots_and_positions_never_reach_the_c_code(tiny_llama: Pat
     kv = torch.zeros(1, 1, 2 * 16)
     rope = model.rope_of_layer[0]
     for slot, pos in ((2, 3), (0, 16), (-1, 3), (0, -1)):
-        out = ops.attn_decode(q, kv, kv, cache.k[0], cache.v[0], torch.tensor([slot]),
+        out = ops.attn_decode(q, kv, kv, cache, 0, torch.tensor([slot]),
                               torch.tensor([pos]), rope.cos, rope.sin, rope.neox, 1.0, 0)  # fmt: skip
         assert out is None
     with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
@@ -426,7 +427,9 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
     spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0)
-    m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32, n_seq=2)
+    m = graftlm.load(
+        str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32, n_seq=2, cache_type="f32"
+    )
     a = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", spec, seed=1), 0.0)
     model = m.model
 
@@ -533,30 +536,85 @@ def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
         assert [step(3), step(3)] == [spec.n_layer, 0]  # one call a layer, a scratch each
 
 
+def _paged(dense: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> KVCache:
+    """A paged cache holding dense (slots, Hkv, n_ctx, D) as both K and V... of layer 0, its
+    blocks scattered over the pool in a random order (and a spare block between them), so that
+    every kernel must follow the block table."""
+    n_slots, hkv, n_ctx, d = dense.shape
+    cache = KVCache(1, n_slots, hkv, n_ctx, d, d, dtype, n_blocks=2 * n_slots * -(-n_ctx // 16) + 1)
+    g = torch.Generator().manual_seed(seed)
+    order = (torch.randperm(cache.n_blocks - 1, generator=g) + 1).tolist()
+    for s in range(n_slots):
+        blocks = order[s * cache.max_blocks : (s + 1) * cache.max_blocks]
+        cache.set_table(s, blocks)
+        for i, b in enumerate(blocks):
+            piece = dense[s, :, i * 16 : (i + 1) * 16]
+            cache.k[0][b, :, : piece.shape[1]] = piece.to(dtype)
+    cache.v[0].copy_(cache.k[0].flip(-1))  # V: K with each head's values reversed
+    return cache
+
+
 @pytest.mark.parametrize(
-    ("t", "h", "hkv", "d", "starts", "window"),
+    ("t", "h", "hkv", "d", "starts", "window", "kv"),
     [
-        (512, 4, 1, 256, [0], 0),  # gemma-3's prompt: 64 score rows a task, full key blocks
-        (100, 9, 3, 64, [0], 0),  # SmolLM2's heads; partial query and key blocks
-        (37, 4, 1, 256, [300], 0),  # a later chunk: keys before the chunk, 301 of them
-        (200, 4, 2, 32, [70], 64),  # a window shorter than the chunk
-        (5, 3, 3, 16, [0, 9, 2], 4),  # three rows at their own starts, slots out of order
-        (1, 2, 1, 16, [6], 0),  # one query
+        (512, 4, 1, 256, [0], 0, "f32"),  # gemma-3's prompt: 64 score rows a task, full blocks
+        (100, 9, 3, 64, [0], 0, "f16"),  # SmolLM2's heads; partial query and key blocks
+        (37, 4, 1, 256, [300], 0, "bf16"),  # a later chunk: keys before the chunk, 301 of them
+        (200, 4, 2, 32, [70], 64, "f16"),  # a window shorter than the chunk
+        (5, 3, 3, 16, [0, 9, 2], 4, "f32"),  # three rows at their own starts, slots out of order
+        (1, 2, 1, 16, [6], 0, "bf16"),  # one query
     ],
 )
 def test_native_prefill_attention_equals_masked_sdpa(
-    t: int, h: int, hkv: int, d: int, starts: list[int], window: int
+    t: int, h: int, hkv: int, d: int, starts: list[int], window: int, kv: str
 ) -> None:
+    """Through a paged cache whose blocks are scattered, of each cache type, against SDPA on the
+    same values (the cache's, as float32) laid out densely."""
     g = torch.Generator().manual_seed(t)
     n_slots, n_ctx = 4, max(starts) + t + 3
-    kc = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
-    vc = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
+    dense = torch.randn(n_slots, hkv, n_ctx, d, generator=g)
     q = torch.randn(len(starts), t, h, d, generator=g) * 2
     slots = [3, 0, 1][: len(starts)]
-    out = ops.attn_prefill(q, kc, vc, _rows(slots, starts, t), d**-0.5, window)
+    cache = _paged(dense, kv_dtype(kv), seed=t)
+    out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
-    ref = _masked_sdpa(q, kc, vc, slots, starts, d**-0.5, window)
+    kc = dense.to(kv_dtype(kv)).float()
+    ref = _masked_sdpa(q, kc, kc.flip(-1), slots, starts, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16"])
+def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
+    """A decode step of three rows through scattered blocks: the new k and v land in the pool
+    block the table names (rotated k, rounded as torch rounds), and the output equals SDPA over
+    the same values."""
+    g = torch.Generator().manual_seed(1)
+    h, hkv, d, n_ctx = 4, 2, 64, 70
+    dense = torch.randn(3, hkv, n_ctx, d, generator=g)
+    cache = _paged(dense, kv_dtype(kv))
+    pos = [69, 16, 5]  # the last position, a block's first, inside the first block
+    slots = [1, 2, 0]
+    q = torch.randn(3, 1, h * d, generator=g)
+    k = torch.randn(3, 1, hkv * d, generator=g)
+    v = torch.randn(3, 1, hkv * d, generator=g)
+    zero = torch.zeros(n_ctx, d // 2)
+    one = torch.ones(n_ctx, d // 2)  # cos 1, sin 0: RoPE leaves the values as they are
+    out = ops.attn_decode(q, k, v, cache, 0, torch.tensor(slots), torch.tensor(pos), one, zero,
+                          False, d**-0.5, 0)  # fmt: skip
+    assert out is not None
+    for r, (s, p) in enumerate(zip(slots, pos, strict=True)):
+        b = int(cache.tables[s, p // 16])
+        assert torch.equal(cache.k[0][b, :, p % 16], k[r, 0].view(hkv, d).to(cache.dtype))
+        assert torch.equal(cache.v[0][b, :, p % 16], v[r, 0].view(hkv, d).to(cache.dtype))
+        keys = torch.cat([dense[s, :, :p].to(cache.dtype).float(),
+                          k[r, 0].view(hkv, 1, d).to(cache.dtype).float()], 1)  # fmt: skip
+        values = torch.cat([dense[s, :, :p].to(cache.dtype).float().flip(-1),
+                            v[r, 0].view(hkv, 1, d).to(cache.dtype).float()], 1)  # fmt: skip
+        want = F.scaled_dot_product_attention(
+            q[r].view(1, h, 1, d), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5,
+            enable_gqa=True,
+        ).flatten()  # fmt: skip
+        torch.testing.assert_close(out[r, 0], want, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])
@@ -567,7 +625,7 @@ def test_model_prompts_take_the_native_attention(
     a first chunk, a later chunk past gemma-3's window of 8, and two padded rows prefilled
     together; logits equal the PyTorch path's."""
     path: Path = request.getfixturevalue(fixture)
-    model = graftlm.load(str(path), ctx_size=64, n_seq=2).model
+    model = graftlm.load(str(path), ctx_size=64, n_seq=2, cache_type="f32").model
     served: list[bool] = []
     real = ops.attn_prefill
 
@@ -599,15 +657,15 @@ def test_model_prompts_take_the_native_attention(
 
 
 def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
-    kc = torch.zeros(2, 1, 16, 32)
+    cache = _paged(torch.zeros(2, 1, 16, 32), torch.float32)
     q = torch.zeros(1, 4, 2, 32)
-    assert ops.attn_prefill(q, kc, kc, _rows([0], [12], 4), 1.0, 0) is not None  # 12..15: fits
-    assert ops.attn_prefill(q, kc, kc, _rows([0], [13], 4), 1.0, 0) is None  # 16: past the cache
-    assert ops.attn_prefill(q, kc, kc, _rows([2], [0], 4), 1.0, 0) is None  # no slot 2
+    assert ops.attn_prefill(q, cache, 0, _rows([0], [12], 4), 1.0, 0) is not None  # 12..15: fits
+    assert ops.attn_prefill(q, cache, 0, _rows([0], [13], 4), 1.0, 0) is None  # 16: past it
+    assert ops.attn_prefill(q, cache, 0, _rows([2], [0], 4), 1.0, 0) is None  # no slot 2
     assert _rows([-1], [0], 4) is None  # a negative slot never becomes an index
-    assert ops.attn_prefill(q.double(), kc, kc, _rows([0], [0], 4), 1.0, 0) is None
-    odd = torch.zeros(2, 1, 16, 24)  # head size not a multiple of 16: SDPA runs
-    assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, odd, _rows([0], [0], 4), 1.0, 0) is None
+    assert ops.attn_prefill(q.double(), cache, 0, _rows([0], [0], 4), 1.0, 0) is None
+    odd = _paged(torch.zeros(2, 1, 16, 24), torch.float32)  # head size not a multiple of 16
+    assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, 0, _rows([0], [0], 4), 1.0, 0) is None
 
 
 def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
@@ -736,7 +794,7 @@ def test_fused_layer_serves_the_converted_families(
     from graftlm.models.fused import FusedStack
 
     d = TINY / family
-    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2)
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
     aid = m.add_lora(d / "lora-f32.gguf", 0.0)
     model = m.model
     rows = m.engine.lora_rows([{aid: 1.0}, {}])

@@ -79,12 +79,18 @@ def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> C
     if test == "pp":
 
         def pp() -> int:
-            with torch.inference_mode():
-                for start in range(0, n, engine.chunk):
-                    piece = ids[start : start + engine.chunk]
-                    rows = engine.lora_rows([settings])
-                    model.model.forward(Batch.single(piece, 0, start, rows, device))
-            sync()
+            # a borrowed slot with blocks of its own: the prompt is computed in full every time
+            # (the prefix cache does not see it)
+            slot = engine.slots.borrow(n)
+            try:
+                with torch.inference_mode():
+                    for start in range(0, n, engine.chunk):
+                        piece = ids[start : start + engine.chunk]
+                        rows = engine.lora_rows([settings])
+                        model.model.forward(Batch.single(piece, slot, start, rows, device))
+                sync()
+            finally:
+                engine.slots.give_back(slot)
             return n
 
         return pp

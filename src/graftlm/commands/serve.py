@@ -61,6 +61,9 @@ def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]
     return out
 
 
+KV_TYPES = ("f16", "bf16", "f32")  # llama.cpp's names of the cache types graftlm keeps
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m", "--model", default=None, help="GGUF model (default: embedded SmolLM2-135M-Instruct)"
@@ -74,7 +77,41 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument(
-        "-c", "--ctx-size", type=int, default=4096, help="context of each sequence (0: the model's)"
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=4096,
+        help="tokens the KV cache holds, over all sequences (as llama-server); one sequence may "
+        "use all of it, up to the model's context (0: the model's context)",
+    )
+    g = p.add_argument_group("KV cache")
+    g.add_argument(
+        "--kv-memory",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="size the KV cache pool in bytes instead of by -c (e.g. 1G); room past what the "
+        "running requests hold keeps cached prefixes",
+    )
+    g.add_argument(
+        "-ctk",
+        "--cache-type-k",
+        default="f16",
+        choices=list(KV_TYPES),
+        help="type of the cached keys (default f16)",
+    )
+    g.add_argument(
+        "-ctv",
+        "--cache-type-v",
+        default="f16",
+        choices=list(KV_TYPES),
+        help="type of the cached values: the same as the keys' (default f16)",
+    )
+    g.add_argument(
+        "--no-cache-prompt",
+        dest="cache_prompt",
+        action="store_false",
+        help="turn the prefix cache off (every prompt computed in full)",
     )
     p.add_argument("-t", "--threads", type=int, default=None)
     add_device_argument(p)
@@ -169,11 +206,24 @@ def serve(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.lora.cli_args import lora_specs
     from graftlm.server.state import ServerConfig
+    from graftlm.step.kv_cache import BLOCK
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     modules = parse_lora_modules(args.lora_modules)
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be at least 1")
+    if args.cache_type_v != args.cache_type_k:
+        raise ValueError(
+            f"--cache-type-k {args.cache_type_k} with --cache-type-v {args.cache_type_v}: graftlm "
+            "keeps keys and values in one type; give both the same"
+        )
+    pool_tokens = args.ctx_size
+    if pool_tokens <= 0:  # -c 0: the model's context, for the pool too
+        from graftlm.gguf import GGUFFile
+        from graftlm.models import context_size
+        from graftlm.resources import default_model_path
+
+        pool_tokens = context_size(GGUFFile(args.model or default_model_path()), 0)
     t0 = time.perf_counter()
     # one sequence slot more than --parallel: scoring requests (echo + logprobs) never wait
     model = graftlm.load(
@@ -185,11 +235,22 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         chat_template=args.chat_template,
         chat_template_file=args.chat_template_file,
+        cache_type=args.cache_type_k,
+        cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
+        cache_bytes=args.kv_memory,
+        prefix_cache=args.cache_prompt,
     )
+    cache = model.engine.cache
     print(
-        f"loaded {model.path.name}: {model.config.arch}, context {model.n_ctx}, "
+        f"loaded {model.path.name}: {model.config.arch}, context {model.engine.n_ctx} a sequence, "
         f"{args.parallel} parallel, "
         f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
+        file=sys.stderr,
+    )
+    print(
+        f"KV cache: {args.cache_type_k}, {cache.n_blocks - 1} blocks of {cache.block} tokens "
+        f"({(cache.n_blocks - 1) * cache.block} tokens, {cache.nbytes / 2**20:.0f} MiB), "
+        f"prefix cache {'on' if args.cache_prompt else 'off'}",
         file=sys.stderr,
     )
     config = ServerConfig(

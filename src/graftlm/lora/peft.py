@@ -479,11 +479,6 @@ def read_peft_adapter(path: str | Path, model: Base) -> ResolvedAdapter:
     Raises AdapterError listing every problem; nothing is attached either way."""
     base = BaseInfo.from_model(model, path=model.cfg.name or model.cfg.arch)
     adapter = read_peft(path, base)
-    if adapter.config.invocation_tokens:
-        raise AdapterError(
-            f"{Path(path) / CONFIG_FILE}: alora_invocation_tokens: activated LoRA (the delta "
-            "applies only after the invocation tokens) is not supported when serving"
-        )
     pieces: dict[str, list[tuple[slice, slice, Delta]]] = {}
     for p in adapter.pairs:
         if p.embedding:
@@ -502,6 +497,7 @@ def read_peft_adapter(path: str | Path, model: Base) -> ResolvedAdapter:
         alpha=adapter.config.lora_alpha,
         deltas={name: combine(parts, n_out[name]) for name, parts in pieces.items()},
         n_tensors=adapter.n_tensors,
+        invocation_tokens=list(adapter.config.invocation_tokens),
         source="peft",
         notes=adapter.notes,
     )

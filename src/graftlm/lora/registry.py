@@ -36,6 +36,8 @@ class Attached:
             "prompt_prefix": a.prompt_prefix,
             "n_tensors": a.n_tensors,
             "bytes": a.nbytes,
+            # activated LoRA: the delta applies from the last occurrence of these tokens on
+            "alora_invocation_tokens": list(a.invocation_tokens),
         }
 
 
@@ -185,6 +187,14 @@ class AdapterSet:
         """The model's global scales, the default a request starts from: their one copy (the
         server asks here too). Safe from any thread: the table is copied in one C call."""
         return AdapterSettings((i, a.scale) for i, a in list(self.attached.items()))
+
+    def invocations(self) -> dict[int, tuple[int, ...]]:
+        """Activated-LoRA adapters by id: their invocation tokens."""
+        return {
+            i: tuple(a.adapter.invocation_tokens)
+            for i, a in list(self.attached.items())
+            if a.adapter.invocation_tokens
+        }
 
     def info(self) -> list[dict[str, object]]:
         return [a.info() for _, a in sorted(self.attached.items())]

@@ -230,12 +230,22 @@ class Transformer:
                 setattr(blk, name, move(v))
         self.device = dev
         if self.cache is not None:  # (also unbinds the native layers, which point into it)
-            self.allocate_cache(self.cache.n_slots)
+            c = self.cache
+            self.allocate_cache(c.n_slots, c.n_blocks, c.dtype)
         return self
 
     # -- the step --------------------------------------------------------------------------------
-    def allocate_cache(self, n_slots: int) -> KVCache:
+    def allocate_cache(
+        self, n_slots: int, n_blocks: int | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """A paged KV cache of n_slots sequences of this model's context, in n_blocks blocks
+        (default: every slot's whole context) of `dtype` (default: the last cache's, at first
+        float16)."""
         cfg = self.cfg
+        if dtype is None:
+            dtype = self.cache.dtype if self.cache is not None else torch.float16
+        self.cache = None  # (the old pool goes before the new one is made)
+        self._fused, self._stack = {}, []
         self.cache = KVCache(
             cfg.n_layer,
             n_slots,
@@ -243,7 +253,9 @@ class Transformer:
             self.n_ctx,
             cfg.head_dim,
             cfg.v_head_dim,
+            dtype=dtype,
             device=self.device,
+            n_blocks=n_blocks,
         )
         self._fused, self._stack = {}, []  # native layers point into the old cache: bind again
         return self.cache
@@ -283,7 +295,6 @@ class Transformer:
             spec is not None
             and spec.servable()
             and cfg.v_head_dim == cfg.head_dim <= native_ops.MAX_HEAD_DIM
-            and kc.dtype == torch.float32
             and kc.device.type == "cpu"
             and kc.is_contiguous()
         ):
@@ -296,7 +307,7 @@ class Transformer:
                 "window": cfg.sliding_window[i],
             }
             rope, board = self.rope_of_layer[i], self._scale_board
-            fused = FusedLayer(spec, kc, self.cache.v[i], rope, dims, cfg.rms_eps, cfg.scale, board)
+            fused = FusedLayer(spec, self.cache, i, rope, dims, cfg.rms_eps, cfg.scale, board)
         self._fused[i] = (kc.data_ptr(), fused)
         return fused
 
@@ -346,7 +357,7 @@ class Transformer:
         if rows is not None:  # one new token per row: the native step, when it can serve it
             out = native_ops.attn_decode(
                 q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1),
-                self.cache.k[i], self.cache.v[i], rows.slots, rows.starts, rope.cos, rope.sin,
+                self.cache, i, rows.slots, rows.starts, rope.cos, rope.sin,
                 rope.neox, cfg.scale, cfg.sliding_window[i],
                 bounds=(rows.max_slot, rows.max_start),
             )  # fmt: skip

@@ -25,10 +25,12 @@ from graftlm.native import library
 from graftlm.native.abi import GlLayer, Scratch
 from graftlm.native.build import loaded_library
 from graftlm.native.layer import ACTS
+from graftlm.native.ops import gl_kv
 
 if TYPE_CHECKING:
     from graftlm.models.layers import Rope
     from graftlm.step.batch import Batch, LoraRows, RowIndex
+    from graftlm.step.kv_cache import KVCache
 
 
 @dataclass
@@ -153,8 +155,8 @@ class FusedLayer:
     def __init__(
         self,
         spec: LayerSpec,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
+        cache: KVCache,
+        index: int,
         rope: Rope,
         dims: dict[str, int],
         eps: float,
@@ -164,9 +166,13 @@ class FusedLayer:
         self.spec = spec
         self.board = board
         self.sites = [*spec.qkv, spec.o, spec.gate_up, spec.down]
-        self.keep = (kc, vc, rope.cos, rope.sin)  # everything the struct points into
-        self.n_ctx = int(kc.shape[2])
-        self.n_slots = int(kc.shape[0])
+        kv = gl_kv(cache, index)
+        if kv is None:
+            raise ValueError("the native decode layer needs a contiguous KV cache on the CPU")
+        # everything the struct points into
+        self.keep = (cache.k[index], cache.v[index], cache.tables, rope.cos, rope.sin)
+        self.n_ctx = cache.n_ctx
+        self.n_slots = cache.n_slots
         self.n_embd = dims["n_embd"]
         weights = [p.weight.native() for p in spec.qkv]
         weights += [None] * (3 - len(weights))
@@ -190,12 +196,13 @@ class FusedLayer:
             "o_bias",
         ):
             setattr(layer, name, _ptr(getattr(spec, name)))
-        layer.kc, layer.vc = kc.data_ptr(), vc.data_ptr()
+        layer.kv = kv
         layer.cos_t, layer.sin_t = rope.cos.data_ptr(), rope.sin.data_ptr()
         layer.n_qkv = len(spec.qkv)
         for name in ("n_embd", "n_head", "n_head_kv", "head_dim", "n_ff", "window"):
             setattr(layer, name, dims[name])
-        layer.n_ctx, layer.rot, layer.neox = self.n_ctx, rope.cos.shape[-1] * 2, int(rope.neox)
+        layer.n_ctx = cache.max_blocks * cache.block  # (the scores a row can have)
+        layer.rot, layer.neox = rope.cos.shape[-1] * 2, int(rope.neox)
         layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
         layer.softcap = spec.softcap
         self.layer = layer

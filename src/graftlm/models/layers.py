@@ -98,9 +98,7 @@ def attention(
     cache.write(layer, batch, k, v)
     rows = batch.index()
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
-        out = native_ops.attn_prefill(
-            q.contiguous(), cache.k[layer], cache.v[layer], rows, scale, window
-        )
+        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window)
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)

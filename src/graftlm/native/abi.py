@@ -5,7 +5,7 @@ The loader (build.py) checks both before it uses a library:
 
 * layout: the library reports each struct's size and each field's offset as its compiler laid them
   out (``gl_abi_layout``); every one must be the mirror's, by name. A library built from other
-  structs is refused, naming the field ("gl_layer.kc at offset 312, ctypes expects 320").
+  structs is refused, naming the field ("gl_layer.kv at offset 312, ctypes expects 320").
 * signatures: the ``GL_API`` prototypes of ``graftlm.h`` (the file the library was built from: the
   build is keyed by its bytes) must take what ``SIGNATURES`` passes, argument by argument, and
   every exported function must be in both.
@@ -39,6 +39,13 @@ class GlLoraSite(Mirror):
                 ("aq", _P), ("a_scales", _P), ("a_half", _I64)]  # fmt: skip
 
 
+class GlKv(Mirror):
+    c_name = "gl_kv"
+    _fields_ = [("k", _P), ("v", _P), ("tables", _P), ("n_blocks", _I64), ("n_slots", _I64),
+                ("max_blocks", _I64), ("block", _I64), ("n_head_kv", _I64),
+                ("type", _I64)]  # fmt: skip
+
+
 class GlLayer(Mirror):
     c_name = "gl_layer"
     _fields_ = [
@@ -48,7 +55,7 @@ class GlLayer(Mirror):
         ("attn_norm", _P), ("ffn_norm", _P),
         ("q_norm", _P), ("k_norm", _P), ("post_attn_norm", _P), ("post_ffw_norm", _P),
         ("q_bias", _P), ("k_bias", _P), ("v_bias", _P), ("o_bias", _P),
-        ("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P),
+        ("kv", GlKv), ("cos_t", _P), ("sin_t", _P),
         ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
         ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
         ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F), ("softcap", _F),
@@ -57,7 +64,7 @@ class GlLayer(Mirror):
 
 class GlAttn(Mirror):
     c_name = "gl_attn"
-    _fields_ = [("kc", _P), ("vc", _P), ("cos_t", _P), ("sin_t", _P), ("n_head", _I64),
+    _fields_ = [("kv", GlKv), ("cos_t", _P), ("sin_t", _P), ("n_head", _I64),
                 ("n_head_kv", _I64), ("head_dim", _I64), ("v_dim", _I64), ("n_ctx", _I64),
                 ("rot", _I64), ("neox", _I64), ("window", _I64), ("scale", _F),
                 ("softcap", _F)]  # fmt: skip
@@ -68,7 +75,7 @@ class GlScratch(Mirror):
     _fields_ = [("base", _P), ("cap", _I64), ("used", _I64), ("busy", _I64)]
 
 
-STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlLayer, GlAttn, GlScratch)
+STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlKv, GlLayer, GlAttn, GlScratch)
 
 # name -> (return type, argument types); pointers of every kind as c_void_p
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graftlm.native.abi import GlAttn, GlLoraSite
+from graftlm.native.abi import GlAttn, GlKv, GlLoraSite
 from graftlm.native.build import library, threads
 
 if TYPE_CHECKING:
     from graftlm.step.batch import RowIndex
+    from graftlm.step.kv_cache import KVCache
 
 __all__ = [
     "attn_decode",
@@ -185,12 +186,28 @@ def rope(
     return out if done == 0 else None
 
 
+def gl_kv(cache: KVCache, layer: int) -> GlKv | None:
+    """The C view of one layer's paged cache (gl_kv), or None when it cannot be one (not on the
+    CPU, not contiguous). Points into the cache's tensors: the caller keeps the cache alive."""
+    kc, vc, tables = cache.k[layer], cache.v[layer], cache.tables
+    if not (
+        kc.device.type == "cpu"
+        and kc.is_contiguous()
+        and vc.is_contiguous()
+        and tables.is_contiguous()
+        and tables.dtype is torch.int32
+    ):
+        return None
+    return GlKv(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), cache.n_blocks, cache.n_slots,
+                cache.max_blocks, cache.block, kc.shape[1], cache.type_code)  # fmt: skip
+
+
 def attn_decode(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     slots: torch.Tensor,
     positions: torch.Tensor,
     cos: torch.Tensor,
@@ -203,21 +220,18 @@ def attn_decode(
 ) -> torch.Tensor | None:
     """Attention for B rows of one new token each (see gl_attn_decode), or None.
 
-    q (B, 1, H*D), k (B, 1, Hkv*D), v (B, 1, Hkv*Dv), unrotated; kc/vc the layer's cache
-    (slots, Hkv, n_ctx, D/Dv); slots/positions (B,) int64; cos/sin (n_ctx, rot/2) float32.
-    Writes the rotated k and v into the cache; returns (B, 1, H*Dv). bounds: (max slot, max
-    position) when the caller knows them to be non-negative (Batch.index), else they are
+    q (B, 1, H*D), k (B, 1, Hkv*D), v (B, 1, Hkv*Dv), unrotated; cache: the paged cache, of which
+    layer's blocks are read and written; slots/positions (B,) int64; cos/sin (n_ctx, rot/2)
+    float32. Writes the rotated k and v into the cache; returns (B, 1, H*Dv). bounds: (max slot,
+    max position) when the caller knows them to be non-negative (Batch.index), else they are
     read from the tensors.
     """
     lib = library()
-    if (
-        lib is None
-        or kc.dtype is not torch.float32
-        or not (kc.is_contiguous() and vc.is_contiguous())
-    ):
+    kv = gl_kv(cache, layer)
+    if lib is None or kv is None or q.dtype is not torch.float32:
         return None
-    n_slots, hkv, n_ctx, d = kc.shape
-    dv = vc.shape[-1]
+    d, dv = cache.k[layer].shape[-1], cache.v[layer].shape[-1]
+    hkv = int(kv.n_head_kv)
     b = q.shape[0]
     h = q.shape[-1] // d
     rot = cos.shape[-1] * 2
@@ -230,13 +244,14 @@ def attn_decode(
         if positions.numel() and min(int(positions.min()), int(slots.min())) < 0:
             return None
         bounds = (int(slots.max()), int(positions.max())) if positions.numel() else (0, 0)
-    if bounds[0] >= n_slots or bounds[1] >= min(n_ctx, cos.shape[0]):
+    if bounds[0] >= cache.n_slots or bounds[1] >= min(cache.n_ctx, cos.shape[0]):
         return (
             None  # the C code writes the cache at (slot, position): out of range stays in PyTorch
         )
     out = q.new_empty(b, 1, h * dv)
-    attn = GlAttn(kc.data_ptr(), vc.data_ptr(), cos.data_ptr(), sin.data_ptr(), h, hkv, d, dv,
-                  n_ctx, rot, int(neox), window, scale, softcap)  # fmt: skip
+    n_pos = cache.max_blocks * cache.block
+    attn = GlAttn(kv, cos.data_ptr(), sin.data_ptr(), h, hkv, d, dv, n_pos, rot, int(neox), window,
+                  scale, softcap)  # fmt: skip
     lib.gl_attn_decode(
         ctypes.byref(attn), q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
         slots.data_ptr(), positions.data_ptr(), b, out.data_ptr(), threads(),
@@ -246,43 +261,43 @@ def attn_decode(
 
 def attn_prefill(
     q: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     rows: RowIndex,
     scale: float,
     window: int,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
-    q (B, T, H, D) rotated; kc/vc the layer's cache (slots, Hkv, n_ctx, D) holding every row's keys
-    and values up to start + T - 1 (this chunk's included); rows: the batch's slots and starts
+    q (B, T, H, D) rotated; cache: the paged cache, whose layer holds every row's keys and values
+    up to start + T - 1 (this chunk's included); rows: the batch's slots and starts
     (Batch.index). Returns (B, T, H * D): query t of row b at position starts[b] + t sees the keys
     at positions <= its own, within `window` when > 0. Padding queries past a row's real tokens
     get values that nothing reads.
     """
     lib = library()
-    if lib is None or q.dim() != 4:
+    kv = gl_kv(cache, layer)
+    if lib is None or kv is None or q.dim() != 4:
         return None
     b, t, h, d = q.shape
-    n_slots, hkv, n_ctx, dk = kc.shape
+    kc, vc = cache.k[layer], cache.v[layer]
+    hkv, dk = kc.shape[1], kc.shape[-1]
     if (
         q.dtype is not torch.float32
-        or kc.dtype is not torch.float32
-        or vc.dtype is not torch.float32
         or q.device.type != "cpu"
-        or not (q.is_contiguous() and kc.is_contiguous() and vc.is_contiguous())
+        or not q.is_contiguous()
         or vc.shape != kc.shape
         or dk != d
         or d % 16
         or h % hkv
         or rows.slots.numel() != b
-        or rows.max_slot >= n_slots
-        or rows.max_start + t > n_ctx
+        or rows.max_slot >= cache.n_slots
+        or rows.max_start + t > cache.n_ctx
     ):
         return None
     out = q.new_empty(b, t, h * d)
-    attn = GlAttn(kc.data_ptr(), vc.data_ptr(), None, None, h, hkv, d, d, n_ctx, 0, 0, window,
-                  scale, 0.0)  # fmt: skip
+    n_pos = cache.max_blocks * cache.block
+    attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, 0.0)  # fmt: skip
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
         out.data_ptr(), threads(),

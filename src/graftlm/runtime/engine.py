@@ -12,15 +12,16 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
-from graftlm.runtime.sampling import Sampler
-from graftlm.runtime.scheduler import Chunk, Request, Scheduler, SlotAllocator, StepPlan
+from graftlm.runtime.blocks import PagedAllocator
+from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.scheduler import Chunk, Request, Scheduler, StepPlan, activation
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -40,12 +41,31 @@ def lora_rows(settings: Sequence[Mapping[int, float]], device: torch.device) -> 
 
 
 class Engine:
-    def __init__(self, model: Transformer, n_slots: int = 1, chunk: int = 512) -> None:
+    """n_slots: sequences at once (rows of the block table). n_blocks: the paged cache's pool
+    (default: every sequence's whole context, plus the unowned block 0); kv_dtype: its values'
+    type (default float16). prefix_cache: reuse cached blocks across requests (on by default)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        n_slots: int = 1,
+        chunk: int = 512,
+        n_blocks: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+        prefix_cache: bool = True,
+    ) -> None:
         self.model = model
-        self.cache = model.allocate_cache(n_slots)
-        self.slots = SlotAllocator(n_slots)
+        self.cache = model.allocate_cache(n_slots, n_blocks, kv_dtype)
+        cache = self.cache
+        self.slots = PagedAllocator(
+            n_slots, cache.n_blocks, cache.block, cache.max_blocks, cache.set_table, prefix_cache
+        )
         self.scheduler = Scheduler(self.slots, chunk)
+        self.slots.admit_tokens = chunk
         self.lock = threading.RLock()
+        self._adapters_seen = model.seams.generation.value
+        # activated-LoRA adapters by id -> their invocation tokens (the model's adapter set's)
+        self.invocations: Callable[[], Mapping[int, tuple[int, ...]]] = dict
 
     # -- facts (the server's metrics and the tests read them) -------------------------------------
     @property
@@ -65,10 +85,34 @@ class Engine:
     @chunk.setter
     def chunk(self, n: int) -> None:
         self.scheduler.chunk = n
+        self.slots.admit_tokens = n
 
     @property
     def free_slots(self) -> list[int]:
         return list(self.slots.free)
+
+    @property
+    def n_ctx(self) -> int:
+        """The most tokens one sequence holds: the model's context, or the pool's when smaller."""
+        return min(self.model.n_ctx, self.slots.capacity)
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.slots.prefix
+
+    @prefix_cache.setter
+    def prefix_cache(self, on: bool) -> None:
+        with self.lock:
+            self.slots.prefix = on
+            if not on:
+                self.slots.pool.forget()
+
+    def _check_adapters(self) -> None:
+        """What adapters computed is not served once any adapter changed (held blocks stay)."""
+        seen = self.model.seams.generation.value
+        if seen != self._adapters_seen:
+            self._adapters_seen = seen
+            self.slots.adapters_changed()
 
     @property
     def running(self) -> list[Request]:
@@ -92,21 +136,26 @@ class Engine:
     def score(self, ids: list[int], lora: AdapterSettings) -> torch.Tensor:
         """Logits (len(ids), n_vocab) on the CPU after each prefix, in chunks, on a borrowed
         cache slot."""
-        if len(ids) > self.model.n_ctx:
+        if len(ids) > self.n_ctx:
             raise RequestError(
-                f"the prompt has {len(ids)} tokens, more than the context size {self.model.n_ctx}",
+                f"the prompt has {len(ids)} tokens, more than the context size {self.n_ctx}",
                 "context_length_exceeded",
             )
         # Scoring is a prefill-shaped workload, where exact float32 dequantization costs what the
         # fast kernels cost; log-probabilities are the product here, so its batches are exact
         # (decode steps keep the fast kernels).
         with self.lock:
-            slot = self.slots.borrow()
+            slot = self.slots.borrow(len(ids))
             try:
-                rows = self.lora_rows([lora])
+                segments, _ = activation(ids, lora, self.invocations())
+                edges = sorted(
+                    {s for s, _ in segments} | {len(ids)} | set(range(0, len(ids), self.chunk))
+                )
+                probe = Request(ids, SamplingParams(), lora, segments=segments)
                 out = []
-                for start in range(0, len(ids), self.chunk):
-                    piece = ids[start : start + self.chunk]
+                for start, end in zip(edges, edges[1:], strict=False):
+                    rows = self.lora_rows([probe.settings_at(start)])
+                    piece = ids[start:end]
                     batch = Batch.single(piece, slot, start, rows, self.device, exact=True)
                     out.append(self.model.forward(batch, all_logits=True)[0])
                 return torch.cat(out).cpu()
@@ -119,13 +168,21 @@ class Engine:
         set beforehand is kept (the service's, which also records log-probabilities)."""
         if not req.prompt:
             raise RequestError("the prompt is empty")
-        if len(req.prompt) >= self.model.n_ctx:
+        if len(req.prompt) >= self.n_ctx:
             raise RequestError(
-                f"the prompt has {len(req.prompt)} tokens; the context size is {self.model.n_ctx}",
+                f"the prompt has {len(req.prompt)} tokens; the context size is {self.n_ctx}"
+                + (
+                    f" (the KV cache pool holds {self.slots.capacity})"
+                    if self.slots.capacity < self.model.n_ctx
+                    else ""
+                ),
                 "context_length_exceeded",
             )
         if req.sampler is None:
             req.sampler = Sampler(req.params)
+        invocations = self.invocations()
+        if invocations and not req.segments:
+            req.segments, req.inactive = activation(req.prompt, req.lora, invocations)
         with self.lock:
             self.scheduler.submit(req)
         return req
@@ -134,17 +191,19 @@ class Engine:
     def step(self) -> StepPlan:
         """Plan one step and run it; the plan says what it did."""
         with self.lock:
+            self._check_adapters()
             plan = self.scheduler.plan()
             if plan.prefill:
                 self._prefill(plan.prefill)
             decoding = [r for r in plan.decode if not r.done]  # a first token may have ended one
             if decoding:
                 self._decode(decoding)
+            self.scheduler.commit(plan)
             return plan
 
     def _prefill(self, chunks: Sequence[Chunk]) -> None:
         """One padded batch of prompt chunks; a prompt that ends here samples its first token."""
-        lora = self.lora_rows([c.seq.lora for c in chunks])
+        lora = self.lora_rows([c.lora for c in chunks])
         slot = self.slots.slot
         if len(chunks) == 1:
             c = chunks[0]
@@ -165,7 +224,8 @@ class Engine:
         for c, row in zip(chunks, logits, strict=True):
             req = c.seq
             req.n_prefilled = c.end
-            if req.n_prefilled == len(req.prompt):
+            # (a preempted sequence computed again decodes on from the token it had)
+            if req.n_prefilled == len(req.fill) and req.resume is None:
                 req.t_prompt_done = time.perf_counter()
                 self._emit(req, row)
 
@@ -179,7 +239,7 @@ class Engine:
             [self.slots.slot(r) for r in reqs],
             [r.n_past for r in reqs],
             [1] * len(reqs),
-            self.lora_rows([r.lora for r in reqs]),
+            self.lora_rows([r.settings_at(r.n_past) for r in reqs]),
         )
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for r, row in zip(reqs, logits, strict=False):
@@ -207,7 +267,7 @@ class Engine:
             self.scheduler.finish(req, "stop")
         elif 0 <= p.max_tokens <= len(req.generated):
             self.scheduler.finish(req, "length")
-        elif len(req.prompt) + len(req.generated) >= self.model.n_ctx:
+        elif len(req.prompt) + len(req.generated) >= self.n_ctx:
             self.scheduler.finish(req, "length")
 
     def stop(self, req: Request, reason: str = "stop") -> None:

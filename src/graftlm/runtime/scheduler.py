@@ -6,16 +6,20 @@ has room), which prompt chunks are prefilled, and which sequences decode one tok
 turns the plan into a batch, runs the model, samples, and reports back (`finish`).
 
 The plan names sequences and token ranges, never cache places: a `CacheAllocator` maps a
-sequence to where its keys and values live. Today that is `SlotAllocator`, one slot of the full
-context per sequence. A paged cache (decision 9) replaces it without changing the plan:
+sequence to where its keys and values live. The engine's is the paged cache's
+(`runtime/blocks.py: PagedAllocator`); `SlotAllocator` here, one slot of the full context per
+sequence, serves tests of the scheduler alone.
 
 - `can_admit(seq)` asks for the blocks of the sequence's first chunk (after looking its prompt
-  up in the prefix table, keyed by tokens and adapter settings; shared blocks cost nothing);
-- before the engine runs a step it asks the allocator to grow each planned sequence to the end of
-  its range (`Chunk.end`, or `n_past + 1` for a decode row); a sequence that cannot grow is
-  preempted by the scheduler (back to the head of the queue, its blocks freed) before planning;
-- `slot(seq)` becomes the sequence's block table, which the engine hands to the batch in place
-  of a slot number; `release(seq)` returns the blocks not shared with another sequence.
+  up in the prefix cache, keyed by tokens and adapter settings; shared blocks cost nothing);
+  `admit` shares the cached blocks and sets `n_prefilled` past them;
+- before a plan is final every planned sequence grows to the end of its range (`Chunk.end`, or
+  `n_past + 1` for a decode row); when the pool cannot give a sequence its blocks, the
+  sequence admitted last is preempted (its full blocks stay cached, the rest are freed, and it
+  goes back to the head of the queue to be recomputed from `prompt + generated[:-1]`, which the
+  prefix cache mostly serves);
+- `slot(seq)` names the sequence's row of the block table; `commit(seq, n)` enters the blocks
+  its first n positions filled into the prefix cache; `release(seq)` drops its blocks.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +50,7 @@ class Request:
     lora: AdapterSettings = NO_ADAPTERS
     eog: frozenset[int] = frozenset()
     on_token: Callable[[Request, int], None] | None = None
+    use_cache: bool = True  # look the prompt up in the prefix cache (what it computes enters it)
     id: int = field(default_factory=lambda: next(_ids))
     # state, owned by the scheduler and the engine
     generated: list[int] = field(default_factory=list)
@@ -58,14 +63,83 @@ class Request:
     t_end: float | None = None
     sampler: Sampler | None = None
     cancelled: bool = False
+    # prompt tokens the prefix cache served at admission (not computed)
+    n_cached: int = 0
+    # after a preemption: the tokens to compute again (prompt + generated[:-1]), else None
+    resume: list[int] | None = None
+    # activated LoRA: (start, settings) from each start on, ascending from 0; () when `lora`
+    # holds from the first token (see activation())
+    segments: tuple[tuple[int, AdapterSettings], ...] = ()
+    # aLoRA adapters the request named whose invocation tokens its prompt lacks (run as base)
+    inactive: tuple[int, ...] = ()
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     @property
+    def fill(self) -> list[int]:
+        """The tokens to prefill before decoding: the prompt, or after a preemption the prompt
+        and what was generated before the token to feed next."""
+        return self.prompt if self.resume is None else self.resume
+
+    @property
     def n_past(self) -> int:
-        return self.n_prefilled + max(0, len(self.generated) - 1)
+        """The position of the token a decode step feeds (the last generated)."""
+        return len(self.prompt) + max(0, len(self.generated) - 1)
+
+    def settings_at(self, pos: int) -> AdapterSettings:
+        """The adapter settings that compute position pos."""
+        if not self.segments:
+            return self.lora
+        now = self.segments[0][1]
+        for start, s in self.segments:
+            if start > pos:
+                break
+            now = s
+        return now
+
+    def boundary_after(self, pos: int) -> int | None:
+        """The first position past pos where the settings change, or None."""
+        return next((start for start, _ in self.segments if start > pos), None)
+
+    def tokens_upto(self, n: int) -> list[int]:
+        """The sequence's first n tokens (prompt, then generated)."""
+        if n <= len(self.prompt):
+            return self.prompt[:n]
+        return self.prompt + self.generated[: n - len(self.prompt)]
+
+
+def activation(
+    prompt: list[int], lora: AdapterSettings, invocations: Mapping[int, tuple[int, ...]]
+) -> tuple[tuple[tuple[int, AdapterSettings], ...], tuple[int, ...]]:
+    """Activated LoRA (PEFT's and llama.cpp's rule): an adapter with invocation tokens applies
+    from the start of their last occurrence in the prompt on; before it, the other adapters
+    alone compute (the base, when there are none), so those positions share the cache of that
+    setting. An aLoRA whose invocation the prompt lacks does not apply at all. Returns the
+    (start, settings) segments (() when nothing activates late) and the adapters left out."""
+    starts: dict[int, int] = {}
+    inactive: list[int] = []
+    for aid, _ in lora.pairs:
+        inv = invocations.get(aid)
+        if not inv:
+            continue
+        n = len(inv)
+        at = next(
+            (i for i in range(len(prompt) - n, -1, -1) if tuple(prompt[i : i + n]) == inv), None
+        )
+        if at is None:
+            inactive.append(aid)
+        else:
+            starts[aid] = at
+    if not starts and not inactive:
+        return (), ()
+    live = [(aid, s) for aid, s in lora.pairs if aid not in inactive]
+    points = sorted({0, *starts.values()})
+    segments = tuple(
+        (p, AdapterSettings((aid, s) for aid, s in live if starts.get(aid, 0) <= p)) for p in points
+    )
+    return segments, tuple(inactive)
 
 
 class CacheAllocator(Protocol):
@@ -77,9 +151,11 @@ class CacheAllocator(Protocol):
     def n_free(self) -> int: ...
     def can_admit(self, seq: Request) -> bool: ...
     def admit(self, seq: Request) -> None: ...
+    def grow(self, seq: Request, n_tokens: int) -> bool: ...
+    def commit(self, seq: Request, n_written: int) -> None: ...
     def release(self, seq: Request) -> None: ...
     def slot(self, seq: Request) -> int: ...
-    def borrow(self) -> int: ...
+    def borrow(self, n_tokens: int = 0) -> int: ...
     def give_back(self, slot: int) -> None: ...
 
 
@@ -101,6 +177,13 @@ class SlotAllocator:
 
     def admit(self, seq: Request) -> None:
         self._slot_of[seq.id] = self.free.pop(0)
+        seq.n_prefilled = 0
+
+    def grow(self, seq: Request, n_tokens: int) -> bool:
+        return True  # a slot holds the whole context
+
+    def commit(self, seq: Request, n_written: int) -> None:
+        pass
 
     def release(self, seq: Request) -> None:
         self.free.append(self._slot_of.pop(seq.id))
@@ -108,7 +191,7 @@ class SlotAllocator:
     def slot(self, seq: Request) -> int:
         return self._slot_of[seq.id]
 
-    def borrow(self) -> int:
+    def borrow(self, n_tokens: int = 0) -> int:
         if not self.free:
             raise RequestError("no free sequence slot", "server_busy")
         return self.free.pop(0)
@@ -131,7 +214,12 @@ class Chunk:
 
     @property
     def tokens(self) -> list[int]:
-        return self.seq.prompt[self.start : self.end]
+        return self.seq.fill[self.start : self.end]
+
+    @property
+    def lora(self) -> AdapterSettings:
+        """The settings of this chunk's tokens (a chunk never crosses an aLoRA start)."""
+        return self.seq.settings_at(self.start)
 
 
 @dataclass(frozen=True)
@@ -180,7 +268,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def plan(self) -> StepPlan:
-        """Admit what fits, then plan this step's prefill chunks and decode rows."""
+        """Admit what fits, then plan this step's prefill chunks and decode rows, every planned
+        sequence's blocks taken (preempting the last admitted where the pool runs short)."""
         admitted: list[Request] = []
         while (
             self.waiting
@@ -193,14 +282,48 @@ class Scheduler:
             self.allocator.admit(req)
             self.running.append(req)
             admitted.append(req)
-        prefill = self._prefill()
-        completing = {c.seq.id for c in prefill if c.end == len(c.seq.prompt)}
-        decode = tuple(
-            r
-            for r in self.running
-            if r.id in completing or (r.n_prefilled == len(r.prompt) and r.generated)
-        )
+        while True:
+            prefill = self._prefill()
+            completing = {c.seq.id for c in prefill if c.end == len(c.seq.fill)}
+            decode = tuple(
+                r
+                for r in self.running
+                if r.id in completing or (r.n_prefilled == len(r.fill) and r.generated)
+            )
+            if self._grow(prefill, decode):
+                break
+        admitted = [r for r in admitted if r in self.running]
         return StepPlan(tuple(admitted), prefill, decode, len(self.running))
+
+    def _grow(self, prefill: tuple[Chunk, ...], decode: tuple[Request, ...]) -> bool:
+        """Blocks for every planned range; False after preempting one sequence (plan again)."""
+        ends: dict[int, tuple[Request, int]] = {c.seq.id: (c.seq, c.end) for c in prefill}
+        for r in decode:  # a decode row writes the token it feeds, at n_past
+            end = max(ends.get(r.id, (r, 0))[1], r.n_past + 1)
+            ends[r.id] = (r, end)
+        for seq, end in ends.values():
+            if not self.allocator.grow(seq, end):
+                self.preempt(self.running[-1])
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Back to the head of the queue, its cache room given up (its full blocks stay in the
+        prefix cache): it is computed again from its prompt and what it generated."""
+        self.allocator.commit(req, self._written(req))
+        self.running.remove(req)
+        self.allocator.release(req)
+        if req.generated:
+            req.resume = req.prompt + req.generated[:-1]
+        req.n_prefilled = 0
+        self.waiting.appendleft(req)
+
+    @staticmethod
+    def _written(req: Request) -> int:
+        """Positions of req whose K/V are in the cache."""
+        if req.n_prefilled < len(req.fill) or not req.generated:
+            return req.n_prefilled
+        return req.n_past  # (the last generated token is not fed yet)
 
     def _prefill(self) -> tuple[Chunk, ...]:
         """The next piece of the first prompt not yet prefilled, and of as many more as fit in
@@ -209,19 +332,33 @@ class Scheduler:
         group: list[Chunk] = []
         width = 0
         for req in self.running:
-            if req.n_prefilled >= len(req.prompt):
+            if req.n_prefilled >= len(req.fill):
                 continue
-            n = min(len(req.prompt) - req.n_prefilled, self.chunk)
+            n = min(len(req.fill) - req.n_prefilled, self.chunk)
+            edge = req.boundary_after(req.n_prefilled)  # an aLoRA start: the chunk ends there
+            if edge is not None:
+                n = min(n, edge - req.n_prefilled)
             if group and (len(group) + 1) * max(width, n) > self.chunk:
                 break
             group.append(Chunk(req, req.n_prefilled, n))
             width = max(width, n)
         return tuple(group)
 
+    def commit(self, plan: StepPlan) -> None:
+        """After the engine ran the plan: the blocks its sequences filled enter the prefix
+        cache."""
+        for c in plan.prefill:
+            if not c.seq.done:
+                self.allocator.commit(c.seq, c.end)
+        for r in plan.decode:
+            if not r.done:
+                self.allocator.commit(r, r.n_past)
+
     def finish(self, req: Request, reason: str) -> None:
         """A running sequence ends: its cache room is free for the next step."""
         req.finish_reason = reason
         req.t_end = time.perf_counter()
+        self.allocator.commit(req, self._written(req))
         self.running.remove(req)
         self.allocator.release(req)
 

@@ -60,6 +60,7 @@ class Job:
     params: SamplingParams
     lora: AdapterSettings = NO_ADAPTERS
     logprobs: int | None = None
+    cache: bool = True  # may reuse what the prefix cache holds (llama-server's cache_prompt)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FinishEvent:
     n_prompt: int
     n_generated: int
     stopped_eos: bool = False
+    n_cached: int = 0  # prompt tokens the prefix cache served (not computed)
     stop_word: str | None = None
     t_submit: float = 0.0
     t_first: float | None = None
@@ -113,11 +115,27 @@ class ErrorEvent:
 Event = TokenEvent | FinishEvent | ErrorEvent
 
 
+@dataclass(frozen=True)
+class CacheFacts:
+    """The paged KV cache after a step: its blocks and the prefix cache's counts so far."""
+
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    block_tokens: int
+    nbytes: int
+    query_tokens: int
+    hit_tokens: int
+    evicted: int
+
+
 class ServiceObserver(Protocol):
     """Told after every engine step (from the engine thread): sequences in the step, requests
-    running and waiting. rows == 0: no step was run, only the counts changed (the engine idles)."""
+    running and waiting, and the cache's facts. rows == 0: no step was run, only the counts
+    changed (the engine idles)."""
 
     def on_step(self, rows: int, running: int, waiting: int) -> None: ...
+    def on_cache(self, facts: CacheFacts) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -129,6 +147,7 @@ class AdapterFacts:
     task_name: str
     prompt_prefix: str
     n_tensors: int
+    invocation_tokens: tuple[int, ...] = ()  # activated LoRA's; () for a plain LoRA
 
 
 @dataclass(frozen=True)
@@ -212,7 +231,7 @@ class EngineService:
         self.prompter = prompter
         self.adapters = adapters
         self.scorer = Scorer(engine, prompter)
-        self.n_ctx: int = engine.model.n_ctx
+        self.n_ctx: int = engine.n_ctx
         n_slots = engine.n_slots
         default = n_slots - 1 if n_slots > 1 else n_slots
         self.max_running = max(1, min(max_running or default, n_slots))
@@ -310,6 +329,7 @@ class EngineService:
             task_name=resolved.task_name,
             prompt_prefix=resolved.prompt_prefix,
             n_tensors=resolved.n_tensors,
+            invocation_tokens=tuple(resolved.invocation_tokens),
         )
         return PreparedAdapter(facts, resolved)
 
@@ -426,7 +446,7 @@ class EngineService:
         """Each job becomes a request in the engine's queue (its scheduler admits it)."""
         for index, job in enumerate(sub.jobs):
             p = job.params
-            req = Request(list(job.prompt), p, job.lora, eog=self.prompter.eog)
+            req = Request(list(job.prompt), p, job.lora, eog=self.prompter.eog, use_cache=job.cache)
             t = _Tracked(sub, index, job, req, self.prompter.text_stream(p.stop, p.ignore_eos))
             req.on_token = self._on_token_for(t)
             sub.tracked.append(t)
@@ -479,6 +499,13 @@ class EngineService:
         if self.observer is not None:
             # sequences in this step: those running, the ones admitted now included
             self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
+            self.observer.on_cache(self.cache_facts())
+
+    def cache_facts(self) -> CacheFacts:
+        pool, cache = self.engine.slots.pool, self.engine.cache
+        st = pool.stats
+        return CacheFacts(pool.n_usable, pool.n_used, pool.n_cached, cache.block, cache.nbytes,
+                          st.query_tokens, st.hit_tokens, st.evicted)  # fmt: skip
 
     def _finish_event(self, t: _Tracked, reason: str) -> FinishEvent:
         req = t.req
@@ -490,6 +517,7 @@ class EngineService:
             text=tail,
             n_prompt=len(req.prompt),
             n_generated=len(req.generated),
+            n_cached=req.n_cached,
             stopped_eos=eos and not t.text.stopped,
             stop_word=t.text.matched if t.text.stopped else None,
             t_submit=req.t_submit,

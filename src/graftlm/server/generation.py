@@ -242,13 +242,23 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
-def usage(choices_prompt_tokens: Sequence[int], n_generated: int) -> dict[str, int]:
+def usage(
+    choices_prompt_tokens: Sequence[int], n_generated: int, n_cached: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache served (not computed)."""
     prompt = sum(choices_prompt_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": n_generated,
         "total_tokens": prompt + n_generated,
+        "prompt_tokens_details": {"cached_tokens": n_cached},
     }
+
+
+def generated_and_cached(choices: Sequence[Choice]) -> tuple[int, int]:
+    """Tokens the choices generated, and prompt tokens the prefix cache served them."""
+    done = [c.finish for c in choices if c.finish]
+    return sum(f.n_generated for f in done), sum(f.n_cached for f in done)
 
 
 def finish_reason(finish: FinishEvent | None) -> str | None:

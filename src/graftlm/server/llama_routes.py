@@ -45,11 +45,13 @@ def _timings(f: FinishEvent) -> dict[str, float]:
     end = f.t_end or prompt_done
     prompt_ms = (prompt_done - f.t_submit) * 1000.0
     predicted_ms = (end - prompt_done) * 1000.0
+    n = f.n_prompt - f.n_cached  # (llama-server's prompt_n: the prompt tokens computed)
     return {
-        "prompt_n": f.n_prompt,
+        "cache_n": f.n_cached,
+        "prompt_n": n,
         "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / f.n_prompt if f.n_prompt else 0.0,
-        "prompt_per_second": f.n_prompt / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
+        "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
         "predicted_n": f.n_generated,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
@@ -76,7 +78,9 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
     grammar = await compile_constraint(state, request_constraint(body))
     params = sampling_params(state, body, n_predict, grammar=grammar)
     lease = await admit(state, body.model, body.lora)
-    job = Job(ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None)
+    job = Job(
+        ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None, body.cache_prompt
+    )
     pieces = deltas(state, [job], lease, "completion")
     model = body.model or state.config.model_name
     prompt_text = body.prompt if isinstance(body.prompt, str) else state.prompter.detokenize(ids)
@@ -112,7 +116,9 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
             "stopped_word": _stop_type(f) == "word",
             "stopped_limit": _stop_type(f) == "limit",
             "stopping_word": (f.stop_word or "") if f else "",
-            "tokens_cached": 0,
+            # as llama-server: the sequence's tokens in the cache when it ended (the reuse is
+            # timings.cache_n)
+            "tokens_cached": len(ids) + max(0, f.n_generated - 1) if f else 0,
             "timings": _timings(f) if f else {},
         }
         if body.n_probs > 0 and not stream:

@@ -11,6 +11,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from graftlm.runtime.service import CacheFacts
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
@@ -70,6 +72,31 @@ class Metrics:
         self.adapter_bytes = Gauge(
             "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
         )
+        self.kv_blocks = Gauge(
+            "graftlm_kv_cache_blocks",
+            "Blocks of the paged KV cache: total, used (held by requests), cached (found by "
+            "the prefix cache, held or not)",
+            ["state"],
+            registry=r,
+        )
+        self.kv_block_tokens = Gauge(
+            "graftlm_kv_cache_block_tokens", "Positions one KV cache block holds", registry=r
+        )
+        self.kv_bytes = Gauge("graftlm_kv_cache_bytes", "Bytes of the KV cache pool", registry=r)
+        self.prefix_queries = Counter(
+            "graftlm_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "graftlm_prefix_cache_hits",
+            "Prompt tokens the prefix cache served (not computed)",
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "graftlm_prefix_cache_evictions", "Cached blocks evicted for new ones", registry=r
+        )
+        self._seen = (0, 0, 0)
 
     # -- ServiceObserver --
     def on_step(self, rows: int, running: int, waiting: int) -> None:
@@ -77,6 +104,18 @@ class Metrics:
             self.batch_size.observe(rows)
         self.running.set(running)
         self.waiting.set(waiting)
+
+    def on_cache(self, facts: CacheFacts) -> None:
+        self.kv_blocks.labels("total").set(facts.blocks_total)
+        self.kv_blocks.labels("used").set(facts.blocks_used)
+        self.kv_blocks.labels("cached").set(facts.blocks_cached)
+        self.kv_block_tokens.set(facts.block_tokens)
+        self.kv_bytes.set(facts.nbytes)
+        q, h, e = facts.query_tokens, facts.hit_tokens, facts.evicted
+        self.prefix_queries.inc(q - self._seen[0])
+        self.prefix_hits.inc(h - self._seen[1])
+        self.prefix_evictions.inc(e - self._seen[2])
+        self._seen = (q, h, e)
 
     # -- from the routes --
     def finished(

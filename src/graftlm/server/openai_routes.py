@@ -26,6 +26,7 @@ from graftlm.server.generation import (
     compile_constraint,
     deltas,
     finish_reason,
+    generated_and_cached,
     prompt_ids,
     request_constraint,
     sampling_params,
@@ -137,7 +138,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     try:
-        jobs = [Job(x, params[j], lease.lora, body.logprobs) for x in ids for j in range(body.n)]
+        jobs = [
+            Job(x, params[j], lease.lora, body.logprobs, body.cache_prompt)
+            for x in ids
+            for j in range(body.n)
+        ]
         before: list[Delta] = []
         if body.echo:
             scored = None
@@ -176,11 +181,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     if body.stream:
         offsets = [0] * len(jobs)
-        n_gen = [0]
+        n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
+                n_gen[1] += d.finish.n_cached
             if not d.text and d.finish is None and not d.logprobs:
                 return []
             lp = None
@@ -198,7 +204,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         def tail() -> list[dict[str, Any]]:
             if body.stream_options is None or not body.stream_options.include_usage:
                 return []
-            return [chunk([]) | {"usage": usage(n_prompt, n_gen[0])}]
+            return [chunk([]) | {"usage": usage(n_prompt, n_gen[0], n_gen[1])}]
 
         return StreamingResponse(
             sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
@@ -206,7 +212,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
     choices = await collect(request, pieces, len(jobs))
     return chunk([_completion_choice(state, c, body.logprobs is not None) for c in choices]) | {
-        "usage": usage(n_prompt, sum(c.finish.n_generated for c in choices if c.finish))
+        "usage": usage(n_prompt, *generated_and_cached(choices))
     }
 
 
@@ -278,7 +284,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     grammar = await compile_constraint(state, constraint)
     params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
-    jobs = [Job(ids, params[j], lease.lora, top) for j in range(body.n)]
+    jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
     pieces = deltas(state, jobs, lease, "chat")
     rid, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -303,7 +309,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         started = [False] * body.n
         parsers = [ToolCallParser(fmt) if tools else None for _ in range(body.n)]
-        n_gen = [0]
+        n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             out = []
@@ -326,6 +332,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                     text, calls = text + tail, calls + more
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
+                n_gen[1] += d.finish.n_cached
             if calls:
                 k0 = len(parser.calls) - len(calls) if parser is not None else 0
                 delta = {"tool_calls": [c.as_openai(k0 + k) for k, c in enumerate(calls)]}
@@ -363,7 +370,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         def tail() -> list[dict[str, Any]]:
             if body.stream_options is None or not body.stream_options.include_usage:
                 return []
-            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0])}]
+            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0], n_gen[1])}]
 
         return StreamingResponse(
             sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
@@ -397,7 +404,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         "created": created,
         "model": model,
         "choices": out,
-        "usage": usage([len(ids)], sum(c.finish.n_generated for c in choices if c.finish)),
+        "usage": usage([len(ids)], *generated_and_cached(choices)),
     }
 
 

@@ -141,6 +141,7 @@ class AdapterRegistry:
                     "scale": scales.get(i, 0.0),
                     "task_name": f.task_name if f else "",
                     "prompt_prefix": f.prompt_prefix if f else "",
+                    "alora_invocation_tokens": list(f.invocation_tokens) if f else [],
                     "name": e.name,
                 }
             )

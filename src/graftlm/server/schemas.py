@@ -3,7 +3,7 @@
 Strict: a string where a number belongs is an error (400), not a coercion. No field is silently
 ignored: a field no body declares is a 400 naming it. The few fields that are declared and then
 not used are listed in `IGNORED` (and in the README): each is one that changes nothing here
-(`user`, `cache_prompt`), or a sampler setting accepted only at the value that turns it off.
+(`user`, `id_slot`), or a sampler setting accepted only at the value that turns it off.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ IGNORED: dict[str, str] = {
     "store": "OpenAI's stored completions (nothing is stored)",
     "service_tier": "OpenAI's billing tier",
     "parallel_tool_calls": "with auto every call the model writes is returned; required and a named function give one",
-    "cache_prompt": "llama-server's prompt cache (every prompt is evaluated in full)",
     "id_slot": "llama-server's slot choice (the scheduler picks)",
     "n_keep": "llama-server's context shift (a prompt must fit the context)",
     "t_max_predict_ms": "llama-server's time limit",
@@ -105,12 +104,12 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
     # accepted, not used: see IGNORED
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    cache_prompt: bool = True
     id_slot: int | None = None
     n_keep: int | None = None
     t_max_predict_ms: int | None = None

@@ -1,13 +1,51 @@
-"""The KV cache: one preallocated block per layer, indexed by sequence slot."""
+"""The KV cache: paged. Every layer's keys and values live in blocks of `block` positions from
+one pool; each sequence slot has a row of the block table naming the pool block that holds its
+positions [i * block, (i + 1) * block).
+
+Which blocks a slot holds is decided above (runtime/blocks.py: the allocator, with the prefix
+cache that lets several slots' tables name the same full block); here is only where they are and
+how a step writes and reads them. Pool block 0 is never handed out: a table entry no sequence
+owns points at it, so padding rows write there and nothing reads it.
+
+Values are stored as float32, float16 (llama.cpp's default) or bfloat16 (`KV_TYPES`). The native
+attention reads the blocks as they are; the PyTorch twin gathers a step's rows into float32.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from graftlm.config import ModelConfig
+from graftlm.errors import GraftError
 from graftlm.step.batch import Batch
+
+# llama.cpp's --cache-type names -> (torch dtype, the native code of gl_kv.type)
+KV_TYPES: dict[str, tuple[torch.dtype, int]] = {
+    "f32": (torch.float32, 0),
+    "f16": (torch.float16, 1),
+    "bf16": (torch.bfloat16, 2),
+}
+DEFAULT_KV_TYPE = "f16"
+BLOCK = 16  # positions a block (vLLM's default)
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    """The dtype of a cache type named as llama.cpp names it (--cache-type-k / -v)."""
+    if name not in KV_TYPES:
+        raise GraftError(f"cache type {name!r} is not supported; use one of {', '.join(KV_TYPES)}")
+    return KV_TYPES[name][0]
+
+
+def block_nbytes(cfg: ModelConfig, dtype: torch.dtype, block: int = BLOCK) -> int:
+    """Bytes one block of a model's cache takes: keys and values of every layer."""
+    per = cfg.n_layer * cfg.n_head_kv * block * (cfg.head_dim + cfg.v_head_dim)
+    return per * torch.empty(0, dtype=dtype).element_size()
 
 
 class KVCache:
+    """n_slots sequences of up to n_ctx positions each, in n_blocks pool blocks (default: enough
+    for every slot's whole context, plus block 0)."""
+
     def __init__(
         self,
         n_layer: int,
@@ -16,48 +54,92 @@ class KVCache:
         n_ctx: int,
         head_dim: int,
         v_head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
+        n_blocks: int | None = None,
+        block: int = BLOCK,
     ) -> None:
+        if dtype not in {t for t, _ in KV_TYPES.values()}:
+            raise GraftError(f"the KV cache cannot hold {dtype}")
         self.n_slots = n_slots
         self.n_ctx = n_ctx
-        # (slot, kv_head, position, dim)
+        self.block = block
+        self.max_blocks = -(-n_ctx // block)  # a slot's table row
+        self.n_blocks = n_slots * self.max_blocks + 1 if n_blocks is None else n_blocks
+        if self.n_blocks < 2:
+            raise GraftError(f"a KV cache of {self.n_blocks} blocks holds nothing")
+        self.dtype = dtype
+        self.type_code = next(c for t, c in KV_TYPES.values() if t == dtype)
+        # (block, kv_head, position in the block, dim)
         self.k = [
-            torch.zeros(n_slots, n_head_kv, n_ctx, head_dim, dtype=dtype, device=device)
+            torch.zeros(self.n_blocks, n_head_kv, block, head_dim, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         self.v = [
-            torch.zeros(n_slots, n_head_kv, n_ctx, v_head_dim, dtype=dtype, device=device)
+            torch.zeros(self.n_blocks, n_head_kv, block, v_head_dim, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
+        # until an allocator sets them, a full pool maps slot s's block i to 1 + s * max_blocks + i
+        # (every slot its whole context, as callers that pick slots themselves expect)
+        self.tables = torch.zeros(n_slots, self.max_blocks, dtype=torch.int32)
+        if self.n_blocks >= n_slots * self.max_blocks + 1:
+            ids = torch.arange(1, n_slots * self.max_blocks + 1, dtype=torch.int32)
+            self.tables = ids.view(n_slots, self.max_blocks).clone()
+        self.tables = self.tables.to(device)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block holds over all layers, keys and values."""
+        return self.nbytes // self.n_blocks
+
+    def set_table(self, slot: int, blocks: list[int]) -> None:
+        """Slot's table row: its positions [i * block, (i + 1) * block) in pool block blocks[i];
+        the rest of the row points at block 0."""
+        if not 0 <= slot < self.n_slots or len(blocks) > self.max_blocks:
+            raise IndexError(
+                f"table of slot {slot} with {len(blocks)} blocks: the cache has {self.n_slots} "
+                f"slots of {self.max_blocks} blocks"
+            )
+        if blocks and not (0 < min(blocks) and max(blocks) < self.n_blocks):
+            raise IndexError(
+                f"slot {slot}: blocks {blocks} outside the pool 1..{self.n_blocks - 1}"
+            )
+        row = torch.zeros(self.max_blocks, dtype=torch.int32)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.tables[slot] = row.to(self.tables.device)
+
+    def _places(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each row's positions this step, (B, T) each."""
+        # padding rows may run past the context: their writes land in block 0 or in the row's
+        # own blocks past its tokens, never read before they are written again
+        pos = batch.positions.clamp(max=self.max_blocks * self.block - 1)
+        blocks = self.tables[batch.slot_ids.unsqueeze(1), pos // self.block].long()
+        return blocks, pos % self.block
+
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's k, v (B, T, Hkv, D) at each row's slot and positions."""
-        kc, vc = self.k[layer], self.v[layer]
-        if batch.n_rows == 1:
-            slot, start, t = batch.slots[0], batch.starts[0], batch.n_tokens
-            kc[slot, :, start : start + t] = k[0].transpose(0, 1)
-            vc[slot, :, start : start + t] = v[0].transpose(0, 1)
-            return
-        slots = batch.slot_ids.unsqueeze(1)
-        # padding rows may run past the context: their writes land on the last cell, never read
-        pos = batch.positions.clamp(max=self.n_ctx - 1)
-        kc[slots, :, pos] = k
-        vc[slots, :, pos] = v
+        blocks, offs = self._places(batch)
+        self.k[layer][blocks, :, offs] = k.to(self.dtype)
+        self.v[layer][blocks, :, offs] = v.to(self.dtype)
 
     def read(self, layer: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's keys and values so far, (B, Hkv, kv_len, D): views for one row, a gather
-        (a copy) for several."""
-        kc, vc = self.k[layer], self.v[layer]
+        """Every row's keys and values so far as float32, (B, Hkv, kv_len, D): a gathered copy
+        (the PyTorch twin's; the native attention reads the blocks in place)."""
         kv_len = batch.kv_len
-        if batch.n_rows == 1:
-            slot = batch.slots[0]
-            return kc[slot : slot + 1, :, :kv_len], vc[slot : slot + 1, :, :kv_len]
-        return kc[batch.slot_ids, :, :kv_len], vc[batch.slot_ids, :, :kv_len]
+        nb = -(-kv_len // self.block)
+        blocks = self.tables[batch.slot_ids, :nb].long()  # (B, nb)
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            g = pool[blocks]  # (B, nb, Hkv, block, D)
+            b, _, h, _, d = g.shape
+            g = g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * self.block, d)
+            return g[:, :, :kv_len].to(torch.float32)
+
+        return gather(self.k[layer]), gather(self.v[layer])
 
     def update(
         self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor

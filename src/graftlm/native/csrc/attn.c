@@ -64,32 +64,49 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
     return 0;
 }
 
+/* The dot product of n float32 values a with n cached values b of type t. */
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int64_t n,
+                                                          const int t) {
+    if (t == 0) return dot_f32(a, b, n);
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(b, i + 8, t), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
+    float r = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) r += a[i] * kv_get(b, i, t);
+    return r;
+}
+
 /* One decode step of attention for B rows, each one new token of its own sequence:
  * RoPE on q and k at the row's position, k and v written into the cache at (slot, position),
  * then softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all),
  * with GQA (query head h reads kv head h / (H / Hkv)) and an optional tanh soft-cap.
  * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row; the cache, the
  * RoPE tables, the dimensions and the scales are a's.
- * Cache layout: (slot, kv head, position, dim).  out: (B, H * Dv).  scores: `per` floats for
+ * Cache: a->kv, paged (gl_kv), values of type t.  out: (B, H * Dv).  scores: `per` floats for
  * each thread, for the rows that see more positions than the stack holds (per >= their count). */
-static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
-                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
-                            const int64_t *pos, int64_t B, float *out, float *scores,
-                            int64_t per, int nth) {
-    float *kc = a->kc, *vc = a->vc;
+static inline __attribute__((always_inline)) void attn_decode_t(
+    const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs, const float *v,
+    int64_t v_rs, const int64_t *slots, const int64_t *pos, int64_t B, float *out, float *scores,
+    int64_t per, int nth, const int t) {
+    const gl_kv *kv = &a->kv;
     const float *cos_t = a->cos_t, *sin_t = a->sin_t;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
-    const int64_t n_ctx = a->n_ctx, rot = a->rot, window = a->window;
+    const int64_t rot = a->rot, window = a->window, BS = kv->block;
     const int neox = (int)a->neox;
     const float scale = a->scale, softcap = a->softcap;
-    const int64_t half = rot / 2;
+    const int64_t half = rot / 2, es = t == 0 ? 4 : 2;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = pos[b], s = slots[b];
         for (int64_t h = 0; h < Hkv; h++) {
-            float *kd = kc + ((s * Hkv + h) * n_ctx + p) * D;
-            rope_head(k + b * k_rs + h * D, kd, D, rot, cos_t + p * half, sin_t + p * half, neox);
-            memcpy(vc + ((s * Hkv + h) * n_ctx + p) * Dv, v + b * v_rs + h * Dv, sizeof(float) * (size_t)Dv);
+            float kr[1024];
+            rope_head(k + b * k_rs + h * D, kr, D, rot, cos_t + p * half, sin_t + p * half, neox);
+            kv_store(kv_at(kv, kv->k, s, h, p, D), kr, D, t);
+            kv_store(kv_at(kv, kv->v, s, h, p, Dv), v + b * v_rs + h * Dv, Dv, t);
         }
         work += (p + 1) * H;
     }
@@ -101,15 +118,18 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
         float qr[1024], sbuf_stack[GL_STACK_SCORES];
         float *sc = n <= GL_STACK_SCORES ? sbuf_stack : scores + omp_get_thread_num() * per;
         rope_head(q + b * q_rs + h * D, qr, D, rot, cos_t + p * half, sin_t + p * half, neox);
-        const float *kb = kc + ((s * Hkv + hk) * n_ctx + lo) * D;
-        const float *vb = vc + ((s * Hkv + hk) * n_ctx + lo) * Dv;
-        /* scores, their max, exp(score - max) in place, their sum */
+        /* scores, their max, exp(score - max) in place, their sum; the keys a block at a time */
         float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) {
-            float v = dot_f32(qr, kb + j * D, D) * scale;
-            if (softcap > 0.0f) v = softcap * tanhf(v / softcap);
-            sc[j] = v;
-            m = v > m ? v : m;
+        for (int64_t j = lo; j <= p;) {
+            const int64_t run = BS - j % BS < p + 1 - j ? BS - j % BS : p + 1 - j;
+            const char *kb = kv_at(kv, kv->k, s, hk, j, D);
+            for (int64_t i = 0; i < run; i++) {
+                float x = dot_kv(qr, kb + i * D * es, D, t) * scale;
+                if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                sc[j - lo + i] = x;
+                m = x > m ? x : m;
+            }
+            j += run;
         }
         const __m256 mv = _mm256_set1_ps(m);
         __m256 lsum = _mm256_setzero_ps();
@@ -131,17 +151,23 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
             const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
             if (w == 64) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t t = 0; t < n; t++) {
-                    const __m256 e = _mm256_set1_ps(sc[t]);
-                    const float *vr = vb + t * Dv + c0;
-                    a0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), a0);
-                    a1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), a1);
-                    a2 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 16), a2);
-                    a3 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 24), a3);
-                    a4 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 32), a4);
-                    a5 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 40), a5);
-                    a6 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 48), a6);
-                    a7 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 56), a7);
+                for (int64_t jj = lo; jj <= p;) {
+                    const int64_t run = BS - jj % BS < p + 1 - jj ? BS - jj % BS : p + 1 - jj;
+                    const char *vb = kv_at(kv, kv->v, s, hk, jj, Dv);
+                    const float *e_run = sc + (jj - lo);
+                    for (int64_t i = 0; i < run; i++) {
+                        const __m256 e = _mm256_set1_ps(e_run[i]);
+                        const void *vr = vb + (i * Dv + c0) * es;
+                        a0 = _mm256_fmadd_ps(e, kv_load8(vr, 0, t), a0);
+                        a1 = _mm256_fmadd_ps(e, kv_load8(vr, 8, t), a1);
+                        a2 = _mm256_fmadd_ps(e, kv_load8(vr, 16, t), a2);
+                        a3 = _mm256_fmadd_ps(e, kv_load8(vr, 24, t), a3);
+                        a4 = _mm256_fmadd_ps(e, kv_load8(vr, 32, t), a4);
+                        a5 = _mm256_fmadd_ps(e, kv_load8(vr, 40, t), a5);
+                        a6 = _mm256_fmadd_ps(e, kv_load8(vr, 48, t), a6);
+                        a7 = _mm256_fmadd_ps(e, kv_load8(vr, 56, t), a7);
+                    }
+                    jj += run;
                 }
                 const __m256 iv = _mm256_set1_ps(il);
                 _mm256_storeu_ps(o + c0, _mm256_mul_ps(a0, iv));
@@ -154,11 +180,25 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
                 _mm256_storeu_ps(o + c0 + 56, _mm256_mul_ps(a7, iv));
             } else {
                 float acc[64] = {0};
-                for (int64_t t = 0; t < n; t++)
-                    scale_axpy(acc, 1.0f, sc[t], vb + t * Dv + c0, w);
+                for (int64_t jj = lo; jj <= p; jj++) {
+                    const char *vr = kv_at(kv, kv->v, s, hk, jj, Dv) + c0 * es;
+                    const float e = sc[jj - lo];
+                    for (int64_t i = 0; i < w; i++) acc[i] += e * kv_get(vr, i, t);
+                }
                 for (int64_t i = 0; i < w; i++) o[c0 + i] = acc[i] * il;
             }
         }
+    }
+}
+
+static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                            const int64_t *pos, int64_t B, float *out, float *scores,
+                            int64_t per, int nth) {
+    switch (a->kv.type) { /* one specialization a cache type: the loads are its inner loop */
+    case 1: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 1); break;
+    case 2: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 2); break;
+    default: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 0); break;
     }
 }
 
@@ -178,9 +218,35 @@ void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float 
     scratch_close(s, &own);
 }
 
+/* n rows of D cached values of (slot s, kv head h) from position p0 on, as float32 into dst
+ * (n, D): a block's rows at a time (contiguous in the pool). */
+static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t p0, int64_t n,
+                      int64_t D, float *dst) {
+    const int64_t BS = kv->block, t = kv->type;
+    for (int64_t j = p0; j < p0 + n;) {
+        const int64_t run = BS - j % BS < p0 + n - j ? BS - j % BS : p0 + n - j;
+        const char *src = kv_at(kv, base, s, h, j, D);
+        float *o = dst + (j - p0) * D;
+        const int64_t m = run * D;
+        if (t == 0) {
+            memcpy(o, src, sizeof(float) * (size_t)m);
+        } else if (t == 1) {
+            int64_t i = 0;
+            for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 1));
+            for (; i < m; i++) o[i] = kv_get(src, i, 1);
+        } else {
+            int64_t i = 0;
+            for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 2));
+            for (; i < m; i++) o[i] = kv_get(src, i, 2);
+        }
+        j += run;
+    }
+}
+
 /* Prompt attention: B rows of T queries each, rows of one sequence each (slot[b]) whose keys and
  * values for positions 0 .. start[b] + T - 1 are in the cache (this chunk's already written,
- * rotated; a: the cache and the dimensions, no RoPE tables). q (B, T, H, D) rotated;
+ * rotated; a: the cache and the dimensions, no RoPE tables). Each block of PK keys and their
+ * values is read from the pool as float32 into the task's own tiles (Kf, Vf) once. q (B, T, H, D) rotated;
  * out (B, T, H * D) (Dv == D). Query t of row b sits at
  * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0).
  *
@@ -222,8 +288,8 @@ static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
 
 void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                      const int64_t *starts, int64_t B, int64_t T, float *out, int nth) {
-    const float *kc = a->kc, *vc = a->vc;
-    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, n_ctx = a->n_ctx;
+    const gl_kv *kv = &a->kv;
+    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim;
     const int64_t window = a->window;
     const float scale = a->scale;
     const int64_t group = H / Hkv, qblocks = (T + PQ - 1) / PQ, rows_max = PQ * group;
@@ -231,6 +297,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
 #pragma omp parallel num_threads(nth)
     {
         float *Kt = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
+        float *Kf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
+        float *Vf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
         float *S = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * PK));
         float *O = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * D));
         float *m = malloc(sizeof(float) * (size_t)rows_max), *l = malloc(sizeof(float) * (size_t)rows_max);
@@ -254,10 +322,11 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
             memset(O, 0, sizeof(float) * (size_t)(rows * D));
             const int64_t pmin = p0 + t0, pmax = p0 + t0 + nq - 1;
             const int64_t klo = window > 0 && pmin - window + 1 > 0 ? pmin - window + 1 : 0;
-            const float *kg = kc + (s * Hkv + g) * n_ctx * D, *vg = vc + (s * Hkv + g) * n_ctx * D;
             for (int64_t k0 = klo; k0 <= pmax; k0 += PK) {
                 const int64_t nk = pmax + 1 - k0 < PK ? pmax + 1 - k0 : PK;
-                key_block_t(kg + k0 * D, nk, D, Kt);
+                kv_gather(kv, kv->k, s, g, k0, nk, D, Kf);
+                kv_gather(kv, kv->v, s, g, k0, nk, D, Vf);
+                key_block_t(Kf, nk, D, Kt);
                 /* S = scale * Q Kt: AR rows x 16 keys a tile */
                 for (int64_t j0 = 0; j0 < nk; j0 += 16) { /* Kt[:, j0 .. j0 + 16] stays in L1 */
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
@@ -321,7 +390,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                             c[r][1] = _mm256_mul_ps(a, _mm256_loadu_ps(O + rr[r] * D + d0 + 8));
                         }
                         for (int64_t j = 0; j < nk; j++) {
-                            const float *vr = vg + (k0 + j) * D + d0;
+                            const float *vr = Vf + j * D + d0;
                             const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
                             for (int r = 0; r < AR; r++) {
                                 const __m256 x = _mm256_broadcast_ss(S + rr[r] * PK + j);
@@ -344,6 +413,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
             }
         }
         free(Kt);
+        free(Kf);
+        free(Vf);
         free(S);
         free(O);
         free(m);

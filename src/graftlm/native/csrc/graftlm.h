@@ -23,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "graftlm native kernels need AVX2 and FMA"
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "graftlm native kernels need AVX2, FMA and F16C"
 #endif
 
 #ifdef GL_COUNT_ALLOC /* a build that counts its heap allocations (gl_alloc_count) */
@@ -62,6 +62,17 @@ typedef struct {
     int64_t a_half;
 } gl_lora_site;
 
+/* One layer's paged KV cache (step/kv_cache.py): keys and values in blocks of `block` positions
+ * from one pool, and each sequence slot's row of the block table naming the pool block that holds
+ * its positions [i * block, (i + 1) * block). Pool block 0 is never handed out: table entries no
+ * sequence owns point at it (padding writes land there, nothing reads them). */
+typedef struct {
+    void *k, *v;           /* (n_blocks, n_head_kv, block, head_dim / v_dim), of `type` */
+    const int32_t *tables; /* (n_slots, max_blocks) */
+    int64_t n_blocks, n_slots, max_blocks, block, n_head_kv;
+    int64_t type; /* 0: float32, 1: float16, 2: bfloat16 */
+} gl_kv;
+
 /* The weights, vectors, cache and dimensions of one decoder layer (layer.c). */
 typedef struct {
     gl_weight qkv[3], o, gate_up, down; /* qkv: one stacked weight (n_qkv 1) or Q, K, V (3) */
@@ -69,7 +80,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;
     const float *q_norm, *k_norm, *post_attn_norm, *post_ffw_norm; /* NULL: none */
     const float *q_bias, *k_bias, *v_bias, *o_bias; /* added to the products; NULL: none */
-    float *kc, *vc;
+    gl_kv kv;
     const float *cos_t, *sin_t;
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
     int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
@@ -79,7 +90,7 @@ typedef struct {
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
  * and the scales, which a decode step's or a prompt's rows share. */
 typedef struct {
-    float *kc, *vc;             /* (slots, n_head_kv, n_ctx, head_dim / v_dim) */
+    gl_kv kv;                   /* n_ctx = max_blocks * block positions a sequence */
     const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
     int64_t n_head, n_head_kv, head_dim, v_dim, n_ctx, rot, neox, window; /* window 0: all */
     float scale, softcap; /* softcap 0: none */
@@ -191,6 +202,59 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     float t = hsum8(_mm256_add_ps(s0, s1));
     for (; i < n; i++) t += a[i] * b[i];
     return t;
+}
+
+/* ---------------------------------------------------------------- the KV cache's values */
+
+/* Where the values of (slot s, kv head h, position p) start, in pool base (k or v) whose rows
+ * are n values: positions of one block and head are contiguous rows. */
+static inline char *kv_at(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t p, int64_t n) {
+    const int64_t blk = kv->tables[s * kv->max_blocks + p / kv->block];
+    const int64_t row = (blk * kv->n_head_kv + h) * kv->block + p % kv->block;
+    return (char *)base + row * n * (kv->type == 0 ? 4 : 2);
+}
+
+/* 8 cached values from value i of p, as float32 (t: gl_kv.type, a constant where inlined). */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, const int t) {
+    if (t == 0) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (t == 1) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i, const int t) {
+    if (t == 0) return ((const float *)p)[i];
+    const uint16_t h = ((const uint16_t *)p)[i];
+    if (t == 1) return _cvtsh_ss(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> bfloat16, round to nearest even (torch's conversion; NaN stays NaN). */
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n float32 values into the cache at dst, as type t (rounded to nearest even, as torch does). */
+static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
+    if (t == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *o = dst;
+    int64_t i = 0;
+    if (t == 1) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (; i < n; i++) o[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        for (; i < n; i++) o[i] = bf16_of(src[i]);
+    }
 }
 
 /* ---------------------------------------------------------------- between the files of the unit */

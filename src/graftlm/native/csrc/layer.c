@@ -74,7 +74,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
         if (L->q_norm) gl_rms_norm(qb + b * qs, H, D, L->q_norm, L->eps, qb + b * qs, nth);
         if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
     }
-    const gl_attn a = {L->kc, L->vc, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
+    const gl_attn a = {L->kv, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
                        L->window, L->scale, L->softcap};
     attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.scores, L->n_ctx, nth);
     proj_run(&L->o, att, B, 1, &L->l_o, o, sc, nth);

@@ -72,7 +72,7 @@ async def converse(
     model: str,
     out: Result,
 ) -> None:
-    setting = SETTINGS[conv % len(SETTINGS)]
+    setting = None if args.base_only else SETTINGS[conv % len(SETTINGS)]
     messages = [{"role": "system", "content": system}]
     rng = random.Random(100 + conv)
     for turn in range(args.turns):
@@ -140,12 +140,12 @@ def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:
         cmd = [args.llama_server, "-m", args.model, "--port", str(port), "-np", str(n),
                "-c", str(n * args.ctx), "-t", str(args.threads), "--cache-prompt"]  # fmt: skip
         for p in loras:
-            cmd += ["--lora-scaled", p, "0"]
+            cmd += ["--lora-scaled", f"{p}:0"]
         return cmd
     cmd = [sys.executable, "-m", "graftlm", "serve", "-m", args.model, "--port", str(port),
            "-np", str(n), "-c", str(n * args.ctx), "-t", str(args.threads)]  # fmt: skip
     for p in loras:
-        cmd += ["--lora-scaled", p, "0"]
+        cmd += ["--lora-scaled", f"{p}:0"]
     if kind == "graftlm-nocache":
         cmd.append("--no-cache-prompt")
     return cmd
@@ -183,6 +183,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context per conversation")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--base-only", action="store_true", help="every conversation on the base")
     ap.add_argument("--only", nargs="+", default=["graftlm", "graftlm-nocache", "llama-server"])
     args = ap.parse_args()
     if args.model is None:

@@ -80,8 +80,13 @@ def test_cli_capital_of_france(smollm2_file: Path) -> None:
     assert "tok/s" in out.stderr
 
 
-@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
-def test_golden_through_the_decode_path(which: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(
+    ("which", "cache_type"),
+    [("smollm2", "f16"), ("gemma3", "f16"), ("smollm2", "q8_0"), ("gemma3", "bf16")],
+)
+def test_golden_through_the_decode_path(
+    which: str, cache_type: str, request: pytest.FixtureRequest
+) -> None:
     """The same goldens with the prompt prefilled and every later token decoded one step at a
     time through the cache: the fused kernels of generation (with native kernels, x quantized to
     int8 per 32 values as llama.cpp does), not the float32 scoring path. The decode path holds the
@@ -96,7 +101,8 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
     step 14) is at 0.45 even in float32."""
     from graftlm.step.batch import Batch
 
-    model = graftlm.load(request.getfixturevalue(f"{which}_file"), ctx_size=1024)
+    path = request.getfixturevalue(f"{which}_file")
+    model = graftlm.load(path, ctx_size=1024, cache_type=cache_type)
     data = golden(f"{which}_generate.json")
     ids_of = {
         n: model.add_lora(FIXTURES / which / n, scale=0.0)
@@ -129,7 +135,7 @@ def test_golden_through_the_decode_path(which: str, request: pytest.FixtureReque
                 agree += int(int(row.argmax()) == t0)
     mean, twin_mean = sum(diffs) / len(diffs), sum(twin) / len(twin)
     print(
-        f"{which} decode path vs llama.cpp: mean {mean:.4f} max {max(diffs):.4f} "
+        f"{which} decode path ({cache_type} cache) vs llama.cpp: mean {mean:.4f} max {max(diffs):.4f} "
         f"top-1 {agree}/{checked}; vs float32 twin: mean {twin_mean:.4f} max {max(twin):.4f}"
     )
     assert mean <= 0.06

@@ -251,7 +251,7 @@ def test_bad_outtype_and_not_a_base(tmp_path: Path) -> None:
 
 
 def test_activated_lora_tokens_are_carried(tmp_path: Path) -> None:
-    """aLoRA: graftlm does not serve it, but llama.cpp does; the converter carries the tokens."""
+    """aLoRA: the invocation tokens go from PEFT to GGUF and back."""
     d = tmp_path / "alora"
     shutil.copytree(TINY / "llama" / "peft", d)
     cfg = json.loads((d / "adapter_config.json").read_text())
@@ -259,6 +259,9 @@ def test_activated_lora_tokens_are_carried(tmp_path: Path) -> None:
     (d / "adapter_config.json").write_text(json.dumps(cfg))
     peft_to_gguf(d, TINY / "llama" / "model-f32.gguf", tmp_path / "a.gguf")
     assert GGUFFile(tmp_path / "a.gguf").metadata["adapter.alora.invocation_tokens"] == [5, 6, 7]
+    gguf_to_peft(tmp_path / "a.gguf", TINY / "llama" / "model-f32.gguf", tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "adapter_config.json").read_text())
+    assert back["alora_invocation_tokens"] == [5, 6, 7]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from graftlm.native import build, disabled, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
 from graftlm.step.batch import Batch, RowIndex
-from graftlm.step.kv_cache import KVCache, kv_dtype
+from graftlm.step.kv_cache import KVCache, kv_dtype, q8_0_pack, q8_0_unpack
 
 pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
 
@@ -549,9 +549,14 @@ def _paged(dense: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> KVCache:
         cache.set_table(s, blocks)
         for i, b in enumerate(blocks):
             piece = dense[s, :, i * 16 : (i + 1) * 16]
-            cache.k[0][b, :, : piece.shape[1]] = piece.to(dtype)
-    cache.v[0].copy_(cache.k[0].flip(-1))  # V: K with each head's values reversed
+            cache.k[0][b, :, : piece.shape[1]] = cache._pack(piece)
+            cache.v[0][b, :, : piece.shape[1]] = cache._pack(piece.flip(-1))  # V: K reversed
     return cache
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of this type holds it, as float32."""
+    return q8_0_unpack(q8_0_pack(x)) if dtype is torch.uint8 else x.to(dtype).float()
 
 
 @pytest.mark.parametrize(
@@ -563,6 +568,7 @@ def _paged(dense: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> KVCache:
         (200, 4, 2, 32, [70], 64, "f16"),  # a window shorter than the chunk
         (5, 3, 3, 16, [0, 9, 2], 4, "f32"),  # three rows at their own starts, slots out of order
         (1, 2, 1, 16, [6], 0, "bf16"),  # one query
+        (100, 9, 3, 64, [20], 0, "q8_0"),  # ggml's q8_0 blocks
     ],
 )
 def test_native_prefill_attention_equals_masked_sdpa(
@@ -578,12 +584,12 @@ def test_native_prefill_attention_equals_masked_sdpa(
     cache = _paged(dense, kv_dtype(kv), seed=t)
     out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
-    kc = dense.to(kv_dtype(kv)).float()
-    ref = _masked_sdpa(q, kc, kc.flip(-1), slots, starts, d**-0.5, window)
+    kc, vc = _rounded(dense, kv_dtype(kv)), _rounded(dense.flip(-1), kv_dtype(kv))
+    ref = _masked_sdpa(q, kc, vc, slots, starts, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
 def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
     """A decode step of three rows through scattered blocks: the new k and v land in the pool
     block the table names (rotated k, rounded as torch rounds), and the output equals SDPA over
@@ -604,12 +610,13 @@ def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
     assert out is not None
     for r, (s, p) in enumerate(zip(slots, pos, strict=True)):
         b = int(cache.tables[s, p // 16])
-        assert torch.equal(cache.k[0][b, :, p % 16], k[r, 0].view(hkv, d).to(cache.dtype))
-        assert torch.equal(cache.v[0][b, :, p % 16], v[r, 0].view(hkv, d).to(cache.dtype))
-        keys = torch.cat([dense[s, :, :p].to(cache.dtype).float(),
-                          k[r, 0].view(hkv, 1, d).to(cache.dtype).float()], 1)  # fmt: skip
-        values = torch.cat([dense[s, :, :p].to(cache.dtype).float().flip(-1),
-                            v[r, 0].view(hkv, 1, d).to(cache.dtype).float()], 1)  # fmt: skip
+        assert torch.equal(cache.k[0][b, :, p % 16], cache._pack(k[r, 0].view(hkv, d)))
+        assert torch.equal(cache.v[0][b, :, p % 16], cache._pack(v[r, 0].view(hkv, d)))
+        dt = cache.dtype
+        keys = torch.cat([_rounded(dense[s, :, :p], dt),
+                          _rounded(k[r, 0].view(hkv, 1, d), dt)], 1)  # fmt: skip
+        values = torch.cat([_rounded(dense[s, :, :p].flip(-1), dt),
+                            _rounded(v[r, 0].view(hkv, 1, d), dt)], 1)  # fmt: skip
         want = F.scaled_dot_product_attention(
             q[r].view(1, h, 1, d), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5,
             enable_gqa=True,
@@ -829,3 +836,17 @@ def test_fused_layer_serves_the_converted_families(
     for a, b, c in zip(fused, one_by_one, composed, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_the_q8_0_cache_stores_what_ggml_quantizes() -> None:
+    """The q8_0 cache's bytes are ggml's block_q8_0 (the gguf package quantizes the same values
+    the same way), and unpacking gives d * q."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    packed = q8_0_pack(x)
+    assert packed.dtype is torch.uint8 and packed.shape == (5, 96 // 32 * 34)
+    want = quants.quantize(x.numpy(), Q.Q8_0)
+    assert np.array_equal(packed.numpy(), want.view(np.uint8).reshape(5, -1))
+    d = torch.from_numpy(quants.dequantize(want, Q.Q8_0))
+    torch.testing.assert_close(q8_0_unpack(packed), d.reshape(5, 96), rtol=0, atol=0)

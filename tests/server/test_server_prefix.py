@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,3 +74,27 @@ def test_openai_usage_reports_cached_tokens(server: TinyServer, http: httpx.Clie
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
     assert second["usage"]["prompt_tokens"] == 70
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_an_activated_lora_is_listed_and_off_without_its_invocation(
+    server: TinyServer, http: httpx.Client, tmp_path: Path
+) -> None:
+    from server_fixtures import SPEC
+    from tiny_models import write_tiny_adapter
+
+    path = write_tiny_adapter(tmp_path / "al.gguf", SPEC, seed=40,
+                              metadata={"adapter.alora.invocation_tokens": [7, 8, 9]})  # fmt: skip
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "al", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    try:
+        without = _completion(http, model="al", prompt=_prompt(4, 40))
+        listed = {a["name"]: a for a in http.get("/lora-adapters").json()}
+        assert listed["al"]["alora_invocation_tokens"] == [7, 8, 9]
+        assert without["alora_inactive"] == [listed["al"]["id"]]
+        base = _completion(http, prompt=_prompt(4, 40))
+        assert without["tokens"] == base["tokens"]  # ran as the base
+        invoked = _completion(http, model="al", prompt=_prompt(4, 40) + [7, 8, 9, 20])
+        assert "alora_inactive" not in invoked
+        assert invoked["timings"]["cache_n"] == 32  # the base's blocks before the invocation
+    finally:
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "al"})

@@ -61,7 +61,7 @@ def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]
     return out
 
 
-KV_TYPES = ("f16", "bf16", "f32")  # llama.cpp's names of the cache types graftlm keeps
+KV_TYPES = ("f16", "bf16", "f32", "q8_0")  # llama.cpp's names of the cache types graftlm keeps
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

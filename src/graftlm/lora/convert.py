@@ -268,6 +268,10 @@ def gguf_to_peft(
 
     n_layer = base.n_layer if base is not None else None
     config, notes = _peft_config(ranks, alpha, n_layer)
+    invocation = f.metadata.get("adapter.alora.invocation_tokens")
+    if isinstance(invocation, list) and invocation:  # activated LoRA: PEFT's name for them
+        config["alora_invocation_tokens"] = [int(t) for t in invocation]
+        notes.append(f"activated LoRA: invocation tokens {config['alora_invocation_tokens']}")
     out = Path(out_dir)
     _write_peft(out, tensors, config)
     notes.append(f"wrote {out}: {len(tensors)} tensors ({len(ranks)} modules), r = {config['r']}")

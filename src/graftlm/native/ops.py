@@ -199,7 +199,7 @@ def gl_kv(cache: KVCache, layer: int) -> GlKv | None:
     ):
         return None
     return GlKv(kc.data_ptr(), vc.data_ptr(), tables.data_ptr(), cache.n_blocks, cache.n_slots,
-                cache.max_blocks, cache.block, kc.shape[1], cache.type_code)  # fmt: skip
+                cache.max_blocks, cache.block, cache.n_head_kv, cache.type_code)  # fmt: skip
 
 
 def attn_decode(
@@ -230,7 +230,7 @@ def attn_decode(
     kv = gl_kv(cache, layer)
     if lib is None or kv is None or q.dtype is not torch.float32:
         return None
-    d, dv = cache.k[layer].shape[-1], cache.v[layer].shape[-1]
+    d, dv = cache.head_dim, cache.v_head_dim
     hkv = int(kv.n_head_kv)
     b = q.shape[0]
     h = q.shape[-1] // d
@@ -280,13 +280,12 @@ def attn_prefill(
     if lib is None or kv is None or q.dim() != 4:
         return None
     b, t, h, d = q.shape
-    kc, vc = cache.k[layer], cache.v[layer]
-    hkv, dk = kc.shape[1], kc.shape[-1]
+    hkv, dk = cache.n_head_kv, cache.head_dim
     if (
         q.dtype is not torch.float32
         or q.device.type != "cpu"
         or not q.is_contiguous()
-        or vc.shape != kc.shape
+        or cache.v_head_dim != dk
         or dk != d
         or d % 16
         or h % hkv

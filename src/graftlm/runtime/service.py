@@ -87,6 +87,8 @@ class FinishEvent:
     n_generated: int
     stopped_eos: bool = False
     n_cached: int = 0  # prompt tokens the prefix cache served (not computed)
+    # activated-LoRA adapters the request named whose invocation its prompt lacks (not applied)
+    alora_inactive: tuple[int, ...] = ()
     stop_word: str | None = None
     t_submit: float = 0.0
     t_first: float | None = None
@@ -518,6 +520,7 @@ class EngineService:
             n_prompt=len(req.prompt),
             n_generated=len(req.generated),
             n_cached=req.n_cached,
+            alora_inactive=req.inactive,
             stopped_eos=eos and not t.text.stopped,
             stop_word=t.text.matched if t.text.stopped else None,
             t_submit=req.t_submit,

@@ -121,6 +121,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
             "tokens_cached": len(ids) + max(0, f.n_generated - 1) if f else 0,
             "timings": _timings(f) if f else {},
         }
+        if f and f.alora_inactive:  # as llama-server: an aLoRA without its invocation is off
+            out["alora_inactive"] = list(f.alora_inactive)
         if body.n_probs > 0 and not stream:
             out["completion_probabilities"] = token_logprobs(state, c.logprobs, with_id=True)
         return out

@@ -7,8 +7,10 @@ cache that lets several slots' tables name the same full block); here is only wh
 how a step writes and reads them. Pool block 0 is never handed out: a table entry no sequence
 owns points at it, so padding rows write there and nothing reads it.
 
-Values are stored as float32, float16 (llama.cpp's default) or bfloat16 (`KV_TYPES`). The native
-attention reads the blocks as they are; the PyTorch twin gathers a step's rows into float32.
+Values are stored as float32, float16 (llama.cpp's default), bfloat16 or q8_0 (`KV_TYPES`; q8_0
+is ggml's block_q8_0, per 32 values a float16 scale and 32 int8 codes, held as bytes: its dtype
+here is torch.uint8). The native attention reads the blocks as they are; the PyTorch twin gathers
+a step's rows into float32.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ KV_TYPES: dict[str, tuple[torch.dtype, int]] = {
     "f32": (torch.float32, 0),
     "f16": (torch.float16, 1),
     "bf16": (torch.bfloat16, 2),
+    "q8_0": (torch.uint8, 3),  # bytes of ggml's block_q8_0
 }
 DEFAULT_KV_TYPE = "f16"
 BLOCK = 16  # positions a block (vLLM's default)
@@ -36,10 +39,37 @@ def kv_dtype(name: str) -> torch.dtype:
     return KV_TYPES[name][0]
 
 
+def row_width(n: int, dtype: torch.dtype) -> int:
+    """Elements of the cache's tensor that n values take (q8_0: bytes, 34 for every 32)."""
+    return n // 32 * 34 if dtype is torch.uint8 else n
+
+
 def block_nbytes(cfg: ModelConfig, dtype: torch.dtype, block: int = BLOCK) -> int:
     """Bytes one block of a model's cache takes: keys and values of every layer."""
-    per = cfg.n_layer * cfg.n_head_kv * block * (cfg.head_dim + cfg.v_head_dim)
-    return per * torch.empty(0, dtype=dtype).element_size()
+    width = row_width(cfg.head_dim, dtype) + row_width(cfg.v_head_dim, dtype)
+    return cfg.n_layer * cfg.n_head_kv * block * width * torch.empty(0, dtype=dtype).element_size()
+
+
+def q8_0_pack(x: torch.Tensor) -> torch.Tensor:
+    """(..., n) float -> (..., n / 32 * 34) uint8 blocks, as ggml's quantize_row_q8_0_ref and the
+    native kv_store: d = amax / 127 (stored as float16), q = round(x / d) half away from zero."""
+    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    v = g * inv
+    q = torch.trunc(v)
+    q = q + torch.where((v - q).abs() >= 0.5, torch.sign(v), torch.zeros_like(v))
+    dh = d.to(torch.float16).view(torch.uint8)  # (..., nb, 2)
+    qb = q.to(torch.int8).view(torch.uint8)  # (..., nb, 32)
+    return torch.cat([dh, qb], -1).reshape(*x.shape[:-1], -1)
+
+
+def q8_0_unpack(b: torch.Tensor) -> torch.Tensor:
+    """The inverse of q8_0_pack: (..., n / 32 * 34) uint8 -> (..., n) float32."""
+    g = b.reshape(*b.shape[:-1], -1, 34)
+    d = g[..., :2].contiguous().view(torch.float16).to(torch.float32)  # (..., nb, 1)
+    q = g[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+    return (d * q).reshape(*b.shape[:-1], -1)
 
 
 class KVCache:
@@ -68,15 +98,22 @@ class KVCache:
         self.n_blocks = n_slots * self.max_blocks + 1 if n_blocks is None else n_blocks
         if self.n_blocks < 2:
             raise GraftError(f"a KV cache of {self.n_blocks} blocks holds nothing")
+        if dtype is torch.uint8 and (head_dim % 32 or v_head_dim % 32):
+            raise GraftError(
+                f"the q8_0 KV cache needs head sizes that are multiples of 32; this model's are "
+                f"{head_dim} (keys) and {v_head_dim} (values)"
+            )
         self.dtype = dtype
+        self.n_head_kv, self.head_dim, self.v_head_dim = n_head_kv, head_dim, v_head_dim
         self.type_code = next(c for t, c in KV_TYPES.values() if t == dtype)
-        # (block, kv_head, position in the block, dim)
+        kw, vw = row_width(head_dim, dtype), row_width(v_head_dim, dtype)
+        # (block, kv_head, position in the block, dim) (q8_0: the dims' bytes)
         self.k = [
-            torch.zeros(self.n_blocks, n_head_kv, block, head_dim, dtype=dtype, device=device)
+            torch.zeros(self.n_blocks, n_head_kv, block, kw, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         self.v = [
-            torch.zeros(self.n_blocks, n_head_kv, block, v_head_dim, dtype=dtype, device=device)
+            torch.zeros(self.n_blocks, n_head_kv, block, vw, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         # until an allocator sets them, a full pool maps slot s's block i to 1 + s * max_blocks + i
@@ -123,8 +160,11 @@ class KVCache:
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's k, v (B, T, Hkv, D) at each row's slot and positions."""
         blocks, offs = self._places(batch)
-        self.k[layer][blocks, :, offs] = k.to(self.dtype)
-        self.v[layer][blocks, :, offs] = v.to(self.dtype)
+        self.k[layer][blocks, :, offs] = self._pack(k)
+        self.v[layer][blocks, :, offs] = self._pack(v)
+
+    def _pack(self, x: torch.Tensor) -> torch.Tensor:
+        return q8_0_pack(x) if self.dtype is torch.uint8 else x.to(self.dtype)
 
     def read(self, layer: int, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values so far as float32, (B, Hkv, kv_len, D): a gathered copy
@@ -135,6 +175,8 @@ class KVCache:
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
             g = pool[blocks]  # (B, nb, Hkv, block, D)
+            if self.dtype is torch.uint8:
+                g = q8_0_unpack(g)
             b, _, h, _, d = g.shape
             g = g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * self.block, d)
             return g[:, :, :kv_len].to(torch.float32)

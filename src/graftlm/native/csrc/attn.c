@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void attn_decode_t(
     const int64_t rot = a->rot, window = a->window, BS = kv->block;
     const int neox = (int)a->neox;
     const float scale = a->scale, softcap = a->softcap;
-    const int64_t half = rot / 2, es = t == 0 ? 4 : 2;
+    const int64_t half = rot / 2;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = pos[b], s = slots[b];
@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void attn_decode_t(
             const int64_t run = BS - j % BS < p + 1 - j ? BS - j % BS : p + 1 - j;
             const char *kb = kv_at(kv, kv->k, s, hk, j, D);
             for (int64_t i = 0; i < run; i++) {
-                float x = dot_kv(qr, kb + i * D * es, D, t) * scale;
+                float x = dot_kv(qr, kb + kv_bytes(i * D, t), D, t) * scale;
                 if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
                 sc[j - lo + i] = x;
                 m = x > m ? x : m;
@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) void attn_decode_t(
                     const float *e_run = sc + (jj - lo);
                     for (int64_t i = 0; i < run; i++) {
                         const __m256 e = _mm256_set1_ps(e_run[i]);
-                        const void *vr = vb + (i * Dv + c0) * es;
+                        const void *vr = vb + kv_bytes(i * Dv + c0, t);
                         a0 = _mm256_fmadd_ps(e, kv_load8(vr, 0, t), a0);
                         a1 = _mm256_fmadd_ps(e, kv_load8(vr, 8, t), a1);
                         a2 = _mm256_fmadd_ps(e, kv_load8(vr, 16, t), a2);
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void attn_decode_t(
             } else {
                 float acc[64] = {0};
                 for (int64_t jj = lo; jj <= p; jj++) {
-                    const char *vr = kv_at(kv, kv->v, s, hk, jj, Dv) + c0 * es;
+                    const char *vr = kv_at(kv, kv->v, s, hk, jj, Dv) + kv_bytes(c0, t);
                     const float e = sc[jj - lo];
                     for (int64_t i = 0; i < w; i++) acc[i] += e * kv_get(vr, i, t);
                 }
@@ -198,6 +198,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
     switch (a->kv.type) { /* one specialization a cache type: the loads are its inner loop */
     case 1: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 1); break;
     case 2: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 2); break;
+    case 3: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 3); break;
     default: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 0); break;
     }
 }
@@ -234,10 +235,12 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
             int64_t i = 0;
             for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 1));
             for (; i < m; i++) o[i] = kv_get(src, i, 1);
-        } else {
+        } else if (t == 2) {
             int64_t i = 0;
             for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 2));
             for (; i < m; i++) o[i] = kv_get(src, i, 2);
+        } else { /* q8_0: m a multiple of 32 */
+            for (int64_t i = 0; i < m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 3));
         }
         j += run;
     }

@@ -70,7 +70,9 @@ typedef struct {
     void *k, *v;           /* (n_blocks, n_head_kv, block, head_dim / v_dim), of `type` */
     const int32_t *tables; /* (n_slots, max_blocks) */
     int64_t n_blocks, n_slots, max_blocks, block, n_head_kv;
-    int64_t type; /* 0: float32, 1: float16, 2: bfloat16 */
+    int64_t type; /* 0: float32, 1: float16, 2: bfloat16, 3: q8_0 (ggml's block_q8_0: per 32
+                   * values a float16 scale d and 32 int8 codes q, value = d * q; rows of a
+                   * multiple of 32 values) */
 } gl_kv;
 
 /* The weights, vectors, cache and dimensions of one decoder layer (layer.c). */
@@ -206,17 +208,29 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* ---------------------------------------------------------------- the KV cache's values */
 
+/* Bytes n cached values of type t take (q8_0: n a multiple of 32). */
+static inline __attribute__((always_inline)) int64_t kv_bytes(int64_t n, const int64_t t) {
+    return t == 0 ? 4 * n : t == 3 ? n / 32 * 34 : 2 * n;
+}
+
 /* Where the values of (slot s, kv head h, position p) start, in pool base (k or v) whose rows
  * are n values: positions of one block and head are contiguous rows. */
 static inline char *kv_at(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t p, int64_t n) {
     const int64_t blk = kv->tables[s * kv->max_blocks + p / kv->block];
     const int64_t row = (blk * kv->n_head_kv + h) * kv->block + p % kv->block;
-    return (char *)base + row * n * (kv->type == 0 ? 4 : 2);
+    return (char *)base + kv_bytes(row * n, kv->type);
 }
 
 /* 8 cached values from value i of p, as float32 (t: gl_kv.type, a constant where inlined). */
 static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, const int t) {
     if (t == 0) return _mm256_loadu_ps((const float *)p + i);
+    if (t == 3) { /* i a multiple of 8: its 8 codes lie in one block */
+        const char *b = (const char *)p + (i >> 5) * 34;
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + (i & 31)));
+        return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
     if (t == 1) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -224,6 +238,12 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int6
 
 static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i, const int t) {
     if (t == 0) return ((const float *)p)[i];
+    if (t == 3) {
+        const char *b = (const char *)p + (i >> 5) * 34;
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        return _cvtsh_ss(dh) * (float)(int8_t)b[2 + (i & 31)];
+    }
     const uint16_t h = ((const uint16_t *)p)[i];
     if (t == 1) return _cvtsh_ss(h);
     const uint32_t u = (uint32_t)h << 16;
@@ -244,6 +264,18 @@ static inline uint16_t bf16_of(float f) {
 static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
     if (t == 0) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    if (t == 3) { /* as ggml's quantize_row_q8_0_ref: d = amax / 127, q = round(x / d) */
+        char *b = dst;
+        for (int64_t j = 0; j < n; j += 32, b += 34) {
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[j + i]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(b, &dh, 2);
+            for (int i = 0; i < 32; i++) b[2 + i] = (char)(int8_t)roundf(src[j + i] * id);
+        }
         return;
     }
     uint16_t *o = dst;

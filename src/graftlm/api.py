@@ -18,6 +18,7 @@ from graftlm.lora.registry import AdapterSet
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
 from graftlm.resources import default_model_path
+from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.device import resolve_device
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
@@ -26,6 +27,7 @@ from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
 from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
+from graftlm.tokenizer.templates import resolve_chat_template
 
 
 @dataclass
@@ -58,6 +60,8 @@ def load(
     reference: bool = False,
     progress: bool = False,
     device: str | torch.device = "cpu",
+    chat_template: str | None = None,
+    chat_template_file: str | os.PathLike[str] | None = None,
     cache_type: str | None = None,
     cache_blocks: int | None = None,
     cache_bytes: int | None = None,
@@ -74,7 +78,10 @@ def load(
     `device`: "cpu" (compact quantized weights, native kernels), or "cuda" / "cuda:N": every
     weight becomes a dense bfloat16 copy on the GPU and the step runs in plain PyTorch (close to,
     not bit-exact with, the CPU path). GraftError when the device is not there.
+    `chat_template`: a built-in template's name (chatml, llama3, gemma, phi3, mistral) or Jinja
+    text, or `chat_template_file` a file of it, in place of the file's own template.
     """
+    template = resolve_chat_template(chat_template, chat_template_file)
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise GraftError(f"n_seq must be a whole number of sequences, at least 1; got {n_seq!r}")
     dev = resolve_device(device)
@@ -107,6 +114,7 @@ def load(
         kv_dtype=kv_dtype(kv_type),
         cache_blocks=cache_blocks,
         prefix_cache=prefix_cache,
+        chat_template=template,
     )
 
 
@@ -122,6 +130,7 @@ class Model:
         kv_dtype: torch.dtype | None = None,
         cache_blocks: int | None = None,
         prefix_cache: bool = True,
+        chat_template: str | None = None,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
@@ -134,7 +143,8 @@ class Model:
             kv_dtype=kv_dtype,
             prefix_cache=prefix_cache,
         )
-        self.prompter = Prompter(tokenizer, file.get("tokenizer.chat_template"), model.cfg.n_vocab)
+        template = chat_template or file.get("tokenizer.chat_template")
+        self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
         self.adapters = AdapterSet(model)
@@ -214,6 +224,14 @@ class Model:
         likely tokens (at most the whole vocabulary)."""
         return self.scorer.logprobs(ids, top, self.adapters.settings(lora))
 
+    def embed(
+        self, text: str | Sequence[int], lora: list[dict[str, Any]] | None = None
+    ) -> list[float]:
+        """The text's embedding: the mean of the final-norm hidden states over its tokens,
+        L2-normalized (n_embd floats); `lora` as for `logits`."""
+        ids = self.prompter.prompt_ids(text)
+        return self.scorer.embedding(ids, self.adapters.settings(lora))
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -231,9 +249,21 @@ class Model:
         ignore_eos: bool = False,
         lora: list[dict[str, Any]] | None = None,
         stream: bool = False,
+        logit_bias: dict[int | str, float | bool] | list[Any] | None = None,
+        json_schema: dict[str, Any] | None = None,
+        regex: str | None = None,
+        choice: Sequence[str] | None = None,
+        grammar: str | None = None,
     ) -> str | Iterator[str]:
         """Continue a prompt (text or token ids). Returns the text, or with stream=True an iterator
-        of text pieces as they are generated."""
+        of text pieces as they are generated.
+
+        `logit_bias`: {token id: bias in [-100, 100]} (-100 or False bans, 100 forces; a text key
+        biases each of its tokens), or llama-server's [[token, bias]]. At most one constraint:
+        `json_schema` (a JSON schema as a dict), `regex`, `choice` (one of these strings) or
+        `grammar` (GBNF, as llama.cpp's grammars): every token generated follows it, and the end
+        comes only where it is complete. ConstraintError when it does not compile."""
+        constraint = _constraint(json_schema, regex, choice, grammar)
         params = SamplingParams(
             temperature=temperature,
             top_k=top_k,
@@ -247,6 +277,8 @@ class Model:
             max_tokens=max_tokens,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             ignore_eos=ignore_eos,
+            logit_bias=self.prompter.logit_bias(logit_bias),
+            grammar=None if constraint is None else self.prompter.compile(constraint),
         )
         ids = self.prompter.prompt_ids(prompt)
         pieces = self._run(ids, params, self.adapters.settings(lora))
@@ -291,3 +323,32 @@ class Model:
                 t_end - (req.t_prompt_done or t_end),
                 req.n_cached,
             )
+
+
+def _constraint(
+    json_schema: dict[str, Any] | None,
+    regex: str | None,
+    choice: Sequence[str] | None,
+    grammar: str | None,
+) -> Constraint | None:
+    given = {
+        k: v
+        for k, v in (
+            ("json_schema", json_schema),
+            ("regex", regex),
+            ("choice", choice),
+            ("grammar", grammar),
+        )
+        if v is not None
+    }
+    if len(given) > 1:
+        raise GraftError(f"give at most one constraint; got {', '.join(given)}")
+    if json_schema is not None:
+        return Constraint.json_schema(json_schema)
+    if regex is not None:
+        return Constraint("regex", regex, "regex")
+    if choice is not None:
+        return Constraint.choice(list(choice))
+    if grammar is not None:
+        return Constraint("gbnf", grammar, "grammar")
+    return None

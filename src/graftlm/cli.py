@@ -65,7 +65,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from graftlm.commands import add_device_argument
+    from graftlm.commands import add_chat_template_arguments, add_device_argument
     from graftlm.lora.cli_args import add_lora_arguments
 
     parser = argparse.ArgumentParser(
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-sys", "--system-prompt", default=None)
     r.add_argument("--reference", action="store_true", help="float32 reference path (slow)")
     add_device_argument(r)
+    add_chat_template_arguments(r)
     add_lora_arguments(r)
     r.set_defaults(func=_run)
 

@@ -24,3 +24,18 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
         help="where the model runs: cpu (default: quantized weights, native kernels), cuda or "
         "cuda:N (dense bfloat16 weights on the GPU, plain PyTorch)",
     )
+
+
+def add_chat_template_arguments(p: argparse.ArgumentParser) -> None:
+    """llama-server's `--chat-template NAME` and `--chat-template-file FILE`."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="NAME",
+        help="use this chat template in place of the model's own: chatml (with tools, "
+        "Hermes form), llama3 (with tools), gemma, phi3, mistral, or the Jinja text itself",
+    )
+    g.add_argument(
+        "--chat-template-file", default=None, metavar="FILE", help="a Jinja chat template file"
+    )

@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         progress=True,
         device=args.device,
+        chat_template=args.chat_template,
+        chat_template_file=args.chat_template_file,
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from graftlm.commands import add_device_argument
+from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.lora.cli_args import add_lora_arguments
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -115,6 +115,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-t", "--threads", type=int, default=None)
     add_device_argument(p)
+    add_chat_template_arguments(p)
     p.add_argument(
         "-np",
         "--parallel",
@@ -232,6 +233,8 @@ def serve(args: argparse.Namespace) -> int:
         n_seq=args.parallel + 1,
         progress=True,
         device=args.device,
+        chat_template=args.chat_template,
+        chat_template_file=args.chat_template_file,
         cache_type=args.cache_type_k,
         cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
         cache_bytes=args.kv_memory,

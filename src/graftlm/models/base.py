@@ -366,8 +366,9 @@ class Transformer:
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         return attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
 
-    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token."""
+    def forward(self, batch: Batch, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+        """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token.
+        hidden: the final-norm hidden states (B, T, n_embd) instead (embeddings)."""
         assert self.cache is not None, "allocate_cache() first"
         x = self.embed(batch)
         y = self.native_layers(x, batch)
@@ -377,6 +378,8 @@ class Transformer:
             for i in range(self.cfg.n_layer):
                 y = self.native_block(i, x, batch)
                 x = y if y is not None else self.block(i, x, batch)
+        if hidden:
+            return rms_norm(x, self.output_norm, self.cfg.rms_eps)  # (B, T, n_embd)
         if not all_logits:
             x = x[batch.last_tokens].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)

@@ -101,5 +101,6 @@ class Gemma2(Transformer):
         h = F.gelu(gate, approximate="tanh") * up
         return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)
 
-    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        return softcap(super().forward(batch, all_logits), self.cfg.final_softcap)
+    def forward(self, batch: Batch, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
+        out = super().forward(batch, all_logits, hidden)
+        return out if hidden else softcap(out, self.cfg.final_softcap)

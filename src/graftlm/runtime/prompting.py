@@ -4,12 +4,16 @@ and a generation is turned into text the same way wherever a request comes from.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from graftlm.errors import RequestError
+from graftlm.runtime.constraints import CompiledGrammar, Constraint, ConstraintCompiler
 from graftlm.runtime.textstream import TextStream
 from graftlm.tokenizer import Tokenizer, render_chat
+from graftlm.tokenizer.templates import supports_tools, tool_format
 
 
 class Prompter:
@@ -19,6 +23,8 @@ class Prompter:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.n_vocab = n_vocab
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     @property
     def eog(self) -> frozenset[int]:
@@ -60,21 +66,112 @@ class Prompter:
     def token_str(self, token: int) -> str:
         return self.token_bytes(token).decode("utf-8", errors="replace")
 
+    def logit_bias(self, raw: Any, field: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+        """A request's logit bias as (token id, bias) pairs, in any of the shapes clients send:
+        OpenAI's {"token id": bias}, llama-server's [[id, bias]] and [["text", bias]] (every
+        token of the text gets the bias; so does a key that is not a number), with `false` for
+        a ban. RequestError naming the field for ids outside the vocabulary, biases that are
+        not finite or outside [-100, 100]."""
+        if raw is None:
+            return ()
+        if isinstance(raw, dict):
+            items = list(raw.items())
+        elif isinstance(raw, list):
+            items = []
+            for k, item in enumerate(raw):
+                if not isinstance(item, (list, tuple)) or len(item) != 2:
+                    raise RequestError(
+                        f"{field}[{k}] must be a [token, bias] pair, got {item!r:.80}"
+                    )
+                items.append((item[0], item[1]))
+        else:
+            raise RequestError(f"{field} must be an object or a list of [token, bias] pairs")
+        out: dict[int, float] = {}
+        for key, value in items:
+            if value is False:
+                bias = -math.inf
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{field}[{key!r}] must be a number or false, got {value!r:.80}")
+            elif not math.isfinite(value) or not -100 <= value <= 100:
+                raise RequestError(
+                    f"{field}[{key!r}] must be a finite number in [-100, 100], got {value}"
+                )
+            else:
+                bias = float(value)
+            for tok in self._bias_tokens(key, field):
+                out[tok] = bias
+        return tuple(out.items())
+
+    def _bias_tokens(self, key: Any, field: str) -> list[int]:
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                return self.tokenize(key, add_special=False, parse_special=False)
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise RequestError(f"{field}: {key!r:.80} is neither a token id nor a text")
+        if not 0 <= key < self.n_vocab:
+            raise RequestError(
+                f"{field}: token id {key} is outside the vocabulary [0, {self.n_vocab})"
+            )
+        return [key]
+
+    # -- constraints --
+    @property
+    def constraints(self) -> ConstraintCompiler:
+        """This vocabulary's grammar compiler and its cache (built on first use)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = ConstraintCompiler(self.tokenizer, self.n_vocab, self.eog)
+            return self._compiler
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar of a constraint (cached); ConstraintError when it does not
+        compile. Blocking: a server calls it off its event loop."""
+        return self.constraints.compile(constraint)
+
     # -- chats --
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The chat rendered through the template; `tools` (OpenAI's function definitions) are
+        passed to it as Hugging Face's `apply_chat_template` passes them. RequestError when tools
+        are given and the template never reads them."""
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        extra: dict[str, Any] = {}
+        if tools:
+            if not supports_tools(self.chat_template):
+                raise RequestError(
+                    "tools: this model's chat template does not render tools; start the server "
+                    "with --chat-template chatml or llama3 (or a --chat-template-file that does)",
+                    "tools_not_supported",
+                )
+            extra["tools"] = tools
         return render_chat(
-            self.chat_template, messages, add_generation_prompt, bos_token=bos, eos_token=eos
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+            **extra,
         )
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def tool_format(self) -> str:
+        """How this template's model writes a tool call ("hermes" or "llama3")."""
+        return tool_format(self.chat_template)
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The prompt ids of a chat: the rendered template, with a BOS only where the template
         has none of its own."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
         add_special = bos is None or not text.startswith(bos)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graftlm.errors import RequestError
+
+if TYPE_CHECKING:
+    from graftlm.runtime.constraints import CompiledGrammar
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
@@ -35,6 +39,11 @@ class SamplingParams:
     max_tokens: int = -1  # -1: until the context is full or generation ends
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # (token id, bias) pairs added to the logits before sampling; -inf (or -100) bans a token.
+    # The ids are checked against the vocabulary where it is known (`Prompter.logit_bias`).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # the grammar every generated token must follow (a `Sampler` starts its own matcher)
+    grammar: CompiledGrammar | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
@@ -47,6 +56,13 @@ class SamplingParams:
                 stop.encode("utf-8")
             except (UnicodeEncodeError, AttributeError):
                 raise SamplingError(f"stop must be valid Unicode strings, got {stop!r}") from None
+        for tok, bias in self.logit_bias:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise SamplingError(f"logit_bias: {tok!r} is not a token id")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+                raise SamplingError(f"logit_bias[{tok}] must be a number, got {bias!r}")
+            if not (-100 <= bias <= 100 or bias == -math.inf):
+                raise SamplingError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
         if self.top_p < 0 or self.top_p > 1:
             raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.min_p < 0 or self.min_p > 1:
@@ -68,10 +84,21 @@ class SamplingParams:
 
 
 class Sampler:
-    """Samples one sequence's tokens; its own seeded generator makes runs repeatable."""
+    """Samples one sequence's tokens; its own seeded generator makes runs repeatable.
+
+    After the penalties, the request's logit bias is added and its grammar's mask applied (the
+    forbidden tokens at -inf), for greedy and sampled draws alike; the grammar's matcher is then
+    advanced by the token drawn."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if params.logit_bias:
+            ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+            # -100 is OpenAI's ban: made exact, so no logit is large enough to beat it
+            vals = [-math.inf if b <= -100 else float(b) for _, b in params.logit_bias]
+            self._bias = ids, torch.tensor(vals, dtype=torch.float32)
         self.generator = torch.Generator()
         seed = params.seed if params.seed is not None and params.seed >= 0 else None
         if seed is None:
@@ -101,8 +128,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """logits (n_vocab,) float -> the next token id."""
-        p = self.params
         logits = self.penalize(logits.float(), history)
+        if self._bias is not None:
+            ids, vals = self._bias
+            if int(ids.max()) >= logits.shape[-1]:
+                raise SamplingError(f"logit_bias: token {int(ids.max())} is outside the vocabulary")
+            logits = logits.index_add(0, ids, vals)  # a copy: the engine's row stays as it was
+        if self.matcher is not None:
+            logits = self.matcher.apply(logits)
+        tok = self.draw(logits)
+        if self.matcher is not None:
+            self.matcher.advance(tok)
+        return tok
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """logits (n_vocab,) float, penalized, biased and masked -> a token id."""
+        p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
         n = logits.shape[-1]

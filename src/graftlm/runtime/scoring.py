@@ -13,6 +13,7 @@ from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
+from graftlm.step.batch import Batch
 
 
 class Scorer:
@@ -26,6 +27,35 @@ class Scorer:
         if len(ids) == 0:
             raise RequestError("nothing to score: the ids are empty")
         return self.engine.score(list(ids), lora)
+
+    @torch.inference_mode()
+    def embedding(self, ids: Sequence[int], lora: AdapterSettings) -> list[float]:
+        """The mean over ids of the final-norm hidden state (n_embd,), L2-normalized, with these
+        adapter settings; in chunks, on a borrowed cache slot, on the exact path."""
+        self.prompter.check_ids(ids)
+        ids = list(ids)
+        if not ids:
+            raise RequestError("nothing to embed: the input is empty")
+        eng = self.engine
+        if len(ids) > eng.model.n_ctx:
+            raise RequestError(
+                f"the input has {len(ids)} tokens, more than the context size {eng.model.n_ctx}",
+                "context_length_exceeded",
+            )
+        with eng.lock:
+            slot = eng.slots.borrow()
+            try:
+                rows = eng.lora_rows([lora])
+                total = torch.zeros(eng.model.cfg.n_embd, dtype=torch.float32)
+                for start in range(0, len(ids), eng.chunk):
+                    piece = ids[start : start + eng.chunk]
+                    batch = Batch.single(piece, slot, start, rows, eng.device, exact=True)
+                    h = eng.model.forward(batch, hidden=True)[0]  # (T, n_embd)
+                    total += h.float().sum(0).cpu()
+            finally:
+                eng.slots.give_back(slot)
+        mean = total / len(ids)
+        return torch.nn.functional.normalize(mean, dim=0).tolist()
 
     def logprobs(self, ids: Sequence[int], top: int, lora: AdapterSettings) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: {"id": ids[i], "logprob": log p(ids[i] | ids[:i]), "top":

@@ -298,6 +298,11 @@ class EngineService:
         """`prompt_logprobs`, awaited from the event loop."""
         return await asyncio.wrap_future(self.prompt_logprobs(ids, top, lora))
 
+    async def aembedding(self, ids: list[int], lora: AdapterSettings) -> list[float]:
+        """`Scorer.embedding` on the engine thread, awaited from the event loop."""
+        fut = self.call(lambda: self.scorer.embedding(ids, lora), needs_slot=True)
+        return await asyncio.wrap_future(fut)
+
     # -- adapters --
     def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
         """Read and check an adapter against the base (blocking; call it off the event loop).

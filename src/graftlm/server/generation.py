@@ -16,6 +16,8 @@ from typing import Any
 
 from fastapi import Request
 
+from graftlm.errors import RequestError
+from graftlm.runtime.constraints import CompiledGrammar, Constraint
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import Lease, UnknownModelError
@@ -68,13 +70,43 @@ class Choice:
 
 
 # -- requests -> jobs --
+def request_constraint(body: SamplingFields) -> Constraint | None:
+    """The request's output constraint; a 400 when it names several or one is malformed."""
+    try:
+        return body.constraint()
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "invalid_grammar") from None
+
+
+async def compile_constraint(
+    state: ServerState, constraint: Constraint | None
+) -> CompiledGrammar | None:
+    """The compiled grammar of a request's constraint, compiled off the event loop (cached);
+    a 400 naming the field and the problem when it does not compile."""
+    if constraint is None:
+        return None
+    try:
+        return await asyncio.to_thread(state.prompter.compile, constraint)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "invalid_grammar") from None
+
+
 def sampling_params(
-    state: ServerState, body: SamplingFields, max_tokens: int, choice: int = 0
+    state: ServerState,
+    body: SamplingFields,
+    max_tokens: int,
+    choice: int = 0,
+    grammar: CompiledGrammar | None = None,
 ) -> SamplingParams:
     """The request's sampling settings over the server's defaults. Choice i of n gets seed + i, so
-    n > 1 with a seed gives n different, repeatable answers."""
+    n > 1 with a seed gives n different, repeatable answers. `grammar`: the compiled constraint
+    (`compile_constraint`), one matcher per choice."""
     cfg = state.config
     seed = body.seed if body.seed is not None else cfg.seed
+    try:
+        bias = state.prompter.logit_bias(body.logit_bias)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "invalid_value") from None
     try:
         return SamplingParams(
             temperature=cfg.temperature if body.temperature is None else body.temperature,
@@ -89,6 +121,8 @@ def sampling_params(
             max_tokens=max_tokens,
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
+            logit_bias=bias,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_value") from None

@@ -18,8 +18,10 @@ from graftlm.server.generation import (
     admit,
     check_context,
     collect,
+    compile_constraint,
     deltas,
     prompt_ids,
+    request_constraint,
     sampling_params,
     sse,
 )
@@ -73,7 +75,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
     n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
     ids = await asyncio.to_thread(prompt_ids, state, body.prompt)  # off the event loop
     check_context(state, ids, n_predict)
-    params = sampling_params(state, body, n_predict)
+    grammar = await compile_constraint(state, request_constraint(body))
+    params = sampling_params(state, body, n_predict, grammar=grammar)
     lease = await admit(state, body.model, body.lora)
     job = Job(
         ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None, body.cache_prompt

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import time
 import uuid
 from collections.abc import Sequence
@@ -12,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from graftlm.runtime.service import Job
+from graftlm.runtime.constraints import Constraint
+from graftlm.runtime.service import FinishEvent, Job
 from graftlm.server.generation import (
     Choice,
     Delta,
@@ -20,10 +23,12 @@ from graftlm.server.generation import (
     admit,
     check_context,
     collect,
+    compile_constraint,
     deltas,
     finish_reason,
     generated_and_cached,
     prompt_ids,
+    request_constraint,
     sampling_params,
     sse,
     usage,
@@ -32,10 +37,13 @@ from graftlm.server.registry import UnknownModelError
 from graftlm.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
+    LlamaEmbeddingRequest,
     LoadLoraRequest,
     UnloadLoraRequest,
 )
 from graftlm.server.state import ApiError, ServerState
+from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls, tool_constraint
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -126,10 +134,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     ids = [await asyncio.to_thread(prompt_ids, state, p) for p in prompts]  # off the loop
     for x in ids:
         check_context(state, x, max_tokens)
-    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    grammar = await compile_constraint(state, request_constraint(body))
+    params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     try:
-        jobs = [Job(x, params[j], lease.lora, body.logprobs) for x in ids for j in range(body.n)]
+        jobs = [
+            Job(x, params[j], lease.lora, body.logprobs, body.cache_prompt)
+            for x in ids
+            for j in range(body.n)
+        ]
         before: list[Delta] = []
         if body.echo:
             scored = None
@@ -213,28 +226,72 @@ def _completion_choice(state: ServerState, c: Choice, logprobs: bool) -> dict[st
 
 
 # -- /v1/chat/completions --
+def _tool_setup(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[list[dict[str, Any]] | None, Constraint | None]:
+    """The tools the template receives (None: no tools in play) and the grammar that
+    `tool_choice` "required" or a named function imposes."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none" and choice != "auto":
+            raise ApiError(400, "tool_choice names a tool but no tools are given", "invalid_value")
+        return None, None
+    if choice == "none":
+        return None, None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"tools: function names must be unique, got {names}", "invalid_value")
+    if choice is None or choice == "auto":
+        return tools, None
+    only = None
+    if not isinstance(choice, str):
+        only = choice.function.name
+        if only not in names:
+            raise ApiError(
+                400,
+                f"tool_choice names the function {only!r}, which is not among tools: {names}",
+                "invalid_value",
+            )
+    return tools, tool_constraint(tools, only, state.prompter.tool_format)
+
+
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    """Chat through the model's template; streaming as server-sent events."""
+    """Chat through the model's template; streaming as server-sent events. With `tools`, the
+    template receives them and the answer's calls come back as `tool_calls`."""
     state = state_of(request)
     limit = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     max_tokens = state.config.n_predict if limit is None else limit
     messages = [m.as_template_input() for m in body.messages]
-    ids = await asyncio.to_thread(state.prompter.chat_prompt, messages)  # off the event loop
+    tools, tool_grammar = _tool_setup(state, body)
+    constraint = request_constraint(body)
+    if tool_grammar is not None:
+        if constraint is not None:
+            raise ApiError(
+                400,
+                f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
+                f"and {constraint.field} both constrain the answer; give one",
+                "invalid_value",
+            )
+        constraint = tool_grammar
+    ids = await asyncio.to_thread(state.prompter.chat_prompt, messages, tools)  # off the loop
     check_context(state, ids, max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = [sampling_params(state, body, max_tokens, j) for j in range(body.n)]
+    grammar = await compile_constraint(state, constraint)
+    params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
-    jobs = [Job(ids, params[j], lease.lora, top) for j in range(body.n)]
+    jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
     pieces = deltas(state, jobs, lease, "chat")
     rid, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
         int(time.time()),
         body.model or state.config.model_name,
     )
+    fmt = state.prompter.tool_format
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -245,32 +302,67 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "choices": choices,
         }
 
+    def reason(finish: FinishEvent | None, n_calls: int) -> str | None:
+        r = finish_reason(finish)
+        return "tool_calls" if r == "stop" and n_calls else r
+
     if body.stream:
         started = [False] * body.n
+        parsers = [ToolCallParser(fmt) if tools else None for _ in range(body.n)]
         n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             out = []
-            if not started[d.index]:
-                started[d.index] = True
+            i = d.index
+            if not started[i]:
+                started[i] = True
                 role = {
-                    "index": d.index,
+                    "index": i,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
                 out.append(chunk([role]))
+            parser = parsers[i]
+            text, calls = d.text, list[ToolCall]()
+            if parser is not None:
+                text, calls = parser.feed(d.text)
+                if d.finish is not None:
+                    tail, more = parser.finish()
+                    text, calls = text + tail, calls + more
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
                 n_gen[1] += d.finish.n_cached
-            if d.text or d.logprobs or d.finish is not None:
+            if calls:
+                k0 = len(parser.calls) - len(calls) if parser is not None else 0
+                delta = {"tool_calls": [c.as_openai(k0 + k) for k, c in enumerate(calls)]}
+                if text:
+                    out.append(
+                        chunk(
+                            [
+                                {
+                                    "index": i,
+                                    "delta": {"content": text},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
+                out.append(
+                    chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                )
+                text = ""
+            if text or d.logprobs or d.finish is not None:
                 c = {
-                    "index": d.index,
-                    "delta": {"content": d.text} if d.text else {},
+                    "index": i,
+                    "delta": {"content": text} if text else {},
                     "logprobs": chat_logprobs(state, d.logprobs)
                     if top is not None and d.logprobs
                     else None,
-                    "finish_reason": finish_reason(d.finish),
+                    "finish_reason": reason(
+                        d.finish, len(parser.calls) if parser is not None else 0
+                    ),
                 }
                 out.append(chunk([c]))
             return out
@@ -285,21 +377,114 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         )
 
     choices = await collect(request, pieces, body.n)
+
+    def message(c: Choice) -> tuple[dict[str, Any], int]:
+        if not tools:
+            return {"role": "assistant", "content": c.text}, 0
+        content, calls = parse_tool_calls(c.text, fmt)
+        msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            msg["tool_calls"] = [call.as_openai() for call in calls]
+        return msg, len(calls)
+
+    out = []
+    for c in choices:
+        msg, n_calls = message(c)
+        out.append(
+            {
+                "index": c.index,
+                "message": msg,
+                "logprobs": chat_logprobs(state, c.logprobs) if top is not None else None,
+                "finish_reason": reason(c.finish, n_calls),
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(state, c.logprobs) if top is not None else None,
-                "finish_reason": finish_reason(c.finish),
-            }
-            for c in choices
-        ],
+        "choices": out,
         "usage": usage([len(ids)], *generated_and_cached(choices)),
+    }
+
+
+# -- embeddings --
+async def embed_all(
+    state: ServerState, inputs: list[str | list[int]], model: str | None, lora: Any
+) -> tuple[list[list[float]], int]:
+    """Each input's embedding (mean-pooled, normalized, the request's adapter applied) and the
+    number of tokens read."""
+    ids = [await asyncio.to_thread(prompt_ids, state, x) for x in inputs]
+    for x in ids:
+        check_context(state, x, 0)
+    lease = await admit(state, model, lora)
+    try:
+        vecs = [await state.service.aembedding(x, lease.lora) for x in ids]
+    finally:
+        state.registry.release(lease)
+    return vecs, sum(len(x) for x in ids)
+
+
+def _inputs(value: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ApiError(400, "input is empty", "invalid_value")
+    if all(isinstance(x, int) for x in value):
+        return [list(value)]
+    return list(value)
+
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings", include_in_schema=False)
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    """OpenAI's embeddings: the mean of the last hidden state (after the final norm) over the
+    input's tokens, L2-normalized."""
+    state = state_of(request)
+    vecs, n = await embed_all(state, _inputs(body.input), body.model, body.lora)
+    data = []
+    for i, v in enumerate(vecs):
+        emb: Any = v
+        if body.encoding_format == "base64":
+            emb = base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {
+        "object": "list",
+        "data": data,
+        "model": body.model or state.config.model_name,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }
+
+
+@router.post("/embedding")
+async def llama_embedding(body: LlamaEmbeddingRequest, request: Request) -> list[dict[str, Any]]:
+    """llama-server's /embedding (mean pooling): [{"index", "embedding": [vector]}]."""
+    state = state_of(request)
+    vecs, _ = await embed_all(state, _inputs(body.content), body.model, body.lora)
+    return [{"index": i, "embedding": [v]} for i, v in enumerate(vecs)]
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: what a remote-tokenizer client needs to tokenize as we do."""
+    state = state_of(request)
+    p = state.prompter
+    tok = p.tokenizer
+
+    def text(i: int | None) -> str | None:
+        return None if i is None else tok.token_text(i)
+
+    return {
+        "tokenizer_class": "GGUFTokenizer",
+        "tokenizer_model": tok.model,
+        "vocab_size": p.n_vocab,
+        "model_max_length": state.service.n_ctx,
+        "bos_token": text(tok.bos_id),
+        "eos_token": text(tok.eos_id),
+        "add_bos_token": tok.add_bos,
+        "add_eos_token": tok.add_eos,
+        "eog_token_ids": sorted(p.eog),
+        "chat_template": p.chat_template,
     }
 
 

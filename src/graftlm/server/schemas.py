@@ -1,14 +1,19 @@
 """Request bodies of every endpoint, as pydantic models.
 
-Strict: a string where a number belongs is an error (400), not a coercion. Unknown fields are
-accepted and ignored, as OpenAI clients send many this server does not use.
+Strict: a string where a number belongs is an error (400), not a coercion. No field is silently
+ignored: a field no body declares is a 400 naming it. The few fields that are declared and then
+not used are listed in `IGNORED` (and in the README): each is one that changes nothing here
+(`user`, `id_slot`), or a sampler setting accepted only at the value that turns it off.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from graftlm.runtime.constraints import Constraint, ConstraintError
 
 NonNegInt = Annotated[int, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -16,7 +21,54 @@ Temperature = Annotated[float, Field(ge=0.0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# Accepted and not used. Each changes nothing in this server's answers: metadata for the
+# client's own bookkeeping, or llama-server sampler settings at the values that turn them off
+# (any other value is a 400: it would change the output and this server does not do it).
+IGNORED: dict[str, str] = {
+    "user": "an end-user id (OpenAI's abuse monitoring)",
+    "metadata": "OpenAI's stored-completion tags",
+    "store": "OpenAI's stored completions (nothing is stored)",
+    "service_tier": "OpenAI's billing tier",
+    "parallel_tool_calls": "with auto every call the model writes is returned; required and a named function give one",
+    "id_slot": "llama-server's slot choice (the scheduler picks)",
+    "n_keep": "llama-server's context shift (a prompt must fit the context)",
+    "t_max_predict_ms": "llama-server's time limit",
+    "timings_per_token": "llama-server's per-token timings",
+    "post_sampling_probs": "llama-server's probabilities after sampling",
+    "samplers": "llama-server's sampler order (the order is llama.cpp's default)",
+    "typical_p": "accepted at 1.0 only (off)",
+    "tfs_z": "accepted at 1.0 only (off)",
+    "mirostat": "accepted at 0 only (off)",
+    "mirostat_tau": "unused while mirostat is 0",
+    "mirostat_eta": "unused while mirostat is 0",
+    "penalize_nl": "accepted at false only",
+    "dynatemp_range": "accepted at 0 only (off)",
+    "dynatemp_exponent": "unused while dynatemp_range is 0",
+    "dry_multiplier": "accepted at 0 only (off)",
+    "dry_base": "unused while dry_multiplier is 0",
+    "dry_allowed_length": "unused while dry_multiplier is 0",
+    "dry_penalty_last_n": "unused while dry_multiplier is 0",
+    "dry_sequence_breakers": "unused while dry_multiplier is 0",
+    "xtc_probability": "accepted at 0 only (off)",
+    "xtc_threshold": "unused while xtc_probability is 0",
+    "top_n_sigma": "accepted at -1 only (off)",
+    "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
+}
+
+# the values at which an ignored sampler setting is off
+_OFF: dict[str, tuple[Any, ...]] = {
+    "typical_p": (1, 1.0),
+    "tfs_z": (1, 1.0),
+    "mirostat": (0,),
+    "penalize_nl": (False,),
+    "dynatemp_range": (0, 0.0),
+    "dry_multiplier": (0, 0.0),
+    "xtc_probability": (0, 0.0),
+    "top_n_sigma": (-1, -1.0),
+}
 
 
 class LoraItem(_Body):
@@ -41,11 +93,149 @@ class SamplingFields(_Body):
     repeat_last_n: int | None = None
     ignore_eos: bool = False
     lora: list[LoraItem] | None = None
+    # OpenAI's {"token id": bias}; llama-server's [[id or text, bias or false]]
+    logit_bias: dict[str, Any] | list[Any] | None = None
+    # constraints: OpenAI's, llama-server's and vLLM's names for the same few things
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
+    # accepted, not used: see IGNORED
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    id_slot: int | None = None
+    n_keep: int | None = None
+    t_max_predict_ms: int | None = None
+    timings_per_token: bool | None = None
+    post_sampling_probs: bool | None = None
+    samplers: list[str] | str | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_nl: bool | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    top_n_sigma: float | None = None
+    guided_decoding_backend: str | None = None
+
+    @field_validator(*_OFF, mode="after")
+    @classmethod
+    def _off_only(cls, v: Any, info: Any) -> Any:
+        if v is not None and v not in _OFF[info.field_name]:
+            raise ValueError(
+                f"{info.field_name} is not supported; only its off value "
+                f"{_OFF[info.field_name][-1]!r} is accepted"
+            )
+        return v
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def constraint(self) -> Constraint | None:
+        """The one output constraint the request asks for (None: free text); ConstraintError
+        when it names several or one is malformed."""
+        found: list[Constraint] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            found.append(rf.constraint())
+        if self.grammar is not None:
+            found.append(Constraint("gbnf", self.grammar, "grammar"))
+        if self.json_schema is not None:
+            found.append(Constraint.json_schema(self.json_schema, "json_schema"))
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.constraints()
+        if self.guided_json is not None:
+            found.append(_json_constraint(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append(Constraint("gbnf", self.guided_grammar, "guided_grammar"))
+        if len(found) > 1:
+            names = ", ".join(c.field for c in found)
+            raise ConstraintError(f"give at most one output constraint; got {names}")
+        return found[0] if found else None
+
+
+def _json_constraint(schema: dict[str, Any] | str, field: str) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ConstraintError(f"{field}: not valid JSON ({exc})") from None
+    return Constraint.json_schema(schema, field)
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format (llama-server also takes a `schema` beside json_object)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def constraint(self) -> Constraint:
+        if self.type == "json_schema":
+            js = self.json_schema
+            schema = js.schema_ if js is not None else self.schema_
+            if schema is None:
+                raise ConstraintError("response_format.json_schema.schema is required")
+            strict = bool(js is not None and js.strict)
+            return Constraint.json_schema(schema, "response_format.json_schema", strict)
+        if self.schema_ is not None:
+            return Constraint.json_schema(self.schema_, "response_format.schema")
+        return Constraint("json_object", "", "response_format")
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: one of json, regex, choice, grammar (or json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraints(self) -> list[Constraint]:
+        out = []
+        if self.json_ is not None:
+            out.append(_json_constraint(self.json_, "structured_outputs.json"))
+        if self.regex is not None:
+            out.append(Constraint("regex", self.regex, "structured_outputs.regex"))
+        if self.choice is not None:
+            out.append(Constraint.choice(self.choice, "structured_outputs.choice"))
+        if self.grammar is not None:
+            out.append(Constraint("gbnf", self.grammar, "structured_outputs.grammar"))
+        if self.json_object:
+            out.append(Constraint("json_object", "", "structured_outputs.json_object"))
+        return out
 
 
 class StreamOptions(_Body):
@@ -63,8 +253,6 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
-    suffix: str | None = None
-    user: str | None = None
 
 
 class TextPart(_Body):
@@ -72,20 +260,72 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class ToolCallItem(_Body):
+    """An assistant message's tool call, in a chat's history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string."""
+        """The message as chat templates expect it: content as one string, tool-call arguments
+        as objects (templates write them with `tojson`)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                args: Any = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass  # kept as text: the template writes it as a string
+                fn = {"name": c.function.name, "arguments": args}
+                calls.append({"id": c.id, "type": "function", "function": fn})
+            out["tool_calls"] = calls
         return out
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -100,7 +340,9 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    user: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # see IGNORED
 
 
 class LlamaCompletionRequest(SamplingFields):
@@ -110,9 +352,26 @@ class LlamaCompletionRequest(SamplingFields):
     n_predict: int | None = None
     stream: bool = False
     n_probs: NonNegInt = 0
-    cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
     return_tokens: bool = False
     model: str | None = None
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI): one text or token list, or several."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None  # see IGNORED
+    lora: list[LoraItem] | None = None
+
+
+class LlamaEmbeddingRequest(_Body):
+    """POST /embedding (llama-server)."""
+
+    content: str | list[str] | list[int]
+    model: str | None = None
+    lora: list[LoraItem] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -1,0 +1,184 @@
+"""Tool calls in chat completions: the grammar that enforces `tool_choice`, and the parser that
+finds calls in the model's text (as it streams, or whole).
+
+Two formats, chosen by the chat template (`Prompter.tool_format`):
+
+- "hermes" (Hermes, Qwen 2.5, the built-in `chatml`): each call is
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text around calls is content.
+- "llama3" (Llama 3.1's JSON form): the whole answer is one `{"name": ..., "parameters": {...}}`
+  object, possibly after `<|python_tag|>`.
+
+`tool_choice` "required" or a named function becomes a grammar (exactly one call, to one of the
+tools or to the named one, its arguments following the tool's JSON schema); "auto" leaves the
+model free and parses what it writes. Pure Python: no tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from graftlm.runtime.constraints import Constraint
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        if index is not None:
+            out = {"index": index} | out
+        return out
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_constraint(
+    tools: list[dict[str, Any]], only: str | None, fmt: str, field: str = "tool_choice"
+) -> Constraint:
+    """The grammar of exactly one call: to the function `only`, or (None) to any of `tools`."""
+    args_key = "parameters" if fmt == "llama3" else "arguments"
+    options = []
+    for t in tools:
+        fn = t["function"]
+        if only is not None and fn["name"] != only:
+            continue
+        params = fn.get("parameters") or {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, args_key: params},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    # no free whitespace (as for response_format): a sampled call cannot wander into newlines
+    schema = schema | {"x-guidance": {"whitespace_flexible": False, "lenient": True}}
+    if fmt == "llama3":
+        lark = f"start: call\ncall: %json {json.dumps(schema)}"
+    else:
+        lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
+    return Constraint("lark", lark, field)
+
+
+def _parse_call(text: str, fmt: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text already
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), _call_id())
+
+
+class ToolCallParser:
+    """Splits a generation into content and tool calls, piece by piece. `feed` returns the
+    content that can be released now and the calls completed; text that may still become a call
+    is held back until it is known."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self._buf = ""
+        self._in_call = False
+        self._decided = fmt != "llama3"  # llama3: is the answer a call? known at its first char
+        self._json_answer = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        if self.fmt == "llama3":
+            return self._feed_llama3()
+        content, calls = "", []
+        while True:
+            if self._in_call:
+                end = self._buf.find(CLOSE)
+                if end < 0:
+                    break
+                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
+                self._in_call = False
+                call = _parse_call(body.strip(), self.fmt)
+                if call is None:  # not a call after all: give the text back as it was
+                    content += OPEN + body + CLOSE
+                else:
+                    calls.append(call)
+                continue
+            start = self._buf.find(OPEN)
+            if start >= 0:
+                content += self._buf[:start]
+                self._buf = self._buf[start + len(OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(self._buf, OPEN)  # may be the start of a tag
+            content += self._buf[: len(self._buf) - keep]
+            self._buf = self._buf[len(self._buf) - keep :]
+            break
+        if calls and not self.calls:
+            content = content.rstrip()  # the newline before a call is not an answer
+        self.calls += calls
+        return content, calls
+
+    def _feed_llama3(self) -> tuple[str, list[ToolCall]]:
+        if not self._decided:
+            head = self._buf.lstrip()
+            if not head:
+                return "", []
+            self._decided = True
+            self._json_answer = head.startswith("{") or head.startswith(PYTHON_TAG[: len(head)])
+        if self._json_answer:
+            return "", []
+        out, self._buf = self._buf, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest, at the end of the generation: held text is content unless it is a call."""
+        rest, self._buf = self._buf, ""
+        if self.fmt == "llama3" and self._json_answer:
+            body = rest.strip().removeprefix(PYTHON_TAG).strip()
+            call = _parse_call(body, self.fmt)
+            if call is not None:
+                self.calls.append(call)
+                return "", [call]
+            return rest, []
+        if self._in_call:  # a call cut off (max_tokens): it stays text
+            self._in_call = False
+            return OPEN + rest, []
+        return rest, []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer: its content (None-worthy when empty) and its calls."""
+    p = ToolCallParser(fmt)
+    content, calls = p.feed(text)
+    tail, more = p.finish()
+    return content + tail, calls + more

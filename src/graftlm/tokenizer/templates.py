@@ -1,0 +1,151 @@
+"""Built-in chat templates, chosen by name (llama-server's `--chat-template NAME`).
+
+Each is a Jinja template in Hugging Face's conventions (`messages`, `add_generation_prompt`,
+`bos_token`, `tools`), written from the model families' published formats. `chatml` and `llama3`
+render `tools` and tool-call history: `chatml` in the Hermes / Qwen 2.5 form (tools listed in the
+system turn, calls as `<tool_call>{json}</tool_call>`, results as `<tool_response>` in a user
+turn), `llama3` in Llama 3.1's JSON form (a call is `{"name": ..., "parameters": ...}`, results
+come back in an `ipython` turn). `gemma`, `phi3` and `mistral` take no tools.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from graftlm.errors import GraftError
+
+CHATML = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' + (fn.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+LLAMA3 = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+{%- set system = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- set rest = messages %}{%- endif %}
+{%- if tools %}
+{%- set system = (system + '\\n\\n' if system else '') + 'Environment: ipython\\n\\nYou have access to the following functions. To call a function, respond with a JSON object of the form {"name": function name, "parameters": dictionary of argument name and its value}, and nothing else.\\n\\n' %}
+{%- for tool in tools %}{%- set system = system + (tool | tojson(indent=4)) + '\\n\\n' %}{%- endfor %}
+{%- endif %}
+{%- if system %}{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system | trim + '<|eot_id|>' }}{%- endif %}
+{%- for message in rest %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- for call in message.tool_calls %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{"name": "' + fn.name + '", "parameters": ' + (fn.arguments | tojson) + '}<|eot_id|>' }}
+{%- endfor %}
+{%- elif message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + (message.content or '') | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+
+GEMMA = """\
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{%- continue %}{%- endif %}
+{%- set role = 'model' if message.role == 'assistant' else message.role %}
+{%- set content = message.content or '' %}
+{%- if loop.index0 == 1 and messages[0].role == 'system' %}{%- set content = messages[0].content + '\\n\\n' + content %}{%- endif %}
+{{- '<start_of_turn>' + role + '\\n' + content | trim + '<end_of_turn>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}
+"""
+
+PHI3 = """\
+{%- for message in messages %}
+{{- '<|' + message.role + '|>\\n' + (message.content or '') + '<|end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}
+"""
+
+MISTRAL = """\
+{{- bos_token }}
+{%- set system = messages[0].content if messages[0].role == 'system' else '' %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- set text = (system + '\\n\\n' + message.content) if system and loop.index0 <= 1 else message.content %}
+{{- '[INST] ' + text + ' [/INST]' }}
+{%- elif message.role == 'assistant' %}
+{{- ' ' + (message.content or '') + eos_token }}
+{%- endif %}
+{%- endfor %}
+"""
+
+BUILTIN: dict[str, str] = {
+    "chatml": CHATML,
+    "llama3": LLAMA3,
+    "gemma": GEMMA,
+    "phi3": PHI3,
+    "mistral": MISTRAL,
+}
+
+
+def resolve_chat_template(
+    name: str | None = None, file: str | os.PathLike[str] | None = None
+) -> str | None:
+    """The template text for `--chat-template NAME` (a built-in name, or Jinja text itself) or
+    `--chat-template-file FILE`; None when neither is given (the model's own). GraftError for an
+    unknown name or a file that cannot be read."""
+    if name is not None and file is not None:
+        raise GraftError("give --chat-template or --chat-template-file, not both")
+    if file is not None:
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GraftError(f"chat template file {file}: cannot be read ({exc})") from None
+    if name is None:
+        return None
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if "{{" in name or "{%" in name:
+        return name  # the template itself
+    raise GraftError(
+        f"unknown chat template {name!r}: the built-in ones are {', '.join(BUILTIN)} "
+        "(or pass the Jinja text itself, or --chat-template-file)"
+    )
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether a template renders `tools` (a template that never reads it would drop them)."""
+    return template is not None and "tools" in template
+
+
+def tool_format(template: str | None) -> str:
+    """How the model writes a call: "hermes" (`<tool_call>{...}</tool_call>`) or "llama3" (a bare
+    JSON object with "name" and "parameters")."""
+    if template is not None and "<tool_call>" not in template and "ipython" in template:
+        return "llama3"
+    return "hermes"

@@ -1,0 +1,307 @@
+"""Tool calls on /v1/chat/completions: the template receives the tools (the built-in chatml here,
+Hermes form), `required` and a named function are enforced by grammar, calls come back as
+`tool_calls` (streamed as deltas that reassemble into the same call), a template without tools
+is a 400; and the parser on its own, for both formats, split at every point."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_fixtures import PARALLEL, SPEC, TinyServer, error_of
+from tiny_models import write_tiny_model
+
+import graftlm
+from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.state import ServerConfig
+from graftlm.server.tools import ToolCallParser, parse_tool_calls
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "adds two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+CHAT: list[dict[str, Any]] = [{"role": "user", "content": "weather in Oslo for 3 days?"}]
+PROMPT = [5, 70, 33, 200, 41, 9]
+
+
+@pytest.fixture(scope="module")
+def chatml_url(
+    tiny_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    # the tiny byte-level vocabulary spends a token a character: the tools' prompt needs room
+    # (same weights as the session's tiny model: only the context length differs)
+    long = write_tiny_model(
+        tmp_path_factory.mktemp("tools") / "tiny4k.gguf", replace(SPEC, n_ctx=4096)
+    )
+    model = graftlm.load(long, ctx_size=4096, n_seq=PARALLEL + 1, chat_template="chatml")
+    state = build_state(
+        model,
+        ServerConfig(model_name="tiny"),
+        parallel=PARALLEL,
+        lora_modules=[(n, str(tiny_files[n])) for n in ("alpha", "beta", "gamma")],
+    )
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+        state.service.close()
+
+
+@pytest.fixture(scope="module")
+def client(chatml_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=chatml_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _check_call(call: Any) -> dict[str, Any]:
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, schema[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+    return dict(args)
+
+
+def test_required_gives_a_valid_call_every_time(client: openai.OpenAI) -> None:
+    for seed in range(8):
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+            temperature=1.0, seed=seed, max_tokens=200,
+        )  # fmt: skip
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        assert c.message.tool_calls and len(c.message.tool_calls) == 1
+        _check_call(c.message.tool_calls[0])
+
+
+def test_named_function_is_the_one_called(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="alpha", messages=CHAT, tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            temperature=1.0, seed=seed, max_tokens=200,
+        )  # fmt: skip
+        (call,) = out.choices[0].message.tool_calls or []
+        assert call.function.name == "add"
+        _check_call(call)
+
+
+def test_streamed_call_reassembles_into_the_same_call(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required", temperature=1.0,
+        seed=5, max_tokens=200,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for ch in client.chat.completions.create(stream=True, **kwargs):
+        if not ch.choices:
+            continue
+        d = ch.choices[0]
+        finish = d.finish_reason or finish
+        for tc in d.delta.tool_calls or []:
+            cur = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.function and tc.function.name:
+                cur["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                cur["arguments"] += tc.function.arguments
+    assert finish == "tool_calls"
+    (w,) = whole.message.tool_calls or []
+    assert calls == {0: {"name": w.function.name, "arguments": w.function.arguments}}
+
+
+def test_history_with_calls_and_results_is_accepted(client: openai.OpenAI) -> None:
+    history: list[dict[str, Any]] = CHAT + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Oslo", "unit": "c", "days": 3}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 4}'},
+    ]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=history,
+        tools=TOOLS,
+        max_tokens=5,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_choice_none_and_auto(client: openai.OpenAI) -> None:
+    """none: the tools are not rendered, the answer is text; auto: the same prompt as a plain
+    chat with tools (the random model writes no call)."""
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    none = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    auto = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert auto.usage is not None and none.usage is not None
+    assert auto.usage.prompt_tokens > none.usage.prompt_tokens  # the tools were in the prompt
+
+
+def test_tool_refusals(chatml_url: str, server: TinyServer) -> None:
+    http = httpx.Client(base_url=chatml_url, timeout=60)
+    body: dict[str, Any] = {"messages": CHAT, "tools": TOOLS, "max_tokens": 4}
+    named = {"type": "function", "function": {"name": "nope"}}
+    error_of(http.post("/v1/chat/completions", json=body | {"tool_choice": named}), 400, "nope")
+    error_of(
+        http.post(
+            "/v1/chat/completions",
+            json=body | {"tool_choice": "required", "guided_regex": "a"},
+        ),
+        400,
+        "guided_regex",
+    )
+    bad_tool = {"type": "function", "function": {"name": "has space"}}
+    error_of(http.post("/v1/chat/completions", json=body | {"tools": [bad_tool]}), 400, "name")
+    # the default tiny server's template (ChatML fallback) renders no tools
+    plain = httpx.Client(base_url=server.url, timeout=60)
+    error_of(plain.post("/v1/chat/completions", json=body), 400, "tools", "--chat-template")
+
+
+def test_mixed_batch_with_tool_calls_over_adapters(
+    server: TinyServer, client: openai.OpenAI
+) -> None:
+    """16 concurrent requests over four adapters: a quarter JSON schema, a quarter regex, a
+    quarter free (greedy, compared with the reference model run alone), a quarter tool calls."""
+    models = ["tiny", "alpha", "beta", "gamma"]
+    regex = r"[a-z]{3}-[0-9]{3}"
+
+    def run(i: int) -> tuple[int, Any]:
+        kind, model = i % 4, models[(i // 4) % 4]
+        if kind == 0:
+            fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+            return i, client.chat.completions.create(
+                model=model,
+                messages=CHAT,
+                response_format=fmt,
+                temperature=1.0,
+                seed=i,
+                max_tokens=200,  # type: ignore[arg-type]
+            )
+        if kind == 1:
+            return i, client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                temperature=1.0,
+                seed=i,
+                max_tokens=40,
+                extra_body={"guided_regex": regex},
+            )
+        if kind == 2:
+            return i, client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                temperature=0,
+                max_tokens=12,
+                extra_body={"ignore_eos": True},
+            )
+        return i, client.chat.completions.create(
+            model=model,
+            messages=CHAT,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=1.0,
+            seed=i,
+            max_tokens=200,  # type: ignore[arg-type]
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        results = dict(pool.map(run, range(16)))
+    for i, out in results.items():
+        kind, model = i % 4, models[(i // 4) % 4]
+        if kind == 0:
+            jsonschema.validate(json.loads(out.choices[0].message.content), WEATHER)
+        elif kind == 1:
+            assert re.fullmatch(regex, out.choices[0].text)
+        elif kind == 2:
+            lora = {} if model == "tiny" else {model: 1.0}
+            ref = server.ref.detokenize(server.ref_tokens(PROMPT, 12, lora))
+            assert out.choices[0].text == ref, model
+        else:
+            (call,) = out.choices[0].message.tool_calls
+            _check_call(call)
+
+
+# -- the parser alone --
+HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", HERMES, "Let me check.", [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]),
+    ("hermes", "no calls, a < b and <tool", "no calls, a < b and <tool", []),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ("hermes", "cut <tool_call>\n{\"name\": \"add\"", "cut <tool_call>\n{\"name\": \"add\"", []),
+    ("llama3", '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [("add", {"a": 1, "b": 2})]),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}', "", [("add", {"a": 1})]),
+    ("llama3", "It is sunny {maybe}.", "It is sunny {maybe}.", []),
+])  # fmt: skip
+def test_parser_whole_and_split_anywhere(
+    fmt: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    got_content, got = parse_tool_calls(text, fmt)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    for cut in range(1, len(text)):  # streamed in two pieces, split at every character
+        p = ToolCallParser(fmt)
+        c1, k1 = p.feed(text[:cut])
+        c2, k2 = p.feed(text[cut:])
+        c3, k3 = p.finish()
+        assert (c1 + c2 + c3).strip() == content.strip(), cut
+        assert [(c.name, json.loads(c.arguments)) for c in k1 + k2 + k3] == calls, cut

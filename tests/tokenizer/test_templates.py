@@ -1,0 +1,99 @@
+"""The built-in chat templates (`--chat-template NAME`) and the tools they render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import graftlm
+from graftlm.errors import GraftError
+from graftlm.tokenizer import render_chat
+from graftlm.tokenizer.templates import BUILTIN, resolve_chat_template, supports_tools
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Weather?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+EXPECTED = {
+    "chatml": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nWeather?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "gemma": "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    "Hello.<end_of_turn>\n<start_of_turn>user\nWeather?<end_of_turn>\n<start_of_turn>model\n",
+    "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello.<|end|>\n"
+    "<|user|>\nWeather?<|end|>\n<|assistant|>\n",
+    "mistral": "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Weather? [/INST]",
+}
+
+
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_builtin_templates_render_the_families_formats(name: str) -> None:
+    text = render_chat(BUILTIN[name], CHAT, bos_token="<s>", eos_token="</s>")
+    assert text == EXPECTED[name]
+
+
+def test_chatml_renders_tools_calls_and_results_hermes_style() -> None:
+    history = CHAT + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = render_chat(BUILTIN["chatml"], history, tools=TOOLS)
+    assert "<tools>\n" + '{"type": "function"' in text and "get_weather" in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    )
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
+    llama = render_chat(BUILTIN["llama3"], history, tools=TOOLS)
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in llama
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny" in llama
+    assert supports_tools(BUILTIN["chatml"]) and not supports_tools(BUILTIN["gemma"])
+
+
+def test_resolve_names_text_and_files(tmp_path: Path) -> None:
+    assert resolve_chat_template("phi3") == BUILTIN["phi3"]
+    assert resolve_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ 'x' }}")
+    assert resolve_chat_template(file=f) == "{{ 'x' }}"
+    with pytest.raises(GraftError, match="chatml, llama3, gemma, phi3, mistral"):
+        resolve_chat_template("vicuna")
+    with pytest.raises(GraftError, match="cannot be read"):
+        resolve_chat_template(file=tmp_path / "missing")
+
+
+@pytest.mark.real
+def test_gemma3_chats_with_the_gemma_template(gemma3_file: Path) -> None:
+    """The packaged gemma-3 file has no template: ChatML by default, gemma by name."""
+    m = graftlm.load(gemma3_file, ctx_size=256, chat_template="gemma")
+    prompt = m.apply_chat_template([{"role": "user", "content": "Say hi"}])
+    assert prompt.endswith("<start_of_turn>model\n") and "<|im_" not in prompt
+    out = m.chat([{"role": "user", "content": "Say hi"}], max_tokens=12, temperature=0)
+    assert "<|im_" not in str(out) and "<start_of_turn>" not in str(out)

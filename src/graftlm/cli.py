@@ -60,6 +60,9 @@ def _export_lora(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from graftlm.commands.bench import bench
+    from graftlm.commands.llama_flags import check_llama_flags
+
+    check_llama_flags(args)
 
     return bench(args)
 
@@ -162,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
     )
     add_lora_arguments(b)
+    add_llama_flags(b)  # llama-bench's -ngl, -fa, -b, -ub: noted, never read as -n or -p
     b.set_defaults(func=_bench)
     return parser
 

@@ -35,12 +35,13 @@ def _graftlm(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
-@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize("command", ["run", "serve", "bench"])
 def test_gpu_layers_and_friends_are_never_read_as_other_flags(command: str) -> None:
     p = build_parser()
     a = p.parse_args([command, "-ngl", "99", "-fa", "--mlock", "--no-mmap", "-b", "512"])
     assert a.n_gpu_layers == "99" and a.flash_attn == "on" and a.mlock and a.no_mmap
-    assert a.batch_size == 512 and a.n_predict == -1  # -ngl is not `-n gl`
+    assert a.batch_size == 512  # -ngl is not `-n gl`
+    assert getattr(a, "n_predict", getattr(a, "n_gen", None)) in (-1, [128])
     a = p.parse_args([command, "--n-gpu-layers", "all", "-ub", "128", "--flash-attn", "off"])
     assert a.n_gpu_layers == "all" and a.ubatch_size == 128 and a.flash_attn == "off"
     if command == "run":
@@ -170,3 +171,20 @@ def test_short_error_leaves_short_lists_alone() -> None:
     assert short_error("x:\n  - a\n  - b\n  - c") == "x:\n  - a\n  - b\n  - c"
     assert short_error("one line") == "one line"
     assert short_error("x:\n  - a\n  - b\n  - c\n  - d") == "x:\n  - a\n  - and 3 more"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("adapter", ["gpirate-f32.gguf", "gpirate"])
+def test_a_gemma3_adapter_on_smollm2_in_at_most_three_lines(adapter: str) -> None:
+    """The issue's case: llama.cpp's conversion and the PEFT directory of a gemma-3 adapter."""
+    from shared_data import FIXTURES
+
+    path = FIXTURES / "gemma3" / adapter
+    if not path.exists():
+        pytest.skip(f"no gemma-3 adapter fixture at {path}")
+    done = _graftlm("run", "--lora", str(path), "-p", "hi", "-n", "1")
+    assert done.returncode == 1
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith(("error: ", "  - "))]
+    assert 1 <= len(lines) <= 3 and "Traceback" not in done.stderr, done.stderr
+    assert "gemma" in lines[0] and "llama" in lines[0] and "hidden size 640" in lines[0]
+    assert "hidden size 576" in lines[0]

@@ -19,7 +19,7 @@ _SERVER_ONLY = ("cont_batching", "no_cont_batching")
 
 
 def add_llama_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
-    g = p.add_argument_group("llama.cpp flags graftlm accepts but does not need")
+    g = p.add_argument_group("llama.cpp flags: noted where they have no effect, or refused")
     g.add_argument(
         "-ngl",
         "--n-gpu-layers",

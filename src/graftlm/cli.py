@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
     )
     add_lora_arguments(b)
-    add_llama_flags(b)  # llama-bench's -ngl, -fa, -b, -ub: noted, never read as -n or -p
+    add_llama_flags(
+        b, cache_types=False
+    )  # llama-bench's -ngl, -fa, -b, -ub: noted, never read as -n or -p
     b.set_defaults(func=_bench)
     return parser
 

@@ -73,7 +73,8 @@ def test_no_effect_flags_say_so_in_one_line_each(
     [
         (["run", "-hf", "ggml-org/gemma-3-1b-it-GGUF"], "-hf ggml-org/gemma-3-1b-it-GGUF: graftlm"),
         (["serve", "--hf-repo", "x/y"], "does not download models"),
-        (["run", "-p", "x", "-ctk", "q8_0"], "-ctk q8_0: the KV cache is float32"),
+        (["run", "-p", "x", "-ctk", "f16", "-ctv", "f32"], "K and V in one type"),
+        (["run", "-p", "x", "-ctk", "q8_0"], "cache type 'q8_0' is not supported"),
         (["serve", "--no-cont-batching"], "always batches requests continuously"),
     ],
 )
@@ -188,3 +189,16 @@ def test_a_gemma3_adapter_on_smollm2_in_at_most_three_lines(adapter: str) -> Non
     assert 1 <= len(lines) <= 3 and "Traceback" not in done.stderr, done.stderr
     assert "gemma" in lines[0] and "llama" in lines[0] and "hidden size 640" in lines[0]
     assert "hidden size 576" in lines[0]
+
+
+def test_cache_type_flags_choose_the_kv_cache_type(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graftlm.commands.llama_flags import cache_type
+
+    p = build_parser()
+    assert cache_type(p.parse_args(["run", "-ctk", "BF16"])) == "bf16"
+    assert cache_type(p.parse_args(["run", "-ctv", "f32", "-ctk", "f32"])) == "f32"
+    assert cache_type(p.parse_args(["run"])) is None
+    assert main(["run", "-m", str(tiny), "-p", "hi", "-n", "2", "-ctk", "f32"]) == 0
+    assert "error" not in capsys.readouterr().err

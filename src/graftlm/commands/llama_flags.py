@@ -2,7 +2,8 @@
 
 Each is declared so that it is never read as something else (`-ngl 99` as `-n gl`, `-fa` as
 `-f a`), then either mapped, noted as having no effect here (one line on stderr), or refused with
-one line that says why (`-hf`: graftlm downloads nothing). `--version` prints graftlm's version,
+one line that says why (`-hf`: graftlm downloads nothing). `run -ctk/-ctv` choose the KV cache
+type (serve declares its own). `--version` prints graftlm's version,
 torch's and whether the native kernels are on.
 """
 
@@ -18,7 +19,10 @@ from graftlm.errors import GraftError
 _SERVER_ONLY = ("cont_batching", "no_cont_batching")
 
 
-def add_llama_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
+def add_llama_flags(
+    p: argparse.ArgumentParser, server: bool = False, cache_types: bool = True
+) -> None:
+    """The flags on `p`; `cache_types`: -ctk/-ctv too (serve declares its own)."""
     g = p.add_argument_group("llama.cpp flags: noted where they have no effect, or refused")
     g.add_argument(
         "-ngl",
@@ -77,14 +81,14 @@ def add_llama_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
     )
     g.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help=argparse.SUPPRESS)
     g.add_argument("-mu", "--model-url", dest="model_url", default=None, help=argparse.SUPPRESS)
-    if not server:  # serve declares -ctk/-ctv with its KV cache flags
+    if cache_types and not server:  # serve declares -ctk/-ctv with its KV cache flags
         g.add_argument(
             "-ctk",
             "--cache-type-k",
             dest="cache_type_k",
             default=None,
             metavar="TYPE",
-            help="refused unless f32: the KV cache is float32",
+            help="KV cache type: f16 (default), bf16 or f32; K and V share one type",
         )
         g.add_argument(
             "-ctv",
@@ -92,7 +96,7 @@ def add_llama_flags(p: argparse.ArgumentParser, server: bool = False) -> None:
             dest="cache_type_v",
             default=None,
             metavar="TYPE",
-            help="refused unless f32: the KV cache is float32",
+            help="the same as -ctk (K and V share one type)",
         )
     if server:
         g.add_argument(
@@ -120,10 +124,6 @@ def llama_flag_notes(args: argparse.Namespace) -> list[str]:
                 f"{flag} {get(name)}: graftlm does not download models; download the GGUF file "
                 "(e.g. `huggingface-cli download REPO FILE.gguf`) and pass it with -m FILE"
             )
-    for name, flag in (("cache_type_k", "-ctk"), ("cache_type_v", "-ctv")):
-        value = get(name)
-        if value is not None and value.lower() != "f32":
-            raise GraftError(f"{flag} {value}: the KV cache is float32 in graftlm; use f32")
     if get("no_cont_batching"):
         raise GraftError("--no-cont-batching: graftlm always batches requests continuously")
     device = str(get("device") or "cpu")
@@ -146,6 +146,27 @@ def llama_flag_notes(args: argparse.Namespace) -> list[str]:
     if get("cont_batching"):
         notes.append("--cont-batching: always on")
     return notes
+
+
+def cache_type(args: argparse.Namespace) -> str | None:
+    """The KV cache type -ctk / -ctv ask for (None: the default). graftlm keeps K and V in one
+    type, so two different ones are refused."""
+    k, v = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    if k is not None and v is not None and k.lower() != v.lower():
+        raise GraftError(
+            f"-ctk {k} -ctv {v}: graftlm keeps K and V in one type; give the same to both"
+        )
+    chosen = (k or v or "").lower()
+    if not chosen:
+        return None
+    from graftlm.step.kv_cache import KV_TYPES
+
+    if chosen not in KV_TYPES:  # before the model loads
+        raise GraftError(
+            f"-ctk/-ctv {chosen}: cache type {chosen!r} is not supported; use one of "
+            f"{', '.join(KV_TYPES)}"
+        )
+    return chosen
 
 
 def check_llama_flags(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ def _timings(model: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
-    from graftlm.commands.llama_flags import check_llama_flags
+    from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.lora.cli_args import lora_specs
 
     check_llama_flags(args)
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         progress=True,
         device=args.device,
+        cache_type=cache_type(args),
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "

@@ -227,3 +227,21 @@ def test_join_continued() -> None:
     assert prompts == ["> ", ". ", ". "]
     assert join_continued(read) == "d"
     assert join_continued(read) is None
+
+
+def test_a_second_turn_reuses_the_first_from_the_prefix_cache(
+    chat_files: dict[str, Path],
+) -> None:
+    """The chat keeps messages, so the next turn's prompt starts with the last one's tokens."""
+    done = subprocess.run(
+        [sys.executable, "-m", "graftlm", "run", "-m", str(chat_files["model"]), "-cnv"]
+        + ["-n", "4", "--temp", "0"],
+        input="hello there, how are you today?\nand what about tomorrow?\n",
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    last = [ln for ln in done.stderr.splitlines() if ln.startswith("prompt: ")][-1]
+    assert "from the prefix cache" in last, last

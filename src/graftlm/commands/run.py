@@ -22,7 +22,9 @@ def _print_adapters(model: Any) -> None:
 def _timings(model: Any) -> None:
     t = model.last_timings
     print(
-        f"\n\nprompt: {t.n_prompt} tokens, {t.prompt_s * 1000:.1f} ms, {t.prompt_tps:.1f} tok/s | "
+        f"\n\nprompt: {t.n_prompt} tokens"
+        + (f" ({t.n_cached} from the prefix cache)" if t.n_cached else "")
+        + f", {t.prompt_s * 1000:.1f} ms, {t.prompt_tps:.1f} tok/s | "
         f"generation: {t.n_generated} tokens, {t.generate_s * 1000:.1f} ms, {t.generate_tps:.1f} tok/s | "
         f"resident {model.resident_bytes / 2**20:.0f} MiB",
         file=sys.stderr,

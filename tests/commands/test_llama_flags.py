@@ -74,7 +74,7 @@ def test_no_effect_flags_say_so_in_one_line_each(
         (["run", "-hf", "ggml-org/gemma-3-1b-it-GGUF"], "-hf ggml-org/gemma-3-1b-it-GGUF: graftlm"),
         (["serve", "--hf-repo", "x/y"], "does not download models"),
         (["run", "-p", "x", "-ctk", "f16", "-ctv", "f32"], "K and V in one type"),
-        (["run", "-p", "x", "-ctk", "q8_0"], "cache type 'q8_0' is not supported"),
+        (["run", "-p", "x", "-ctk", "q4_0"], "cache type 'q4_0' is not supported"),
         (["serve", "--no-cont-batching"], "always batches requests continuously"),
     ],
 )

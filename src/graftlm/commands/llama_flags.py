@@ -88,7 +88,8 @@ def add_llama_flags(
             dest="cache_type_k",
             default=None,
             metavar="TYPE",
-            help="KV cache type: f16 (default), bf16 or f32; K and V share one type",
+            help="KV cache type, as llama.cpp names it: f16 (default), bf16, f32, q8_0; K and V "
+            "share one type",
         )
         g.add_argument(
             "-ctv",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up graftlm in ./.venv from package registries only. `--test` adds the test tools and the
-# test-only reference libraries (transformers, peft).
+# test-only reference libraries (transformers, peft), and Chromium for the chat page's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,6 +11,12 @@ pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
   pip install -q -e '.[server,test]'
+  # The chat page's browser tests drive Debian's Chromium (they skip, saying so, without it).
+  if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver; } \
+      >/dev/null 2>&1 || echo "note: could not install chromium; the browser tests will skip" >&2
+  fi
 else
   pip install -q -e '.[server]'
 fi

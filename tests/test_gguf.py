@@ -22,6 +22,9 @@ def _same_as_reader(path: Path) -> None:
             assert ours.metadata[k] == pytest.approx(v)
         else:
             assert ours.metadata[k] == v, k
+    for k, f in ref.fields.items():  # the value types, which copying a header needs
+        if not k.startswith("GGUF."):
+            assert ours.value_types[k] == (f.types[0], f.types[1] if len(f.types) > 1 else None), k
     assert list(ours.tensors) == [t.name for t in ref.tensors]
     for t in ref.tensors:
         e = ours.tensors[t.name]

@@ -60,17 +60,22 @@ def _export_lora(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from graftlm.commands.bench import bench
+    from graftlm.commands.llama_flags import check_llama_flags
+
+    check_llama_flags(args)
 
     return bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from graftlm.commands import add_chat_template_arguments, add_device_argument
+    from graftlm.commands.llama_flags import VersionAction, add_llama_flags
     from graftlm.lora.cli_args import add_lora_arguments
 
     parser = argparse.ArgumentParser(
         prog="graftlm", description="GGUF language models with LoRA adapters mounted at runtime"
     )
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="generate text from a prompt, or chat (-cnv)")
@@ -93,12 +98,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--presence-penalty", type=float, default=0.0)
     r.add_argument("--frequency-penalty", type=float, default=0.0)
     r.add_argument("-s", "--seed", type=int, default=-1, help="-1: random")
-    r.add_argument("-cnv", "--conversation", action="store_true", help="interactive chat")
+    r.add_argument(
+        "-cnv",
+        "--conversation",
+        action="store_true",
+        help="interactive chat (/help inside lists its commands)",
+    )
+    r.add_argument(
+        "-no-cnv",
+        "--no-conversation",
+        dest="conversation",
+        action="store_false",
+        help="complete the prompt (the default)",
+    )
+    r.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens"
+    )
+    r.add_argument("--version", action=VersionAction)
     r.add_argument("-sys", "--system-prompt", default=None)
     r.add_argument("--reference", action="store_true", help="float32 reference path (slow)")
     add_device_argument(r)
     add_chat_template_arguments(r)
     add_lora_arguments(r)
+    add_llama_flags(r)
     r.set_defaults(func=_run)
 
     i = sub.add_parser(
@@ -144,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
     )
     add_lora_arguments(b)
+    add_llama_flags(
+        b, cache_types=False
+    )  # llama-bench's -ngl, -fa, -b, -ub: noted, never read as -n or -p
     b.set_defaults(func=_bench)
     return parser
 
@@ -155,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except GraftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from graftlm.commands import short_error
+
+        print(f"error: {short_error(str(exc))}", file=sys.stderr)
         return 1
     except ValueError as exc:  # argument values (e.g. --lora-scaled) checked after parsing
         print(f"error: {exc}", file=sys.stderr)

@@ -155,3 +155,16 @@ def test_an_output_folder_that_does_not_exist_is_named_up_front(
     assert main([*runs[0], str(tmp_path / "a.gguf")]) == 0
     out = capsys.readouterr().out
     assert out.count("wrote ") == 1 and f"wrote {tmp_path / 'a.gguf'}: " in out
+
+
+def test_export_copies_every_key_with_its_type(tmp_path: Path) -> None:
+    """The merged file's header is the base's, key for key and type for type (read back with the
+    gguf package's reader, the reference), general.file_type aside."""
+    base, out = TINY / "llama" / "model-f32.gguf", tmp_path / "m.gguf"
+    export_lora(base, [(TINY / "llama" / "lora-f32.gguf", 1.0)], out, outtype="f32")
+    want, got = gguf.GGUFReader(base).fields, gguf.GGUFReader(out).fields
+    assert want.keys() == got.keys()
+    for key, field in want.items():
+        assert got[key].types == field.types, key
+        if key != "general.file_type":
+            assert got[key].contents() == field.contents(), key

@@ -39,3 +39,49 @@ def add_chat_template_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--chat-template-file", default=None, metavar="FILE", help="a Jinja chat template file"
     )
+
+
+def warn_if_slow(device: str) -> None:
+    """One line on stderr where the CPU path runs without its native kernels, naming why."""
+    import sys
+
+    from graftlm.native import build
+
+    if device.split(":")[0] != "cpu":
+        return
+    reason = build.unavailable_reason()
+    if reason is not None:
+        print(
+            f"warning: native kernels are off ({reason}): graftlm runs several times slower "
+            "on torch's own kernels",
+            file=sys.stderr,
+        )
+
+
+def check_adapters_first(model_path: str | None, adapter_paths: list[str]) -> None:
+    """Refuse a GGUF adapter made for another architecture before the base spends its load time
+    (AdapterError); everything else is checked when the adapter attaches."""
+    from graftlm.errors import GraftError
+    from graftlm.gguf import GGUFFile
+    from graftlm.lora.gguf_adapter import check_base
+    from graftlm.resources import default_model_path
+
+    try:
+        base = GGUFFile(model_path or default_model_path())
+    except GraftError:
+        return  # the load names what is wrong with the model
+    for path in adapter_paths:
+        check_base(path, base)
+
+
+SHOWN_PROBLEMS = 2  # an adapter for another base has a problem per tensor: a few tell the story
+
+
+def short_error(message: str, shown: int = SHOWN_PROBLEMS) -> str:
+    """An error for the terminal: its first line and the first `shown` of the problems listed
+    under it ("  - ..."), then how many more; the Python API and the server keep them all."""
+    head, *rest = message.splitlines() or [""]
+    items = [ln for ln in rest if ln.startswith("  - ")]
+    if len(items) <= shown + 1 or len(items) != len(rest):
+        return message
+    return "\n".join([head, *items[: shown - 1], f"  - and {len(items) - shown + 1} more"])

@@ -22,7 +22,9 @@ def _print_adapters(model: Any) -> None:
 def _timings(model: Any) -> None:
     t = model.last_timings
     print(
-        f"\n\nprompt: {t.n_prompt} tokens, {t.prompt_s * 1000:.1f} ms, {t.prompt_tps:.1f} tok/s | "
+        f"\n\nprompt: {t.n_prompt} tokens"
+        + (f" ({t.n_cached} from the prefix cache)" if t.n_cached else "")
+        + f", {t.prompt_s * 1000:.1f} ms, {t.prompt_tps:.1f} tok/s | "
         f"generation: {t.n_generated} tokens, {t.generate_s * 1000:.1f} ms, {t.generate_tps:.1f} tok/s | "
         f"resident {model.resident_bytes / 2**20:.0f} MiB",
         file=sys.stderr,
@@ -31,7 +33,11 @@ def _timings(model: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import graftlm
+    from graftlm.commands import check_adapters_first, warn_if_slow
+    from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.lora.cli_args import lora_specs
+
+    check_llama_flags(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     prompt = args.prompt
@@ -43,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if prompt is None and not args.conversation:
         raise GraftError("give a prompt with -p or -f, or chat with -cnv")
 
+    check_adapters_first(args.model, [s.path for s in specs])
     t0 = time.perf_counter()
     model = graftlm.load(
         args.model,
@@ -53,12 +60,14 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         chat_template=args.chat_template,
         chat_template_file=args.chat_template_file,
+        cache_type=cache_type(args),
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "
         f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
         file=sys.stderr,
     )
+    warn_if_slow(args.device)
     for spec in specs:
         i = model.add_lora(spec.path, spec.scale)
         for note in model.adapters.attached[i].adapter.notes:
@@ -76,44 +85,16 @@ def run(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=None if args.seed < 0 else args.seed,
+        ignore_eos=args.ignore_eos,
     )
     if args.conversation:
-        return _conversation(model, args, prompt, sampling)
+        from graftlm.commands.chat import chat_loop
+
+        code = chat_loop(model, sampling, args.system_prompt, prompt)
+        _timings(model)
+        return code
     for piece in model.generate(prompt, stream=True, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
-    _timings(model)
-    return 0
-
-
-def _conversation(
-    model: Any, args: argparse.Namespace, first: str | None, sampling: dict[str, Any]
-) -> int:
-    messages: list[dict[str, str]] = []
-    if args.system_prompt:
-        messages.append({"role": "system", "content": args.system_prompt})
-    pending = first
-    interactive = sys.stdin.isatty()
-    while True:
-        if pending is None:
-            if interactive:
-                sys.stdout.write("\n> ")
-                sys.stdout.flush()
-            line = sys.stdin.readline()
-            if not line:
-                break
-            pending = line.rstrip("\n")
-            if not pending.strip():
-                pending = None
-                continue
-        messages.append({"role": "user", "content": pending})
-        pending = None
-        reply = []
-        for piece in model.chat(messages, stream=True, **sampling):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
     _timings(model)
     return 0

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.lora.cli_args import add_lora_arguments
@@ -189,6 +190,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    from graftlm.commands.llama_flags import VersionAction, add_llama_flags
+
+    p.add_argument("--version", action=VersionAction)
+    add_llama_flags(p, server=True)
+
+
+def _configuration(model: Any, args: argparse.Namespace) -> str:
+    """One line of what serves: types of the weights, device, native kernels, threads, slots
+    (the KV cache has a line of its own)."""
+    import torch
+
+    from graftlm.native import build
+
+    types: dict[str, int] = {}
+    for t in model.file.tensors.values():
+        types[t.type_name] = types.get(t.type_name, 0) + 1
+    quant = ", ".join(f"{k} x{v}" for k, v in sorted(types.items(), key=lambda kv: -kv[1]))
+    reason = build.unavailable_reason() if model.device.type == "cpu" else "not on the CPU"
+    return (
+        f"serving {model.path.name} ({quant}) on {model.device}, native kernels "
+        f"{'on' if reason is None else 'off'}, {torch.get_num_threads()} threads, "
+        f"{args.parallel} slots"
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -204,9 +228,13 @@ def serve(args: argparse.Namespace) -> int:
         ) from None
 
     import graftlm
+    from graftlm.commands import check_adapters_first, warn_if_slow
+    from graftlm.commands.llama_flags import check_llama_flags
     from graftlm.lora.cli_args import lora_specs
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK
+
+    check_llama_flags(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     modules = parse_lora_modules(args.lora_modules)
@@ -224,6 +252,7 @@ def serve(args: argparse.Namespace) -> int:
         from graftlm.resources import default_model_path
 
         pool_tokens = context_size(GGUFFile(args.model or default_model_path()), 0)
+    check_adapters_first(args.model, [s.path for s in specs] + [path for _, path in modules])
     t0 = time.perf_counter()
     # one sequence slot more than --parallel: scoring requests (echo + logprobs) never wait
     model = graftlm.load(
@@ -247,6 +276,8 @@ def serve(args: argparse.Namespace) -> int:
         f"{model.resident_bytes / 2**20:.0f} MiB resident, {time.perf_counter() - t0:.2f} s",
         file=sys.stderr,
     )
+    warn_if_slow(args.device)
+    print(_configuration(model, args), file=sys.stderr)
     print(
         f"KV cache: {args.cache_type_k}, {cache.n_blocks - 1} blocks of {cache.block} tokens "
         f"({(cache.n_blocks - 1) * cache.block} tokens, {cache.nbytes / 2**20:.0f} MiB), "
@@ -307,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return serve(parser.parse_args(argv))
     except (GraftError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from graftlm.commands import short_error
+
+        print(f"error: {short_error(str(exc))}", file=sys.stderr)
         return 1
 
 

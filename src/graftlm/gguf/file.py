@@ -43,7 +43,9 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.metadata, tensors = _parse(self.path)
+        # each key's GGUF value type (and an array's element type): what copying needs
+        self.value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
+        self.metadata, tensors = _parse(self.path, self.value_types)
         self.tensors: dict[str, TensorEntry] = {}
         for name, qtype, ne, data in tensors:
             self.tensors[name] = TensorEntry(name, qtype, tuple(int(d) for d in reversed(ne)), data)
@@ -67,7 +69,9 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list[Any]]:
+def _parse(
+    path: Path, value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]]
+) -> tuple[dict[str, Any], list[Any]]:
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
@@ -79,7 +83,7 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[Any]]:
     if magic != GGUF_MAGIC:  # (the bytes it has are not quoted: they may be a secret's)
         raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic at its start)")
     try:
-        return parse_gguf(path)
+        return parse_gguf(path, value_types)
     except (GGUFFormatError, ValueError, OSError, UnicodeDecodeError) as exc:
         size = path.stat().st_size
         raise ModelFileError(

@@ -148,10 +148,14 @@ class _Cursor:
 
 def parse_gguf(
     path: Path,
+    value_types: dict[str, tuple[V, V | None]] | None = None,
 ) -> tuple[
     dict[str, Any], list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]]
 ]:
-    """Metadata and (name, type, ne, data) per tensor; data is a read-only view of a memory map."""
+    """Metadata and (name, type, ne, data) per tensor; data is a read-only view of a memory map.
+    `value_types`, when given, receives each key's GGUF value type (and an array's element type),
+    which Python values lose (an int may have been UINT32 or INT64): what a writer needs to copy
+    the metadata as it was."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     buf = memoryview(mm)
@@ -172,7 +176,13 @@ def parse_gguf(
         key = c.string("a metadata key")
         if key in meta:
             raise GGUFFormatError(f"metadata key {key!r} appears twice")
-        meta[key] = c.value(c.unpack("<I", 4), f"metadata {key!r}")
+        vtype = c.unpack("<I", 4)
+        element = (
+            struct.unpack_from("<I", c.buf, c.pos)[0] if vtype == V.ARRAY and c.left >= 4 else None
+        )
+        meta[key] = c.value(vtype, f"metadata {key!r}")
+        if value_types is not None:
+            value_types[key] = (V(vtype), None if element is None else V(element))
     infos = [_tensor_info(c) for _ in range(n_tensors)]
     names = [i[0] for i in infos]
     if len(set(names)) != len(names):

@@ -12,7 +12,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from graftlm.errors import AdapterError
+
 EMBEDDING = "token_embd"
+
+
+def refusal(head: str, problems: list[str]) -> AdapterError:
+    """`head`, then every problem on a line of its own (the CLI shows the first few)."""
+    lines = [head if problems else head.rstrip(":"), *(f"  - {p}" for p in problems)]
+    return AdapterError("\n".join(lines))
+
+
+def hidden_size(shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """The model width an adapter was made for: the input size of its first attn_q/q_proj A,
+    given as {name: torch shape (r, n_in)}."""
+    for name, shape in sorted(shapes.items()):
+        if ("attn_q." in name or "q_proj." in name) and len(shape) == 2:
+            return int(shape[1])
+    return None
 
 
 @dataclass

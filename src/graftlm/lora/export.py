@@ -62,7 +62,7 @@ def export_lora(
     base = BaseInfo.from_gguf(f, tied_output=True)
     terms: dict[str, list[Term]] = {}
     errors: list[str] = []
-    for path, scale in adapters:
+    for path, scale in tqdm(adapters, desc="reading adapters", disable=not progress):
         try:
             pairs = _pairs(Path(path), base)
         except AdapterError as exc:
@@ -102,7 +102,7 @@ def export_lora(
     out = Path(out_path)
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(tmp, base.arch)
-    _copy_metadata(base_gguf_path, writer, outtype)
+    _copy_metadata(f, writer, outtype)
     for name, e in f.tensors.items():
         _add(writer, name, e, merged)
         if untie and name == EMBEDDING + ".weight":
@@ -196,17 +196,16 @@ def _encode(w: torch.Tensor, base_type: T, outtype: str) -> tuple[np.ndarray, T]
         return arr.astype(np.float16), T.F16
 
 
-def _copy_metadata(path: str | os.PathLike[str], w: gguf.GGUFWriter, outtype: str) -> None:
-    """Every key of the base with its exact GGUF type (gguf.GGUFReader keeps the types; graftlm's
-    fast reader does not). general.file_type follows the merged tensors except with "same"."""
-    reader = gguf.GGUFReader(path)
-    for key, field in reader.fields.items():
+def _copy_metadata(f: GGUFFile, w: gguf.GGUFWriter, outtype: str) -> None:
+    """Every key of the base with its exact GGUF type (kept by graftlm's reader in
+    `value_types`). general.file_type follows the merged tensors except with "same"."""
+    for key, value in f.metadata.items():
         if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these
             continue
         if key == "general.alignment":
-            w.add_custom_alignment(int(field.contents()))
+            w.add_custom_alignment(int(value))
         elif key == "general.file_type" and outtype in _FILE_TYPE:
             w.add_file_type(int(_FILE_TYPE[outtype]))
         else:
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+            vtype, element = f.value_types[key]
+            w.add_key_value(key, value, vtype, element)

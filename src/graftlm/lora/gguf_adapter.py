@@ -17,7 +17,7 @@ import torch
 
 from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
-from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
+from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.scales import FLOAT32_MAX
 from graftlm.lora.targets import Base, resolve_target
 from graftlm.quant import dequantize_any
@@ -49,6 +49,30 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+def check_base(path: str | Path, base: GGUFFile) -> None:
+    """Before a base loads: AdapterError when the GGUF adapter at `path` is for another
+    architecture (a PEFT directory, or a file that is not an adapter, is checked when it attaches)."""
+    p = Path(path)
+    if p.is_dir() or not p.is_file():
+        return
+    try:
+        f = GGUFFile(p)
+    except ModelFileError:
+        return  # the full check says what is wrong with it
+    arch, base_arch = f.architecture, base.architecture
+    if f.file_type != "adapter" or arch is None or arch == base_arch:
+        return
+    width = hidden_size({n: e.shape for n, e in f.tensors.items() if n.endswith(".lora_a")})
+    base_width = base.get(f"{base_arch}.embedding_length")
+    raise AdapterError(
+        f"{p}: general.architecture is {arch!r}"
+        + (f" (hidden size {width})" if width else "")
+        + f" but the base model {base.path.name} is {base_arch!r}"
+        + (f" (hidden size {base_width})" if base_width else "")
+        + "; cannot attach"
+    )
+
+
 def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> ResolvedAdapter:
     """Read, check and resolve a GGUF adapter for `model`. Raises AdapterError listing every problem."""
     try:
@@ -66,9 +90,14 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
             f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported"
         )
     arch = f.architecture
+    head = f"{f.path}: cannot attach adapter to {model.cfg.arch} base:"
     if arch != model.cfg.arch:
-        problems.append(
-            f"general.architecture is {arch!r} but the base model is {model.cfg.arch!r}"
+        # the headline: every tensor would be a problem of its own
+        width = hidden_size({n: e.shape for n, e in f.tensors.items() if n.endswith(".lora_a")})
+        made_for = f"{arch!r}" + (f" (hidden size {width})" if width else "")
+        head = (
+            f"{f.path}: general.architecture is {made_for} but the base model is "
+            f"{model.cfg.arch!r} (hidden size {model.cfg.n_embd}); cannot attach:"
         )
     alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
     if not math.isfinite(alpha) or abs(alpha) > FLOAT32_MAX:
@@ -145,11 +174,8 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
         for t in targets:
             deltas.setdefault(t.projection, []).append((t.rows, t.at, Delta(a, b)))
 
-    if problems:
-        raise AdapterError(
-            f"{f.path}: cannot attach adapter to {model.cfg.arch} base:\n  - "
-            + "\n  - ".join(problems)
-        )
+    if problems or arch != model.cfg.arch:
+        raise refusal(head, problems)
     return ResolvedAdapter(
         path=str(f.path),
         alpha=alpha,

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from graftlm.errors import AdapterError
-from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter
+from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.gguf_adapter import combine
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
 from graftlm.lora.targets import resolve_target
@@ -340,11 +340,31 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
     if tie_head:
         notes.append("ensure_weight_tying: the embedding's LoRA also applies to the tied head")
     if problems:
-        raise AdapterError(
-            f"{d}: cannot attach PEFT adapter to {base.arch} base {base.path!r}:\n  - "
-            + "\n  - ".join(problems)
-        )
+        raise refusal(_refusal_head(d, raw, st, keys, base), problems)
     return PeftAdapter(d, cfg, pairs, len(keys), notes)
+
+
+def _refusal_head(d: Path, raw: Any, st: Any, keys: list[str], base: BaseInfo) -> str:
+    """What the adapter was made for (its config's base model, the width of its q_proj) beside
+    what the base is: the first thing to read when an adapter meets another model."""
+    shapes = {}
+    for k in keys:
+        if "q_proj.lora_A" in k:
+            try:
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+            except Exception:  # the problems already say what is wrong with the file
+                pass
+    width = hidden_size(shapes)
+    trained = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
+    made = [f"for {trained!r}" if isinstance(trained, str) and trained else ""]
+    made.append(f"(hidden size {width})" if width else "")
+    embd = base.lookup(EMBEDDING)
+    base_width = f" (hidden size {embd[1]})" if isinstance(embd, tuple) else ""
+    made_for = " ".join(m for m in made if m)
+    return (
+        f"{d}: cannot attach PEFT adapter{' ' + made_for if made_for else ''} to {base.arch} "
+        f"base {base.path!r}{base_width}:"
+    )
 
 
 def _split_key(key: str) -> tuple[str | None, str, bool]:

@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,6 +86,10 @@ def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
     os.close(fd)
+    # the one wait a first run has without a word otherwise (a few seconds)
+    from tqdm import tqdm  # above a loading bar, if one is drawn
+
+    tqdm.write("compiling native kernels (once)...", file=sys.stderr)
     try:
         done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:

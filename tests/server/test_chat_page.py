@@ -1,0 +1,202 @@
+"""The chat page at `/`, driven in headless Chromium (Selenium) against the tiny server.
+
+Skipped, with the reason, where Selenium or Chromium and its driver are not installed
+(`scripts/setup.sh --test` installs them on Debian). The page's answers are checked against the
+same requests made directly, so "the adapter changes the answer" means the answer it should.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from server_fixtures import TinyServer
+
+from graftlm.server.app import ServerThread, create_app
+from graftlm.server.state import ServerState
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+from selenium.webdriver.common.by import By  # noqa: E402
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+DRIVERS = ("chromedriver",)
+
+
+def _find(names: tuple[str, ...]) -> str | None:
+    return next((p for p in map(shutil.which, names) if p), None)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    binary, driver = _find(BROWSERS), _find(DRIVERS)
+    if binary is None or driver is None:
+        pytest.skip(
+            "no Chromium and chromedriver on PATH (scripts/setup.sh --test installs Debian's "
+            "chromium and chromium-driver)"
+        )
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,800")
+    d = webdriver.Chrome(service=Service(driver), options=options)
+    d.set_script_timeout(30)
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+def _wait(what: Callable[[], Any], timeout: float = 30.0, message: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {message or what}")
+
+
+def _open(browser: Any, url: str) -> None:
+    browser.get(url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.get(url + "/")
+    _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text, message="the status")
+
+
+def _set(browser: Any, selector: str, value: str, event: str = "change") -> None:
+    browser.execute_script(
+        "const e = document.querySelector(arguments[0]); e.value = arguments[1];"
+        "e.dispatchEvent(new Event(arguments[2]));",
+        selector,
+        value,
+        event,
+    )
+
+
+def _settings(browser: Any, **values: str) -> None:
+    for key, value in values.items():
+        _set(browser, f"#{key}", value)
+
+
+def _send(browser: Any, text: str) -> None:
+    box = browser.find_element(By.ID, "input")
+    box.send_keys(text)
+    browser.find_element(By.ID, "send").click()
+    _wait(lambda: browser.execute_script("return document.body.dataset.busy") == "0")
+
+
+def _replies(browser: Any) -> list[str]:
+    return [
+        str(browser.execute_script("return arguments[0].textContent", e))
+        for e in browser.find_elements(By.CSS_SELECTOR, ".column .message.assistant")
+    ]
+
+
+def _direct(server: TinyServer, text: str, lora: list[dict[str, Any]]) -> str:
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "lora": lora,
+    }
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_page_streams_and_the_adapter_picker_changes_the_answer(
+    browser: Any, server: TinyServer
+) -> None:
+    _open(browser, server.url)
+    options = [
+        o.text for o in browser.find_elements(By.CSS_SELECTOR, ".column select.model option")
+    ]
+    assert options[0] == "tiny" and {"alpha", "beta"} <= set(options)
+    sliders = browser.find_elements(By.CSS_SELECTOR, ".column .adapter input[type=range]")
+    assert [s.get_attribute("data-id") for s in sliders] == ["0"]  # a0, pinned at scale 0
+    _settings(browser, temperature="0", max_tokens="12")
+
+    _send(browser, "Hello")
+    base = _direct(server, "Hello", [{"id": 0, "scale": 0.0}])
+    assert _replies(browser) == [base] and base
+    assert "tok/s" in browser.find_element(By.CSS_SELECTOR, ".speed").text
+
+    browser.find_element(By.ID, "new-chat").click()
+    _set(browser, ".column .adapter input[type=range]", "1", event="input")
+    _send(browser, "Hello")
+    adapted = _direct(server, "Hello", [{"id": 0, "scale": 1.0}])
+    assert adapted != base
+    assert _replies(browser) == [adapted]
+
+    # the conversation survives a reload (localStorage)
+    browser.refresh()
+    _wait(lambda: _replies(browser) == [adapted], message="the history after a reload")
+
+
+def test_compare_streams_two_settings_side_by_side(browser: Any, server: TinyServer) -> None:
+    _open(browser, server.url)
+    _settings(browser, temperature="0", max_tokens="12")
+    _set(browser, "#mode", "compare")
+    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2)
+    _set(browser, ".column[data-index='1'] .adapter input[type=range]", "1", event="input")
+    _send(browser, "Hi there")
+    want = [
+        _direct(server, "Hi there", [{"id": 0, "scale": 0.0}]),
+        _direct(server, "Hi there", [{"id": 0, "scale": 1.0}]),
+    ]
+    assert want[0] != want[1]
+    assert _replies(browser) == want
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".speed")) == 2
+
+
+def test_stop_cancels_the_reply_and_the_next_one_works(browser: Any, server: TinyServer) -> None:
+    _open(browser, server.url)
+    _settings(browser, temperature="0", max_tokens="900")
+    browser.find_element(By.ID, "input").send_keys("Tell me everything")
+    browser.find_element(By.ID, "send").click()
+    _wait(lambda: any(len(r) > 3 for r in _replies(browser)), message="the first pieces")
+    browser.find_element(By.ID, "stop").click()
+    _wait(lambda: browser.execute_script("return document.body.dataset.busy") == "0")
+    stopped = browser.find_elements(By.CSS_SELECTOR, ".message.assistant.stopped")
+    assert len(stopped) == 1
+    _settings(browser, max_tokens="4")
+    _send(browser, "again")
+    assert len(_replies(browser)) == 2 and browser.find_element(By.ID, "error").text == ""
+
+
+def test_a_refused_request_shows_the_servers_error(browser: Any, server: TinyServer) -> None:
+    _open(browser, server.url)
+    _settings(browser, temperature="-1", max_tokens="4")
+    _send(browser, "Hello")
+    error = browser.find_element(By.ID, "error")
+    assert error.is_displayed() and error.text.startswith("400: ") and "temperature" in error.text
+    assert _replies(browser) == []  # the turn that did not happen leaves no empty reply
+
+
+def test_api_key_entered_once_in_the_page(browser: Any, server: TinyServer) -> None:
+    config = dataclasses.replace(server.state.config, api_key="sesame")
+    state = ServerState(
+        config, server.state.service, server.state.registry, server.state.metrics, server.model_path
+    )
+    with ServerThread(create_app(state)) as srv:
+        browser.get(srv.url + "/")
+        browser.execute_script("localStorage.clear()")
+        browser.get(srv.url + "/")
+        error = browser.find_element(By.ID, "error")
+        _wait(lambda: "401" in error.text, message="the 401")
+        assert "API key" in error.text and browser.find_element(By.ID, "settings").is_displayed()
+        _set(browser, "#api-key", "sesame")
+        _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)
+        _settings(browser, temperature="0", max_tokens="4")
+        _send(browser, "Hello")
+        assert len(_replies(browser)) == 1 and error.text == ""
+        browser.get(srv.url + "/")  # kept for the next visit
+        _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)

@@ -281,3 +281,20 @@ def test_an_activated_lora_reuses_the_base_conversation(tmp_path: Path) -> None:
     assert on[0].generated != on[4].generated or not torch.allclose(on[1], on[5])
     assert not torch.allclose(on[1], on[3])  # the aLoRA is not the plain LoRA
     assert on[6].inactive == (0,) and on[6].segments == ((0, NO_ADAPTERS),)
+
+
+def test_an_embedding_is_computed_on_blocks_of_its_own(adapters: tuple[Path, Path, Path]) -> None:
+    """Model.embed borrows a slot with blocks for every position: the same vector as a direct
+    pass on a fresh cache (identity tables), and it leaves the pool as it found it."""
+    from graftlm.step.batch import Batch
+
+    m = graftlm.load(adapters[0], ctx_size=128, n_seq=2)
+    ids = _ids(50, 8)
+    available = m.engine.slots.pool.n_available
+    got = torch.tensor(m.embed(ids))
+    assert m.engine.slots.pool.n_available == available
+    fresh = graftlm.load(adapters[0], ctx_size=128, n_seq=2)
+    with torch.inference_mode():
+        h = fresh.model.forward(Batch.single(ids, 1, 0, exact=True), hidden=True)[0]
+    want = torch.nn.functional.normalize(h.float().mean(0), dim=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -278,7 +278,7 @@ class PagedAllocator:
     def slot(self, seq: Request) -> int:
         return self._held[seq.id].slot
 
-    def borrow(self, n_tokens: int = 0) -> int:
+    def borrow(self, n_tokens: int) -> int:
         """A slot with private blocks for n_tokens positions, outside any sequence (a scoring
         pass: nothing it computes enters the prefix cache)."""
         need = self.blocks_for(n_tokens)

@@ -37,13 +37,13 @@ class Scorer:
         if not ids:
             raise RequestError("nothing to embed: the input is empty")
         eng = self.engine
-        if len(ids) > eng.model.n_ctx:
+        if len(ids) > eng.n_ctx:
             raise RequestError(
-                f"the input has {len(ids)} tokens, more than the context size {eng.model.n_ctx}",
+                f"the input has {len(ids)} tokens, more than the context size {eng.n_ctx}",
                 "context_length_exceeded",
             )
         with eng.lock:
-            slot = eng.slots.borrow()
+            slot = eng.slots.borrow(len(ids))  # with blocks for every position
             try:
                 rows = eng.lora_rows([lora])
                 total = torch.zeros(eng.model.cfg.n_embd, dtype=torch.float32)

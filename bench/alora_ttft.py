@@ -62,8 +62,8 @@ def main() -> int:
     m = graftlm.load(threads=args.threads, ctx_size=args.tokens + 64)
     invocation = m.tokenize("<|im_start|>assistant", parse_special=True)
     with tempfile.TemporaryDirectory() as d:
-        al = m.add_lora(with_invocation(PIRATE, Path(d) / "alora.gguf", invocation))
-        pl = m.add_lora(PIRATE)
+        al = m.add_lora(with_invocation(PIRATE, Path(d) / "alora.gguf", invocation), scale=0.0)
+        pl = m.add_lora(PIRATE, scale=0.0)  # (global scales 0: a call without lora= is the base)
     rng = random.Random(0)
     vocab = m.config.n_vocab
     times: dict[str, list[float]] = {"aLoRA": [], "plain LoRA": []}

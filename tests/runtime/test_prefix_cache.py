@@ -298,3 +298,21 @@ def test_an_embedding_is_computed_on_blocks_of_its_own(adapters: tuple[Path, Pat
         h = fresh.model.forward(Batch.single(ids, 1, 0, exact=True), hidden=True)[0]
     want = torch.nn.functional.normalize(h.float().mean(0), dim=0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cancelled_request_gives_its_blocks_back(adapters: tuple[Path, Path, Path]) -> None:
+    """Stopped mid-prompt or mid-generation (a client that left), a request holds no block; its
+    full blocks stay findable in the prefix cache."""
+    m = graftlm.load(adapters[0], ctx_size=128, n_seq=2)
+    eng = m.engine
+    eng.chunk = 16
+    for steps in (1, 5):  # inside the prompt (3 chunks of 16), then while decoding
+        req = eng.submit(
+            Request(_ids(40, 30 + steps), SamplingParams(temperature=0.0, max_tokens=50))
+        )
+        for _ in range(steps):
+            eng.step()
+        assert eng.slots.pool.n_used > 0
+        eng.stop(req, "cancelled")
+        assert req.done and eng.slots.pool.n_used == 0 and not eng.busy
+    assert eng.slots.pool.n_cached >= 2

@@ -22,7 +22,7 @@ _SERVER_ONLY = ("cont_batching", "no_cont_batching")
 def add_llama_flags(
     p: argparse.ArgumentParser, server: bool = False, cache_types: bool = True
 ) -> None:
-    """The flags on `p`; `cache_types`: -ctk/-ctv too (serve declares its own)."""
+    """The flags on `p`; `cache_types`: -ctk/-ctv too (`cache_type` reads them)."""
     g = p.add_argument_group("llama.cpp flags: noted where they have no effect, or refused")
     g.add_argument(
         "-ngl",
@@ -81,7 +81,7 @@ def add_llama_flags(
     )
     g.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help=argparse.SUPPRESS)
     g.add_argument("-mu", "--model-url", dest="model_url", default=None, help=argparse.SUPPRESS)
-    if cache_types and not server:  # serve declares -ctk/-ctv with its KV cache flags
+    if cache_types:
         g.add_argument(
             "-ctk",
             "--cache-type-k",

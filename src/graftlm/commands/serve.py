@@ -62,9 +62,6 @@ def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]
     return out
 
 
-KV_TYPES = ("f16", "bf16", "f32", "q8_0")  # llama.cpp's names of the cache types graftlm keeps
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-m", "--model", default=None, help="GGUF model (default: embedded SmolLM2-135M-Instruct)"
@@ -93,20 +90,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="size the KV cache pool in bytes instead of by -c (e.g. 1G); room past what the "
         "running requests hold keeps cached prefixes",
-    )
-    g.add_argument(
-        "-ctk",
-        "--cache-type-k",
-        default="f16",
-        choices=list(KV_TYPES),
-        help="type of the cached keys (default f16)",
-    )
-    g.add_argument(
-        "-ctv",
-        "--cache-type-v",
-        default="f16",
-        choices=list(KV_TYPES),
-        help="type of the cached values: the same as the keys' (default f16)",
     )
     g.add_argument(
         "--no-cache-prompt",
@@ -229,10 +212,10 @@ def serve(args: argparse.Namespace) -> int:
 
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
-    from graftlm.commands.llama_flags import check_llama_flags
+    from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.lora.cli_args import lora_specs
     from graftlm.server.state import ServerConfig
-    from graftlm.step.kv_cache import BLOCK
+    from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE
 
     check_llama_flags(args)
 
@@ -240,11 +223,7 @@ def serve(args: argparse.Namespace) -> int:
     modules = parse_lora_modules(args.lora_modules)
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be at least 1")
-    if args.cache_type_v != args.cache_type_k:
-        raise ValueError(
-            f"--cache-type-k {args.cache_type_k} with --cache-type-v {args.cache_type_v}: graftlm "
-            "keeps keys and values in one type; give both the same"
-        )
+    kv_type = cache_type(args) or DEFAULT_KV_TYPE  # -ctk / -ctv, checked before the load
     pool_tokens = args.ctx_size
     if pool_tokens <= 0:  # -c 0: the model's context, for the pool too
         from graftlm.gguf import GGUFFile
@@ -264,7 +243,7 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         chat_template=args.chat_template,
         chat_template_file=args.chat_template_file,
-        cache_type=args.cache_type_k,
+        cache_type=kv_type,
         cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
         cache_bytes=args.kv_memory,
         prefix_cache=args.cache_prompt,
@@ -279,7 +258,7 @@ def serve(args: argparse.Namespace) -> int:
     warn_if_slow(args.device)
     print(_configuration(model, args), file=sys.stderr)
     print(
-        f"KV cache: {args.cache_type_k}, {cache.n_blocks - 1} blocks of {cache.block} tokens "
+        f"KV cache: {kv_type}, {cache.n_blocks - 1} blocks of {cache.block} tokens "
         f"({(cache.n_blocks - 1) * cache.block} tokens, {cache.nbytes / 2**20:.0f} MiB), "
         f"prefix cache {'on' if args.cache_prompt else 'off'}",
         file=sys.stderr,

@@ -64,22 +64,6 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
     return 0;
 }
 
-/* The dot product of n float32 values a with n cached values b of type t. */
-static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int64_t n,
-                                                          const int t) {
-    if (t == 0) return dot_f32(a, b, n);
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(b, i + 8, t), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
-    float r = hsum8(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) r += a[i] * kv_get(b, i, t);
-    return r;
-}
-
 /* One decode step of attention for B rows, each one new token of its own sequence:
  * RoPE on q and k at the row's position, k and v written into the cache at (slot, position),
  * then softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all),

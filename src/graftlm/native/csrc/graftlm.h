@@ -221,6 +221,12 @@ static inline char *kv_at(const gl_kv *kv, void *base, int64_t s, int64_t h, int
     return (char *)base + kv_bytes(row * n, kv->type);
 }
 
+/* 8 bfloat16 values as float32 (the LoRA factors' and the bf16 cache's loads). */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 /* 8 cached values from value i of p, as float32 (t: gl_kv.type, a constant where inlined). */
 static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int64_t i, const int t) {
     if (t == 0) return _mm256_loadu_ps((const float *)p + i);
@@ -231,9 +237,8 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int6
         const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + (i & 31)));
         return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    if (t == 1) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (t == 1) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return bf16x8((const uint16_t *)p + i);
 }
 
 static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t i, const int t) {
@@ -250,6 +255,23 @@ static inline __attribute__((always_inline)) float kv_get(const void *p, int64_t
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* The dot product of n float32 values a with n values b of type t (gl_kv.type: the cache's
+ * keys; t 2, bfloat16: the LoRA factors too). */
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int64_t n,
+                                                          const int t) {
+    if (t == 0) return dot_f32(a, b, n);
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(b, i + 8, t), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i, t), s0);
+    float r = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) r += a[i] * kv_get(b, i, t);
+    return r;
 }
 
 /* float32 -> bfloat16, round to nearest even (torch's conversion; NaN stays NaN). */

@@ -12,29 +12,8 @@
  * contiguous range (see lora_ranges); in bfloat16 each 16 outputs o .. o + 15 are stored as the
  * pairs (o + u, o + 8 + u), u = 0 .. 7 (ops.lora_block); s (M / T, R) the per-row scale of each rank
  * column (a column at scale 0 costs that row nothing); span (R, 2): outputs [lo, hi) outside which
- * column c is zero (its part of a stacked projection). y rows are ldy floats apart. */
-static inline __m256 bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline float dot_bf16(const uint16_t *a, const float *x, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(bf16x8(a + i), _mm256_loadu_ps(x + i), s0);
-        s1 = _mm256_fmadd_ps(bf16x8(a + i + 8), _mm256_loadu_ps(x + i + 8), s1);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(bf16x8(a + i), _mm256_loadu_ps(x + i), s0);
-    float t = hsum8(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) {
-        const uint32_t bits = (uint32_t)a[i] << 16;
-        float v;
-        memcpy(&v, &bits, 4);
-        t += v * x[i];
-    }
-    return t;
-}
+ * column c is zero (its part of a stacked projection). y rows are ldy floats apart.
+ * (The dot of A's rows with x: graftlm.h's dot_f32, or dot_kv of type 2 for bfloat16.) */
 
 /* Each scale row's columns with a nonzero scale (s (S, R)): rows on different adapters walk only
  * their own. */
@@ -50,7 +29,7 @@ static void lora_columns(const float *s, int64_t S, int64_t R, int64_t *cols, in
 /* xa = s * (A[c] . x), 0 without computing where the scale is 0. */
 static inline float lora_dot(const float *x, int64_t n_in, const void *A, int bf, float sc, int64_t c) {
     if (sc == 0.0f) return 0.0f;
-    return sc * (bf ? dot_bf16((const uint16_t *)A + c * n_in, x, n_in) : dot_f32((const float *)A + c * n_in, x, n_in));
+    return sc * (bf ? dot_kv(x, (const uint16_t *)A + c * n_in, n_in, 2) : dot_f32((const float *)A + c * n_in, x, n_in));
 }
 
 /* w[0..3] = the 32 outputs of one column's block of B at b, as float32 (bf16: see lora_block's

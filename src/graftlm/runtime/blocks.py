@@ -50,9 +50,8 @@ def block_digest(parent: bytes, tokens: list[int], key: bytes) -> bytes:
 
 @dataclass
 class PoolStats:
-    """Counters for the metrics: lookups, tokens they found, blocks evicted."""
+    """Counters for the metrics: prompt tokens looked up, those found, blocks evicted."""
 
-    queries: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
     evicted: int = 0
@@ -134,7 +133,7 @@ class BlockPool:
 class _Held:
     slot: int
     blocks: list[int] = field(default_factory=list)
-    digests: list[bytes] = field(default_factory=list)  # of blocks[: len(digests)], entered
+    entered: int = 0  # blocks[:entered] are in the prefix cache (or were found there)
 
 
 class PagedAllocator:
@@ -183,25 +182,36 @@ class PagedAllocator:
         fall inside it; the digest chain holds the tokens, which fix the start)."""
         return settings_key(seq.settings_at((i + 1) * self.block - 1), self.epoch)
 
-    def lookup(self, seq: Request) -> tuple[list[int], list[bytes]]:
+    def _digests(self, seq: Request, n: int) -> list[bytes]:
+        """The digests of seq's first n full blocks (at least; memoised on seq: a block's digest
+        depends only on the tokens up to its end, its setting and the epoch, so a request that
+        waits, is admitted, fills blocks and is preempted hashes each block once)."""
+        memo = seq.block_digests
+        if seq.digest_epoch != self.epoch:
+            memo.clear()
+            seq.digest_epoch = self.epoch
+        if len(memo) < n:
+            tokens = seq.tokens_upto(n * self.block)
+            parent = memo[-1] if memo else b""
+            for i in range(len(memo), n):
+                piece = tokens[i * self.block : (i + 1) * self.block]
+                parent = block_digest(parent, piece, self._key(seq, i))
+                memo.append(parent)
+        return memo
+
+    def lookup(self, seq: Request) -> list[int]:
         """The cached blocks of the longest cached run of seq's full blocks to fill (leaving at
-        least the last token to compute), and their digests; none when seq uses no cache."""
+        least the last token to compute); none when seq uses no cache."""
         if not (self.prefix and seq.use_cache):
-            return [], []
-        tokens, parent = seq.fill, b""
+            return []
+        n = (len(seq.fill) - 1) // self.block
         found: list[int] = []
-        digests: list[bytes] = []
-        for i in range((len(tokens) - 1) // self.block):
-            d = block_digest(
-                parent, tokens[i * self.block : (i + 1) * self.block], self._key(seq, i)
-            )
+        for d in self._digests(seq, n)[:n]:
             b = self.pool.by_digest.get(d)
             if b is None:
                 break
             found.append(b)
-            digests.append(d)
-            parent = d
-        return found, digests
+        return found
 
     def adapters_changed(self) -> None:
         """An adapter was loaded, replaced or removed: what adapters computed is no longer
@@ -214,20 +224,19 @@ class PagedAllocator:
     def can_admit(self, seq: Request) -> bool:
         if not self.free:
             return False
-        found, _ = self.lookup(seq)
+        found = self.lookup(seq)
         idle_found = sum(1 for b in found if self.pool.refs[b] == 0)
         first = min(len(seq.fill), len(found) * self.block + self.admit_tokens)
         need = self.blocks_for(first) - len(found)
         return need <= self.pool.n_available - idle_found
 
     def admit(self, seq: Request) -> None:
-        found, digests = self.lookup(seq)
-        self.pool.stats.queries += 1
+        found = self.lookup(seq)
         self.pool.stats.query_tokens += len(seq.fill)
         self.pool.stats.hit_tokens += len(found) * self.block
         for b in found:
             self.pool.share(b)
-        held = _Held(self.free.pop(0), list(found), list(digests))
+        held = _Held(self.free.pop(0), list(found), len(found))
         self._held[seq.id] = held
         seq.n_prefilled = len(found) * self.block
         if seq.resume is None:  # (a preempted sequence keeps what its first admission found)
@@ -255,18 +264,14 @@ class PagedAllocator:
         if held is None:
             return
         full = min(n_written // self.block, len(held.blocks))
-        if full <= len(held.digests):
+        if full <= held.entered:
             return
-        tokens = seq.tokens_upto(full * self.block)
-        parent = held.digests[-1] if held.digests else b""
-        for i in range(len(held.digests), full):
-            key = self._key(seq, i)
-            d = block_digest(parent, tokens[i * self.block : (i + 1) * self.block], key)
-            self.pool.enter(held.blocks[i], d)
-            if key == b"base":
-                self._base.add(d)
-            held.digests.append(d)
-            parent = d
+        digests = self._digests(seq, full)
+        for i in range(held.entered, full):
+            self.pool.enter(held.blocks[i], digests[i])
+            if self._key(seq, i) == b"base":
+                self._base.add(digests[i])
+        held.entered = full
 
     def release(self, seq: Request) -> None:
         held = self._held.pop(seq.id)

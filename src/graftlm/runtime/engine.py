@@ -20,8 +20,15 @@ from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.blocks import PagedAllocator
-from graftlm.runtime.sampling import Sampler, SamplingParams
-from graftlm.runtime.scheduler import Chunk, Request, Scheduler, StepPlan, activation
+from graftlm.runtime.sampling import Sampler
+from graftlm.runtime.scheduler import (
+    Chunk,
+    Request,
+    Scheduler,
+    StepPlan,
+    activation,
+    settings_at,
+)
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -133,12 +140,14 @@ class Engine:
 
     # -- one-shot scoring --------------------------------------------------------------------------
     @torch.inference_mode()
-    def score(self, ids: list[int], lora: AdapterSettings) -> torch.Tensor:
+    def score(self, ids: list[int], lora: AdapterSettings, hidden: bool = False) -> torch.Tensor:
         """Logits (len(ids), n_vocab) on the CPU after each prefix, in chunks, on a borrowed
-        cache slot."""
+        cache slot (an activated LoRA's start ends a chunk). hidden: the final-norm hidden
+        states (len(ids), n_embd) instead (embeddings)."""
         if len(ids) > self.n_ctx:
+            what = "input" if hidden else "prompt"
             raise RequestError(
-                f"the prompt has {len(ids)} tokens, more than the context size {self.n_ctx}",
+                f"the {what} has {len(ids)} tokens, more than the context size {self.n_ctx}",
                 "context_length_exceeded",
             )
         # Scoring is a prefill-shaped workload, where exact float32 dequantization costs what the
@@ -151,13 +160,12 @@ class Engine:
                 edges = sorted(
                     {s for s, _ in segments} | {len(ids)} | set(range(0, len(ids), self.chunk))
                 )
-                probe = Request(ids, SamplingParams(), lora, segments=segments)
                 out = []
                 for start, end in zip(edges, edges[1:], strict=False):
-                    rows = self.lora_rows([probe.settings_at(start)])
+                    rows = self.lora_rows([settings_at(segments, lora, start)])
                     piece = ids[start:end]
                     batch = Batch.single(piece, slot, start, rows, self.device, exact=True)
-                    out.append(self.model.forward(batch, all_logits=True)[0])
+                    out.append(self.model.forward(batch, all_logits=True, hidden=hidden)[0])
                 return torch.cat(out).cpu()
             finally:
                 self.slots.give_back(slot)

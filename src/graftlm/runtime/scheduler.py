@@ -72,6 +72,9 @@ class Request:
     segments: tuple[tuple[int, AdapterSettings], ...] = ()
     # aLoRA adapters the request named whose invocation tokens its prompt lacks (run as base)
     inactive: tuple[int, ...] = ()
+    # the prefix cache's digests of the sequence's full blocks, memoised by its allocator
+    block_digests: list[bytes] = field(default_factory=list)
+    digest_epoch: int = -1
 
     @property
     def done(self) -> bool:
@@ -90,14 +93,7 @@ class Request:
 
     def settings_at(self, pos: int) -> AdapterSettings:
         """The adapter settings that compute position pos."""
-        if not self.segments:
-            return self.lora
-        now = self.segments[0][1]
-        for start, s in self.segments:
-            if start > pos:
-                break
-            now = s
-        return now
+        return settings_at(self.segments, self.lora, pos)
 
     def boundary_after(self, pos: int) -> int | None:
         """The first position past pos where the settings change, or None."""
@@ -140,6 +136,18 @@ def activation(
         (p, AdapterSettings((aid, s) for aid, s in live if starts.get(aid, 0) <= p)) for p in points
     )
     return segments, tuple(inactive)
+
+
+def settings_at(
+    segments: tuple[tuple[int, AdapterSettings], ...], lora: AdapterSettings, pos: int
+) -> AdapterSettings:
+    """The settings of `activation()`'s segments at position pos (lora when there are none)."""
+    now = lora
+    for start, s in segments:
+        if start > pos:
+            break
+        now = s
+    return now
 
 
 class CacheAllocator(Protocol):

@@ -13,7 +13,6 @@ from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
-from graftlm.step.batch import Batch
 
 
 class Scorer:
@@ -36,25 +35,8 @@ class Scorer:
         ids = list(ids)
         if not ids:
             raise RequestError("nothing to embed: the input is empty")
-        eng = self.engine
-        if len(ids) > eng.n_ctx:
-            raise RequestError(
-                f"the input has {len(ids)} tokens, more than the context size {eng.n_ctx}",
-                "context_length_exceeded",
-            )
-        with eng.lock:
-            slot = eng.slots.borrow(len(ids))  # with blocks for every position
-            try:
-                rows = eng.lora_rows([lora])
-                total = torch.zeros(eng.model.cfg.n_embd, dtype=torch.float32)
-                for start in range(0, len(ids), eng.chunk):
-                    piece = ids[start : start + eng.chunk]
-                    batch = Batch.single(piece, slot, start, rows, eng.device, exact=True)
-                    h = eng.model.forward(batch, hidden=True)[0]  # (T, n_embd)
-                    total += h.float().sum(0).cpu()
-            finally:
-                eng.slots.give_back(slot)
-        mean = total / len(ids)
+        hidden = self.engine.score(ids, lora, hidden=True)  # (len(ids), n_embd)
+        mean = hidden.float().mean(0)
         return torch.nn.functional.normalize(mean, dim=0).tolist()
 
     def logprobs(self, ids: Sequence[int], top: int, lora: AdapterSettings) -> list[dict[str, Any]]:

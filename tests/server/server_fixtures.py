@@ -4,6 +4,8 @@ its in-process reference model, and where the real fixtures and goldens are."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import graftlm
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
+from graftlm.server.app import ServerThread, create_app
 from graftlm.server.state import ServerState
 
 SPEC = TinySpec(n_ctx=1024)
@@ -55,6 +58,18 @@ class TinyServer:
     ) -> list[dict]:
         settings = [{"id": self.ref_ids[k], "scale": v} for k, v in (lora or {}).items()]
         return self.ref.logprobs(ids, top=top, lora=settings)
+
+
+@contextmanager
+def serving(state: ServerState) -> Iterator[str]:
+    """The app of `state` on 127.0.0.1 for the block: its URL; stopped and its engine closed
+    after."""
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+        state.service.close()
 
 
 def error_of(r: httpx.Response, status: int, *words: str) -> dict:

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_fixtures import SPEC, TinyServer
+from server_fixtures import SPEC, TinyServer, serving
 from server_fixtures import error_of as _check
 
 import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -283,12 +283,8 @@ def test_still_serving_after_errors(server: TinyServer) -> None:
 def keyed(tiny_files: dict[str, Path]) -> Iterator[str]:
     model = graftlm.load(tiny_files["model"], ctx_size=64, n_seq=2)
     state = build_state(model, ServerConfig(model_name="tiny", api_key="sekret"), parallel=1)
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url
 
 
 def test_api_key(keyed: str) -> None:

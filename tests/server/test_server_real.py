@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from server_fixtures import FIXTURES, golden
+from server_fixtures import FIXTURES, golden, serving
 
 import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 
 pytestmark = pytest.mark.real
@@ -34,12 +34,8 @@ def smol() -> Iterator[str]:
         lora=[(f, 0.0) for f in files],
         lora_modules=[("pirate", files[0]), ("caps-peft", str(FIXTURES / "smollm2" / "caps"))],
     )
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url
 
 
 def test_scoring_matches_llama_server_goldens(smol: str) -> None:

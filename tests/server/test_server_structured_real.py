@@ -13,10 +13,10 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_fixtures import FIXTURES
+from server_fixtures import FIXTURES, serving
 
 import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 
 pytestmark = pytest.mark.real
@@ -57,12 +57,8 @@ def url() -> Iterator[str]:
         parallel=4,
         lora_modules=[("pirate", pirate)],
     )
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

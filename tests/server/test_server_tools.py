@@ -17,11 +17,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_fixtures import PARALLEL, SPEC, TinyServer, error_of
+from server_fixtures import PARALLEL, SPEC, TinyServer, error_of, serving
 from tiny_models import write_tiny_model
 
 import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 from graftlm.server.tools import ToolCallParser, parse_tool_calls
 
@@ -74,12 +74,8 @@ def chatml_url(
         parallel=PARALLEL,
         lora_modules=[(n, str(tiny_files[n])) for n in ("alpha", "beta", "gamma")],
     )
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

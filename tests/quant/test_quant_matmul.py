@@ -21,10 +21,12 @@ CASES = [
     (Q.BF16, (96, 256), "dense-bf16", "dense-bf16"),
     (Q.Q4_0, (100, 256), "int4pack", "native-u4"),
     (Q.Q4_1, (192, 576), "int4pack", "native-u4"),
-    (Q.Q4_K, (64, 512), "int4pack", "native-u4"),
+    (Q.Q4_K, (64, 512), "int4pack", "native-k4"),
+    (Q.Q4_K, (100, 768), "int4pack", "native-k4"),  # a padded row group
     (Q.Q5_0, (256, 640), "int4pack2", "native-s8"),
     (Q.Q5_1, (64, 256), "int4pack2", "int4pack2"),
-    (Q.Q5_K, (80, 512), "int4pack2", "int4pack2"),
+    (Q.Q5_K, (80, 512), "int4pack2", "native-k4"),
+    (Q.Q5_K, (100, 768), "int4pack2", "native-k4"),
     (Q.Q6_K, (64, 512), "int4pack2", "native-s8"),
     (Q.Q8_0, (256, 640), "int4pack2", "native-s8"),
     (Q.Q8_0, (8192, 64), "int8g", "native-s8"),  # vocabulary-wide (embedding / tied head)

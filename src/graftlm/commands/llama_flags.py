@@ -184,7 +184,10 @@ def version_text() -> str:
     from graftlm.native import build
 
     reason = build.unavailable_reason()
-    native = "on" if reason is None else f"off ({reason})"
+    extra = ", ".join(build.features()) or "AVX2 + FMA"
+    native = (
+        f"on ({extra}; GRAFTLM_NATIVE_ISA={build.isa()})" if reason is None else f"off ({reason})"
+    )
     return (
         f"graftlm {graftlm.__version__}\n"
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"

@@ -9,6 +9,10 @@ Before its first use, the library's struct layout and the prototypes of ``csrc/g
 checked against ``abi.py``, the one Python description of the ABI: a library that disagrees is
 not used, and ``unavailable_reason()`` names the field or the function.
 
+``GRAFTLM_NATIVE_ISA=avx2`` builds without AVX-512 and VNNI even where the CPU has them
+(``-mno-avx512f -mno-avxvnni``): the AVX2 variants of the kernels, testable on any machine.
+``isa()`` says which variant is loaded.
+
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
 ``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
 ``unavailable_reason()`` says why.
@@ -34,6 +38,7 @@ from graftlm.native import abi
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -66,9 +71,17 @@ def _compiler() -> str | None:
     return None
 
 
+def isa() -> str:
+    """The kernel variant asked for: "native" (what the CPU has) or "avx2" (GRAFTLM_NATIVE_ISA)."""
+    name = os.environ.get("GRAFTLM_NATIVE_ISA", "native").strip().lower() or "native"
+    if name not in ISA_FLAGS:
+        raise ValueError(f"GRAFTLM_NATIVE_ISA={name!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return name
+
+
 def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
     """The library built with FLAGS and `extra` (tests: -DGL_COUNT_ALLOC), from the cache if there."""
-    flags = [*FLAGS, *extra]
+    flags = [*FLAGS, *ISA_FLAGS[isa()], *extra]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
     for path in sources():
@@ -133,6 +146,11 @@ def loaded_library() -> ctypes.CDLL | None:
     if " avx2" not in flags or " fma" not in flags:
         _REASON.append("the CPU lacks AVX2/FMA")
         return None
+    try:
+        isa()
+    except ValueError as exc:
+        _REASON.append(str(exc))
+        return None
     cc = _compiler()
     if cc is None:
         _REASON.append("no C compiler (cc, gcc or clang) on PATH")
@@ -161,6 +179,17 @@ def abi_problem(lib: ctypes.CDLL) -> str | None:
     if calls:
         return "native functions and abi.py disagree: " + "; ".join(calls)
     return None
+
+
+FEATURES = ("avx512f", "avx512bw+vl", "vnni", "avx512bf16")
+
+
+def features() -> list[str]:
+    """The instruction sets the loaded library was compiled to use (empty: AVX2 + FMA only, or no
+    library)."""
+    lib = loaded_library()
+    bits = int(lib.gl_features()) if lib is not None else 0
+    return [name for i, name in enumerate(FEATURES) if bits >> i & 1]
 
 
 def threads() -> int:

@@ -1,6 +1,7 @@
 """Quantized weights in the native layouts of ``graftlm/native/csrc/quant.c`` (see its header).
 
-* ``NativeU4Kernel``: Q4_0, Q4_1, Q4_K as 4-bit codes with a float scale and offset per 32 values.
+* ``NativeU4Kernel``: Q4_0, Q4_1 as 4-bit codes with a float scale and offset per 32 values.
+* ``NativeK4Kernel``: Q4_K, Q5_K in their super-blocks, at the file's size (csrc/kquant.c).
 * ``NativeS8Kernel``: Q8_0, Q5_0 (scale per 32) and Q6_K (scale per 16) as int8 codes.
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
@@ -104,13 +105,12 @@ F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
 class NativeU4Kernel(NativeKernel):
     """Semantics: w[n, 32b + j] = q[n, 32b + j] * d[n, b] + m[n, b], q in [0, 16).
 
-    Q4_0: d = file d, m = -8 d.  Q4_1: d, m as in the file.  Q4_K: d = d_super * sc,
-    m = -(dmin_super * min) per 32-value sub-block.  d and m are kept as float16 when all of them
-    are float16 values (Q4_0, Q4_1: 0.5 B + 4 B per 32 values, the file's size), else float32.
+    Q4_0: d = file d, m = -8 d.  Q4_1: d, m as in the file.  d and m are kept as float16 (0.5 B
+    + 4 B per 32 values, the file's size).
     """
 
     name = "native-u4"
-    TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+    TYPES = (T.Q4_0, T.Q4_1)
 
     def __init__(
         self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
@@ -158,6 +158,64 @@ class NativeU4Kernel(NativeKernel):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qs, self.d, self.m)
+
+
+class NativeK4Kernel(NativeKernel):
+    """Semantics: w[n, 32b + j] = q[n, 32b + j] * (d[n, b // 8] * sc[n, b]) - dmin[n, b // 8] *
+    mn[n, b], q in [0, 16) (Q4_K) or [0, 32) (Q5_K); d, dmin the file's float16 per 256 values,
+    sc, mn its 6-bit scale and min per 32.
+
+    Kept in the super-block form, regrouped by 8 rows: 4.625 bits a weight for Q4_K (file 4.5),
+    5.625 for Q5_K (5.5); Q5_K's fifth bits are a bit plane beside the 4-bit codes.
+    """
+
+    name = "native-k4"
+    TYPES = (T.Q4_K, T.Q5_K)
+
+    def __init__(self, shape: Shape, q: torch.Tensor, d: torch.Tensor, five: bool) -> None:
+        super().__init__(shape)
+        self.q, self.d, self.five = q, d, int(five)  # see csrc/kquant.c for the layout
+        n, k = shape
+        self._view = GlWeight(2, 1, 32, self.five, n, k, q.data_ptr(), d.data_ptr(), None)
+        lib = loaded_library()
+        assert lib is not None
+        self._fn = lib.gl_mm_k4
+        self._args = (k, q.data_ptr(), d.data_ptr(), self.five, n)
+
+    @classmethod
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        return qtype in cls.TYPES and shape[1] % 256 == 0 and library() is not None
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        lib = library()
+        assert lib is not None
+        n, k = shape
+        five = qtype == T.Q5_K
+        groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
+        q = torch.empty(groups * (k // 32) * (144 + 32 * five), dtype=torch.uint8)
+        d = torch.empty(groups * (k // 256) * 16, dtype=torch.float16)
+        raw = raw.contiguous()
+        bad = lib.gl_pack_k4(
+            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), d.data_ptr(),
+            threads(),
+        )  # fmt: skip
+        assert bad == 0, qtype
+        return cls(shape, q, d, five)
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        lib = loaded_library()
+        assert lib is not None
+        k = self.shape[1]
+        out = torch.empty(count, k, dtype=torch.float32)
+        lib.gl_deq_k4(
+            self.q.data_ptr(), self.d.data_ptr(), self.five, k, _ptr(ids), row0, count,
+            out.data_ptr(), threads(),
+        )  # fmt: skip
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.d)
 
 
 class NativeS8Kernel(NativeKernel):

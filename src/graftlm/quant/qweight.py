@@ -20,13 +20,14 @@ from graftlm.quant.kernels import (
     Int8GroupKernel,
     ReferenceKernel,
 )
-from graftlm.quant.native_kernels import NativeS8Kernel, NativeU4Kernel
+from graftlm.quant.native_kernels import NativeK4Kernel, NativeS8Kernel, NativeU4Kernel
 
 # Tried in order; the first kernel that accepts (type, shape) holds the weight.  The model never
 # looks at quantization types: it only ever calls QWeight.matmul / rows.
 FAST_KERNELS: list[type[Kernel]] = [
     DenseKernel,
     NativeU4Kernel,  # accept only where the native library built (AVX2 + a C compiler)
+    NativeK4Kernel,
     NativeS8Kernel,
     Int8GroupKernel,
     Int4PackKernel,

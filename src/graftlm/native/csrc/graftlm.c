@@ -50,6 +50,23 @@ void gl_scratch_free(gl_scratch *s) {
     *s = (gl_scratch){0};
 }
 
+int64_t gl_features(void) {
+    int64_t f = 0;
+#ifdef __AVX512F__
+    f |= 1;
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    f |= 2;
+#endif
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    f |= 4;
+#endif
+#ifdef __AVX512BF16__
+    f |= 8;
+#endif
+    return f;
+}
+
 int64_t gl_alloc_count(void) {
 #ifdef GL_COUNT_ALLOC
     return __atomic_load_n(&gl_allocs, __ATOMIC_RELAXED);
@@ -68,6 +85,7 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 }
 
 #include "quant.c"
+#include "kquant.c"
 #include "attn.c"
 #include "lora.c"
 #include "layer.c"

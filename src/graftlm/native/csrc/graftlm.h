@@ -3,6 +3,7 @@
  * graftlm.c includes the files of each concern, so the compiler sees (and inlines across) them all
  * as it saw the one file they were:
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
+ *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K), the same three
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
@@ -43,7 +44,7 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales) */
+    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5 (q, d: kquant.c) */
     int64_t half, sblk, small, n, k;
     const void *q, *d, *m;
 } gl_weight;
@@ -124,6 +125,9 @@ GL_API void gl_scratch_free(gl_scratch *s);
 /* graftlm.c: the heap allocations the library has made, in a build with -DGL_COUNT_ALLOC (tests
  * count a decode step's); -1 in any other. */
 GL_API int64_t gl_alloc_count(void);
+/* graftlm.c: what the library was compiled to use: bit 0 AVX-512F, 1 AVX-512BW with VL, 2 VNNI
+ * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16 (build.py's FEATURES names them). */
+GL_API int64_t gl_features(void);
 
 /* quant.c */
 GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -139,6 +143,14 @@ GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, co
                      const void *m, int h, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
                      int sblk, int small, int64_t n, float *y, int nth);
+
+/* kquant.c */
+GL_API int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      uint8_t *q, uint16_t *d, int nth);
+GL_API void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, const int64_t *ids,
+                      int64_t row0, int64_t nrows, float *out, int nth);
+GL_API void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
+                     int h5, int64_t n, float *y, int nth);
 
 /* attn.c */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
@@ -348,6 +360,8 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
                        float *xs16, int nth);
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
+/* kquant.c: mm_task for the weights of kind 2 */
+static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
     int R, float *y, int64_t ldy, int64_t nvalid);

@@ -1,8 +1,9 @@
 /* The quantized weights: repacking at load, exact dequantization, the products.
  *
  * Two weight formats, both repacked once at load from GGUF blocks (layouts: see gl_pack_u4):
- *   u4: Q4_0, Q4_1, Q4_K.  4-bit codes q in 0..15 with a float scale d and offset m per 32
- *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for the three types).
+ *   u4: Q4_0, Q4_1.  4-bit codes q in 0..15 with a float scale d and offset m per 32
+ *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for both types).
+ *       (Q4_K and Q5_K keep their super-blocks: kquant.c.)
  *   s8: Q8_0, Q5_0 (scale per 32 values), Q6_K (scale per 16).  One int8 code per value and a
  *       float scale per block: w = q * s   (bit-exact likewise).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
@@ -13,7 +14,7 @@
  */
 #include "graftlm.h"
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -60,42 +61,16 @@ static inline __m256 load_scales8(const void *src, int64_t idx, int h) {
              : _mm256_loadu_ps((const float *)src + idx);
 }
 
-static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* One GGUF row of a u4 type -> codes (k bytes, 0..15), d and m per 32 values. */
 static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d, float *m) {
-    if (type == T_Q4_0 || type == T_Q4_1) {
-        const int bs = type == T_Q4_0 ? 18 : 20;
-        for (int64_t b = 0; b < k / 32; b++) {
-            const uint8_t *blk = src + b * bs, *qs = blk + bs - 16;
-            d[b] = h2f(rd16(blk));
-            m[b] = type == T_Q4_0 ? -8.0f * d[b] : h2f(rd16(blk + 2));
-            for (int j = 0; j < 16; j++) {
-                q[b * 32 + j] = qs[j] & 0xF;
-                q[b * 32 + j + 16] = qs[j] >> 4;
-            }
-        }
-        return;
-    }
-    for (int64_t sb = 0; sb < k / 256; sb++) { /* Q4_K: 144 bytes per 256 values */
-        const uint8_t *blk = src + sb * 144;
-        const float dk = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            scale_min_k4(j, blk + 4, &sc, &mn);
-            const int64_t b = sb * 8 + j;
-            d[b] = dk * (float)sc;
-            m[b] = -(dmin * (float)mn);
-            const uint8_t *c = blk + 16 + (j / 2) * 32;
-            for (int t = 0; t < 32; t++) q[b * 32 + t] = (j & 1) ? c[t] >> 4 : c[t] & 0xF;
+    const int bs = type == T_Q4_0 ? 18 : 20;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const uint8_t *blk = src + b * bs, *qs = blk + bs - 16;
+        d[b] = h2f(rd16(blk));
+        m[b] = type == T_Q4_0 ? -8.0f * d[b] : h2f(rd16(blk + 2));
+        for (int j = 0; j < 16; j++) {
+            q[b * 32 + j] = qs[j] & 0xF;
+            q[b * 32 + j + 16] = qs[j] >> 4;
         }
     }
 }
@@ -465,6 +440,10 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int h = (int)w->half;
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
+    if (w->kind == 2) {
+        k4_task(w, xb, M, t, y);
+        return;
+    }
     if (w->kind == 0) {
         const uint8_t *qs = (const uint8_t *)w->q;
         for (int64_t r0 = 0; r0 < M; r0 += MT) {

@@ -1,0 +1,263 @@
+"""Random-weight GGUF models of real shapes, in the quant mixes people download, plus a rank-16
+LoRA adapter on every projection, to time beside llama.cpp:
+
+    python bench/real_shapes.py DIR --shape llama-1b --mix q4_k_m [--adapter]
+    python bench/real_shapes.py DIR --all            # every shape x q4_k_m, q5_k_m, q8_0
+    python bench/real_shapes.py --list
+
+The tensors are valid random blocks of each type (`graftlm.quant.synth.random_blocks`: random
+codes, small finite scales), written with `gguf.GGUFWriter` under llama.cpp's names and
+metadata, with the real vocabulary size (a byte-level BPE vocabulary padded with tokens no merge
+reaches) so the output head costs what it costs. The mixes follow llama.cpp's
+`llama_tensor_get_type` for the common cases: q4_k_m / q5_k_m put Q6_K on the output (or the tied
+embedding) and on attn_v and ffn_down of the layers llama.cpp gives more bits (the first and last
+eighth and every third between), and fall back to Q5_0 / Q5_1 / Q8_0 where a row is not a
+multiple of 256 (Qwen2.5-0.5B's 896). Layer counts are cut for the 4B-7B shapes (`--layers`
+overrides): decode speed per layer is what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from graftlm.quant.synth import random_blocks
+
+Q = gguf.GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str
+    d: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    ff: int
+    n_layer: int
+    vocab: int
+    tied: bool = True
+    n_expert: int = 0
+    n_expert_used: int = 0
+    rope_base: float = 500000.0
+
+
+SHAPES = {
+    "llama-1b": Shape("llama", 2048, 32, 8, 64, 8192, 16, 128256),
+    "qwen2.5-0.5b": Shape("qwen2", 896, 14, 2, 64, 4864, 24, 151936, rope_base=1e6),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 12, 2, 128, 8960, 28, 151936, rope_base=1e6),
+    "qwen3-0.6b": Shape("qwen3", 1024, 16, 8, 128, 3072, 28, 151936, rope_base=1e6),
+    "phi3-mini-8l": Shape("phi3", 3072, 32, 32, 96, 8192, 8, 32064, tied=False, rope_base=1e4),
+    "gemma2-2b": Shape("gemma2", 2304, 8, 4, 256, 9216, 26, 256000, rope_base=1e4),
+    "mistral-7b-8l": Shape("llama", 4096, 32, 8, 128, 14336, 8, 32768, tied=False, rope_base=1e6),
+    "mixtral-small": Shape("llama", 1024, 16, 4, 64, 2048, 8, 32000, False, 8, 2, 1e6),
+}
+
+# (default type, the "more bits" type); llama.cpp's fallback where n_in % 256 != 0
+MIXES = {
+    "q4_k_m": (Q.Q4_K, Q.Q6_K),
+    "q5_k_m": (Q.Q5_K, Q.Q6_K),
+    "q6_k": (Q.Q6_K, Q.Q6_K),
+    "q8_0": (Q.Q8_0, Q.Q8_0),
+    "q4_0": (Q.Q4_0, Q.Q6_K),
+    "q3_k_m": (Q.Q3_K, Q.Q5_K),
+    "q2_k": (Q.Q2_K, Q.Q4_K),
+}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q3_K: Q.Q4_0, Q.Q2_K: Q.Q4_0}
+# a block scale that gives weights of about 0.01-0.03 with random codes
+SCALE = {Q.Q4_0: 2e-3, Q.Q4_1: 2e-3, Q.Q5_0: 1e-3, Q.Q5_1: 1e-3, Q.Q8_0: 2e-4,
+         Q.Q2_K: 2e-4, Q.Q3_K: 1e-4, Q.Q4_K: 3e-5, Q.Q5_K: 2e-5, Q.Q6_K: 3e-5}  # fmt: skip
+
+
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits(i_layer, n_layers)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(mix: str, role: str, layer: int, n_layer: int, n_in: int) -> Q:
+    base, more = MIXES[mix]
+    if role == "output":
+        t = more
+    elif role in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits(layer, n_layer):
+        t = more
+    else:
+        t = base
+    block = gguf.GGML_QUANT_SIZES[t][0]
+    return FALLBACK.get(t, Q.Q8_0) if n_in % block else t
+
+
+def _tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]  # never produced: the merges below are empty
+    specials = ["<|endoftext|>", "<|bos|>"]
+    ascii_ = [chr(c) for c in range(33, 127)]
+    tokens = specials + ascii_ + byte_tokens
+    tokens += [f"tok{i}" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (vocab - 2))
+    w.add_token_merges(["t o", "to k"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+
+
+def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
+    """(name, role, layer, torch shape (rows, cols) or (E, rows, cols)); vectors are (n,)."""
+    q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    out: list[tuple[str, str, int, tuple[int, ...]]] = [
+        ("token_embd.weight", "output" if s.tied else "token_embd", -1, (s.vocab, s.d)),
+        ("output_norm.weight", "norm", -1, (s.d,)),
+    ]
+    if not s.tied:
+        out.append(("output.weight", "output", -1, (s.vocab, s.d)))
+    for i in range(s.n_layer):
+        p = f"blk.{i}."
+        norms = ["attn_norm", "ffn_norm"]
+        if s.arch == "gemma2":
+            norms += ["post_attention_norm", "post_ffw_norm"]
+        out += [(p + n + ".weight", "norm", i, (s.d,)) for n in norms]
+        if s.arch == "qwen3":
+            out += [
+                (p + n + ".weight", "norm", i, (s.head_dim,))
+                for n in ("attn_q_norm", "attn_k_norm")
+            ]
+        if s.arch == "qwen2":
+            out += [(p + "attn_q.bias", "bias", i, (q,)), (p + "attn_k.bias", "bias", i, (kv,)),
+                    (p + "attn_v.bias", "bias", i, (kv,))]  # fmt: skip
+        if s.arch == "phi3":
+            out.append((p + "attn_qkv.weight", "attn_qkv", i, (q + 2 * kv, s.d)))
+        else:
+            out += [(p + "attn_q.weight", "attn_q", i, (q, s.d)),
+                    (p + "attn_k.weight", "attn_k", i, (kv, s.d)),
+                    (p + "attn_v.weight", "attn_v", i, (kv, s.d))]  # fmt: skip
+        out.append((p + "attn_output.weight", "attn_output", i, (s.d, q)))
+        if s.n_expert:
+            e = s.n_expert
+            out += [(p + "ffn_gate_inp.weight", "router", i, (e, s.d)),
+                    (p + "ffn_gate_exps.weight", "ffn_gate_exps", i, (e, s.ff, s.d)),
+                    (p + "ffn_up_exps.weight", "ffn_up_exps", i, (e, s.ff, s.d)),
+                    (p + "ffn_down_exps.weight", "ffn_down_exps", i, (e, s.d, s.ff))]  # fmt: skip
+        elif s.arch == "phi3":
+            out += [(p + "ffn_up.weight", "ffn_up", i, (2 * s.ff, s.d)),
+                    (p + "ffn_down.weight", "ffn_down", i, (s.d, s.ff))]  # fmt: skip
+        else:
+            out += [(p + "ffn_gate.weight", "ffn_gate", i, (s.ff, s.d)),
+                    (p + "ffn_up.weight", "ffn_up", i, (s.ff, s.d)),
+                    (p + "ffn_down.weight", "ffn_down", i, (s.d, s.ff))]  # fmt: skip
+    return out
+
+
+def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str) -> None:
+    w.add_type("model")
+    w.add_name(f"random-{name}-{mix}")
+    w.add_block_count(s.n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(s.d)
+    w.add_feed_forward_length(s.ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_vocab_size(s.vocab)
+    if s.arch != "gemma2":
+        w.add_rope_dimension_count(s.head_dim)
+    if s.arch == "phi3":
+        w.add_uint32("phi3.rope.scaling.original_context_length", 4096)
+    if s.arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        w.add_float32("gemma2.final_logit_softcapping", 30.0)
+        w.add_sliding_window(4096)
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+
+
+def write_model(
+    folder: Path, name: str, mix: str, layers: int | None = None, seed: int = 0
+) -> Path:
+    s = SHAPES[name] if layers is None else replace(SHAPES[name], n_layer=layers)
+    path = folder / f"{name}-{mix}.gguf"
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), s.arch)
+    _metadata(w, name, s, mix)
+    _tokenizer(w, s.vocab)
+    for tname, role, layer, shape in tensors(s):
+        if role == "norm":
+            w.add_tensor(tname, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+        elif role == "bias":
+            w.add_tensor(tname, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+        elif role == "router":
+            w.add_tensor(tname, (0.05 * rng.standard_normal(shape)).astype(np.float32))
+        else:
+            qt = tensor_type(mix, role, layer, s.n_layer, shape[-1])
+            rows = int(np.prod(shape[:-1]))
+            raw = random_blocks(qt, (rows, shape[-1]), rng, SCALE.get(qt, 1e-3))
+            w.add_tensor(tname, raw.reshape(*shape[:-1], -1), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_adapter(folder: Path, name: str, rank: int = 16, layers: int | None = None) -> Path:
+    """A rank-16 float32 GGUF LoRA on every projection (the attention only for an MoE model)."""
+    s = SHAPES[name] if layers is None else replace(SHAPES[name], n_layer=layers)
+    path = folder / f"{name}-lora-r{rank}.gguf"
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), s.arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(2 * rank))
+    projections = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up",
+                   "ffn_down"}  # fmt: skip
+    for tname, role, _, shape in tensors(s):
+        if role in projections:
+            n_out, n_in = shape
+            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((n_out, rank)) * 0.01).astype(np.float32)
+            base = tname.removesuffix(".weight")
+            w.add_tensor(base + ".weight.lora_a", a)
+            w.add_tensor(base + ".weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path, nargs="?")
+    ap.add_argument("--shape", choices=sorted(SHAPES), action="append")
+    ap.add_argument("--mix", choices=sorted(MIXES), action="append")
+    ap.add_argument("--layers", type=int, help="override the shape's layer count")
+    ap.add_argument("--adapter", action="store_true", help="also write a rank-16 adapter")
+    ap.add_argument("--all", action="store_true", help="every shape x q4_k_m, q5_k_m, q8_0")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list or args.folder is None:
+        for name, s in SHAPES.items():
+            print(f"{name:16s} {s}")
+        print("mixes:", ", ".join(MIXES))
+        return
+    args.folder.mkdir(parents=True, exist_ok=True)
+    shapes = sorted(SHAPES) if args.all else args.shape or ["llama-1b"]
+    mixes = ["q4_k_m", "q5_k_m", "q8_0"] if args.all else args.mix or ["q4_k_m"]
+    for name in shapes:
+        for mix in mixes:
+            p = write_model(args.folder, name, mix, args.layers)
+            print(f"{p}  {p.stat().st_size / 2**20:.0f} MiB")
+        if args.adapter:
+            print(write_adapter(args.folder, name, layers=args.layers))
+
+
+if __name__ == "__main__":
+    main()

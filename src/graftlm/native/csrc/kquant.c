@@ -1,0 +1,260 @@
+/* The K-quant super-block formats kept at the file's size: k4 (Q4_K) and k5 (Q5_K).
+ *
+ * A Q4_K / Q5_K super-block of 256 values has float16 d and dmin, and per 32 values a 6-bit scale
+ * sc and min mn: w = q * (d * sc) - dmin * mn, q in 0..15 (Q4_K) or 0..31 (Q5_K). Repacked at
+ * load, in groups of 8 rows (g = row / 8, i = row % 8, b = block of 32 values, L = 4 i + j):
+ *   q: per (g, b), K4_BYTES(h5) bytes:
+ *      [0, 128)    the low 4 bits, as u4 lays them (quant.c, gl_pack_u4): byte 32 c + L holds
+ *                  value 4 c + j of row i (low nibble) and value 16 + 4 c + j (high nibble)
+ *      [128, 160)  Q5_K only: the fifth bits, 8 bytes a c: bit L of the uint32 at 8 c is the low
+ *                  nibble's of lane L, bit L of the uint32 at 8 c + 4 the high nibble's
+ *      then 16     sc of the 8 rows, mn of the 8 rows (bytes)
+ *   d: per (g, super-block), 16 float16: the 8 rows' d, then their dmin (the file's own values)
+ * 4.625 bits a weight for Q4_K (the file: 4.5), 5.625 for Q5_K (5.5): what a decode step reads.
+ * The scales d * sc and dmin * mn are made per block in the product (one multiply for 8 rows);
+ * dequantization computes them as gguf does, so it is bit-exact.
+ */
+#include "graftlm.h"
+
+#define K4_BYTES(h5) (144 + 32 * (h5))
+
+/* VNNI: u8 x s8 dots of 4 accumulated into int32 in one instruction (AVX-512 VNNI with VL, or
+ * AVX-VNNI); without it maddubs + madd (the int16 sums bounded as each kernel says). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GL_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define GL_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define GL_VNNI 0
+#endif
+
+/* 16 in every byte lane whose bit is set in bits (lane L: bit L), else 0. */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
+#else
+    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
+
+/* 8 bytes -> 8 floats */
+static inline __m256 u8x8_ps(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from a super-block's 12 bytes. */
+static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One GGUF row of Q4_K / Q5_K -> codes (k bytes, 0..31), sc and mn per 32 values, and the raw
+ * float16 d, dmin per 256 (dd[2 sb], dd[2 sb + 1]). */
+static void row_k4(int type, const uint8_t *src, int64_t k, uint8_t *q, uint8_t *sc, uint8_t *mn,
+                   uint16_t *dd) {
+    const int five = type == T_Q5_K, bs = five ? 176 : 144;
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *blk = src + sb * bs, *qh = blk + 16, *ql = blk + (five ? 48 : 16);
+        dd[2 * sb] = rd16(blk);
+        dd[2 * sb + 1] = rd16(blk + 2);
+        for (int j = 0; j < 8; j++) {
+            int s, m;
+            scale_min_k4(j, blk + 4, &s, &m);
+            const int64_t b = sb * 8 + j;
+            sc[b] = (uint8_t)s;
+            mn[b] = (uint8_t)m;
+            const uint8_t *c = ql + (j / 2) * 32;
+            for (int t = 0; t < 32; t++) {
+                const int lo = (j & 1) ? c[t] >> 4 : c[t] & 0xF;
+                q[b * 32 + t] = (uint8_t)(lo | (five ? ((qh[t] >> j) & 1) << 4 : 0));
+            }
+        }
+    }
+}
+
+int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q,
+               uint16_t *d, int nth) {
+    if (type != T_Q4_K && type != T_Q5_K) return 1;
+    const int h5 = type == T_Q5_K;
+    const int64_t kb = k / 32, ks = k / 256, groups = (n + 7) / 8, bs = K4_BYTES(h5);
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        uint8_t *codes = calloc((size_t)(8 * k), 1), *sc = calloc((size_t)(8 * kb), 1);
+        uint8_t *mn = calloc((size_t)(8 * kb), 1);
+        uint16_t *dd = calloc((size_t)(16 * ks), sizeof(uint16_t));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_k4(type, raw + (g * 8 + i) * rowbytes, k, codes + i * k, sc + i * kb, mn + i * kb,
+                   dd + i * 2 * ks);
+        for (int64_t b = 0; b < kb; b++) {
+            uint8_t *w = q + (g * kb + b) * bs, *sm = w + 128 + 32 * h5;
+            memset(w, 0, (size_t)bs);
+            for (int i = 0; i < 8; i++) {
+                sm[i] = sc[i * kb + b];
+                sm[8 + i] = mn[i * kb + b];
+                for (int c = 0; c < 4; c++) {
+                    for (int j = 0; j < 4; j++) {
+                        const int L = 4 * i + j;
+                        const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
+                        w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+                        if (h5) {
+                            w[128 + 8 * c + L / 8] |= (uint8_t)((lo >> 4) << (L % 8));
+                            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)((hi >> 4) << (L % 8));
+                        }
+                    }
+                }
+            }
+        }
+        for (int64_t sb = 0; sb < ks; sb++)
+            for (int i = 0; i < 8; i++) {
+                d[(g * ks + sb) * 16 + i] = dd[i * 2 * ks + 2 * sb];
+                d[(g * ks + sb) * 16 + 8 + i] = dd[i * 2 * ks + 2 * sb + 1];
+            }
+        free(codes);
+        free(sc);
+        free(mn);
+        free(dd);
+    }
+    return 0;
+}
+
+/* Rows ids[i] (or row0 + i) -> out (nrows, k): w = q * (d * sc) + -(dmin * mn), gguf's rounding. */
+void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, const int64_t *ids,
+               int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32, ks = k / 256, bs = K4_BYTES(h5);
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        float *o = out + r * k;
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *w = q + (g * kb + b) * bs, *sm = w + 128 + 32 * h5;
+            const uint16_t *ds = d + (g * ks + b / 8) * 16;
+            const float dd = h2f(ds[i]) * (float)sm[i], mm = -(h2f(ds[8 + i]) * (float)sm[8 + i]);
+            for (int c = 0; c < 4; c++) {
+                for (int j = 0; j < 4; j++) {
+                    const int L = 4 * (int)i + j;
+                    int lo = w[32 * c + L] & 0xF, hi = w[32 * c + L] >> 4;
+                    if (h5) {
+                        lo |= ((w[128 + 8 * c + L / 8] >> (L % 8)) & 1) << 4;
+                        hi |= ((w[128 + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << 4;
+                    }
+                    const float a = (float)lo * dd, e = (float)hi * dd;
+                    o[32 * b + 4 * c + j] = a + mm;
+                    o[32 * b + 16 + 4 * c + j] = e + mm;
+                }
+            }
+        }
+    }
+}
+
+/* Rows of x a tile: with VNNI the R int32 sums and R accumulators; without it, Q5_K's kernel also
+ * holds R int16 sums and takes fewer rows so that they stay in registers. */
+#define K4_MT MT
+#if GL_VNNI
+#define K5_ROWS(R, F) WITH_ROWS(R, F)
+#define K5_MT MT
+#else
+#define K5_ROWS(R, F) WITH_ROWS_U(R, F)
+#define K5_MT MTU
+#endif
+
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k4 / k5 weight. Without VNNI the int16 sums
+ * hold: 8 pairs of 4-bit products (|pair| <= 2 * 15 * 127) a block, 4 of 5-bit ones (2 * 31 * 127)
+ * before they are widened. */
+static inline __attribute__((always_inline)) void k4_group(
+    const uint8_t *qg, const uint16_t *dg, int h5, int64_t kb, const int8_t *xq, const float *xd,
+    const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int64_t bs = K4_BYTES(h5);
+    __m256 acc[MT], dsv = _mm256_setzero_ps(), msv = dsv;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *w = qg + b * bs, *sm = w + 128 + 32 * h5;
+        if ((b & 7) == 0) {
+            dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 16)));
+            msv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 16 + 8)));
+        }
+        const __m256 dv = _mm256_mul_ps(dsv, u8x8_ps(sm)), mv = _mm256_mul_ps(msv, u8x8_ps(sm + 8));
+        __m256i s32[MT];
+#if !GL_VNNI
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i s16[MT];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+#endif
+        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            __m256i lo = _mm256_and_si256(raw, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (h5) {
+                lo = _mm256_or_si256(lo, fifth_bits(w + 128 + 8 * c));
+                hi = _mm256_or_si256(hi, fifth_bits(w + 128 + 8 * c + 4));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+#if GL_VNNI
+                s32[r] = DPBUSD(DPBUSD(s32[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
+#else
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
+                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+                if (h5 ? (c & 1) : c == 3) {
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], ones));
+                    s16[r] = _mm256_setzero_si256();
+                }
+#endif
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* mm_task for a k4 / k5 weight (kind 2; small: Q5_K's fifth bits). */
+static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
+    const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    const int h5 = (int)w->small, mt = h5 ? K5_MT : K4_MT;
+    const int64_t bs = K4_BYTES(h5);
+    for (int64_t r0 = 0; r0 < M; r0 += mt) {
+        const int R = M - r0 < mt ? (int)(M - r0) : mt;
+        const int8_t *xt = xb->xq + r0 * k;
+        const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const uint8_t *qg = (const uint8_t *)w->q + g * kb * bs;
+            const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#define K4(RR) k4_group(qg, dg, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define K5(RR) k4_group(qg, dg, 1, kb, xt, dt, st, RR, yo, n, nv)
+            if (h5) {
+                K5_ROWS(R, K5)
+            } else {
+                WITH_ROWS(R, K4)
+            }
+#undef K4
+#undef K5
+        }
+    }
+}
+
+/* y (M, n) = x (M, k) @ W.T for a k4 (h5 0: Q4_K) or k5 (h5 1: Q5_K) weight of n rows. */
+void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d, int h5,
+              int64_t n, float *y, int nth) {
+    const gl_weight w = {2, 1, 32, h5, n, k, q, d, NULL};
+    proj_alone(&w, x, M, 1, NULL, y, nth);
+}

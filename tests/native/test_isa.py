@@ -1,0 +1,91 @@
+"""The AVX2 variant of the native kernels against the variant this CPU gets (AVX-512, VNNI where
+the CPU has them): the same products, bit for bit, since both sum the same integer dots exactly and
+round the same float operations in the same order. The AVX2 variant is built in a subprocess
+(GRAFTLM_NATIVE_ISA=avx2), so an AVX-512 machine tests both."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from graftlm.native import features, library
+from graftlm.quant import QWeight
+from graftlm.quant.synth import gguf_tensor
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q6_K, Q.Q8_0]
+SHAPE = (40, 512)
+ROWS = (1, 3, 7, 33)  # a decode row, a batch, the tiles' remainders, a prompt
+
+PRODUCTS = """
+import sys, torch
+from gguf import GGMLQuantizationType as Q
+from graftlm.native import features, isa
+from graftlm.quant import QWeight
+from graftlm.quant.synth import gguf_tensor
+torch.set_num_threads(1)
+out = {"isa": isa(), "features": features()}
+for name in sys.argv[2].split(","):
+    qt = Q[name]
+    raw, _ = gguf_tensor(qt, (40, 512), seed=3)
+    w = QWeight.from_gguf(raw, qt, (40, 512), name="w")
+    out[name + ":kernel"] = w.kernel
+    for m in (1, 3, 7, 33):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        out[f"{name}:{m}"] = w.matmul(x)
+    out[name + ":deq"] = w.dequantize()
+torch.save(out, sys.argv[1])
+"""
+
+
+def products(path: Path, isa: str) -> dict[str, object]:
+    env = {**os.environ, "GRAFTLM_NATIVE_ISA": isa}
+    done = subprocess.run(
+        [sys.executable, "-c", PRODUCTS, str(path), ",".join(t.name for t in TYPES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(path)
+
+
+def test_avx2_variant_matches_this_cpus(tmp_path: Path) -> None:
+    if library() is None:
+        pytest.skip("native kernels unavailable here")
+    if not features():
+        pytest.skip("this CPU's variant is the AVX2 one: nothing to compare it with")
+    mine = products(tmp_path / "native.pt", "native")
+    avx2 = products(tmp_path / "avx2.pt", "avx2")
+    assert avx2["isa"] == "avx2" and avx2["features"] == []
+    assert "vnni" in mine["features"] or "avx512bw+vl" in mine["features"]
+    for qt in TYPES:
+        assert mine[qt.name + ":kernel"] == avx2[qt.name + ":kernel"]
+        assert str(mine[qt.name + ":kernel"]).startswith("native-"), qt
+        assert torch.equal(mine[qt.name + ":deq"], avx2[qt.name + ":deq"]), qt
+        for m in ROWS:
+            a, b = mine[f"{qt.name}:{m}"], avx2[f"{qt.name}:{m}"]
+            assert torch.equal(a, b), (qt.name, m, float((a - b).abs().max()))
+
+
+def test_variant_asked_for_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graftlm.native import build
+
+    monkeypatch.setenv("GRAFTLM_NATIVE_ISA", "avx9")
+    with pytest.raises(ValueError, match="GRAFTLM_NATIVE_ISA='avx9'"):
+        build.isa()
+
+
+def test_this_process_products_are_native() -> None:
+    """The in-process weights of the comparison above are the native kernels (not a fallback
+    that would make the comparison vacuous)."""
+    if library() is None:
+        pytest.skip("native kernels unavailable here")
+    raw, _ = gguf_tensor(Q.Q5_K, SHAPE, seed=3)
+    assert QWeight.from_gguf(raw, Q.Q5_K, SHAPE, name="w").kernel == "native-k4"

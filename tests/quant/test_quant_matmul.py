@@ -27,7 +27,8 @@ CASES = [
     (Q.Q5_1, (64, 256), "int4pack2", "int4pack2"),
     (Q.Q5_K, (80, 512), "int4pack2", "native-k4"),
     (Q.Q5_K, (100, 768), "int4pack2", "native-k4"),
-    (Q.Q6_K, (64, 512), "int4pack2", "native-s8"),
+    (Q.Q6_K, (64, 512), "int4pack2", "native-k6"),
+    (Q.Q6_K, (100, 768), "int4pack2", "native-k6"),
     (Q.Q8_0, (256, 640), "int4pack2", "native-s8"),
     (Q.Q8_0, (8192, 64), "int8g", "native-s8"),  # vocabulary-wide (embedding / tied head)
     (Q.Q2_K, (64, 512), "blocks", "blocks"),

@@ -13,7 +13,7 @@ type               kernel        storage (bytes per weight vs file)
 Q4_0, Q4_1         native-u4     4-bit codes + the file's float16 (d, m) per 32 (1.0x)
 Q4_K, Q5_K         native-k4     the super-blocks regrouped by 8 rows (1.03x, 1.02x)
 Q5_0, Q8_0         native-s8     int8 codes + the file's float16 d per 32 (1.45x, 1.0x)
-Q6_K               native-s8     int8 codes + float32 scale per 16 (~1.52x)
+Q6_K               native-k6     the super-blocks regrouped by 8 rows (1.0x)
 =================  ============  ==========================================================
 
 Otherwise, and for every other type:

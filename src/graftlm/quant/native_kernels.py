@@ -1,8 +1,9 @@
 """Quantized weights in the native layouts of ``graftlm/native/csrc/quant.c`` (see its header).
 
 * ``NativeU4Kernel``: Q4_0, Q4_1 as 4-bit codes with a float scale and offset per 32 values.
-* ``NativeK4Kernel``: Q4_K, Q5_K in their super-blocks, at the file's size (csrc/kquant.c).
-* ``NativeS8Kernel``: Q8_0, Q5_0 (scale per 32) and Q6_K (scale per 16) as int8 codes.
+* ``NativeK4Kernel``, ``NativeK6Kernel``: Q4_K, Q5_K and Q6_K in their super-blocks, at the
+  file's size (csrc/kquant.c).
+* ``NativeS8Kernel``: Q8_0, Q5_0 as int8 codes with a scale per 32 values.
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
 llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
@@ -218,16 +219,69 @@ class NativeK4Kernel(NativeKernel):
         return (self.q, self.d)
 
 
+class NativeK6Kernel(NativeKernel):
+    """Semantics: w[n, 16u + j] = (q[n, 16u + j] - 32) * (d[n, u // 16] * sc[n, u]), q in [0, 64);
+    d the file's float16 per 256 values, sc its int8 scale per 16.
+
+    Kept in the super-block form, regrouped by 8 rows: the 4-bit low codes, two bit planes and
+    the scales, 6.5625 bits a weight (the file's size).
+    """
+
+    name = "native-k6"
+    TYPES = (T.Q6_K,)
+
+    def __init__(self, shape: Shape, q: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__(shape)
+        self.q, self.d = q, d  # see csrc/kquant.c for the layout
+        n, k = shape
+        self._view = GlWeight(3, 1, 16, 0, n, k, q.data_ptr(), d.data_ptr(), None)
+        lib = loaded_library()
+        assert lib is not None
+        self._fn = lib.gl_mm_k6
+        self._args = (k, q.data_ptr(), d.data_ptr(), n)
+
+    @classmethod
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        return qtype in cls.TYPES and shape[1] % 256 == 0 and library() is not None
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        lib = library()
+        assert lib is not None
+        n, k = shape
+        groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
+        q = torch.empty(groups * (k // 32) * 208, dtype=torch.uint8)
+        d = torch.empty(groups * (k // 256) * 8, dtype=torch.float16)
+        raw = raw.contiguous()
+        lib.gl_pack_k6(
+            raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), d.data_ptr(), threads()
+        )
+        return cls(shape, q, d)
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        lib = loaded_library()
+        assert lib is not None
+        k = self.shape[1]
+        out = torch.empty(count, k, dtype=torch.float32)
+        lib.gl_deq_k6(
+            self.q.data_ptr(), self.d.data_ptr(), k, _ptr(ids), row0, count, out.data_ptr(),
+            threads(),
+        )  # fmt: skip
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.d)
+
+
 class NativeS8Kernel(NativeKernel):
     """Semantics: w[n, i] = q[n, i] * s[n, i // sblk], q int8.
 
-    Q8_0: q, s = d as in the file (sblk 32).  Q5_0: q = code - 16 (sblk 32).  Q6_K: q = code - 32,
-    s = d_super * sc (sblk 16).  Memory: 1 B + 2 B per 32 values (Q8_0, Q5_0: float16 scales), or
-    1 B + 4 B per 16 (Q6_K).
+    Q8_0: q, s = d as in the file.  Q5_0: q = code - 16.  1 B + 2 B (the file's float16 d) per
+    32 values.
     """
 
     name = "native-s8"
-    TYPES = (T.Q8_0, T.Q5_0, T.Q6_K)
+    TYPES = (T.Q8_0, T.Q5_0)
 
     def __init__(
         self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int, small: bool = False
@@ -251,7 +305,7 @@ class NativeS8Kernel(NativeKernel):
         lib = library()
         assert lib is not None
         n, k = shape
-        sblk = 16 if qtype == T.Q6_K else 32
+        sblk = 32
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         q = torch.empty(n8, k, dtype=torch.int8)

@@ -20,7 +20,12 @@ from graftlm.quant.kernels import (
     Int8GroupKernel,
     ReferenceKernel,
 )
-from graftlm.quant.native_kernels import NativeK4Kernel, NativeS8Kernel, NativeU4Kernel
+from graftlm.quant.native_kernels import (
+    NativeK4Kernel,
+    NativeK6Kernel,
+    NativeS8Kernel,
+    NativeU4Kernel,
+)
 
 # Tried in order; the first kernel that accepts (type, shape) holds the weight.  The model never
 # looks at quantization types: it only ever calls QWeight.matmul / rows.
@@ -28,6 +33,7 @@ FAST_KERNELS: list[type[Kernel]] = [
     DenseKernel,
     NativeU4Kernel,  # accept only where the native library built (AVX2 + a C compiler)
     NativeK4Kernel,
+    NativeK6Kernel,
     NativeS8Kernel,
     Int8GroupKernel,
     Int4PackKernel,

@@ -3,7 +3,7 @@
  * graftlm.c includes the files of each concern, so the compiler sees (and inlines across) them all
  * as it saw the one file they were:
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
- *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K), the same three
+ *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
@@ -44,7 +44,7 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5 (q, d: kquant.c) */
+    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 (q, d: kquant.c) */
     int64_t half, sblk, small, n, k;
     const void *q, *d, *m;
 } gl_weight;
@@ -151,6 +151,12 @@ GL_API void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, co
                       int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
                      int h5, int64_t n, float *y, int nth);
+GL_API int gl_pack_k6(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q,
+                      uint16_t *d, int nth);
+GL_API void gl_deq_k6(const uint8_t *q, const uint16_t *d, int64_t k, const int64_t *ids,
+                      int64_t row0, int64_t nrows, float *out, int nth);
+GL_API void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
+                     int64_t n, float *y, int nth);
 
 /* attn.c */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
@@ -325,6 +331,19 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
 
 /* ---------------------------------------------------------------- between the files of the unit */
 
+/* VNNI: u8 x s8 dots of 4 accumulated into int32 in one instruction (AVX-512 VNNI with VL, or
+ * AVX-VNNI); without it maddubs + madd (the int16 sums bounded as each kernel says). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GL_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define GL_VNNI 1
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define GL_VNNI 0
+#endif
+
+
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
 #define MT 6  /* rows of x per tile: their accumulators live in registers */
 #define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */
@@ -360,8 +379,9 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
                        float *xs16, int nth);
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
-/* kquant.c: mm_task for the weights of kind 2 */
+/* kquant.c: mm_task for the weights of kind 2 and 3 */
 static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
+static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
     int R, float *y, int64_t ldy, int64_t nvalid);

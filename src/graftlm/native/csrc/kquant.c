@@ -1,4 +1,4 @@
-/* The K-quant super-block formats kept at the file's size: k4 (Q4_K) and k5 (Q5_K).
+/* The K-quant super-block formats kept at the file's size: k4 (Q4_K), k5 (Q5_K) and k6 (Q6_K).
  *
  * A Q4_K / Q5_K super-block of 256 values has float16 d and dmin, and per 32 values a 6-bit scale
  * sc and min mn: w = q * (d * sc) - dmin * mn, q in 0..15 (Q4_K) or 0..31 (Q5_K). Repacked at
@@ -13,37 +13,34 @@
  * 4.625 bits a weight for Q4_K (the file: 4.5), 5.625 for Q5_K (5.5): what a decode step reads.
  * The scales d * sc and dmin * mn are made per block in the product (one multiply for 8 rows);
  * dequantization computes them as gguf does, so it is bit-exact.
+ *
+ * Q6_K: w = (d * sc) * (q - 32), q in 0..63, d float16 per 256 values, sc int8 per 16. k6 keeps
+ *   q: per (g, b), 208 bytes: the low 4 bits as above; the fifth bits at 128 and the sixth at
+ *      160, each plane laid out as Q5_K's; then sc of the 8 rows for values 0..15 of the block
+ *      (the low nibbles) and for 16..31 (the high nibbles), int8
+ *   d: per (g, super-block), the 8 rows' d (float16)
+ * 6.5625 bits a weight, the file's own size.
  */
 #include "graftlm.h"
 
 #define K4_BYTES(h5) (144 + 32 * (h5))
 
-/* VNNI: u8 x s8 dots of 4 accumulated into int32 in one instruction (AVX-512 VNNI with VL, or
- * AVX-VNNI); without it maddubs + madd (the int16 sums bounded as each kernel says). */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define GL_VNNI 1
-#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#elif defined(__AVXVNNI__)
-#define GL_VNNI 1
-#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#else
-#define GL_VNNI 0
-#endif
-
-/* 16 in every byte lane whose bit is set in bits (lane L: bit L), else 0. */
-static inline __m256i fifth_bits(const uint8_t *p) {
+/* value in every byte lane whose bit is set in the uint32 at p (lane L: bit L), else 0. */
+static inline __m256i plane_bits(const uint8_t *p, char value) {
     uint32_t bits;
     memcpy(&bits, p, 4);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(value));
 #else
     const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), sel);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(value));
 #endif
 }
+
+static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
 
 /* 8 bytes -> 8 floats */
 static inline __m256 u8x8_ps(const uint8_t *p) {
@@ -256,5 +253,187 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
 void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d, int h5,
               int64_t n, float *y, int nth) {
     const gl_weight w = {2, 1, 32, h5, n, k, q, d, NULL};
+    proj_alone(&w, x, M, 1, NULL, y, nth);
+}
+
+/* ---------------------------------------------------------------- k6: Q6_K */
+
+#define K6_BYTES 208
+
+/* One GGUF row of Q6_K -> codes (k bytes, 0..63), sc per 16 values, the raw float16 d per 256. */
+static void row_q6(const uint8_t *src, int64_t k, uint8_t *q, int8_t *sc, uint16_t *dd) {
+    for (int64_t sb = 0; sb < k / 256; sb++) { /* ql[128] qh[64] scales[16] d */
+        const uint8_t *blk = src + sb * 210;
+        dd[sb] = rd16(blk + 208);
+        memcpy(sc + sb * 16, blk + 192, 16);
+        uint8_t *y = q + sb * 256;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
+            for (int l = 0; l < 32; l++) {
+                y[h * 128 + l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                y[h * 128 + l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                y[h * 128 + l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                y[h * 128 + l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        }
+    }
+}
+
+int gl_pack_k6(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q, uint16_t *d,
+               int nth) {
+    const int64_t kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        uint8_t *codes = calloc((size_t)(8 * k), 1);
+        int8_t *sc = calloc((size_t)(8 * kb * 2), 1);
+        uint16_t *dd = calloc((size_t)(8 * ks), sizeof(uint16_t));
+        for (int i = 0; i < 8 && g * 8 + i < n; i++)
+            row_q6(raw + (g * 8 + i) * rowbytes, k, codes + i * k, sc + i * kb * 2, dd + i * ks);
+        for (int64_t b = 0; b < kb; b++) {
+            uint8_t *w = q + (g * kb + b) * K6_BYTES;
+            int8_t *sm = (int8_t *)(w + 192);
+            memset(w, 0, K6_BYTES);
+            for (int i = 0; i < 8; i++) {
+                sm[i] = sc[i * kb * 2 + 2 * b];
+                sm[8 + i] = sc[i * kb * 2 + 2 * b + 1];
+                for (int c = 0; c < 4; c++) {
+                    for (int j = 0; j < 4; j++) {
+                        const int L = 4 * i + j;
+                        const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
+                        w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+                        for (int p = 0; p < 2; p++) {
+                            w[128 + 32 * p + 8 * c + L / 8] |= (uint8_t)(((lo >> (4 + p)) & 1) << (L % 8));
+                            w[128 + 32 * p + 8 * c + 4 + L / 8] |= (uint8_t)(((hi >> (4 + p)) & 1) << (L % 8));
+                        }
+                    }
+                }
+            }
+        }
+        for (int64_t sb = 0; sb < ks; sb++)
+            for (int i = 0; i < 8; i++) d[(g * ks + sb) * 8 + i] = dd[i * ks + sb];
+        free(codes);
+        free(sc);
+        free(dd);
+    }
+    return 0;
+}
+
+/* Rows ids[i] (or row0 + i) -> out (nrows, k): w = (q - 32) * (d * sc), gguf's rounding. */
+void gl_deq_k6(const uint8_t *q, const uint16_t *d, int64_t k, const int64_t *ids, int64_t row0,
+               int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32, ks = k / 256;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
+        float *o = out + r * k;
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *w = q + (g * kb + b) * K6_BYTES;
+            const int8_t *sm = (const int8_t *)(w + 192);
+            const float dk = h2f(d[(g * ks + b / 8) * 8 + i]);
+            const float s0 = dk * (float)sm[i], s1 = dk * (float)sm[8 + i];
+            for (int c = 0; c < 4; c++) {
+                for (int j = 0; j < 4; j++) {
+                    const int L = 4 * (int)i + j;
+                    int lo = w[32 * c + L] & 0xF, hi = w[32 * c + L] >> 4;
+                    for (int p = 0; p < 2; p++) {
+                        lo |= ((w[128 + 32 * p + 8 * c + L / 8] >> (L % 8)) & 1) << (4 + p);
+                        hi |= ((w[128 + 32 * p + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << (4 + p);
+                    }
+                    o[32 * b + 4 * c + j] = (float)(lo - 32) * s0;
+                    o[32 * b + 16 + 4 * c + j] = (float)(hi - 32) * s1;
+                }
+            }
+        }
+    }
+}
+
+/* 8 int8 -> 8 floats */
+static inline __m256 s8x8_ps(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+#if GL_VNNI
+#define K6_ROWS(R, F) WITH_ROWS(R, F)
+#define K6_MT MT
+#else
+#define K6_ROWS(R, F) WITH_ROWS_U(R, F)
+#define K6_MT MTU
+#endif
+
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k6 weight. The unsigned codes q = w / s + 32
+ * go into the dots as they are, and -32 s sum(x) per 16 values corrects them; without VNNI each
+ * maddubs is widened alone (|pair| <= 2 * 63 * 127: two would overflow int16). */
+static inline __attribute__((always_inline)) void k6_block_group(
+    const uint8_t *qg, const uint16_t *dg, int64_t kb, const int8_t *xq, const float *xd,
+    const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if !GL_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 acc[MT], dsv = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *w = qg + b * K6_BYTES;
+        if ((b & 7) == 0) dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 8)));
+        const __m256 s0 = _mm256_mul_ps(dsv, s8x8_ps((const int8_t *)w + 192));
+        const __m256 s1 = _mm256_mul_ps(dsv, s8x8_ps((const int8_t *)w + 200));
+        __m256i lo32[MT], hi32[MT];
+        for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+            const __m256i lo = _mm256_or_si256(
+                _mm256_and_si256(raw, m4),
+                _mm256_or_si256(plane_bits(w + 128 + 8 * c, 16), plane_bits(w + 160 + 8 * c, 32)));
+            const __m256i hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                _mm256_or_si256(plane_bits(w + 132 + 8 * c, 16), plane_bits(w + 164 + 8 * c, 32)));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+#if GL_VNNI
+                lo32[r] = DPBUSD(lo32[r], lo, bcast4(xb + 4 * c));
+                hi32[r] = DPBUSD(hi32[r], hi, bcast4(xb + 16 + 4 * c));
+#else
+                lo32[r] = _mm256_add_epi32(lo32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)), ones));
+                hi32[r] = _mm256_add_epi32(hi32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)), ones));
+#endif
+            }
+        }
+        const __m256 m0 = _mm256_mul_ps(s0, _mm256_set1_ps(32.0f)), m1 = _mm256_mul_ps(s1, _mm256_set1_ps(32.0f));
+        for (int r = 0; r < R; r++) {
+            const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
+            const float *x16 = xs16 + (r * kb + b) * 2;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo32[r]), _mm256_mul_ps(s0, xdv), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi32[r]), _mm256_mul_ps(s1, xdv), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(m0, _mm256_set1_ps(x16[0]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(m1, _mm256_set1_ps(x16[1]), acc[r]);
+        }
+    }
+    store_group(acc, R, y, ldy, nvalid);
+}
+
+/* mm_task for a k6 weight (kind 3). */
+static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
+    const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    for (int64_t r0 = 0; r0 < M; r0 += K6_MT) {
+        const int R = M - r0 < K6_MT ? (int)(M - r0) : K6_MT;
+        const int8_t *xt = xb->xq + r0 * k;
+        const float *dt = xb->xd + r0 * kb, *st = xb->xs16 + r0 * kb * 2;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const uint8_t *qg = (const uint8_t *)w->q + g * kb * K6_BYTES;
+            const uint16_t *dg = (const uint16_t *)w->d + g * ks * 8;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#define K6(RR) k6_block_group(qg, dg, kb, xt, dt, st, RR, yo, n, nv)
+            K6_ROWS(R, K6)
+#undef K6
+        }
+    }
+}
+
+/* y (M, n) = x (M, k) @ W.T for a k6 weight of n rows. */
+void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d, int64_t n,
+              float *y, int nth) {
+    const gl_weight w = {3, 1, 16, 0, n, k, q, d, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }

@@ -4,8 +4,9 @@
  *   u4: Q4_0, Q4_1.  4-bit codes q in 0..15 with a float scale d and offset m per 32
  *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for both types).
  *       (Q4_K and Q5_K keep their super-blocks: kquant.c.)
- *   s8: Q8_0, Q5_0 (scale per 32 values), Q6_K (scale per 16).  One int8 code per value and a
- *       float scale per block: w = q * s   (bit-exact likewise).
+ *   s8: Q8_0, Q5_0 (scale per 32 values; s8_group also reads a scale per 16).  One int8 code
+ *       per value and a float scale per block: w = q * s   (bit-exact likewise).
+ *       (Q6_K keeps its super-blocks: kquant.c.)
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
  * Q8_1 activations do) and accumulate the integer dot products of each block in float:
  *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
@@ -14,7 +15,7 @@
  */
 #include "graftlm.h"
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13 };
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -93,23 +94,6 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s)
                 o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
             }
         }
-    } else { /* Q6_K: ql[128] qh[64] scales[16] d, 210 bytes per 256 values */
-        for (int64_t sb = 0; sb < k / 256; sb++) {
-            const uint8_t *blk = src + sb * 210;
-            const float dk = h2f(rd16(blk + 208));
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int j = 0; j < 16; j++) s[sb * 16 + j] = dk * (float)sc[j];
-            int8_t *y = o + sb * 256;
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
-                for (int l = 0; l < 32; l++) {
-                    y[h * 128 + l] = (int8_t)(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
-                    y[h * 128 + l + 32] = (int8_t)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                    y[h * 128 + l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                    y[h * 128 + l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
-                }
-            }
-        }
     }
 }
 
@@ -151,7 +135,7 @@ int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
 
 int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
                void *s, int h, int nth) {
-    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = type == T_Q6_K ? k / 16 : k / 32;
+    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = k / 32;
     int inexact = 0;
 #pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
     for (int64_t g = 0; g < groups; g++) {
@@ -284,7 +268,10 @@ static inline __m256i bcast4(const int8_t *p) {
 static inline __attribute__((always_inline)) void u4_group(
     const uint8_t *qs, const void *d, const void *m, int h, int64_t kb, const int8_t *xq,
     const float *xd, const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if !GL_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
@@ -297,14 +284,22 @@ static inline __attribute__((always_inline)) void u4_group(
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32;
+#if GL_VNNI /* s16 holds int32 sums here */
+                s16[r] = DPBUSD(DPBUSD(s16[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
+#else
                 /* |pair| <= 2 * 15 * 127: eight of them still fit in int16 */
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+#endif
             }
         }
         const __m256 dv = load_scales8(d, b * 8, h), mv = load_scales8(m, b * 8, h);
         for (int r = 0; r < R; r++) {
+#if GL_VNNI
+            const __m256 isum = _mm256_cvtepi32_ps(s16[r]);
+#else
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+#endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
         }
@@ -316,7 +311,9 @@ static inline __attribute__((always_inline)) void u4_group(
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
     int R, float *y, int64_t ldy, int64_t nvalid) {
+#if !GL_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
@@ -328,7 +325,11 @@ static inline __attribute__((always_inline)) void s8_group(
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int r = 0; r < R; r++) {
                 const __m256i xv = bcast4(xq + (r * kb + b) * 32 + 4 * c);
+#if GL_VNNI
+                const __m256i p = DPBUSD(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
+#else
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+#endif
                 if (sblk == 32 || c < 4)
                     i0[r] = _mm256_add_epi32(i0[r], p);
                 else
@@ -371,7 +372,10 @@ static inline __attribute__((always_inline)) __m256i dot_pair(const __m256i *v, 
 static inline __attribute__((always_inline)) void s5_group(
     const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(16);
+    const __m256i off = _mm256_set1_epi8(16);
+#if !GL_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[MTU];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
@@ -382,42 +386,20 @@ static inline __attribute__((always_inline)) void s5_group(
             load_half(w + 128 * half, off, v);
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
+#if GL_VNNI
+                __m256i t = half ? s32[r] : _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) t = DPBUSD(t, v[c], bcast4(xb + 4 * c));
+                s32[r] = t;
+#else
                 const __m256i t = _mm256_madd_epi16(_mm256_add_epi16(dot_pair(v, xb), dot_pair(v + 2, xb + 8)), ones);
                 s32[r] = half ? _mm256_add_epi32(s32[r], t) : t;
+#endif
             }
         }
         const __m256 sv = load_scales8(s, b * 8, h), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-16.0f));
         for (int r = 0; r < R; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
-        }
-    }
-    store_group(acc, R, y, ldy, nvalid);
-}
-
-/* The same for Q6_K's codes (q in [-32, 31], a scale per 16 values): q + 32 is a byte in [0, 63]
- * (|pair| <= 2 * 63 * 127, two of them fit in int16) and -32 * s * sum(x) per 16 values corrects
- * the offset. */
-static inline __attribute__((always_inline)) void k6_group(
-    const int8_t *q, const void *s, int64_t kb, const int8_t *xq, const float *xd,
-    const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi8(32);
-    __m256 acc[MTU];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < kb; b++) {
-        const int8_t *w = q + b * 256;
-        for (int half = 0; half < 2; half++) {
-            __m256i v[4];
-            load_half(w + 128 * half, off, v);
-            const __m256 sv = load_scales8(s, b * 16 + 8 * half, 0), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-32.0f));
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
-                /* each pair widened alone: |2 maddubs| <= 4 * 63 * 127 fits in int16, 4 would not */
-                const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(dot_pair(v, xb), ones),
-                                                     _mm256_madd_epi16(dot_pair(v + 2, xb + 8), ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
-                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs16[(r * kb + b) * 2 + half]), acc[r]);
-            }
         }
     }
     store_group(acc, R, y, ldy, nvalid);
@@ -440,8 +422,8 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int h = (int)w->half;
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
-    if (w->kind == 2) {
-        k4_task(w, xb, M, t, y);
+    if (w->kind == 2 || w->kind == 3) {
+        (w->kind == 2 ? k4_task : k6_task)(w, xb, M, t, y);
         return;
     }
     if (w->kind == 0) {
@@ -471,7 +453,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     /* s8; small: the codes are Q5_0's (|q| <= 16), the unsigned path of s5_group */
     const int8_t *q = (const int8_t *)w->q;
     const int64_t sblk = w->sblk, ns = k / sblk;
-    const int small = (int)w->small, mt = small || sblk == 16 ? MTU : MT;
+    const int small = (int)w->small, mt = small ? MTU : MT;
     for (int64_t r0 = 0; r0 < M; r0 += mt) {
         const int R = M - r0 < mt ? (int)(M - r0) : mt;
         const int8_t *xt = xb->xq + r0 * k;
@@ -485,23 +467,19 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
 #define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
-#define S8K(RR) k6_group(qg, sg, kb, xt, dt, xb->xs16 + r0 * kb * 2, RR, yo, n, nv)
             if (small && h) {
                 WITH_ROWS_U(R, S5H)
             } else if (small) {
                 WITH_ROWS_U(R, S5F)
             } else if (sblk == 32 && h) {
                 WITH_ROWS(R, S8H)
-            } else if (sblk == 32) {
-                WITH_ROWS(R, S8F)
             } else {
-                WITH_ROWS_U(R, S8K)
+                WITH_ROWS(R, S8F)
             }
 #undef S5H
 #undef S5F
 #undef S8H
 #undef S8F
-#undef S8K
         }
     }
 }

@@ -5,8 +5,14 @@
 
 Each round runs `llama-bench -t 2` and `graftlm bench -t 2 --no-llama-cpp` one after the other
 (the order flips every round); the table gives the median tokens per second of each over the
-rounds and graftlm / llama.cpp. A model of a realistic size: `python bench/vs_llama_cpp.py
---write-1b DIR` writes a random-weight Llama-3.2-1B-shaped Q4_0 file with the tests' writer.
+rounds and graftlm / llama.cpp. `-m` may be given several times (one table row per model and
+test). Models of realistic sizes: `bench/real_shapes.py` (random weights, real shapes, llama.cpp's
+quant mixes); `--write-1b DIR` writes the older Llama-3.2-1B-shaped Q4_0 file.
+
+`--bandwidth` also measures the machine's read bandwidth (a 1 GiB float32 sum on 2 threads, the
+best of 5, before and after the runs; the higher is used) and, for each decode test, the share of it each engine
+reaches: tokens/s x the bytes a token reads (every tensor of the file except an untied
+embedding, of which a token reads one row) / bandwidth.
 """
 
 from __future__ import annotations
@@ -47,6 +53,32 @@ def graftlm(model: str, p: int, n: int, r: int) -> dict[str, float]:
     }
 
 
+def bandwidth() -> float:
+    """Read bandwidth in bytes/s: a 1 GiB float32 sum on 2 threads, the best of 5."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(2)
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def token_bytes(model: str) -> int:
+    """The bytes one decode token reads: every tensor but an untied token embedding."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+
+
 def write_1b(folder: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from gguf import GGMLQuantizationType as Q
@@ -60,30 +92,51 @@ def write_1b(folder: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bench", type=Path)
-    ap.add_argument("-m", "--model")
+    ap.add_argument("-m", "--model", action="append", required=False)
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--write-1b", type=Path, metavar="DIR")
+    ap.add_argument("--bandwidth", action="store_true", help="measure read bandwidth too")
     args = ap.parse_args()
     if args.write_1b:
         print(write_1b(args.write_1b))
         return
-    runs: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "graftlm": []}
-    for i in range(args.rounds):
-        for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
-            if who == "llama.cpp":
-                runs[who].append(llama_cpp(args.llama_bench, args.model, args.p, args.n, args.r))
+    bw = [bandwidth()] if args.bandwidth else []
+    rows = []
+    for model in args.model:
+        runs: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "graftlm": []}
+        for i in range(args.rounds):
+            for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
+                if who == "llama.cpp":
+                    runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r))
+                else:
+                    runs[who].append(graftlm(model, args.p, args.n, args.r))
+        for test in runs["graftlm"][0]:
+            a = statistics.median(r[test] for r in runs["llama.cpp"])
+            b = statistics.median(r[test] for r in runs["graftlm"])
+            rows.append((Path(model).name, test, a, b, token_bytes(model)))
+    if args.bandwidth:
+        bw.append(bandwidth())
+    print(f"2 threads, {args.rounds} rounds alternated, median t/s")
+    if bw:
+        print(f"read bandwidth: {bw[0] / 1e9:.1f} GB/s before, {bw[1] / 1e9:.1f} after")
+    print()
+    head = "| model | test | llama.cpp | graftlm | graftlm / llama.cpp |"
+    print(head + (" bytes/token | llama.cpp % bw | graftlm % bw |" if bw else ""))
+    print("|" + " --- |" * (8 if bw else 5))
+    for name, test, a, b, nbytes in rows:
+        line = f"| {name} | {test} | {a:.1f} | {b:.1f} | {b / a:.2f} |"
+        if bw:
+            share = "" if not test.startswith("tg") else f"{nbytes / 2**20:.0f} MiB | "
+            if test.startswith("tg"):
+                peak = max(bw)
+                share += f"{100 * a * nbytes / peak:.0f}% | {100 * b * nbytes / peak:.0f}% |"
             else:
-                runs[who].append(graftlm(args.model, args.p, args.n, args.r))
-    print(f"{Path(args.model).name}, 2 threads, {args.rounds} rounds alternated, median t/s\n")
-    print("| test | llama.cpp | graftlm | graftlm / llama.cpp |")
-    print("| --- | --- | --- | --- |")
-    for test in runs["graftlm"][0]:
-        a = statistics.median(r[test] for r in runs["llama.cpp"])
-        b = statistics.median(r[test] for r in runs["graftlm"])
-        print(f"| {test} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+                share = " | | |"
+            line += " " + share
+        print(line)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ CASES = [
     (Q.Q4_1, (192, 576), "int4pack", "native-u4"),
     (Q.Q4_K, (64, 512), "int4pack", "native-k4"),
     (Q.Q4_K, (100, 768), "int4pack", "native-k4"),  # a padded row group
-    (Q.Q5_0, (256, 640), "int4pack2", "native-s8"),
-    (Q.Q5_1, (64, 256), "int4pack2", "int4pack2"),
+    (Q.Q5_0, (256, 640), "int4pack2", "native-u4"),
+    (Q.Q5_0, (100, 896), "int4pack2", "native-u4"),  # a padded row group
+    (Q.Q5_1, (64, 256), "int4pack2", "native-u4"),
+    (Q.Q5_1, (100, 896), "int4pack2", "native-u4"),
     (Q.Q5_K, (80, 512), "int4pack2", "native-k4"),
     (Q.Q5_K, (100, 768), "int4pack2", "native-k4"),
     (Q.Q6_K, (64, 512), "int4pack2", "native-k6"),

@@ -1,9 +1,10 @@
 """Quantized weights in the native layouts of ``graftlm/native/csrc/quant.c`` (see its header).
 
-* ``NativeU4Kernel``: Q4_0, Q4_1 as 4-bit codes with a float scale and offset per 32 values.
+* ``NativeU4Kernel``: Q4_0, Q4_1 (Q5_0, Q5_1) as 4-bit codes (and a plane of fifth bits) with a
+  float16 scale and offset per 32 values.
 * ``NativeK4Kernel``, ``NativeK6Kernel``: Q4_K, Q5_K and Q6_K in their super-blocks, at the
   file's size (csrc/kquant.c).
-* ``NativeS8Kernel``: Q8_0, Q5_0 as int8 codes with a scale per 32 values.
+* ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values.
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
 llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
@@ -100,33 +101,42 @@ class NativeKernel(Kernel):
 
 
 # types whose scales (and Q4_1's offsets) are the file's float16 values: stored as float16
-F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
+F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 
 
 class NativeU4Kernel(NativeKernel):
-    """Semantics: w[n, 32b + j] = q[n, 32b + j] * d[n, b] + m[n, b], q in [0, 16).
+    """Semantics: w[n, 32b + j] = q[n, 32b + j] * d[n, b] + m[n, b], q in [0, 16) (Q4_0, Q4_1)
+    or [0, 32) (Q5_0, Q5_1: the fifth bits in a plane beside the 4-bit codes).
 
-    Q4_0: d = file d, m = -8 d.  Q4_1: d, m as in the file.  d and m are kept as float16 (0.5 B
-    + 4 B per 32 values, the file's size).
+    Q4_0 / Q5_0: d = file d, m = -8 d / -16 d.  Q4_1 / Q5_1: d, m as in the file.  d and m are
+    kept as float16 (the file's size, with m: 0.5 B more per 32 values for Q4_0 and Q5_0).
     """
 
     name = "native-u4"
-    TYPES = (T.Q4_0, T.Q4_1)
+    TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+    OFFSET = {T.Q4_0: 8, T.Q5_0: 16}  # dequantized as (q - offset) * d, gguf's exact expression
 
     def __init__(
-        self, shape: Shape, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, offset: int
+        self,
+        shape: Shape,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        offset: int,
+        five: bool,
     ) -> None:
         super().__init__(shape)
         self.qs, self.d, self.m = qs, d, m  # interleaved by 8 rows (see csrc/quant.c)
-        self.half = int(d.dtype == torch.float16)
-        n, kk = shape
-        self._view = GlWeight(0, self.half, 0, 0, n, kk, qs.data_ptr(), d.data_ptr(), m.data_ptr())
-        self.offset = offset  # 8 for Q4_0: dequantize as (q - 8) * d, gguf's exact expression
+        self.half, self.five = int(d.dtype == torch.float16), int(five)
+        n, k = shape
+        self._view = GlWeight(
+            0, self.half, 32, self.five, n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr()
+        )
+        self.offset = offset
         lib = loaded_library()
         assert lib is not None
-        n, k = shape
         self._fn = lib.gl_mm_u4
-        self._args = (k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), self.half, n)
+        self._args = (k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), self.half, self.five, n)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -135,7 +145,8 @@ class NativeU4Kernel(NativeKernel):
         n, k = shape
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
-        qs = torch.empty(n8, k // 2, dtype=torch.uint8)
+        five = qtype in (T.Q5_0, T.Q5_1)
+        qs = torch.empty(n8, k // 2 + (k // 8 if five else 0), dtype=torch.uint8)
         d, m = _pack_scales(
             qtype, (n8, k // 32),
             lambda dm: lib.gl_pack_u4(
@@ -144,7 +155,7 @@ class NativeU4Kernel(NativeKernel):
             ),
             2,
         )  # fmt: skip
-        return cls(shape, qs, d, m, 8 if qtype == T.Q4_0 else 0)
+        return cls(shape, qs, d, m, cls.OFFSET.get(qtype, 0), five)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()
@@ -152,7 +163,8 @@ class NativeU4Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_u4(
-            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.half, self.offset, k,
+            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.half, self.five,
+            self.offset, k,
             _ptr(ids), row0, count, out.data_ptr(), threads(),
         )  # fmt: skip
         return out
@@ -276,29 +288,22 @@ class NativeK6Kernel(NativeKernel):
 class NativeS8Kernel(NativeKernel):
     """Semantics: w[n, i] = q[n, i] * s[n, i // sblk], q int8.
 
-    Q8_0: q, s = d as in the file.  Q5_0: q = code - 16.  1 B + 2 B (the file's float16 d) per
-    32 values.
+    Q8_0: q, s = d as in the file: 1 B + 2 B (the file's float16 d) per 32 values.
     """
 
     name = "native-s8"
-    TYPES = (T.Q8_0, T.Q5_0)
+    TYPES = (T.Q8_0,)
 
-    def __init__(
-        self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int, small: bool = False
-    ) -> None:
+    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
         super().__init__(shape)
-        self.small = int(small)  # Q5_0's codes (|q| <= 16): the kernel's faster unsigned path
         self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see csrc/quant.c)
         self.half = int(s.dtype == torch.float16)
-        n, kk = shape
-        self._view = GlWeight(
-            1, self.half, sblk, self.small, n, kk, q.data_ptr(), s.data_ptr(), None
-        )
+        n, k = shape
+        self._view = GlWeight(1, self.half, sblk, 0, n, k, q.data_ptr(), s.data_ptr(), None)
         lib = loaded_library()
         assert lib is not None
-        n, k = shape
         self._fn = lib.gl_mm_s8
-        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, self.small, n)
+        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, n)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -317,7 +322,7 @@ class NativeS8Kernel(NativeKernel):
             ),
             1,
         )  # fmt: skip
-        return cls(shape, q, s, sblk, small=qtype == T.Q5_0)
+        return cls(shape, q, s, sblk)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()

@@ -44,7 +44,8 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 (q, d: kquant.c) */
+    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 (q, d: kquant.c) */
+    /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes) */
     int64_t half, sblk, small, n, k;
     const void *q, *d, *m;
 } gl_weight;
@@ -134,15 +135,15 @@ GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n,
                       uint8_t *qs, void *d, void *m, int h, int nth);
 GL_API int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
                       int8_t *q, void *s, int h, int nth);
-GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset,
+GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, int offset,
                       int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out,
                       int nth);
 GL_API void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k,
                       const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
-                     const void *m, int h, int64_t n, float *y, int nth);
+                     const void *m, int h, int h5, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
-                     int sblk, int small, int64_t n, float *y, int nth);
+                     int sblk, int64_t n, float *y, int nth);
 
 /* kquant.c */
 GL_API int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -343,6 +344,24 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
 #define GL_VNNI 0
 #endif
 
+
+/* The bit planes of 5- and 6-bit codes (quant.c's u5, kquant.c's k5 and k6). */
+/* value in every byte lane whose bit is set in the uint32 at p (lane L: bit L), else 0. */
+static inline __m256i plane_bits(const uint8_t *p, char value) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(value));
+#else
+    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(value));
+#endif
+}
+
+static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
 
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
 #define MT 6  /* rows of x per tile: their accumulators live in registers */

@@ -25,23 +25,6 @@
 
 #define K4_BYTES(h5) (144 + 32 * (h5))
 
-/* value in every byte lane whose bit is set in the uint32 at p (lane L: bit L), else 0. */
-static inline __m256i plane_bits(const uint8_t *p, char value) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(value));
-#else
-    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), sel);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(value));
-#endif
-}
-
-static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
-
 /* 8 bytes -> 8 floats */
 static inline __m256 u8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));

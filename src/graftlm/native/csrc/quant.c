@@ -1,12 +1,12 @@
 /* The quantized weights: repacking at load, exact dequantization, the products.
  *
  * Two weight formats, both repacked once at load from GGUF blocks (layouts: see gl_pack_u4):
- *   u4: Q4_0, Q4_1.  4-bit codes q in 0..15 with a float scale d and offset m per 32
- *       values: w = q * d + m   (bit-exact with gguf.quants.dequantize for both types).
- *       (Q4_K and Q5_K keep their super-blocks: kquant.c.)
- *   s8: Q8_0, Q5_0 (scale per 32 values; s8_group also reads a scale per 16).  One int8 code
- *       per value and a float scale per block: w = q * s   (bit-exact likewise).
- *       (Q6_K keeps its super-blocks: kquant.c.)
+ *   u4: Q4_0, Q4_1 (u5: Q5_0, Q5_1).  4-bit (5-bit) codes q in 0..15 (0..31) with a float
+ *       scale d and offset m per 32 values: w = q * d + m   (bit-exact with
+ *       gguf.quants.dequantize for the four types).
+ *       (Q4_K, Q5_K and Q6_K keep their super-blocks: kquant.c.)
+ *   s8: Q8_0 (scale per 32 values; s8_group also reads a scale per 16).  One int8 code per
+ *       value and a float scale per block: w = q * s   (bit-exact likewise).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
  * Q8_1 activations do) and accumulate the integer dot products of each block in float:
  *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
@@ -15,7 +15,9 @@
  */
 #include "graftlm.h"
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13 };
+
+#define U4_BYTES(h5) (128 + 32 * (h5)) /* a block of 8 rows: the 4-bit codes, u5's fifth bits */
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -62,16 +64,20 @@ static inline __m256 load_scales8(const void *src, int64_t idx, int h) {
              : _mm256_loadu_ps((const float *)src + idx);
 }
 
-/* One GGUF row of a u4 type -> codes (k bytes, 0..15), d and m per 32 values. */
+/* One GGUF row of a u4 / u5 type -> codes (k bytes, 0..15 or 0..31), d and m per 32 values.
+ * Q4_0 and Q5_0 have no m: m = -8 d, -16 d (dequantization subtracts the offset instead). */
 static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d, float *m) {
-    const int bs = type == T_Q4_0 ? 18 : 20;
+    const int bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int five = type == T_Q5_0 || type == T_Q5_1, has_m = type == T_Q4_1 || type == T_Q5_1;
     for (int64_t b = 0; b < k / 32; b++) {
         const uint8_t *blk = src + b * bs, *qs = blk + bs - 16;
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, qs - 4, 4);
         d[b] = h2f(rd16(blk));
-        m[b] = type == T_Q4_0 ? -8.0f * d[b] : h2f(rd16(blk + 2));
+        m[b] = has_m ? h2f(rd16(blk + 2)) : (five ? -16.0f : -8.0f) * d[b];
         for (int j = 0; j < 16; j++) {
-            q[b * 32 + j] = qs[j] & 0xF;
-            q[b * 32 + j + 16] = qs[j] >> 4;
+            q[b * 32 + j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) & 1u) << 4));
+            q[b * 32 + j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
         }
     }
 }
@@ -83,24 +89,15 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s)
             s[b] = h2f(rd16(src + b * 34));
             memcpy(o + b * 32, src + b * 34 + 2, 32);
         }
-    } else if (type == T_Q5_0) {
-        for (int64_t b = 0; b < k / 32; b++) {
-            const uint8_t *blk = src + b * 22, *ql = blk + 6;
-            s[b] = h2f(rd16(blk));
-            uint32_t qh;
-            memcpy(&qh, blk + 2, 4);
-            for (int j = 0; j < 16; j++) {
-                o[b * 32 + j] = (int8_t)(((ql[j] & 0x0F) | (((qh >> j) & 1u) << 4)) - 16);
-                o[b * 32 + j + 16] = (int8_t)(((ql[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4)) - 16);
-            }
-        }
     }
 }
 
 /* Layouts, rows in groups of 8 (n padded to a multiple of 8 with zero rows), g = row / 8,
  * i = row % 8, b = block of 32 values, j = 0..3:
- *   u4: qs[((g*kb + b)*4 + c)*32 + 4i + j] = q[32b + 4c + j] | q[32b + 16 + 4c + j] << 4
+ *   u4: qs[(g*kb + b)*U4_BYTES + c*32 + 4i + j] = q[32b + 4c + j] & 15 | (q[32b + 16 + 4c + j] & 15) << 4
  *       d[(g*kb + b)*8 + i], m[(g*kb + b)*8 + i]
+ *       u5: then 32 bytes of fifth bits, 8 a c: bit 4i + j of the uint32 at 8c is value 4c + j's,
+ *       of the uint32 at 8c + 4 value 16 + 4c + j's (kquant.c's k5 lays them out the same)
  *   s8: q[((g*kb + b)*8 + t)*32 + 4i + j] = q[32b + 4t + j]
  *       s[(g*ns + u)*8 + i] for scale block u of the row (ns = k / sblk)
  * so one 32-byte load holds 4 consecutive values of 8 rows: the products below yield 8 outputs
@@ -108,7 +105,8 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s)
 /* Returns 1 when h (float16 scales) was asked for but some scale is not a float16. */
 int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
                uint8_t *qs, void *d, void *m, int h, int nth) {
-    const int64_t kb = k / 32, groups = (n + 7) / 8;
+    const int h5 = type == T_Q5_0 || type == T_Q5_1;
+    const int64_t kb = k / 32, groups = (n + 7) / 8, bs = U4_BYTES(h5);
     int inexact = 0;
 #pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
     for (int64_t g = 0; g < groups; g++) {
@@ -117,13 +115,21 @@ int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
         for (int i = 0; i < 8 && g * 8 + i < n; i++)
             row_u4(type, raw + (g * 8 + i) * rowbytes, k, q + i * k, dd + i * kb, mm + i * kb);
         for (int64_t b = 0; b < kb; b++) {
+            uint8_t *w = qs + (g * kb + b) * bs;
+            memset(w, 0, (size_t)bs);
             for (int i = 0; i < 8; i++) {
                 put_scale(d, (g * kb + b) * 8 + i, dd[i * kb + b], h, &inexact);
                 put_scale(m, (g * kb + b) * 8 + i, mm[i * kb + b], h, &inexact);
                 for (int c = 0; c < 4; c++)
-                    for (int j = 0; j < 4; j++)
-                        qs[((g * kb + b) * 4 + c) * 32 + 4 * i + j] =
-                            (uint8_t)(q[i * k + 32 * b + 4 * c + j] | (q[i * k + 32 * b + 16 + 4 * c + j] << 4));
+                    for (int j = 0; j < 4; j++) {
+                        const int L = 4 * i + j;
+                        const uint8_t lo = q[i * k + 32 * b + 4 * c + j], hi = q[i * k + 32 * b + 16 + 4 * c + j];
+                        w[c * 32 + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
+                        if (h5) {
+                            w[128 + 8 * c + L / 8] |= (uint8_t)((lo >> 4) << (L % 8));
+                            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)((hi >> 4) << (L % 8));
+                        }
+                    }
             }
         }
         free(q);
@@ -159,19 +165,24 @@ int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
 
 /* Rows ids[i] (or row0 + i when ids is NULL) of a u4 weight -> out (nrows, k) float.
  * offset 8 (Q4_0): w = (q - 8) * d, as gguf computes it (which keeps the sign of a zero). */
-void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int offset, int64_t k,
-               const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
-    const int64_t kb = k / 32;
+void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, int offset,
+               int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32, bs = U4_BYTES(h5);
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
         float *o = out + r * k;
         for (int64_t b = 0; b < kb; b++) {
             const float dd = get_scale(d, (g * kb + b) * 8 + i, h), mm = get_scale(m, (g * kb + b) * 8 + i, h);
-            const uint8_t *blk = qs + (g * kb + b) * 128 + 4 * i;
+            const uint8_t *w = qs + (g * kb + b) * bs, *blk = w + 4 * i;
             for (int c = 0; c < 4; c++) {
                 for (int j = 0; j < 4; j++) {
-                    const int lo = blk[c * 32 + j] & 0xF, hi = blk[c * 32 + j] >> 4;
+                    const int L = 4 * (int)i + j;
+                    int lo = blk[c * 32 + j] & 0xF, hi = blk[c * 32 + j] >> 4;
+                    if (h5) {
+                        lo |= ((w[128 + 8 * c + L / 8] >> (L % 8)) & 1) << 4;
+                        hi |= ((w[128 + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << 4;
+                    }
                     float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
                     if (offset) {
                         *v0 = (float)(lo - offset) * dd;
@@ -264,9 +275,11 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 weight. */
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 (h5: u5) weight. Without VNNI the int16
+ * sums hold 8 pairs of 4-bit products (|pair| <= 2 * 15 * 127) a block, or 4 of 5-bit ones
+ * (2 * 31 * 127), and are widened then. */
 static inline __attribute__((always_inline)) void u4_group(
-    const uint8_t *qs, const void *d, const void *m, int h, int64_t kb, const int8_t *xq,
+    const uint8_t *qs, const void *d, const void *m, int h, int h5, int64_t kb, const int8_t *xq,
     const float *xd, const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
 #if !GL_VNNI
@@ -275,31 +288,38 @@ static inline __attribute__((always_inline)) void u4_group(
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const uint8_t *w = qs + b * 128;
+        const uint8_t *w = qs + b * U4_BYTES(h5);
+        __m256i s32[MT];
+#if !GL_VNNI
         __m256i s16[MT];
         for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+#endif
+        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-            const __m256i lo = _mm256_and_si256(raw, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            __m256i lo = _mm256_and_si256(raw, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (h5) {
+                lo = _mm256_or_si256(lo, fifth_bits(w + 128 + 8 * c));
+                hi = _mm256_or_si256(hi, fifth_bits(w + 128 + 8 * c + 4));
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32;
-#if GL_VNNI /* s16 holds int32 sums here */
-                s16[r] = DPBUSD(DPBUSD(s16[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
+#if GL_VNNI
+                s32[r] = DPBUSD(DPBUSD(s32[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
 #else
-                /* |pair| <= 2 * 15 * 127: eight of them still fit in int16 */
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
                 s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
+                if (h5 ? (c & 1) : c == 3) {
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], ones));
+                    s16[r] = _mm256_setzero_si256();
+                }
 #endif
             }
         }
         const __m256 dv = load_scales8(d, b * 8, h), mv = load_scales8(m, b * 8, h);
         for (int r = 0; r < R; r++) {
-#if GL_VNNI
-            const __m256 isum = _mm256_cvtepi32_ps(s16[r]);
-#else
-            const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
-#endif
+            const __m256 isum = _mm256_cvtepi32_ps(s32[r]);
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
         }
@@ -353,58 +373,6 @@ static inline __attribute__((always_inline)) void s8_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
-/* The 4 weight vectors of half a block (16 values of 8 rows), with `off` added to every code. */
-static inline __attribute__((always_inline)) void load_half(const int8_t *w, __m256i off, __m256i *v) {
-    for (int c = 0; c < 4; c++) v[c] = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + 32 * c)), off);
-}
-
-/* maddubs(v[0], x[0 .. 3]) + maddubs(v[1], x[4 .. 7]) in int16: 8 values of x. */
-static inline __attribute__((always_inline)) __m256i dot_pair(const __m256i *v, const int8_t *xb) {
-    return _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xb)), _mm256_maddubs_epi16(v[1], bcast4(xb + 4)));
-}
-
-/* The same for an s8 weight whose codes are small (Q5_0: q in [-16, 15]): q + 16 is a byte in
- * [0, 31], so maddubs takes it as the unsigned side directly (|pair| <= 2 * 31 * 127, four of
- * them fit in int16) and -16 * d * sum(x) corrects the offset: 3 ops per 32 products instead of
- * the 5 of the signed path. Scales per 32 values. Each half block's 4 weight vectors stay in
- * registers across the rows, and the block's sums go to float once: MTU rows per tile (with MT,
- * the accumulators spilled and this ran 25% slower). */
-static inline __attribute__((always_inline)) void s5_group(
-    const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const float *xd,
-    const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i off = _mm256_set1_epi8(16);
-#if !GL_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    __m256 acc[MTU];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < kb; b++) {
-        const int8_t *w = q + b * 256;
-        __m256i s32[MTU];
-        for (int half = 0; half < 2; half++) {
-            __m256i v[4];
-            load_half(w + 128 * half, off, v);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32 + 16 * half;
-#if GL_VNNI
-                __m256i t = half ? s32[r] : _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) t = DPBUSD(t, v[c], bcast4(xb + 4 * c));
-                s32[r] = t;
-#else
-                const __m256i t = _mm256_madd_epi16(_mm256_add_epi16(dot_pair(v, xb), dot_pair(v + 2, xb + 8)), ones);
-                s32[r] = half ? _mm256_add_epi32(s32[r], t) : t;
-#endif
-            }
-        }
-        const __m256 sv = load_scales8(s, b * 8, h), mv = _mm256_mul_ps(sv, _mm256_set1_ps(-16.0f));
-        for (int r = 0; r < R; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
-            acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
-        }
-    }
-    store_group(acc, R, y, ldy, nvalid);
-}
-
 /* Room for M rows of k values of x quantized (quantize_x fills it). */
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
     xbuf b;
@@ -428,73 +396,79 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     }
     if (w->kind == 0) {
         const uint8_t *qs = (const uint8_t *)w->q;
-        for (int64_t r0 = 0; r0 < M; r0 += MT) {
-            const int R = M - r0 < MT ? (int)(M - r0) : MT;
+        const int h5 = (int)w->small, mt = h5 && !GL_VNNI ? MTU : MT;
+        for (int64_t r0 = 0; r0 < M; r0 += mt) {
+            const int R = M - r0 < mt ? (int)(M - r0) : mt;
             const int8_t *xt = xb->xq + r0 * k;
             const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
             for (int64_t g = t * GT; g < g1; g++) {
-                const uint8_t *qg = qs + g * kb * 128;
+                const uint8_t *qg = qs + g * kb * U4_BYTES(h5);
                 const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define U4H(RR) u4_group(qg, dg, mg, 1, kb, xt, dt, st, RR, yo, n, nv)
-#define U4F(RR) u4_group(qg, dg, mg, 0, kb, xt, dt, st, RR, yo, n, nv)
-                if (h) {
+#define U4H(RR) u4_group(qg, dg, mg, 1, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define U4F(RR) u4_group(qg, dg, mg, 0, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define U5H(RR) u4_group(qg, dg, mg, 1, 1, kb, xt, dt, st, RR, yo, n, nv)
+#define U5F(RR) u4_group(qg, dg, mg, 0, 1, kb, xt, dt, st, RR, yo, n, nv)
+                if (h5 && GL_VNNI) {
+                    if (h) {
+                        WITH_ROWS(R, U5H)
+                    } else {
+                        WITH_ROWS(R, U5F)
+                    }
+                } else if (h5) {
+                    if (h) {
+                        WITH_ROWS_U(R, U5H)
+                    } else {
+                        WITH_ROWS_U(R, U5F)
+                    }
+                } else if (h) {
                     WITH_ROWS(R, U4H)
                 } else {
                     WITH_ROWS(R, U4F)
                 }
 #undef U4H
 #undef U4F
+#undef U5H
+#undef U5F
             }
         }
         return;
     }
-    /* s8; small: the codes are Q5_0's (|q| <= 16), the unsigned path of s5_group */
+    /* s8: a scale per 32 values */
     const int8_t *q = (const int8_t *)w->q;
-    const int64_t sblk = w->sblk, ns = k / sblk;
-    const int small = (int)w->small, mt = small ? MTU : MT;
-    for (int64_t r0 = 0; r0 < M; r0 += mt) {
-        const int R = M - r0 < mt ? (int)(M - r0) : mt;
+    for (int64_t r0 = 0; r0 < M; r0 += MT) {
+        const int R = M - r0 < MT ? (int)(M - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
             const int8_t *qg = q + g * kb * 256;
-            const void *sg = (const char *)w->d + g * ns * 8 * ss;
+            const void *sg = (const char *)w->d + g * kb * 8 * ss;
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define S5H(RR) s5_group(qg, sg, 1, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
-#define S5F(RR) s5_group(qg, sg, 0, kb, xt, dt, xb->xs + r0 * kb, RR, yo, n, nv)
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
-            if (small && h) {
-                WITH_ROWS_U(R, S5H)
-            } else if (small) {
-                WITH_ROWS_U(R, S5F)
-            } else if (sblk == 32 && h) {
+            if (h) {
                 WITH_ROWS(R, S8H)
             } else {
                 WITH_ROWS(R, S8F)
             }
-#undef S5H
-#undef S5F
 #undef S8H
 #undef S8F
         }
     }
 }
 
-/* y (M, n) = x (M, k) @ W.T for a u4 weight (qs, d, m) of n rows. */
+/* y (M, n) = x (M, k) @ W.T for a u4 (h5: u5) weight (qs, d, m) of n rows. */
 void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
-              const void *m, int h, int64_t n, float *y, int nth) {
-    const gl_weight w = {0, h, 32, 0, n, k, qs, d, m};
+              const void *m, int h, int h5, int64_t n, float *y, int nth) {
+    const gl_weight w = {0, h, 32, h5, n, k, qs, d, m};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
-/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per sblk (16 or 32) values;
- * small: the codes are Q5_0's. */
+/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per 32 values (sblk 32). */
 void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
-              int sblk, int small, int64_t n, float *y, int nth) {
-    const gl_weight w = {1, h, sblk, small, n, k, q, s, NULL};
+              int sblk, int64_t n, float *y, int nth) {
+    const gl_weight w = {1, h, sblk, 0, n, k, q, s, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }

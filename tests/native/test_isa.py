@@ -18,7 +18,7 @@ from graftlm.native import features, library
 from graftlm.quant import QWeight
 from graftlm.quant.synth import gguf_tensor
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0]
 SHAPE = (40, 512)
 ROWS = (1, 3, 7, 33)  # a decode row, a batch, the tiles' remainders, a prompt
 

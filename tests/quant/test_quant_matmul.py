@@ -29,12 +29,14 @@ CASES = [
     (Q.Q5_1, (100, 896), "int4pack2", "native-u4"),
     (Q.Q5_K, (80, 512), "int4pack2", "native-k4"),
     (Q.Q5_K, (100, 768), "int4pack2", "native-k4"),
-    (Q.Q6_K, (64, 512), "int4pack2", "native-k6"),
-    (Q.Q6_K, (100, 768), "int4pack2", "native-k6"),
+    (Q.Q6_K, (64, 512), "int4pack2", "native-k16"),
+    (Q.Q6_K, (100, 768), "int4pack2", "native-k16"),
     (Q.Q8_0, (256, 640), "int4pack2", "native-s8"),
     (Q.Q8_0, (8192, 64), "int8g", "native-s8"),  # vocabulary-wide (embedding / tied head)
-    (Q.Q2_K, (64, 512), "blocks", "blocks"),
-    (Q.Q3_K, (64, 512), "blocks", "blocks"),
+    (Q.Q2_K, (64, 512), "blocks", "native-k16"),
+    (Q.Q2_K, (100, 768), "blocks", "native-k16"),
+    (Q.Q3_K, (64, 512), "blocks", "native-k16"),
+    (Q.Q3_K, (100, 768), "blocks", "native-k16"),
     (Q.IQ4_NL, (64, 256), "blocks", "blocks"),
     (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
 ]
@@ -130,11 +132,13 @@ def test_tied_embedding_one_copy_serves_rows_and_head(mode: str, kernel: str) ->
 
 
 # bytes kept / file bytes: torch's planes, and the native layouts (u4: 0.5 B + 4 B per 32 values
-# with the file's float16 d and m, 8 B for Q4_K's float32 ones; s8: 1 B + 2 B per 32, or 4 B per
-# 16 for Q6_K)
+# with the file's float16 d and m, u5 a plane of 4 B more; the K-quants' super-blocks: 2 or 4 B
+# of float16 per 256 values a row beyond the file's; Q3_K and Q2_K with their codes in 4 bits;
+# s8: 1 B + 2 B per 32)
 @pytest.mark.parametrize("qtype,torch_ratio,native_ratio", [
-    (Q.Q4_1, 1.21, 1.0), (Q.Q4_K, 1.26, 1.34), (Q.Q6_K, 1.62, 1.53), (Q.Q5_0, 1.92, 1.55),
-    (Q.Q8_0, 1.24, 1.0), (Q.Q2_K, 1.0, 1.0), (Q.F16, 1.0, 1.0)], ids=str)  # fmt: skip
+    (Q.Q4_1, 1.21, 1.0), (Q.Q4_K, 1.26, 1.03), (Q.Q5_K, 1.94, 1.03), (Q.Q6_K, 1.62, 1.0),
+    (Q.Q5_0, 1.92, 1.10), (Q.Q5_1, 1.92, 1.0), (Q.Q3_K, 1.0, 1.33), (Q.Q2_K, 1.0, 1.96),
+    (Q.Q8_0, 1.24, 1.0), (Q.F16, 1.0, 1.0)], ids=str)  # fmt: skip
 @pytest.mark.parametrize("mode", MODES)
 def test_weights_stay_compact(qtype: Q, torch_ratio: float, native_ratio: float, mode: str) -> None:
     need(mode)

@@ -14,7 +14,8 @@ Q4_0, Q4_1         native-u4     4-bit codes + the file's float16 (d, m) per 32 
 Q5_0, Q5_1         native-u4     the same + a plane of fifth bits (1.09x, 1.0x)
 Q4_K, Q5_K         native-k4     the super-blocks regrouped by 8 rows (1.03x, 1.02x)
 Q8_0               native-s8     int8 codes + the file's float16 d per 32 (1.0x)
-Q6_K               native-k6     the super-blocks regrouped by 8 rows (1.0x)
+Q6_K               native-k16    the super-blocks regrouped by 8 rows (1.0x)
+Q3_K, Q2_K         native-k16    the same, the codes in 4 bits (1.35x, 1.95x)
 =================  ============  ==========================================================
 
 Otherwise, and for every other type:

@@ -2,8 +2,8 @@
 
 * ``NativeU4Kernel``: Q4_0, Q4_1 (Q5_0, Q5_1) as 4-bit codes (and a plane of fifth bits) with a
   float16 scale and offset per 32 values.
-* ``NativeK4Kernel``, ``NativeK6Kernel``: Q4_K, Q5_K and Q6_K in their super-blocks, at the
-  file's size (csrc/kquant.c).
+* ``NativeK4Kernel``, ``NativeK16Kernel``: Q4_K, Q5_K, Q6_K (at the file's size), Q3_K and Q2_K
+  in their super-blocks (csrc/kquant.c).
 * ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values.
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
@@ -231,26 +231,30 @@ class NativeK4Kernel(NativeKernel):
         return (self.q, self.d)
 
 
-class NativeK6Kernel(NativeKernel):
-    """Semantics: w[n, 16u + j] = (q[n, 16u + j] - 32) * (d[n, u // 16] * sc[n, u]), q in [0, 64);
-    d the file's float16 per 256 values, sc its int8 scale per 16.
+class NativeK16Kernel(NativeKernel):
+    """Semantics: w[n, 16u + j] = (q[n, 16u + j] - O) * (d[n, u // 16] * sc[n, u])
+    [- dmin[n, u // 16] * mn[n, u]]; d (dmin) the file's float16 per 256 values, sc (mn) its scale
+    (min) per 16. Q6_K: q in [0, 64), O 32; Q3_K: q in [0, 8), O 4, sc signed; Q2_K: q in [0, 4),
+    O 0, with the mins.
 
-    Kept in the super-block form, regrouped by 8 rows: the 4-bit low codes, two bit planes and
-    the scales, 6.5625 bits a weight (the file's size).
+    Kept in the super-block form, regrouped by 8 rows, the codes in 4 bits (Q6_K: and two bit
+    planes): 6.5625 bits a weight for Q6_K (the file's size), 4.625 for Q3_K (file 3.44), 5.125
+    for Q2_K (file 2.63).
     """
 
-    name = "native-k6"
-    TYPES = (T.Q6_K,)
+    name = "native-k16"
+    TYPES = (T.Q6_K, T.Q3_K, T.Q2_K)
+    VARIANT = {T.Q6_K: 0, T.Q3_K: 1, T.Q2_K: 2}  # csrc/kquant.c's V_Q6, V_Q3, V_Q2
 
-    def __init__(self, shape: Shape, q: torch.Tensor, d: torch.Tensor) -> None:
+    def __init__(self, shape: Shape, q: torch.Tensor, d: torch.Tensor, variant: int) -> None:
         super().__init__(shape)
-        self.q, self.d = q, d  # see csrc/kquant.c for the layout
+        self.q, self.d, self.variant = q, d, variant  # see csrc/kquant.c for the layout
         n, k = shape
-        self._view = GlWeight(3, 1, 16, 0, n, k, q.data_ptr(), d.data_ptr(), None)
+        self._view = GlWeight(3, 1, 16, variant, n, k, q.data_ptr(), d.data_ptr(), None)
         lib = loaded_library()
         assert lib is not None
         self._fn = lib.gl_mm_k6
-        self._args = (k, q.data_ptr(), d.data_ptr(), n)
+        self._args = (k, q.data_ptr(), d.data_ptr(), variant, n)
 
     @classmethod
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
@@ -261,14 +265,18 @@ class NativeK6Kernel(NativeKernel):
         lib = library()
         assert lib is not None
         n, k = shape
+        v = cls.VARIANT[T(qtype)]
         groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
-        q = torch.empty(groups * (k // 32) * 208, dtype=torch.uint8)
-        d = torch.empty(groups * (k // 256) * 8, dtype=torch.float16)
+        block = 128 + (64 if v == 0 else 0) + 16 + (16 if v == 2 else 0)
+        q = torch.empty(groups * (k // 32) * block, dtype=torch.uint8)
+        d = torch.empty(groups * (k // 256) * (16 if v == 2 else 8), dtype=torch.float16)
         raw = raw.contiguous()
-        lib.gl_pack_k6(
-            raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), d.data_ptr(), threads()
-        )
-        return cls(shape, q, d)
+        bad = lib.gl_pack_k6(
+            int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), d.data_ptr(),
+            threads(),
+        )  # fmt: skip
+        assert bad == 0, qtype
+        return cls(shape, q, d, v)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()
@@ -276,8 +284,8 @@ class NativeK6Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_k6(
-            self.q.data_ptr(), self.d.data_ptr(), k, _ptr(ids), row0, count, out.data_ptr(),
-            threads(),
+            self.q.data_ptr(), self.d.data_ptr(), self.variant, k, _ptr(ids), row0, count,
+            out.data_ptr(), threads(),
         )  # fmt: skip
         return out
 

@@ -22,7 +22,7 @@ from graftlm.quant.kernels import (
 )
 from graftlm.quant.native_kernels import (
     NativeK4Kernel,
-    NativeK6Kernel,
+    NativeK16Kernel,
     NativeS8Kernel,
     NativeU4Kernel,
 )
@@ -33,7 +33,7 @@ FAST_KERNELS: list[type[Kernel]] = [
     DenseKernel,
     NativeU4Kernel,  # accept only where the native library built (AVX2 + a C compiler)
     NativeK4Kernel,
-    NativeK6Kernel,
+    NativeK16Kernel,
     NativeS8Kernel,
     Int8GroupKernel,
     Int4PackKernel,

@@ -44,8 +44,9 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 (q, d: kquant.c) */
-    /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes) */
+    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c) */
+    /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
+     * 3's variant (0 Q6_K, 1 Q3_K, 2 Q2_K) */
     int64_t half, sblk, small, n, k;
     const void *q, *d, *m;
 } gl_weight;
@@ -152,12 +153,12 @@ GL_API void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, co
                       int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
                      int h5, int64_t n, float *y, int nth);
-GL_API int gl_pack_k6(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q,
-                      uint16_t *d, int nth);
-GL_API void gl_deq_k6(const uint8_t *q, const uint16_t *d, int64_t k, const int64_t *ids,
+GL_API int gl_pack_k6(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
+                      uint8_t *q, uint16_t *d, int nth);
+GL_API void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, const int64_t *ids,
                       int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
-                     int64_t n, float *y, int nth);
+                     int v, int64_t n, float *y, int nth);
 
 /* attn.c */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,

@@ -1,4 +1,6 @@
-/* The K-quant super-block formats kept at the file's size: k4 (Q4_K), k5 (Q5_K) and k6 (Q6_K).
+/* The K-quant super-block formats: k4 (Q4_K), k5 (Q5_K) and k6 (Q6_K) at the file's size, and
+ * k3 (Q3_K), k2 (Q2_K) with their codes in 4 bits (4.625 and 5.125 bits a weight; the files' 3.44
+ * and 2.63).
  *
  * A Q4_K / Q5_K super-block of 256 values has float16 d and dmin, and per 32 values a 6-bit scale
  * sc and min mn: w = q * (d * sc) - dmin * mn, q in 0..15 (Q4_K) or 0..31 (Q5_K). Repacked at
@@ -19,7 +21,8 @@
  *      160, each plane laid out as Q5_K's; then sc of the 8 rows for values 0..15 of the block
  *      (the low nibbles) and for 16..31 (the high nibbles), int8
  *   d: per (g, super-block), the 8 rows' d (float16)
- * 6.5625 bits a weight, the file's own size.
+ * 6.5625 bits a weight, the file's own size. Q3_K and Q2_K keep the same layout with no planes
+ * (and Q2_K its mins after its scales, its dmin after its d): see the k16 section.
  */
 #include "graftlm.h"
 
@@ -239,52 +242,106 @@ void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
-/* ---------------------------------------------------------------- k6: Q6_K */
+/* ---------------------------------------------------------------- k6, k3, k2: a scale per 16 */
 
-#define K6_BYTES 208
+/* Q6_K (v 0), Q3_K (v 1) and Q2_K (v 2): a scale per 16 values. Codes in 4 bits (Q6_K: and its
+ * two bit planes), the scales per 16 (Q2_K: and its mins per 16) as bytes, d (and dmin) per 256
+ * as the file's float16: q (0..63, 0..7, 0..3), O the offset (32, 4, 0):
+ *   w = (q - O) * (d * sc) [ - dmin * mn ]
+ * Q3_K's scale is stored as its sc - 32 (int8); Q2_K's sc and mn as unsigned bytes. */
+enum { V_Q6, V_Q3, V_Q2 };
+#define K16_BYTES(v) (128 + ((v) == V_Q6 ? 64 : 0) + 16 + ((v) == V_Q2 ? 16 : 0))
+#define K16_D(v) ((v) == V_Q2 ? 16 : 8) /* float16 per (group, super-block) */
+#define K16_OFF(v) ((v) == V_Q6 ? 32 : (v) == V_Q3 ? 4 : 0)
 
-/* One GGUF row of Q6_K -> codes (k bytes, 0..63), sc per 16 values, the raw float16 d per 256. */
-static void row_q6(const uint8_t *src, int64_t k, uint8_t *q, int8_t *sc, uint16_t *dd) {
-    for (int64_t sb = 0; sb < k / 256; sb++) { /* ql[128] qh[64] scales[16] d */
-        const uint8_t *blk = src + sb * 210;
-        dd[sb] = rd16(blk + 208);
-        memcpy(sc + sb * 16, blk + 192, 16);
+/* One GGUF row -> codes (k bytes), scales (and mins) per 16 values, the raw float16 d (and
+ * dmin) per 256. */
+static void row_k16(int v, const uint8_t *src, int64_t k, uint8_t *q, int8_t *sc, uint8_t *mn,
+                    uint16_t *dd) {
+    for (int64_t sb = 0; sb < k / 256; sb++) {
         uint8_t *y = q + sb * 256;
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
-            for (int l = 0; l < 32; l++) {
-                y[h * 128 + l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
-                y[h * 128 + l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
-                y[h * 128 + l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
-                y[h * 128 + l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+        if (v == V_Q6) { /* ql[128] qh[64] scales[16] d */
+            const uint8_t *blk = src + sb * 210;
+            dd[sb] = rd16(blk + 208);
+            memcpy(sc + sb * 16, blk + 192, 16);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + h * 64, *qh = blk + 128 + h * 32;
+                for (int l = 0; l < 32; l++) {
+                    y[h * 128 + l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                    y[h * 128 + l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                    y[h * 128 + l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    y[h * 128 + l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
             }
+        } else if (v == V_Q3) { /* hmask[32] qs[64] scales[12] d: ggml's dequantize_row_q3_K */
+            const uint8_t *blk = src + sb * 110, *hm = blk, *qs = blk + 32;
+            dd[sb] = rd16(blk + 108);
+            uint32_t aux[4];
+            memcpy(aux, blk + 96, 12);
+            const uint32_t tmp = aux[2], m1 = 0x03030303u, m2 = 0x0f0f0f0fu;
+            aux[2] = ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4);
+            aux[3] = ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
+            aux[0] = (aux[0] & m2) | (((tmp >> 0) & m1) << 4);
+            aux[1] = (aux[1] & m2) | (((tmp >> 2) & m1) << 4);
+            const uint8_t *s6 = (const uint8_t *)aux;
+            for (int j = 0; j < 16; j++) sc[sb * 16 + j] = (int8_t)(s6[j] - 32);
+            for (int half = 0; half < 2; half++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) {
+                        const int bit = half * 4 + j;
+                        const int lo = (qs[half * 32 + l] >> (2 * j)) & 3, h = (hm[l] >> bit) & 1;
+                        y[half * 128 + j * 32 + l] = (uint8_t)(lo + 4 * h); /* (lo - 4 (1 - h)) + 4 */
+                    }
+        } else { /* Q2_K: scales[16] qs[64] d dmin */
+            const uint8_t *blk = src + sb * 84, *qs = blk + 16;
+            dd[2 * sb] = rd16(blk + 80);
+            dd[2 * sb + 1] = rd16(blk + 82);
+            for (int j = 0; j < 16; j++) {
+                sc[sb * 16 + j] = (int8_t)(blk[j] & 0xF);
+                mn[sb * 16 + j] = blk[j] >> 4;
+            }
+            for (int half = 0; half < 2; half++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++)
+                        y[half * 128 + j * 32 + l] = (uint8_t)((qs[half * 32 + l] >> (2 * j)) & 3);
         }
     }
 }
 
-int gl_pack_k6(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q, uint16_t *d,
-               int nth) {
-    const int64_t kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
+static int k16_variant(int type) {
+    return type == T_Q6_K ? V_Q6 : type == T_Q3_K ? V_Q3 : type == T_Q2_K ? V_Q2 : -1;
+}
+
+int gl_pack_k6(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q,
+               uint16_t *d, int nth) {
+    const int v = k16_variant(type);
+    if (v < 0) return 1;
+    const int64_t kb = k / 32, ks = k / 256, groups = (n + 7) / 8, bs = K16_BYTES(v), nd = K16_D(v);
+    const int64_t planes = v == V_Q6 ? 2 : 0, at_sc = 128 + 32 * planes;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        uint8_t *codes = calloc((size_t)(8 * k), 1);
+        uint8_t *codes = calloc((size_t)(8 * k), 1), *mn = calloc((size_t)(8 * kb * 2), 1);
         int8_t *sc = calloc((size_t)(8 * kb * 2), 1);
-        uint16_t *dd = calloc((size_t)(8 * ks), sizeof(uint16_t));
+        uint16_t *dd = calloc((size_t)(8 * ks * 2), sizeof(uint16_t));
         for (int i = 0; i < 8 && g * 8 + i < n; i++)
-            row_q6(raw + (g * 8 + i) * rowbytes, k, codes + i * k, sc + i * kb * 2, dd + i * ks);
+            row_k16(v, raw + (g * 8 + i) * rowbytes, k, codes + i * k, sc + i * kb * 2,
+                    mn + i * kb * 2, dd + i * ks * 2);
         for (int64_t b = 0; b < kb; b++) {
-            uint8_t *w = q + (g * kb + b) * K6_BYTES;
-            int8_t *sm = (int8_t *)(w + 192);
-            memset(w, 0, K6_BYTES);
+            uint8_t *w = q + (g * kb + b) * bs;
+            memset(w, 0, (size_t)bs);
             for (int i = 0; i < 8; i++) {
-                sm[i] = sc[i * kb * 2 + 2 * b];
-                sm[8 + i] = sc[i * kb * 2 + 2 * b + 1];
+                w[at_sc + i] = (uint8_t)sc[i * kb * 2 + 2 * b];
+                w[at_sc + 8 + i] = (uint8_t)sc[i * kb * 2 + 2 * b + 1];
+                if (v == V_Q2) {
+                    w[at_sc + 16 + i] = mn[i * kb * 2 + 2 * b];
+                    w[at_sc + 24 + i] = mn[i * kb * 2 + 2 * b + 1];
+                }
                 for (int c = 0; c < 4; c++) {
                     for (int j = 0; j < 4; j++) {
                         const int L = 4 * i + j;
                         const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
                         w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
-                        for (int p = 0; p < 2; p++) {
+                        for (int p = 0; p < planes; p++) {
                             w[128 + 32 * p + 8 * c + L / 8] |= (uint8_t)(((lo >> (4 + p)) & 1) << (L % 8));
                             w[128 + 32 * p + 8 * c + 4 + L / 8] |= (uint8_t)(((hi >> (4 + p)) & 1) << (L % 8));
                         }
@@ -293,83 +350,112 @@ int gl_pack_k6(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8
             }
         }
         for (int64_t sb = 0; sb < ks; sb++)
-            for (int i = 0; i < 8; i++) d[(g * ks + sb) * 8 + i] = dd[i * ks + sb];
+            for (int i = 0; i < 8; i++) {
+                if (v == V_Q2) {
+                    d[(g * ks + sb) * nd + i] = dd[i * ks * 2 + 2 * sb];
+                    d[(g * ks + sb) * nd + 8 + i] = dd[i * ks * 2 + 2 * sb + 1];
+                } else {
+                    d[(g * ks + sb) * nd + i] = dd[i * ks * 2 + sb];
+                }
+            }
         free(codes);
         free(sc);
+        free(mn);
         free(dd);
     }
     return 0;
 }
 
-/* Rows ids[i] (or row0 + i) -> out (nrows, k): w = (q - 32) * (d * sc), gguf's rounding. */
-void gl_deq_k6(const uint8_t *q, const uint16_t *d, int64_t k, const int64_t *ids, int64_t row0,
-               int64_t nrows, float *out, int nth) {
-    const int64_t kb = k / 32, ks = k / 256;
+/* The scale of 8 rows' bytes: signed (Q6_K, Q3_K) or unsigned (Q2_K). */
+static inline float k16_scale(int v, const uint8_t *p) { return v == V_Q2 ? (float)p[0] : (float)(int8_t)p[0]; }
+
+/* Rows ids[i] (or row0 + i) -> out (nrows, k): gguf's rounding, (q - O) * (d * sc) [+ -(dmin * mn)]. */
+void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, const int64_t *ids,
+               int64_t row0, int64_t nrows, float *out, int nth) {
+    const int64_t kb = k / 32, ks = k / 256, bs = K16_BYTES(v), nd = K16_D(v);
+    const int planes = v == V_Q6 ? 2 : 0, off = K16_OFF(v), at_sc = 128 + 32 * planes;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
         float *o = out + r * k;
         for (int64_t b = 0; b < kb; b++) {
-            const uint8_t *w = q + (g * kb + b) * K6_BYTES;
-            const int8_t *sm = (const int8_t *)(w + 192);
-            const float dk = h2f(d[(g * ks + b / 8) * 8 + i]);
-            const float s0 = dk * (float)sm[i], s1 = dk * (float)sm[8 + i];
+            const uint8_t *w = q + (g * kb + b) * bs, *sm = w + at_sc;
+            const uint16_t *ds = d + (g * ks + b / 8) * nd;
+            const float dk = h2f(ds[i]);
+            const float s0 = dk * k16_scale(v, sm + i), s1 = dk * k16_scale(v, sm + 8 + i);
+            float m0 = 0.0f, m1 = 0.0f;
+            if (v == V_Q2) {
+                const float dm = h2f(ds[8 + i]);
+                m0 = -(dm * (float)sm[16 + i]);
+                m1 = -(dm * (float)sm[24 + i]);
+            }
             for (int c = 0; c < 4; c++) {
                 for (int j = 0; j < 4; j++) {
                     const int L = 4 * (int)i + j;
                     int lo = w[32 * c + L] & 0xF, hi = w[32 * c + L] >> 4;
-                    for (int p = 0; p < 2; p++) {
+                    for (int p = 0; p < planes; p++) {
                         lo |= ((w[128 + 32 * p + 8 * c + L / 8] >> (L % 8)) & 1) << (4 + p);
                         hi |= ((w[128 + 32 * p + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << (4 + p);
                     }
-                    o[32 * b + 4 * c + j] = (float)(lo - 32) * s0;
-                    o[32 * b + 16 + 4 * c + j] = (float)(hi - 32) * s1;
+                    float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
+                    if (v == V_Q2) {
+                        const float a = (float)lo * s0, e = (float)hi * s1;
+                        *v0 = a + m0;
+                        *v1 = e + m1;
+                    } else {
+                        *v0 = (float)(lo - off) * s0;
+                        *v1 = (float)(hi - off) * s1;
+                    }
                 }
             }
         }
     }
 }
 
-/* 8 int8 -> 8 floats */
-static inline __m256 s8x8_ps(const int8_t *p) {
+/* 8 bytes -> 8 floats, signed or not */
+static inline __m256 s8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
 #if GL_VNNI
-#define K6_ROWS(R, F) WITH_ROWS(R, F)
-#define K6_MT MT
+#define K16_ROWS(R, F) WITH_ROWS(R, F)
+#define K16_MT MT
 #else
-#define K6_ROWS(R, F) WITH_ROWS_U(R, F)
-#define K6_MT MTU
+#define K16_ROWS(R, F) WITH_ROWS_U(R, F)
+#define K16_MT MTU
 #endif
 
-/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k6 weight. The unsigned codes q = w / s + 32
- * go into the dots as they are, and -32 s sum(x) per 16 values corrects them; without VNNI each
- * maddubs is widened alone (|pair| <= 2 * 63 * 127: two would overflow int16). */
-static inline __attribute__((always_inline)) void k6_block_group(
-    const uint8_t *qg, const uint16_t *dg, int64_t kb, const int8_t *xq, const float *xd,
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k6 / k3 / k2 weight. The unsigned codes go
+ * into the dots as they are; -O s sum(x) per 16 values corrects the offset, and Q2_K's mins
+ * subtract dmin mn sum(x). Without VNNI each maddubs is widened alone (Q6_K: |pair| <= 2 * 63 *
+ * 127, two would overflow int16). */
+static inline __attribute__((always_inline)) void k16_group(
+    int v, const uint8_t *qg, const uint16_t *dg, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
 #if !GL_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[MT], dsv = _mm256_setzero_ps();
+    const int64_t bs = K16_BYTES(v), nd = K16_D(v), at_sc = v == V_Q6 ? 192 : 128;
+    __m256 acc[MT], dsv = _mm256_setzero_ps(), dmv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const uint8_t *w = qg + b * K6_BYTES;
-        if ((b & 7) == 0) dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 8)));
-        const __m256 s0 = _mm256_mul_ps(dsv, s8x8_ps((const int8_t *)w + 192));
-        const __m256 s1 = _mm256_mul_ps(dsv, s8x8_ps((const int8_t *)w + 200));
+        const uint8_t *w = qg + b * bs, *sm = w + at_sc;
+        if ((b & 7) == 0) {
+            dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * nd)));
+            if (v == V_Q2) dmv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * nd + 8)));
+        }
+        const __m256 s0 = _mm256_mul_ps(dsv, v == V_Q2 ? u8x8_ps(sm) : s8x8_ps(sm));
+        const __m256 s1 = _mm256_mul_ps(dsv, v == V_Q2 ? u8x8_ps(sm + 8) : s8x8_ps(sm + 8));
         __m256i lo32[MT], hi32[MT];
         for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-            const __m256i lo = _mm256_or_si256(
-                _mm256_and_si256(raw, m4),
-                _mm256_or_si256(plane_bits(w + 128 + 8 * c, 16), plane_bits(w + 160 + 8 * c, 32)));
-            const __m256i hi = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                _mm256_or_si256(plane_bits(w + 132 + 8 * c, 16), plane_bits(w + 164 + 8 * c, 32)));
+            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            if (v == V_Q6) {
+                lo = _mm256_or_si256(lo, _mm256_or_si256(plane_bits(w + 128 + 8 * c, 16), plane_bits(w + 160 + 8 * c, 32)));
+                hi = _mm256_or_si256(hi, _mm256_or_si256(plane_bits(w + 132 + 8 * c, 16), plane_bits(w + 164 + 8 * c, 32)));
+            }
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32;
 #if GL_VNNI
@@ -381,7 +467,15 @@ static inline __attribute__((always_inline)) void k6_block_group(
 #endif
             }
         }
-        const __m256 m0 = _mm256_mul_ps(s0, _mm256_set1_ps(32.0f)), m1 = _mm256_mul_ps(s1, _mm256_set1_ps(32.0f));
+        __m256 m0, m1; /* per 16 values: what sum(x) is multiplied by and subtracted */
+        if (v == V_Q2) {
+            m0 = _mm256_mul_ps(dmv, u8x8_ps(sm + 16));
+            m1 = _mm256_mul_ps(dmv, u8x8_ps(sm + 24));
+        } else {
+            const __m256 off = _mm256_set1_ps((float)K16_OFF(v));
+            m0 = _mm256_mul_ps(s0, off);
+            m1 = _mm256_mul_ps(s1, off);
+        }
         for (int r = 0; r < R; r++) {
             const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
             const float *x16 = xs16 + (r * kb + b) * 2;
@@ -394,29 +488,40 @@ static inline __attribute__((always_inline)) void k6_block_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
-/* mm_task for a k6 weight (kind 3). */
+/* mm_task for a k6 / k3 / k2 weight (kind 3, small = v). */
 static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
-    for (int64_t r0 = 0; r0 < M; r0 += K6_MT) {
-        const int R = M - r0 < K6_MT ? (int)(M - r0) : K6_MT;
+    const int v = (int)w->small;
+    for (int64_t r0 = 0; r0 < M; r0 += K16_MT) {
+        const int R = M - r0 < K16_MT ? (int)(M - r0) : K16_MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs16 + r0 * kb * 2;
         for (int64_t g = t * GT; g < g1; g++) {
-            const uint8_t *qg = (const uint8_t *)w->q + g * kb * K6_BYTES;
-            const uint16_t *dg = (const uint16_t *)w->d + g * ks * 8;
+            const uint8_t *qg = (const uint8_t *)w->q + g * kb * K16_BYTES(v);
+            const uint16_t *dg = (const uint16_t *)w->d + g * ks * K16_D(v);
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#define K6(RR) k6_block_group(qg, dg, kb, xt, dt, st, RR, yo, n, nv)
-            K6_ROWS(R, K6)
+#define K6(RR) k16_group(V_Q6, qg, dg, kb, xt, dt, st, RR, yo, n, nv)
+#define K3(RR) k16_group(V_Q3, qg, dg, kb, xt, dt, st, RR, yo, n, nv)
+#define K2(RR) k16_group(V_Q2, qg, dg, kb, xt, dt, st, RR, yo, n, nv)
+            if (v == V_Q6) {
+                K16_ROWS(R, K6)
+            } else if (v == V_Q3) {
+                K16_ROWS(R, K3)
+            } else {
+                K16_ROWS(R, K2)
+            }
 #undef K6
+#undef K3
+#undef K2
         }
     }
 }
 
-/* y (M, n) = x (M, k) @ W.T for a k6 weight of n rows. */
-void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d, int64_t n,
-              float *y, int nth) {
-    const gl_weight w = {3, 1, 16, 0, n, k, q, d, NULL};
+/* y (M, n) = x (M, k) @ W.T for a k6 (v 0: Q6_K), k3 (1: Q3_K) or k2 (2: Q2_K) weight. */
+void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d, int v,
+              int64_t n, float *y, int nth) {
+    const gl_weight w = {3, 1, 16, v, n, k, q, d, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }

@@ -15,7 +15,8 @@
  */
 #include "graftlm.h"
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14 };
 
 #define U4_BYTES(h5) (128 + 32 * (h5)) /* a block of 8 rows: the 4-bit codes, u5's fifth bits */
 

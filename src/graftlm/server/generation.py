@@ -152,6 +152,13 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
 async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
     items = None if lora is None else {x.id: x.scale for x in lora}
+    if (
+        model is not None
+        and not state.config.strict_model_names
+        and model not in state.base_names
+        and model not in state.registry.names
+    ):
+        model = None  # as llama-server: a name it does not know is served by the base model
     try:
         lease = await state.registry.lease(model, items, state.base_names)
     except UnknownModelError as exc:

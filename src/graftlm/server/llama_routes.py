@@ -33,7 +33,7 @@ from graftlm.server.schemas import (
     LoraItem,
     TokenizeRequest,
 )
-from graftlm.server.state import ApiError
+from graftlm.server.state import ApiError, ServerState
 
 router = APIRouter()
 public = APIRouter()  # no API key needed (llama-server's public endpoints)
@@ -212,7 +212,8 @@ async def props(request: Request) -> dict[str, Any]:
 
     return {
         "default_generation_settings": {
-            "n_ctx": svc.n_ctx,
+            "n_ctx": slot_ctx(state),
+            "n_ctx_seq": svc.n_ctx,
             "params": {
                 "temperature": cfg.temperature,
                 "top_k": cfg.top_k,
@@ -229,6 +230,28 @@ async def props(request: Request) -> dict[str, Any]:
         "modalities": {"vision": False, "audio": False},
         "build_info": f"graftlm {__version__}",
     }
+
+
+def slot_ctx(state: ServerState) -> int:
+    """llama-server's n_ctx of a slot: the KV pool (-c) over the slots. A graftlm sequence is
+    not held to its share (it may use up to n_ctx_seq tokens of the pool)."""
+    pool = state.config.n_ctx_pool or state.service.n_ctx * state.service.max_running
+    return pool // state.service.max_running
+
+
+@router.get("/slots")
+async def slots(request: Request) -> list[dict[str, Any]]:
+    """llama-server's slot monitor. graftlm has no fixed slots: its `max_running` sequences are
+    shown as slots, the first `n_running` of them busy."""
+    state = state_of(request)
+    if not state.config.slots:
+        raise ApiError(501, "this server does not expose /slots (started with --no-slots)")
+    svc = state.service
+    busy = svc.n_running
+    return [
+        {"id": i, "id_task": -1, "n_ctx": slot_ctx(state), "is_processing": i < busy}
+        for i in range(svc.max_running)
+    ]
 
 
 # -- llama-server's LoRA API --
@@ -273,6 +296,8 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = state_of(request)
+    if not state.config.metrics:
+        raise ApiError(501, "this server does not expose /metrics (started with --no-metrics)")
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
     data, content_type = state.metrics.render()
     return Response(data, media_type=content_type)

@@ -31,6 +31,16 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies are refused with a 413
     # where /v1/load_lora_adapter may read (resolved, symlinks followed); () = nowhere
     lora_dirs: tuple[Path, ...] = ()
+    n_ctx_pool: int | None = None  # the KV pool's tokens over all sequences (-c), for /props
+    # web pages of these origins may call the API (`localhost`: any loopback origin, `*`: any);
+    # None: the same origin only, or any origin where an API key is required
+    cors_origins: tuple[str, ...] | None = None
+    metrics: bool = True  # /metrics served (else 501, as llama-server without --metrics)
+    slots: bool = True  # /slots served (else 501, as llama-server with --no-slots)
+    ui: bool = True  # the chat page at /
+    tags: tuple[str, ...] = ()  # shown in /v1/models
+    # a `model` that names neither the base nor an adapter: 404 (vLLM) or the base (llama-server)
+    strict_model_names: bool = False
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -247,6 +248,74 @@ async def sse(
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def timings(f: FinishEvent) -> dict[str, float]:
+    """llama-server's `timings` of one finished sequence (prompt_n: the prompt tokens computed,
+    cache_n: those the prefix cache served; a rate over no measurable time is 0)."""
+    prompt_done = f.t_prompt_done or f.t_end or f.t_submit
+    end = f.t_end or prompt_done
+    prompt_ms = (prompt_done - f.t_submit) * 1000.0
+    predicted_ms = (end - prompt_done) * 1000.0
+    n = f.n_prompt - f.n_cached  # (llama-server's prompt_n: the prompt tokens computed)
+    return {
+        "cache_n": f.n_cached,
+        "prompt_n": n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
+        "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+        "predicted_n": f.n_generated,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
+        # one token: its time is the prompt's (llama-server counts no generation time either)
+        "predicted_per_second": f.n_generated / predicted_ms * 1000.0
+        if predicted_ms > 0 and f.n_generated > 1
+        else 0.0,
+    }
+
+
+def system_fingerprint() -> str:
+    """llama-server's form ("b" and its build) for graftlm's version."""
+    from graftlm import __version__
+
+    return f"b{__version__}-graftlm"
+
+
+def served_name(state: ServerState, model: str | None) -> str:
+    """The `model` an answer shows: the adapter or base name asked for, else the base's name (as
+    llama-server, which serves any other name with its model)."""
+    if model is not None and (model in state.base_names or model in state.registry.names):
+        return model
+    return state.config.model_name
+
+
+class StreamClock:
+    """llama-server's per-token `timings` (timings_per_token), measured as the stream is framed:
+    the prompt's time is until the first token, the rest is generation."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.n_prompt = n_prompt
+        self.n = 0
+
+    def tick(self, n_tokens: int) -> dict[str, float]:
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.n += n_tokens
+        prompt_ms = (self.t_first - self.t0) * 1000.0
+        predicted_ms = (now - self.t_first) * 1000.0
+        return {
+            "prompt_n": self.n_prompt,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": self.n_prompt / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+            "predicted_n": self.n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": self.n / predicted_ms * 1000.0
+            if predicted_ms > 0 and self.n > 1
+            else 0.0,
+        }
 
 
 def usage(

@@ -24,6 +24,7 @@ from graftlm.server.generation import (
     request_constraint,
     sampling_params,
     sse,
+    timings,
 )
 from graftlm.server.openai_routes import SSE_HEADERS, state_of, token_logprobs
 from graftlm.server.schemas import (
@@ -40,25 +41,6 @@ public = APIRouter()  # no API key needed (llama-server's public endpoints)
 
 
 # -- /completion --
-def _timings(f: FinishEvent) -> dict[str, float]:
-    prompt_done = f.t_prompt_done or f.t_end or f.t_submit
-    end = f.t_end or prompt_done
-    prompt_ms = (prompt_done - f.t_submit) * 1000.0
-    predicted_ms = (end - prompt_done) * 1000.0
-    n = f.n_prompt - f.n_cached  # (llama-server's prompt_n: the prompt tokens computed)
-    return {
-        "cache_n": f.n_cached,
-        "prompt_n": n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
-        "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
-        "predicted_n": f.n_generated,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
-        "predicted_per_second": f.n_generated / predicted_ms * 1000.0 if predicted_ms > 0 else 0.0,
-    }
-
-
 def _stop_type(f: FinishEvent | None) -> str:
     if f is None:
         return "none"
@@ -119,7 +101,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
             # as llama-server: the sequence's tokens in the cache when it ended (the reuse is
             # timings.cache_n)
             "tokens_cached": len(ids) + max(0, f.n_generated - 1) if f else 0,
-            "timings": _timings(f) if f else {},
+            "timings": timings(f) if f else {},
         }
         if f and f.alora_inactive:  # as llama-server: an aLoRA without its invocation is off
             out["alora_inactive"] = list(f.alora_inactive)

@@ -20,7 +20,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graftlm.errors import GraftError
 from graftlm.runtime.service import EngineService
-from graftlm.server import chat_routes, llama_routes, openai_routes, ui
+from graftlm.server import (
+    anthropic_routes,
+    chat_routes,
+    llama_routes,
+    openai_routes,
+    responses_routes,
+    ui,
+)
 from graftlm.server.guard import Cors, Guard
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
@@ -127,6 +134,8 @@ def create_app(state: ServerState) -> FastAPI:
         app.include_router(ui.router)  # the chat page at / (public: it holds no secret)
     app.include_router(openai_routes.router, dependencies=guarded)
     app.include_router(chat_routes.router, dependencies=guarded)
+    app.include_router(anthropic_routes.router, dependencies=guarded)
+    app.include_router(responses_routes.router, dependencies=guarded)
     app.include_router(llama_routes.router, dependencies=guarded)
     return app
 

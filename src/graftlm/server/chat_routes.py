@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,7 +35,7 @@ from graftlm.server.generation import (
     usage,
 )
 from graftlm.server.openai_routes import SSE_HEADERS, chat_logprobs, state_of
-from graftlm.server.schemas import ChatCompletionRequest
+from graftlm.server.schemas import ApplyTemplateRequest, ChatCompletionRequest
 from graftlm.server.state import ApiError, ServerState
 from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls, tool_constraint
 
@@ -71,17 +73,69 @@ def _tool_setup(
     return tools, tool_constraint(tools, only, state.prompter.tool_format)
 
 
-@router.post("/v1/chat/completions")
-@router.post("/chat/completions", include_in_schema=False)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    """Chat through the model's template; streaming as server-sent events. With `tools`, the
-    template receives them and the answer's calls come back as `tool_calls`."""
-    state = state_of(request)
+@dataclass
+class ChatRun:
+    """A chat request on its way through the engine: its prompt, tools and pieces (every front
+    end that chats, OpenAI's, Anthropic's and the Responses API, frames these)."""
+
+    ids: list[int]
+    tools: list[dict[str, Any]] | None
+    pieces: AsyncGenerator[Delta, None]
+    top: int | None  # top log-probabilities asked for (None: none)
+
+
+def chat_messages(body: ChatCompletionRequest | ApplyTemplateRequest) -> list[dict[str, Any]]:
+    """The messages as the template receives them; a 400 where llama-server refuses them (two
+    assistant messages at the end, or a generation prompt after a continued final message)."""
+    messages = [m.as_template_input() for m in body.messages]
+    if len(messages) >= 2 and all(m["role"] == "assistant" for m in messages[-2:]):
+        raise ApiError(
+            400, "the chat ends with two assistant messages; give at most one to continue"
+        )
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true")
+    return messages
+
+
+def chat_text(
+    state: ServerState,
+    body: ChatCompletionRequest | ApplyTemplateRequest,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    """The rendered chat. A final assistant message is continued (as llama-server's prefill):
+    the chat before it with the generation prompt, then its text; add_generation_prompt false
+    renders the chat as it is, with no generation prompt."""
+    last_assistant = bool(messages) and messages[-1]["role"] == "assistant"
+    cont = body.continue_final_message
+    if cont is None:
+        cont = last_assistant and body.add_generation_prompt is not False
+    if cont and not last_assistant:
+        raise ApiError(400, "continue_final_message: the last message is not the assistant's")
+    apply = state.prompter.apply_chat_template
+    if cont:
+        return str(apply(messages[:-1], add_generation_prompt=True, tools=tools)) + str(
+            messages[-1]["content"]
+        )
+    return str(
+        apply(messages, add_generation_prompt=body.add_generation_prompt is not False, tools=tools)
+    )
+
+
+def chat_ids(state: ServerState, text: str) -> list[int]:
+    """The prompt ids of a rendered chat: a BOS only where the template has none of its own."""
+    p = state.prompter
+    tok = p.tokenizer
+    bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
+    return p.tokenize(text, add_special=bos is None or not text.startswith(bos), parse_special=True)
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun:
     limit = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     max_tokens = state.config.n_predict if limit is None else limit
-    messages = [m.as_template_input() for m in body.messages]
+    messages = chat_messages(body)
     tools, tool_grammar = _tool_setup(state, body)
     constraint = request_constraint(body)
     if tool_grammar is not None:
@@ -93,14 +147,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "invalid_value",
             )
         constraint = tool_grammar
-    ids = await asyncio.to_thread(state.prompter.chat_prompt, messages, tools)  # off the loop
+    text = await asyncio.to_thread(chat_text, state, body, messages, tools)  # off the loop
+    ids = await asyncio.to_thread(chat_ids, state, text)
     check_context(state, ids, max_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await compile_constraint(state, constraint)
     params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
-    pieces = deltas(state, jobs, lease, "chat")
+    return ChatRun(ids, tools, deltas(state, jobs, lease, "chat"), top)
+
+
+@router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """Chat through the model's template; streaming as server-sent events. With `tools`, the
+    template receives them and the answer's calls come back as `tool_calls`."""
+    state = state_of(request)
+    run = await start_chat(state, body)
+    ids, tools, pieces, top = run.ids, run.tools, run.pieces, run.top
     rid, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
         int(time.time()),

@@ -147,6 +147,9 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
             f"the prompt has {len(ids)} tokens"
             + ("" if max_tokens == 0 else " and needs room for at least one more"),
             "context_length_exceeded",
+            # llama-server's type and figures (OpenAI's code above)
+            "exceed_context_size_error",
+            {"n_prompt_tokens": len(ids), "n_ctx": n_ctx},
         )
 
 

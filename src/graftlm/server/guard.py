@@ -97,6 +97,16 @@ def cross_site(scope: Scope) -> str | None:
     return None
 
 
+def as_json(scope: Scope) -> Scope:
+    """The request with its body declared JSON whatever Content-Type it came with (a form type,
+    text/plain, none): every body this API takes is JSON, and llama-server reads it so."""
+    kind = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if kind == "application/json":
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
 class Guard:
     """ASGI middleware: 413 past `max_body` bytes (declared or streamed), 403 for a cross-site
     request. Errors are OpenAI error objects, as every other error of the server."""
@@ -122,6 +132,8 @@ class Guard:
             return
         if allowed and origin is not None:
             send = self._with_cors(send, origin)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            scope = as_json(scope)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             await self._refuse(send, 413, self._too_large(int(declared)), "body_too_large")

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent, Job
+from graftlm.server.chat_routes import chat_messages, chat_text
 from graftlm.server.generation import (
     Choice,
     Delta,
@@ -171,8 +172,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
 
 @router.post("/apply-template")
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, str]:
-    svc = state_of(request).prompter
-    return {"prompt": svc.apply_chat_template([m.as_template_input() for m in body.messages])}
+    """The prompt a chat would be given (the same rules as /v1/chat/completions)."""
+    state = state_of(request)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    messages = chat_messages(body)
+    return {"prompt": await asyncio.to_thread(chat_text, state, body, messages, tools)}
 
 
 # -- health and properties --

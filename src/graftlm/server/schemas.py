@@ -343,6 +343,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # see IGNORED
+    # the template's generation prompt (False: none); continue_final_message: the final
+    # assistant message is continued rather than closed (the default where it is last, as
+    # llama-server's prefill); both true is a 400
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class LlamaCompletionRequest(SamplingFields):
@@ -387,6 +392,9 @@ class DetokenizeRequest(_Body):
 
 class ApplyTemplateRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    tools: list[Tool] | None = None
 
 
 class LoadLoraRequest(_Body):

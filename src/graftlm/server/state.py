@@ -77,9 +77,15 @@ class ApiError(Exception):
     """An error answer: HTTP status plus OpenAI's {"error": {"message", "type", "code"}}."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, err_type: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        err_type: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
+        self.extra = extra or {}
         self.status = status
         self.message = message
         self.code = code
@@ -89,7 +95,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": self.message, "type": self.type, "code": self.code, "param": None}
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": None,
+                **self.extra,
+            }
         }
 
     @classmethod

@@ -196,6 +196,7 @@ async def deltas(
                     state.metrics.finished(
                         lease.labels, endpoint, ev.n_prompt, ev.n_generated, ev.ttft, ev.tpot
                     )
+                    state.metrics.llama.finished(ev)
                     yield Delta(ev.index, ev.text, finish=ev)
                 elif isinstance(ev, ErrorEvent):
                     raise ev.error
@@ -255,12 +256,15 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 def timings(f: FinishEvent) -> dict[str, float]:
     """llama-server's `timings` of one finished sequence (prompt_n: the prompt tokens computed,
-    cache_n: those the prefix cache served; a rate over no measurable time is 0)."""
-    prompt_done = f.t_prompt_done or f.t_end or f.t_submit
-    end = f.t_end or prompt_done
-    prompt_ms = (prompt_done - f.t_submit) * 1000.0
-    predicted_ms = (end - prompt_done) * 1000.0
-    n = f.n_prompt - f.n_cached  # (llama-server's prompt_n: the prompt tokens computed)
+    cache_n: those the prefix cache served). As llama-server counts them, the prompt's time runs
+    to the first token (which comes from the prompt's last logits) and the generation rate is
+    over the tokens after it; a rate over nothing is 0."""
+    first = f.t_first or f.t_prompt_done or f.t_end or f.t_submit
+    end = f.t_end or first
+    prompt_ms = (first - f.t_submit) * 1000.0
+    predicted_ms = (end - first) * 1000.0
+    n = f.n_prompt - f.n_cached
+    steps = max(0, f.n_generated - 1)  # decode steps after the first token
     return {
         "cache_n": f.n_cached,
         "prompt_n": n,
@@ -269,10 +273,9 @@ def timings(f: FinishEvent) -> dict[str, float]:
         "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
         "predicted_n": f.n_generated,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
-        # one token: its time is the prompt's (llama-server counts no generation time either)
-        "predicted_per_second": f.n_generated / predicted_ms * 1000.0
-        if predicted_ms > 0 and f.n_generated > 1
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": steps / predicted_ms * 1000.0
+        if predicted_ms > 0 and steps
         else 0.0,
     }
 

@@ -24,6 +24,7 @@ from graftlm.server.generation import (
     prompt_ids,
     request_constraint,
     sampling_params,
+    served_name,
     sse,
     timings,
 )
@@ -50,13 +51,75 @@ def _stop_type(f: FinishEvent | None) -> str:
     return "eos" if f.stopped_eos else "limit"
 
 
+LlamaPrompt = str | list[int | str] | dict[str, Any]
+
+
+def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
+    """llama-server's prompt shapes: one text, token ids, ids and texts mixed in one sequence,
+    {"prompt_string": text}; or a list of these (several prompts, one answer each)."""
+    if isinstance(prompt, str | dict):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "invalid_prompt")
+    if any(isinstance(x, int) for x in prompt):
+        return [prompt]  # one sequence of ids (and texts)
+    return list(prompt)
+
+
+def llama_prompt_ids(state: ServerState, prompt: LlamaPrompt) -> list[int]:
+    if isinstance(prompt, dict):
+        if prompt.get("multimodal_data"):
+            raise ApiError(400, "multimodal_data: this model takes no images or audio")
+        text = prompt.get("prompt_string")
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt: an object prompt needs a prompt_string text")
+        return prompt_ids(state, text)
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        return prompt_ids(state, prompt)  # type: ignore[arg-type]
+    ids: list[int] = []  # as llama.cpp's tokenize_mixed: specials for a leading text only
+    for k, x in enumerate(prompt):
+        if isinstance(x, str):
+            ids += state.prompter.tokenize(x, add_special=k == 0, parse_special=True)
+        else:
+            ids.append(x)
+    return prompt_ids(state, ids)
+
+
+def _fields(out: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """llama-server's response_fields: only those fields ("a/b" reaches into an object)."""
+    picked: dict[str, Any] = {}
+    for f in fields:
+        value: Any = out
+        for key in f.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            picked[f] = value
+    return picked
+
+
 @router.post("/completion")
+@router.post("/completions", include_in_schema=False)
 @router.post("/v1/completion", include_in_schema=False)
 async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
-    """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives)."""
+    """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives);
+    several prompts give a list of answers."""
     state = state_of(request)
+    prompts = llama_prompts(body.prompt)
+    if len(prompts) == 1:
+        return await _complete(state, body, request, prompts[0])
+    if body.stream:
+        raise ApiError(400, "stream: give one prompt to stream (several were given)")
+    answers = await asyncio.gather(*(_complete(state, body, request, p) for p in prompts))
+    return [a | {"index": i} for i, a in enumerate(answers)]
+
+
+async def _complete(
+    state: ServerState, body: LlamaCompletionRequest, request: Request, prompt: LlamaPrompt
+) -> Any:
     n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
-    ids = await asyncio.to_thread(prompt_ids, state, body.prompt)  # off the event loop
+    ids = await asyncio.to_thread(llama_prompt_ids, state, prompt)  # off the event loop
     check_context(state, ids, n_predict)
     grammar = await compile_constraint(state, request_constraint(body))
     params = sampling_params(state, body, n_predict, grammar=grammar)
@@ -65,8 +128,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
         ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None, body.cache_prompt
     )
     pieces = deltas(state, [job], lease, "completion")
-    model = body.model or state.config.model_name
-    prompt_text = body.prompt if isinstance(body.prompt, str) else state.prompter.detokenize(ids)
+    model = served_name(state, body.model)
+    prompt_text = prompt if isinstance(prompt, str) else state.prompter.detokenize(ids)
 
     def final(c: Choice, stream: bool) -> dict[str, Any]:
         f = c.finish
@@ -138,7 +201,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
         )
 
     (choice,) = await collect(request, pieces, 1)
-    return final(choice, stream=False)
+    out = final(choice, stream=False)
+    return _fields(out, body.response_fields) if body.response_fields else out
 
 
 # -- tokens and templates --

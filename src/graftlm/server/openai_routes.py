@@ -29,6 +29,7 @@ from graftlm.server.generation import (
     prompt_ids,
     request_constraint,
     sampling_params,
+    served_name,
     sse,
     usage,
 )
@@ -121,7 +122,6 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 
 @router.post("/v1/completions")
-@router.post("/completions", include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Continue prompts (text or token ids); echo + logprobs + max_tokens 0 scores a prompt."""
     state = state_of(request)
@@ -163,7 +163,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     rid, created, model = (
         f"cmpl-{uuid.uuid4().hex}",
         int(time.time()),
-        body.model or state.config.model_name,
+        served_name(state, body.model),
     )
     n_prompt = [len(x) for x in ids]
 
@@ -233,7 +233,11 @@ async def embed_all(
         check_context(state, x, 0)
     lease = await admit(state, model, lora)
     try:
-        vecs = [await state.service.aembedding(x, lease.lora) for x in ids]
+        vecs = []
+        for x in ids:
+            t0 = time.perf_counter()
+            vecs.append(await state.service.aembedding(x, lease.lora))
+            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
     finally:
         state.registry.release(lease)
     return vecs, sum(len(x) for x in ids)
@@ -265,7 +269,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     return {
         "object": "list",
         "data": data,
-        "model": body.model or state.config.model_name,
+        "model": served_name(state, body.model),
         "usage": {"prompt_tokens": n, "total_tokens": n},
     }
 

@@ -353,8 +353,10 @@ class ChatCompletionRequest(SamplingFields):
 class LlamaCompletionRequest(SamplingFields):
     """POST /completion (llama-server's native endpoint)."""
 
-    prompt: str | list[int]
+    # one text, token ids (texts may be mixed in), {"prompt_string": ...}, or a list of these
+    prompt: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     n_predict: int | None = None
+    response_fields: list[str] | None = None  # only these fields in the answer
     stream: bool = False
     n_probs: NonNegInt = 0
     return_tokens: bool = False

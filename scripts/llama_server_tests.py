@@ -173,7 +173,7 @@ def table(graft: dict[str, Result], llama: dict[str, Result] | None) -> str:
     return "\n".join(lines)
 
 
-def prepare(work: Path, target: str, graftlm_python: str) -> Path:
+def prepare(work: Path, target: str, graftlm_python: str, src: Path) -> Path:
     """A writable copy of the suite for one target, and the wrapper the tests launch."""
     dest = work / target
     if dest.exists():
@@ -197,7 +197,7 @@ def prepare(work: Path, target: str, graftlm_python: str) -> Path:
     os.symlink(smollm2, tmp / "stories15M-q4_0.gguf")  # test_speculative.py's draft
     env_lines = [
         f"export GRAFTLM_PYTHON={graftlm_python}",
-        f"export GRAFTLM_SRC={ROOT / 'src'}",
+        f"export GRAFTLM_SRC={src}",
         f"export SMOLLM2_GGUF={smollm2}",
     ]
     if target == "llama-server":
@@ -217,7 +217,12 @@ def prepare(work: Path, target: str, graftlm_python: str) -> Path:
 
 
 def run(target: str, tests: list[str], args: argparse.Namespace) -> Path:
-    dest = prepare(Path(args.work), target, args.graftlm_python)
+    src = ROOT / "src"
+    if args.snapshot:  # the tree as it is now, so that edits during the run do not leak in
+        src = Path(args.work) / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    dest = prepare(Path(args.work), target, args.graftlm_python, src)
     xml = Path(args.work) / f"{target}.xml"
     cmd = [
         args.pytest_python,
@@ -260,6 +265,7 @@ def main() -> int:
     p.add_argument("--graftlm-python", default=sys.executable)
     p.add_argument("--port", type=int, default=8480)
     p.add_argument("--timeout", type=int, default=180)
+    p.add_argument("--snapshot", action="store_true", help="run a copy of src/ taken at start")
     p.add_argument("--table", nargs="+", metavar="XML", help="print the table of saved runs")
     args = p.parse_args()
     if args.table:

@@ -29,6 +29,7 @@ _TABLE = """
 --rpc|1|no RPC backends
 -lm --load-mode -lzm --lazy-mode|1|weights are memory-mapped
 --list-devices|0|no effect
+-dev|1|graftlm's --device chooses where the model runs (cpu, cuda, cuda:N)
 -ot --override-tensor -ncmoe --n-cpu-moe -ncffn --n-cpu-ffn|1|no tensor placement control
 -cmoe --cpu-moe --check-tensors|0|no effect
 -sm --split-mode -ts --tensor-split -mg --main-gpu|1|one device (--device)

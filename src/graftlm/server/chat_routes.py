@@ -230,9 +230,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                         ]
                     )
                 )
-            if clock is not None and d.tokens:
+            if clock is not None and d.tokens:  # on the pieces, not on the role chunk
+                tick = clock.tick(len(d.tokens))
                 for ev in out:
-                    ev["timings"] = clock.tick(len(d.tokens))
+                    if "role" not in ev["choices"][0]["delta"]:
+                        ev["timings"] = tick
             if d.finish is not None:  # the finish in a chunk of its own, its delta empty
                 n_calls = len(parser.calls) if parser is not None else 0
                 out.append(chunk([piece(i, {}, finish_reason=reason(d.finish, n_calls))]))

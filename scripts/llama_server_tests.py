@@ -63,6 +63,7 @@ OUT_OF_SCOPE: dict[str, str] = {
 
 BUCKETS = (
     "model swap",
+    "offline",
     "missing endpoint",
     "missing flag",
     "field",
@@ -118,7 +119,10 @@ def bucket(r: Result, control: Result | None) -> str:
         if control is None or control.outcome != "failed":
             return "crash"
     if control is not None and control.outcome == "failed":
-        return "model swap"  # llama-server fails it too on the same swap
+        # llama-server fails it too: a file it cannot have here, or the swapped model's output
+        if re.search(r"huggingface\.co|Server process died", control.message):
+            return "offline"
+        return "model swap"
     if re.search(r"Timeout|timed out|ConnectionError|RemoteDisconnected|Connection reset", m):
         return "crash"
     if re.search(r"\b(404|405)\b", m):
@@ -216,7 +220,18 @@ def prepare(work: Path, target: str, graftlm_python: str, src: Path) -> Path:
     return dest
 
 
+def port_free(port: int) -> bool:
+    """A server left on the port would answer the tests' /health in place of the one they start."""
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 def run(target: str, tests: list[str], args: argparse.Namespace) -> Path:
+    port = args.port + (0 if target == "graftlm" else 100)
+    if not port_free(port):
+        sys.exit(f"port {port} is in use (a server left from an earlier run?): free it first")
     src = ROOT / "src"
     if args.snapshot:  # the tree as it is now, so that edits during the run do not leak in
         src = Path(args.work) / "src"
@@ -246,7 +261,7 @@ def run(target: str, tests: list[str], args: argparse.Namespace) -> Path:
     env = {
         **os.environ,
         "LLAMA_SERVER_BIN_PATH": str(dest / "llama-server-shim"),
-        "PORT": str(args.port + (0 if target == "graftlm" else 100)),
+        "PORT": str(port),
         "PYTHONUNBUFFERED": "1",
     }
     log = Path(args.work) / f"{target}.log"

@@ -294,7 +294,10 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     config = ServerConfig(
-        model_name=aliases[0] if aliases else model.path.name,
+        # as llama-server: of several aliases the first in sorting order names the model
+        model_name=sorted(aliases)[0] if aliases else model.path.name,
+        aliases=aliases,
+        verbose=args.log_level == "debug",
         api_key=key,
         allow_runtime_lora=args.allow_runtime_lora,
         temperature=args.temp,
@@ -303,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         n_predict=args.n_predict,
-        extra_model_names=(*aliases[1:], model.path.name, model.path.stem)
+        extra_model_names=(*aliases, model.path.name, model.path.stem)
         if aliases
         else (model.path.stem,),
         max_body_bytes=args.max_body_size,

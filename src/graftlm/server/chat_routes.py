@@ -79,6 +79,7 @@ class ChatRun:
     end that chats, OpenAI's, Anthropic's and the Responses API, frames these)."""
 
     ids: list[int]
+    text: str  # the rendered chat
     tools: list[dict[str, Any]] | None
     pieces: AsyncGenerator[Delta, None]
     top: int | None  # top log-probabilities asked for (None: none)
@@ -155,7 +156,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
     params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
     jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
-    return ChatRun(ids, tools, deltas(state, jobs, lease, "chat"), top)
+    return ChatRun(ids, text, tools, deltas(state, jobs, lease, "chat"), top)
 
 
 @router.post("/v1/chat/completions")
@@ -273,12 +274,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "finish_reason": reason(c.finish, n_calls),
             }
         )
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": fingerprint,
-        "choices": out,
-        "usage": usage([len(ids)], *generated_and_cached(choices)),
-    } | ({"timings": timings(choices[-1].finish)} if choices[-1].finish else {})
+    return (
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": out,
+            "usage": usage([len(ids)], *generated_and_cached(choices)),
+        }
+        | ({"timings": timings(choices[-1].finish)} if choices[-1].finish else {})
+        | (
+            {"__verbose": {"prompt": run.text, "content": choices[0].text}}
+            if body.verbose or state.config.verbose
+            else {}
+        )
+    )
+
+
+@router.post("/chat/completions/input_tokens")
+@router.post("/v1/chat/completions/input_tokens", include_in_schema=False)
+async def input_tokens(body: ChatCompletionRequest, request: Request) -> dict[str, int]:
+    """The prompt tokens a chat comes to (llama-server's count, without generating)."""
+    state = state_of(request)
+    tools, _ = _tool_setup(state, body)
+    text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
+    return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}

@@ -152,6 +152,20 @@ async def _complete(
                 "seed": -1 if p.seed is None else p.seed,
                 "stop": list(p.stop),
                 "ignore_eos": p.ignore_eos,
+                "repeat_penalty": p.repeat_penalty,
+                "repeat_last_n": p.repeat_last_n,
+                "presence_penalty": p.presence_penalty,
+                "frequency_penalty": p.frequency_penalty,
+                "stream": body.stream,
+                "n_probs": body.n_probs,
+                # as llama-server: ignore_eos is the end tokens' bias of -inf (JSON null)
+                "logit_bias": [
+                    {"token": t, "bias": None if b == float("-inf") else b}
+                    for t, b in (
+                        *p.logit_bias,
+                        *((e, float("-inf")) for e in sorted(state.prompter.eog) if p.ignore_eos),
+                    )
+                ],
                 "lora": [{"id": i, "scale": s} for i, s in sorted(lease.lora.items())],
             },
             "prompt": prompt_text,
@@ -278,6 +292,7 @@ async def props(request: Request) -> dict[str, Any]:
         "model_alias": cfg.model_name,
         "chat_template": state.prompter.chat_template or "",
         "modalities": {"vision": False, "audio": False},
+        "is_sleeping": False,  # no sleep mode (--sleep-idle-seconds has no effect)
         "build_info": f"graftlm {__version__}",
     }
 
@@ -350,4 +365,18 @@ async def metrics(request: Request) -> Response:
         raise ApiError(501, "this server does not expose /metrics (started with --no-metrics)")
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
     data, content_type = state.metrics.render()
-    return Response(data, media_type=content_type)
+    started = {"Process-Start-Time-Unix": str(int(state.metrics.started))}  # as llama-server
+    return Response(data, media_type=content_type, headers=started)
+
+
+@router.post("/rerank")
+@router.post("/reranking", include_in_schema=False)
+@router.post("/v1/rerank", include_in_schema=False)
+@router.post("/v1/reranking", include_in_schema=False)
+async def rerank() -> Response:
+    raise ApiError(501, "this server does not rerank (llama-server's --reranking has no effect)")
+
+
+@router.post("/infill")
+async def infill() -> Response:
+    raise ApiError(501, "this server has no fill-in-the-middle endpoint")

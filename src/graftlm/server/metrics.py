@@ -5,6 +5,7 @@ names, types and meanings), so that dashboards made for llama-server read this s
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -102,6 +103,7 @@ class Metrics:
         )
         self._seen = (0, 0, 0)
         self.llama = LlamaMetrics()
+        self.started = time.time()
 
     # -- ServiceObserver --
     def on_step(self, rows: int, running: int, waiting: int) -> None:

@@ -323,6 +323,8 @@ async def models(request: Request) -> dict[str, Any]:
             "root": str(state.model_path),
             "parent": None,
             "max_model_len": state.service.n_ctx,
+            "aliases": sorted(state.config.aliases or (base,)),
+            "tags": list(state.config.tags),
         }
     ]
     for name, e in sorted(state.registry.names.items()):

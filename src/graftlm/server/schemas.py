@@ -56,6 +56,7 @@ IGNORED: dict[str, str] = {
     "xtc_threshold": "unused while xtc_probability is 0",
     "top_n_sigma": "accepted at -1 only (off)",
     "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
+    "return_progress": "llama-server's prompt progress events (not sent)",
 }
 
 # the values at which an ignored sampler setting is off
@@ -133,6 +134,8 @@ class SamplingFields(_Body):
     xtc_threshold: float | None = None
     top_n_sigma: float | None = None
     guided_decoding_backend: str | None = None
+    return_progress: bool | None = None
+    verbose: bool = False  # llama-server's __verbose: the rendered prompt beside the answer
 
     @field_validator(*_OFF, mode="after")
     @classmethod

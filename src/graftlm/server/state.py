@@ -39,6 +39,8 @@ class ServerConfig:
     slots: bool = True  # /slots served (else 501, as llama-server with --no-slots)
     ui: bool = True  # the chat page at /
     tags: tuple[str, ...] = ()  # shown in /v1/models
+    aliases: tuple[str, ...] = ()  # --alias a,b,c: every name of the base (shown in /v1/models)
+    verbose: bool = False  # answers carry llama-server's __verbose (the rendered prompt)
     # a `model` that names neither the base nor an adapter: 404 (vLLM) or the base (llama-server)
     strict_model_names: bool = False
 

@@ -52,6 +52,9 @@ def strict(tiny_files: dict[str, Path]) -> Iterator[str]:
         cors_origins=("localhost", "https://app.example"),
         slots=False,
         metrics=False,
+        aliases=("tiny", "chat-alias"),
+        extra_model_names=("chat-alias",),
+        tags=("chat", "small"),
     )
 
 
@@ -337,6 +340,34 @@ def test_slots_and_metrics(http: httpx.Client, strict: str) -> None:
     assert "# TYPE llamacpp:requests_processing gauge" in text
     assert values["llamacpp:tokens_predicted_total"] >= 3 and values["llamacpp:n_decode_total"] > 0
     assert "graftlm_requests_total" in text  # graftlm's own stay beside them
+
+
+def test_more_llama_server_fields(http: httpx.Client, strict: str) -> None:
+    model = httpx.get(strict + "/v1/models").json()["data"][0]
+    assert model["id"] == "tiny" and set(model["aliases"]) == {"tiny", "chat-alias"}
+    assert model["tags"] == ["chat", "small"]
+    served = httpx.post(strict + "/v1/completions", json={"prompt": PROMPT, "model": "chat-alias"})
+    assert served.status_code == 200 and served.json()["model"] == "chat-alias"
+    body = {"prompt": PROMPT, "n_predict": 2, "temperature": 0}
+    eos = http.post("/completion", json=body | {"ignore_eos": True}).json()
+    bias = eos["generation_settings"]["logit_bias"]
+    assert bias and all(b["bias"] is None for b in bias)  # -inf, as JSON null
+    assert http.post("/completion", json=body).json()["generation_settings"]["logit_bias"] == []
+    chat = {"messages": [{"role": "user", "content": "hello there"}]}
+    n = http.post("/chat/completions/input_tokens", json=chat).json()["input_tokens"]
+    prompt = http.post("/apply-template", json=chat).json()["prompt"]
+    assert n == len(
+        http.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+    )
+    verbose = http.post(
+        "/v1/chat/completions", json=chat | {"max_tokens": 1, "verbose": True}
+    ).json()
+    assert verbose["__verbose"]["prompt"] == prompt
+    assert (
+        "__verbose" not in http.post("/v1/chat/completions", json=chat | {"max_tokens": 1}).json()
+    )
+    error_of(http.post("/rerank", json={"query": "q", "documents": ["d"]}), 501, "rerank")
+    assert "Process-Start-Time-Unix" in http.get("/metrics").headers
 
 
 # -- the command line --

@@ -187,6 +187,22 @@ def test_completion_prompt_shapes(server: TinyServer, http: httpx.Client) -> Non
     assert fields["generation_settings/n_predict"] == 3
 
 
+def test_embedding_input_shapes(http: httpx.Client) -> None:
+    def embed(value: Any) -> list[list[float]]:
+        r = http.post("/v1/embeddings", json={"input": value})
+        assert r.status_code == 200, r.text
+        return [d["embedding"] for d in r.json()["data"]]
+
+    (plain,) = embed("hello world")
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    assert embed(["hello world", parts]) == [plain, plain]
+    assert embed({"prompt_string": "hello world"}) == [plain]
+    assert len(embed(["a", [12, 34], [12, "b", 34], {"content": "c"}])) == 4
+    image = {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}
+    error_of(http.post("/v1/embeddings", json={"input": image}), 400, "image_url")
+    error_of(http.post("/v1/embeddings", json={"input": []}), 400, "empty")
+
+
 def test_completions_without_v1_is_the_native_endpoint(http: httpx.Client) -> None:
     r = http.post("/completions", json={"prompt": PROMPT, "n_predict": 2, **GREEDY})
     assert r.status_code == 200 and "content" in r.json() and "choices" not in r.json()

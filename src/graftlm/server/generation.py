@@ -137,6 +137,55 @@ def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
     return ids
 
 
+LlamaPrompt = str | list[int | str] | dict[str, Any]
+
+
+def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
+    """llama-server's prompt shapes: one text, token ids, ids and texts mixed in one sequence,
+    {"prompt_string": text}; or a list of these (several prompts, one answer each)."""
+    if isinstance(prompt, str | dict):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "invalid_prompt")
+    if any(isinstance(x, int) for x in prompt):
+        return [prompt]  # one sequence of ids (and texts)
+    return list(prompt)
+
+
+def _object_text(prompt: dict[str, Any]) -> str:
+    """{"prompt_string": text} or {"content": text or [text parts]} (an embedding input)."""
+    if isinstance(prompt.get("prompt_string"), str):
+        return str(prompt["prompt_string"])
+    content = prompt.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"content[{k}]: {kind!r} parts are not supported by this model")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, "prompt: an object prompt needs prompt_string or content text")
+
+
+def llama_prompt_ids(state: ServerState, prompt: LlamaPrompt) -> list[int]:
+    if isinstance(prompt, dict):
+        if prompt.get("multimodal_data"):
+            raise ApiError(400, "multimodal_data: this model takes no images or audio")
+        return prompt_ids(state, _object_text(prompt))
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        return prompt_ids(state, prompt)  # type: ignore[arg-type]
+    ids: list[int] = []  # as llama.cpp's tokenize_mixed: specials for a leading text only
+    for k, x in enumerate(prompt):
+        if isinstance(x, str):
+            ids += state.prompter.tokenize(x, add_special=k == 0, parse_special=True)
+        else:
+            ids.append(x)
+    return prompt_ids(state, ids)
+
+
 def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
     """A prompt must leave room for one generated token (or fit whole, when only scored)."""
     n_ctx = state.service.n_ctx

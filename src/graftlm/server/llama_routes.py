@@ -16,12 +16,14 @@ from graftlm.server.chat_routes import chat_messages, chat_text
 from graftlm.server.generation import (
     Choice,
     Delta,
+    LlamaPrompt,
     admit,
     check_context,
     collect,
     compile_constraint,
     deltas,
-    prompt_ids,
+    llama_prompt_ids,
+    llama_prompts,
     request_constraint,
     sampling_params,
     served_name,
@@ -49,40 +51,6 @@ def _stop_type(f: FinishEvent | None) -> str:
     if f.stop_word is not None or (f.reason == "stop" and not f.stopped_eos):
         return "word"
     return "eos" if f.stopped_eos else "limit"
-
-
-LlamaPrompt = str | list[int | str] | dict[str, Any]
-
-
-def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
-    """llama-server's prompt shapes: one text, token ids, ids and texts mixed in one sequence,
-    {"prompt_string": text}; or a list of these (several prompts, one answer each)."""
-    if isinstance(prompt, str | dict):
-        return [prompt]
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", "invalid_prompt")
-    if any(isinstance(x, int) for x in prompt):
-        return [prompt]  # one sequence of ids (and texts)
-    return list(prompt)
-
-
-def llama_prompt_ids(state: ServerState, prompt: LlamaPrompt) -> list[int]:
-    if isinstance(prompt, dict):
-        if prompt.get("multimodal_data"):
-            raise ApiError(400, "multimodal_data: this model takes no images or audio")
-        text = prompt.get("prompt_string")
-        if not isinstance(text, str):
-            raise ApiError(400, "prompt: an object prompt needs a prompt_string text")
-        return prompt_ids(state, text)
-    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
-        return prompt_ids(state, prompt)  # type: ignore[arg-type]
-    ids: list[int] = []  # as llama.cpp's tokenize_mixed: specials for a leading text only
-    for k, x in enumerate(prompt):
-        if isinstance(x, str):
-            ids += state.prompter.tokenize(x, add_special=k == 0, parse_special=True)
-        else:
-            ids.append(x)
-    return prompt_ids(state, ids)
 
 
 def _fields(out: dict[str, Any], fields: list[str]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from graftlm.runtime.service import Job
 from graftlm.server.generation import (
     Choice,
     Delta,
+    LlamaPrompt,
     TokenLogprob,
     admit,
     check_context,
@@ -26,6 +27,8 @@ from graftlm.server.generation import (
     deltas,
     finish_reason,
     generated_and_cached,
+    llama_prompt_ids,
+    llama_prompts,
     prompt_ids,
     request_constraint,
     sampling_params,
@@ -224,11 +227,11 @@ def _completion_choice(state: ServerState, c: Choice, logprobs: bool) -> dict[st
 
 # -- embeddings --
 async def embed_all(
-    state: ServerState, inputs: list[str | list[int]], model: str | None, lora: Any
+    state: ServerState, inputs: list[LlamaPrompt], model: str | None, lora: Any
 ) -> tuple[list[list[float]], int]:
     """Each input's embedding (mean-pooled, normalized, the request's adapter applied) and the
     number of tokens read."""
-    ids = [await asyncio.to_thread(prompt_ids, state, x) for x in inputs]
+    ids = [await asyncio.to_thread(llama_prompt_ids, state, x) for x in inputs]
     for x in ids:
         check_context(state, x, 0)
     lease = await admit(state, model, lora)
@@ -243,14 +246,11 @@ async def embed_all(
     return vecs, sum(len(x) for x in ids)
 
 
-def _inputs(value: str | list[Any]) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
+def _inputs(value: Any) -> list[LlamaPrompt]:
+    """OpenAI's input shapes, and llama-server's (texts and ids mixed, {"content": ...})."""
+    if isinstance(value, list) and not value:
         raise ApiError(400, "input is empty", "invalid_value")
-    if all(isinstance(x, int) for x in value):
-        return [list(value)]
-    return list(value)
+    return llama_prompts(value)
 
 
 @router.post("/v1/embeddings")

@@ -369,7 +369,8 @@ class LlamaCompletionRequest(SamplingFields):
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings (OpenAI): one text or token list, or several."""
 
-    input: str | list[str] | list[int] | list[list[int]]
+    # also llama-server's shapes: texts and ids mixed, {"prompt_string"} / {"content"} objects
+    input: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None  # see IGNORED
@@ -379,7 +380,7 @@ class EmbeddingRequest(_Body):
 class LlamaEmbeddingRequest(_Body):
     """POST /embedding (llama-server)."""
 
-    content: str | list[str] | list[int]
+    content: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     model: str | None = None
     lora: list[LoraItem] | None = None
 

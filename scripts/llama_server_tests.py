@@ -238,7 +238,10 @@ def run(target: str, tests: list[str], args: argparse.Namespace) -> Path:
         shutil.rmtree(src, ignore_errors=True)
         shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
     dest = prepare(Path(args.work), target, args.graftlm_python, src)
-    xml = Path(args.work) / f"{target}.xml"
+    xml = Path(args.work) / f"{target}{'-rerun' if args.rerun_failed else ''}.xml"
+    if args.rerun_failed:  # only what failed in an earlier run (tests are independent)
+        old = read_junit(Path(args.rerun_failed))
+        tests = [n for n, r in old.items() if r.outcome == "failed"]
     cmd = [
         args.pytest_python,
         "-m",
@@ -281,10 +284,23 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8480)
     p.add_argument("--timeout", type=int, default=180)
     p.add_argument("--snapshot", action="store_true", help="run a copy of src/ taken at start")
-    p.add_argument("--table", nargs="+", metavar="XML", help="print the table of saved runs")
+    p.add_argument(
+        "--rerun-failed",
+        metavar="XML",
+        help="run only the tests that failed in this earlier run (into TARGET-rerun.xml)",
+    )
+    p.add_argument(
+        "--table",
+        nargs="+",
+        metavar="XML",
+        help="print the table of saved runs: GRAFTLM.xml[,RERUN.xml] [LLAMA-SERVER.xml] (a "
+        "rerun's results replace the earlier ones)",
+    )
     args = p.parse_args()
     if args.table:
-        graft = read_junit(Path(args.table[0]))
+        graft = {}
+        for part in args.table[0].split(","):
+            graft.update(read_junit(Path(part)))
         llama = read_junit(Path(args.table[1])) if len(args.table) > 1 else None
         print(table(graft, llama))
         return 0
@@ -293,6 +309,9 @@ def main() -> int:
     for target in ("graftlm", "llama-server"):
         if args.target in (target, "both"):
             xmls[target] = run(target, args.tests, args)
+    if args.rerun_failed:
+        print(f"rerun results in {xmls}; merge them with --table OLD.xml,RERUN.xml")
+        return 0
     graft_xml = xmls.get("graftlm", Path(args.work) / "graftlm.xml")
     llama_xml = xmls.get("llama-server", Path(args.work) / "llama-server.xml")
     if not graft_xml.exists():

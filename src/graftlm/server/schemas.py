@@ -57,6 +57,10 @@ IGNORED: dict[str, str] = {
     "top_n_sigma": "accepted at -1 only (off)",
     "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
     "return_progress": "llama-server's prompt progress events (not sent)",
+    "speculative.n_max": "llama-server's draft length (no speculative decoding; it would not "
+    "change the output)",
+    "speculative.n_min": "as speculative.n_max",
+    "speculative.p_min": "as speculative.n_max",
 }
 
 # the values at which an ignored sampler setting is off
@@ -135,6 +139,9 @@ class SamplingFields(_Body):
     top_n_sigma: float | None = None
     guided_decoding_backend: str | None = None
     return_progress: bool | None = None
+    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max")
+    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min")
+    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")
     verbose: bool = False  # llama-server's __verbose: the rendered prompt beside the answer
 
     @field_validator(*_OFF, mode="after")

@@ -55,6 +55,7 @@ def strict(tiny_files: dict[str, Path]) -> Iterator[str]:
         aliases=("tiny", "chat-alias"),
         extra_model_names=("chat-alias",),
         tags=("chat", "small"),
+        gcp=True,
     )
 
 
@@ -384,6 +385,22 @@ def test_more_llama_server_fields(http: httpx.Client, strict: str) -> None:
     )
     error_of(http.post("/rerank", json={"query": "q", "documents": ["d"]}), 501, "rerank")
     assert "Process-Start-Time-Unix" in http.get("/metrics").headers
+
+
+def test_vertex_predict(http: httpx.Client, strict: str) -> None:
+    chat = {
+        "@requestFormat": "chatCompletions",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    r = httpx.post(strict + "/predict", json={"instances": [chat, chat]}, timeout=60)
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert len(preds) == 2 and all(p["choices"][0]["message"]["role"] == "assistant" for p in preds)
+    error_of(httpx.post(strict + "/predict", json={"instances": []}), 400, "instances")
+    assert (
+        http.post("/predict", json={"instances": [chat]}).status_code == 404
+    )  # only with AIP_MODE
 
 
 # -- the command line --

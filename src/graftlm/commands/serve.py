@@ -237,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.commands.llama_server_flags import llama_server_notes
-    from graftlm.commands.serve_options import api_key, http_config, split_list
+    from graftlm.commands.serve_options import api_key, http_config, split_list, vertex_port
     from graftlm.lora.cli_args import lora_specs
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE
@@ -248,6 +248,7 @@ def serve(args: argparse.Namespace) -> int:
     key = api_key(args)
     aliases = split_list(args.alias)
     hosts = split_list(args.host) or ("127.0.0.1",)
+    args.port = vertex_port(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     modules = parse_lora_modules(args.lora_modules)

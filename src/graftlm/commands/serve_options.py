@@ -5,6 +5,7 @@ layer never reads arguments itself)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,18 @@ def api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
+def vertex_port(args: argparse.Namespace) -> int:
+    """As llama-server: under Vertex AI (AIP_MODE=PREDICTION) the port is AIP_HTTP_PORT."""
+    if os.environ.get("AIP_MODE") == "PREDICTION" and os.environ.get("AIP_HTTP_PORT"):
+        return int(os.environ["AIP_HTTP_PORT"])
+    port: int = args.port
+    return port
+
+
 def http_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The ServerConfig fields these options set."""
+    """The ServerConfig fields these options set (and AIP_MODE from the environment)."""
     return {
+        "gcp": os.environ.get("AIP_MODE") == "PREDICTION",
         "cors_origins": split_list(args.cors_origins) if args.cors_origins else None,
         "metrics": args.metrics,
         "slots": args.slots,

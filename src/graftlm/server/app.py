@@ -23,6 +23,7 @@ from graftlm.runtime.service import EngineService
 from graftlm.server import (
     anthropic_routes,
     chat_routes,
+    gcp_routes,
     llama_routes,
     openai_routes,
     responses_routes,
@@ -136,6 +137,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat_routes.router, dependencies=guarded)
     app.include_router(anthropic_routes.router, dependencies=guarded)
     app.include_router(responses_routes.router, dependencies=guarded)
+    if state.config.gcp:
+        app.include_router(gcp_routes.router, dependencies=guarded)
     app.include_router(llama_routes.router, dependencies=guarded)
     return app
 

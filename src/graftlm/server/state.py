@@ -41,6 +41,7 @@ class ServerConfig:
     tags: tuple[str, ...] = ()  # shown in /v1/models
     aliases: tuple[str, ...] = ()  # --alias a,b,c: every name of the base (shown in /v1/models)
     verbose: bool = False  # answers carry llama-server's __verbose (the rendered prompt)
+    gcp: bool = False  # Vertex AI's POST /predict (AIP_MODE=PREDICTION, as llama-server)
     # a `model` that names neither the base nor an adapter: 404 (vLLM) or the base (llama-server)
     strict_model_names: bool = False
 

@@ -177,17 +177,17 @@ def test_malformed_json(http: httpx.Client) -> None:
     _check(http.post("/v1/completions", content=b"not json at all"), 400, "JSON")
 
 
-def test_unknown_model_is_404_listing_names(http: httpx.Client) -> None:
-    err = _check(
-        http.post("/v1/completions", json={"prompt": "the", "model": "gpt-7"}),
-        404,
-        "gpt-7",
-        "alpha",
-        "beta",
-        "tiny",
-    )
-    assert err["code"] == "model_not_found"
-    _check(http.post("/v1/chat/completions", json={"messages": CHAT, "model": "nope"}), 404, "nope")
+def test_unknown_model_is_served_by_the_base(server: TinyServer, http: httpx.Client) -> None:
+    """As llama-server: a `model` the server does not know (every OpenAI SDK example sends one)
+    is served by the base model, and the answer names the base (--strict-model-names: 404)."""
+    body = {"prompt": [12, 80, 31], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body | {"model": "gpt-3.5-turbo"})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny"
+    base = http.post("/v1/completions", json=body).json()
+    assert r.json()["choices"][0]["text"] == base["choices"][0]["text"]
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "model": "nope", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
 def test_context_length_exceeded(http: httpx.Client) -> None:
@@ -268,8 +268,10 @@ def test_still_serving_after_errors(server: TinyServer) -> None:
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="the", max_tokens=-3)
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="nope", prompt="the", max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model="tiny", prompt="the", max_tokens=3, extra_body={"lora": [{"id": 99, "scale": 1}]}
+        )
     out = client.completions.create(model="tiny", prompt="the", max_tokens=3, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
+from graftlm.commands.serve_options import add_http_arguments
 from graftlm.lora.cli_args import add_lora_arguments
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -70,9 +72,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "-a",
         "--alias",
         default=None,
-        help="the base model's name in the API (default: its file name)",
+        help="the base model's name in the API (default: its file name); a comma-separated "
+        "list gives it several names, the first one shown",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; a comma-separated list listens on each (e.g. 127.0.0.1,::1)",
+    )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument(
         "-c",
@@ -97,6 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn the prefix cache off (every prompt computed in full)",
     )
+    g.add_argument("--cache-prompt", dest="cache_prompt", action="store_true", default=True)
     p.add_argument("-t", "--threads", type=int, default=None)
     add_device_argument(p)
     add_chat_template_arguments(p)
@@ -110,7 +118,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every API call"
     )
-    p.add_argument("--temp", type=float, default=0.8, help="default temperature")
+    p.add_argument("--api-key-file", default=None, metavar="FILE", help="the API key, from a file")
+    p.add_argument("--temp", "--temperature", type=float, default=0.8, help="default temperature")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
@@ -118,6 +127,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-n",
         "--n-predict",
+        "--predict",
         type=int,
         default=-1,
         help="default tokens to generate (-1: until the end)",
@@ -173,10 +183,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        "--log-verbose",
+        dest="log_level",
+        action="store_const",
+        const="debug",
+        help="the same as --log-level debug",
+    )
+    add_http_arguments(p)
     from graftlm.commands.llama_flags import VersionAction, add_llama_flags
 
     p.add_argument("--version", action=VersionAction)
     add_llama_flags(p, server=True)
+    from graftlm.commands.llama_server_flags import add_llama_server_flags
+
+    add_llama_server_flags(p)  # last: only the flags not declared above
 
 
 def _configuration(model: Any, args: argparse.Namespace) -> str:
@@ -213,11 +236,19 @@ def serve(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
+    from graftlm.commands.llama_server_flags import llama_server_notes
+    from graftlm.commands.serve_options import api_key, http_config, split_list, vertex_port
     from graftlm.lora.cli_args import lora_specs
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE
 
     check_llama_flags(args)
+    for note in llama_server_notes(args):
+        print(f"note: {note}", file=sys.stderr)
+    key = api_key(args)
+    aliases = split_list(args.alias)
+    hosts = split_list(args.host) or ("127.0.0.1",)
+    args.port = vertex_port(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     modules = parse_lora_modules(args.lora_modules)
@@ -264,8 +295,11 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     config = ServerConfig(
-        model_name=args.alias or model.path.name,
-        api_key=args.api_key,
+        # as llama-server: of several aliases the first in sorting order names the model
+        model_name=sorted(aliases)[0] if aliases else model.path.name,
+        aliases=aliases,
+        verbose=args.log_level == "debug",
+        api_key=key,
         allow_runtime_lora=args.allow_runtime_lora,
         temperature=args.temp,
         top_k=args.top_k,
@@ -273,9 +307,13 @@ def serve(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         n_predict=args.n_predict,
-        extra_model_names=(model.path.name, model.path.stem) if args.alias else (model.path.stem,),
+        extra_model_names=(*aliases, model.path.name, model.path.stem)
+        if aliases
+        else (model.path.stem,),
         max_body_bytes=args.max_body_size,
         lora_dirs=tuple(Path(d).resolve() for d in (args.lora_dir or ["."])),
+        n_ctx_pool=(cache.n_blocks - 1) * cache.block,
+        **http_config(args),
     )
     if args.allow_runtime_lora:
         dirs = ", ".join(str(d) for d in config.lora_dirs)
@@ -296,16 +334,46 @@ def serve(args: argparse.Namespace) -> int:
     for name, path in modules:
         print(f"lora module {name}: {path} (loaded on first use)", file=sys.stderr)
     try:
-        uvicorn.run(
-            create_app(state),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
+        sockets = listen(hosts, args.port)
+        print(
+            "listening on " + ", ".join(f"http://{_shown(h)}:{args.port}" for h in hosts),
+            file=sys.stderr,
         )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(state),
+                log_level=args.log_level,
+                timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
+            )
+        )
+        server.run(sockets=sockets)
     finally:
         state.service.close()
     return 0
+
+
+def _shown(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def listen(hosts: Sequence[str], port: int) -> list[socket.socket]:
+    """One listening socket per address (--host 127.0.0.1,::1 listens on both)."""
+    out = []
+    for host in hosts:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"--host {host} --port {port}: {exc.strerror}") from None
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        out.append(sock)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

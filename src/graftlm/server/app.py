@@ -20,8 +20,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graftlm.errors import GraftError
 from graftlm.runtime.service import EngineService
-from graftlm.server import llama_routes, openai_routes, ui
-from graftlm.server.guard import Guard
+from graftlm.server import (
+    anthropic_routes,
+    chat_routes,
+    gcp_routes,
+    llama_routes,
+    openai_routes,
+    responses_routes,
+    ui,
+)
+from graftlm.server.guard import Cors, Guard
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
 from graftlm.server.state import ApiError, ServerConfig, ServerState
@@ -80,7 +88,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(
         title="graftlm", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=openapi
     )
-    app.add_middleware(Guard, max_body=state.config.max_body_bytes)
+    cors = Cors(state.config.cors_origins, api_key=state.config.api_key is not None)
+    app.add_middleware(Guard, max_body=state.config.max_body_bytes, cors=cors)
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
@@ -122,8 +131,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     guarded: list[Any] = [Depends(_check_key)]
     app.include_router(llama_routes.public)
-    app.include_router(ui.router)  # the chat page at / (public: it holds no secret)
+    if state.config.ui:
+        app.include_router(ui.router)  # the chat page at / (public: it holds no secret)
     app.include_router(openai_routes.router, dependencies=guarded)
+    app.include_router(chat_routes.router, dependencies=guarded)
+    app.include_router(anthropic_routes.router, dependencies=guarded)
+    app.include_router(responses_routes.router, dependencies=guarded)
+    if state.config.gcp:
+        app.include_router(gcp_routes.router, dependencies=guarded)
     app.include_router(llama_routes.router, dependencies=guarded)
     return app
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -136,6 +137,55 @@ def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
     return ids
 
 
+LlamaPrompt = str | list[int | str] | dict[str, Any]
+
+
+def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
+    """llama-server's prompt shapes: one text, token ids, ids and texts mixed in one sequence,
+    {"prompt_string": text}; or a list of these (several prompts, one answer each)."""
+    if isinstance(prompt, str | dict):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "invalid_prompt")
+    if any(isinstance(x, int) for x in prompt):
+        return [prompt]  # one sequence of ids (and texts)
+    return list(prompt)
+
+
+def _object_text(prompt: dict[str, Any]) -> str:
+    """{"prompt_string": text} or {"content": text or [text parts]} (an embedding input)."""
+    if isinstance(prompt.get("prompt_string"), str):
+        return str(prompt["prompt_string"])
+    content = prompt.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"content[{k}]: {kind!r} parts are not supported by this model")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError(400, "prompt: an object prompt needs prompt_string or content text")
+
+
+def llama_prompt_ids(state: ServerState, prompt: LlamaPrompt) -> list[int]:
+    if isinstance(prompt, dict):
+        if prompt.get("multimodal_data"):
+            raise ApiError(400, "multimodal_data: this model takes no images or audio")
+        return prompt_ids(state, _object_text(prompt))
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        return prompt_ids(state, prompt)  # type: ignore[arg-type]
+    ids: list[int] = []  # as llama.cpp's tokenize_mixed: specials for a leading text only
+    for k, x in enumerate(prompt):
+        if isinstance(x, str):
+            ids += state.prompter.tokenize(x, add_special=k == 0, parse_special=True)
+        else:
+            ids.append(x)
+    return prompt_ids(state, ids)
+
+
 def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
     """A prompt must leave room for one generated token (or fit whole, when only scored)."""
     n_ctx = state.service.n_ctx
@@ -146,12 +196,22 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
             f"the prompt has {len(ids)} tokens"
             + ("" if max_tokens == 0 else " and needs room for at least one more"),
             "context_length_exceeded",
+            # llama-server's type and figures (OpenAI's code above)
+            "exceed_context_size_error",
+            {"n_prompt_tokens": len(ids), "n_ctx": n_ctx},
         )
 
 
 async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
     items = None if lora is None else {x.id: x.scale for x in lora}
+    if (
+        model is not None
+        and not state.config.strict_model_names
+        and model not in state.base_names
+        and model not in state.registry.names
+    ):
+        model = None  # as llama-server: a name it does not know is served by the base model
     try:
         lease = await state.registry.lease(model, items, state.base_names)
     except UnknownModelError as exc:
@@ -185,6 +245,7 @@ async def deltas(
                     state.metrics.finished(
                         lease.labels, endpoint, ev.n_prompt, ev.n_generated, ev.ttft, ev.tpot
                     )
+                    state.metrics.llama.finished(ev)
                     yield Delta(ev.index, ev.text, finish=ev)
                 elif isinstance(ev, ErrorEvent):
                     raise ev.error
@@ -240,6 +301,76 @@ async def sse(
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def timings(f: FinishEvent) -> dict[str, float]:
+    """llama-server's `timings` of one finished sequence (prompt_n: the prompt tokens computed,
+    cache_n: those the prefix cache served). As llama-server counts them, the prompt's time runs
+    to the first token (which comes from the prompt's last logits) and the generation rate is
+    over the tokens after it; a rate over nothing is 0."""
+    first = f.t_first or f.t_prompt_done or f.t_end or f.t_submit
+    end = f.t_end or first
+    prompt_ms = (first - f.t_submit) * 1000.0
+    predicted_ms = (end - first) * 1000.0
+    n = f.n_prompt - f.n_cached
+    steps = max(0, f.n_generated - 1)  # decode steps after the first token
+    return {
+        "cache_n": f.n_cached,
+        "prompt_n": n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
+        "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+        "predicted_n": f.n_generated,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": steps / predicted_ms * 1000.0
+        if predicted_ms > 0 and steps
+        else 0.0,
+    }
+
+
+def system_fingerprint() -> str:
+    """llama-server's form ("b" and its build) for graftlm's version."""
+    from graftlm import __version__
+
+    return f"b{__version__}-graftlm"
+
+
+def served_name(state: ServerState, model: str | None) -> str:
+    """The `model` an answer shows: the adapter or base name asked for, else the base's name (as
+    llama-server, which serves any other name with its model)."""
+    if model is not None and (model in state.base_names or model in state.registry.names):
+        return model
+    return state.config.model_name
+
+
+class StreamClock:
+    """llama-server's per-token `timings` (timings_per_token), measured as the stream is framed:
+    the prompt's time is until the first token, the rest is generation."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.n_prompt = n_prompt
+        self.n = 0
+
+    def tick(self, n_tokens: int) -> dict[str, float]:
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.n += n_tokens
+        prompt_ms = (self.t_first - self.t0) * 1000.0
+        predicted_ms = (now - self.t_first) * 1000.0
+        return {
+            "prompt_n": self.n_prompt,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": self.n_prompt / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
+            "predicted_n": self.n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": self.n / predicted_ms * 1000.0
+            if predicted_ms > 0 and self.n > 1
+            else 0.0,
+        }
 
 
 def usage(

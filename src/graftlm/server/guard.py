@@ -6,6 +6,13 @@ scales or load adapters on 127.0.0.1 (an HTML form or `fetch` with `Content-Type
 needs no CORS preflight). Browsers say where such a request comes from (`Origin`,
 `Sec-Fetch-Site`); clients that are not browsers (curl, the OpenAI SDKs, llama.cpp's tests) send
 neither, and are served whatever `Content-Type` they send, as llama-server serves them.
+
+CORS opens the API to the pages of other origins, and only to those: `--cors-origins` lists them
+(`localhost` for any loopback origin on any port, `*` for any). Without it, a server that requires
+an API key is open to any origin, as llama-server is by default (a page cannot send a key it does
+not know, so there is nothing to forge); one without a key serves its own origin only. A preflight
+(OPTIONS with Access-Control-Request-Method) is answered 200 either way, with the CORS headers
+only for an allowed origin, as llama-server answers it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,47 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+class Cors:
+    """Which origins' pages may call the API (see the module's docstring)."""
+
+    def __init__(self, origins: tuple[str, ...] | None, api_key: bool) -> None:
+        self.any = (origins is None and api_key) or "*" in (origins or ())
+        self.loopback = "localhost" in (origins or ())
+        self.exact = {o.rstrip("/").lower() for o in origins or () if o not in ("*", "localhost")}
+
+    def allows(self, origin: str) -> bool:
+        if self.any:
+            return True
+        if origin.rstrip("/").lower() in self.exact:
+            return True
+        if self.loopback:
+            parts = urlsplit(origin)
+            try:
+                parts.port  # noqa: B018 (a malformed port raises)
+            except ValueError:
+                return False
+            return parts.scheme in ("http", "https") and parts.hostname in _LOOPBACK
+        return False
+
+    @staticmethod
+    def headers(origin: str, preflight: bool) -> list[tuple[bytes, bytes]]:
+        out = [
+            (b"access-control-allow-origin", origin.encode("latin-1")),
+            (b"access-control-allow-credentials", b"true"),
+            (b"vary", b"Origin"),
+        ]
+        if preflight:
+            out += [
+                (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+                (b"access-control-allow-headers", b"*"),
+                (b"access-control-max-age", b"600"),
+            ]
+        return out
+
+
 def cross_site(scope: Scope) -> str | None:
     """Why a request is cross-site (from a page of another origin), or None."""
     site = _header(scope, b"sec-fetch-site")
@@ -49,22 +97,43 @@ def cross_site(scope: Scope) -> str | None:
     return None
 
 
+def as_json(scope: Scope) -> Scope:
+    """The request with its body declared JSON whatever Content-Type it came with (a form type,
+    text/plain, none): every body this API takes is JSON, and llama-server reads it so."""
+    kind = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if kind == "application/json":
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
 class Guard:
     """ASGI middleware: 413 past `max_body` bytes (declared or streamed), 403 for a cross-site
     request. Errors are OpenAI error objects, as every other error of the server."""
 
-    def __init__(self, app: ASGIApp, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, max_body: int, cors: Cors | None = None) -> None:
         self.app = app
         self.max_body = max_body
+        self.cors = cors or Cors(None, api_key=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        origin = _header(scope, b"origin")
+        allowed = origin is not None and self.cors.allows(origin)
+        if scope["method"] == "OPTIONS" and origin is not None:
+            if _header(scope, b"access-control-request-method") is not None:
+                await self._preflight(send, origin if allowed else None)
+                return
         why = cross_site(scope)
-        if why is not None:
+        if why is not None and not allowed:
             await self._refuse(send, 403, f"cross-site request refused ({why})", "cross_site")
             return
+        if allowed and origin is not None:
+            send = self._with_cors(send, origin)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            scope = as_json(scope)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             await self._refuse(send, 413, self._too_large(int(declared)), "body_too_large")
@@ -88,6 +157,25 @@ class Guard:
             return replay.pop() if replay else await receive()  # later: disconnects
 
         await self.app(scope, body_then_receive, send)
+
+    @staticmethod
+    def _with_cors(send: Send, origin: str) -> Send:
+        extra = Cors.headers(origin, preflight=False)
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        return sending
+
+    @staticmethod
+    async def _preflight(send: Send, origin: str | None) -> None:
+        headers = [(b"content-length", b"0")]
+        if origin is not None:
+            headers += Cors.headers(origin, preflight=True)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
 
     def _too_large(self, n: int) -> str:
         return (

@@ -12,18 +12,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent, Job
+from graftlm.server.chat_routes import chat_messages, chat_text
 from graftlm.server.generation import (
     Choice,
     Delta,
+    LlamaPrompt,
     admit,
     check_context,
     collect,
     compile_constraint,
     deltas,
-    prompt_ids,
+    llama_prompt_ids,
+    llama_prompts,
     request_constraint,
     sampling_params,
+    served_name,
     sse,
+    timings,
 )
 from graftlm.server.openai_routes import SSE_HEADERS, state_of, token_logprobs
 from graftlm.server.schemas import (
@@ -33,32 +38,13 @@ from graftlm.server.schemas import (
     LoraItem,
     TokenizeRequest,
 )
-from graftlm.server.state import ApiError
+from graftlm.server.state import ApiError, ServerState
 
 router = APIRouter()
 public = APIRouter()  # no API key needed (llama-server's public endpoints)
 
 
 # -- /completion --
-def _timings(f: FinishEvent) -> dict[str, float]:
-    prompt_done = f.t_prompt_done or f.t_end or f.t_submit
-    end = f.t_end or prompt_done
-    prompt_ms = (prompt_done - f.t_submit) * 1000.0
-    predicted_ms = (end - prompt_done) * 1000.0
-    n = f.n_prompt - f.n_cached  # (llama-server's prompt_n: the prompt tokens computed)
-    return {
-        "cache_n": f.n_cached,
-        "prompt_n": n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / n if n else 0.0,
-        "prompt_per_second": n / prompt_ms * 1000.0 if prompt_ms > 0 else 0.0,
-        "predicted_n": f.n_generated,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / f.n_generated if f.n_generated else 0.0,
-        "predicted_per_second": f.n_generated / predicted_ms * 1000.0 if predicted_ms > 0 else 0.0,
-    }
-
-
 def _stop_type(f: FinishEvent | None) -> str:
     if f is None:
         return "none"
@@ -67,13 +53,41 @@ def _stop_type(f: FinishEvent | None) -> str:
     return "eos" if f.stopped_eos else "limit"
 
 
+def _fields(out: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """llama-server's response_fields: only those fields ("a/b" reaches into an object)."""
+    picked: dict[str, Any] = {}
+    for f in fields:
+        value: Any = out
+        for key in f.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            picked[f] = value
+    return picked
+
+
 @router.post("/completion")
+@router.post("/completions", include_in_schema=False)
 @router.post("/v1/completion", include_in_schema=False)
 async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
-    """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives)."""
+    """llama-server's /completion: content, tokens_predicted, timings (and n_probs alternatives);
+    several prompts give a list of answers."""
     state = state_of(request)
+    prompts = llama_prompts(body.prompt)
+    if len(prompts) == 1:
+        return await _complete(state, body, request, prompts[0])
+    if body.stream:
+        raise ApiError(400, "stream: give one prompt to stream (several were given)")
+    answers = await asyncio.gather(*(_complete(state, body, request, p) for p in prompts))
+    return [a | {"index": i} for i, a in enumerate(answers)]
+
+
+async def _complete(
+    state: ServerState, body: LlamaCompletionRequest, request: Request, prompt: LlamaPrompt
+) -> Any:
     n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
-    ids = await asyncio.to_thread(prompt_ids, state, body.prompt)  # off the event loop
+    ids = await asyncio.to_thread(llama_prompt_ids, state, prompt)  # off the event loop
     check_context(state, ids, n_predict)
     grammar = await compile_constraint(state, request_constraint(body))
     params = sampling_params(state, body, n_predict, grammar=grammar)
@@ -82,8 +96,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
         ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None, body.cache_prompt
     )
     pieces = deltas(state, [job], lease, "completion")
-    model = body.model or state.config.model_name
-    prompt_text = body.prompt if isinstance(body.prompt, str) else state.prompter.detokenize(ids)
+    model = served_name(state, body.model)
+    prompt_text = prompt if isinstance(prompt, str) else state.prompter.detokenize(ids)
 
     def final(c: Choice, stream: bool) -> dict[str, Any]:
         f = c.finish
@@ -106,6 +120,20 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
                 "seed": -1 if p.seed is None else p.seed,
                 "stop": list(p.stop),
                 "ignore_eos": p.ignore_eos,
+                "repeat_penalty": p.repeat_penalty,
+                "repeat_last_n": p.repeat_last_n,
+                "presence_penalty": p.presence_penalty,
+                "frequency_penalty": p.frequency_penalty,
+                "stream": body.stream,
+                "n_probs": body.n_probs,
+                # as llama-server: ignore_eos is the end tokens' bias of -inf (JSON null)
+                "logit_bias": [
+                    {"token": t, "bias": None if b == float("-inf") else b}
+                    for t, b in (
+                        *p.logit_bias,
+                        *((e, float("-inf")) for e in sorted(state.prompter.eog) if p.ignore_eos),
+                    )
+                ],
                 "lora": [{"id": i, "scale": s} for i, s in sorted(lease.lora.items())],
             },
             "prompt": prompt_text,
@@ -119,7 +147,7 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
             # as llama-server: the sequence's tokens in the cache when it ended (the reuse is
             # timings.cache_n)
             "tokens_cached": len(ids) + max(0, f.n_generated - 1) if f else 0,
-            "timings": _timings(f) if f else {},
+            "timings": timings(f) if f else {},
         }
         if f and f.alora_inactive:  # as llama-server: an aLoRA without its invocation is off
             out["alora_inactive"] = list(f.alora_inactive)
@@ -155,7 +183,8 @@ async def completion(body: LlamaCompletionRequest, request: Request) -> Any:
         )
 
     (choice,) = await collect(request, pieces, 1)
-    return final(choice, stream=False)
+    out = final(choice, stream=False)
+    return _fields(out, body.response_fields) if body.response_fields else out
 
 
 # -- tokens and templates --
@@ -189,8 +218,11 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
 
 @router.post("/apply-template")
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, str]:
-    svc = state_of(request).prompter
-    return {"prompt": svc.apply_chat_template([m.as_template_input() for m in body.messages])}
+    """The prompt a chat would be given (the same rules as /v1/chat/completions)."""
+    state = state_of(request)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    messages = chat_messages(body)
+    return {"prompt": await asyncio.to_thread(chat_text, state, body, messages, tools)}
 
 
 # -- health and properties --
@@ -212,7 +244,8 @@ async def props(request: Request) -> dict[str, Any]:
 
     return {
         "default_generation_settings": {
-            "n_ctx": svc.n_ctx,
+            "n_ctx": slot_ctx(state),
+            "n_ctx_seq": svc.n_ctx,
             "params": {
                 "temperature": cfg.temperature,
                 "top_k": cfg.top_k,
@@ -227,8 +260,31 @@ async def props(request: Request) -> dict[str, Any]:
         "model_alias": cfg.model_name,
         "chat_template": state.prompter.chat_template or "",
         "modalities": {"vision": False, "audio": False},
+        "is_sleeping": False,  # no sleep mode (--sleep-idle-seconds has no effect)
         "build_info": f"graftlm {__version__}",
     }
+
+
+def slot_ctx(state: ServerState) -> int:
+    """llama-server's n_ctx of a slot: the KV pool (-c) over the slots. A graftlm sequence is
+    not held to its share (it may use up to n_ctx_seq tokens of the pool)."""
+    pool = state.config.n_ctx_pool or state.service.n_ctx * state.service.max_running
+    return pool // state.service.max_running
+
+
+@router.get("/slots")
+async def slots(request: Request) -> list[dict[str, Any]]:
+    """llama-server's slot monitor. graftlm has no fixed slots: its `max_running` sequences are
+    shown as slots, the first `n_running` of them busy."""
+    state = state_of(request)
+    if not state.config.slots:
+        raise ApiError(501, "this server does not expose /slots (started with --no-slots)")
+    svc = state.service
+    busy = svc.n_running
+    return [
+        {"id": i, "id_task": -1, "n_ctx": slot_ctx(state), "is_processing": i < busy}
+        for i in range(svc.max_running)
+    ]
 
 
 # -- llama-server's LoRA API --
@@ -273,6 +329,22 @@ async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = state_of(request)
+    if not state.config.metrics:
+        raise ApiError(501, "this server does not expose /metrics (started with --no-metrics)")
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
     data, content_type = state.metrics.render()
-    return Response(data, media_type=content_type)
+    started = {"Process-Start-Time-Unix": str(int(state.metrics.started))}  # as llama-server
+    return Response(data, media_type=content_type, headers=started)
+
+
+@router.post("/rerank")
+@router.post("/reranking", include_in_schema=False)
+@router.post("/v1/rerank", include_in_schema=False)
+@router.post("/v1/reranking", include_in_schema=False)
+async def rerank() -> Response:
+    raise ApiError(501, "this server does not rerank (llama-server's --reranking has no effect)")
+
+
+@router.post("/infill")
+async def infill() -> Response:
+    raise ApiError(501, "this server has no fill-in-the-middle endpoint")

@@ -1,6 +1,11 @@
-"""Prometheus metrics of one server (its own registry, so several servers can live in a process)."""
+"""Prometheus metrics of one server (its own registry, so several servers can live in a process):
+graftlm's own (`graftlm_*`, by adapter), and beside them llama-server's (`llamacpp:*`, the same
+names, types and meanings), so that dashboards made for llama-server read this server too."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -11,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from graftlm.runtime.service import CacheFacts
+from graftlm.runtime.service import CacheFacts, FinishEvent
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -97,13 +102,17 @@ class Metrics:
             "graftlm_prefix_cache_evictions", "Cached blocks evicted for new ones", registry=r
         )
         self._seen = (0, 0, 0)
+        self.llama = LlamaMetrics()
+        self.started = time.time()
 
     # -- ServiceObserver --
     def on_step(self, rows: int, running: int, waiting: int) -> None:
         if rows > 0:
             self.batch_size.observe(rows)
+            self.llama.decode(rows)
         self.running.set(running)
         self.waiting.set(waiting)
+        self.llama.running, self.llama.waiting = running, waiting
 
     def on_cache(self, facts: CacheFacts) -> None:
         self.kv_blocks.labels("total").set(facts.blocks_total)
@@ -142,4 +151,118 @@ class Metrics:
         self.adapter_bytes.set(nbytes)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry) + self.llama.render(), CONTENT_TYPE_LATEST
+
+
+class LlamaMetrics:
+    """llama-server's `llamacpp:*` metrics, written in its exposition (`n_tokens_max` is a counter
+    without the `_total` suffix there, which prometheus_client cannot declare)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0  # computed, not served by the prefix cache
+        self.prompt_cached = 0
+        self.prompt_seconds = 0.0
+        self.predicted = 0
+        self.predicted_seconds = 0.0
+        self.n_decode = 0
+        self.busy_rows = 0
+        self.n_tokens_max = 0
+        self.running = 0
+        self.waiting = 0
+
+    def decode(self, rows: int) -> None:
+        with self._lock:
+            self.n_decode += 1
+            self.busy_rows += rows
+
+    def finished(self, f: FinishEvent) -> None:
+        with self._lock:
+            self.prompt_tokens += f.n_prompt - f.n_cached
+            self.prompt_cached += f.n_cached
+            first = f.t_first or f.t_end or f.t_submit
+            self.prompt_seconds += max(0.0, first - f.t_submit)
+            self.predicted += f.n_generated
+            self.predicted_seconds += max(0.0, (f.t_end or first) - first)
+            self.n_tokens_max = max(self.n_tokens_max, f.n_prompt + f.n_generated)
+
+    def prompt_only(self, n_tokens: int, seconds: float) -> None:
+        """A request that only reads its prompt (embeddings)."""
+        with self._lock:
+            self.prompt_tokens += n_tokens
+            self.prompt_seconds += seconds
+            self.n_decode += 1
+            self.n_tokens_max = max(self.n_tokens_max, n_tokens)
+
+    def render(self) -> bytes:
+        with self._lock:
+            rate_p = self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+            rate_g = self.predicted / self.predicted_seconds if self.predicted_seconds else 0.0
+            rows = self.busy_rows / self.n_decode if self.n_decode else 0.0
+            rows_of = [
+                (
+                    "counter",
+                    "prompt_tokens_total",
+                    "Number of prompt tokens processed.",
+                    self.prompt_tokens,
+                ),
+                (
+                    "counter",
+                    "prompt_tokens_cached_total",
+                    "Prompt tokens served by the prefix cache.",
+                    self.prompt_cached,
+                ),
+                ("counter", "prompt_seconds_total", "Prompt process time", self.prompt_seconds),
+                (
+                    "counter",
+                    "tokens_predicted_total",
+                    "Number of generation tokens processed.",
+                    self.predicted,
+                ),
+                (
+                    "counter",
+                    "tokens_predicted_seconds_total",
+                    "Predict process time",
+                    self.predicted_seconds,
+                ),
+                ("counter", "n_decode_total", "Total number of engine steps.", self.n_decode),
+                ("counter", "n_tokens_max", "Largest observed n_tokens.", self.n_tokens_max),
+                (
+                    "counter",
+                    "spec_decode_num_draft_tokens_total",
+                    "Draft tokens (no speculative decoding here).",
+                    0,
+                ),
+                (
+                    "counter",
+                    "spec_decode_num_accepted_tokens_total",
+                    "Accepted draft tokens (none).",
+                    0,
+                ),
+                ("counter", "spec_decode_num_drafts_total", "Drafts (none).", 0),
+                (
+                    "gauge",
+                    "prompt_tokens_seconds",
+                    "Average prompt throughput in tokens/s.",
+                    rate_p,
+                ),
+                (
+                    "gauge",
+                    "predicted_tokens_seconds",
+                    "Average generation throughput in tokens/s.",
+                    rate_g,
+                ),
+                ("gauge", "requests_processing", "Number of requests processing.", self.running),
+                ("gauge", "requests_deferred", "Number of requests deferred.", self.waiting),
+                (
+                    "gauge",
+                    "n_busy_slots_per_decode",
+                    "Average number of busy slots per engine step.",
+                    rows,
+                ),
+            ]
+        out = []
+        for kind, name, help_text, value in rows_of:
+            out += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}"]
+            out.append(f"llamacpp:{name} {float(value):g}")
+        return ("\n".join(out) + "\n").encode()

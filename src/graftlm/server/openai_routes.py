@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from graftlm.runtime.constraints import Constraint
-from graftlm.runtime.service import FinishEvent, Job
+from graftlm.runtime.service import Job
 from graftlm.server.generation import (
     Choice,
     Delta,
+    LlamaPrompt,
     TokenLogprob,
     admit,
     check_context,
@@ -27,15 +27,17 @@ from graftlm.server.generation import (
     deltas,
     finish_reason,
     generated_and_cached,
+    llama_prompt_ids,
+    llama_prompts,
     prompt_ids,
     request_constraint,
     sampling_params,
+    served_name,
     sse,
     usage,
 )
 from graftlm.server.registry import UnknownModelError
 from graftlm.server.schemas import (
-    ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     LlamaEmbeddingRequest,
@@ -43,7 +45,6 @@ from graftlm.server.schemas import (
     UnloadLoraRequest,
 )
 from graftlm.server.state import ApiError, ServerState
-from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls, tool_constraint
 
 router = APIRouter()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -124,7 +125,6 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 
 @router.post("/v1/completions")
-@router.post("/completions", include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """Continue prompts (text or token ids); echo + logprobs + max_tokens 0 scores a prompt."""
     state = state_of(request)
@@ -166,7 +166,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     rid, created, model = (
         f"cmpl-{uuid.uuid4().hex}",
         int(time.time()),
-        body.model or state.config.model_name,
+        served_name(state, body.model),
     )
     n_prompt = [len(x) for x in ids]
 
@@ -225,214 +225,32 @@ def _completion_choice(state: ServerState, c: Choice, logprobs: bool) -> dict[st
     }
 
 
-# -- /v1/chat/completions --
-def _tool_setup(
-    state: ServerState, body: ChatCompletionRequest
-) -> tuple[list[dict[str, Any]] | None, Constraint | None]:
-    """The tools the template receives (None: no tools in play) and the grammar that
-    `tool_choice` "required" or a named function imposes."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice is not None and choice != "none" and choice != "auto":
-            raise ApiError(400, "tool_choice names a tool but no tools are given", "invalid_value")
-        return None, None
-    if choice == "none":
-        return None, None
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    names = [t.function.name for t in body.tools]
-    if len(set(names)) != len(names):
-        raise ApiError(400, f"tools: function names must be unique, got {names}", "invalid_value")
-    if choice is None or choice == "auto":
-        return tools, None
-    only = None
-    if not isinstance(choice, str):
-        only = choice.function.name
-        if only not in names:
-            raise ApiError(
-                400,
-                f"tool_choice names the function {only!r}, which is not among tools: {names}",
-                "invalid_value",
-            )
-    return tools, tool_constraint(tools, only, state.prompter.tool_format)
-
-
-@router.post("/v1/chat/completions")
-@router.post("/chat/completions", include_in_schema=False)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    """Chat through the model's template; streaming as server-sent events. With `tools`, the
-    template receives them and the answer's calls come back as `tool_calls`."""
-    state = state_of(request)
-    limit = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    max_tokens = state.config.n_predict if limit is None else limit
-    messages = [m.as_template_input() for m in body.messages]
-    tools, tool_grammar = _tool_setup(state, body)
-    constraint = request_constraint(body)
-    if tool_grammar is not None:
-        if constraint is not None:
-            raise ApiError(
-                400,
-                f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
-                f"and {constraint.field} both constrain the answer; give one",
-                "invalid_value",
-            )
-        constraint = tool_grammar
-    ids = await asyncio.to_thread(state.prompter.chat_prompt, messages, tools)  # off the loop
-    check_context(state, ids, max_tokens)
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await compile_constraint(state, constraint)
-    params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
-    lease = await admit(state, body.model, body.lora)
-    jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
-    pieces = deltas(state, jobs, lease, "chat")
-    rid, created, model = (
-        f"chatcmpl-{uuid.uuid4().hex}",
-        int(time.time()),
-        body.model or state.config.model_name,
-    )
-    fmt = state.prompter.tool_format
-
-    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": choices,
-        }
-
-    def reason(finish: FinishEvent | None, n_calls: int) -> str | None:
-        r = finish_reason(finish)
-        return "tool_calls" if r == "stop" and n_calls else r
-
-    if body.stream:
-        started = [False] * body.n
-        parsers = [ToolCallParser(fmt) if tools else None for _ in range(body.n)]
-        n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
-
-        def frame(d: Delta) -> list[dict[str, Any]]:
-            out = []
-            i = d.index
-            if not started[i]:
-                started[i] = True
-                role = {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                out.append(chunk([role]))
-            parser = parsers[i]
-            text, calls = d.text, list[ToolCall]()
-            if parser is not None:
-                text, calls = parser.feed(d.text)
-                if d.finish is not None:
-                    tail, more = parser.finish()
-                    text, calls = text + tail, calls + more
-            if d.finish is not None:
-                n_gen[0] += d.finish.n_generated
-                n_gen[1] += d.finish.n_cached
-            if calls:
-                k0 = len(parser.calls) - len(calls) if parser is not None else 0
-                delta = {"tool_calls": [c.as_openai(k0 + k) for k, c in enumerate(calls)]}
-                if text:
-                    out.append(
-                        chunk(
-                            [
-                                {
-                                    "index": i,
-                                    "delta": {"content": text},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
-                out.append(
-                    chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
-                )
-                text = ""
-            if text or d.logprobs or d.finish is not None:
-                c = {
-                    "index": i,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": chat_logprobs(state, d.logprobs)
-                    if top is not None and d.logprobs
-                    else None,
-                    "finish_reason": reason(
-                        d.finish, len(parser.calls) if parser is not None else 0
-                    ),
-                }
-                out.append(chunk([c]))
-            return out
-
-        def tail() -> list[dict[str, Any]]:
-            if body.stream_options is None or not body.stream_options.include_usage:
-                return []
-            return [chunk([]) | {"usage": usage([len(ids)], n_gen[0], n_gen[1])}]
-
-        return StreamingResponse(
-            sse(pieces, frame, tail), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-
-    choices = await collect(request, pieces, body.n)
-
-    def message(c: Choice) -> tuple[dict[str, Any], int]:
-        if not tools:
-            return {"role": "assistant", "content": c.text}, 0
-        content, calls = parse_tool_calls(c.text, fmt)
-        msg: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls:
-            msg["tool_calls"] = [call.as_openai() for call in calls]
-        return msg, len(calls)
-
-    out = []
-    for c in choices:
-        msg, n_calls = message(c)
-        out.append(
-            {
-                "index": c.index,
-                "message": msg,
-                "logprobs": chat_logprobs(state, c.logprobs) if top is not None else None,
-                "finish_reason": reason(c.finish, n_calls),
-            }
-        )
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": out,
-        "usage": usage([len(ids)], *generated_and_cached(choices)),
-    }
-
-
 # -- embeddings --
 async def embed_all(
-    state: ServerState, inputs: list[str | list[int]], model: str | None, lora: Any
+    state: ServerState, inputs: list[LlamaPrompt], model: str | None, lora: Any
 ) -> tuple[list[list[float]], int]:
     """Each input's embedding (mean-pooled, normalized, the request's adapter applied) and the
     number of tokens read."""
-    ids = [await asyncio.to_thread(prompt_ids, state, x) for x in inputs]
+    ids = [await asyncio.to_thread(llama_prompt_ids, state, x) for x in inputs]
     for x in ids:
         check_context(state, x, 0)
     lease = await admit(state, model, lora)
     try:
-        vecs = [await state.service.aembedding(x, lease.lora) for x in ids]
+        vecs = []
+        for x in ids:
+            t0 = time.perf_counter()
+            vecs.append(await state.service.aembedding(x, lease.lora))
+            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
     finally:
         state.registry.release(lease)
     return vecs, sum(len(x) for x in ids)
 
 
-def _inputs(value: str | list[Any]) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
+def _inputs(value: Any) -> list[LlamaPrompt]:
+    """OpenAI's input shapes, and llama-server's (texts and ids mixed, {"content": ...})."""
+    if isinstance(value, list) and not value:
         raise ApiError(400, "input is empty", "invalid_value")
-    if all(isinstance(x, int) for x in value):
-        return [list(value)]
-    return list(value)
+    return llama_prompts(value)
 
 
 @router.post("/v1/embeddings")
@@ -451,7 +269,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     return {
         "object": "list",
         "data": data,
-        "model": body.model or state.config.model_name,
+        "model": served_name(state, body.model),
         "usage": {"prompt_tokens": n, "total_tokens": n},
     }
 
@@ -505,6 +323,8 @@ async def models(request: Request) -> dict[str, Any]:
             "root": str(state.model_path),
             "parent": None,
             "max_model_len": state.service.n_ctx,
+            "aliases": sorted(state.config.aliases or (base,)),
+            "tags": list(state.config.tags),
         }
     ]
     for name, e in sorted(state.registry.names.items()):

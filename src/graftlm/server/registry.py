@@ -160,7 +160,7 @@ class AdapterRegistry:
         if model is not None and model not in base_names:
             entry = self.names.get(model)
             if entry is None:
-                known = sorted(base_names)[:1] + sorted(self.names)
+                known = sorted(base_names) + sorted(self.names)
                 raise UnknownModelError(
                     f"the model {model!r} does not exist; available: {', '.join(known)}"
                 )

@@ -56,6 +56,11 @@ IGNORED: dict[str, str] = {
     "xtc_threshold": "unused while xtc_probability is 0",
     "top_n_sigma": "accepted at -1 only (off)",
     "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
+    "return_progress": "llama-server's prompt progress events (not sent)",
+    "speculative.n_max": "llama-server's draft length (no speculative decoding; it would not "
+    "change the output)",
+    "speculative.n_min": "as speculative.n_max",
+    "speculative.p_min": "as speculative.n_max",
 }
 
 # the values at which an ignored sampler setting is off
@@ -133,6 +138,11 @@ class SamplingFields(_Body):
     xtc_threshold: float | None = None
     top_n_sigma: float | None = None
     guided_decoding_backend: str | None = None
+    return_progress: bool | None = None
+    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max")
+    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min")
+    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")
+    verbose: bool = False  # llama-server's __verbose: the rendered prompt beside the answer
 
     @field_validator(*_OFF, mode="after")
     @classmethod
@@ -343,13 +353,20 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # see IGNORED
+    # the template's generation prompt (False: none); continue_final_message: the final
+    # assistant message is continued rather than closed (the default where it is last, as
+    # llama-server's prefill); both true is a 400
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class LlamaCompletionRequest(SamplingFields):
     """POST /completion (llama-server's native endpoint)."""
 
-    prompt: str | list[int]
+    # one text, token ids (texts may be mixed in), {"prompt_string": ...}, or a list of these
+    prompt: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     n_predict: int | None = None
+    response_fields: list[str] | None = None  # only these fields in the answer
     stream: bool = False
     n_probs: NonNegInt = 0
     return_tokens: bool = False
@@ -359,7 +376,8 @@ class LlamaCompletionRequest(SamplingFields):
 class EmbeddingRequest(_Body):
     """POST /v1/embeddings (OpenAI): one text or token list, or several."""
 
-    input: str | list[str] | list[int] | list[list[int]]
+    # also llama-server's shapes: texts and ids mixed, {"prompt_string"} / {"content"} objects
+    input: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None  # see IGNORED
@@ -369,7 +387,7 @@ class EmbeddingRequest(_Body):
 class LlamaEmbeddingRequest(_Body):
     """POST /embedding (llama-server)."""
 
-    content: str | list[str] | list[int]
+    content: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     model: str | None = None
     lora: list[LoraItem] | None = None
 
@@ -387,6 +405,9 @@ class DetokenizeRequest(_Body):
 
 class ApplyTemplateRequest(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    tools: list[Tool] | None = None
 
 
 class LoadLoraRequest(_Body):

@@ -31,6 +31,19 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies are refused with a 413
     # where /v1/load_lora_adapter may read (resolved, symlinks followed); () = nowhere
     lora_dirs: tuple[Path, ...] = ()
+    n_ctx_pool: int | None = None  # the KV pool's tokens over all sequences (-c), for /props
+    # web pages of these origins may call the API (`localhost`: any loopback origin, `*`: any);
+    # None: the same origin only, or any origin where an API key is required
+    cors_origins: tuple[str, ...] | None = None
+    metrics: bool = True  # /metrics served (else 501, as llama-server without --metrics)
+    slots: bool = True  # /slots served (else 501, as llama-server with --no-slots)
+    ui: bool = True  # the chat page at /
+    tags: tuple[str, ...] = ()  # shown in /v1/models
+    aliases: tuple[str, ...] = ()  # --alias a,b,c: every name of the base (shown in /v1/models)
+    verbose: bool = False  # answers carry llama-server's __verbose (the rendered prompt)
+    gcp: bool = False  # Vertex AI's POST /predict (AIP_MODE=PREDICTION, as llama-server)
+    # a `model` that names neither the base nor an adapter: 404 (vLLM) or the base (llama-server)
+    strict_model_names: bool = False
 
 
 @dataclass
@@ -67,9 +80,15 @@ class ApiError(Exception):
     """An error answer: HTTP status plus OpenAI's {"error": {"message", "type", "code"}}."""
 
     def __init__(
-        self, status: int, message: str, code: str | None = None, err_type: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        err_type: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
+        self.extra = extra or {}
         self.status = status
         self.message = message
         self.code = code
@@ -79,7 +98,13 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": self.message, "type": self.type, "code": self.code, "param": None}
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": None,
+                **self.extra,
+            }
         }
 
     @classmethod

@@ -1,0 +1,322 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), as llama-server serves it:
+a translation onto the same chat path as /v1/chat/completions. `model` selects an adapter there
+too. Text, tool use and tool results are translated; images are refused (no vision here);
+`thinking`, `metadata` and other fields with no counterpart here are accepted and change nothing.
+Unlike llama-server, an empty `messages` list is a 400 (as Anthropic's own API answers it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from graftlm.runtime.service import FinishEvent
+from graftlm.server.chat_routes import chat_ids, chat_messages, chat_text, start_chat
+from graftlm.server.generation import collect, served_name
+from graftlm.server.openai_routes import SSE_HEADERS, state_of
+from graftlm.server.schemas import ChatCompletionRequest
+from graftlm.server.state import ApiError
+from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls
+
+router = APIRouter()
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A content that must be text: a string, or text blocks (joined)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content blocks")
+    out = []
+    for k, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            out.append(block["text"])
+        elif kind == "image":
+            raise ApiError(400, f"{where}[{k}]: image input is not supported by this model")
+        else:
+            raise ApiError(400, f"{where}[{k}]: expected a text block, got {kind!r}")
+    return "".join(out)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic's system + messages as OpenAI chat messages."""
+    out: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise ApiError(400, "messages: field required (a list of messages)")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"messages[{i}]: expected a user or assistant message")
+        role, content = m["role"], m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, f"messages[{i}].content: expected a string or content blocks")
+        text, calls, results = [], [], []
+        for k, block in enumerate(content):
+            where = f"messages[{i}].content[{k}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                text.append(_text_of([block], where))
+            elif kind == "thinking":
+                continue  # earlier reasoning: this server's templates do not render it
+            elif kind == "tool_use" and role == "assistant":
+                args = block.get("input", {})
+                fn = {"name": str(block.get("name", "")), "arguments": json.dumps(args)}
+                calls.append({"id": str(block.get("id", "")), "type": "function", "function": fn})
+            elif kind == "tool_result" and role == "user":
+                result = _text_of(block.get("content", ""), f"{where}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": str(block.get("tool_use_id", "")),
+                        "content": result,
+                    }
+                )
+            elif kind == "image":
+                raise ApiError(400, f"{where}: image input is not supported by this model")
+            else:
+                raise ApiError(400, f"{where}: content blocks of type {kind!r} are not supported")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        else:
+            if text:
+                out.append({"role": "user", "content": "".join(text)})
+            out += results
+    return out
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    tools = body.get("tools")
+    out: dict[str, Any] = {}
+    if tools:
+        if not isinstance(tools, list):
+            raise ApiError(400, "tools: expected a list")
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in {
+                        "name": t.get("name"),
+                        "description": t.get("description"),
+                        "parameters": t.get("input_schema"),
+                    }.items()
+                    if v is not None
+                },
+            }
+            for t in tools
+            if isinstance(t, dict)
+        ]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "tool":
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+        elif kind in ("auto", "none"):
+            out["tool_choice"] = kind
+        elif kind == "any":
+            out["tool_choice"] = "required"
+    return out
+
+
+def chat_request(body: Any, count_only: bool = False) -> ChatCompletionRequest:
+    """The Anthropic request as the chat request it is served by (a 400 for what is malformed)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if not count_only and "max_tokens" not in body:
+        raise ApiError(400, "max_tokens: field required")
+    messages = _messages(body)
+    if not messages:
+        raise ApiError(400, "messages: at least one message is required")
+    chat: dict[str, Any] = {"messages": messages, **_tools(body)}
+    for ours, theirs in (
+        ("model", "model"),
+        ("max_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stop", "stop_sequences"),
+        ("lora", "lora"),
+        ("seed", "seed"),
+    ):
+        if body.get(theirs) is not None and not (count_only and ours == "max_tokens"):
+            chat[ours] = body[theirs]
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
+        )
+        raise ApiError(400, f"invalid request: {problems}") from None
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def _stop_reason(f: FinishEvent | None, n_calls: int) -> str:
+    if n_calls:
+        return "tool_use"
+    if f is not None and f.reason == "length":
+        return "max_tokens"
+    if f is not None and f.stop_word is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _usage(n_prompt: int, f: FinishEvent | None) -> dict[str, int]:
+    cached = f.n_cached if f else 0
+    return {
+        "input_tokens": n_prompt - cached,
+        "output_tokens": f.n_generated if f else 0,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_block(c: ToolCall) -> dict[str, Any]:
+    try:
+        args = json.loads(c.arguments)
+    except json.JSONDecodeError:
+        args = {}
+    return {"type": "tool_use", "id": c.id, "name": c.name, "input": args}
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, int]:
+    """The prompt tokens the messages (with system and tools) come to."""
+    state = state_of(request)
+    body = chat_request(await _body(request), count_only=True)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
+    return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Any:
+    """Anthropic's Messages API over the chat path."""
+    state = state_of(request)
+    raw = await _body(request)
+    body = chat_request(raw)
+    run = await start_chat(state, body)
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    model = served_name(state, body.model)
+    fmt = state.prompter.tool_format
+    if not raw.get("stream"):
+        (c,) = await collect(request, run.pieces, 1)
+        content_text, calls = (c.text, []) if not run.tools else parse_tool_calls(c.text, fmt)
+        blocks: list[dict[str, Any]] = []
+        if content_text or not calls:
+            blocks.append({"type": "text", "text": content_text})
+        blocks += [_tool_block(x) for x in calls]
+        return {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": blocks,
+            "stop_reason": _stop_reason(c.finish, len(calls)),
+            "stop_sequence": c.finish.stop_word if c.finish else None,
+            "usage": _usage(len(run.ids), c.finish),
+        }
+    return StreamingResponse(
+        _stream(run.pieces, run.ids, run.tools is not None, fmt, mid, model),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    payload = json.dumps({"type": kind, **data}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+
+async def _stream(
+    pieces: AsyncGenerator[Any, None], ids: list[int], tools: bool, fmt: str, mid: str, model: str
+) -> AsyncGenerator[bytes, None]:
+    """Anthropic's event stream: message_start, content blocks (text, then each tool use),
+    message_delta with the stop reason and usage, message_stop."""
+    message: dict[str, Any] = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": len(ids), "output_tokens": 0},
+    }
+    yield _event("message_start", {"message": message})
+    parser = ToolCallParser(fmt) if tools else None
+    index = 0
+    text_open = False
+    n_calls = 0
+    finish: FinishEvent | None = None
+    async with aclosing(pieces) as it:
+        try:
+            async for d in it:
+                text, calls = d.text, list[ToolCall]()
+                if parser is not None:
+                    text, calls = parser.feed(d.text)
+                    if d.finish is not None:
+                        tail, more = parser.finish()
+                        text, calls = text + tail, calls + more
+                if text:
+                    if not text_open:
+                        block = {"type": "text", "text": ""}
+                        yield _event(
+                            "content_block_start", {"index": index, "content_block": block}
+                        )
+                        text_open = True
+                    delta = {"type": "text_delta", "text": text}
+                    yield _event("content_block_delta", {"index": index, "delta": delta})
+                for c in calls:
+                    if text_open:
+                        yield _event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    block = _tool_block(c) | {"input": {}}
+                    yield _event("content_block_start", {"index": index, "content_block": block})
+                    delta = {"type": "input_json_delta", "partial_json": c.arguments}
+                    yield _event("content_block_delta", {"index": index, "delta": delta})
+                    yield _event("content_block_stop", {"index": index})
+                    index += 1
+                    n_calls += 1
+                if d.finish is not None:
+                    finish = d.finish
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
+            err = ApiError.of(exc)
+            yield _event("error", {"error": {"type": err.type, "message": err.message}})
+            return
+    if not text_open and n_calls == 0:  # an empty answer is still one (empty) text block
+        block = {"type": "text", "text": ""}
+        yield _event("content_block_start", {"index": index, "content_block": block})
+        text_open = True
+    if text_open:
+        yield _event("content_block_stop", {"index": index})
+    delta = {
+        "stop_reason": _stop_reason(finish, n_calls),
+        "stop_sequence": finish.stop_word if finish else None,
+    }
+    yield _event("message_delta", {"delta": delta, "usage": _usage(len(ids), finish)})
+    yield _event("message_stop", {})

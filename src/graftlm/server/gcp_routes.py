@@ -1,0 +1,47 @@
+"""Vertex AI's custom-container prediction API, as llama-server serves it when started with
+AIP_MODE=PREDICTION: POST /predict with {"instances": [...]}, each instance a chat completion
+request (`"@requestFormat": "chatCompletions"`), answered as {"predictions": [...]}."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from graftlm.server.chat_routes import chat_completions
+from graftlm.server.schemas import ChatCompletionRequest
+from graftlm.server.state import ApiError
+
+router = APIRouter()
+
+
+@router.post("/predict")
+async def predict(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    instances = body.get("instances") if isinstance(body, dict) else None
+    if not isinstance(instances, list) or not instances:
+        raise ApiError(400, "instances: a non-empty list of requests is required")
+    out = []
+    for k, inst in enumerate(instances):
+        if not isinstance(inst, dict):
+            raise ApiError(400, f"instances[{k}]: expected an object")
+        fmt = inst.get("@requestFormat", "chatCompletions")
+        if fmt != "chatCompletions":
+            raise ApiError(400, f"instances[{k}]: @requestFormat {fmt!r} is not supported")
+        fields = {key: v for key, v in inst.items() if key != "@requestFormat"}
+        if fields.get("stream"):
+            raise ApiError(400, f"instances[{k}]: predictions do not stream")
+        try:
+            chat = ChatCompletionRequest.model_validate(fields)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
+            )
+            raise ApiError(400, f"instances[{k}]: {problems}") from None
+        out.append(await chat_completions(chat, request))
+    return {"predictions": out}

@@ -1,0 +1,208 @@
+"""OpenAI's Responses API (/v1/responses), as llama-server serves it: a translation onto the same
+chat path as /v1/chat/completions, without stored state (`previous_response_id` is refused).
+Text input and output; `model` selects an adapter there too; `timings_per_token` adds llama-server's
+timings to the text deltas and the completed event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from graftlm.runtime.service import FinishEvent
+from graftlm.server.chat_routes import start_chat
+from graftlm.server.generation import StreamClock, collect, served_name, timings
+from graftlm.server.openai_routes import SSE_HEADERS, state_of
+from graftlm.server.schemas import ChatCompletionRequest
+from graftlm.server.state import ApiError
+
+router = APIRouter()
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content parts")
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("input_image", "input_file"):
+            raise ApiError(400, f"{where}[{k}]: {kind} is not supported by this model")
+        else:
+            raise ApiError(400, f"{where}[{k}]: expected a text part, got {kind!r}")
+    return "".join(out)
+
+
+def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
+    """The Responses request as a chat request, and whether it streams."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get("previous_response_id") is not None:
+        raise ApiError(400, "previous_response_id: this server stores no responses")
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions") is not None:
+        messages.append(
+            {"role": "system", "content": _content(body["instructions"], "instructions")}
+        )
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list):
+        for i, item in enumerate(given):
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
+                raise ApiError(400, f"input[{i}]: only message items are supported")
+            role = item.get("role")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise ApiError(400, f"input[{i}].role: {role!r} is not a message role")
+            messages.append(
+                {"role": role, "content": _content(item.get("content"), f"input[{i}].content")}
+            )
+    else:
+        raise ApiError(400, "input: field required (a string or a list of messages)")
+    chat: dict[str, Any] = {"messages": messages}
+    for ours, theirs in (
+        ("model", "model"),
+        ("max_tokens", "max_output_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("seed", "seed"),
+        ("lora", "lora"),
+        ("timings_per_token", "timings_per_token"),
+    ):
+        if body.get(theirs) is not None:
+            chat[ours] = body[theirs]
+    try:
+        return ChatCompletionRequest.model_validate(chat), bool(body.get("stream"))
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
+        )
+        raise ApiError(400, f"invalid request: {problems}") from None
+
+
+def _usage(n_prompt: int, f: FinishEvent | None) -> dict[str, Any]:
+    out = f.n_generated if f else 0
+    return {
+        "input_tokens": n_prompt,
+        "input_tokens_details": {"cached_tokens": f.n_cached if f else 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": n_prompt + out,
+    }
+
+
+def _response(
+    rid: str, model: str, created: int, status: str, output: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": None,
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+
+
+def _message(mid: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "type": "message",
+        "id": mid,
+        "status": status,
+        "role": "assistant",
+        "content": [part] if status == "completed" else [],
+    }
+
+
+@router.post("/v1/responses")
+@router.post("/responses", include_in_schema=False)
+async def responses(request: Request) -> Any:
+    state = state_of(request)
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    body, stream = chat_request(raw)
+    run = await start_chat(state, body)
+    rid, mid, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
+    model = served_name(state, body.model)
+    if not stream:
+        (c,) = await collect(request, run.pieces, 1)
+        out = _response(rid, model, created, "completed", [_message(mid, c.text, "completed")])
+        return out | {"usage": _usage(len(run.ids), c.finish)}
+    clock = StreamClock(len(run.ids)) if body.timings_per_token else None
+    return StreamingResponse(
+        _stream(run.pieces, len(run.ids), rid, mid, model, created, clock),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+async def _stream(
+    pieces: AsyncGenerator[Any, None],
+    n_prompt: int,
+    rid: str,
+    mid: str,
+    model: str,
+    created: int,
+    clock: StreamClock | None,
+) -> AsyncGenerator[bytes, None]:
+    seq = [0]
+
+    def event(kind: str, data: dict[str, Any]) -> bytes:
+        seq[0] += 1
+        payload = json.dumps({"type": kind, "sequence_number": seq[0], **data}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+    at = {"item_id": mid, "output_index": 0, "content_index": 0}
+    yield event("response.created", {"response": _response(rid, model, created, "in_progress", [])})
+    yield event(
+        "response.in_progress", {"response": _response(rid, model, created, "in_progress", [])}
+    )
+    yield event(
+        "response.output_item.added", {"output_index": 0, "item": _message(mid, "", "in_progress")}
+    )
+    empty = {"type": "output_text", "text": "", "annotations": []}
+    yield event("response.content_part.added", at | {"part": empty})
+    text, finish = "", None
+    async with aclosing(pieces) as it:
+        try:
+            async for d in it:
+                if d.text:
+                    text += d.text
+                    ev: dict[str, Any] = at | {"delta": d.text}
+                    if clock is not None:
+                        ev["timings"] = clock.tick(len(d.tokens))
+                    yield event("response.output_text.delta", ev)
+                if d.finish is not None:
+                    finish = d.finish
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
+            err = ApiError.of(exc)
+            yield event("error", {"code": err.code, "message": err.message})
+            return
+    yield event("response.output_text.done", at | {"text": text})
+    part = {"type": "output_text", "text": text, "annotations": []}
+    yield event("response.content_part.done", at | {"part": part})
+    item = _message(mid, text, "completed")
+    yield event("response.output_item.done", {"output_index": 0, "item": item})
+    done = _response(rid, model, created, "completed", [item]) | {"usage": _usage(n_prompt, finish)}
+    extra = {"timings": timings(finish)} if finish is not None else {}
+    yield event("response.completed", {"response": done} | extra)

@@ -48,6 +48,7 @@ class AdapterEntry:
     refs: int = 0  # running requests using it
     last_used: float = 0.0
     retired: bool = False  # replaced or unloaded: dropped when its last request ends
+    evicted: bool = False  # `evict`ed while in use: detached when its last request ends
     loading: asyncio.Task[int] | None = None
 
     @property
@@ -87,8 +88,9 @@ class AdapterRegistry:
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
+        self.on_attach: list[Any] = []  # callables(name) told after each attach on first use
         self._attach_lock = asyncio.Lock()
-        self._drops: set[asyncio.Task[None]] = set()
+        self._drops: set[asyncio.Future[Any]] = set()
 
     # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
@@ -202,7 +204,7 @@ class AdapterRegistry:
             e.last_used = now
             if e.refs == 0:
                 self._freed.set()
-            if e.retired and e.refs == 0 and e.resident:
+            if (e.retired or e.evicted) and e.refs == 0 and e.resident:
                 self._drop_later(e)
 
     def _global_scales(self) -> AdapterSettings:
@@ -239,6 +241,40 @@ class AdapterRegistry:
             )
         del self.names[name]
         self._retire(entry)
+
+    def rebind(self, name: str, path: str) -> None:
+        """`name` is `path` from now on, attached on first use (an adapter under the name is
+        retired: the requests using it keep it)."""
+        old = self.names.get(name)
+        if old is not None and old.path == path and not old.retired:
+            return
+        self.names[name] = AdapterEntry(name, path)
+        if old is not None:
+            self._retire(old)
+
+    async def warm(self, name: str) -> AdapterEntry:
+        """Attach a named adapter now, without a request (a router's load); UnknownModelError
+        for a name the registry does not know."""
+        entry = self.names.get(name)
+        if entry is None:
+            raise UnknownModelError(
+                f"the model {name!r} does not exist; adapters: {', '.join(sorted(self.names))}"
+            )
+        entry.evicted = False
+        await self._ensure(entry, acquire=False)
+        return entry
+
+    def evict(self, name: str) -> None:
+        """Detach a named adapter now, or when the last request using it ends (a router's
+        eviction); the name stays known and is attached again on its next use. Pinned adapters
+        and unknown names are left alone."""
+        entry = self.names.get(name)
+        if entry is None or entry.pinned or not entry.resident:
+            return
+        if entry.refs > 0:
+            entry.evicted = True
+            return
+        self._drop_later(entry)
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
@@ -283,6 +319,8 @@ class AdapterRegistry:
             entry.id, entry.facts = adapter_id, prepared.facts
             self.by_id[adapter_id] = entry
             self._changed()
+            for fn in self.on_attach:
+                fn(entry.name)
             return adapter_id
 
     def _check_rank(self, facts: AdapterFacts) -> None:
@@ -335,17 +373,29 @@ class AdapterRegistry:
             parts.append(f"{len(self.by_id)}/{self.max_loras} adapters")
         return ", ".join(parts)
 
-    async def _drop(self, entry: AdapterEntry) -> None:
+    def _unlink(self, entry: AdapterEntry) -> int | None:
+        """Take the entry out of the resident set at once (nobody can lease it from here on);
+        its slot id, still to be detached, or None when it was not attached."""
         adapter_id = entry.id
         if adapter_id is None:
-            return
-        entry.id = None  # nobody can lease it from here on
+            return None
+        entry.id = None
+        entry.evicted = False
         del self.by_id[adapter_id]
         self._changed()
-        await asyncio.wrap_future(self.service.detach(adapter_id))
+        return adapter_id
+
+    async def _drop(self, entry: AdapterEntry) -> None:
+        adapter_id = self._unlink(entry)
+        if adapter_id is not None:
+            await asyncio.wrap_future(self.service.detach(adapter_id))
 
     def _drop_later(self, entry: AdapterEntry) -> None:
-        task = asyncio.ensure_future(self._drop(entry))
+        # unlinked now, not when the task first runs: a lease in between would take it
+        adapter_id = self._unlink(entry)
+        if adapter_id is None:
+            return
+        task = asyncio.ensure_future(asyncio.wrap_future(self.service.detach(adapter_id)))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)
 

@@ -124,24 +124,20 @@ def _settled(url: str, n: int = 2) -> dict[str, dict[str, Any]]:
 
 
 def test_adapters_stay_with_the_replica_that_loaded_them(app: str) -> None:
-    # Serve's routers learn where an adapter is from the replicas (pushed every 0.1 s, through
-    # the controller): the cold start goes one adapter at a time, a second apart, so that each
-    # lands on the replica with the fewest adapters; from then on the workload is steady
-    for name in ADAPTERS:
-        assert _complete(app, name).status_code == 200
-        time.sleep(1.0)
+    # from cold: the ingress sends the first request of each adapter alone, one adapter after
+    # the other, so that Serve places each on the replica with the fewest; the rest follow it
     results: list[int] = []
 
     def client(k: int) -> None:
         for j in range(3):
             results.append(_complete(app, ADAPTERS[(k + j) % 4], n=6).status_code)
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(12)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == [200] * 24
+    assert results == [200] * 36
     reports = _settled(app)
     for rid, r in reports.items():
         assert all(v <= 1 for v in r["loads"].values()), (rid, r["loads"])

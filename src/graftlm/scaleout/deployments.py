@@ -18,6 +18,7 @@ Ray is imported here only: graftlm without its `ray` extra never imports this mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -120,6 +121,7 @@ def build_app(spec: ScaleSpec) -> Any:
             self.router_loads: Counter[str] = Counter()  # multiplexer loads (Serve's view)
             self._sync_lock = asyncio.Lock()
             self._reporter = asyncio.ensure_future(self._report_loop())
+            self._reports: set[asyncio.Future[None]] = set()
 
         @serve.multiplexed(max_num_models_per_replica=max_adapters)
         async def adapter(self, name: str) -> Any:
@@ -127,6 +129,8 @@ def build_app(spec: ScaleSpec) -> Any:
             await self.state.registry.warm(name)
             self.router_loads[name] += 1
             log.info("replica %s: adapter %r loaded", self.replica_id, name)
+            self._reports.add(asyncio.ensure_future(self._report()))  # told now, not in 0.5 s
+            self._reports = {t for t in self._reports if not t.done()}
             registry, replica_id = self.state.registry, self.replica_id
 
             async def evict() -> None:
@@ -137,14 +141,15 @@ def build_app(spec: ScaleSpec) -> Any:
 
         async def _report_loop(self) -> None:
             while True:
-                try:
-                    version, catalog = await self.directory.report.remote(
-                        self.replica_id, self.info()
-                    )
-                    await self._apply(version, catalog)
-                except Exception as exc:  # noqa: BLE001 - a missed report is retried
-                    log.warning("replica %s: report failed: %s", self.replica_id, exc)
+                await self._report()
                 await asyncio.sleep(REPORT_S)
+
+        async def _report(self) -> None:
+            try:
+                version, catalog = await self.directory.report.remote(self.replica_id, self.info())
+                await self._apply(version, catalog)
+            except Exception as exc:  # noqa: BLE001 - a missed report is retried
+                log.warning("replica %s: report failed: %s", self.replica_id, exc)
 
         def info(self) -> dict[str, Any]:
             """What this replica tells the directory: who it is, its adapters and metrics."""
@@ -244,6 +249,10 @@ def build_app(spec: ScaleSpec) -> Any:
             self.version = 0
             self._facts: dict[str, Any] | None = None
             self.died = 0  # requests that lost their replica (answered 503)
+            self._cold: dict[str, asyncio.Event] = {}  # adapter -> set once a replica holds it
+            self._resident: tuple[float, set[str]] = (0.0, set())
+            self._watchers: set[asyncio.Future[None]] = set()
+            self._cold_lock = asyncio.Lock()  # one cold start at a time
 
         def __serve_build_asgi_app__(self) -> Any:
             return _Asgi(self.asgi)
@@ -341,10 +350,77 @@ def build_app(spec: ScaleSpec) -> Any:
                 return "invalid API key"
             return None
 
+        async def _held(self) -> set[str]:
+            """Adapters some replica reports resident (read at most every REPORT_S)."""
+            t, held = self._resident
+            if time.monotonic() - t > REPORT_S:
+                reports = await self.directory.replicas.remote()
+                held = {n for r in reports.values() for n in r["resident"]}
+                self._resident = (time.monotonic(), held)
+            return held
+
+        async def _cold_start(self, adapter: str) -> asyncio.Event | None:
+            """A burst of requests for an adapter no replica holds goes one request first.
+
+            Serve's routers learn where an adapter is from the replicas (pushed every 0.1 s,
+            through the controller); requests sent before they know go to the replicas with the
+            fewest adapters, and each would load it. So the first request goes alone and the
+            rest wait (up to 10 s) until a replica reports the adapter, then Serve routes them
+            to it; and cold starts of different adapters go one after the other, so that Serve
+            knows each replica's count when it picks the one with the fewest. The routing stays
+            Serve's; this only orders a cold start."""
+            if adapter in await self._held():
+                return None
+            event = self._cold.get(adapter)
+            if event is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), 10.0)
+                return None
+            event = self._cold[adapter] = asyncio.Event()
+            first_done = asyncio.Event()  # set by the caller when its request ends
+            try:
+                await asyncio.wait_for(self._cold_lock.acquire(), 10.0)
+                lock: asyncio.Lock | None = self._cold_lock
+            except TimeoutError:  # a cold start that takes this long: go on without the order
+                lock = None
+            except BaseException:
+                event.set()
+                del self._cold[adapter]
+                raise
+
+            async def watch() -> None:
+                try:
+                    for _ in range(100):  # until a replica holds it, or the request failed
+                        await asyncio.sleep(0.1)
+                        self._resident = (0.0, set())
+                        if adapter in await self._held():
+                            await asyncio.sleep(0.3)  # the controller's push to the routers
+                            break
+                        if first_done.is_set():
+                            break
+                finally:
+                    if lock is not None:
+                        lock.release()
+                    event.set()
+                    del self._cold[adapter]
+
+            self._watchers.add(asyncio.ensure_future(watch()))
+            self._watchers = {w for w in self._watchers if not w.done()}
+            return first_done
+
         async def forward(self, req: Forwarded, send: Any) -> None:
             opts: dict[str, Any] = {"stream": True}
+            first: asyncio.Event | None = None
             if self.spec.affinity and req.adapter:
                 opts["multiplexed_model_id"] = req.adapter
+                first = await self._cold_start(req.adapter)
+            try:
+                await self._forward(req, send, opts)
+            finally:
+                if first is not None:
+                    first.set()
+
+        async def _forward(self, req: Forwarded, send: Any, opts: dict[str, Any]) -> None:
             gen = self.replicas.options(**opts).handle.remote(req)
             head: Head | None = None
             stream = False

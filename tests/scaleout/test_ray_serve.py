@@ -163,6 +163,11 @@ def test_answers_equal_a_single_server(app: str, single: str) -> None:
         a, b = _complete(app, name, n=12), _complete(single, name, n=12)
         assert a.status_code == b.status_code == 200, (a.text, b.text)
         assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"], name
+    # several adapters by name: routed by the heaviest (a2), a1 attached beside it there
+    lora = [{"name": "a1", "scale": 0.3}, {"name": "a2", "scale": 1.0}]
+    a, b = _complete(app, "tiny", n=12, lora=lora), _complete(single, "tiny", n=12, lora=lora)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
     texts = {_complete(single, name, n=12).json()["choices"][0]["text"] for name in ADAPTERS}
     assert len(texts) > 1  # the adapters do change the answer: the comparison means something
 

@@ -103,17 +103,31 @@ def body_json(body: bytes) -> Any:
 
 
 def route_key(payload: Any, base_names: Collection[str], pinned: Collection[str]) -> str:
-    """The adapter a request routes by: the one `model` names; else "" (the base).
+    """The adapter a request routes by ("": any replica).
 
-    A `lora` list (llama-server's per-request scales) holds ids of `--lora` adapters, which every
-    replica holds at the same ids: it does not move a request, which routes by its `model`.
-    A pinned adapter named in `model` is on every replica too: "" (any replica)."""
+    1. The adapter `model` names, when it names one.
+    2. Else the heaviest entry of its `lora` list that names an adapter by `name` (the largest
+       |scale|; the first of equals). The list's other adapters are attached on the same
+       replica, by its registry (within its --max-loras / --max-lora-memory), not through
+       Serve's LRU.
+    Pinned adapters (`--lora`, by id or name) are on every replica at the same ids: they route
+    nowhere in particular, and neither does the base."""
     if not isinstance(payload, dict):
         return ""
     model = payload.get("model")
-    if not isinstance(model, str) or not model or model in base_names or model in pinned:
-        return ""
-    return model
+    if isinstance(model, str) and model and model not in base_names:
+        return "" if model in pinned else model
+    best, weight = "", 0.0
+    lora = payload.get("lora")
+    for item in lora if isinstance(lora, list) else []:
+        if not isinstance(item, dict):
+            continue
+        name, scale = item.get("name"), item.get("scale")
+        if not isinstance(name, str) or name in pinned or not isinstance(scale, int | float):
+            continue
+        if abs(scale) > weight:
+            best, weight = name, abs(float(scale))
+    return best
 
 
 def error_body(status: int, message: str, code: str) -> bytes:
@@ -136,7 +150,9 @@ def merge_metrics(pages: Iterable[tuple[str, str]]) -> str:
     for replica, page in pages:
         for fam in text_string_to_metric_families(page):
             kind = "untyped" if fam.type == "unknown" else fam.type
-            _, _, lines = families.setdefault(fam.name, (fam.documentation, kind, []))
+            # (the parser names a counter without its _total; the text format names it with)
+            shown = fam.name + "_total" if kind == "counter" else fam.name
+            _, _, lines = families.setdefault(shown, (fam.documentation, kind, []))
             for s in fam.samples:
                 labels = {**s.labels, "replica": replica}
                 text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))

@@ -151,13 +151,18 @@ class AdapterRegistry:
 
     # -- requests --
     async def lease(
-        self, model: str | None, lora: Mapping[int, float] | None, base_names: set[str]
+        self,
+        model: str | None,
+        lora: Mapping[int, float] | None,
+        base_names: set[str],
+        by_name: Mapping[str, float] | None = None,
     ) -> Lease:
         """The adapter settings of one request, with its adapters held resident until `release`.
 
         model: None or a base name -> the base with the global scales (or `lora` if given); an
         adapter's name -> that adapter at scale 1 (plus `lora`, if given). `lora` is checked
-        here, once: RequestError for an id that is not attached or a scale out of range."""
+        here, once: RequestError for an id that is not attached or a scale out of range.
+        `by_name`: more adapters by name -> scale (attached on first use, as `model`'s)."""
         entry: AdapterEntry | None = None
         if model is not None and model not in base_names:
             entry = self.names.get(model)
@@ -166,26 +171,49 @@ class AdapterRegistry:
                 raise UnknownModelError(
                     f"the model {model!r} does not exist; available: {', '.join(known)}"
                 )
+        extra: list[tuple[AdapterEntry, float]] = []
+        for name, scale in (by_name or {}).items():
+            e = self.names.get(name)
+            if e is None:
+                raise UnknownModelError(
+                    f"lora: no adapter named {name!r}; adapters: "
+                    f"{', '.join(sorted(self.names)) or 'none'}"
+                )
+            extra.append((e, scale))
         held: list[AdapterEntry] = []
         named: dict[int, float] = {}
-        if entry is not None:
-            named[await self._ensure(entry)] = 1.0  # acquired: stays resident
-            held.append(entry)
+        listed: dict[int, float] = {}
+        try:
+            if entry is not None:
+                named[await self._ensure(entry)] = 1.0  # acquired: stays resident
+                held.append(entry)
+            for e, scale in extra:
+                listed[await self._ensure(e)] = scale
+                held.append(e)
+        except BaseException:
+            for e in held:
+                e.refs -= 1
+            raise
+        if lora is not None:
+            listed.update(lora)  # (a later entry wins, as in the list)
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
-            if lora is None and entry is None:
+            if not listed and lora is None and entry is None:
                 settings = self._global_scales()
             else:
                 settings = self.adapters.settings(
-                    lora, base=named, among=self.by_id, where="lora: "
+                    listed if listed or lora is not None else None,
+                    base=named,
+                    among=self.by_id,
+                    where="lora: ",
                 )
         except Exception:
-            if entry is not None:
-                entry.refs -= 1
+            for e in held:
+                e.refs -= 1
             raise
         for i in settings:
             e = self.by_id[i]
-            if e is not entry:
+            if not any(e is h for h in held):
                 e.refs += 1
                 held.append(e)
         now = time.monotonic()

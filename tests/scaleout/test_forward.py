@@ -103,3 +103,24 @@ def test_merge_metrics_labels_every_sample_by_replica() -> None:
     count = [s for s in ttft.samples if s.name.endswith("_count")]
     assert {s.labels["replica"]: s.value for s in count} == {"r1": 3.0, "r2": 5.0}
     assert merged.count("# TYPE graftlm_requests_total counter") == 1
+
+
+def test_replica_options_pass_autoscaling_and_threads_through() -> None:
+    from graftlm.scaleout.spec import ScaleSpec
+
+    fixed = ScaleSpec(build_state=dict, threads=2, replicas=3).replica_options()
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"]["num_cpus"] == 2
+    assert fixed["ray_actor_options"]["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    auto = ScaleSpec(
+        build_state=dict, min_replicas=1, max_replicas=4, target_ongoing_requests=8
+    ).replica_options()
+    assert "num_replicas" not in auto
+    assert auto["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 1,
+        "target_ongoing_requests": 8,
+    }
+    with pytest.raises(ValueError, match="min <= max"):
+        ScaleSpec(build_state=dict, min_replicas=3, max_replicas=2).replica_options()

@@ -245,10 +245,19 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     other = next(a for a in ADAPTERS if holder.get(a) not in (None, victim))
     out: dict[str, httpx.Response] = {}
 
+    events: list[str] = []
+
     def call(name: str) -> None:
         out[name] = _complete(app, name, n=900, ignore_eos=True)
 
+    def stream() -> None:  # a stream on the victim too: its status line is sent already
+        body = {"model": victim_adapter, "prompt": PROMPT, "max_tokens": 900, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
     threads = [threading.Thread(target=call, args=(a,)) for a in (victim_adapter, other)]
+    threads.append(threading.Thread(target=stream))
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -270,6 +279,23 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     assert lost.status_code == 503, lost.text
     assert "replica" in lost.json()["error"]["message"]
     assert out[other].status_code == 200, out[other].text
+    assert events and events[-1] != "data: [DONE]"  # it ends with the error, not as finished
+    assert json.loads(events[-1][6:])["error"]["code"] == "replica_lost"
     assert out[other].json()["usage"]["completion_tokens"] == 900
     # new requests for the dead replica's adapter go elsewhere (a survivor or its replacement)
     assert _complete(app, victim_adapter).status_code == 200
+
+
+def test_app_builder_and_flag_checks(files: dict[str, Path]) -> None:
+    """Serve's builder (for `serve run` and KubeRay) takes the command's flags; bad replica
+    counts are refused before anything starts."""
+    from ray.serve import Application
+
+    from graftlm.commands.ray_serve import app_builder, main
+
+    built = app_builder({"flags": f"-m {files['model']} --replicas 3 -t 1 --max-loras 2"})
+    assert isinstance(built, Application)
+    for flags in (["--replicas", "0"], ["--min-replicas", "3", "--max-replicas", "2"]):
+        with pytest.raises(ValueError, match="replicas"):
+            spec_of(_args(files, files["model"].parent, *flags))
+    assert main(["--replicas", "0"]) == 1

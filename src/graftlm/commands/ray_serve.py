@@ -96,6 +96,19 @@ def spec_of(args: argparse.Namespace) -> Any:
     return spec
 
 
+def app_builder(args: dict[str, str]) -> Any:
+    """Serve's application builder, for `serve run` and KubeRay's RayService:
+    `import_path: graftlm.commands.ray_serve:app_builder`, `args: {flags: "<ray-serve flags>"}`
+    (the flags `graftlm ray-serve` takes; --host, --port and --address are Serve's there)."""
+    import shlex
+
+    from graftlm.scaleout.deployments import build_app
+
+    parser = argparse.ArgumentParser(prog="graftlm ray-serve")
+    add_ray_serve_arguments(parser)
+    return build_app(spec_of(parser.parse_args(shlex.split(args.get("flags", "")))))
+
+
 def ray_serve(args: argparse.Namespace) -> int:
     from graftlm.errors import GraftError
 

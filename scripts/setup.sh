@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up graftlm in ./.venv from package registries only. `--test` adds the test tools and the
-# test-only reference libraries (transformers, peft), and Chromium for the chat page's tests.
+# test-only reference libraries (transformers, peft), ray[serve] for `ray-serve`'s tests, and
+# Chromium for the chat page's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

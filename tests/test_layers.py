@@ -27,6 +27,7 @@ FLOORS: list[list[str]] = [
     ["runtime"],  # scheduler, engine, service, prompting, sampling
     ["api"],
     ["server"],
+    ["scaleout"],  # replicas of the server on Ray Serve
     ["commands", "cli", "__main__"],
 ]
 # the root's `load` and `Model` come from api on first use (a module __getattr__): not an import

@@ -27,6 +27,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _ray_serve(args: argparse.Namespace) -> int:
+    from graftlm.commands.ray_serve import ray_serve
+
+    return ray_serve(args)
+
+
 def _convert_lora(args: argparse.Namespace) -> int:
     from graftlm.lora.convert import gguf_to_peft, peft_to_gguf
 
@@ -137,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
+
+    from graftlm.commands.ray_serve import add_ray_serve_arguments
+
+    rs = sub.add_parser("ray-serve", help="`serve` as replicas on Ray Serve, routed by adapter")
+    add_ray_serve_arguments(rs)
+    rs.set_defaults(func=_ray_serve)
 
     c = sub.add_parser("convert-lora", help="PEFT directory <-> llama.cpp GGUF LoRA adapter")
     c.add_argument("input", help="PEFT directory, or with --to-peft a GGUF adapter")

@@ -16,11 +16,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.commands.serve_options import add_http_arguments
 from graftlm.lora.cli_args import add_lora_arguments
+
+if TYPE_CHECKING:
+    from graftlm.server.state import ServerState
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -227,18 +230,47 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from graftlm.server.app import build_state, create_app
+        from graftlm.server.app import create_app
     except ImportError as exc:
         raise GraftError(
             f"the server needs its extras ({exc.name}): pip install 'graftlm[server]'"
         ) from None
 
+    from graftlm.commands.serve_options import split_list, vertex_port
+
+    hosts = split_list(args.host) or ("127.0.0.1",)
+    args.port = vertex_port(args)
+    state = serving_state(args)
+    try:
+        sockets = listen(hosts, args.port)
+        print(
+            "listening on " + ", ".join(f"http://{_shown(h)}:{args.port}" for h in hosts),
+            file=sys.stderr,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(state),
+                log_level=args.log_level,
+                timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
+            )
+        )
+        server.run(sockets=sockets)
+    finally:
+        state.service.close()
+    return 0
+
+
+def serving_state(args: argparse.Namespace) -> ServerState:
+    """The model loaded and its engine service started from `serve`'s flags, as `graftlm serve`
+    runs before it listens (each replica of `graftlm ray-serve` runs it too): a ServerState,
+    whose service the caller closes."""
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.commands.llama_server_flags import llama_server_notes
-    from graftlm.commands.serve_options import api_key, http_config, split_list, vertex_port
+    from graftlm.commands.serve_options import api_key, http_config, split_list
     from graftlm.lora.cli_args import lora_specs
+    from graftlm.server.app import build_state
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE
 
@@ -247,8 +279,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     key = api_key(args)
     aliases = split_list(args.alias)
-    hosts = split_list(args.host) or ("127.0.0.1",)
-    args.port = vertex_port(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     modules = parse_lora_modules(args.lora_modules)
@@ -333,23 +363,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"lora {a['id']} ({a['name']}): {a['path']} scale {a['scale']:g}", file=sys.stderr)
     for name, path in modules:
         print(f"lora module {name}: {path} (loaded on first use)", file=sys.stderr)
-    try:
-        sockets = listen(hosts, args.port)
-        print(
-            "listening on " + ", ".join(f"http://{_shown(h)}:{args.port}" for h in hosts),
-            file=sys.stderr,
-        )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(state),
-                log_level=args.log_level,
-                timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
-            )
-        )
-        server.run(sockets=sockets)
-    finally:
-        state.service.close()
-    return 0
+    return state
 
 
 def _shown(host: str) -> str:

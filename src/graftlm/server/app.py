@@ -92,6 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(Guard, max_body=state.config.max_body_bytes, cors=cors)
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
+    state.registry.on_attach.append(state.metrics.adapter_loaded)
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
 
     @app.exception_handler(ApiError)

@@ -22,7 +22,7 @@ from graftlm.runtime.constraints import CompiledGrammar, Constraint
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import Lease, UnknownModelError
-from graftlm.server.schemas import LoraItem, SamplingFields
+from graftlm.server.schemas import RequestLoraItem, SamplingFields
 from graftlm.server.state import ApiError, ServerState
 
 
@@ -202,9 +202,10 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
         )
 
 
-async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | None) -> Lease:
+async def admit(state: ServerState, model: str | None, lora: list[RequestLoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
-    items = None if lora is None else {x.id: x.scale for x in lora}
+    items = None if lora is None else {x.id: x.scale for x in lora if x.id is not None}
+    names = {x.name: x.scale for x in lora or [] if x.name is not None}
     if (
         model is not None
         and not state.config.strict_model_names
@@ -213,7 +214,7 @@ async def admit(state: ServerState, model: str | None, lora: list[LoraItem] | No
     ):
         model = None  # as llama-server: a name it does not know is served by the base model
     try:
-        lease = await state.registry.lease(model, items, state.base_names)
+        lease = await state.registry.lease(model, items, state.base_names, names)
     except UnknownModelError as exc:
         raise ApiError(404, str(exc), exc.code) from None
     return lease

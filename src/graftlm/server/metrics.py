@@ -74,6 +74,12 @@ class Metrics:
         self.adapters_resident = Gauge(
             "graftlm_lora_adapters_resident", "LoRA adapters attached", registry=r
         )
+        self.adapter_loads = Counter(
+            "graftlm_lora_adapter_loads",
+            "Adapters attached on first use (read and transformed), by name",
+            ["adapter"],
+            registry=r,
+        )
         self.adapter_bytes = Gauge(
             "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
         )
@@ -145,6 +151,9 @@ class Metrics:
             self.ttft.observe(ttft)
         if tpot is not None:
             self.tpot.observe(tpot)
+
+    def adapter_loaded(self, name: str) -> None:
+        self.adapter_loads.labels(name).inc()
 
     def adapters(self, resident: int, nbytes: int) -> None:
         self.adapters_resident.set(resident)

@@ -48,6 +48,7 @@ class AdapterEntry:
     refs: int = 0  # running requests using it
     last_used: float = 0.0
     retired: bool = False  # replaced or unloaded: dropped when its last request ends
+    evicted: bool = False  # `evict`ed while in use: detached when its last request ends
     loading: asyncio.Task[int] | None = None
 
     @property
@@ -87,8 +88,9 @@ class AdapterRegistry:
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
+        self.on_attach: list[Any] = []  # callables(name) told after each attach on first use
         self._attach_lock = asyncio.Lock()
-        self._drops: set[asyncio.Task[None]] = set()
+        self._drops: set[asyncio.Future[Any]] = set()
 
     # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
@@ -149,13 +151,18 @@ class AdapterRegistry:
 
     # -- requests --
     async def lease(
-        self, model: str | None, lora: Mapping[int, float] | None, base_names: set[str]
+        self,
+        model: str | None,
+        lora: Mapping[int, float] | None,
+        base_names: set[str],
+        by_name: Mapping[str, float] | None = None,
     ) -> Lease:
         """The adapter settings of one request, with its adapters held resident until `release`.
 
         model: None or a base name -> the base with the global scales (or `lora` if given); an
         adapter's name -> that adapter at scale 1 (plus `lora`, if given). `lora` is checked
-        here, once: RequestError for an id that is not attached or a scale out of range."""
+        here, once: RequestError for an id that is not attached or a scale out of range.
+        `by_name`: more adapters by name -> scale (attached on first use, as `model`'s)."""
         entry: AdapterEntry | None = None
         if model is not None and model not in base_names:
             entry = self.names.get(model)
@@ -164,26 +171,49 @@ class AdapterRegistry:
                 raise UnknownModelError(
                     f"the model {model!r} does not exist; available: {', '.join(known)}"
                 )
+        extra: list[tuple[AdapterEntry, float]] = []
+        for name, scale in (by_name or {}).items():
+            e = self.names.get(name)
+            if e is None:
+                raise UnknownModelError(
+                    f"lora: no adapter named {name!r}; adapters: "
+                    f"{', '.join(sorted(self.names)) or 'none'}"
+                )
+            extra.append((e, scale))
         held: list[AdapterEntry] = []
         named: dict[int, float] = {}
-        if entry is not None:
-            named[await self._ensure(entry)] = 1.0  # acquired: stays resident
-            held.append(entry)
+        listed: dict[int, float] = {}
+        try:
+            if entry is not None:
+                named[await self._ensure(entry)] = 1.0  # acquired: stays resident
+                held.append(entry)
+            for e, scale in extra:
+                listed[await self._ensure(e)] = scale
+                held.append(e)
+        except BaseException:
+            for e in held:
+                e.refs -= 1
+            raise
+        if lora is not None:
+            listed.update(lora)  # (a later entry wins, as in the list)
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
-            if lora is None and entry is None:
+            if not listed and lora is None and entry is None:
                 settings = self._global_scales()
             else:
                 settings = self.adapters.settings(
-                    lora, base=named, among=self.by_id, where="lora: "
+                    listed if listed or lora is not None else None,
+                    base=named,
+                    among=self.by_id,
+                    where="lora: ",
                 )
         except Exception:
-            if entry is not None:
-                entry.refs -= 1
+            for e in held:
+                e.refs -= 1
             raise
         for i in settings:
             e = self.by_id[i]
-            if e is not entry:
+            if not any(e is h for h in held):
                 e.refs += 1
                 held.append(e)
         now = time.monotonic()
@@ -202,7 +232,7 @@ class AdapterRegistry:
             e.last_used = now
             if e.refs == 0:
                 self._freed.set()
-            if e.retired and e.refs == 0 and e.resident:
+            if (e.retired or e.evicted) and e.refs == 0 and e.resident:
                 self._drop_later(e)
 
     def _global_scales(self) -> AdapterSettings:
@@ -239,6 +269,40 @@ class AdapterRegistry:
             )
         del self.names[name]
         self._retire(entry)
+
+    def rebind(self, name: str, path: str) -> None:
+        """`name` is `path` from now on, attached on first use (an adapter under the name is
+        retired: the requests using it keep it)."""
+        old = self.names.get(name)
+        if old is not None and old.path == path and not old.retired:
+            return
+        self.names[name] = AdapterEntry(name, path)
+        if old is not None:
+            self._retire(old)
+
+    async def warm(self, name: str) -> AdapterEntry:
+        """Attach a named adapter now, without a request (a router's load); UnknownModelError
+        for a name the registry does not know."""
+        entry = self.names.get(name)
+        if entry is None:
+            raise UnknownModelError(
+                f"the model {name!r} does not exist; adapters: {', '.join(sorted(self.names))}"
+            )
+        entry.evicted = False
+        await self._ensure(entry, acquire=False)
+        return entry
+
+    def evict(self, name: str) -> None:
+        """Detach a named adapter now, or when the last request using it ends (a router's
+        eviction); the name stays known and is attached again on its next use. Pinned adapters
+        and unknown names are left alone."""
+        entry = self.names.get(name)
+        if entry is None or entry.pinned or not entry.resident:
+            return
+        if entry.refs > 0:
+            entry.evicted = True
+            return
+        self._drop_later(entry)
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
@@ -283,6 +347,8 @@ class AdapterRegistry:
             entry.id, entry.facts = adapter_id, prepared.facts
             self.by_id[adapter_id] = entry
             self._changed()
+            for fn in self.on_attach:
+                fn(entry.name)
             return adapter_id
 
     def _check_rank(self, facts: AdapterFacts) -> None:
@@ -335,17 +401,29 @@ class AdapterRegistry:
             parts.append(f"{len(self.by_id)}/{self.max_loras} adapters")
         return ", ".join(parts)
 
-    async def _drop(self, entry: AdapterEntry) -> None:
+    def _unlink(self, entry: AdapterEntry) -> int | None:
+        """Take the entry out of the resident set at once (nobody can lease it from here on);
+        its slot id, still to be detached, or None when it was not attached."""
         adapter_id = entry.id
         if adapter_id is None:
-            return
-        entry.id = None  # nobody can lease it from here on
+            return None
+        entry.id = None
+        entry.evicted = False
         del self.by_id[adapter_id]
         self._changed()
-        await asyncio.wrap_future(self.service.detach(adapter_id))
+        return adapter_id
+
+    async def _drop(self, entry: AdapterEntry) -> None:
+        adapter_id = self._unlink(entry)
+        if adapter_id is not None:
+            await asyncio.wrap_future(self.service.detach(adapter_id))
 
     def _drop_later(self, entry: AdapterEntry) -> None:
-        task = asyncio.ensure_future(self._drop(entry))
+        # unlinked now, not when the task first runs: a lease in between would take it
+        adapter_id = self._unlink(entry)
+        if adapter_id is None:
+            return
+        task = asyncio.ensure_future(asyncio.wrap_future(self.service.detach(adapter_id)))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)
 

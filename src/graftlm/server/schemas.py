@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 
@@ -83,6 +83,21 @@ class LoraItem(_Body):
     scale: float  # its range is checked with the id, by the adapter set (AdapterSet.settings)
 
 
+class RequestLoraItem(_Body):
+    """One adapter's scale for one request: by `id` (llama-server's) or by `name` (a
+    `--lora-modules` or runtime-loaded adapter, attached on first use)."""
+
+    id: int | None = None
+    name: Annotated[str, Field(min_length=1)] | None = None
+    scale: float
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RequestLoraItem:
+        if (self.id is None) == (self.name is None):
+            raise ValueError("each lora entry names its adapter by 'id' or by 'name' (one of them)")
+        return self
+
+
 class SamplingFields(_Body):
     """Sampling fields shared by every generating endpoint (None: the server's default)."""
 
@@ -97,7 +112,7 @@ class SamplingFields(_Body):
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
     ignore_eos: bool = False
-    lora: list[LoraItem] | None = None
+    lora: list[RequestLoraItem] | None = None
     # OpenAI's {"token id": bias}; llama-server's [[id or text, bias or false]]
     logit_bias: dict[str, Any] | list[Any] | None = None
     # constraints: OpenAI's, llama-server's and vLLM's names for the same few things
@@ -381,7 +396,7 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None  # see IGNORED
-    lora: list[LoraItem] | None = None
+    lora: list[RequestLoraItem] | None = None
 
 
 class LlamaEmbeddingRequest(_Body):
@@ -389,7 +404,7 @@ class LlamaEmbeddingRequest(_Body):
 
     content: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
     model: str | None = None
-    lora: list[LoraItem] | None = None
+    lora: list[RequestLoraItem] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -1,0 +1,301 @@
+"""`graftlm ray-serve` on a local Ray cluster started here: two replicas of one thread each, four
+adapters, two adapters a replica. Requests stay with the replica that loaded their adapter,
+answers equal a single `graftlm serve`'s, streams pass the ingress, runtime loads reach every
+replica, and a replica killed mid-request costs its own requests a 503, nobody else's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+for _extra in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+    pytest.importorskip(_extra)
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+serve = pytest.importorskip("ray.serve")
+
+import httpx  # noqa: E402
+from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model  # noqa: E402
+
+from graftlm.commands.ray_serve import add_ray_serve_arguments, spec_of  # noqa: E402
+from graftlm.commands.serve import serving_state  # noqa: E402
+from graftlm.server.app import ServerThread, create_app  # noqa: E402
+
+SPEC = TinySpec(n_ctx=1024)
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+ADAPTERS = ["a1", "a2", "a3", "a4"]
+PROMPT = "the quick brown fox"
+TIMEOUT = httpx.Timeout(180.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _args(files: dict[str, Path], lora_dir: Path, *extra: str) -> Any:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_ray_serve_arguments(p)
+    modules = [f"{name}={files[name]}" for name in ADAPTERS]
+    return p.parse_args(
+        ["-m", str(files["model"]), "-a", "tiny", "-c", "2048", "-np", "4", "-t", "1"]
+        + ["--lora-modules", *modules, "--max-loras", "2", "--allow-runtime-lora"]
+        + ["--lora-dir", str(lora_dir), "--replicas", "2", *extra]
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("ray")
+    out = {"model": write_tiny_model(d / "tiny.gguf", SPEC)}
+    for k, name in enumerate([*ADAPTERS, "a5"]):
+        out[name] = write_tiny_adapter(d / f"{name}.gguf", SPEC, seed=31 + k)
+    return out
+
+
+@pytest.fixture(scope="module")
+def app(files: dict[str, Path]) -> Iterator[str]:
+    """The application on a local Ray cluster (2 CPUs): its URL."""
+    os.environ["PYTHONPATH"] = SRC + os.pathsep + os.environ.get("PYTHONPATH", "")
+    try:
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=200 * 2**20,
+            ignore_reinit_error=True,
+            runtime_env={"env_vars": {"PYTHONPATH": SRC}},
+            log_to_driver=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - no Ray here: say why
+        pytest.skip(f"a local Ray cluster cannot start here: {exc}")
+    from graftlm.scaleout.deployments import start
+
+    try:
+        yield start(spec_of(_args(files, files["model"].parent)), "127.0.0.1", _free_port())
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single(files: dict[str, Path]) -> Iterator[str]:
+    """One plain `graftlm serve` with the same flags: its URL."""
+    state = serving_state(_args(files, files["model"].parent))
+    srv = ServerThread(create_app(state)).start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+        state.service.close()
+
+
+def _complete(url: str, model: str, n: int = 8, **extra: Any) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0} | extra
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+
+
+def _replicas(url: str) -> dict[str, dict[str, Any]]:
+    r = httpx.get(f"{url}/replicas", timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _settled(url: str, n: int = 2) -> dict[str, dict[str, Any]]:
+    """The replicas' reports once `n` report and two reads a report apart agree."""
+    last: Any = None
+    for _ in range(120):
+        now = _replicas(url)
+        view = {k: (r["loads"], r["resident"]) for k, r in now.items()}
+        if len(now) == n and view == last:
+            return now
+        last = view
+        time.sleep(0.6)
+    raise AssertionError(f"the replicas' reports did not settle: {last}")
+
+
+def test_adapters_stay_with_the_replica_that_loaded_them(app: str) -> None:
+    # from cold: the ingress sends the first request of each adapter alone, one adapter after
+    # the other, so that Serve places each on the replica with the fewest; the rest follow it
+    results: list[int] = []
+
+    def client(k: int) -> None:
+        for j in range(3):
+            results.append(_complete(app, ADAPTERS[(k + j) % 4], n=6).status_code)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 36
+    reports = _settled(app)
+    for rid, r in reports.items():
+        assert all(v <= 1 for v in r["loads"].values()), (rid, r["loads"])
+        assert len(r["resident"]) <= 2, (rid, r["resident"])
+    for name in ADAPTERS:  # each adapter loaded once in the whole application
+        assert sum(r["loads"].get(name, 0) for r in reports.values()) == 1, (name, reports)
+    # and every request for it was answered by that replica
+    page = httpx.get(f"{app}/metrics", timeout=TIMEOUT).text
+    served: dict[str, set[str]] = {}
+    for line in page.splitlines():
+        if line.startswith("graftlm_requests_total{"):
+            labels = dict(
+                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            served.setdefault(labels["adapter"].strip('"'), set()).add(labels["replica"].strip('"'))
+    for name in ADAPTERS:
+        assert len(served[name]) == 1, (name, served)
+    assert "graftlm_lora_adapter_loads_total" in page
+
+
+def test_answers_equal_a_single_server(app: str, single: str) -> None:
+    for name in ["tiny", *ADAPTERS]:
+        a, b = _complete(app, name, n=12), _complete(single, name, n=12)
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"], name
+    # several adapters by name: routed by the heaviest (a2), a1 attached beside it there
+    lora = [{"name": "a1", "scale": 0.3}, {"name": "a2", "scale": 1.0}]
+    a, b = _complete(app, "tiny", n=12, lora=lora), _complete(single, "tiny", n=12, lora=lora)
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    texts = {_complete(single, name, n=12).json()["choices"][0]["text"] for name in ADAPTERS}
+    assert len(texts) > 1  # the adapters do change the answer: the comparison means something
+
+
+def test_streaming_through_the_ingress(app: str, single: str) -> None:
+    body = {
+        "model": "a3",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": True,
+    }
+    pieces, events = [], 0
+    with httpx.stream("POST", f"{app}/v1/chat/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events += 1
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            pieces.append(delta.get("content") or "")
+    whole = httpx.post(
+        f"{single}/v1/chat/completions", json=body | {"stream": False}, timeout=TIMEOUT
+    ).json()
+    assert events > 2
+    assert "".join(pieces) == whole["choices"][0]["message"]["content"]
+
+
+def test_models_and_client_errors(app: str) -> None:
+    ids = [m["id"] for m in httpx.get(f"{app}/v1/models", timeout=TIMEOUT).json()["data"]]
+    assert ids[0] == "tiny" and set(ids[1:]) == set(ADAPTERS)
+    r = _complete(app, "nope")
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{app}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{app}/lora-adapters", json=[{"id": 0, "scale": 1}], timeout=TIMEOUT)
+    assert r.status_code == 501 and "lora" in r.json()["error"]["message"]
+
+
+def test_runtime_load_and_unload_reach_every_replica(app: str, files: dict[str, Path]) -> None:
+    r = httpx.post(
+        f"{app}/v1/load_lora_adapter",
+        json={"lora_name": "a5", "lora_path": str(files["a5"])},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 200, r.text
+    reports = _replicas(app)
+    assert all(rep["version"] >= 1 for rep in reports.values()), reports
+    ids = [m["id"] for m in httpx.get(f"{app}/v1/models", timeout=TIMEOUT).json()["data"]]
+    assert "a5" in ids
+    assert _complete(app, "a5").status_code == 200
+    r = httpx.post(f"{app}/v1/unload_lora_adapter", json={"lora_name": "a5"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    for _ in range(3):  # whichever replica answers, it no longer knows a5
+        assert _complete(app, "a5").status_code == 404
+    r = httpx.post(
+        f"{app}/v1/load_lora_adapter",
+        json={"lora_name": "x", "lora_path": "/etc/passwd"},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 403
+
+
+def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
+    reports = _settled(app)
+    holder = {name: rid for rid, r in reports.items() for name in r["resident"]}
+    victim_adapter = next(a for a in ADAPTERS if a in holder)
+    victim = holder[victim_adapter]
+    other = next(a for a in ADAPTERS if holder.get(a) not in (None, victim))
+    out: dict[str, httpx.Response] = {}
+
+    events: list[str] = []
+
+    def call(name: str) -> None:
+        out[name] = _complete(app, name, n=900, ignore_eos=True)
+
+    def stream() -> None:  # a stream on the victim too: its status line is sent already
+        body = {"model": victim_adapter, "prompt": PROMPT, "max_tokens": 900, "stream": True}
+        body |= {"ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    threads = [threading.Thread(target=call, args=(a,)) for a in (victim_adapter, other)]
+    threads.append(threading.Thread(target=stream))
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the victim is generating
+        page = httpx.get(f"{app}/metrics", timeout=TIMEOUT).text
+        if any(
+            line.startswith("graftlm_requests_running{")
+            and f'replica="{victim}"' in line
+            and float(line.rsplit(" ", 1)[1]) >= 1
+            for line in page.splitlines()
+        ):
+            break
+        time.sleep(0.2)
+    ray.kill(ray.get_actor(reports[victim]["actor_name"], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a request hung on a dead replica"
+    lost = out[victim_adapter]
+    assert lost.status_code == 503, lost.text
+    assert "replica" in lost.json()["error"]["message"]
+    assert out[other].status_code == 200, out[other].text
+    assert events and events[-1] != "data: [DONE]"  # it ends with the error, not as finished
+    assert json.loads(events[-1][6:])["error"]["code"] == "replica_lost"
+    assert out[other].json()["usage"]["completion_tokens"] == 900
+    # new requests for the dead replica's adapter go elsewhere (a survivor or its replacement)
+    assert _complete(app, victim_adapter).status_code == 200
+
+
+def test_app_builder_and_flag_checks(files: dict[str, Path]) -> None:
+    """Serve's builder (for `serve run` and KubeRay) takes the command's flags; bad replica
+    counts are refused before anything starts."""
+    from ray.serve import Application
+
+    from graftlm.commands.ray_serve import app_builder, main
+
+    built = app_builder({"flags": f"-m {files['model']} --replicas 3 -t 1 --max-loras 2"})
+    assert isinstance(built, Application)
+    for flags in (["--replicas", "0"], ["--min-replicas", "3", "--max-replicas", "2"]):
+        with pytest.raises(ValueError, match="replicas"):
+            spec_of(_args(files, files["model"].parent, *flags))
+    assert main(["--replicas", "0"]) == 1

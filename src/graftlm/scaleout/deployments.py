@@ -29,6 +29,7 @@ from typing import Any
 
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from graftlm.scaleout.forward import (
@@ -41,6 +42,7 @@ from graftlm.scaleout.forward import (
     run_asgi,
     sse_error,
 )
+from graftlm.scaleout.router import AdapterRouter
 from graftlm.scaleout.spec import ScaleSpec
 
 log = logging.getLogger("ray.serve")
@@ -48,6 +50,7 @@ REPORT_S = 0.5  # how often a replica reports to the directory
 LIVE_S = 3.0  # a replica not heard from for this long is taken for gone
 RUNTIME_PATHS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "unload"}
 VERSION_HEADER = b"x-graftlm-catalog-version"
+UNKNOWN_HEADER = b"x-graftlm-unknown-adapter"  # replica -> ingress: the base answered instead
 
 
 class Directory:
@@ -86,6 +89,15 @@ class _Resident:
     def __init__(self, name: str, evict: Callable[[], Awaitable[None]]) -> None:
         self.name = name
         self.__del__ = evict
+
+
+class _First:
+    """The first request of a cold start: done once it ended, ok if it was answered 200
+    (its replica then holds the adapter, and the others wait until the router knows it)."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.ok = False
 
 
 class _Asgi:
@@ -201,21 +213,31 @@ def build_app(spec: ScaleSpec) -> Any:
             """Answer one forwarded request: a head, then body chunks."""
             if req.version > self.version:
                 await self._apply(*await self.directory.catalog_now.remote())
+            unknown = False
             if req.adapter:
+                from graftlm.server.registry import UnknownModelError
+                from graftlm.server.state import ApiError
+
                 try:
                     await self.adapter(req.adapter)
+                except UnknownModelError as exc:
+                    # as graftlm serve: a name it does not know is served by the base model
+                    # unless --strict-model-names (the app below applies the same rule)
+                    if self.state.config.strict_model_names:
+                        yield Head(404, [(b"content-type", b"application/json")])
+                        yield json.dumps(ApiError.of(exc).body()).encode()
+                        return
+                    unknown = True
                 except Exception as exc:  # noqa: BLE001 - answered as the server answers it
-                    from graftlm.server.registry import UnknownModelError
-                    from graftlm.server.state import ApiError
-
                     err = ApiError.of(exc)
-                    status = 404 if isinstance(exc, UnknownModelError) else err.status
-                    yield Head(status, [(b"content-type", b"application/json")])
+                    yield Head(err.status, [(b"content-type", b"application/json")])
                     yield json.dumps(err.body()).encode()
                     return
             runtime = RUNTIME_PATHS.get(req.path)
             if runtime is None:
                 async for piece in run_asgi(self.app, req):
+                    if unknown and isinstance(piece, Head):
+                        piece.headers.append((UNKNOWN_HEADER, b"1"))
                     yield piece
                 return
             # a runtime load or unload: answered here, then told to every replica
@@ -359,25 +381,29 @@ def build_app(spec: ScaleSpec) -> Any:
                 self._resident = (time.monotonic(), held)
             return held
 
-        async def _cold_start(self, adapter: str) -> asyncio.Event | None:
+        async def _cold_start(self, adapter: str) -> _First | None:
             """A burst of requests for an adapter no replica holds goes one request first.
 
             Serve's routers learn where an adapter is from the replicas (pushed every 0.1 s,
             through the controller); requests sent before they know go to the replicas with the
             fewest adapters, and each would load it. So the first request goes alone and the
-            rest wait (up to 10 s) until a replica reports the adapter, then Serve routes them
-            to it; and cold starts of different adapters go one after the other, so that Serve
-            knows each replica's count when it picks the one with the fewest. The routing stays
-            Serve's; this only orders a cold start."""
-            if adapter in await self._held():
-                return None
+            rest wait (up to 10 s) until a replica reports the adapter, then the router
+            (`AdapterRouter`) sends them to it; and cold starts of different adapters go one
+            after the other, so that the router knows each replica's count when it picks the
+            one with the fewest. This only orders a cold start; the router picks."""
             event = self._cold.get(adapter)
-            if event is not None:
+            if event is not None:  # before the held check: replicas tell the directory first
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), 10.0)
                 return None
+            table = _router_table(self.replicas)
+            if table is not None and table().get(adapter):
+                return None  # the router knows where it is
+            if adapter in await self._held():  # loaded, and the router is about to know
+                await self._router_learns(adapter)
+                return None
             event = self._cold[adapter] = asyncio.Event()
-            first_done = asyncio.Event()  # set by the caller when its request ends
+            first = _First()  # the caller says when its request ends, and how
             try:
                 await asyncio.wait_for(self._cold_lock.acquire(), 10.0)
                 lock: asyncio.Lock | None = self._cold_lock
@@ -394,10 +420,10 @@ def build_app(spec: ScaleSpec) -> Any:
                         await asyncio.sleep(0.1)
                         self._resident = (0.0, set())
                         if adapter in await self._held():
-                            await asyncio.sleep(0.3)  # the controller's push to the routers
+                            await self._router_learns(adapter)
                             break
-                        if first_done.is_set():
-                            break
+                        if first.done.is_set() and not first.ok:
+                            break  # it failed: the waiters go on (and meet the same answer)
                 finally:
                     if lock is not None:
                         lock.release()
@@ -406,24 +432,43 @@ def build_app(spec: ScaleSpec) -> Any:
 
             self._watchers.add(asyncio.ensure_future(watch()))
             self._watchers = {w for w in self._watchers if not w.done()}
-            return first_done
+            return first
+
+        async def _router_learns(self, adapter: str) -> None:
+            """Wait until this ingress's router knows a replica holds `adapter` (the replica
+            tells the controller, the controller pushes to the routers: 0.1 s idle, more on a
+            busy machine), up to 5 s. Serve does not expose what a router knows, so this reads
+            its request router where Ray 2.4x-2.6x keep it, and waits a fixed 0.5 s where
+            that is not found."""
+            table = _router_table(self.replicas)
+            if table is None:
+                await asyncio.sleep(0.5)
+                return
+            deadline = time.monotonic() + 5.0
+            while not table().get(adapter) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
 
         async def forward(self, req: Forwarded, send: Any) -> None:
             opts: dict[str, Any] = {"stream": True}
-            first: asyncio.Event | None = None
+            first: _First | None = None
             if self.spec.affinity and req.adapter:
                 opts["multiplexed_model_id"] = req.adapter
                 first = await self._cold_start(req.adapter)
+            status: int | None = None
             try:
-                await self._forward(req, send, opts)
+                status = await self._forward(req, send, opts)
             finally:
                 if first is not None:
-                    first.set()
+                    first.ok = status == 200
+                    first.done.set()
 
-        async def _forward(self, req: Forwarded, send: Any, opts: dict[str, Any]) -> None:
+        async def _forward(self, req: Forwarded, send: Any, opts: dict[str, Any]) -> int | None:
+            """Forward to a replica and stream its answer back: the status sent, or None
+            if the replica was lost before its head came (503 sent) or did not know the
+            adapter (the base answered)."""
             gen = self.replicas.options(**opts).handle.remote(req)
             head: Head | None = None
-            stream = False
+            stream, unknown = False, False
             try:
                 async for piece in gen:
                     if isinstance(piece, Head):
@@ -431,6 +476,8 @@ def build_app(spec: ScaleSpec) -> Any:
                         version = _take_header(head, VERSION_HEADER)
                         if version is not None:
                             await self._await_broadcast(int(version))
+                        if _take_header(head, UNKNOWN_HEADER) is not None:
+                            unknown = True
                         stream = (
                             dict(head.headers)
                             .get(b"content-type", b"")
@@ -448,7 +495,8 @@ def build_app(spec: ScaleSpec) -> Any:
             except RayError as exc:
                 self.died += 1
                 if head is None:
-                    return await _answer(send, 503, error_body(503, _lost(exc), "replica_lost"))
+                    await _answer(send, 503, error_body(503, _lost(exc), "replica_lost"))
+                    return None
                 if stream:  # the status line is gone: say it in the stream, then end it
                     await send(
                         {
@@ -460,6 +508,9 @@ def build_app(spec: ScaleSpec) -> Any:
             finally:
                 gen.cancel()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if head is None or unknown:
+                return None
+            return head.status
 
         async def _await_broadcast(self, version: int) -> None:
             """Wait (up to 10 s) until every live replica applied catalog `version`."""
@@ -475,9 +526,12 @@ def build_app(spec: ScaleSpec) -> Any:
     directory = serve.deployment(
         Directory, name="Directory", num_replicas=1, ray_actor_options={"num_cpus": 0}
     ).bind()
-    replica = serve.deployment(Replica, name="Replica", **spec.replica_options()).bind(
-        spec, directory
-    )
+    replica = serve.deployment(
+        Replica,
+        name="Replica",
+        request_router_config=RequestRouterConfig(request_router_class=AdapterRouter),
+        **spec.replica_options(),
+    ).bind(spec, directory)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
@@ -486,6 +540,22 @@ def build_app(spec: ScaleSpec) -> Any:
         max_ongoing_requests=1000,
     )
     return ingress.bind(spec, replica, directory)
+
+
+def _router_table(handle: DeploymentHandle) -> Callable[[], dict[str, Any]] | None:
+    """A reader of the handle's router's table (adapter -> replicas holding it), or None
+    where this Ray keeps it elsewhere. The table is read, never written."""
+    router = getattr(handle, "_router", None)
+    inner = getattr(router, "_asyncio_router", None)
+    if inner is None or not hasattr(inner, "request_router"):
+        return None
+
+    def table() -> dict[str, Any]:
+        request_router = inner.request_router
+        found = getattr(request_router, "_multiplexed_model_id_to_replica_ids", None)
+        return found if isinstance(found, dict) else {}
+
+    return table
 
 
 def _take_header(head: Head, name: bytes) -> bytes | None:

@@ -13,12 +13,14 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from server_fixtures import SPEC, TinyServer, error_of, serving
 
 import graftlm
 from graftlm.commands.llama_server_flags import llama_server_notes
 from graftlm.commands.serve import add_serve_arguments
 from graftlm.commands.serve_options import http_config
+from graftlm.lora.settings import AdapterSettings
 from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 
@@ -142,6 +144,16 @@ def test_cors_default_with_a_key_is_open(keyed: str) -> None:
     assert (
         ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://web.example"
     )
+
+
+def test_header_names_go_out_as_llama_server_spells_them(keyed: str) -> None:
+    """On the wire, not only case-insensitively: clients that copy headers into a plain dict
+    look up `Access-Control-Allow-Origin`."""
+    names = [k for k, _ in _preflight(keyed, "http://web.example").headers.raw]
+    assert b"Access-Control-Allow-Origin" in names and b"Access-Control-Max-Age" in names
+    r = httpx.get(keyed + "/health")
+    names = [k for k, _ in r.headers.raw]
+    assert b"Content-Type" in names and b"content-type" not in names
 
 
 # -- requests --
@@ -383,7 +395,6 @@ def test_more_llama_server_fields(http: httpx.Client, strict: str) -> None:
     assert (
         "__verbose" not in http.post("/v1/chat/completions", json=chat | {"max_tokens": 1}).json()
     )
-    error_of(http.post("/rerank", json={"query": "q", "documents": ["d"]}), 501, "rerank")
     assert "Process-Start-Time-Unix" in http.get("/metrics").headers
 
 
@@ -431,3 +442,81 @@ def test_a_llama_server_command_line_parses() -> None:
     assert not any(n.startswith(("--metrics", "--slots", "--tags", "--no-ui")) for n in notes)
     b = p.parse_args("--no-metrics --no-slots -ngl 99".split())
     assert not b.metrics and not b.slots and b.n_predict == -1  # -ngl is not `-n gl`
+
+
+# -- /rerank --
+def _rank_ref(server: TinyServer, query: str, doc: str, lora: dict[str, float]) -> float:
+    """The score as llama.cpp's rank pooling computes it without a classification head, from the
+    reference model: the first component of the last token's final-norm hidden state."""
+    tok = server.ref.tokenizer
+    bos = [tok.bos_id] if tok.add_bos else []
+    eos = [tok.eos_id] if tok.add_eos else []
+    q = server.ref.tokenize(query, add_special=False)
+    d = server.ref.tokenize(doc, add_special=False)
+    settings = AdapterSettings({server.ref_ids[k]: v for k, v in lora.items()})
+    hidden = server.ref.engine.score([*bos, *q, *eos, *d, *eos], settings, hidden=True)
+    return float(hidden[-1, 0])
+
+
+def test_rerank_scores_orders_and_shapes(server: TinyServer, http: httpx.Client) -> None:
+    docs = ["the cat sat", "a dog ran far", "on the mat", "hello"]
+    for lora in ({}, {"alpha": 1.0}):
+        body: dict[str, Any] = {"query": "where is it", "documents": docs}
+        if lora:
+            body["model"] = "alpha"
+        r = http.post("/rerank", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        want = [_rank_ref(server, "where is it", d, lora) for d in docs]
+        got = {x["index"]: x["relevance_score"] for x in out["results"]}
+        assert got == pytest.approx(dict(enumerate(want)), abs=1e-4)
+        assert [x["index"] for x in out["results"]] == sorted(range(4), key=lambda i: -want[i])
+        assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] > 0
+    base = http.post("/v1/rerank", json={"query": "where is it", "documents": docs}).json()
+    assert base["results"] != out["results"]  # the adapter changed the scores
+    tei = http.post("/rerank", json={"query": "where is it", "texts": docs, "top_n": 2}).json()
+    assert [x["index"] for x in tei] == [x["index"] for x in base["results"][:2]]
+    assert all(set(x) == {"index", "score"} for x in tei)
+    with_text = http.post(
+        "/rerank", json={"query": "q", "texts": docs, "return_text": True, "top_n": 99}
+    ).json()
+    assert len(with_text) == 4 and {x["text"] for x in with_text} == set(docs)
+    for bad in ([], None, 123, [1, 2, 3]):
+        error_of(http.post("/rerank", json={"query": "q", "documents": bad}), 400)
+    error_of(http.post("/rerank", json={"query": "q", "documents": ["a"], "top_n": 0}), 400)
+
+
+# -- post_sampling_probs --
+def test_post_sampling_probs_are_the_sampler_chains(server: TinyServer, http: httpx.Client) -> None:
+    body = {
+        "prompt": PROMPT,
+        "n_predict": 4,
+        "n_probs": 5,
+        "temperature": 0.7,
+        "top_k": 3,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 7,
+        "post_sampling_probs": True,
+        "backend_sampling": True,
+    }
+    out = http.post("/completion", json=body).json()
+    probs = out["completion_probabilities"]
+    assert len(probs) == 4
+    first = server.ref.logits(PROMPT)[-1].float()
+    vals, idx = first.topk(3)
+    want = torch.softmax(vals / 0.7, -1)
+    got = probs[0]["top_probs"]
+    assert [x["id"] for x in got] == idx.tolist()
+    assert [x["prob"] for x in got] == pytest.approx(want.tolist(), abs=1e-4)
+    for tok in probs:
+        assert "logprob" not in tok and 0.0 < tok["prob"] <= 1.0
+        assert len(tok["top_probs"]) == 3 and sum(x["prob"] for x in tok["top_probs"]) == (
+            pytest.approx(1.0, abs=1e-5)
+        )
+        assert tok["id"] in [x["id"] for x in tok["top_probs"]]
+    greedy = http.post("/completion", json=body | {"temperature": 0.0}).json()
+    for tok in greedy["completion_probabilities"]:
+        assert tok["prob"] == 1.0 and [x["id"] for x in tok["top_probs"]] == [tok["id"]]
+    raw = http.post("/completion", json=body | {"post_sampling_probs": False}).json()
+    assert all("logprob" in t and "top_logprobs" in t for t in raw["completion_probabilities"])

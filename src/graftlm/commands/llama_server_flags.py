@@ -111,7 +111,7 @@ _TABLE = """
 --ui --webui|0|the chat page is on
 --no-ui --no-webui|0|mapped
 --embedding --embeddings|0|embeddings are always served beside completions
---rerank --reranking|0|no reranking (/rerank answers 501)
+--rerank --reranking|0|/rerank is always served
 --api-key-file|1|mapped
 --ssl-key-file --ssl-cert-file|1|no TLS: put a TLS proxy in front
 --chat-template-kwargs|1|set chat_template_kwargs in the request

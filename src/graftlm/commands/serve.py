@@ -230,7 +230,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from graftlm.server.app import create_app
+        from graftlm.server.app import HTTP_IMPL, create_app
     except ImportError as exc:
         raise GraftError(
             f"the server needs its extras ({exc.name}): pip install 'graftlm[server]'"
@@ -251,6 +251,7 @@ def serve(args: argparse.Namespace) -> int:
             uvicorn.Config(
                 create_app(state),
                 log_level=args.log_level,
+                http=HTTP_IMPL,
                 timeout_graceful_shutdown=5,  # streams still open are cut after 5 s on Ctrl-C
             )
         )

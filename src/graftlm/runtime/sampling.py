@@ -136,16 +136,30 @@ class Sampler:
             logits = logits.index_add(0, ids, vals)  # a copy: the engine's row stays as it was
         if self.matcher is not None:
             logits = self.matcher.apply(logits)
-        tok = self.draw(logits)
+        tok = self.draw_from(logits)
         if self.matcher is not None:
             self.matcher.advance(tok)
         return tok
 
+    def draw_from(self, logits: torch.Tensor) -> int:
+        """The token drawn from `logits` (penalized, biased and masked); a subclass that records
+        the candidates overrides this."""
+        return self.draw(logits)
+
     def draw(self, logits: torch.Tensor) -> int:
         """logits (n_vocab,) float, penalized, biased and masked -> a token id."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs, idx = self.candidates(logits)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(idx[choice])
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens the draw chooses among and their probabilities, after top-k, top-p, min-p
+        and temperature (greedy: the best token, probability 1), most likely first."""
         p = self.params
         if p.greedy:
-            return int(torch.argmax(logits))
+            return torch.ones(1), torch.argmax(logits).reshape(1)
         n = logits.shape[-1]
         k = p.top_k if 0 < p.top_k < n else n
         vals, idx = torch.topk(logits, k)  # sorted, highest first
@@ -159,6 +173,4 @@ class Sampler:
             probs = torch.softmax(vals[:keep], -1)
             keep = max(1, int((probs >= p.min_p * probs[0]).sum()))
         vals, idx = vals[:keep], idx[:keep]
-        probs = torch.softmax(vals / p.temperature, -1)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(idx[choice])
+        return torch.softmax(vals / p.temperature, -1), idx

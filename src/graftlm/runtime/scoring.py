@@ -39,6 +39,16 @@ class Scorer:
         mean = hidden.float().mean(0)
         return torch.nn.functional.normalize(mean, dim=0).tolist()
 
+    @torch.inference_mode()
+    def rank_score(self, ids: Sequence[int], lora: AdapterSettings) -> float:
+        """llama.cpp's rank pooling for a model without a classification head: the first
+        component of the last token's final-norm hidden state."""
+        self.prompter.check_ids(ids)
+        if len(ids) == 0:
+            raise RequestError("nothing to score: the input is empty")
+        hidden = self.engine.score(list(ids), lora, hidden=True)
+        return float(hidden[-1, 0].float())
+
     def logprobs(self, ids: Sequence[int], top: int, lora: AdapterSettings) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: {"id": ids[i], "logprob": log p(ids[i] | ids[:i]), "top":
         [[token, logprob], ...] the `top` most likely, best first (at most the vocabulary)}."""

@@ -61,6 +61,9 @@ class Job:
     lora: AdapterSettings = NO_ADAPTERS
     logprobs: int | None = None
     cache: bool = True  # may reuse what the prefix cache holds (llama-server's cache_prompt)
+    # logprobs after the sampler chain (llama-server's post_sampling_probs): over the tokens the
+    # draw chose among, with their probabilities after top-k, top-p, min-p and temperature
+    post_sampling: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,15 +164,33 @@ class PreparedAdapter:
 
 
 class _RecordingSampler(Sampler):
-    """The job's sampler, plus the log-probabilities of the raw logits at each step."""
+    """The job's sampler, plus the log-probabilities of the raw logits at each step (or, with
+    `post`, of the candidates the draw chose among)."""
 
-    def __init__(self, params: SamplingParams, top: int) -> None:
+    def __init__(self, params: SamplingParams, top: int, post: bool = False) -> None:
         super().__init__(params)
         self.top = top
+        self.post = post
         self.last: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())
+
+    def draw_from(self, logits: torch.Tensor) -> int:
+        if not self.post:
+            return super().draw_from(logits)
+        probs, idx = self.candidates(logits)
+        if self.params.greedy:
+            tok = int(idx[0])
+        else:
+            tok = int(idx[torch.multinomial(probs, 1, generator=self.generator)])
+        lp = torch.log(probs)
+        n = min(self.top, int((probs > 0).sum()))  # never a token of probability 0
+        top = tuple(zip(idx[:n].tolist(), lp[:n].tolist(), strict=True))
+        self.last = (float(lp[(idx == tok).nonzero()[0, 0]]), top)
+        return tok
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         tok = super().__call__(logits, history)
+        if self.post:
+            return tok
         lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
         top: tuple[tuple[int, float], ...] = ()
         if self.top > 0:
@@ -301,6 +322,11 @@ class EngineService:
     async def aembedding(self, ids: list[int], lora: AdapterSettings) -> list[float]:
         """`Scorer.embedding` on the engine thread, awaited from the event loop."""
         fut = self.call(lambda: self.scorer.embedding(ids, lora), needs_slot=True)
+        return await asyncio.wrap_future(fut)
+
+    async def arank_score(self, ids: list[int], lora: AdapterSettings) -> float:
+        """`Scorer.rank_score` on the engine thread, awaited from the event loop."""
+        fut = self.call(lambda: self.scorer.rank_score(ids, lora), needs_slot=True)
         return await asyncio.wrap_future(fut)
 
     # -- adapters --
@@ -457,7 +483,7 @@ class EngineService:
                 sub.post(self._finish_event(t, "length"))
                 continue
             if job.logprobs is not None:
-                t.recorder = _RecordingSampler(p, job.logprobs)
+                t.recorder = _RecordingSampler(p, job.logprobs, job.post_sampling)
                 req.sampler = t.recorder
             try:
                 self.engine.submit(req)

@@ -478,11 +478,10 @@ def build_app(spec: ScaleSpec) -> Any:
                             await self._await_broadcast(int(version))
                         if _take_header(head, UNKNOWN_HEADER) is not None:
                             unknown = True
-                        stream = (
-                            dict(head.headers)
-                            .get(b"content-type", b"")
-                            .startswith(b"text/event-stream")
+                        kind = next(
+                            (v for k, v in head.headers if k.lower() == b"content-type"), b""
                         )
+                        stream = kind.startswith(b"text/event-stream")
                         await send(
                             {
                                 "type": "http.response.start",
@@ -560,7 +559,7 @@ def _router_table(handle: DeploymentHandle) -> Callable[[], dict[str, Any]] | No
 
 def _take_header(head: Head, name: bytes) -> bytes | None:
     for k, (key, value) in enumerate(head.headers):
-        if key == name:
+        if key.lower() == name:  # names are case-insensitive (the app spells them title-case)
             del head.headers[k]
             return value
     return None

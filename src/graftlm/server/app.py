@@ -177,6 +177,11 @@ def build_state(
     return ServerState(config, service, registry, metrics, model.path)
 
 
+# uvicorn's h11 protocol writes header names as the app spells them (httptools lowercases them):
+# the Guard spells them as llama-server does (`Access-Control-Allow-Origin`)
+HTTP_IMPL = "h11"
+
+
 class ServerThread:
     """uvicorn serving `app` from a background thread, on a port chosen by the OS unless given."""
 
@@ -188,7 +193,7 @@ class ServerThread:
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         config = uvicorn.Config(
-            app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2
+            app, log_level=log_level, lifespan="off", http=HTTP_IMPL, timeout_graceful_shutdown=2
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

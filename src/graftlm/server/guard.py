@@ -107,6 +107,23 @@ def as_json(scope: Scope) -> Scope:
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
+def canonical(name: bytes) -> bytes:
+    """A header name as llama-server (and most servers) write it: `Access-Control-Allow-Origin`.
+    Names are case-insensitive in HTTP, but clients that copy headers into a plain dict (as
+    llama.cpp's own server tests do) look them up by that spelling."""
+    return b"-".join(part[:1].upper() + part[1:].lower() for part in name.split(b"-"))
+
+
+def _canonical_names(send: Send) -> Send:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(canonical(k), v) for k, v in message.get("headers", ())]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
+
+
 class Guard:
     """ASGI middleware: 413 past `max_body` bytes (declared or streamed), 403 for a cross-site
     request. Errors are OpenAI error objects, as every other error of the server."""
@@ -120,6 +137,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _canonical_names(send)
         origin = _header(scope, b"origin")
         allowed = origin is not None and self.cors.allows(origin)
         if scope["method"] == "OPTIONS" and origin is not None:

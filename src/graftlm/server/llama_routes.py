@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -36,6 +37,7 @@ from graftlm.server.schemas import (
     DetokenizeRequest,
     LlamaCompletionRequest,
     LoraItem,
+    RerankRequest,
     TokenizeRequest,
 )
 from graftlm.server.state import ApiError, ServerState
@@ -93,7 +95,12 @@ async def _complete(
     params = sampling_params(state, body, n_predict, grammar=grammar)
     lease = await admit(state, body.model, body.lora)
     job = Job(
-        ids, params, lease.lora, body.n_probs if body.n_probs > 0 else None, body.cache_prompt
+        ids,
+        params,
+        lease.lora,
+        body.n_probs if body.n_probs > 0 else None,
+        body.cache_prompt,
+        post_sampling=body.post_sampling_probs,
     )
     pieces = deltas(state, [job], lease, "completion")
     model = served_name(state, body.model)
@@ -152,7 +159,9 @@ async def _complete(
         if f and f.alora_inactive:  # as llama-server: an aLoRA without its invocation is off
             out["alora_inactive"] = list(f.alora_inactive)
         if body.n_probs > 0 and not stream:
-            out["completion_probabilities"] = token_logprobs(state, c.logprobs, with_id=True)
+            out["completion_probabilities"] = token_logprobs(
+                state, c.logprobs, with_id=True, post=body.post_sampling_probs
+            )
         return out
 
     if body.stream:
@@ -170,7 +179,9 @@ async def _complete(
                     "id_slot": -1,
                 }
                 if body.n_probs > 0:
-                    ev["completion_probabilities"] = token_logprobs(state, d.logprobs, with_id=True)
+                    ev["completion_probabilities"] = token_logprobs(
+                        state, d.logprobs, with_id=True, post=body.post_sampling_probs
+                    )
                 out.append(ev)
             if d.finish is not None:
                 out.append(final(whole, stream=True))
@@ -341,8 +352,52 @@ async def metrics(request: Request) -> Response:
 @router.post("/reranking", include_in_schema=False)
 @router.post("/v1/rerank", include_in_schema=False)
 @router.post("/v1/reranking", include_in_schema=False)
-async def rerank() -> Response:
-    raise ApiError(501, "this server does not rerank (llama-server's --reranking has no effect)")
+async def rerank(body: RerankRequest, request: Request) -> Any:
+    """llama-server's reranking: each document's score as llama.cpp's rank pooling computes it
+    for a model without a classification head (the first component of the last token's
+    final-norm hidden state over `query` then the document, with the model's BOS, EOS and
+    separator rules), best first; `top_n` keeps the best n. `texts` (TEI's request) gets TEI's
+    answer: a list of {index, score[, text]}."""
+    state = state_of(request)
+    docs = body.documents if body.documents is not None else body.texts
+    if not docs:
+        raise ApiError(400, '"documents" must be a non-empty string array', "invalid_value")
+    ids = [await asyncio.to_thread(_rerank_ids, state, body.query, d) for d in docs]
+    for x in ids:
+        check_context(state, x, 0)
+    lease = await admit(state, body.model, body.lora)
+    try:
+        scores = []
+        for x in ids:
+            t0 = time.perf_counter()
+            scores.append(await state.service.arank_score(x, lease.lora))
+            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
+    finally:
+        state.registry.release(lease)
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]
+    if body.documents is None:  # TEI
+        return [
+            {"index": i, "score": scores[i], **({"text": docs[i]} if body.return_text else {})}
+            for i in order
+        ]
+    n = sum(len(x) for x in ids)
+    return {
+        "model": served_name(state, body.model),
+        "object": "list",
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+        "results": [{"index": i, "relevance_score": scores[i]} for i in order],
+    }
+
+
+def _rerank_ids(state: ServerState, query: str, doc: str) -> list[int]:
+    """llama.cpp's pair format without a rerank template: [BOS] query [EOS] doc [EOS], each
+    special where the vocabulary adds it."""
+    tok = state.prompter.tokenizer
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    eos = [tok.eos_id] if tok.add_eos and tok.eos_id is not None else []
+    q = state.prompter.tokenize(query, add_special=False, parse_special=False)
+    d = state.prompter.tokenize(doc, add_special=False, parse_special=False)
+    return [*bos, *q, *eos, *d, *eos]
 
 
 @router.post("/infill")

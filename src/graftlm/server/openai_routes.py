@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import struct
 import time
 import uuid
@@ -89,21 +90,25 @@ def completion_logprobs(
 
 
 def token_logprobs(
-    state: ServerState, lps: Sequence[TokenLogprob], with_id: bool = False
+    state: ServerState, lps: Sequence[TokenLogprob], with_id: bool = False, post: bool = False
 ) -> list[dict[str, Any]]:
     """Chosen tokens with their top alternatives, in the shape both OpenAI's chat `logprobs`
-    and llama-server's `completion_probabilities` use (the latter also carries `id`)."""
+    and llama-server's `completion_probabilities` use (the latter also carries `id`); `post`:
+    llama-server's post-sampling shape, `prob` and `top_probs` (probabilities, not logs)."""
     svc = state.prompter
+    name, top_name = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         e: dict[str, Any] = {"id": token} if with_id else {}
-        e.update(token=svc.token_str(token), logprob=logprob, bytes=list(svc.token_bytes(token)))
+        value = math.exp(logprob) if post else logprob
+        e.update({"token": svc.token_str(token), name: value})
+        e["bytes"] = list(svc.token_bytes(token))
         return e
 
     out = []
     for lp in lps:
         e = entry(lp.token, lp.logprob if lp.logprob is not None else 0.0)
-        e["top_logprobs"] = [entry(t, v) for t, v in lp.top]
+        e[top_name] = [entry(t, v) for t, v in lp.top]
         out.append(e)
     return out
 

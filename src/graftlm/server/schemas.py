@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from graftlm.runtime.constraints import Constraint, ConstraintError
 
 NonNegInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0)]
 
@@ -37,7 +38,8 @@ IGNORED: dict[str, str] = {
     "n_keep": "llama-server's context shift (a prompt must fit the context)",
     "t_max_predict_ms": "llama-server's time limit",
     "timings_per_token": "llama-server's per-token timings",
-    "post_sampling_probs": "llama-server's probabilities after sampling",
+    "backend_sampling": "llama-server's sampling on the compute device (the same draws here)",
+    "post_sampling_probs": "on /completion, n_probs after the sampler chain; on the OpenAI endpoints the logprobs stay those of the raw logits",
     "samplers": "llama-server's sampler order (the order is llama.cpp's default)",
     "typical_p": "accepted at 1.0 only (off)",
     "tfs_z": "accepted at 1.0 only (off)",
@@ -125,7 +127,10 @@ class SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
+    # /completion's n_probs after the sampler chain, as probabilities (`prob`, `top_probs`)
+    post_sampling_probs: bool = False
     # accepted, not used: see IGNORED
+    backend_sampling: bool | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -134,7 +139,6 @@ class SamplingFields(_Body):
     n_keep: int | None = None
     t_max_predict_ms: int | None = None
     timings_per_token: bool | None = None
-    post_sampling_probs: bool | None = None
     samplers: list[str] | str | None = None
     typical_p: float | None = None
     tfs_z: float | None = None
@@ -396,6 +400,18 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None  # see IGNORED
+    lora: list[RequestLoraItem] | None = None
+
+
+class RerankRequest(_Body):
+    """POST /rerank (llama-server; Jina/Cohere's `documents`, or TEI's `texts`)."""
+
+    query: str
+    documents: list[str] | None = None
+    texts: list[str] | None = None  # TEI's name: the answer is TEI's list then
+    top_n: PositiveInt | None = None
+    return_text: bool = False  # TEI: each result carries its text
+    model: str | None = None
     lora: list[RequestLoraItem] | None = None
 
 

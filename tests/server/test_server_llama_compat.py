@@ -210,7 +210,10 @@ def test_embedding_input_shapes(http: httpx.Client) -> None:
     parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
     assert embed(["hello world", parts]) == [plain, plain]
     assert embed({"prompt_string": "hello world"}) == [plain]
-    assert len(embed(["a", [12, 34], [12, "b", 34], {"content": "c"}])) == 4
+    c = {"content": [{"type": "text", "text": "c"}]}
+    assert len(embed(["a", [12, 34], [12, "b", 34], c])) == 4
+    # as llama-server: content is a list of parts, never a bare string
+    error_of(http.post("/v1/embeddings", json={"input": {"content": "c"}}), 400, "content")
     image = {"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}
     error_of(http.post("/v1/embeddings", json={"input": image}), 400, "image_url")
     error_of(http.post("/v1/embeddings", json={"input": []}), 400, "empty")
@@ -520,3 +523,123 @@ def test_post_sampling_probs_are_the_sampler_chains(server: TinyServer, http: ht
         assert tok["prob"] == 1.0 and [x["id"] for x in tok["top_probs"]] == [tok["id"]]
     raw = http.post("/completion", json=body | {"post_sampling_probs": False}).json()
     assert all("logprob" in t and "top_logprobs" in t for t in raw["completion_probabilities"])
+
+
+# -- return_progress --
+@pytest.fixture(scope="module")
+def chunked(tiny_files: dict[str, Path]) -> Iterator[str]:
+    """A server whose steps compute at most 8 prompt tokens (serve's -b 8)."""
+    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
+    model.engine.chunk = 8
+    state = build_state(model, ServerConfig(model_name="tiny"), parallel=2)
+    with serving(state) as url:
+        yield url
+
+
+def _progress(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["prompt_progress"] for e in events if "prompt_progress" in e]
+
+
+def test_return_progress_reports_before_each_prompt_chunk_and_after_the_last(
+    chunked: str,
+) -> None:
+    prompt = list(range(20, 40))  # 20 tokens: chunks of 8, 8 and 4
+    body = {"prompt": prompt, "n_predict": 3, "stream": True, "return_progress": True, **GREEDY}
+    body |= {"timings_per_token": True, "cache_prompt": False}
+    events = _events(httpx.post(chunked + "/completion", json=body, timeout=60))
+    progress = _progress(events)
+    assert [(p["total"], p["cache"], p["processed"]) for p in progress] == [
+        (20, 0, 0),
+        (20, 0, 8),
+        (20, 0, 16),
+        (20, 0, 20),
+    ]
+    ms = [p["time_ms"] for p in progress]
+    assert ms == sorted(ms) and ms[0] == 0
+    reports = [e for e in events if "prompt_progress" in e]
+    assert all(e["content"] == "" and e["tokens"] == [] and not e["stop"] for e in reports)
+    assert [e["timings"]["prompt_n"] for e in reports] == [0, 8, 16, 20]
+    assert reports[0]["timings"]["prompt_ms"] == 0.0
+    assert all(e["timings"]["predicted_n"] == 0 for e in reports)
+    pieces = [e for e in events if e.get("tokens")]
+    assert len(pieces) == 3 and all("timings" in e for e in pieces)  # timings_per_token
+    assert events.index(reports[-1]) < events.index(pieces[0])  # all before the first token
+    # the same prompt again, from the prefix cache: its first block is served, 4 tokens computed
+    events = _events(
+        httpx.post(chunked + "/completion", json=body | {"cache_prompt": True}, timeout=60)
+    )
+    assert [(p["cache"], p["processed"]) for p in _progress(events)] == [(16, 16), (16, 20)]
+    # without return_progress, or without stream, none
+    quiet = _events(httpx.post(chunked + "/completion", json=body | {"return_progress": False}))
+    assert not _progress(quiet) and all("timings" in e for e in quiet)
+    whole = httpx.post(chunked + "/completion", json=body | {"stream": False}, timeout=60).json()
+    assert "prompt_progress" not in whole
+
+
+def test_return_progress_on_the_openai_endpoints(chunked: str) -> None:
+    chat = {
+        "messages": [{"role": "user", "content": "a b c d e f g h i j k l m n o p"}],
+        "max_tokens": 2,
+        "stream": True,
+        "return_progress": True,
+        "cache_prompt": False,
+        **GREEDY,
+    }
+    events = _events(httpx.post(chunked + "/v1/chat/completions", json=chat, timeout=60))
+    reports = [e for e in events if "prompt_progress" in e]
+    assert len(reports) >= 3  # the chat is longer than two chunks
+    for e in reports:  # as llama-server: each on a role chunk
+        assert e["choices"][0]["delta"] == {"role": "assistant", "content": None}
+        assert "timings" not in e  # only with timings_per_token
+    assert reports[-1]["prompt_progress"]["processed"] == reports[-1]["prompt_progress"]["total"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    plain = httpx.post(
+        chunked + "/v1/chat/completions", json=chat | {"stream": False}, timeout=60
+    ).json()
+    assert text == plain["choices"][0]["message"]["content"]  # the answer is unchanged
+
+    comp = {"prompt": list(range(20, 40)), "max_tokens": 2, "stream": True} | GREEDY
+    comp |= {"return_progress": True, "cache_prompt": False}
+    events = _events(httpx.post(chunked + "/v1/completions", json=comp, timeout=60))
+    reports = [e for e in events if "prompt_progress" in e]
+    assert [e["prompt_progress"]["processed"] for e in reports] == [0, 8, 16, 20]
+    assert all(e["choices"][0]["text"] == "" for e in reports)
+
+    resp = {"input": "a b c d e f g h i j k l m n o p", "max_output_tokens": 2, "stream": True}
+    resp |= {"return_progress": True, "timings_per_token": True, "temperature": 0}
+    r = httpx.post(chunked + "/v1/responses", json=resp, timeout=60)
+    data = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    reports = [d for d in data if "prompt_progress" in d]
+    assert reports and all(d["type"] == "response.in_progress" for d in reports)
+    assert all("prompt_per_second" in d["timings"] for d in reports)
+
+
+def test_serve_maps_batch_size_to_the_prompt_chunk() -> None:
+    from graftlm.commands.llama_flags import llama_flag_notes
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args(["-b", "64", "-ub", "32"])
+    assert args.batch_size == 64
+    assert llama_flag_notes(args, maps_batch=True) == [
+        "-ub: no effect; -b sets the prompt tokens one step prefills"
+    ]
+    assert any("-b/-ub: no effect" in n for n in llama_flag_notes(args))  # run and bench
+
+
+def test_pooling_and_tools_flags_map_as_llama_server_does() -> None:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert http_config(p.parse_args([]))["pooling"] == "mean"
+    assert http_config(p.parse_args(["--pooling", "last"]))["pooling"] == "last"
+    assert http_config(p.parse_args(["--pooling", "rank"]))["pooling"] == "mean"
+    with pytest.raises(ValueError, match="--pooling max: not one of"):
+        http_config(p.parse_args(["--pooling", "max"]))
+    assert not any(
+        n.startswith("--pooling") for n in llama_server_notes(p.parse_args(["--pooling", "cls"]))
+    )
+    # --tools: CORS for loopback pages only unless --cors-origins says otherwise
+    assert http_config(p.parse_args([]))["cors_origins"] is None
+    assert http_config(p.parse_args(["--tools", "all"]))["cors_origins"] == ("localhost",)
+    both = p.parse_args(["--tools", "all", "--cors-origins", "https://app.example"])
+    assert http_config(both)["cors_origins"] == ("https://app.example",)

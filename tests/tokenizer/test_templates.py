@@ -41,6 +41,36 @@ EXPECTED = {
     "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\nHello.<|end|>\n"
     "<|user|>\nWeather?<|end|>\n<|assistant|>\n",
     "mistral": "<s>[INST] Be brief.\n\nHi [/INST] Hello.</s>[INST] Weather? [/INST]",
+    # llama.cpp's named formats, as llama-chat.cpp writes them
+    "command-r": "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello.<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Weather?<|END_OF_TURN_TOKEN|>"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+    "llama2": "[INST] Be brief.\nHi [/INST]Hello.</s>[INST] Weather? [/INST]",
+    "llama2-sys": "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]Hello.</s>[INST] Weather? [/INST]",
+    "mistral-v7": "[SYSTEM_PROMPT] Be brief.[/SYSTEM_PROMPT][INST] Hi[/INST] Hello.</s>"
+    "[INST] Weather?[/INST]",
+    "phi4": "<|im_start|>system<|im_sep|>Be brief.<|im_end|><|im_start|>user<|im_sep|>Hi<|im_end|>"
+    "<|im_start|>assistant<|im_sep|>Hello.<|im_end|><|im_start|>user<|im_sep|>Weather?<|im_end|>"
+    "<|im_start|>assistant<|im_sep|>",
+    "zephyr": "<|system|>\nBe brief.<|endoftext|>\n<|user|>\nHi<|endoftext|>\n<|assistant|>\n"
+    "Hello.<|endoftext|>\n<|user|>\nWeather?<|endoftext|>\n<|assistant|>\n",
+    "falcon3": "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello.\n<|user|>\nWeather?\n"
+    "<|assistant|>\n",
+    "granite": "<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n"
+    "<|start_of_role|>user<|end_of_role|>Hi<|end_of_text|>\n"
+    "<|start_of_role|>assistant<|end_of_role|>Hello.<|end_of_text|>\n"
+    "<|start_of_role|>user<|end_of_role|>Weather?<|end_of_text|>\n"
+    "<|start_of_role|>assistant<|end_of_role|>\n",
+    "llama4": "<|header_start|>system<|header_end|>\n\nBe brief.<|eot|>"
+    "<|header_start|>user<|header_end|>\n\nHi<|eot|>"
+    "<|header_start|>assistant<|header_end|>\n\nHello.<|eot|>"
+    "<|header_start|>user<|header_end|>\n\nWeather?<|eot|>"
+    "<|header_start|>assistant<|header_end|>\n\n",
+    "vicuna": "Be brief.\n\nUSER: Hi\nASSISTANT: Hello.</s>\nUSER: Weather?\nASSISTANT:",
+    "deepseek3": "Be brief.\n\n<\uff5cUser\uff5c>Hi<\uff5cAssistant\uff5c>Hello."
+    "<\uff5cend\u2581of\u2581sentence\uff5c><\uff5cUser\uff5c>Weather?<\uff5cAssistant\uff5c>",
 }
 
 
@@ -83,8 +113,8 @@ def test_resolve_names_text_and_files(tmp_path: Path) -> None:
     f = tmp_path / "t.jinja"
     f.write_text("{{ 'x' }}")
     assert resolve_chat_template(file=f) == "{{ 'x' }}"
-    with pytest.raises(GraftError, match="chatml, llama3, gemma, phi3, mistral"):
-        resolve_chat_template("vicuna")
+    with pytest.raises(GraftError, match="chatml, llama3, gemma, phi3, mistral, command-r"):
+        resolve_chat_template("alpaca")
     with pytest.raises(GraftError, match="cannot be read"):
         resolve_chat_template(file=tmp_path / "missing")
 

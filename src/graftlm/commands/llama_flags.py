@@ -58,7 +58,9 @@ def add_llama_flags(
         type=int,
         default=None,
         metavar="N",
-        help="no effect: graftlm chooses its own prompt chunks",
+        help="the most prompt tokens one step computes (default 512)"
+        if server
+        else "no effect: graftlm chooses its own prompt chunks",
     )
     g.add_argument(
         "-ub",
@@ -116,8 +118,9 @@ def add_llama_flags(
         )
 
 
-def llama_flag_notes(args: argparse.Namespace) -> list[str]:
-    """One note per llama.cpp flag given that has no effect; GraftError for one that is refused."""
+def llama_flag_notes(args: argparse.Namespace, maps_batch: bool = False) -> list[str]:
+    """One note per llama.cpp flag given that has no effect; GraftError for one that is refused.
+    maps_batch: the command takes -b as the most prompt tokens one step prefills (serve)."""
     get = lambda name: getattr(args, name, None)  # noqa: E731
     for name, flag in (("hf_repo", "-hf"), ("hf_file", "-hff"), ("model_url", "-mu")):
         if get(name):
@@ -140,7 +143,10 @@ def llama_flag_notes(args: argparse.Namespace) -> list[str]:
         notes.append(f"-fa {get('flash_attn')}: no effect; graftlm's attention is always fused")
     if get("mlock") or get("no_mmap") or get("mmap"):
         notes.append("--mlock/--no-mmap: no effect; weights are memory-mapped from the file")
-    if get("batch_size") is not None or get("ubatch_size") is not None:
+    if maps_batch:
+        if get("ubatch_size") is not None:
+            notes.append("-ub: no effect; -b sets the prompt tokens one step prefills")
+    elif get("batch_size") is not None or get("ubatch_size") is not None:
         notes.append("-b/-ub: no effect; graftlm chooses its own prompt chunks")
     if get("numa") is not None:
         notes.append("--numa: no effect")
@@ -170,9 +176,9 @@ def cache_type(args: argparse.Namespace) -> str | None:
     return chosen
 
 
-def check_llama_flags(args: argparse.Namespace) -> None:
+def check_llama_flags(args: argparse.Namespace, maps_batch: bool = False) -> None:
     """Print the notes (stderr, one line each); raise GraftError for a refused flag."""
-    for note in llama_flag_notes(args):
+    for note in llama_flag_notes(args, maps_batch):
         print(f"note: {note}", file=sys.stderr)
 
 

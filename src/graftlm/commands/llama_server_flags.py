@@ -92,7 +92,7 @@ _TABLE = """
 -r --reverse-prompt|1|set stop in the request
 -sp --special|0|no effect
 --warmup --no-warmup --spm-infill|0|no effect
---pooling|1|embeddings are mean-pooled and normalized
+--pooling|1|mapped
 -mm --mmproj -mmu --mmproj-url -mmdev --mmproj-device|1|no vision or audio
 --mmproj-auto --no-mmproj --no-mmproj-auto --mmproj-offload --no-mmproj-offload|0|no vision or audio
 --image-min-tokens --image-max-tokens --mtmd-batch-max-tokens|1|no vision or audio
@@ -106,7 +106,7 @@ _TABLE = """
 --api-prefix|1|no path prefix
 --ui-config --webui-config --ui-config-file --webui-config-file|1|graftlm serves its own chat page
 --ui-mcp-proxy --webui-mcp-proxy --no-ui-mcp-proxy --no-webui-mcp-proxy|0|no MCP proxy
---tools --tools-runtime --mcp-servers-config --mcp-servers-json|1|no built-in tools or MCP servers
+--tools --tools-runtime --mcp-servers-config --mcp-servers-json|1|no built-in tools or MCP servers (--tools: CORS defaults to localhost, as llama-server's)
 -ag --agent -no-ag --no-agent|0|no built-in agent
 --ui --webui|0|the chat page is on
 --no-ui --no-webui|0|mapped

@@ -123,7 +123,7 @@ def ray_serve(args: argparse.Namespace) -> int:
         ) from None
     from graftlm.commands.llama_flags import check_llama_flags
 
-    check_llama_flags(args)
+    check_llama_flags(args, maps_batch=True)
     spec = spec_of(args)
     ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True)
     try:

@@ -275,7 +275,9 @@ def serving_state(args: argparse.Namespace) -> ServerState:
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE
 
-    check_llama_flags(args)
+    check_llama_flags(args, maps_batch=True)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"-b {args.batch_size}: must be at least 1")
     for note in llama_server_notes(args):
         print(f"note: {note}", file=sys.stderr)
     key = api_key(args)
@@ -310,6 +312,8 @@ def serving_state(args: argparse.Namespace) -> ServerState:
         cache_bytes=args.kv_memory,
         prefix_cache=args.cache_prompt,
     )
+    if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
+        model.engine.chunk = args.batch_size
     cache = model.engine.cache
     print(
         f"loaded {model.path.name}: {model.config.arch}, context {model.engine.n_ctx} a sequence, "

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from graftlm.commands.llama_server_flags import given
 from graftlm.errors import GraftError
 
 
@@ -84,10 +85,31 @@ def http_config(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerConfig fields these options set (and AIP_MODE from the environment)."""
     return {
         "gcp": os.environ.get("AIP_MODE") == "PREDICTION",
-        "cors_origins": split_list(args.cors_origins) if args.cors_origins else None,
+        "cors_origins": cors_origins(args),
         "metrics": args.metrics,
         "slots": args.slots,
         "ui": args.ui,
         "tags": split_list(args.tags),
         "strict_model_names": args.strict_model_names,
+        "pooling": pooling(args),
     }
+
+
+def cors_origins(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--cors-origins; without it, as llama-server: loopback pages only where --tools was given
+    (graftlm has no built-in tools, but the command line keeps llama-server's safer default)."""
+    if args.cors_origins:
+        return split_list(args.cors_origins)
+    return ("localhost",) if given(args, "--tools") else None
+
+
+POOLING = ("mean", "cls", "last", "none", "rank")
+
+
+def pooling(args: argparse.Namespace) -> str:
+    """--pooling as llama-server takes it (rank: /rerank is always served; embeddings stay
+    mean-pooled); a value llama-server does not know is refused."""
+    value = given(args, "--pooling") or "mean"
+    if value not in POOLING:
+        raise ValueError(f"--pooling {value}: not one of {', '.join(POOLING)}")
+    return "mean" if value == "rank" else str(value)

@@ -213,6 +213,9 @@ class Engine:
         """One padded batch of prompt chunks; a prompt that ends here samples its first token."""
         lora = self.lora_rows([c.lora for c in chunks])
         slot = self.slots.slot
+        for c in chunks:
+            if c.seq.on_progress is not None and c.seq.resume is None:
+                c.seq.on_progress(c.seq, c.start)
         if len(chunks) == 1:
             c = chunks[0]
             batch = Batch.single(c.tokens, slot(c.seq), c.start, lora, self.device)
@@ -235,6 +238,8 @@ class Engine:
             # (a preempted sequence computed again decodes on from the token it had)
             if req.n_prefilled == len(req.fill) and req.resume is None:
                 req.t_prompt_done = time.perf_counter()
+                if req.on_progress is not None:
+                    req.on_progress(req, c.end)
                 self._emit(req, row)
 
     def _decode(self, reqs: Sequence[Request]) -> None:

@@ -50,6 +50,9 @@ class Request:
     lora: AdapterSettings = NO_ADAPTERS
     eog: frozenset[int] = frozenset()
     on_token: Callable[[Request, int], None] | None = None
+    # told (from the engine thread) the prompt tokens in the cache before each prefill chunk of
+    # the prompt's first computation, and after the last: llama-server's prompt progress
+    on_progress: Callable[[Request, int], None] | None = None
     use_cache: bool = True  # look the prompt up in the prefix cache (what it computes enters it)
     id: int = field(default_factory=lambda: next(_ids))
     # state, owned by the scheduler and the engine

@@ -14,6 +14,8 @@ from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
 
+POOLINGS = ("mean", "cls", "last")  # llama.cpp's poolings of one vector an input
+
 
 class Scorer:
     def __init__(self, engine: Engine, prompter: Prompter) -> None:
@@ -28,26 +30,37 @@ class Scorer:
         return self.engine.score(list(ids), lora)
 
     @torch.inference_mode()
-    def embedding(self, ids: Sequence[int], lora: AdapterSettings) -> list[float]:
-        """The mean over ids of the final-norm hidden state (n_embd,), L2-normalized, with these
-        adapter settings; in chunks, on a borrowed cache slot, on the exact path."""
+    def embedding(
+        self, ids: Sequence[int], lora: AdapterSettings, pooling: str = "mean"
+    ) -> list[float]:
+        """The final-norm hidden state pooled over ids (n_embd,), L2-normalized, with these
+        adapter settings; in chunks, on a borrowed cache slot, on the exact path. pooling (as
+        llama.cpp's): "mean" over the tokens, "cls" the first token's, "last" the last's."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r}: not one of {', '.join(POOLINGS)}")
+        hidden = self._hidden(ids, lora, "embed")
+        if pooling == "mean":
+            pooled = hidden.mean(0)
+        else:
+            pooled = hidden[0] if pooling == "cls" else hidden[-1]
+        return torch.nn.functional.normalize(pooled, dim=0).tolist()
+
+    @torch.inference_mode()
+    def token_embeddings(self, ids: Sequence[int], lora: AdapterSettings) -> list[list[float]]:
+        """llama.cpp's pooling "none": every token's final-norm hidden state, not normalized."""
+        return self._hidden(ids, lora, "embed").tolist()
+
+    def _hidden(self, ids: Sequence[int], lora: AdapterSettings, what: str) -> torch.Tensor:
         self.prompter.check_ids(ids)
-        ids = list(ids)
-        if not ids:
-            raise RequestError("nothing to embed: the input is empty")
-        hidden = self.engine.score(ids, lora, hidden=True)  # (len(ids), n_embd)
-        mean = hidden.float().mean(0)
-        return torch.nn.functional.normalize(mean, dim=0).tolist()
+        if len(ids) == 0:
+            raise RequestError(f"nothing to {what}: the input is empty")
+        return self.engine.score(list(ids), lora, hidden=True).float()  # (len(ids), n_embd)
 
     @torch.inference_mode()
     def rank_score(self, ids: Sequence[int], lora: AdapterSettings) -> float:
         """llama.cpp's rank pooling for a model without a classification head: the first
         component of the last token's final-norm hidden state."""
-        self.prompter.check_ids(ids)
-        if len(ids) == 0:
-            raise RequestError("nothing to score: the input is empty")
-        hidden = self.engine.score(list(ids), lora, hidden=True)
-        return float(hidden[-1, 0].float())
+        return float(self._hidden(ids, lora, "score")[-1, 0])
 
     def logprobs(self, ids: Sequence[int], top: int, lora: AdapterSettings) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: {"id": ids[i], "logprob": log p(ids[i] | ids[:i]), "top":

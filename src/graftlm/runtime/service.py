@@ -64,6 +64,8 @@ class Job:
     # logprobs after the sampler chain (llama-server's post_sampling_probs): over the tokens the
     # draw chose among, with their probabilities after top-k, top-p, min-p and temperature
     post_sampling: bool = False
+    # ProgressEvents while the prompt is computed (llama-server's return_progress)
+    progress: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,12 +114,25 @@ class FinishEvent:
 
 
 @dataclass(frozen=True)
+class ProgressEvent:
+    """The prompt's computation so far: of `total` tokens, `cache` came from the prefix cache
+    and `processed` (the cached ones included) are in the KV cache; `ms` since the first of
+    these events, which comes before any token is computed (processed == cache)."""
+
+    index: int
+    total: int
+    cache: int
+    processed: int
+    ms: float
+
+
+@dataclass(frozen=True)
 class ErrorEvent:
     index: int
     error: BaseException
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+Event = TokenEvent | FinishEvent | ProgressEvent | ErrorEvent
 
 
 @dataclass(frozen=True)
@@ -319,9 +334,15 @@ class EngineService:
         """`prompt_logprobs`, awaited from the event loop."""
         return await asyncio.wrap_future(self.prompt_logprobs(ids, top, lora))
 
-    async def aembedding(self, ids: list[int], lora: AdapterSettings) -> list[float]:
-        """`Scorer.embedding` on the engine thread, awaited from the event loop."""
-        fut = self.call(lambda: self.scorer.embedding(ids, lora), needs_slot=True)
+    async def aembedding(
+        self, ids: list[int], lora: AdapterSettings, pooling: str = "mean"
+    ) -> list[float] | list[list[float]]:
+        """`Scorer.embedding` on the engine thread, awaited from the event loop; pooling "none":
+        `Scorer.token_embeddings`, one vector a token."""
+        if pooling == "none":
+            fut: Any = self.call(lambda: self.scorer.token_embeddings(ids, lora), needs_slot=True)
+        else:
+            fut = self.call(lambda: self.scorer.embedding(ids, lora, pooling), needs_slot=True)
         return await asyncio.wrap_future(fut)
 
     async def arank_score(self, ids: list[int], lora: AdapterSettings) -> float:
@@ -402,7 +423,7 @@ class EngineService:
         try:
             while remaining:
                 ev = await sub.events.get()
-                if not isinstance(ev, TokenEvent):
+                if isinstance(ev, FinishEvent | ErrorEvent):
                     remaining -= 1
                 yield ev
         finally:
@@ -477,6 +498,8 @@ class EngineService:
             req = Request(list(job.prompt), p, job.lora, eog=self.prompter.eog, use_cache=job.cache)
             t = _Tracked(sub, index, job, req, self.prompter.text_stream(p.stop, p.ignore_eos))
             req.on_token = self._on_token_for(t)
+            if job.progress:
+                req.on_progress = self._on_progress_for(t)
             sub.tracked.append(t)
             if p.max_tokens == 0:
                 req.t_end = time.perf_counter()
@@ -505,6 +528,19 @@ class EngineService:
                 t.sub.post(TokenEvent(t.index, token, piece))
 
         return on_token
+
+    @staticmethod
+    def _on_progress_for(t: _Tracked) -> Callable[[Request, int], None]:
+        started: list[float] = []
+
+        def on_progress(req: Request, processed: int) -> None:
+            now = time.perf_counter()
+            if not started:
+                started.append(now)
+            ms = (now - started[0]) * 1e3
+            t.sub.post(ProgressEvent(t.index, len(req.prompt), req.n_cached, processed, ms))
+
+        return on_progress
 
     def _step(self) -> None:
         try:

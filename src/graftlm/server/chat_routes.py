@@ -26,6 +26,8 @@ from graftlm.server.generation import (
     deltas,
     finish_reason,
     generated_and_cached,
+    progress_timings,
+    prompt_progress,
     request_constraint,
     sampling_params,
     served_name,
@@ -155,7 +157,11 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
     grammar = await compile_constraint(state, constraint)
     params = [sampling_params(state, body, max_tokens, j, grammar) for j in range(body.n)]
     lease = await admit(state, body.model, body.lora)
-    jobs = [Job(ids, params[j], lease.lora, top, body.cache_prompt) for j in range(body.n)]
+    progress = body.stream and body.return_progress
+    jobs = [
+        Job(ids, params[j], lease.lora, top, body.cache_prompt, progress=progress)
+        for j in range(body.n)
+    ]
     return ChatRun(ids, text, tools, deltas(state, jobs, lease, "chat"), top)
 
 
@@ -202,6 +208,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         def frame(d: Delta) -> list[dict[str, Any]]:
             out = []
             i = d.index
+            if d.progress is not None:  # as llama-server: on a role chunk of its own
+                ev = chunk([piece(i, {"role": "assistant", "content": None})])
+                ev["prompt_progress"] = prompt_progress(d.progress)
+                if clock is not None:
+                    ev["timings"] = progress_timings(d.progress)
+                return [ev]
             if not started[i]:  # as llama-server: the role first, with content null
                 started[i] = True
                 out.append(chunk([piece(i, {"role": "assistant", "content": None})]))

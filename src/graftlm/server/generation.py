@@ -20,7 +20,7 @@ from fastapi import Request
 from graftlm.errors import RequestError
 from graftlm.runtime.constraints import CompiledGrammar, Constraint
 from graftlm.runtime.sampling import SamplingParams
-from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, TokenEvent
+from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, ProgressEvent, TokenEvent
 from graftlm.server.registry import Lease, UnknownModelError
 from graftlm.server.schemas import RequestLoraItem, SamplingFields
 from graftlm.server.state import ApiError, ServerState
@@ -46,6 +46,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: FinishEvent | None = None
     echo: bool = False  # the prompt, given back (completions with echo)
+    progress: ProgressEvent | None = None  # the prompt's computation (return_progress): no text
 
 
 @dataclass
@@ -153,12 +154,11 @@ def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
 
 
 def _object_text(prompt: dict[str, Any]) -> str:
-    """{"prompt_string": text} or {"content": text or [text parts]} (an embedding input)."""
+    """{"prompt_string": text} or {"content": [text parts]} (an embedding input; as
+    llama-server, content is a list of parts, never a bare string)."""
     if isinstance(prompt.get("prompt_string"), str):
         return str(prompt["prompt_string"])
     content = prompt.get("content")
-    if isinstance(content, str):
-        return content
     if isinstance(content, list) and content:
         texts = []
         for k, part in enumerate(content):
@@ -167,7 +167,9 @@ def _object_text(prompt: dict[str, Any]) -> str:
                 raise ApiError(400, f"content[{k}]: {kind!r} parts are not supported by this model")
             texts.append(part["text"])
         return "".join(texts)
-    raise ApiError(400, "prompt: an object prompt needs prompt_string or content text")
+    raise ApiError(
+        400, "prompt: an object prompt needs prompt_string, or content as a list of text parts"
+    )
 
 
 def llama_prompt_ids(state: ServerState, prompt: LlamaPrompt) -> list[int]:
@@ -194,7 +196,7 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
             400,
             f"this model's maximum context length is {n_ctx} tokens; "
             f"the prompt has {len(ids)} tokens"
-            + ("" if max_tokens == 0 else " and needs room for at least one more"),
+            + (" and is too large" if max_tokens == 0 else " and needs room for at least one more"),
             "context_length_exceeded",
             # llama-server's type and figures (OpenAI's code above)
             "exceed_context_size_error",
@@ -248,6 +250,8 @@ async def deltas(
                     )
                     state.metrics.llama.finished(ev)
                     yield Delta(ev.index, ev.text, finish=ev)
+                elif isinstance(ev, ProgressEvent):
+                    yield Delta(ev.index, progress=ev)
                 elif isinstance(ev, ErrorEvent):
                     raise ev.error
     finally:
@@ -327,6 +331,29 @@ def timings(f: FinishEvent) -> dict[str, float]:
         "predicted_per_second": steps / predicted_ms * 1000.0
         if predicted_ms > 0 and steps
         else 0.0,
+    }
+
+
+def prompt_progress(p: ProgressEvent) -> dict[str, Any]:
+    """llama-server's `prompt_progress`: the prompt's tokens, those the cache served, those in
+    the KV cache now (the served ones included), and the milliseconds since the first report."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.ms)}
+
+
+def progress_timings(p: ProgressEvent) -> dict[str, float]:
+    """`timings` on a progress report (timings_per_token): the prompt's tokens computed so far
+    and their time; nothing generated yet."""
+    n = p.processed - p.cache
+    return {
+        "cache_n": p.cache,
+        "prompt_n": n,
+        "prompt_ms": p.ms,
+        "prompt_per_token_ms": p.ms / n if n else 0.0,
+        "prompt_per_second": n / p.ms * 1000.0 if p.ms > 0 else 0.0,
+        "predicted_n": 0,
+        "predicted_ms": 0.0,
+        "predicted_per_token_ms": 0.0,
+        "predicted_per_second": 0.0,
     }
 
 

@@ -18,6 +18,7 @@ from graftlm.server.generation import (
     Choice,
     Delta,
     LlamaPrompt,
+    StreamClock,
     admit,
     check_context,
     collect,
@@ -25,6 +26,8 @@ from graftlm.server.generation import (
     deltas,
     llama_prompt_ids,
     llama_prompts,
+    progress_timings,
+    prompt_progress,
     request_constraint,
     sampling_params,
     served_name,
@@ -101,6 +104,7 @@ async def _complete(
         body.n_probs if body.n_probs > 0 else None,
         body.cache_prompt,
         post_sampling=body.post_sampling_probs,
+        progress=body.stream and body.return_progress,
     )
     pieces = deltas(state, [job], lease, "completion")
     model = served_name(state, body.model)
@@ -166,18 +170,31 @@ async def _complete(
 
     if body.stream:
         whole = Choice(0)
+        clock = StreamClock(len(ids)) if body.timings_per_token else None
+
+        def partial(text: str, tokens: list[int]) -> dict[str, Any]:
+            return {
+                "index": 0,
+                "content": text,
+                "tokens": tokens,
+                "stop": False,
+                "id_slot": -1,
+                "tokens_predicted": len(whole.tokens),
+                "tokens_evaluated": len(ids),
+            }
 
         def frame(d: Delta) -> list[dict[str, Any]]:
+            if d.progress is not None:  # as llama-server: on an empty piece
+                ev = partial("", []) | {"prompt_progress": prompt_progress(d.progress)}
+                if clock is not None:
+                    ev["timings"] = progress_timings(d.progress)
+                return [ev]
             whole.add(d)
             out = []
             if d.text or d.tokens:
-                ev: dict[str, Any] = {
-                    "index": 0,
-                    "content": d.text,
-                    "tokens": d.tokens,
-                    "stop": False,
-                    "id_slot": -1,
-                }
+                ev = partial(d.text, d.tokens)
+                if clock is not None:
+                    ev["timings"] = clock.tick(len(d.tokens))
                 if body.n_probs > 0:
                     ev["completion_probabilities"] = token_logprobs(
                         state, d.logprobs, with_id=True, post=body.post_sampling_probs

@@ -30,7 +30,9 @@ from graftlm.server.generation import (
     generated_and_cached,
     llama_prompt_ids,
     llama_prompts,
+    progress_timings,
     prompt_ids,
+    prompt_progress,
     request_constraint,
     sampling_params,
     served_name,
@@ -144,7 +146,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     lease = await admit(state, body.model, body.lora)
     try:
         jobs = [
-            Job(x, params[j], lease.lora, body.logprobs, body.cache_prompt)
+            Job(
+                x,
+                params[j],
+                lease.lora,
+                body.logprobs,
+                body.cache_prompt,
+                progress=body.stream and body.return_progress,
+            )
             for x in ids
             for j in range(body.n)
         ]
@@ -189,6 +198,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
 
         def frame(d: Delta) -> list[dict[str, Any]]:
+            if d.progress is not None:  # as llama-server: on an empty piece
+                c = {"index": d.index, "text": "", "logprobs": None, "finish_reason": None}
+                ev = chunk([c]) | {"prompt_progress": prompt_progress(d.progress)}
+                if body.timings_per_token:
+                    ev["timings"] = progress_timings(d.progress)
+                return [ev]
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
                 n_gen[1] += d.finish.n_cached
@@ -233,9 +248,9 @@ def _completion_choice(state: ServerState, c: Choice, logprobs: bool) -> dict[st
 # -- embeddings --
 async def embed_all(
     state: ServerState, inputs: list[LlamaPrompt], model: str | None, lora: Any
-) -> tuple[list[list[float]], int]:
-    """Each input's embedding (mean-pooled, normalized, the request's adapter applied) and the
-    number of tokens read."""
+) -> tuple[list[Any], int]:
+    """Each input's embedding (pooled as --pooling says, normalized, the request's adapter
+    applied; pooling none: one vector a token, not normalized) and the tokens read."""
     ids = [await asyncio.to_thread(llama_prompt_ids, state, x) for x in inputs]
     for x in ids:
         check_context(state, x, 0)
@@ -244,7 +259,7 @@ async def embed_all(
         vecs = []
         for x in ids:
             t0 = time.perf_counter()
-            vecs.append(await state.service.aembedding(x, lease.lora))
+            vecs.append(await state.service.aembedding(x, lease.lora, state.config.pooling))
             state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
     finally:
         state.registry.release(lease)
@@ -262,8 +277,15 @@ def _inputs(value: Any) -> list[LlamaPrompt]:
 @router.post("/embeddings", include_in_schema=False)
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     """OpenAI's embeddings: the mean of the last hidden state (after the final norm) over the
-    input's tokens, L2-normalized."""
+    input's tokens, L2-normalized (--pooling cls / last: the first / last token's)."""
     state = state_of(request)
+    if state.config.pooling == "none":  # as llama-server
+        raise ApiError(
+            400,
+            "pooling type 'none' is not OpenAI-compatible (one vector a token): use /embedding, "
+            "or start the server with another --pooling",
+            "unsupported_pooling",
+        )
     vecs, n = await embed_all(state, _inputs(body.input), body.model, body.lora)
     data = []
     for i, v in enumerate(vecs):
@@ -281,10 +303,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
 
 @router.post("/embedding")
 async def llama_embedding(body: LlamaEmbeddingRequest, request: Request) -> list[dict[str, Any]]:
-    """llama-server's /embedding (mean pooling): [{"index", "embedding": [vector]}]."""
+    """llama-server's /embedding: [{"index", "embedding": [vector]}]; with --pooling none, one
+    vector a token: [{"index", "embedding": [vector, ...]}]."""
     state = state_of(request)
     vecs, _ = await embed_all(state, _inputs(body.content), body.model, body.lora)
-    return [{"index": i, "embedding": [v]} for i, v in enumerate(vecs)]
+    per_token = state.config.pooling == "none"
+    return [{"index": i, "embedding": v if per_token else [v]} for i, v in enumerate(vecs)]
 
 
 @router.get("/tokenizer_info")

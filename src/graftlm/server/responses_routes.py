@@ -19,7 +19,14 @@ from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
 from graftlm.server.chat_routes import start_chat
-from graftlm.server.generation import StreamClock, collect, served_name, timings
+from graftlm.server.generation import (
+    StreamClock,
+    collect,
+    progress_timings,
+    prompt_progress,
+    served_name,
+    timings,
+)
 from graftlm.server.openai_routes import SSE_HEADERS, state_of
 from graftlm.server.schemas import ChatCompletionRequest
 from graftlm.server.state import ApiError
@@ -80,6 +87,8 @@ def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
         ("seed", "seed"),
         ("lora", "lora"),
         ("timings_per_token", "timings_per_token"),
+        ("return_progress", "return_progress"),
+        ("stream", "stream"),
     ):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
@@ -186,6 +195,12 @@ async def _stream(
     async with aclosing(pieces) as it:
         try:
             async for d in it:
+                if d.progress is not None:  # as llama-server: an in_progress event carries it
+                    busy = {"response": _response(rid, model, created, "in_progress", [])}
+                    busy["prompt_progress"] = prompt_progress(d.progress)
+                    if clock is not None:
+                        busy["timings"] = progress_timings(d.progress)
+                    yield event("response.in_progress", busy)
                 if d.text:
                     text += d.text
                     ev: dict[str, Any] = at | {"delta": d.text}

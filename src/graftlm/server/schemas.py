@@ -37,7 +37,6 @@ IGNORED: dict[str, str] = {
     "id_slot": "llama-server's slot choice (the scheduler picks)",
     "n_keep": "llama-server's context shift (a prompt must fit the context)",
     "t_max_predict_ms": "llama-server's time limit",
-    "timings_per_token": "llama-server's per-token timings",
     "backend_sampling": "llama-server's sampling on the compute device (the same draws here)",
     "post_sampling_probs": "on /completion, n_probs after the sampler chain; on the OpenAI endpoints the logprobs stay those of the raw logits",
     "samplers": "llama-server's sampler order (the order is llama.cpp's default)",
@@ -58,7 +57,6 @@ IGNORED: dict[str, str] = {
     "xtc_threshold": "unused while xtc_probability is 0",
     "top_n_sigma": "accepted at -1 only (off)",
     "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
-    "return_progress": "llama-server's prompt progress events (not sent)",
     "speculative.n_max": "llama-server's draft length (no speculative decoding; it would not "
     "change the output)",
     "speculative.n_min": "as speculative.n_max",
@@ -129,6 +127,10 @@ class SamplingFields(_Body):
     cache_prompt: bool = True  # reuse the prefix cache (unless the server turned it off)
     # /completion's n_probs after the sampler chain, as probabilities (`prob`, `top_probs`)
     post_sampling_probs: bool = False
+    # llama-server's stream extras: `timings` on every chunk, and `prompt_progress` chunks while
+    # the prompt is computed (before each prefill chunk and after the last)
+    timings_per_token: bool = False
+    return_progress: bool = False
     # accepted, not used: see IGNORED
     backend_sampling: bool | None = None
     user: str | None = None
@@ -138,7 +140,6 @@ class SamplingFields(_Body):
     id_slot: int | None = None
     n_keep: int | None = None
     t_max_predict_ms: int | None = None
-    timings_per_token: bool | None = None
     samplers: list[str] | str | None = None
     typical_p: float | None = None
     tfs_z: float | None = None
@@ -157,7 +158,6 @@ class SamplingFields(_Body):
     xtc_threshold: float | None = None
     top_n_sigma: float | None = None
     guided_decoding_backend: str | None = None
-    return_progress: bool | None = None
     speculative_n_max: int | None = Field(default=None, alias="speculative.n_max")
     speculative_n_min: int | None = Field(default=None, alias="speculative.n_min")
     speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")

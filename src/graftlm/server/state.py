@@ -44,6 +44,8 @@ class ServerConfig:
     gcp: bool = False  # Vertex AI's POST /predict (AIP_MODE=PREDICTION, as llama-server)
     # a `model` that names neither the base nor an adapter: 404 (vLLM) or the base (llama-server)
     strict_model_names: bool = False
+    # llama-server's --pooling of embeddings: mean, cls, last, or none (/embedding only)
+    pooling: str = "mean"
 
 
 @dataclass

@@ -5,7 +5,9 @@ Each is a Jinja template in Hugging Face's conventions (`messages`, `add_generat
 render `tools` and tool-call history: `chatml` in the Hermes / Qwen 2.5 form (tools listed in the
 system turn, calls as `<tool_call>{json}</tool_call>`, results as `<tool_response>` in a user
 turn), `llama3` in Llama 3.1's JSON form (a call is `{"name": ..., "parameters": ...}`, results
-come back in an `ipython` turn). `gemma`, `phi3` and `mistral` take no tools.
+come back in an `ipython` turn). `gemma`, `phi3` and `mistral` take no tools, nor do the other
+names of llama.cpp's (`command-r`, `llama2`, `llama2-sys`, `mistral-v7`, `phi4`, `zephyr`,
+`falcon3`, `granite`, `llama4`, `vicuna`, `deepseek3`), which follow llama.cpp's own rules.
 """
 
 from __future__ import annotations
@@ -104,12 +106,114 @@ MISTRAL = """\
 {%- endfor %}
 """
 
+# llama.cpp's other named formats (llama-chat.cpp's rules, as Jinja): no tools
+COMMAND_R = """\
+{%- set marks = {'system': '<|SYSTEM_TOKEN|>', 'user': '<|USER_TOKEN|>', 'assistant': '<|CHATBOT_TOKEN|>'} %}
+{%- for message in messages %}
+{%- if message.role in marks %}
+{{- '<|START_OF_TURN_TOKEN|>' + marks[message.role] + (message.content or '') | trim + '<|END_OF_TURN_TOKEN|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{%- endif %}
+"""
+
+
+def _llama2(system: str) -> str:
+    return (
+        """\
+{%- set ns = namespace(inside=true) %}
+{{- '[INST] ' }}
+{%- for message in messages %}
+{%- if not ns.inside %}{%- set ns.inside = true %}{{- '[INST] ' }}{%- endif %}
+{%- if message.role == 'system' %}"""
+        + system
+        + """
+{%- elif message.role == 'user' %}{{- (message.content or '') + ' [/INST]' }}
+{%- else %}{{- (message.content or '') + '</s>' }}{%- set ns.inside = false %}
+{%- endif %}
+{%- endfor %}
+"""
+    )
+
+
+LLAMA2 = _llama2("{{- (message.content or '') + '\\n' }}")
+LLAMA2_SYS = _llama2("{{- '<<SYS>>\\n' + (message.content or '') + '\\n<</SYS>>\\n\\n' }}")
+
+MISTRAL_V7 = """\
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- '[SYSTEM_PROMPT] ' + (message.content or '') + '[/SYSTEM_PROMPT]' }}
+{%- elif message.role == 'user' %}{{- '[INST] ' + (message.content or '') + '[/INST]' }}
+{%- else %}{{- ' ' + (message.content or '') + '</s>' }}
+{%- endif %}
+{%- endfor %}
+"""
+
+
+def _turns(head: str, tail: str, prompt: str, trim: bool = False) -> str:
+    """Each message as head + role marker + content + tail; the generation prompt after."""
+    content = "(message.content or '')" + (" | trim" if trim else "")
+    return (
+        "{%- for message in messages %}{{- " + head + " + " + content + " + " + tail + " }}"
+        "{%- endfor %}\n{%- if add_generation_prompt %}{{- " + prompt + " }}{%- endif %}\n"
+    )
+
+
+PHI4 = _turns(
+    "'<|im_start|>' + message.role + '<|im_sep|>'",
+    "'<|im_end|>'",
+    "'<|im_start|>assistant<|im_sep|>'",
+)
+ZEPHYR = _turns("'<|' + message.role + '|>\\n'", "'<|endoftext|>\\n'", "'<|assistant|>\\n'")
+FALCON3 = _turns("'<|' + message.role + '|>\\n'", "'\\n'", "'<|assistant|>\\n'")
+GRANITE = _turns(
+    "'<|start_of_role|>' + message.role + '<|end_of_role|>'",
+    "'<|end_of_text|>\\n'",
+    "'<|start_of_role|>assistant<|end_of_role|>\\n'",
+)
+LLAMA4 = _turns(
+    "'<|header_start|>' + message.role + '<|header_end|>\\n\\n'",
+    "'<|eot|>'",
+    "'<|header_start|>assistant<|header_end|>\\n\\n'",
+    trim=True,
+)
+
+VICUNA = """\
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- (message.content or '') + '\\n\\n' }}
+{%- elif message.role == 'user' %}{{- 'USER: ' + (message.content or '') + '\\n' }}
+{%- elif message.role == 'assistant' %}{{- 'ASSISTANT: ' + (message.content or '') + '</s>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}
+"""
+
+DEEPSEEK3 = """\
+{%- for message in messages %}
+{%- if message.role == 'system' %}{{- (message.content or '') + '\\n\\n' }}
+{%- elif message.role == 'user' %}{{- '<\uff5cUser\uff5c>' + (message.content or '') }}
+{%- elif message.role == 'assistant' %}{{- '<\uff5cAssistant\uff5c>' + (message.content or '') + '<\uff5cend\u2581of\u2581sentence\uff5c>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<\uff5cAssistant\uff5c>' }}{%- endif %}
+"""
+
 BUILTIN: dict[str, str] = {
     "chatml": CHATML,
     "llama3": LLAMA3,
     "gemma": GEMMA,
     "phi3": PHI3,
     "mistral": MISTRAL,
+    "command-r": COMMAND_R,
+    "llama2": LLAMA2,
+    "llama2-sys": LLAMA2_SYS,
+    "mistral-v7": MISTRAL_V7,
+    "phi4": PHI4,
+    "zephyr": ZEPHYR,
+    "falcon3": FALCON3,
+    "granite": GRANITE,
+    "llama4": LLAMA4,
+    "vicuna": VICUNA,
+    "deepseek3": DEEPSEEK3,
 }
 
 

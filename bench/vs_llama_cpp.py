@@ -9,6 +9,11 @@ rounds and graftlm / llama.cpp. `-m` may be given several times (one table row p
 test). Models of realistic sizes: `bench/real_shapes.py` (random weights, real shapes, llama.cpp's
 quant mixes); `--write-1b DIR` writes the older Llama-3.2-1B-shaped Q4_0 file.
 
+`--lora FILE` (once per `-m`, in their order; `-` for none) times that model with the adapter at
+scale 1 on both sides: llama.cpp through `llama-batched-bench --lora FILE -npl 1` (llama-bench
+takes no adapters; it sits beside llama-bench in the same folder), graftlm through `graftlm bench
+--lora FILE`.
+
 `--bandwidth` also measures the machine's read bandwidth (a 1 GiB float32 sum on 2 threads, the
 best of 5, before and after the runs; the higher is used) and, for each decode test, the share of it each engine
 reaches: tokens/s x the bytes a token reads (every tensor of the file except an untied
@@ -44,10 +49,32 @@ def llama_cpp(bench: Path, model: str, p: int, n: int, r: int) -> dict[str, floa
     return out
 
 
-def graftlm(model: str, p: int, n: int, r: int) -> dict[str, float]:
+BATCHED = re.compile(
+    r"^\|\s*(?P<pp>\d+) \|\s*(?P<tg>\d+) \|\s*1 \|[^|]+\|[^|]+\|\s*(?P<spp>[\d.]+) \|[^|]+\|"
+    r"\s*(?P<stg>[\d.]+) \|"
+)
+
+
+def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int) -> dict[str, float]:
+    """llama-batched-bench's prompt and generation rates (one sequence) with the adapter."""
+    tool = bench.with_name("llama-batched-bench")
+    cmd = [str(tool), "-m", model, "--lora", lora, "-npp", str(p), "-ntg", str(n), "-npl", "1"]
+    cmd += ["-c", str(p + n + 16), "-t", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    for line in done.stdout.splitlines():
+        if m := BATCHED.match(line):
+            return {f"pp{p}": float(m["spp"]), f"tg{n}": float(m["stg"])}
+    raise RuntimeError(f"no result row in llama-batched-bench's output:\n{done.stdout[-2000:]}")
+
+
+def graftlm(model: str, p: int, n: int, r: int, lora: str | None = None) -> dict[str, float]:
     cmd = [sys.executable, "-m", "graftlm", "bench", "--no-llama-cpp", "-t", "2", "-m", model]
     cmd += ["-p", str(p), "-n", str(n), "-r", str(r)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ)
+    if lora is not None:
+        cmd += ["--lora", lora]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return {
         m["test"]: float(m["tps"]) for line in done.stdout.splitlines() if (m := ROW.match(line))
     }
@@ -99,24 +126,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--write-1b", type=Path, metavar="DIR")
     ap.add_argument("--bandwidth", action="store_true", help="measure read bandwidth too")
+    ap.add_argument("--lora", action="append", help="an adapter per -m, in order ('-': none)")
     args = ap.parse_args()
+    loras = args.lora or ["-"] * len(args.model or [])
+    if len(loras) != len(args.model or []):
+        ap.error(f"--lora given {len(loras)} times for {len(args.model or [])} models")
     if args.write_1b:
         print(write_1b(args.write_1b))
         return
     bw = [bandwidth()] if args.bandwidth else []
     rows = []
-    for model in args.model:
+    for model, lora_arg in zip(args.model, loras, strict=True):
+        lora = None if lora_arg == "-" else lora_arg
         runs: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "graftlm": []}
         for i in range(args.rounds):
             for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
-                if who == "llama.cpp":
+                if who == "graftlm":
+                    runs[who].append(graftlm(model, args.p, args.n, args.r, lora))
+                elif lora is None:
                     runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r))
                 else:
-                    runs[who].append(graftlm(model, args.p, args.n, args.r))
+                    runs[who].append(llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n))
+        name = Path(model).name + ("" if lora is None else f" + {Path(lora).name}")
         for test in runs["graftlm"][0]:
             a = statistics.median(r[test] for r in runs["llama.cpp"])
             b = statistics.median(r[test] for r in runs["graftlm"])
-            rows.append((Path(model).name, test, a, b, token_bytes(model)))
+            rows.append((name, test, a, b, token_bytes(model)))
     if args.bandwidth:
         bw.append(bandwidth())
     print(f"2 threads, {args.rounds} rounds alternated, median t/s")

@@ -28,7 +28,7 @@ from graftlm.commands.ray_serve import add_ray_serve_arguments, spec_of  # noqa:
 from graftlm.commands.serve import serving_state  # noqa: E402
 from graftlm.server.app import ServerThread, create_app  # noqa: E402
 
-SPEC = TinySpec(n_ctx=1024)
+SPEC = TinySpec(n_ctx=4096)  # long answers: a replica is killed mid-request
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 PROMPT = "the quick brown fox"
@@ -48,7 +48,7 @@ def _args(files: dict[str, Path], lora_dir: Path, *extra: str) -> Any:
     add_ray_serve_arguments(p)
     modules = [f"{name}={files[name]}" for name in ADAPTERS]
     return p.parse_args(
-        ["-m", str(files["model"]), "-a", "tiny", "-c", "2048", "-np", "4", "-t", "1"]
+        ["-m", str(files["model"]), "-a", "tiny", "-c", "16384", "-np", "4", "-t", "1"]
         + ["--lora-modules", *modules, "--max-loras", "2", "--allow-runtime-lora"]
         + ["--lora-dir", str(lora_dir), "--replicas", "2", *extra]
     )
@@ -279,10 +279,10 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     events: list[str] = []
 
     def call(name: str) -> None:
-        out[name] = _complete(app, name, n=900, ignore_eos=True)
+        out[name] = _complete(app, name, n=4000, ignore_eos=True)
 
     def stream() -> None:  # a stream on the victim too: its status line is sent already
-        body = {"model": victim_adapter, "prompt": PROMPT, "max_tokens": 900, "stream": True}
+        body = {"model": victim_adapter, "prompt": PROMPT, "max_tokens": 4000, "stream": True}
         body |= {"ignore_eos": True, "temperature": 0}
         with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=TIMEOUT) as r:
             events.extend(line for line in r.iter_lines() if line.startswith("data: "))
@@ -312,7 +312,7 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     assert out[other].status_code == 200, out[other].text
     assert events and events[-1] != "data: [DONE]"  # it ends with the error, not as finished
     assert json.loads(events[-1][6:])["error"]["code"] == "replica_lost"
-    assert out[other].json()["usage"]["completion_tokens"] == 900
+    assert out[other].json()["usage"]["completion_tokens"] == 4000
     # new requests for the dead replica's adapter go elsewhere (a survivor or its replacement)
     assert _complete(app, victim_adapter).status_code == 200
 

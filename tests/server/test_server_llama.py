@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from typing import Any
 
@@ -245,12 +246,28 @@ def test_client_disconnect_frees_the_slot(server: TinyServer, http: httpx.Client
     assert _completion(http, prompt=PROMPT, n_predict=2)["tokens_predicted"] == 2
 
 
-def test_non_streaming_client_that_leaves_is_cancelled(server: TinyServer) -> None:
+def test_non_streaming_client_that_leaves_is_cancelled(
+    server: TinyServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
+    step = svc.engine.step
+
+    def slow_step() -> Any:  # the 1000 tokens outlast the server's disconnect checks on any CPU
+        time.sleep(0.002)
+        return step()
+
+    monkeypatch.setattr(svc.engine, "step", slow_step)
     body = {"prompt": PROMPT, "n_predict": 1000, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/completion", json=body, timeout=0.3)
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # a client that leaves
+        head = f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 10
+        while svc.n_running == 0 and time.monotonic() < deadline:  # until it is generating
+            time.sleep(0.002)
+        assert svc.n_running == 1
     deadline = time.monotonic() + 10
     while svc.n_cancelled == cancelled and time.monotonic() < deadline:
         time.sleep(0.02)

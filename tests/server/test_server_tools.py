@@ -1,7 +1,8 @@
 """Tool calls on /v1/chat/completions: the template receives the tools (the built-in chatml here,
 Hermes form), `required` and a named function are enforced by grammar, calls come back as
 `tool_calls` (streamed as deltas that reassemble into the same call), a template without tools
-is a 400; and the parser on its own, for both formats, split at every point."""
+gets llama.cpp's generic JSON format; and the parser on its own, for each format, split at every
+point."""
 
 from __future__ import annotations
 
@@ -206,9 +207,61 @@ def test_tool_refusals(chatml_url: str, server: TinyServer) -> None:
     )
     bad_tool = {"type": "function", "function": {"name": "has space"}}
     error_of(http.post("/v1/chat/completions", json=body | {"tools": [bad_tool]}), 400, "name")
-    # the default tiny server's template (ChatML fallback) renders no tools
+    # a template without tools (the tiny server's ChatML fallback) answers as JSON: a grammar of
+    # its own, which another constraint would contradict
     plain = httpx.Client(base_url=server.url, timeout=60)
-    error_of(plain.post("/v1/chat/completions", json=body), 400, "tools", "--chat-template")
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    error_of(
+        plain.post("/v1/chat/completions", json=body | {"response_format": schema}),
+        400,
+        "renders none",
+        "response_format",
+    )
+
+
+def test_generic_tools_on_a_template_without_tools(server: TinyServer) -> None:
+    """llama.cpp's generic format where the template renders no tools: the tools and the JSON
+    instruction in a system message, the answer held to a call or a reply by a grammar."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    for seed in range(4):  # required: always a valid call
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+            temperature=1.0, seed=seed, max_tokens=200,
+        )  # fmt: skip
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        assert c.message.content is None and len(c.message.tool_calls or []) == 1
+        _check_call((c.message.tool_calls or [])[0])
+    kinds = set()
+    for seed in range(6):  # auto: a call, or a reply given as text (never the JSON around it)
+        out = client.chat.completions.create(
+            model="tiny", messages=CHAT, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=300,
+        )  # fmt: skip
+        c = out.choices[0]
+        if c.finish_reason == "length":
+            continue  # a reply cut off stays the raw text
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls"
+            _check_call(c.message.tool_calls[0])
+            kinds.add("call")
+        else:
+            assert c.finish_reason == "stop"  # content None: an empty reply
+            assert not (c.message.content or "").startswith('{"response"')
+            kinds.add("reply")
+    assert kinds  # at least one answer ended within max_tokens
+    # the prompt the model saw: the tools and the instruction in a system turn, and a history
+    # with a call and its result as JSON text
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]  # fmt: skip
+    text = server.ref.prompter.apply_chat_template(history, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\nYou can call these tools:\n")
+    assert '"name": "get_weather"' in text and "Respond in JSON format" in text
+    assert '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}' in text
+    assert '<|im_start|>user\n{"tool_response": {"tool_call_id": "c1", "content": "3"}}' in text
 
 
 def test_mixed_batch_with_tool_calls_over_adapters(
@@ -287,6 +340,11 @@ HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
     ("llama3", '{"name": "add", "parameters": {"a": 1, "b": 2}}', "", [("add", {"a": 1, "b": 2})]),
     ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}', "", [("add", {"a": 1})]),
     ("llama3", "It is sunny {maybe}.", "It is sunny {maybe}.", []),
+    ("generic", '{"response": "It is sunny."}', "It is sunny.", []),
+    ("generic", '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', "", [("add", {"a": 1, "b": 2})]),
+    ("generic", '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"b": 2}}]}', "", [("add", {"a": 1}), ("add", {"b": 2})]),
+    ("generic", '{"tool_call": {"name": "add", "argu', '{"tool_call": {"name": "add", "argu', []),
+    ("generic", "plain words", "plain words", []),
 ])  # fmt: skip
 def test_parser_whole_and_split_anywhere(
     fmt: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]

@@ -13,7 +13,7 @@ from graftlm.errors import RequestError
 from graftlm.runtime.constraints import CompiledGrammar, Constraint, ConstraintCompiler
 from graftlm.runtime.textstream import TextStream
 from graftlm.tokenizer import Tokenizer, render_chat
-from graftlm.tokenizer.templates import supports_tools, tool_format
+from graftlm.tokenizer.templates import generic_tool_messages, supports_tools, tool_format
 
 
 class Prompter:
@@ -138,20 +138,18 @@ class Prompter:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat rendered through the template; `tools` (OpenAI's function definitions) are
-        passed to it as Hugging Face's `apply_chat_template` passes them. RequestError when tools
-        are given and the template never reads them."""
+        passed to it as Hugging Face's `apply_chat_template` passes them, or, for a template that
+        never reads them, described in a system message with calls and results as JSON text
+        (`generic_tool_messages`)."""
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         extra: dict[str, Any] = {}
         if tools:
-            if not supports_tools(self.chat_template):
-                raise RequestError(
-                    "tools: this model's chat template does not render tools; start the server "
-                    "with --chat-template chatml or llama3 (or a --chat-template-file that does)",
-                    "tools_not_supported",
-                )
-            extra["tools"] = tools
+            if supports_tools(self.chat_template):
+                extra["tools"] = tools
+            else:  # llama.cpp's generic format: the template sees plain messages
+                messages = generic_tool_messages(messages, tools)
         return render_chat(
             self.chat_template,
             messages,

@@ -61,8 +61,9 @@ def _tool_setup(
     names = [t.function.name for t in body.tools]
     if len(set(names)) != len(names):
         raise ApiError(400, f"tools: function names must be unique, got {names}", "invalid_value")
-    if choice is None or choice == "auto":
-        return tools, None
+    fmt = state.prompter.tool_format
+    if choice is None or choice == "auto":  # generic: the answer is JSON, a call or a reply
+        return tools, tool_constraint(tools, None, fmt, answer=True) if fmt == "generic" else None
     only = None
     if not isinstance(choice, str):
         only = choice.function.name
@@ -72,7 +73,7 @@ def _tool_setup(
                 f"tool_choice names the function {only!r}, which is not among tools: {names}",
                 "invalid_value",
             )
-    return tools, tool_constraint(tools, only, state.prompter.tool_format)
+    return tools, tool_constraint(tools, only, fmt)
 
 
 @dataclass
@@ -143,10 +144,15 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
     constraint = request_constraint(body)
     if tool_grammar is not None:
         if constraint is not None:
+            choice = body.tool_choice or "auto"
+            what = (
+                f"tool_choice {choice if isinstance(choice, str) else 'naming a function'}"
+                if state.prompter.tool_format != "generic"
+                else "tools on a chat template that renders none (answered as JSON)"
+            )
             raise ApiError(
                 400,
-                f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
-                f"and {constraint.field} both constrain the answer; give one",
+                f"{what} and {constraint.field} both constrain the answer; give one",
                 "invalid_value",
             )
         constraint = tool_grammar

@@ -270,7 +270,7 @@ async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int)
     task = asyncio.ensure_future(fold())
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
+            done, _ = await asyncio.wait({task}, timeout=0.1)
             if done:
                 break
             if await request.is_disconnected():

@@ -1,12 +1,15 @@
 """Tool calls in chat completions: the grammar that enforces `tool_choice`, and the parser that
 finds calls in the model's text (as it streams, or whole).
 
-Two formats, chosen by the chat template (`Prompter.tool_format`):
+Three formats, chosen by the chat template (`Prompter.tool_format`):
 
 - "hermes" (Hermes, Qwen 2.5, the built-in `chatml`): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text around calls is content.
 - "llama3" (Llama 3.1's JSON form): the whole answer is one `{"name": ..., "parameters": {...}}`
   object, possibly after `<|python_tag|>`.
+- "generic" (llama.cpp's, for a template that renders no tools): the whole answer is one JSON
+  object, `{"tool_call": {"name": ..., "arguments": {...}}}` (or `"tool_calls": [...]`) or
+  `{"response": "..."}`; a grammar holds every answer to that, whatever `tool_choice` says.
 
 `tool_choice` "required" or a named function becomes a grammar (exactly one call, to one of the
 tools or to the named one, its arguments following the tool's JSON schema); "auto" leaves the
@@ -48,9 +51,14 @@ def _call_id() -> str:
 
 
 def tool_constraint(
-    tools: list[dict[str, Any]], only: str | None, fmt: str, field: str = "tool_choice"
+    tools: list[dict[str, Any]],
+    only: str | None,
+    fmt: str,
+    field: str = "tool_choice",
+    answer: bool = False,
 ) -> Constraint:
-    """The grammar of exactly one call: to the function `only`, or (None) to any of `tools`."""
+    """The grammar of exactly one call: to the function `only`, or (None) to any of `tools`;
+    `answer` (the generic format's tool_choice auto): or a `{"response": text}` instead."""
     args_key = "parameters" if fmt == "llama3" else "arguments"
     options = []
     for t in tools:
@@ -67,9 +75,14 @@ def tool_constraint(
             }
         )
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if fmt == "generic":
+        call = {"type": "object", "properties": {"tool_call": schema}, "required": ["tool_call"]}
+        reply = {"type": "object", "properties": {"response": {"type": "string"}}}
+        reply["required"] = ["response"]
+        schema = {"anyOf": [call, reply]} if answer else call
     # no free whitespace (as for response_format): a sampled call cannot wander into newlines
     schema = schema | {"x-guidance": {"whitespace_flexible": False, "lenient": True}}
-    if fmt == "llama3":
+    if fmt in ("llama3", "generic"):
         lark = f"start: call\ncall: %json {json.dumps(schema)}"
     else:
         lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
@@ -111,6 +124,8 @@ class ToolCallParser:
         self._buf += text
         if self.fmt == "llama3":
             return self._feed_llama3()
+        if self.fmt == "generic":  # one JSON object: known when it is whole
+            return "", []
         content, calls = "", []
         while True:
             if self._in_call:
@@ -155,6 +170,8 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest, at the end of the generation: held text is content unless it is a call."""
         rest, self._buf = self._buf, ""
+        if self.fmt == "generic":
+            return self._finish_generic(rest)
         if self.fmt == "llama3" and self._json_answer:
             body = rest.strip().removeprefix(PYTHON_TAG).strip()
             call = _parse_call(body, self.fmt)
@@ -166,6 +183,24 @@ class ToolCallParser:
             self._in_call = False
             return OPEN + rest, []
         return rest, []
+
+    def _finish_generic(self, text: str) -> tuple[str, list[ToolCall]]:
+        """`{"response": text}` is content, `{"tool_call": ...}` / `{"tool_calls": [...]}`
+        calls; anything else (an answer cut off by max_tokens) stays text."""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
+            return obj["response"], []
+        raw = obj.get("tool_calls") if isinstance(obj, dict) else None
+        if raw is None and isinstance(obj, dict) and "tool_call" in obj:
+            raw = [obj["tool_call"]]
+        calls = [_parse_call(json.dumps(c), self.fmt) for c in raw or []]
+        if not raw or any(c is None for c in calls):
+            return text, []
+        self.calls += [c for c in calls if c is not None]
+        return "", [c for c in calls if c is not None]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

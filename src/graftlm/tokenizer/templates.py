@@ -12,8 +12,10 @@ names of llama.cpp's (`command-r`, `llama2`, `llama2-sys`, `mistral-v7`, `phi4`,
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from graftlm.errors import GraftError
 
@@ -248,8 +250,61 @@ def supports_tools(template: str | None) -> bool:
 
 
 def tool_format(template: str | None) -> str:
-    """How the model writes a call: "hermes" (`<tool_call>{...}</tool_call>`) or "llama3" (a bare
-    JSON object with "name" and "parameters")."""
-    if template is not None and "<tool_call>" not in template and "ipython" in template:
+    """How the model writes a call: "hermes" (`<tool_call>{...}</tool_call>`), "llama3" (a bare
+    JSON object with "name" and "parameters"), or "generic" for a template that renders no tools
+    (llama.cpp's generic format: the tools in a system message, and the answer one JSON object,
+    `{"tool_call": {...}}` or `{"response": "..."}`, held to that by a grammar)."""
+    if not supports_tools(template):
+        return "generic"
+    assert template is not None
+    if "<tool_call>" not in template and "ipython" in template:
         return "llama3"
     return "hermes"
+
+
+# llama.cpp's generic tool format (common/chat.cpp), for templates that render no tools
+GENERIC_INSTRUCTION = (
+    "Respond in JSON format, either with `tool_call` (a request to call tools) or with "
+    "`response` reply to the user's request"
+)
+
+
+def generic_tool_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The chat for a template that renders no tools: the tools (their JSON definitions) and
+    llama.cpp's instruction in the system message, past calls as the JSON answer the model gave
+    (`{"tool_call": {"name", "arguments"}}`, or `{"tool_calls": [...]}` for several) and tool
+    results as user turns of `{"tool_response": {"tool_call_id", "content"}}`."""
+    listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    note = f"You can call these tools:\n{listing}\n\n{GENERIC_INSTRUCTION}"
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if calls:
+            written = [_generic_call(c) for c in calls]
+            answer = {"tool_call": written[0]} if len(written) == 1 else {"tool_calls": written}
+            out.append({"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)})
+        elif m.get("role") == "tool":
+            result = {"tool_call_id": m.get("tool_call_id", ""), "content": m.get("content") or ""}
+            body = json.dumps({"tool_response": result}, ensure_ascii=False)
+            out.append({"role": "user", "content": body})
+        else:
+            out.append(dict(m))
+    if out and out[0].get("role") == "system":
+        first = out[0].get("content") or ""
+        out[0] = {**out[0], "content": f"{first}\n\n{note}" if first else note}
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def _generic_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # kept as the text it was
+    return {"name": fn.get("name", ""), "arguments": args}

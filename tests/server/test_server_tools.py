@@ -92,16 +92,21 @@ def _check_call(call: Any) -> dict[str, Any]:
     return dict(args)
 
 
-def test_required_gives_a_valid_call_every_time(client: openai.OpenAI) -> None:
-    for seed in range(8):
+def _required_calls(client: openai.OpenAI, seeds: int) -> None:
+    """tool_choice required, sampled: exactly one valid call, and no content, every time."""
+    for seed in range(seeds):
         out = client.chat.completions.create(
             model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
             temperature=1.0, seed=seed, max_tokens=200,
         )  # fmt: skip
         c = out.choices[0]
         assert c.finish_reason == "tool_calls", c
-        assert c.message.tool_calls and len(c.message.tool_calls) == 1
-        _check_call(c.message.tool_calls[0])
+        assert not c.message.content and len(c.message.tool_calls or []) == 1
+        _check_call((c.message.tool_calls or [])[0])
+
+
+def test_required_gives_a_valid_call_every_time(client: openai.OpenAI) -> None:
+    _required_calls(client, 8)
 
 
 def test_named_function_is_the_one_called(client: openai.OpenAI) -> None:
@@ -223,15 +228,7 @@ def test_generic_tools_on_a_template_without_tools(server: TinyServer) -> None:
     """llama.cpp's generic format where the template renders no tools: the tools and the JSON
     instruction in a system message, the answer held to a call or a reply by a grammar."""
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-    for seed in range(4):  # required: always a valid call
-        out = client.chat.completions.create(
-            model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
-            temperature=1.0, seed=seed, max_tokens=200,
-        )  # fmt: skip
-        c = out.choices[0]
-        assert c.finish_reason == "tool_calls", c
-        assert c.message.content is None and len(c.message.tool_calls or []) == 1
-        _check_call((c.message.tool_calls or [])[0])
+    _required_calls(client, 4)
     kinds = set()
     for seed in range(6):  # auto: a call, or a reply given as text (never the JSON around it)
         out = client.chat.completions.create(

@@ -65,7 +65,8 @@ async def _round(url: str, names: list[str], r: int, clients: int, tokens: int) 
         }
         t0 = time.perf_counter()
         resp = await c.post("/v1/completions", json=body)
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise RuntimeError(f"{body['model']}: {resp.status_code} {resp.text[:400]}")
         assert resp.json()["usage"]["completion_tokens"] == tokens
         return time.perf_counter() - t0
 

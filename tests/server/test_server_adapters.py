@@ -92,6 +92,39 @@ def test_a_request_waits_for_room_instead_of_failing(
     asyncio.run(go())
 
 
+def test_an_adapter_just_attached_waits_for_its_requests(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Room for one adapter, two requests for two adapters at once: the second attach waits
+    until the first adapter's request has run, instead of evicting it before that request woke
+    up (which cost a third load here, and under many adapters refused requests after eight
+    evictions in a row). Then sixteen requests over four adapters through room for two."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=1)
+        reg.add_module("delta", str(tiny_files["delta"]))
+        reg.room_wait_s = 30.0
+        loads: list[str] = []
+        reg.on_attach.append(loads.append)
+
+        async def one(name: str) -> str:
+            lease = await reg.lease(name, None, BASE)
+            await asyncio.sleep(0.01)
+            reg.release(lease)
+            return lease.labels[0]
+
+        got = await asyncio.wait_for(asyncio.gather(one("alpha"), one("beta")), 60)
+        assert got == ["alpha", "beta"] and sorted(loads) == ["alpha", "beta"]
+        reg.max_loras = 2
+        names = ["alpha", "beta", "gamma", "delta"]
+        for r in range(4):
+            many = [one(names[(i + r) % 4]) for i in range(16)]
+            assert sorted(await asyncio.wait_for(asyncio.gather(*many), 60)) == sorted(names * 4)
+            assert len(reg.by_id) <= 2 and _attached(svc) == set(reg.by_id)
+
+    asyncio.run(go())
+
+
 def test_memory_budget_in_bytes(
     svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -50,6 +50,9 @@ class AdapterEntry:
     retired: bool = False  # replaced or unloaded: dropped when its last request ends
     evicted: bool = False  # `evict`ed while in use: detached when its last request ends
     loading: asyncio.Task[int] | None = None
+    # requests waiting for its attach: it is not evicted until they hold it (or it came and
+    # went before they woke up, again and again, under a budget thrashed by other adapters)
+    waiting: int = 0
 
     @property
     def resident(self) -> bool:
@@ -320,9 +323,11 @@ class AdapterRegistry:
             if entry.loading is None:
                 entry.loading = asyncio.ensure_future(self._attach(entry))
             task = entry.loading
+            entry.waiting += 1
             try:
                 await asyncio.shield(task)
             finally:
+                entry.waiting -= 1
                 if task.done() and entry.loading is task:
                     entry.loading = None
         raise RequestError(
@@ -376,7 +381,7 @@ class AdapterRegistry:
             idle = [
                 e
                 for e in self.by_id.values()
-                if not e.pinned and e.refs == 0 and e.id not in scales
+                if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
             ]
             if idle:
                 await self._drop(min(idle, key=lambda e: e.last_used))

@@ -292,16 +292,18 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # until the victim is generating
+    while time.monotonic() < deadline:  # until the victim runs both (not queued: rerouted)
         page = httpx.get(f"{app}/metrics", timeout=TIMEOUT).text
         if any(
             line.startswith("graftlm_requests_running{")
             and f'replica="{victim}"' in line
-            and float(line.rsplit(" ", 1)[1]) >= 1
+            and float(line.rsplit(" ", 1)[1]) >= 2  # both its requests are in flight
             for line in page.splitlines()
         ):
             break
         time.sleep(0.2)
+    else:
+        raise AssertionError("the victim never ran both of its requests at once")
     ray.kill(ray.get_actor(reports[victim]["actor_name"], namespace="serve"), no_restart=True)
     for t in threads:
         t.join(timeout=120)

@@ -16,7 +16,7 @@ from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 from graftlm.commands.chat import ChatSession, join_continued
 
-SPEC = TinySpec(n_ctx=4096)
+SPEC = TinySpec(n_ctx=16384)  # replies long enough to be stopped part way on any CPU
 PROMPT = r"\x1b\[\?2004h"  # prompt_toolkit turns bracketed paste on as each prompt starts
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -42,7 +42,7 @@ def _env() -> dict[str, str]:
 
 def _chat_cmd(files: dict[str, Path], *extra: str) -> list[str]:
     return [
-        "-m", "graftlm", "run", "-m", str(files["model"]), "-cnv", "-c", "4096", "--temp", "0",
+        "-m", "graftlm", "run", "-m", str(files["model"]), "-cnv", "-c", "16384", "--temp", "0",
         "--lora", str(files["a"]), "--lora-scaled", f"{files['b']}:0", *extra,
     ]  # fmt: skip
 
@@ -52,7 +52,7 @@ def test_terminal_two_turns_ctrl_c_keeps_history_and_exit(chat_files: dict[str, 
     pytest.importorskip("prompt_toolkit")
     child = pexpect.spawn(
         sys.executable,
-        _chat_cmd(chat_files, "--ignore-eos", "-n", "3500"),
+        _chat_cmd(chat_files, "--ignore-eos", "-n", "12000"),
         env=_env(),
         encoding="utf-8",
         timeout=60,
@@ -63,7 +63,7 @@ def test_terminal_two_turns_ctrl_c_keeps_history_and_exit(chat_files: dict[str, 
         child.expect(PROMPT)
         for turn in ("tell me a long story", "and then?"):
             child.sendline(turn)
-            time.sleep(1.0)  # a reply of 3500 tokens takes seconds: stop it part way
+            time.sleep(1.0)  # a reply of 12000 tokens takes seconds: stop it part way
             child.sendintr()
             child.expect(r"\[reply stopped; the conversation keeps it\]")
             child.expect(PROMPT)

@@ -103,6 +103,8 @@ def cors_origins(args: argparse.Namespace) -> tuple[str, ...] | None:
     return ("localhost",) if given(args, "--tools") else None
 
 
+# llama-server's --pooling values: Scorer.embedding's POOLINGS (not imported: it would bring
+# torch into the command line's parser), "none" and "rank"
 POOLING = ("mean", "cls", "last", "none", "rank")
 
 

@@ -136,23 +136,22 @@ class Sampler:
             logits = logits.index_add(0, ids, vals)  # a copy: the engine's row stays as it was
         if self.matcher is not None:
             logits = self.matcher.apply(logits)
-        tok = self.draw_from(logits)
+        tok = self.draw(logits)
         if self.matcher is not None:
             self.matcher.advance(tok)
         return tok
-
-    def draw_from(self, logits: torch.Tensor) -> int:
-        """The token drawn from `logits` (penalized, biased and masked); a subclass that records
-        the candidates overrides this."""
-        return self.draw(logits)
 
     def draw(self, logits: torch.Tensor) -> int:
         """logits (n_vocab,) float, penalized, biased and masked -> a token id."""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        probs, idx = self.candidates(logits)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(idx[choice])
+        return self.pick(*self.candidates(logits))
+
+    def pick(self, probs: torch.Tensor, idx: torch.Tensor) -> int:
+        """One of `candidates()`: the first when greedy, else drawn by probability."""
+        if self.params.greedy:
+            return int(idx[0])
+        return int(idx[torch.multinomial(probs, 1, generator=self.generator)])
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens the draw chooses among and their probabilities, after top-k, top-p, min-p

@@ -188,14 +188,11 @@ class _RecordingSampler(Sampler):
         self.post = post
         self.last: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())
 
-    def draw_from(self, logits: torch.Tensor) -> int:
+    def draw(self, logits: torch.Tensor) -> int:
         if not self.post:
-            return super().draw_from(logits)
+            return super().draw(logits)
         probs, idx = self.candidates(logits)
-        if self.params.greedy:
-            tok = int(idx[0])
-        else:
-            tok = int(idx[torch.multinomial(probs, 1, generator=self.generator)])
+        tok = self.pick(probs, idx)
         lp = torch.log(probs)
         n = min(self.top, int((probs > 0).sum()))  # never a token of probability 0
         top = tuple(zip(idx[:n].tolist(), lp[:n].tolist(), strict=True))
@@ -531,13 +528,13 @@ class EngineService:
 
     @staticmethod
     def _on_progress_for(t: _Tracked) -> Callable[[Request, int], None]:
-        started: list[float] = []
+        started: float | None = None
 
         def on_progress(req: Request, processed: int) -> None:
+            nonlocal started
             now = time.perf_counter()
-            if not started:
-                started.append(now)
-            ms = (now - started[0]) * 1e3
+            started = now if started is None else started
+            ms = (now - started) * 1e3
             t.sub.post(ProgressEvent(t.index, len(req.prompt), req.n_cached, processed, ms))
 
         return on_progress

@@ -26,8 +26,7 @@ from graftlm.server.generation import (
     deltas,
     finish_reason,
     generated_and_cached,
-    progress_timings,
-    prompt_progress,
+    progress_fields,
     request_constraint,
     sampling_params,
     served_name,
@@ -215,11 +214,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             out = []
             i = d.index
             if d.progress is not None:  # as llama-server: on a role chunk of its own
-                ev = chunk([piece(i, {"role": "assistant", "content": None})])
-                ev["prompt_progress"] = prompt_progress(d.progress)
-                if clock is not None:
-                    ev["timings"] = progress_timings(d.progress)
-                return [ev]
+                role = chunk([piece(i, {"role": "assistant", "content": None})])
+                return [role | progress_fields(d.progress, clock is not None)]
             if not started[i]:  # as llama-server: the role first, with content null
                 started[i] = True
                 out.append(chunk([piece(i, {"role": "assistant", "content": None})]))

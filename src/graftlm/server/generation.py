@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from graftlm.errors import RequestError
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.constraints import CompiledGrammar, Constraint
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, ProgressEvent, TokenEvent
@@ -204,6 +205,32 @@ def check_context(state: ServerState, ids: list[int], max_tokens: int) -> None:
         )
 
 
+T = TypeVar("T")
+
+
+async def score_each(
+    state: ServerState,
+    ids: list[list[int]],
+    model: str | None,
+    lora: list[RequestLoraItem] | None,
+    score: Callable[[list[int], AdapterSettings], Awaitable[T]],
+) -> list[T]:
+    """Each prompt scored in turn under the request's adapters (embeddings, reranking): all
+    checked against the context first, each counted in llama-server's prompt metrics."""
+    for x in ids:
+        check_context(state, x, 0)
+    lease = await admit(state, model, lora)
+    try:
+        out = []
+        for x in ids:
+            t0 = time.perf_counter()
+            out.append(await score(x, lease.lora))
+            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
+    finally:
+        state.registry.release(lease)
+    return out
+
+
 async def admit(state: ServerState, model: str | None, lora: list[RequestLoraItem] | None) -> Lease:
     """The adapter settings a request runs with, held until its deltas end."""
     items = None if lora is None else {x.id: x.scale for x in lora if x.id is not None}
@@ -334,15 +361,27 @@ def timings(f: FinishEvent) -> dict[str, float]:
     }
 
 
-def prompt_progress(p: ProgressEvent) -> dict[str, Any]:
-    """llama-server's `prompt_progress`: the prompt's tokens, those the cache served, those in
-    the KV cache now (the served ones included), and the milliseconds since the first report."""
-    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": int(p.ms)}
+def progress_fields(p: ProgressEvent, with_timings: bool) -> dict[str, Any]:
+    """What a progress report adds to the chunk that carries it: llama-server's
+    `prompt_progress` (the prompt's tokens, those the cache served, those in the KV cache now,
+    the served ones included, and the milliseconds since the first report), and with
+    timings_per_token its `timings` so far."""
+    out: dict[str, Any] = {
+        "prompt_progress": {
+            "total": p.total,
+            "cache": p.cache,
+            "processed": p.processed,
+            "time_ms": int(p.ms),
+        }
+    }
+    if with_timings:
+        out["timings"] = _progress_timings(p)
+    return out
 
 
-def progress_timings(p: ProgressEvent) -> dict[str, float]:
-    """`timings` on a progress report (timings_per_token): the prompt's tokens computed so far
-    and their time; nothing generated yet."""
+def _progress_timings(p: ProgressEvent) -> dict[str, float]:
+    """`timings` on a progress report: the prompt's tokens computed so far and their time;
+    nothing generated yet."""
     n = p.processed - p.cache
     return {
         "cache_n": p.cache,

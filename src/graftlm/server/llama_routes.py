@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -26,10 +25,10 @@ from graftlm.server.generation import (
     deltas,
     llama_prompt_ids,
     llama_prompts,
-    progress_timings,
-    prompt_progress,
+    progress_fields,
     request_constraint,
     sampling_params,
+    score_each,
     served_name,
     sse,
     timings,
@@ -185,10 +184,7 @@ async def _complete(
 
         def frame(d: Delta) -> list[dict[str, Any]]:
             if d.progress is not None:  # as llama-server: on an empty piece
-                ev = partial("", []) | {"prompt_progress": prompt_progress(d.progress)}
-                if clock is not None:
-                    ev["timings"] = progress_timings(d.progress)
-                return [ev]
+                return [partial("", []) | progress_fields(d.progress, clock is not None)]
             whole.add(d)
             out = []
             if d.text or d.tokens:
@@ -380,17 +376,7 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
     if not docs:
         raise ApiError(400, '"documents" must be a non-empty string array', "invalid_value")
     ids = [await asyncio.to_thread(_rerank_ids, state, body.query, d) for d in docs]
-    for x in ids:
-        check_context(state, x, 0)
-    lease = await admit(state, body.model, body.lora)
-    try:
-        scores = []
-        for x in ids:
-            t0 = time.perf_counter()
-            scores.append(await state.service.arank_score(x, lease.lora))
-            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
-    finally:
-        state.registry.release(lease)
+    scores = await score_each(state, ids, body.model, body.lora, state.service.arank_score)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]
     if body.documents is None:  # TEI
         return [

@@ -8,13 +8,14 @@ import math
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import Job
 from graftlm.server.generation import (
     Choice,
@@ -30,11 +31,11 @@ from graftlm.server.generation import (
     generated_and_cached,
     llama_prompt_ids,
     llama_prompts,
-    progress_timings,
+    progress_fields,
     prompt_ids,
-    prompt_progress,
     request_constraint,
     sampling_params,
+    score_each,
     served_name,
     sse,
     usage,
@@ -200,10 +201,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         def frame(d: Delta) -> list[dict[str, Any]]:
             if d.progress is not None:  # as llama-server: on an empty piece
                 c = {"index": d.index, "text": "", "logprobs": None, "finish_reason": None}
-                ev = chunk([c]) | {"prompt_progress": prompt_progress(d.progress)}
-                if body.timings_per_token:
-                    ev["timings"] = progress_timings(d.progress)
-                return [ev]
+                return [chunk([c]) | progress_fields(d.progress, body.timings_per_token)]
             if d.finish is not None:
                 n_gen[0] += d.finish.n_generated
                 n_gen[1] += d.finish.n_cached
@@ -252,18 +250,11 @@ async def embed_all(
     """Each input's embedding (pooled as --pooling says, normalized, the request's adapter
     applied; pooling none: one vector a token, not normalized) and the tokens read."""
     ids = [await asyncio.to_thread(llama_prompt_ids, state, x) for x in inputs]
-    for x in ids:
-        check_context(state, x, 0)
-    lease = await admit(state, model, lora)
-    try:
-        vecs = []
-        for x in ids:
-            t0 = time.perf_counter()
-            vecs.append(await state.service.aembedding(x, lease.lora, state.config.pooling))
-            state.metrics.llama.prompt_only(len(x), time.perf_counter() - t0)
-    finally:
-        state.registry.release(lease)
-    return vecs, sum(len(x) for x in ids)
+
+    def embed(x: list[int], settings: AdapterSettings) -> Awaitable[Any]:
+        return state.service.aembedding(x, settings, state.config.pooling)
+
+    return await score_each(state, ids, model, lora, embed), sum(len(x) for x in ids)
 
 
 def _inputs(value: Any) -> list[LlamaPrompt]:

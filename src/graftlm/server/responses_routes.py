@@ -22,8 +22,7 @@ from graftlm.server.chat_routes import start_chat
 from graftlm.server.generation import (
     StreamClock,
     collect,
-    progress_timings,
-    prompt_progress,
+    progress_fields,
     served_name,
     timings,
 )
@@ -197,10 +196,10 @@ async def _stream(
             async for d in it:
                 if d.progress is not None:  # as llama-server: an in_progress event carries it
                     busy = {"response": _response(rid, model, created, "in_progress", [])}
-                    busy["prompt_progress"] = prompt_progress(d.progress)
-                    if clock is not None:
-                        busy["timings"] = progress_timings(d.progress)
-                    yield event("response.in_progress", busy)
+                    yield event(
+                        "response.in_progress",
+                        busy | progress_fields(d.progress, clock is not None),
+                    )
                 if d.text:
                     text += d.text
                     ev: dict[str, Any] = at | {"delta": d.text}

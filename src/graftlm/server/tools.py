@@ -89,11 +89,16 @@ def tool_constraint(
     return Constraint("lark", lark, field)
 
 
-def _parse_call(text: str, fmt: str) -> ToolCall | None:
+def _parse_call(text: str) -> ToolCall | None:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return None
+    return _call_of(obj)
+
+
+def _call_of(obj: Any) -> ToolCall | None:
+    """A call from its JSON object ({"name", "arguments" or "parameters"}), or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -134,7 +139,7 @@ class ToolCallParser:
                     break
                 body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
                 self._in_call = False
-                call = _parse_call(body.strip(), self.fmt)
+                call = _parse_call(body.strip())
                 if call is None:  # not a call after all: give the text back as it was
                     content += OPEN + body + CLOSE
                 else:
@@ -174,7 +179,7 @@ class ToolCallParser:
             return self._finish_generic(rest)
         if self.fmt == "llama3" and self._json_answer:
             body = rest.strip().removeprefix(PYTHON_TAG).strip()
-            call = _parse_call(body, self.fmt)
+            call = _parse_call(body)
             if call is not None:
                 self.calls.append(call)
                 return "", [call]
@@ -196,7 +201,7 @@ class ToolCallParser:
         raw = obj.get("tool_calls") if isinstance(obj, dict) else None
         if raw is None and isinstance(obj, dict) and "tool_call" in obj:
             raw = [obj["tool_call"]]
-        calls = [_parse_call(json.dumps(c), self.fmt) for c in raw or []]
+        calls = [_call_of(c) for c in raw or []]
         if not raw or any(c is None for c in calls):
             return text, []
         self.calls += [c for c in calls if c is not None]

@@ -89,6 +89,8 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
         "0",
         "--log-level",
         "warning",
+        "--sleep-idle-seconds",
+        "0.5",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -112,6 +114,18 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/props").json()["total_slots"] == 2
+        # asleep, then loaded again by serve's own reload: the same answer through the adapter
+        deadline = time.monotonic() + 30
+        while not httpx.get(url + "/props").json()["is_sleeping"]:
+            assert time.monotonic() < deadline, "serve did not go to sleep"
+            time.sleep(0.1)
+        again = httpx.post(
+            url + "/v1/completions",
+            json={"model": "alpha", "prompt": "the", "max_tokens": 4},
+            timeout=30,
+        )
+        assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        assert httpx.get(url + "/props").json()["is_sleeping"] is False
     finally:
         proc.terminate()
         try:

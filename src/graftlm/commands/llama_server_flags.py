@@ -135,7 +135,6 @@ _TABLE = """
 --skip-chat-parsing --no-skip-chat-parsing|0|no effect
 --prefill-assistant --no-prefill-assistant|0|a final assistant message is always continued
 -sps --slot-prompt-similarity|1|the prefix cache matches whole blocks, not slots
---sleep-idle-seconds|1|no sleep mode
 --log-prompts-dir|1|no prompt log
 --grp-attn-n -gan --grp-attn-w -gaw|1|no self-extend
 """

@@ -108,6 +108,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="turn the prefix cache off (every prompt computed in full)",
     )
     g.add_argument("--cache-prompt", dest="cache_prompt", action="store_true", default=True)
+    g.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="after S seconds without a request, release the model and its KV cache (the next "
+        "request loads them again; /health, /props, /models and /metrics do not wake it)",
+    )
     p.add_argument("-t", "--threads", type=int, default=None)
     add_device_argument(p)
     add_chat_template_arguments(p)
@@ -297,23 +305,31 @@ def serving_state(args: argparse.Namespace) -> ServerState:
         pool_tokens = context_size(GGUFFile(args.model or default_model_path()), 0)
     check_adapters_first(args.model, [s.path for s in specs] + [path for _, path in modules])
     t0 = time.perf_counter()
-    # one sequence slot more than --parallel: scoring requests (echo + logprobs) never wait
-    model = graftlm.load(
-        args.model,
-        threads=args.threads,
-        ctx_size=args.ctx_size,
-        n_seq=args.parallel + 1,
-        progress=True,
-        device=args.device,
-        chat_template=args.chat_template,
-        chat_template_file=args.chat_template_file,
-        cache_type=kv_type,
-        cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
-        cache_bytes=args.kv_memory,
-        prefix_cache=args.cache_prompt,
-    )
-    if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
-        model.engine.chunk = args.batch_size
+    sleep_s = getattr(args, "sleep_idle_seconds", None)
+    if sleep_s is not None and sleep_s <= 0:  # llama-server: -1, the default, is off
+        sleep_s = None
+
+    def load(progress: bool) -> graftlm.Model:
+        # one sequence slot more than --parallel: scoring requests (echo + logprobs) never wait
+        m = graftlm.load(
+            args.model,
+            threads=args.threads,
+            ctx_size=args.ctx_size,
+            n_seq=args.parallel + 1,
+            progress=progress,
+            device=args.device,
+            chat_template=args.chat_template,
+            chat_template_file=args.chat_template_file,
+            cache_type=kv_type,
+            cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
+            cache_bytes=args.kv_memory,
+            prefix_cache=args.cache_prompt,
+        )
+        if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
+            m.engine.chunk = args.batch_size
+        return m
+
+    model = load(progress=True)
     cache = model.engine.cache
     print(
         f"loaded {model.path.name}: {model.config.arch}, context {model.engine.n_ctx} a sequence, "
@@ -363,7 +379,11 @@ def serving_state(args: argparse.Namespace) -> ServerState:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_wait_s=args.lora_wait,
+        reload=None if sleep_s is None else (lambda: load(progress=False)),
+        sleep_idle_s=sleep_s,
     )
+    if sleep_s is not None:
+        print(f"sleep: the model is released after {sleep_s:g} s idle", file=sys.stderr)
     for a in state.registry.adapter_list():
         print(f"lora {a['id']} ({a['name']}): {a['path']} scale {a['scale']:g}", file=sys.stderr)
     for name, path in modules:

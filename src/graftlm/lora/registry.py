@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
@@ -41,6 +42,16 @@ class Attached:
         }
 
 
+class _Asleep:
+    """The model of a set whose model was released (the server's sleep): any use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise GraftError(f"the model is asleep (its {name!r} was released); wake it first")
+
+
+_ASLEEP: Any = _Asleep()
+
+
 class AdapterSet:
     def __init__(self, model: Base) -> None:
         self.model = model
@@ -62,10 +73,27 @@ class AdapterSet:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
         every check ran when the adapter was resolved, and off the CPU every factor is copied to
         the model's device (where memory can run out) before any is attached."""
+        slot = self._next_id
+        self._place(slot, adapter)
+        self._next_id += 1
+        self.attached[slot] = Attached(slot, adapter, float(scale))
+        return slot
+
+    def rebind(self, model: Base) -> None:
+        """Attach every adapter, under its id and at its scale, to `model` in place of the one
+        this set was made for (a fresh load of the same file: the server's wake from sleep)."""
+        self.model = model
+        for slot, a in sorted(self.attached.items()):
+            self._place(slot, a.adapter)
+
+    def release(self) -> None:
+        """Let go of the model (the server's sleep); the adapters, ids and scales stay, for
+        `rebind`. Until then nothing that needs the model may be asked of this set."""
+        self.model = _ASLEEP
+
+    def _place(self, slot: int, adapter: ResolvedAdapter) -> None:
         dev = self.model.device
         factors = {name: (d.a.to(dev), d.b.to(dev)) for name, d in adapter.deltas.items()}
-        slot = self._next_id
-        self._next_id += 1
         table = self.model.seams
         for name, (a, b) in factors.items():
             if name == EMBEDDING:
@@ -83,8 +111,6 @@ class AdapterSet:
                         generation=table.generation,
                     )  # fmt: skip
                 p.lora.put(slot, a, b)
-        self.attached[slot] = Attached(slot, adapter, float(scale))
-        return slot
 
     def detach(self, adapter_id: int) -> None:
         self._check(adapter_id)

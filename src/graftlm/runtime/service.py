@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import queue
 import threading
@@ -244,6 +245,7 @@ class _Call:
 
 
 _STOP = object()
+_ASLEEP_ERROR = GraftError("the engine is asleep (its model was released); wake it first")
 
 
 class EngineService:
@@ -261,17 +263,20 @@ class EngineService:
         adapters: AdapterSet,
         max_running: int | None = None,
         observer: ServiceObserver | None = None,
+        reload: Callable[[], Engine] | None = None,
+        sleep_idle_s: float | None = None,
     ) -> None:
-        self.engine = engine
+        if sleep_idle_s is not None and (reload is None or sleep_idle_s <= 0):
+            raise GraftError(f"sleep after {sleep_idle_s} s idle needs a reload and a time > 0")
         self.prompter = prompter
         self.adapters = adapters
-        self.scorer = Scorer(engine, prompter)
-        self.n_ctx: int = engine.n_ctx
         n_slots = engine.n_slots
         default = n_slots - 1 if n_slots > 1 else n_slots
         self.max_running = max(1, min(max_running or default, n_slots))
         self._cap_before = engine.scheduler.max_running
-        engine.scheduler.max_running = self.max_running
+        self._engine: Engine | None = None
+        self._scorer: Scorer | None = None
+        self._bind(engine)
         self.observer = observer
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: list[_Tracked] = []  # given to the engine: queued there or running
@@ -280,6 +285,37 @@ class EngineService:
         self.n_running = 0
         self.n_waiting = 0
         self.n_cancelled = 0  # requests ended early because their caller left
+        # sleep (llama-server's --sleep-idle-seconds): after this long with nothing to do the
+        # engine (weights, KV cache) is let go; the next work loads it again through `reload`
+        self._reload = reload
+        self.sleep_idle_s = sleep_idle_s
+        self._last_active = time.monotonic()
+        self._holds = 0  # callers (HTTP requests) that keep the engine awake while they run
+        self._holds_lock = threading.Lock()
+        self.n_sleeps = 0
+        self.n_wakes = 0
+
+    def _bind(self, engine: Engine) -> None:
+        self._engine = engine
+        self._scorer = Scorer(engine, self.prompter)
+        self.n_ctx: int = engine.n_ctx
+        engine.scheduler.max_running = self.max_running
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise _ASLEEP_ERROR
+        return self._engine
+
+    @property
+    def scorer(self) -> Scorer:
+        if self._scorer is None:
+            raise _ASLEEP_ERROR
+        return self._scorer
+
+    @property
+    def sleeping(self) -> bool:
+        return self._engine is None
 
     # -- lifecycle --
     def start(self) -> EngineService:
@@ -294,7 +330,8 @@ class EngineService:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
-        self.engine.scheduler.max_running = self._cap_before
+        if self._engine is not None:
+            self._engine.scheduler.max_running = self._cap_before
 
     @property
     def alive(self) -> bool:
@@ -406,6 +443,72 @@ class EngineService:
 
         return self.call(set_scales)
 
+    # -- sleep --
+    def hold(self) -> None:
+        """A caller's work begins (an HTTP request): the engine does not sleep until `unhold`."""
+        with self._holds_lock:
+            self._holds += 1
+            self._last_active = time.monotonic()
+
+    def unhold(self) -> None:
+        with self._holds_lock:
+            self._holds -= 1
+            self._last_active = time.monotonic()
+
+    async def awake(self) -> None:
+        """Wait until the engine is loaded (at once when it is awake). Raises the reload's error
+        (RequestError model_unavailable) when the model cannot be loaded again."""
+        if self.sleeping:
+            await self.acall(lambda: None)
+
+    def _wake(self) -> None:
+        """On the engine thread: load the engine again and give it every adapter back."""
+        if self._reload is None:
+            raise RuntimeError("asleep without a reload")
+        t0 = time.perf_counter()
+        try:
+            engine = self._reload()
+            self.adapters.rebind(engine.model)
+        except Exception as exc:  # noqa: BLE001 - the requests waiting get it, the thread lives
+            log.exception("waking from sleep failed")
+            raise RequestError(
+                f"the model could not be loaded again after sleep: {exc}", "model_unavailable"
+            ) from exc
+        engine.invocations = self.adapters.invocations
+        self._bind(engine)
+        self.n_wakes += 1
+        self._last_active = time.monotonic()
+        log.info("awake: model loaded again in %.2f s", time.perf_counter() - t0)
+
+    def _sleep_timeout(self) -> float | None:
+        """How long the idle thread may wait for work before it checks whether to sleep."""
+        if self.sleep_idle_s is None or self._engine is None:
+            return None
+        left = self.sleep_idle_s - (time.monotonic() - self._last_active)
+        return min(max(left, 0.01), 0.5)
+
+    def _maybe_sleep(self) -> None:
+        """Let the engine go when nothing ran, waited or was held for sleep_idle_s seconds."""
+        if self.sleep_idle_s is None or self._engine is None:
+            return
+        with self._holds_lock:
+            if (
+                self._holds
+                or self._active
+                or self._deferred
+                or self._engine.busy
+                or time.monotonic() - self._last_active < self.sleep_idle_s
+            ):
+                return
+            # nothing but this thread may reach the engine now: callers hold, work goes through
+            # the inbox, and the inbox wakes it
+            self._engine.scheduler.max_running = self._cap_before
+            self._engine = self._scorer = None
+            self.adapters.release()
+        gc.collect()
+        self.n_sleeps += 1
+        log.info("sleeping after %g s idle: model and KV cache released", self.sleep_idle_s)
+
     # -- generation --
     async def stream(self, jobs: Sequence[Job]) -> AsyncGenerator[Event, None]:
         """Run jobs (event index = position in `jobs`) and yield their events as they come.
@@ -435,10 +538,16 @@ class EngineService:
     def _loop(self) -> None:
         while True:
             # sleep only when there is nothing to step
-            idle = not self.engine.busy
+            idle = self._engine is None or not self._engine.busy
             try:
-                item = self._inbox.get() if idle else self._inbox.get_nowait()
+                if not idle:
+                    item = self._inbox.get_nowait()
+                else:
+                    item = self._inbox.get(timeout=self._sleep_timeout())
             except queue.Empty:
+                if idle:
+                    self._maybe_sleep()
+                    continue
                 item = None
             while item is not None:
                 if item is _STOP:
@@ -449,15 +558,33 @@ class EngineService:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            if self._engine is None:
+                continue
             try:
                 self._run_deferred()
-                if self.engine.busy:
+                if self._engine.busy:
                     self._step()
+                    self._last_active = time.monotonic()
                 self._publish_counts()
             except Exception:  # a bug of ours: log it, keep the thread (and the server) alive
                 log.exception("engine service: unexpected error")
 
     def _handle(self, item: Any) -> None:
+        if isinstance(item, _Call | _Submission):
+            self._last_active = time.monotonic()
+            if self._engine is None:
+                try:
+                    self._wake()
+                except RequestError as exc:
+                    if isinstance(item, _Call):
+                        if item.future.set_running_or_notify_cancel():
+                            item.future.set_exception(exc)
+                    else:
+                        for index in range(len(item.jobs)):
+                            item.post(ErrorEvent(index, exc))
+                    return
+        elif self._engine is None:  # a cancellation: nothing runs while asleep
+            return
         try:
             if isinstance(item, _Call):
                 if item.needs_slot and not self.engine.slots.n_free:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -17,8 +17,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from graftlm.errors import GraftError
+from graftlm.errors import GraftError, RequestError
 from graftlm.runtime.service import EngineService
 from graftlm.server import (
     anthropic_routes,
@@ -81,6 +82,35 @@ def _error(request: Request, err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+# as llama-server: these read what is known without the model, and do not wake a sleeping one
+_READ_ONLY = frozenset(["/health", "/v1/health", "/props", "/models", "/v1/models", "/metrics"])
+
+
+class KeepAwake:
+    """ASGI middleware of the sleep mode: every request but the read-only ones keeps the engine
+    awake while it runs (a stream until its last byte), and first wakes it when it sleeps."""
+
+    def __init__(self, app: ASGIApp, service: EngineService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _READ_ONLY:
+            await self.app(scope, receive, send)
+            return
+        self.service.hold()
+        try:
+            try:
+                await self.service.awake()
+            except RequestError as exc:
+                err = ApiError.of(exc)
+                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            self.service.unhold()
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The HTTP app over `state` (whose service must be started before requests arrive)."""
     # the schema is public only where the API is (with --api-key it would list every route)
@@ -89,6 +119,8 @@ def create_app(state: ServerState) -> FastAPI:
         title="graftlm", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=openapi
     )
     cors = Cors(state.config.cors_origins, api_key=state.config.api_key is not None)
+    if state.service.sleep_idle_s is not None:
+        app.add_middleware(KeepAwake, service=state.service)
     app.add_middleware(Guard, max_body=state.config.max_body_bytes, cors=cors)
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
@@ -154,13 +186,23 @@ def build_state(
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
     lora_wait_s: float = 60.0,
+    reload: Callable[[], Model] | None = None,
+    sleep_idle_s: float | None = None,
 ) -> ServerState:
     """A started engine service over `model`, its adapters (`lora`: pinned, llama-server's ids in
     order; `lora_modules`: by name, attached on first use) and metrics. The caller closes
-    `state.service` when done. Raises AdapterError when a pinned adapter cannot be attached."""
+    `state.service` when done. Raises AdapterError when a pinned adapter cannot be attached.
+    sleep_idle_s: llama-server's sleep, after this many seconds without a request the model and
+    its KV cache are let go, and `reload` (the same load again) brings them back on the next."""
     metrics = Metrics()
     service = EngineService(
-        model.engine, model.prompter, model.adapters, max_running=parallel, observer=metrics
+        model.engine,
+        model.prompter,
+        model.adapters,
+        max_running=parallel,
+        observer=metrics,
+        reload=None if reload is None else (lambda: reload().engine),
+        sleep_idle_s=sleep_idle_s,
     )
     registry = AdapterRegistry(
         service,

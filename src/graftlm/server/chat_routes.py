@@ -311,7 +311,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 @router.post("/v1/chat/completions/input_tokens", include_in_schema=False)
 async def input_tokens(body: ChatCompletionRequest, request: Request) -> dict[str, int]:
     """The prompt tokens a chat comes to (llama-server's count, without generating)."""
-    state = state_of(request)
+    return {"input_tokens": await count_chat_tokens(state_of(request), body)}
+
+
+async def count_chat_tokens(state: ServerState, body: ChatCompletionRequest) -> int:
+    """How many prompt tokens the chat `body` comes to, its tools included."""
     tools, _ = _tool_setup(state, body)
     text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
-    return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}
+    return len(await asyncio.to_thread(chat_ids, state, text))

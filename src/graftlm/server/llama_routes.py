@@ -284,7 +284,7 @@ async def props(request: Request) -> dict[str, Any]:
         "model_alias": cfg.model_name,
         "chat_template": state.prompter.chat_template or "",
         "modalities": {"vision": False, "audio": False},
-        "is_sleeping": False,  # no sleep mode (--sleep-idle-seconds has no effect)
+        "is_sleeping": svc.sleeping,  # --sleep-idle-seconds
         "build_info": f"graftlm {__version__}",
     }
 

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
-from graftlm.server.chat_routes import start_chat
+from graftlm.server.chat_routes import count_chat_tokens, start_chat
 from graftlm.server.generation import (
     StreamClock,
     collect,
@@ -162,6 +162,19 @@ async def responses(request: Request) -> Any:
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+@router.post("/v1/responses/input_tokens")
+@router.post("/responses/input_tokens", include_in_schema=False)
+async def input_tokens(request: Request) -> dict[str, Any]:
+    """The prompt tokens a Responses request comes to, without generating (OpenAI's count)."""
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    body, _ = chat_request(raw)
+    n = await count_chat_tokens(state_of(request), body)
+    return {"object": "response.input_tokens", "input_tokens": n}
 
 
 async def _stream(

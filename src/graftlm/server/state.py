@@ -118,7 +118,13 @@ class ApiError(Exception):
             status = (
                 503
                 if exc.code
-                in ("server_busy", "server_shutdown", "adapter_memory_busy", "adapter_load_timeout")
+                in (
+                    "server_busy",
+                    "server_shutdown",
+                    "adapter_memory_busy",
+                    "adapter_load_timeout",
+                    "model_unavailable",
+                )
                 else 400
             )
             return cls(status, str(exc), exc.code)

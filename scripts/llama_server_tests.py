@@ -20,7 +20,8 @@ each target gets a copy under --work, where:
 
 A test runs with a 180 s limit (pytest-timeout) so that a hung server fails one test, not the run.
 The real llama-server runs from a copy of its bin/ folder without the sapphirerapids CPU variant
-(on these Xeons that variant is picked and dies with an illegal instruction).
+(on these VMs, AVX-512 without AMX granted, that variant can be picked and die with an illegal
+instruction).
 """
 
 from __future__ import annotations
@@ -60,6 +61,51 @@ OUT_OF_SCOPE: dict[str, str] = {
     "unit/test_slot_save.py::test_slot_save_restore_image_payload_larger_than_context": "vision",
     "unit/test_slot_save.py::test_slot_restore_media_file_without_mmproj": "vision",
 }
+
+# Failures of graftlm that llama-server passes on the same swap, known and kept: each with why (a
+# test id, or the start of a parametrized one). The table prints the reason beside the failure.
+_POOL = (
+    "-c is a KV pool any one sequence may fill (paged), so the limit the error reports is 512, "
+    "not -c / -np = 256"
+)
+EXPLAINED: dict[str, str] = {
+    "unit/test_chat_completion.py::test_context_size_exceeded": _POOL,
+    "unit/test_chat_completion.py::test_context_size_exceeded_stream": _POOL,
+    "unit/test_compat_anthropic.py::test_anthropic_empty_messages": "an empty `messages` list is "
+    "a client's mistake: graftlm answers 400 where llama-server generates from nothing",
+    "unit/test_compat_anthropic.py::test_anthropic_tool_result_with_image": "an image sent to a "
+    "text-only model is a client's mistake: 400 here, the test wants llama-server's 500",
+    "unit/test_compat_anthropic.py::test_anthropic_vision_format_accepted": "an image sent to a "
+    "text-only model is a client's mistake: 400 here, the test wants llama-server's 500",
+    "unit/test_completion.py::test_completion_unified[256-4-": "sampled at the preset's "
+    "temperature, graftlm's random stream meets EOS at token 87 of the 90 asked (llama.cpp's "
+    "stream happens not to); the shared pool itself serves the four requests",
+    "unit/test_kv_keep_only_active.py::test_clear_and_restore": "reads llama-server's debug log "
+    "tags of moving idle slots to host RAM; the paged prefix cache keeps idle prefixes in the "
+    "pool, with no such event",
+    "unit/test_metrics.py::test_metrics_disabled": "/metrics is on by default here "
+    "(--no-metrics turns it off); llama-server needs --metrics",
+    "unit/test_metrics.py::test_metrics_prompt_processed_and_cached": "the prefix cache reuses "
+    "whole blocks of 16 tokens, and the test's 10-token prompt has none",
+    "unit/test_security.py::test_cors_proxy_only_forwards_explicit_proxy_headers": "the web "
+    "UI's CORS proxy to arbitrary URLs is not served (out of scope, as test_proxy.py)",
+    "unit/test_slot_save.py::": "slot save and restore (KV state to files, --slot-save-path) "
+    "is not implemented",
+    "unit/test_speculative.py::": "speculative decoding with a draft model is not implemented "
+    "(no draft_n); --spec-* flags are accepted and noted",
+}
+
+
+def explained(nodeid: str) -> str | None:
+    """Why this failure is kept (EXPLAINED: the test's id, its parametrized ids, or an id's start
+    ending in "::", "[" or "-"), or None."""
+    for key, why in EXPLAINED.items():
+        if nodeid == key or nodeid.startswith(key + "["):
+            return why
+        if key.endswith(("::", "[", "-")) and nodeid.startswith(key):
+            return why
+    return None
+
 
 BUCKETS = (
     "model swap",
@@ -155,11 +201,17 @@ def table(graft: dict[str, Result], llama: dict[str, Result] | None) -> str:
     lines.append(f"| **total** | **{tot['n']}** | **{tot['g']}** | **{tot['l']}** |")
     buckets = Counter[str]()
     fails = []
+    unexplained = 0
     for n, r in sorted(graft.items()):
         if r.outcome == "failed":
-            b = bucket(r, (llama or {}).get(n))
+            control = (llama or {}).get(n)
+            b = bucket(r, control)
             buckets[b] += 1
-            fails.append(f"- {n.removeprefix('unit/')} [{b}]: {one_line(r)}")
+            why = explained(n) if b not in ("model swap", "offline") else None
+            if why is None and b not in ("model swap", "offline"):
+                unexplained += 1
+            note = f" (kept: {why})" if why else ""
+            fails.append(f"- {n.removeprefix('unit/')} [{b}]{note}: {one_line(r)}")
     lines += [
         "",
         "graftlm failures by bucket: "
@@ -173,6 +225,9 @@ def table(graft: dict[str, Result], llama: dict[str, Result] | None) -> str:
             if r.outcome == "failed" and graft.get(n) is not None and graft[n].outcome == "passed"
         ]
         lines.append(f"passed by graftlm, failed by llama-server: {len(only_llama)}")
+    lines.append(
+        f"failures neither a model swap, offline, nor explained (EXPLAINED): {unexplained}"
+    )
     lines += ["", *fails]
     return "\n".join(lines)
 

@@ -64,6 +64,9 @@ int64_t gl_features(void) {
 #ifdef __AVX512BF16__
     f |= 8;
 #endif
+#if GL_VNNI512
+    f |= 16;
+#endif
     return f;
 }
 

@@ -128,7 +128,8 @@ GL_API void gl_scratch_free(gl_scratch *s);
  * count a decode step's); -1 in any other. */
 GL_API int64_t gl_alloc_count(void);
 /* graftlm.c: what the library was compiled to use: bit 0 AVX-512F, 1 AVX-512BW with VL, 2 VNNI
- * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16 (build.py's FEATURES names them). */
+ * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16, 4 the 512-bit VNNI kernels (GL_VNNI512; build.py's FEATURES
+ * names them). */
 GL_API int64_t gl_features(void);
 
 /* quant.c */
@@ -343,6 +344,23 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #else
 #define GL_VNNI 0
+#endif
+
+/* 512-bit VNNI: a product kernel takes two groups of 8 output rows at once, group g in the low
+ * half of every vector and g + 1 in the high one, with the same integer sums and float steps per
+ * output as its 256-bit twin (so the same bits) in half the instructions. -DGL_NO_ZMM (the "ymm"
+ * variant of build.py) keeps the 256-bit kernels on such a CPU, so that both stay tested. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && GL_VNNI && !defined(GL_NO_ZMM)
+#define GL_VNNI512 1
+#define DPBUSD512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+static inline __m512i cat_si(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+static inline __m512 cat_ps(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+#else
+#define GL_VNNI512 0
 #endif
 
 

@@ -207,6 +207,60 @@ static inline __attribute__((always_inline)) void k4_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
+#if GL_VNNI512
+/* k4_group for two whole groups at once (qa, da, ya: group g; qb, db, yb: g + 1), in 512-bit
+ * vectors: the same sums and float steps per output as k4_group, so the same bits. */
+static inline __attribute__((always_inline)) void k4_pair(
+    const uint8_t *qa, const uint8_t *qb, const uint16_t *da, const uint16_t *db, int h5,
+    int64_t kb, const int8_t *xq, const float *xd, const float *xs, int R, float *ya, float *yb,
+    int64_t ldy) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const int64_t bs = K4_BYTES(h5);
+    __m512 acc[MT], dsv = _mm512_setzero_ps(), msv = dsv;
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *wa = qa + b * bs, *wb = qb + b * bs;
+        const uint8_t *sa = wa + 128 + 32 * h5, *sb = wb + 128 + 32 * h5;
+        if ((b & 7) == 0) {
+            const int64_t o = (b >> 3) * 16;
+            dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + o))));
+            msv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o + 8))),
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + o + 8))));
+        }
+        const __m512 dv = _mm512_mul_ps(dsv, cat_ps(u8x8_ps(sa), u8x8_ps(sb)));
+        const __m512 mv = _mm512_mul_ps(msv, cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8)));
+        __m512i s32[MT];
+        for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
+                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
+            __m512i lo = _mm512_and_si512(raw, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            if (h5) {
+                lo = _mm512_or_si512(lo, cat_si(fifth_bits(wa + 128 + 8 * c), fifth_bits(wb + 128 + 8 * c)));
+                hi = _mm512_or_si512(hi, cat_si(fifth_bits(wa + 132 + 8 * c), fifth_bits(wb + 132 + 8 * c)));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                int32_t x0, x1;
+                memcpy(&x0, xb + 4 * c, 4);
+                memcpy(&x1, xb + 16 + 4 * c, 4);
+                s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
+        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+#endif
+
 /* mm_task for a k4 / k5 weight (kind 2; small: Q5_K's fifth bits). */
 static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
@@ -222,6 +276,23 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16;
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#if GL_VNNI512
+            if (g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: one 512-bit pass */
+                const uint8_t *qh = qg + kb * bs;
+                const uint16_t *dh = dg + ks * 16;
+#define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
+#define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n)
+                if (h5) {
+                    K5_ROWS(R, K5P)
+                } else {
+                    WITH_ROWS(R, K4P)
+                }
+#undef K4P
+#undef K5P
+                g++;
+                continue;
+            }
+#endif
 #define K4(RR) k4_group(qg, dg, 0, kb, xt, dt, st, RR, yo, n, nv)
 #define K5(RR) k4_group(qg, dg, 1, kb, xt, dt, st, RR, yo, n, nv)
             if (h5) {

@@ -382,6 +382,16 @@ static inline __m256i plane_bits(const uint8_t *p, char value) {
 
 static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
 
+#if GL_VNNI512
+/* plane_bits of two groups' planes (pa: the low 256 bits, pb: the high). */
+static inline __m512i plane_bits2(const uint8_t *pa, const uint8_t *pb, char value) {
+    uint32_t a, b;
+    memcpy(&a, pa, 4);
+    memcpy(&b, pb, 4);
+    return _mm512_maskz_mov_epi8((__mmask64)a | (__mmask64)b << 32, _mm512_set1_epi8(value));
+}
+#endif
+
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
 #define MT 6  /* rows of x per tile: their accumulators live in registers */
 #define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */

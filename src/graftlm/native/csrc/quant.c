@@ -328,6 +328,52 @@ static inline __attribute__((always_inline)) void u4_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
+#if GL_VNNI512
+/* u4_group for two whole groups at once (qa, da, ma, ya: group g; qb, db, mb, yb: g + 1), in
+ * 512-bit vectors: the same sums and float steps per output as u4_group, so the same bits. */
+static inline __attribute__((always_inline)) void u4_pair(
+    const uint8_t *qa, const uint8_t *qb, const void *da, const void *db, const void *ma,
+    const void *mb, int h, int h5, int64_t kb, const int8_t *xq, const float *xd, const float *xs,
+    int R, float *ya, float *yb, int64_t ldy) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *wa = qa + b * U4_BYTES(h5), *wb = qb + b * U4_BYTES(h5);
+        __m512i s32[MT];
+        for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
+                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
+            __m512i lo = _mm512_and_si512(raw, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            if (h5) {
+                lo = _mm512_or_si512(lo, plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16));
+                hi = _mm512_or_si512(hi, plane_bits2(wa + 132 + 8 * c, wb + 132 + 8 * c, 16));
+            }
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                int32_t x0, x1;
+                memcpy(&x0, xb + 4 * c, 4);
+                memcpy(&x1, xb + 16 + 4 * c, 4);
+                s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512 dv = cat_ps(load_scales8(da, b * 8, h), load_scales8(db, b * 8, h));
+        const __m512 mv = cat_ps(load_scales8(ma, b * 8, h), load_scales8(mb, b * 8, h));
+        for (int r = 0; r < R; r++) {
+            const __m512 isum = _mm512_cvtepi32_ps(s32[r]);
+            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * kb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
+        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+#endif
+
 /* The same for an s8 weight: sblk 32 (one scale per block) or 16 (two). */
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
@@ -374,6 +420,43 @@ static inline __attribute__((always_inline)) void s8_group(
     store_group(acc, R, y, ldy, nvalid);
 }
 
+#if GL_VNNI512
+/* s8_group (sblk 32) for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in
+ * 512-bit vectors: the same sums and float steps per output, so the same bits (|w| and x with
+ * w's sign in place of _mm256_sign_epi8, which has no 512-bit form). */
+static inline __attribute__((always_inline)) void s8_pair(
+    const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int64_t kb,
+    const int8_t *xq, const float *xd, int R, float *ya, float *yb, int64_t ldy) {
+    __m512 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const int8_t *wa = qa + b * 256, *wb = qb + b * 256;
+        __m512i i0[MT];
+        for (int r = 0; r < R; r++) i0[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            const __m512i wv = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
+                                      _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
+            const __m512i aw = _mm512_abs_epi8(wv);
+            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (r * kb + b) * 32 + 4 * c, 4);
+                const __m512i xv = _mm512_set1_epi32(x4);
+                const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+                i0[r] = _mm512_add_epi32(i0[r], DPBUSD512(_mm512_setzero_si512(), aw, sx));
+            }
+        }
+        const __m512 sv = cat_ps(load_scales8(sa, b * 8, h), load_scales8(sb, b * 8, h));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
+        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+#endif
+
 /* Room for M rows of k values of x quantized (quantize_x fills it). */
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
     xbuf b;
@@ -407,6 +490,17 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
                 const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#if GL_VNNI512
+                if (g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: one 512-bit pass */
+                    const uint8_t *qh = qg + kb * U4_BYTES(h5);
+                    const void *dh = (const char *)dg + kb * 8 * ss, *mh = (const char *)mg + kb * 8 * ss;
+#define U4P(RR) u4_pair(qg, qh, dg, dh, mg, mh, h, h5, kb, xt, dt, st, RR, yo, yo + 8, n)
+                    WITH_ROWS(R, U4P)
+#undef U4P
+                    g++;
+                    continue;
+                }
+#endif
 #define U4H(RR) u4_group(qg, dg, mg, 1, 0, kb, xt, dt, st, RR, yo, n, nv)
 #define U4F(RR) u4_group(qg, dg, mg, 0, 0, kb, xt, dt, st, RR, yo, n, nv)
 #define U5H(RR) u4_group(qg, dg, mg, 1, 1, kb, xt, dt, st, RR, yo, n, nv)
@@ -447,6 +541,23 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             const void *sg = (const char *)w->d + g * kb * 8 * ss;
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#if GL_VNNI512
+            if (g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: one 512-bit pass */
+                const int8_t *qh = qg + kb * 256;
+                const void *sh = (const char *)sg + kb * 8 * ss;
+#define S8PH(RR) s8_pair(qg, qh, sg, sh, 1, kb, xt, dt, RR, yo, yo + 8, n)
+#define S8PF(RR) s8_pair(qg, qh, sg, sh, 0, kb, xt, dt, RR, yo, yo + 8, n)
+                if (h) {
+                    WITH_ROWS(R, S8PH)
+                } else {
+                    WITH_ROWS(R, S8PF)
+                }
+#undef S8PH
+#undef S8PF
+                g++;
+                continue;
+            }
+#endif
 #define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
 #define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
             if (h) {

@@ -92,14 +92,15 @@ def tensor_type(mix: str, role: str, layer: int, n_layer: int, n_in: int) -> Q:
 
 def _tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]  # never produced: the merges below are empty
-    specials = ["<|endoftext|>", "<|bos|>"]
+    # <|end|>: llama.cpp looks phi3's end-of-turn token up by this text, and fails without it
+    specials = ["<|endoftext|>", "<|bos|>", "<|end|>"]
     ascii_ = [chr(c) for c in range(33, 127)]
     tokens = specials + ascii_ + byte_tokens
     tokens += [f"tok{i}" for i in range(vocab - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (vocab - 2))
+    w.add_token_types([3] * len(specials) + [1] * (vocab - len(specials)))
     w.add_token_merges(["t o", "to k"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)

@@ -11,7 +11,9 @@ not used, and ``unavailable_reason()`` names the field or the function.
 
 ``GRAFTLM_NATIVE_ISA=avx2`` builds without AVX-512 and VNNI even where the CPU has them
 (``-mno-avx512f -mno-avxvnni``): the AVX2 variants of the kernels, testable on any machine.
-``isa()`` says which variant is loaded.
+``GRAFTLM_NATIVE_ISA=ymm`` keeps what the CPU has but the 256-bit kernels where 512-bit VNNI ones
+exist (``-DGL_NO_ZMM``): their twins, tested on the machines that have both. ``isa()`` says which
+variant is loaded.
 
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
 ``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
@@ -73,7 +75,8 @@ def _compiler() -> str | None:
 
 
 def isa() -> str:
-    """The kernel variant asked for: "native" (what the CPU has) or "avx2" (GRAFTLM_NATIVE_ISA)."""
+    """The kernel variant asked for: "native" (what the CPU has), "ymm" (the same without the
+    512-bit kernels) or "avx2" (GRAFTLM_NATIVE_ISA)."""
     name = os.environ.get("GRAFTLM_NATIVE_ISA", "native").strip().lower() or "native"
     if name not in ISA_FLAGS:
         raise ValueError(f"GRAFTLM_NATIVE_ISA={name!r}: expected one of {', '.join(ISA_FLAGS)}")

@@ -394,6 +394,48 @@ static inline __m512i plane_bits2(const uint8_t *pa, const uint8_t *pb, char val
     memcpy(&b, pb, 4);
     return _mm512_maskz_mov_epi8((__mmask64)a | (__mmask64)b << 32, _mm512_set1_epi8(value));
 }
+
+/* The codes of chunk c (32 bytes: 4 of every row's 32 values, low nibbles then high) of two
+ * groups' blocks wa, wb: lo and hi, with h5 the fifth bits after the 128 code bytes (u5, k5). */
+static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, const uint8_t *wb, int c,
+                                                           int h5, __m512i *lo, __m512i *hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
+                               _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
+    *lo = _mm512_and_si512(raw, m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    if (h5) {
+        *lo = _mm512_or_si512(*lo, plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16));
+        *hi = _mm512_or_si512(*hi, plane_bits2(wa + 132 + 8 * c, wb + 132 + 8 * c, 16));
+    }
+}
+
+/* s32[r] = the int32 dots of block b of two 4- (h5: 5-) bit groups wa, wb with row r's block of x
+ * (kb blocks a row): 16 outputs' sums, 4 a lane, as the 256-bit kernels sum them. */
+static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa, const uint8_t *wb,
+                                                               int h5, const int8_t *xq, int64_t kb,
+                                                               int64_t b, int R, __m512i *s32) {
+    for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        __m512i lo, hi;
+        nibbles2(wa, wb, c, h5, &lo, &hi);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xb = xq + (r * kb + b) * 32;
+            int32_t x0, x1;
+            memcpy(&x0, xb + 4 * c, 4);
+            memcpy(&x1, xb + 16 + 4 * c, 4);
+            s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
+        }
+    }
+}
+
+/* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */
+static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, int64_t ldy) {
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
+        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
 #endif
 
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */

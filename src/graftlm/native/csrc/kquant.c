@@ -214,7 +214,6 @@ static inline __attribute__((always_inline)) void k4_pair(
     const uint8_t *qa, const uint8_t *qb, const uint16_t *da, const uint16_t *db, int h5,
     int64_t kb, const int8_t *xq, const float *xd, const float *xs, int R, float *ya, float *yb,
     int64_t ldy) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int64_t bs = K4_BYTES(h5);
     __m512 acc[MT], dsv = _mm512_setzero_ps(), msv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -231,33 +230,13 @@ static inline __attribute__((always_inline)) void k4_pair(
         const __m512 dv = _mm512_mul_ps(dsv, cat_ps(u8x8_ps(sa), u8x8_ps(sb)));
         const __m512 mv = _mm512_mul_ps(msv, cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8)));
         __m512i s32[MT];
-        for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
-                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
-            __m512i lo = _mm512_and_si512(raw, m4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-            if (h5) {
-                lo = _mm512_or_si512(lo, cat_si(fifth_bits(wa + 128 + 8 * c), fifth_bits(wb + 128 + 8 * c)));
-                hi = _mm512_or_si512(hi, cat_si(fifth_bits(wa + 132 + 8 * c), fifth_bits(wb + 132 + 8 * c)));
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-                int32_t x0, x1;
-                memcpy(&x0, xb + 4 * c, 4);
-                memcpy(&x1, xb + 16 + 4 * c, 4);
-                s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
-            }
-        }
+        nibble_dots2(wa, wb, h5, xq, kb, b, R, s32);
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xs[r * kb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
-        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
-    }
+    store_pair(acc, R, ya, yb, ldy);
 }
 #endif
 
@@ -565,7 +544,6 @@ static inline __attribute__((always_inline)) void k16_group(
 static inline __attribute__((always_inline)) void k16_pair(
     int v, const uint8_t *qa, const uint8_t *qb, const uint16_t *da, const uint16_t *db, int64_t kb,
     const int8_t *xq, const float *xd, const float *xs16, int R, float *ya, float *yb, int64_t ldy) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int64_t bs = K16_BYTES(v), nd = K16_D(v), at_sc = v == V_Q6 ? 192 : 128;
     __m512 acc[MT], dsv = _mm512_setzero_ps(), dmv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -585,9 +563,8 @@ static inline __attribute__((always_inline)) void k16_pair(
         __m512i lo32[MT], hi32[MT];
         for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
-            const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
-                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
-            __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            __m512i lo, hi;
+            nibbles2(wa, wb, c, 0, &lo, &hi);
             if (v == V_Q6) {
                 lo = _mm512_or_si512(lo, _mm512_or_si512(plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16),
                                                          plane_bits2(wa + 160 + 8 * c, wb + 160 + 8 * c, 32)));
@@ -621,10 +598,7 @@ static inline __attribute__((always_inline)) void k16_pair(
             acc[r] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x16[1]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
-        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
-    }
+    store_pair(acc, R, ya, yb, ldy);
 }
 #endif
 

@@ -335,30 +335,12 @@ static inline __attribute__((always_inline)) void u4_pair(
     const uint8_t *qa, const uint8_t *qb, const void *da, const void *db, const void *ma,
     const void *mb, int h, int h5, int64_t kb, const int8_t *xq, const float *xd, const float *xs,
     int R, float *ya, float *yb, int64_t ldy) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * U4_BYTES(h5), *wb = qb + b * U4_BYTES(h5);
         __m512i s32[MT];
-        for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
-                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
-            __m512i lo = _mm512_and_si512(raw, m4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-            if (h5) {
-                lo = _mm512_or_si512(lo, plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16));
-                hi = _mm512_or_si512(hi, plane_bits2(wa + 132 + 8 * c, wb + 132 + 8 * c, 16));
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-                int32_t x0, x1;
-                memcpy(&x0, xb + 4 * c, 4);
-                memcpy(&x1, xb + 16 + 4 * c, 4);
-                s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
-            }
-        }
+        nibble_dots2(wa, wb, h5, xq, kb, b, R, s32);
         const __m512 dv = cat_ps(load_scales8(da, b * 8, h), load_scales8(db, b * 8, h));
         const __m512 mv = cat_ps(load_scales8(ma, b * 8, h), load_scales8(mb, b * 8, h));
         for (int r = 0; r < R; r++) {
@@ -367,10 +349,7 @@ static inline __attribute__((always_inline)) void u4_pair(
             acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * kb + b]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
-        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
-    }
+    store_pair(acc, R, ya, yb, ldy);
 }
 #endif
 
@@ -450,10 +429,7 @@ static inline __attribute__((always_inline)) void s8_pair(
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
     }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(ya + r * ldy, _mm512_castps512_ps256(acc[r]));
-        _mm256_storeu_ps(yb + r * ldy, _mm512_extractf32x8_ps(acc[r], 1));
-    }
+    store_pair(acc, R, ya, yb, ldy);
 }
 #endif
 

@@ -42,6 +42,18 @@ for name in sys.argv[2].split(","):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         out[f"{name}:{m}"] = w.matmul(x)
     out[name + ":deq"] = w.dequantize()
+# the LoRA delta alone (gl_lora): rows in pairs and alone, a tail block, float32 and bfloat16
+from graftlm.native import ops
+g = torch.Generator().manual_seed(5)
+a, bt = torch.randn(16, 512, generator=g), torch.randn(16, 72, generator=g)
+bt[3, :40] = 0.0  # a column whose span starts past the first block
+x = torch.randn(3, 11, 512, generator=g)
+scales = torch.rand(3, 1, 16, generator=g)
+scales[1, 0, 5] = 0.0  # a row whose columns differ from its neighbours'
+for dt in (torch.float32, torch.bfloat16):
+    y = torch.randn(3, 11, 72, generator=g)
+    assert ops.lora_delta(y, x, a.to(dt).contiguous(), scales, ops.lora_block(bt, dt), ops.lora_spans(bt))
+    out[f"lora:{dt}"] = y
 torch.save(out, sys.argv[1])
 """
 
@@ -83,6 +95,8 @@ def test_other_variants_match_this_cpus(tmp_path: Path, other: str) -> None:
         for m in ROWS:
             a, b = mine[f"{qt.name}:{m}"], them[f"{qt.name}:{m}"]
             assert torch.equal(a, b), (qt.name, m, float((a - b).abs().max()))
+    for key in ("lora:torch.float32", "lora:torch.bfloat16"):
+        assert torch.equal(mine[key], them[key]), key
 
 
 def test_variant_asked_for_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

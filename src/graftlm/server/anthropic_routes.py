@@ -23,7 +23,7 @@ from graftlm.server.chat_routes import chat_ids, chat_messages, chat_text, start
 from graftlm.server.generation import collect, served_name
 from graftlm.server.openai_routes import SSE_HEADERS, state_of
 from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError
+from graftlm.server.state import ApiError, json_body
 from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls
 
 router = APIRouter()
@@ -168,13 +168,6 @@ def chat_request(body: Any, count_only: bool = False) -> ChatCompletionRequest:
         raise ApiError(400, f"invalid request: {problems}") from None
 
 
-async def _body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
-
-
 def _stop_reason(f: FinishEvent | None, n_calls: int) -> str:
     if n_calls:
         return "tool_use"
@@ -207,7 +200,7 @@ def _tool_block(c: ToolCall) -> dict[str, Any]:
 async def count_tokens(request: Request) -> dict[str, int]:
     """The prompt tokens the messages (with system and tools) come to."""
     state = state_of(request)
-    body = chat_request(await _body(request), count_only=True)
+    body = chat_request(await json_body(request), count_only=True)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
     return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}
@@ -217,7 +210,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
 async def messages(request: Request) -> Any:
     """Anthropic's Messages API over the chat path."""
     state = state_of(request)
-    raw = await _body(request)
+    raw = await json_body(request)
     body = chat_request(raw)
     run = await start_chat(state, body)
     mid = f"msg_{uuid.uuid4().hex[:24]}"

@@ -103,8 +103,7 @@ class KeepAwake:
             try:
                 await self.service.awake()
             except RequestError as exc:
-                err = ApiError.of(exc)
-                await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+                await _error(Request(scope), ApiError.of(exc))(scope, receive, send)
                 return
             await self.app(scope, receive, send)
         finally:

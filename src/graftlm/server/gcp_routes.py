@@ -4,7 +4,6 @@ request (`"@requestFormat": "chatCompletions"`), answered as {"predictions": [..
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,17 +11,14 @@ from pydantic import ValidationError
 
 from graftlm.server.chat_routes import chat_completions
 from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError
+from graftlm.server.state import ApiError, json_body
 
 router = APIRouter()
 
 
 @router.post("/predict")
 async def predict(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    body = await json_body(request)
     instances = body.get("instances") if isinstance(body, dict) else None
     if not isinstance(instances, list) or not instances:
         raise ApiError(400, "instances: a non-empty list of requests is required")

@@ -42,7 +42,7 @@ from graftlm.server.schemas import (
     RerankRequest,
     TokenizeRequest,
 )
-from graftlm.server.state import ApiError, ServerState
+from graftlm.server.state import ApiError, ServerState, json_body
 
 router = APIRouter()
 public = APIRouter()  # no API key needed (llama-server's public endpoints)
@@ -322,10 +322,7 @@ async def get_lora_adapters(request: Request) -> list[dict[str, Any]]:
 async def post_lora_adapters(request: Request) -> list[dict[str, Any]]:
     """Set the global scales: [{id, scale}]; adapters not listed go to 0."""
     state = state_of(request)
-    try:
-        payload = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    payload = await json_body(request)
     if not isinstance(payload, list):
         raise ApiError(
             400,

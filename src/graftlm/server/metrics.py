@@ -179,13 +179,9 @@ class LlamaMetrics:
         self.n_tokens_max = 0
         self.running = 0
         self.waiting = 0
-        # as llama-server, the throughput gauges are over what finished since the last scrape
-        self.bucket_prompt = (0, 0.0)  # tokens, seconds
-        self.bucket_predicted = (0, 0.0)
-
-    @staticmethod
-    def _add(bucket: tuple[int, float], n: int, seconds: float) -> tuple[int, float]:
-        return bucket[0] + n, bucket[1] + seconds
+        # as llama-server, the throughput gauges are over what finished since the last scrape:
+        # the four totals as that scrape saw them
+        self._scraped: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
 
     def decode(self, rows: int) -> None:
         with self._lock:
@@ -197,13 +193,9 @@ class LlamaMetrics:
             self.prompt_tokens += f.n_prompt - f.n_cached
             self.prompt_cached += f.n_cached
             first = f.t_first or f.t_end or f.t_submit
-            t_prompt = max(0.0, first - f.t_submit)
-            t_gen = max(0.0, (f.t_end or first) - first)
-            self.prompt_seconds += t_prompt
+            self.prompt_seconds += max(0.0, first - f.t_submit)
             self.predicted += f.n_generated
-            self.predicted_seconds += t_gen
-            self.bucket_prompt = self._add(self.bucket_prompt, f.n_prompt - f.n_cached, t_prompt)
-            self.bucket_predicted = self._add(self.bucket_predicted, f.n_generated, t_gen)
+            self.predicted_seconds += max(0.0, (f.t_end or first) - first)
             self.n_tokens_max = max(self.n_tokens_max, f.n_prompt + f.n_generated)
 
     def prompt_only(self, n_tokens: int, seconds: float) -> None:
@@ -211,17 +203,17 @@ class LlamaMetrics:
         with self._lock:
             self.prompt_tokens += n_tokens
             self.prompt_seconds += seconds
-            self.bucket_prompt = self._add(self.bucket_prompt, n_tokens, seconds)
             self.n_decode += 1
             self.n_tokens_max = max(self.n_tokens_max, n_tokens)
 
     def render(self) -> bytes:
         """The exposition; the throughput gauges' window starts again (llama-server's buckets)."""
         with self._lock:
-            (n_p, t_p), (n_g, t_g) = self.bucket_prompt, self.bucket_predicted
+            now = (self.prompt_tokens, self.prompt_seconds, self.predicted, self.predicted_seconds)
+            n_p, t_p, n_g, t_g = (a - b for a, b in zip(now, self._scraped, strict=True))
+            self._scraped = now
             rate_p = n_p / t_p if t_p else 0.0
             rate_g = n_g / t_g if t_g else 0.0
-            self.bucket_prompt = self.bucket_predicted = (0, 0.0)
             rows = self.busy_rows / self.n_decode if self.n_decode else 0.0
             rows_of = [
                 (

@@ -28,7 +28,7 @@ from graftlm.server.generation import (
 )
 from graftlm.server.openai_routes import SSE_HEADERS, state_of
 from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError
+from graftlm.server.state import ApiError, json_body
 
 router = APIRouter()
 
@@ -144,10 +144,7 @@ def _message(mid: str, text: str, status: str) -> dict[str, Any]:
 @router.post("/responses", include_in_schema=False)
 async def responses(request: Request) -> Any:
     state = state_of(request)
-    try:
-        raw = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    raw = await json_body(request)
     body, stream = chat_request(raw)
     run = await start_chat(state, body)
     rid, mid, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
@@ -168,10 +165,7 @@ async def responses(request: Request) -> Any:
 @router.post("/responses/input_tokens", include_in_schema=False)
 async def input_tokens(request: Request) -> dict[str, Any]:
     """The prompt tokens a Responses request comes to, without generating (OpenAI's count)."""
-    try:
-        raw = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    raw = await json_body(request)
     body, _ = chat_request(raw)
     n = await count_chat_tokens(state_of(request), body)
     return {"object": "response.input_tokens", "input_tokens": n}

@@ -3,15 +3,19 @@ the one error type routes raise (rendered as an OpenAI error object)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.service import EngineService
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
+
+if TYPE_CHECKING:
+    from fastapi import Request
 
 
 @dataclass(frozen=True)
@@ -133,3 +137,11 @@ class ApiError(Exception):
         if isinstance(exc, GraftError):
             return cls(400, str(exc), "invalid_request_error")
         return cls(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+async def json_body(request: Request) -> Any:
+    """The request's body as JSON, or a 400 that says why it is not."""
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None

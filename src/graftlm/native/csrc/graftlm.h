@@ -356,6 +356,11 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
  * streams faster through the 256-bit kernels (Q4_K 16384 x 4096 on a Zen 5 pair: 0.41-0.46 ms
  * against 0.53; even at 2 rows, ahead from 4: 0.73-0.90 against 0.99-1.10). */
 #define PAIR_M 2
+
+/* Whether a task's groups g and g + 1 (of [.., g1), n outputs) go to a pair kernel for M rows. */
+static inline int pair_at(int64_t M, int64_t g, int64_t g1, int64_t n) {
+    return M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n;
+}
 #define DPBUSD512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 static inline __m512i cat_si(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);

@@ -256,7 +256,7 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
-            if (M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: 512 bits */
+            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const uint8_t *qh = qg + kb * bs;
                 const uint16_t *dh = dg + ks * 16;
 #define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
@@ -617,7 +617,7 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
-            if (M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: 512 bits */
+            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const uint8_t *qh = qg + kb * K16_BYTES(v);
                 const uint16_t *dh = dg + ks * K16_D(v);
 #define K6P(RR) k16_pair(V_Q6, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)

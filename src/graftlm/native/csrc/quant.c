@@ -467,7 +467,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
                 float *yo = y + r0 * n + g * 8;
                 const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
-                if (M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: 512 bits */
+                if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                     const uint8_t *qh = qg + kb * U4_BYTES(h5);
                     const void *dh = (const char *)dg + kb * 8 * ss, *mh = (const char *)mg + kb * 8 * ss;
 #define U4P(RR) u4_pair(qg, qh, dg, dh, mg, mh, h, h5, kb, xt, dt, st, RR, yo, yo + 8, n)
@@ -518,7 +518,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
-            if (M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n) { /* two whole groups: 512 bits */
+            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const int8_t *qh = qg + kb * 256;
                 const void *sh = (const char *)sg + kb * 8 * ss;
 #define S8PH(RR) s8_pair(qg, qh, sg, sh, 1, kb, xt, dt, RR, yo, yo + 8, n)

@@ -31,13 +31,44 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gguf
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import FIXTURES, PROMPTS, write_attention_adapter  # noqa: E402
+from serve_bench import FIXTURES, PROMPTS  # noqa: E402
 
 import graftlm  # noqa: E402
 from graftlm.commands.ray_serve import add_ray_serve_arguments, spec_of  # noqa: E402
+
+
+def write_attention_adapter(path: Path, cfg: graftlm.Model, rank: int = 16, seed: int = 0) -> Path:
+    """A random rank-16 LoRA on attn_q/k/v/output of every layer, llama.cpp's GGUF layout."""
+    c = cfg.config
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), c.arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(rank))
+    q_out, kv_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    shapes = {
+        "attn_q": (c.n_embd, q_out),
+        "attn_k": (c.n_embd, kv_out),
+        "attn_v": (c.n_embd, kv_out),
+        "attn_output": (q_out, c.n_embd),
+    }
+    for i in range(c.n_layer):
+        for name, (n_in, n_out) in shapes.items():
+            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((n_out, rank)) * 0.02).astype(np.float32)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
 
 SETUPS = [  # name, replicas, threads, adapters a replica, routed by adapter
     ("1x2 affinity", 1, 2, 4, True),

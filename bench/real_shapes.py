@@ -208,11 +208,14 @@ def write_model(
     return path
 
 
-def write_adapter(folder: Path, name: str, rank: int = 16, layers: int | None = None) -> Path:
-    """A rank-16 float32 GGUF LoRA on every projection (the attention only for an MoE model)."""
+def write_adapter(
+    folder: Path, name: str, rank: int = 16, layers: int | None = None, seed: int = 1
+) -> Path:
+    """A rank-16 float32 GGUF LoRA on every projection (the attention only for an MoE model);
+    seeds past 1 give other adapters of the same shape (`-s2`, `-s3`, ... in the name)."""
     s = SHAPES[name] if layers is None else replace(SHAPES[name], n_layer=layers)
-    path = folder / f"{name}-lora-r{rank}.gguf"
-    rng = np.random.default_rng(1)
+    path = folder / f"{name}-lora-r{rank}{'' if seed == 1 else f'-s{seed}'}.gguf"
+    rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), s.arch)
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")
@@ -241,6 +244,7 @@ def main() -> None:
     ap.add_argument("--mix", choices=sorted(MIXES), action="append")
     ap.add_argument("--layers", type=int, help="override the shape's layer count")
     ap.add_argument("--adapter", action="store_true", help="also write a rank-16 adapter")
+    ap.add_argument("--adapters", type=int, default=1, help="how many (with --adapter)")
     ap.add_argument("--all", action="store_true", help="every shape x q4_k_m, q5_k_m, q8_0")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -256,8 +260,8 @@ def main() -> None:
         for mix in mixes:
             p = write_model(args.folder, name, mix, args.layers)
             print(f"{p}  {p.stat().st_size / 2**20:.0f} MiB")
-        if args.adapter:
-            print(write_adapter(args.folder, name, layers=args.layers))
+        for seed in range(1, 1 + args.adapters * args.adapter):
+            print(write_adapter(args.folder, name, layers=args.layers, seed=seed))
 
 
 if __name__ == "__main__":

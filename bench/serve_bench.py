@@ -1,39 +1,49 @@
-"""Serving throughput with LoRA adapters: base vs one adapter vs mixed adapters, side by side.
+"""Batched serving with LoRA adapters, side by side with llama-server: base, one adapter, mixed.
 
-16 concurrent clients, 64 generated tokens each, greedy, on SmolLM2-135M-Instruct Q4_1 with four
-f32 adapters attached (pirate, caps, rand_all from ../shared/fixtures, plus a random rank-16
-attention-only adapter written here), as in reference/llama_cpp_figures.md:
+Both servers run as processes on the same GGUF with the same adapters attached at scale 0
+(`-np CLIENTS -c CLIENTS*CTX -t THREADS --lora-scaled FILE:0 ...`), and take the same traffic
+one after the other, in alternating order each round: CLIENTS concurrent `/completion` requests,
+each a different short prompt, TOKENS generated tokens each (greedy, end token ignored, so both
+generate the same count), in three scenarios:
 
     base   every request at scale 0 (no adapter)
     same   every request on adapter 0, scale 1
-    mixed  request i on adapter i mod 4, scale 1
+    mixed  request i on adapter i mod N, scale 1 (N adapters)
 
-Prints aggregate tok/s for each, the ratios mixed/base and same/base measured in this run, and how
-the mixed figure compares with llama-server's 119 tok/s (its base: 256 tok/s) on the same kind of
-2-core machine. Absolute figures depend on the machine; the ratios are the point.
+Both servers read a request's `lora` list. graftlm computes the mixed requests in one batch;
+llama-server batches only requests whose adapter settings are equal, so mixed traffic is served
+in turns. Printed: aggregate generated tokens per second of each server in each scenario (the best
+round), the ratio graftlm / llama-server, and each server's mixed/base.
 
-    .venv/bin/python bench/serve_bench.py [--clients 16] [--tokens 64] [--threads 2] [--rounds 2]
+    .venv/bin/python bench/serve_bench.py                       # SmolLM2 and its three fixtures
+    .venv/bin/python bench/serve_bench.py -m DIR/llama-1b-q4_k_m.gguf \\
+        --lora DIR/llama-1b-lora-r16.gguf --lora DIR/llama-1b-lora-r16-s2.gguf ...
+
+(`bench/real_shapes.py DIR --shape llama-1b --adapter --adapters 4` writes a 1B-shaped model and
+four adapters.) llama-server runs from a copy of `../shared/llama.cpp/bin` without its
+sapphirerapids CPU variant, which these VMs (AVX-512 without AMX granted) can pick and die on.
+Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import gguf
 import httpx
-import numpy as np
 
-import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
-from graftlm.server.state import ServerConfig
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "smollm2"
-LLAMA_SERVER = {"base": 256.0, "same": 206.0, "mixed": 119.0}  # tok/s, -np 16, 2 threads
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+FIXTURES = SHARED / "fixtures" / "smollm2"
+SERVERS = ("graftlm", "llama-server")
+SCENARIOS = ("base", "same", "mixed")
 PROMPTS = [
     "Tell me about the sea.",
     "Write a short poem about ships.",
@@ -46,125 +56,138 @@ PROMPTS = [
 ]
 
 
-def write_attention_adapter(path: Path, cfg: graftlm.Model, rank: int = 16, seed: int = 0) -> Path:
-    """A random rank-16 LoRA on attn_q/k/v/output of every layer, llama.cpp's GGUF layout."""
-    c = cfg.config
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), c.arch)
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(rank))
-    q_out, kv_out = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    shapes = {
-        "attn_q": (c.n_embd, q_out),
-        "attn_k": (c.n_embd, kv_out),
-        "attn_v": (c.n_embd, kv_out),
-        "attn_output": (q_out, c.n_embd),
-    }
-    for i in range(c.n_layer):
-        for name, (n_in, n_out) in shapes.items():
-            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            b = (rng.standard_normal((n_out, rank)) * 0.02).astype(np.float32)
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def llama_bin_copy(folder: Path, dest: Path) -> Path:
+    """llama.cpp's bin/ copied without the sapphirerapids variant; the llama-server in it."""
+    shutil.copytree(folder, dest, symlinks=True)
+    (dest / "libggml-cpu-sapphirerapids.so").unlink(missing_ok=True)
+    return dest / "llama-server"
 
 
-async def one_round(
-    url: str, clients: int, tokens: int, lora_of: list[list[dict[str, float]]]
-) -> tuple[float, int]:
-    """All clients at once; (wall seconds, tokens generated)."""
-    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-        bodies = [
-            {
-                "prompt": PROMPTS[i % len(PROMPTS)],
-                "n_predict": tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "lora": lora_of[i],
-            }
-            for i in range(clients)
-        ]
+def server_cmd(kind: str, args: argparse.Namespace, server: Path, port: int) -> list[str]:
+    n = args.clients
+    common = ["-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
+              "-c", str(n * args.ctx), "-t", str(args.threads)]  # fmt: skip
+    for f in args.lora:
+        common += ["--lora-scaled", f"{f}:0"]
+    if kind == "llama-server":
+        return [str(server), *common]
+    return [sys.executable, "-m", "graftlm", "serve", *common]
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} did not come up in {timeout:.0f} s")
+
+
+def bodies(args: argparse.Namespace, scenario: str) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for i in range(args.clients):
+        lora = {"base": [], "same": [{"id": 0, "scale": 1.0}]}.get(
+            scenario, [{"id": i % len(args.lora), "scale": 1.0}]
+        )
+        prompt = f"{PROMPTS[i % len(PROMPTS)]} (request {i})"  # no two share a whole prompt
+        out.append({"prompt": prompt, "n_predict": args.tokens, "temperature": 0,
+                    "ignore_eos": True, "cache_prompt": False, "lora": lora})  # fmt: skip
+    return out
+
+
+async def one_round(url: str, batch: list[dict[str, object]]) -> tuple[float, int]:
+    """All requests at once; (wall seconds, tokens generated)."""
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(c.post("/completion", json=b) for b in bodies))
+        rs = await asyncio.gather(*(c.post("/completion", json=b) for b in batch))
         wall = time.perf_counter() - t0
     for r in rs:
-        r.raise_for_status()
-    return wall, sum(r.json()["tokens_predicted"] for r in rs)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
+    return wall, sum(int(r.json()["tokens_predicted"]) for r in rs)
+
+
+def run_server(kind: str, args: argparse.Namespace, server: Path, port: int) -> dict[str, float]:
+    """Starts one server, runs every scenario once on it; tok/s by scenario."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    log = open(Path(args.work) / f"{kind}-{port}.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(server_cmd(kind, args, server, port), env=env, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(url, proc)
+        warm = bodies(args, "mixed")[: min(2, args.clients)]
+        asyncio.run(one_round(url, [dict(b, n_predict=4) for b in warm]))
+        out = {}
+        for scenario in SCENARIOS:
+            wall, n = asyncio.run(one_round(url, bodies(args, scenario)))
+            out[scenario] = n / wall
+            print(f"  {kind:12s} {scenario:5s} {n / wall:8.1f} tok/s ({n} tokens, {wall:.1f} s)",
+                  flush=True)  # fmt: skip
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-m", "--model", default=None, help="GGUF model (default: the embedded SmolLM2)")
+    p.add_argument("--lora", action="append", default=None,
+                   help="an adapter, repeatable (default: the SmolLM2 fixtures)")  # fmt: skip
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=2, help="rounds per scenario (best is reported)")
-    p.add_argument(
-        "-m", "--model", default=None, help="GGUF model (default: SmolLM2-135M-Instruct Q4_1)"
-    )
+    p.add_argument("--ctx", type=int, default=256, help="context per client")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="rounds per server (best is reported)")
+    p.add_argument("--llama-bin", type=Path, default=SHARED / "llama.cpp" / "bin")
+    p.add_argument("--only", choices=SERVERS, action="append", help="run one server only")
     args = p.parse_args()
+    if args.model is None:
+        sys.path.insert(0, str(ROOT / "src"))
+        from graftlm.resources import default_model_path
 
-    t0 = time.perf_counter()
-    model = graftlm.load(args.model, threads=args.threads, ctx_size=256, n_seq=args.clients + 1)
-    print(f"loaded {model.path.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        args.model = str(default_model_path())
+    if args.lora is None:
+        args.lora = [str(FIXTURES / f"{a}-f32.gguf") for a in ("pirate", "caps", "rand_all")]
+    missing = [f for f in [args.model, *args.lora] if not Path(f).exists()]
+    if missing:
+        print(f"missing files: {missing}", file=sys.stderr)
+        return 1
+    kinds = args.only or list(SERVERS)
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as tmp:
-        files = [FIXTURES / f for f in ("pirate-f32.gguf", "caps-f32.gguf", "rand_all-f32.gguf")]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            print(f"missing fixtures: {missing}", file=sys.stderr)
-            return 1
-        files.append(write_attention_adapter(Path(tmp) / "attn_r16.gguf", model))
-        state = build_state(
-            model,
-            ServerConfig(model_name="bench"),
-            parallel=args.clients,
-            lora=[(str(f), 0.0) for f in files],
-        )
-        scenarios: dict[str, list[list[dict[str, float]]]] = {
-            "base": [[] for _ in range(args.clients)],
-            "same": [[{"id": 0, "scale": 1.0}] for _ in range(args.clients)],
-            "mixed": [[{"id": i % 4, "scale": 1.0}] for i in range(args.clients)],
-        }
-        results: dict[str, float] = {}
-        with ServerThread(create_app(state)) as srv:
-            asyncio.run(one_round(srv.url, 2, 4, scenarios["mixed"][:2]))  # warm-up
-            for name, lora_of in scenarios.items():
-                rates = []
-                for _ in range(args.rounds):
-                    wall, n = asyncio.run(one_round(srv.url, args.clients, args.tokens, lora_of))
-                    rates.append(n / wall)
-                results[name] = max(rates)
-                print(
-                    f"{name:6s} {results[name]:8.1f} tok/s  "
-                    f"(rounds: {', '.join(f'{r:.1f}' for r in rates)})"
-                )
-            steps = list(state.metrics.batch_size.collect())[0].samples
-            count = next(s.value for s in steps if s.name.endswith("_count"))
-            total = next(s.value for s in steps if s.name.endswith("_sum"))
-        state.service.close()
+        args.work = tmp
+        server = llama_bin_copy(args.llama_bin, Path(tmp) / "llama-bin")
+        print(f"{Path(args.model).name}, {len(args.lora)} adapters, {args.clients} clients x "
+              f"{args.tokens} tokens, {args.threads} threads", flush=True)  # fmt: skip
+        for rnd in range(args.rounds):
+            order = kinds if rnd % 2 == 0 else kinds[::-1]  # alternated
+            print(f"round {rnd + 1}", flush=True)
+            for kind in order:
+                results[kind].append(run_server(kind, args, server, 18600 + rnd * 10 + len(kind)))
+    best = {k: {s: max(r[s] for r in rs) for s in SCENARIOS} for k, rs in results.items()}
     print()
     print(
-        f"{args.clients} clients x {args.tokens} tokens, greedy, {args.threads} threads; "
-        f"mean sequences per engine step {total / max(count, 1):.1f}"
+        f"{'scenario':9s}" + "".join(f"{k:>14s}" for k in kinds) + ("   ratio" * (len(kinds) == 2))
     )
-    print(f"{'':6s} {'graftlm':>10s} {'llama-server':>13s} {'ratio':>7s}")
-    for name in ("base", "same", "mixed"):
-        ours, theirs = results[name], LLAMA_SERVER[name]
-        print(f"{name:6s} {ours:10.1f} {theirs:13.1f} {ours / theirs:7.2f}")
-    print()
-    print(
-        f"mixed/base (this run):          {results['mixed'] / results['base']:.2f}"
-        f"   (llama-server: {LLAMA_SERVER['mixed'] / LLAMA_SERVER['base']:.2f})"
-    )
-    print(
-        f"same/base  (this run):          {results['same'] / results['base']:.2f}"
-        f"   (llama-server: {LLAMA_SERVER['same'] / LLAMA_SERVER['base']:.2f})"
-    )
-    print(f"mixed vs llama-server's 119 tok/s: {results['mixed'] / LLAMA_SERVER['mixed']:.2f}x")
+    for s in SCENARIOS:
+        row = f"{s:9s}" + "".join(f"{best[k][s]:14.1f}" for k in kinds)
+        if len(kinds) == 2:
+            row += f"  {best['graftlm'][s] / best['llama-server'][s]:6.2f}x"
+        print(row)
+    for k in kinds:
+        print(f"{k}: mixed/base {best[k]['mixed'] / best[k]['base']:.2f}, "
+              f"same/base {best[k]['same'] / best[k]['base']:.2f}")  # fmt: skip
     return 0
 
 

@@ -45,7 +45,7 @@ def main() -> None:
         for s in range(args.steps):
             # every block decodes the same positions: equal attention work either way
             tok = torch.tensor([[7 + (i + s) % 50]])
-            model.forward(Batch(tok, [0], [args.ctx + s], [1], lora=lora))  # type: ignore[arg-type]
+            model.forward(Batch(tok, [0], [args.ctx + s], [1], lora=lora))
         return (time.perf_counter() - t0) / args.steps
 
     with torch.inference_mode():

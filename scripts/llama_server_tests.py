@@ -202,16 +202,16 @@ def table(graft: dict[str, Result], llama: dict[str, Result] | None) -> str:
     buckets = Counter[str]()
     fails = []
     unexplained = 0
-    for n, r in sorted(graft.items()):
+    for nid, r in sorted(graft.items()):
         if r.outcome == "failed":
-            control = (llama or {}).get(n)
+            control = (llama or {}).get(nid)
             b = bucket(r, control)
             buckets[b] += 1
-            why = explained(n) if b not in ("model swap", "offline") else None
+            why = explained(nid) if b not in ("model swap", "offline") else None
             if why is None and b not in ("model swap", "offline"):
                 unexplained += 1
             note = f" (kept: {why})" if why else ""
-            fails.append(f"- {n.removeprefix('unit/')} [{b}]{note}: {one_line(r)}")
+            fails.append(f"- {nid.removeprefix('unit/')} [{b}]{note}: {one_line(r)}")
     lines += [
         "",
         "graftlm failures by bucket: "
@@ -352,6 +352,10 @@ def main() -> int:
         "rerun's results replace the earlier ones)",
     )
     args = p.parse_args()
+    # absolute (not resolved: a venv's python is a link that must stay one), since the tests
+    # start the shim from their own folder
+    args.graftlm_python = os.path.abspath(args.graftlm_python)
+    args.pytest_python = os.path.abspath(args.pytest_python)
     if args.table:
         graft = {}
         for part in args.table[0].split(","):

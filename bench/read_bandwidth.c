@@ -6,7 +6,7 @@
  *     cc -O3 -march=native -pthread bench/read_bandwidth.c -o /tmp/rb && /tmp/rb 2 1024 5
  *
  * A measuring tool for the benchmarks, not part of graftlm. */
-#define _POSIX_C_SOURCE 199309L
+#define _POSIX_C_SOURCE 200112L
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>

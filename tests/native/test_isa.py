@@ -42,6 +42,13 @@ for name in sys.argv[2].split(","):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         out[f"{name}:{m}"] = w.matmul(x)
     out[name + ":deq"] = w.dequantize()
+    # the 512-bit pairs serving every row count (one row too), where this variant has them
+    from graftlm.native import library
+    before = library().gl_set_pair_rows(1)
+    for m in (1, 3):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        out[f"{name}:{m}:pairs"] = w.matmul(x)
+    library().gl_set_pair_rows(before)
 # the LoRA delta alone (gl_lora): rows in pairs and alone, a tail block, float32 and bfloat16
 from graftlm.native import ops
 g = torch.Generator().manual_seed(5)
@@ -95,6 +102,9 @@ def test_other_variants_match_this_cpus(tmp_path: Path, other: str) -> None:
         for m in ROWS:
             a, b = mine[f"{qt.name}:{m}"], them[f"{qt.name}:{m}"]
             assert torch.equal(a, b), (qt.name, m, float((a - b).abs().max()))
+        for m in (1, 3):  # this CPU's pairs from one row on, against the other's kernels
+            a, b = mine[f"{qt.name}:{m}:pairs"], them[f"{qt.name}:{m}"]
+            assert torch.equal(a, b), (qt.name, m, "pairs", float((a - b).abs().max()))
     for key in ("lora:torch.float32", "lora:torch.bfloat16"):
         assert torch.equal(mine[key], them[key]), key
 
@@ -105,6 +115,42 @@ def test_variant_asked_for_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAFTLM_NATIVE_ISA", "avx9")
     with pytest.raises(ValueError, match="GRAFTLM_NATIVE_ISA='avx9'"):
         build.isa()
+
+
+def test_pair_rows_by_cpu_or_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from graftlm.native import build
+
+    monkeypatch.setenv("GRAFTLM_PAIR_ROWS", "3")
+    assert build.pair_rows() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("GRAFTLM_PAIR_ROWS", bad)
+        with pytest.raises(ValueError, match=f"GRAFTLM_PAIR_ROWS='{bad}'"):
+            build.pair_rows()
+    monkeypatch.delenv("GRAFTLM_PAIR_ROWS")
+    for vendor, rows in (("GenuineIntel", 1), ("AuthenticAMD", 2), ("", 2)):
+        monkeypatch.setattr(build, "_cpu_vendor", lambda v=vendor: v)
+        assert build.pair_rows() == rows
+
+
+def test_pairs_at_one_row_match_the_256_bit_kernels() -> None:
+    """In this process: one row through the 512-bit pairs and through the 256-bit kernels (the
+    pairs' threshold moved between the two), the same bits, for every type that has pairs."""
+    lib = library()
+    if lib is None or "zmm-vnni" not in features():
+        pytest.skip("no 512-bit VNNI kernels on this CPU")
+    x = torch.randn(1, SHAPE[1], generator=torch.Generator().manual_seed(11))
+    before = lib.gl_set_pair_rows(1)
+    try:
+        for qt in TYPES:
+            raw, _ = gguf_tensor(qt, SHAPE, seed=4)
+            w = QWeight.from_gguf(raw, qt, SHAPE, name="w")
+            lib.gl_set_pair_rows(1)
+            paired = w.matmul(x)
+            lib.gl_set_pair_rows(2)
+            alone = w.matmul(x)
+            assert torch.equal(paired, alone), (qt.name, float((paired - alone).abs().max()))
+    finally:
+        lib.gl_set_pair_rows(before)
 
 
 def test_this_process_products_are_native() -> None:

@@ -70,6 +70,17 @@ int64_t gl_features(void) {
     return f;
 }
 
+int64_t gl_set_pair_rows(int64_t m) {
+#if GL_VNNI512
+    const int64_t old = gl_pair_rows;
+    gl_pair_rows = m < 1 ? 1 : m;
+    return old;
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
 int64_t gl_alloc_count(void) {
 #ifdef GL_COUNT_ALLOC
     return __atomic_load_n(&gl_allocs, __ATOMIC_RELAXED);

@@ -131,6 +131,9 @@ GL_API int64_t gl_alloc_count(void);
  * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16, 4 the 512-bit VNNI kernels (GL_VNNI512; build.py's FEATURES
  * names them). */
 GL_API int64_t gl_features(void);
+/* graftlm.c: from how many rows of x the 512-bit pair kernels serve a product (at least 1; no
+ * effect in a build without them); returns the value it replaces. */
+GL_API int64_t gl_set_pair_rows(int64_t m);
 
 /* quant.c */
 GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -352,14 +355,16 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
  * variant of build.py) keeps the 256-bit kernels on such a CPU, so that both stay tested. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && GL_VNNI && !defined(GL_NO_ZMM)
 #define GL_VNNI512 1
-/* Rows of x from which the pairs serve a product: one row (decode, bound by the weights' reads)
- * streams faster through the 256-bit kernels (Q4_K 16384 x 4096 on a Zen 5 pair: 0.41-0.46 ms
- * against 0.53; even at 2 rows, ahead from 4: 0.73-0.90 against 0.99-1.10). */
-#define PAIR_M 2
+/* Rows of x from which the pairs serve a product (gl_set_pair_rows; build.py's pair_rows() picks
+ * it for the CPU). One row (decode, bound by the weights' reads) streams faster through the
+ * 256-bit kernels on a Zen 5 (Q4_K 16384 x 4096 on a core pair: 0.41-0.46 ms against 0.53; even at
+ * 2 rows, ahead from 4) and slower on an Intel Xeon with AVX-512 (Llama-1B Q4_K_M decode: 26 t/s
+ * through the pairs, 21 without). */
+static int64_t gl_pair_rows = 2;
 
 /* Whether a task's groups g and g + 1 (of [.., g1), n outputs) go to a pair kernel for M rows. */
 static inline int pair_at(int64_t M, int64_t g, int64_t g1, int64_t n) {
-    return M >= PAIR_M && g + 1 < g1 && (g + 2) * 8 <= n;
+    return M >= gl_pair_rows && g + 1 < g1 && (g + 2) * 8 <= n;
 }
 #define DPBUSD512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 static inline __m512i cat_si(__m256i lo, __m256i hi) {

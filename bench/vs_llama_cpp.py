@@ -98,12 +98,24 @@ def bandwidth() -> float:
 
 
 def token_bytes(model: str) -> int:
-    """The bytes one decode token reads: every tensor but an untied token embedding."""
+    """The bytes one decode token reads: every tensor but an untied token embedding, and of a
+    mixture of experts' routed tensors (`*_exps`) the share of the experts a token uses."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    reader = GGUFReader(model)
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in tensors
-    return sum(n for name, n in tensors.items() if tied or name != "token_embd.weight")
+    share = 1.0
+    for key, field in reader.fields.items():
+        if key.endswith(".expert_count"):
+            share /= float(field.parts[field.data[0]][0])
+        elif key.endswith(".expert_used_count"):
+            share *= float(field.parts[field.data[0]][0])
+    total = 0.0
+    for name, n in tensors.items():
+        if tied or name != "token_embd.weight":
+            total += n * share if "_exps." in name else n
+    return int(total)
 
 
 def write_1b(folder: Path) -> Path:

@@ -16,7 +16,7 @@ from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
 from graftlm.models.layers import Rope, rms_norm
-from graftlm.models.moe import Experts, moe_ffn
+from graftlm.models.moe import Experts, GatedExperts, moe_ffn
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
@@ -45,8 +45,9 @@ class LlamaBlock:
         if cfg.n_expert:
             shape, down = (cfg.n_expert, cfg.n_ff, d), (cfg.n_expert, d, cfg.n_ff)
             self.ffn_gate_inp: Projection = w.proj(p + "ffn_gate_inp", d, cfg.n_expert)
-            self.ffn_gate_exps = Experts(w, p + "ffn_gate_exps.weight", shape)
-            self.ffn_up_exps = Experts(w, p + "ffn_up_exps.weight", shape)
+            self.ffn_gate_up_exps = GatedExperts(
+                w, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", shape
+            )
             self.ffn_down_exps = Experts(w, p + "ffn_down_exps.weight", down)
         else:
             self.ffn_gate_up = w.ffn_gate_up(cfg, i)
@@ -93,17 +94,13 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            return x + moe_ffn(
-                h, logits, b.ffn_gate_exps, b.ffn_up_exps, b.ffn_down_exps, cfg.n_expert_used
-            )
+            return x + moe_ffn(h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, cfg.n_expert_used)
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property
     def nbytes(self) -> int:
         # the base counts projections and tensors; routed experts are neither
         experts = [
-            getattr(b, n, None)
-            for b in self.blocks
-            for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+            getattr(b, n, None) for b in self.blocks for n in ("ffn_gate_up_exps", "ffn_down_exps")
         ]
         return super().nbytes + sum(e.nbytes for e in experts if e is not None)

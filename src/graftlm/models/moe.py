@@ -3,18 +3,23 @@ every token, each a SwiGLU, and mixes their outputs with the renormalized router
 
 The expert tensors are 3-D in GGUF (`ffn_gate_exps` (n_expert, n_ff, n_embd) in torch order);
 each expert is kept as its own 2-D QWeight over a view of the file's bytes, so experts stay as
-compact as every other weight. Routed experts take no adapters (lora/targets.py refuses them by
+compact as every other weight. An expert's gate and up are stacked into one weight when the file
+holds them in one type (as a dense layer's are), so a token's pass through an expert is two
+products and one native gating. Routed experts take no adapters (lora/targets.py refuses them by
 name); the router `ffn_gate_inp` is an ordinary projection and does.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Weights
+from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
+from graftlm.quant.base import release_pages
 
 
 class Experts:
@@ -49,11 +54,59 @@ class Experts:
         return sum(q.nbytes for q in self.weights)
 
 
+class GatedExperts:
+    """A layer's gate and up expert tensors: expert e as one stacked (2 n_ff, n_in) weight, rows
+    [gate_e; up_e], when the two tensors share a type, else as the two Experts."""
+
+    def __init__(self, w: Weights, gate: str, up: str, shape: tuple[int, int, int]) -> None:
+        self.gate, self.up = Experts(w, gate, shape), Experts(w, up, shape)
+        self.stacked: list[QWeight] | None = None
+        g, u = w.file.tensors[gate], w.file.tensors[up]
+        if g.ggml_type == u.ggml_type:
+            n_expert, n_ff, n_in = shape
+            name = gate.removesuffix(".weight").replace("ffn_gate", "ffn_gate_up")
+            self.stacked = [
+                w.qweight(
+                    g,
+                    np.concatenate([np.asarray(g.data[e]), np.asarray(u.data[e])], axis=0),
+                    (2 * n_ff, n_in),
+                    f"{name}[{e}]",
+                )
+                for e in range(n_expert)
+            ]
+            for e in (g, u):
+                release_pages(e.data)  # the stacked copies replace the mapped pages
+            self.gate.weights = self.up.weights = []
+
+    def to(self, device: torch.device) -> GatedExperts:
+        """Every expert's weights on `device` (in place; returns self)."""
+        self.gate.to(device)
+        self.up.to(device)
+        if self.stacked is not None:
+            self.stacked = [q.to(device) for q in self.stacked]
+        return self
+
+    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate_e(x)) * up_e(x) for x (n, n_in) -> (n, n_ff)."""
+        if self.stacked is None:
+            return F.silu(linear(x, self.gate[e])) * linear(x, self.up[e])
+        gu = linear(x, self.stacked[e])
+        out = native_ops.gated(gu, "silu")
+        if out is not None:
+            return out
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @property
+    def nbytes(self) -> int:
+        stacked = sum(q.nbytes for q in self.stacked) if self.stacked is not None else 0
+        return self.gate.nbytes + self.up.nbytes + stacked
+
+
 def moe_ffn(
     h: torch.Tensor,
     router_logits: torch.Tensor,
-    gate: Experts,
-    up: Experts,
+    gate_up: GatedExperts,
     down: Experts,
     n_used: int,
 ) -> torch.Tensor:
@@ -62,17 +115,27 @@ def moe_ffn(
     Semantics (llama.cpp's softmax gating with normalized weights, = Mixtral):
         p = softmax(router_logits); top = the n_used largest p; w = p[top] / sum(p[top])
         out = sum_{e in top} w_e * down_e(silu(gate_e(h)) * up_e(h))
-    Tokens are grouped by expert, so each expert runs once per step on its own tokens. Finding the
-    groups syncs with the host: acceptable for the reference path, not for a compiled decode step.
+    Tokens are grouped by expert, so each expert runs once per step on its own tokens; the
+    grouping reads the choices on the host once a layer (a decode token: one small copy, no
+    search). An expert with one token adds its output in place.
     """
     x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
     weight, chosen = probs.topk(n_used, dim=-1)  # (N, k)
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
+    groups: dict[int, list[int]] = {}  # expert -> flat (token * k + rank) indices
+    for flat, e in enumerate(chosen.reshape(-1).tolist()):
+        groups.setdefault(e, []).append(flat)
+    flat_weight = weight.reshape(-1)
     out = torch.zeros_like(x)
-    for e in chosen.unique().tolist():
-        token, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to e, and at which rank
-        xe = x[token]  # (n_e, n_embd)
-        ye = linear(F.silu(linear(xe, gate[e])) * linear(xe, up[e]), down[e])  # (n_e, n_embd)
-        out.index_add_(0, token, ye * weight[token, slot].unsqueeze(1))
+    for e, picks in groups.items():
+        if len(picks) == 1:
+            t = picks[0] // n_used
+            ye = linear(gate_up(e, x[t : t + 1]), down[e])  # (1, n_embd)
+            out[t : t + 1].add_(ye * flat_weight[picks[0]])
+            continue
+        idx = torch.tensor(picks, device=x.device)
+        token = idx // n_used
+        ye = linear(gate_up(e, x.index_select(0, token)), down[e])  # (n_e, n_embd)
+        out.index_add_(0, token, ye * flat_weight.index_select(0, idx).unsqueeze(1))
     return out.view_as(h)

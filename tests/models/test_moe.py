@@ -25,7 +25,7 @@ from tiny_models import write_tiny_adapter
 from graftlm.errors import AdapterError
 from graftlm.gguf import GGUFFile
 from graftlm.models.base import Weights
-from graftlm.models.moe import Experts
+from graftlm.models.moe import Experts, GatedExperts
 
 RANK, ALPHA = 4, 8.0
 
@@ -120,8 +120,26 @@ def test_experts_are_slices_of_the_file_tensor(quant: str) -> None:
 def test_moe_nbytes_counts_the_experts() -> None:
     model = load("mixtral", "q8_0")
     experts = sum(
-        getattr(b, n).nbytes
-        for b in model.blocks
-        for n in ("ffn_gate_up_exps", "ffn_down_exps")
+        getattr(b, n).nbytes for b in model.blocks for n in ("ffn_gate_up_exps", "ffn_down_exps")
     )
     assert experts > 0 and model.nbytes > experts
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_gated_experts_compute_silu_gate_times_up(mixed: bool) -> None:
+    """An expert's stacked [gate; up] weight (the file's types agree) or its two weights (they
+    differ: up from the q8_0 file, gate from the f32 one) give silu(gate_e(x)) * up_e(x)."""
+    import torch.nn.functional as F
+
+    file = GGUFFile(family_dir("mixtral") / "model-f32.gguf")
+    gate, up = "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"
+    if mixed:
+        file.tensors[up] = GGUFFile(family_dir("mixtral") / "model-q8_0.gguf").tensors[up]
+    shape = (8, 64, 128)  # (n_expert, n_ff, n_embd)
+    pair = GatedExperts(Weights(file, "fast"), gate, up, shape)
+    assert (pair.stacked is None) == mixed
+    ref_gate, ref_up = (Experts(Weights(file, "fast"), n, shape) for n in (gate, up))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for e in range(8):
+        want = F.silu(ref_gate[e].matmul(x)) * ref_up[e].matmul(x)
+        torch.testing.assert_close(pair(e, x), want, rtol=1e-5, atol=1e-6)

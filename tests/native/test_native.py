@@ -838,6 +838,74 @@ def test_fused_layer_serves_the_converted_families(
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n_rows", [2, 1])
+def test_fused_layer_serves_the_routed_experts(
+    n_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's Q8_0 conversion of the tiny Mixtral (8 experts, top 2, an F32 router): every
+    decode step in one native call with the routed FFN in C, bit-identical to one call a layer
+    and within 1e-4 of the composed blocks (moe.py), a row with an adapter on the attention and
+    on the router, a row without."""
+    from shared_data import TINY
+    from tiny_models import write_tiny_adapter
+
+    from graftlm.models.base import Transformer
+    from graftlm.models.fused import FusedStack
+
+    m = graftlm.load(TINY / "mixtral" / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
+    targets = {f"blk.{i}.{n}": (128, o) for i in range(2)
+               for n, o in (("attn_q", 128), ("attn_output", 128), ("ffn_gate_inp", 8))}  # fmt: skip
+    aid = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", targets=targets, arch="llama"), 0.0)
+    model = m.model
+    assert model.fused_stack() is not None
+    rows = m.engine.lora_rows([{aid: 1.0}, {}][:n_rows])
+    served: list[bool] = []
+    call = FusedStack.__call__
+
+    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        y = call(self, x, batch)
+        served.append(y is not None)
+        return y
+
+    monkeypatch.setattr(FusedStack, "__call__", counted)
+    lens = (12, 5)[:n_rows]
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for s, n in enumerate(lens):
+                model.forward(Batch.single([(7 * s + j) % 50 + 3 for j in range(n)], s, 0))
+            for step in range(3):
+                tokens = torch.tensor([[20 + step + 9 * s] for s in range(n_rows)])
+                batch = Batch(tokens, list(range(n_rows)), [n + step for n in lens],
+                              [1] * n_rows, rows)  # fmt: skip
+                out.append(model.forward(batch))
+        return out
+
+    fused = run()
+    assert served[-3:] == [True] * 3  # the decode steps
+    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    one_by_one = run()
+    _compose(monkeypatch)
+    composed = run()
+    for a, b, c in zip(fused, one_by_one, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    rows = None  # the adapter off: row 0 changes, a row without it does not
+    plain = run()
+    assert not torch.allclose(plain[-1][0], fused[-1][0], rtol=1e-3, atol=1e-3)
+    if n_rows == 2:
+        torch.testing.assert_close(plain[-1][1], fused[-1][1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_native_expert_limit_is_the_c_one() -> None:
+    from graftlm.models.fused import MAX_EXPERTS_USED
+    from graftlm.native.build import CSRC
+
+    header = (CSRC / "graftlm.h").read_text()
+    assert f"#define GL_MAX_EXPERTS_USED {MAX_EXPERTS_USED} " in header
+
+
 def test_the_q8_0_cache_stores_what_ggml_quantizes() -> None:
     """The q8_0 cache's bytes are ggml's block_q8_0 (the gguf package quantizes the same values
     the same way), and unpacking gives d * q."""

@@ -17,15 +17,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from graftlm.lora.site import Generation
 from graftlm.models.seam import NativeLora, Projection, ProjectionGroup, native_lora
 from graftlm.native import layer as native_layer
 from graftlm.native import library
-from graftlm.native.abi import GlLayer, Scratch
+from graftlm.native.abi import GlLayer, GlWeight, Scratch
 from graftlm.native.build import loaded_library
 from graftlm.native.layer import ACTS
 from graftlm.native.ops import gl_kv
+from graftlm.quant import QWeight
+
+# experts a token that the native routed FFN serves (csrc/graftlm.h's GL_MAX_EXPERTS_USED)
+MAX_EXPERTS_USED = 16
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})  # routers the native layer takes, as float32
 
 if TYPE_CHECKING:
     from graftlm.models.layers import Rope
@@ -39,8 +45,8 @@ class LayerSpec:
 
     qkv: list[Projection]  # one stacked projection, or Q, K, V
     o: Projection
-    gate_up: Projection  # stacked gate/up
-    down: Projection
+    gate_up: Projection | None  # stacked gate/up (None: a routed FFN, `moe`)
+    down: Projection | None
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
     act: str = "silu"
@@ -53,6 +59,7 @@ class LayerSpec:
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     softcap: float = 0.0  # gemma-2: cap * tanh(score / cap) on the attention scores
+    moe: MoeSpec | None = None  # a routed FFN in place of gate_up / down
 
     @classmethod
     def of(
@@ -72,6 +79,10 @@ class LayerSpec:
         return cls(qkv.projections(), o, gate_up.fused, down, attn_norm, ffn_norm, **extra)
 
     def projections(self) -> list[Projection]:
+        """The projections with adapter sites, in the struct's order of sites."""
+        if self.moe is not None:
+            return [*self.qkv, self.o]  # (+ the router: a float32 product, its site bound apart)
+        assert self.gate_up is not None and self.down is not None
         return [*self.qkv, self.o, self.gate_up, self.down]
 
     def servable(self) -> bool:
@@ -82,12 +93,47 @@ class LayerSpec:
             len(self.qkv) in (1, 3)
             and self.act in ACTS
             and all(p.weight.native() is not None for p in self.projections())
+            and (self.moe is None or self.moe.servable())
             and all(
                 v is None
                 or (v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu")
                 for v in vectors
             )
         )
+
+
+@dataclass
+class MoeSpec:
+    """A routed FFN for the native layer: the router projection and every expert's stacked
+    [gate; up] and down weights (moe.py's GatedExperts and Experts)."""
+
+    router: Projection
+    gate_up: list[QWeight]
+    down: list[QWeight]
+    n_used: int
+
+    def router_f32(self) -> torch.Tensor | None:
+        """The router's weight as float32 (n_expert, n_embd), when the file keeps it as floats
+        (llama.cpp keeps routers F32): the product the composed block computes exactly."""
+        w = self.router.weight
+        if w.ggml_type not in FLOAT_TYPES:
+            return None
+        return w.dequantize().float().contiguous()
+
+    def servable(self) -> bool:
+        return (
+            0 < self.n_used <= min(len(self.gate_up), MAX_EXPERTS_USED)
+            and self.router.weight.ggml_type in FLOAT_TYPES
+            and len(self.gate_up) == len(self.down)
+            and all(w.native() is not None for w in [*self.gate_up, *self.down])
+        )
+
+    def arrays(self) -> tuple[ctypes.Array[GlWeight], ctypes.Array[GlWeight]]:
+        """The experts' weights as two C arrays of gl_weight (kept alive by the caller)."""
+        n = len(self.gate_up)
+        gate_up = (GlWeight * n)(*[w.native() for w in self.gate_up])
+        down = (GlWeight * n)(*[w.native() for w in self.down])
+        return gate_up, down
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -165,7 +211,7 @@ class FusedLayer:
     ) -> None:
         self.spec = spec
         self.board = board
-        self.sites = [*spec.qkv, spec.o, spec.gate_up, spec.down]
+        self.sites = spec.projections() + ([spec.moe.router] if spec.moe is not None else [])
         kv = gl_kv(cache, index)
         if kv is None:
             raise ValueError("the native decode layer needs a contiguous KV cache on the CPU")
@@ -180,9 +226,20 @@ class FusedLayer:
         for i, w in enumerate(weights):
             if w is not None:
                 layer.qkv[i] = w
-        layer.o, layer.gate_up, layer.down = (
-            p.weight.native() for p in (spec.o, spec.gate_up, spec.down)
-        )
+        layer.o = spec.o.weight.native()
+        self.experts: tuple[ctypes.Array[GlWeight], ctypes.Array[GlWeight]] | None = None
+        self.router: torch.Tensor | None = None
+        if spec.moe is not None:
+            self.router = spec.moe.router_f32()  # the struct points into it
+            assert self.router is not None  # (servable)
+            layer.router = self.router.data_ptr()
+            self.experts = spec.moe.arrays()  # the struct points into them
+            layer.exp_gate_up = ctypes.addressof(self.experts[0])
+            layer.exp_down = ctypes.addressof(self.experts[1])
+            layer.n_expert, layer.n_expert_used = len(spec.moe.gate_up), spec.moe.n_used
+        else:
+            assert spec.gate_up is not None and spec.down is not None
+            layer.gate_up, layer.down = spec.gate_up.weight.native(), spec.down.weight.native()
         for name in (
             "attn_norm",
             "ffn_norm",
@@ -207,7 +264,8 @@ class FusedLayer:
         layer.softcap = spec.softcap
         self.layer = layer
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
-        self.lora_fields += [layer.l_o, layer.l_gate_up, layer.l_down]
+        tail = [layer.l_router] if spec.moe is not None else [layer.l_gate_up, layer.l_down]
+        self.lora_fields += [layer.l_o, *tail]
         # the adapters bound into the struct: (active slots, adapter generation, board generation)
         self._bound: tuple[object, ...] | None = None
         self._forms: list[NativeLora | None] = []  # kept alive: the struct points into them

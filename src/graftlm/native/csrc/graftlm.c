@@ -30,7 +30,9 @@ static const struct {
     GL_AT(gl_layer, n_embd), GL_AT(gl_layer, n_head), GL_AT(gl_layer, n_head_kv),
     GL_AT(gl_layer, head_dim), GL_AT(gl_layer, n_ff), GL_AT(gl_layer, n_ctx), GL_AT(gl_layer, rot),
     GL_AT(gl_layer, neox), GL_AT(gl_layer, window), GL_AT(gl_layer, act), GL_AT(gl_layer, eps),
-    GL_AT(gl_layer, scale), GL_AT(gl_layer, softcap),
+    GL_AT(gl_layer, scale), GL_AT(gl_layer, softcap), GL_AT(gl_layer, router),
+    GL_AT(gl_layer, l_router), GL_AT(gl_layer, exp_gate_up), GL_AT(gl_layer, exp_down),
+    GL_AT(gl_layer, n_expert), GL_AT(gl_layer, n_expert_used),
 
     GL_SIZE(gl_kv), GL_AT(gl_kv, k), GL_AT(gl_kv, v), GL_AT(gl_kv, tables), GL_AT(gl_kv, n_blocks),
     GL_AT(gl_kv, n_slots), GL_AT(gl_kv, max_blocks), GL_AT(gl_kv, block), GL_AT(gl_kv, n_head_kv),

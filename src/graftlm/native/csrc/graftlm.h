@@ -90,6 +90,14 @@ typedef struct {
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
     int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
     float eps, scale, softcap; /* softcap: cap * tanh(score / cap) on attention scores, 0: none */
+    /* A routed FFN in place of gate_up / down where n_expert > 0 (Mixtral): the router as float32
+     * (n_expert, n_embd), as GGUF files keep it, with its adapter site; expert e's stacked
+     * [gate; up] (2 n_ff rows) and down at exp_gate_up[e] and exp_down[e]; n_expert_used experts a
+     * token. */
+    const float *router;
+    gl_lora_site l_router;
+    const gl_weight *exp_gate_up, *exp_down;
+    int64_t n_expert, n_expert_used;
 } gl_layer;
 
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
@@ -492,6 +500,7 @@ static inline __attribute__((always_inline)) void s8_group(
 
 /* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */
 #define GL_STACK_SCORES 2048 /* the scores a decode thread keeps on its stack */
+#define GL_MAX_EXPERTS_USED 16 /* a routed layer's experts a token, at most (fused.py holds to it) */
 static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
                             int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
                             const int64_t *pos, int64_t B, float *out, float *scores,

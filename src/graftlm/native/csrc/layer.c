@@ -6,6 +6,7 @@
  * scores of rows longer than the stack holds (n_ctx per thread; NULL when no row can be). */
 typedef struct {
     float *h, *big, *att, *o, *scores;
+    float *moe; /* a routed FFN's: router logits (B, n_expert), one expert's gate (n_ff), its output (n_embd) */
 } layer_bufs;
 
 static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
@@ -18,6 +19,7 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
     b.att = scratch_take(s, f * B * (nq > d ? nq : d));
     b.o = scratch_take(s, f * B * d);
     b.scores = L->n_ctx > GL_STACK_SCORES ? scratch_take(s, f * nth * L->n_ctx) : NULL;
+    b.moe = L->n_expert ? scratch_take(s, f * (B * L->n_expert + ff + d)) : NULL;
     return b;
 }
 
@@ -31,10 +33,71 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
     const gl_lora_site *l[6] = {&L->l_o, &L->l_gate_up, &L->l_down, &L->l_qkv[0], &L->l_qkv[1],
                                 &L->l_qkv[2]};
     for (int p = 0; p < 3 + L->n_qkv; p++) {
+        if (L->n_expert && (p == 1 || p == 2)) continue; /* no dense gate_up / down */
         const int64_t bytes = proj_bytes(w[p], l[p], B, 1);
         most = bytes > most ? bytes : most;
     }
+    if (L->n_expert) { /* the router's delta over the rows, then each expert over one row */
+        const gl_weight none = {-1, 0, 32, 0, L->n_expert, L->n_embd, NULL, NULL, NULL};
+        const int64_t r = proj_bytes(&none, &L->l_router, B, 1);
+        most = r > most ? r : most;
+        for (int64_t e = 0; e < L->n_expert; e++) {
+            const int64_t gu = proj_bytes(&L->exp_gate_up[e], NULL, 1, 1);
+            const int64_t dn = proj_bytes(&L->exp_down[e], NULL, 1, 1);
+            most = gu > most ? gu : most;
+            most = dn > most ? dn : most;
+        }
+    }
     return count.used + most;
+}
+
+/* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
+ * moe_ffn: p = softmax(router(h)); the n_expert_used largest (the lower index first among equals),
+ * w = p / their sum; o = sum over them, in that order, of w_e * down_e(act(gate_e) * up_e)(h). */
+static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
+                    float *big, float *o, gl_scratch *sc, int nth) {
+    const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
+    float *logits = bufs->moe, *act = logits + B * E, *y = act + ff;
+    for (int64_t b = 0; b < B; b++) /* the router: float32, as the composed block's product */
+        for (int64_t e = 0; e < E; e++) {
+            const float *we = L->router + e * d, *hb = h + b * d;
+            float s = 0.0f;
+            for (int64_t i = 0; i < d; i++) s += hb[i] * we[i];
+            logits[b * E + e] = s;
+        }
+    if (L->l_router.a != NULL) { /* its adapter's delta */
+        const gl_weight none = {-1, 0, 32, 0, E, d, NULL, NULL, NULL};
+        proj_run(&none, h, B, 1, &L->l_router, logits, sc, nth);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float *p = logits + b * E, top = p[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
+        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        int64_t chosen[GL_MAX_EXPERTS_USED];
+        float w[GL_MAX_EXPERTS_USED], total = 0.0f;
+        for (int64_t j = 0; j < K; j++) { /* the K largest, by selection: E is small */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= chosen[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            chosen[j] = best;
+            w[j] = p[best];
+            total += w[j];
+        }
+        float *ob = o + b * d;
+        for (int64_t i = 0; i < d; i++) ob[i] = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            const int64_t e = chosen[j];
+            const float we = w[j] / total;
+            proj_run(&L->exp_gate_up[e], h + b * d, 1, 1, NULL, big, sc, nth);
+            gl_gated(big, 1, ff, L->act, act, nth);
+            proj_run(&L->exp_down[e], act, 1, 1, NULL, y, sc, nth);
+            for (int64_t i = 0; i < d; i++) ob[i] += y[i] * we;
+        }
+    }
 }
 
 static inline void add_bias(float *y, const float *bias, int64_t n) {
@@ -82,9 +145,13 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
-    proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, sc, nth);
-    gl_gated(big, B, ff, L->act, h, nth);
-    proj_run(&L->down, h, B, 1, &L->l_down, o, sc, nth);
+    if (L->n_expert) {
+        moe_run(L, h, B, &bufs, big, o, sc, nth);
+    } else {
+        proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, sc, nth);
+        gl_gated(big, B, ff, L->act, h, nth);
+        proj_run(&L->down, h, B, 1, &L->l_down, o, sc, nth);
+    }
     if (L->post_ffw_norm) gl_rms_norm(o, B, d, L->post_ffw_norm, L->eps, o, nth);
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     sc->used = mark;

@@ -386,7 +386,7 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
 #endif
 
 
-/* The bit planes of 5- and 6-bit codes (quant.c's u5, kquant.c's k5 and k6). */
+/* The bit planes of 5-bit codes (quant.c's u5, kquant.c's k5). */
 /* value in every byte lane whose bit is set in the uint32 at p (lane L: bit L), else 0. */
 static inline __m256i plane_bits(const uint8_t *p, char value) {
     uint32_t bits;
@@ -404,7 +404,28 @@ static inline __m256i plane_bits(const uint8_t *p, char value) {
 
 static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
 
+/* Q6_K's fifth and sixth bits of a 32-byte chunk of codes (kquant.c's k6), from its 16 bytes at
+ * p: byte i holds, two bits each from bit 0 up, those of low-nibble lanes i and i + 16, then of
+ * high-nibble lanes i and i + 16. -> *lo, *hi: each lane's two bits at bits 4-5. Shifts, a blend
+ * and a mask, without the shuffles and compares of plane_bits (which AVX2 pays per plane). */
+static inline void q6_high(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i m = _mm256_set1_epi8(0x30);
+    *lo = _mm256_and_si256(_mm256_blend_epi32(_mm256_slli_epi16(v, 4), _mm256_slli_epi16(v, 2), 0xF0), m);
+    *hi = _mm256_and_si256(_mm256_blend_epi32(v, _mm256_srli_epi16(v, 2), 0xF0), m);
+}
+
 #if GL_VNNI512
+/* q6_high of two groups' chunks (pa: the low 256 bits, pb: the high). */
+static inline void q6_high2(const uint8_t *pa, const uint8_t *pb, __m512i *lo, __m512i *hi) {
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pa))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pb)), 1);
+    const __m512i m = _mm512_set1_epi8(0x30);
+    *lo = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, _mm512_slli_epi16(v, 4), _mm512_slli_epi16(v, 2)), m);
+    *hi = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, v, _mm512_srli_epi16(v, 2)), m);
+}
+
 /* plane_bits of two groups' planes (pa: the low 256 bits, pb: the high). */
 static inline __m512i plane_bits2(const uint8_t *pa, const uint8_t *pb, char value) {
     uint32_t a, b;

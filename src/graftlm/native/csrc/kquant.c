@@ -17,9 +17,10 @@
  * dequantization computes them as gguf does, so it is bit-exact.
  *
  * Q6_K: w = (d * sc) * (q - 32), q in 0..63, d float16 per 256 values, sc int8 per 16. k6 keeps
- *   q: per (g, b), 208 bytes: the low 4 bits as above; the fifth bits at 128 and the sixth at
- *      160, each plane laid out as Q5_K's; then sc of the 8 rows for values 0..15 of the block
- *      (the low nibbles) and for 16..31 (the high nibbles), int8
+ *   q: per (g, b), 208 bytes: the low 4 bits as above; at 128 + 16 c, the fifth and sixth bits of
+ *      chunk c's 32 bytes of codes (graftlm.h's q6_high: byte i holds two bits each of low-nibble
+ *      lanes i and i + 16, then of high-nibble lanes i and i + 16); then sc of the 8 rows for
+ *      values 0..15 of the block (the low nibbles) and for 16..31 (the high nibbles), int8
  *   d: per (g, super-block), the 8 rows' d (float16)
  * 6.5625 bits a weight, the file's own size. Q3_K and Q2_K keep the same layout with no planes
  * (and Q2_K its mins after its scales, its dmin after its d): see the k16 section.
@@ -295,7 +296,7 @@ void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint
 /* ---------------------------------------------------------------- k6, k3, k2: a scale per 16 */
 
 /* Q6_K (v 0), Q3_K (v 1) and Q2_K (v 2): a scale per 16 values. Codes in 4 bits (Q6_K: and its
- * two bit planes), the scales per 16 (Q2_K: and its mins per 16) as bytes, d (and dmin) per 256
+ * fifth and sixth bits, 16 bytes a chunk), the scales per 16 (Q2_K: and its mins per 16) as bytes, d (and dmin) per 256
  * as the file's float16: q (0..63, 0..7, 0..3), O the offset (32, 4, 0):
  *   w = (q - O) * (d * sc) [ - dmin * mn ]
  * Q3_K's scale is stored as its sc - 32 (int8); Q2_K's sc and mn as unsigned bytes. */
@@ -367,7 +368,7 @@ int gl_pack_k6(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
     const int v = k16_variant(type);
     if (v < 0) return 1;
     const int64_t kb = k / 32, ks = k / 256, groups = (n + 7) / 8, bs = K16_BYTES(v), nd = K16_D(v);
-    const int64_t planes = v == V_Q6 ? 2 : 0, at_sc = 128 + 32 * planes;
+    const int64_t at_sc = v == V_Q6 ? 192 : 128;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         uint8_t *codes = calloc((size_t)(8 * k), 1), *mn = calloc((size_t)(8 * kb * 2), 1);
@@ -391,9 +392,9 @@ int gl_pack_k6(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
                         const int L = 4 * i + j;
                         const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
                         w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
-                        for (int p = 0; p < planes; p++) {
-                            w[128 + 32 * p + 8 * c + L / 8] |= (uint8_t)(((lo >> (4 + p)) & 1) << (L % 8));
-                            w[128 + 32 * p + 8 * c + 4 + L / 8] |= (uint8_t)(((hi >> (4 + p)) & 1) << (L % 8));
+                        if (v == V_Q6) { /* q6_high's byte L % 16 */
+                            const int sh = L < 16 ? 0 : 2;
+                            w[128 + 16 * c + L % 16] |= (uint8_t)(((lo >> 4) & 3) << sh | ((hi >> 4) & 3) << (4 + sh));
                         }
                     }
                 }
@@ -423,7 +424,7 @@ static inline float k16_scale(int v, const uint8_t *p) { return v == V_Q2 ? (flo
 void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, const int64_t *ids,
                int64_t row0, int64_t nrows, float *out, int nth) {
     const int64_t kb = k / 32, ks = k / 256, bs = K16_BYTES(v), nd = K16_D(v);
-    const int planes = v == V_Q6 ? 2 : 0, off = K16_OFF(v), at_sc = 128 + 32 * planes;
+    const int off = K16_OFF(v), at_sc = v == V_Q6 ? 192 : 128;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
@@ -443,9 +444,10 @@ void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, const int6
                 for (int j = 0; j < 4; j++) {
                     const int L = 4 * (int)i + j;
                     int lo = w[32 * c + L] & 0xF, hi = w[32 * c + L] >> 4;
-                    for (int p = 0; p < planes; p++) {
-                        lo |= ((w[128 + 32 * p + 8 * c + L / 8] >> (L % 8)) & 1) << (4 + p);
-                        hi |= ((w[128 + 32 * p + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << (4 + p);
+                    if (v == V_Q6) {
+                        const int bits = w[128 + 16 * c + L % 16] >> (L < 16 ? 0 : 2);
+                        lo |= (bits & 3) << 4;
+                        hi |= ((bits >> 4) & 3) << 4;
                     }
                     float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
                     if (v == V_Q2) {
@@ -503,8 +505,10 @@ static inline __attribute__((always_inline)) void k16_group(
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
             __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
             if (v == V_Q6) {
-                lo = _mm256_or_si256(lo, _mm256_or_si256(plane_bits(w + 128 + 8 * c, 16), plane_bits(w + 160 + 8 * c, 32)));
-                hi = _mm256_or_si256(hi, _mm256_or_si256(plane_bits(w + 132 + 8 * c, 16), plane_bits(w + 164 + 8 * c, 32)));
+                __m256i lh, hh;
+                q6_high(w + 128 + 16 * c, &lh, &hh);
+                lo = _mm256_or_si256(lo, lh);
+                hi = _mm256_or_si256(hi, hh);
             }
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32;
@@ -566,10 +570,10 @@ static inline __attribute__((always_inline)) void k16_pair(
             __m512i lo, hi;
             nibbles2(wa, wb, c, 0, &lo, &hi);
             if (v == V_Q6) {
-                lo = _mm512_or_si512(lo, _mm512_or_si512(plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16),
-                                                         plane_bits2(wa + 160 + 8 * c, wb + 160 + 8 * c, 32)));
-                hi = _mm512_or_si512(hi, _mm512_or_si512(plane_bits2(wa + 132 + 8 * c, wb + 132 + 8 * c, 16),
-                                                         plane_bits2(wa + 164 + 8 * c, wb + 164 + 8 * c, 32)));
+                __m512i lh, hh;
+                q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
+                lo = _mm512_or_si512(lo, lh);
+                hi = _mm512_or_si512(hi, hh);
             }
             for (int r = 0; r < R; r++) {
                 const int8_t *xb = xq + (r * kb + b) * 32;

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import wait_up  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 ADAPTERS = ["pirate", "caps", "rand_all"]
@@ -117,20 +120,6 @@ async def traffic(url: str, args: argparse.Namespace) -> Result:
         await asyncio.gather(*convs)
         out.wall = time.perf_counter() - t0
     return out
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
 
 
 def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:

@@ -4,6 +4,7 @@ numpy, torch's RMS norm, and the PyTorch attention path of the model."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -787,6 +788,38 @@ def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
         torch.testing.assert_close(bb, padded, rtol=0, atol=0)
 
 
+def _same_three_ways(
+    run: Callable[[], list[torch.Tensor]], fused: list[torch.Tensor], mp: pytest.MonkeyPatch
+) -> None:
+    """run()'s steps as `fused` computed them (every layer in one native call) again with one
+    native call a layer (the same bits), then in the composed blocks (within 1e-4)."""
+    from graftlm.models.base import Transformer
+
+    mp.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    one_by_one = run()
+    _compose(mp)
+    composed = run()
+    for a, b, c in zip(fused, one_by_one, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def _stack_calls(mp: pytest.MonkeyPatch) -> list[bool]:
+    """From here on, whether each FusedStack call served its step (True) or refused it (None)."""
+    from graftlm.models.fused import FusedStack
+
+    served: list[bool] = []
+    call = FusedStack.__call__
+
+    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        y = call(self, x, batch)
+        served.append(y is not None)
+        return y
+
+    mp.setattr(FusedStack, "__call__", counted)
+    return served
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_fused_layer_serves_the_converted_families(
     family: str, monkeypatch: pytest.MonkeyPatch
@@ -797,23 +830,12 @@ def test_fused_layer_serves_the_converted_families(
     the composed blocks, rows with the adapter and without."""
     from shared_data import TINY
 
-    from graftlm.models.base import Transformer
-    from graftlm.models.fused import FusedStack
-
     d = TINY / family
     m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
     aid = m.add_lora(d / "lora-f32.gguf", 0.0)
     model = m.model
     rows = m.engine.lora_rows([{aid: 1.0}, {}])
-    served: list[bool] = []
-    call = FusedStack.__call__
-
-    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        y = call(self, x, batch)
-        served.append(y is not None)
-        return y
-
-    monkeypatch.setattr(FusedStack, "__call__", counted)
+    served = _stack_calls(monkeypatch)
 
     def run() -> list[torch.Tensor]:
         out = []
@@ -829,13 +851,7 @@ def test_fused_layer_serves_the_converted_families(
 
     fused = run()
     assert served.count(True) == 3 and served[-3:] == [True] * 3  # the decode steps
-    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
-    one_by_one = run()
-    _compose(monkeypatch)
-    composed = run()
-    for a, b, c in zip(fused, one_by_one, composed, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    _same_three_ways(run, fused, monkeypatch)
 
 
 @pytest.mark.parametrize("n_rows", [2, 1])
@@ -849,9 +865,6 @@ def test_fused_layer_serves_the_routed_experts(
     from shared_data import TINY
     from tiny_models import write_tiny_adapter
 
-    from graftlm.models.base import Transformer
-    from graftlm.models.fused import FusedStack
-
     m = graftlm.load(TINY / "mixtral" / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
     targets = {f"blk.{i}.{n}": (128, o) for i in range(2)
                for n, o in (("attn_q", 128), ("attn_output", 128), ("ffn_gate_inp", 8))}  # fmt: skip
@@ -859,15 +872,7 @@ def test_fused_layer_serves_the_routed_experts(
     model = m.model
     assert model.fused_stack() is not None
     rows = m.engine.lora_rows([{aid: 1.0}, {}][:n_rows])
-    served: list[bool] = []
-    call = FusedStack.__call__
-
-    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        y = call(self, x, batch)
-        served.append(y is not None)
-        return y
-
-    monkeypatch.setattr(FusedStack, "__call__", counted)
+    served = _stack_calls(monkeypatch)
     lens = (12, 5)[:n_rows]
 
     def run() -> list[torch.Tensor]:
@@ -884,13 +889,7 @@ def test_fused_layer_serves_the_routed_experts(
 
     fused = run()
     assert served[-3:] == [True] * 3  # the decode steps
-    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
-    one_by_one = run()
-    _compose(monkeypatch)
-    composed = run()
-    for a, b, c in zip(fused, one_by_one, composed, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    _same_three_ways(run, fused, monkeypatch)
     rows = None  # the adapter off: row 0 changes, a row without it does not
     plain = run()
     assert not torch.allclose(plain[-1][0], fused[-1][0], rtol=1e-3, atol=1e-3)

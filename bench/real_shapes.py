@@ -91,8 +91,8 @@ def tensor_type(mix: str, role: str, layer: int, n_layer: int, n_in: int) -> Q:
 
 
 def _tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE vocabulary (no merge reaches the padding), the real size."""
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]  # never produced: the merges below are empty
-    # <|end|>: llama.cpp looks phi3's end-of-turn token up by this text, and fails without it
     specials = ["<|endoftext|>", "<|bos|>", "<|end|>"]
     ascii_ = [chr(c) for c in range(33, 127)]
     tokens = specials + ascii_ + byte_tokens
@@ -105,6 +105,26 @@ def _tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
+
+
+def _spm_tokenizer(w: gguf.GGUFWriter, vocab: int) -> None:
+    """A SentencePiece vocabulary with byte fallback, as Phi-3's files have: llama.cpp's phi3
+    loader refuses the byte-level BPE one (`unordered_map::at`)."""
+    specials = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|end|>", "<|user|>", "<|assistant|>",
+                "<|system|>"]  # fmt: skip
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["\u2581" + chr(c) for c in range(33, 127)]
+    tokens += [f"\u2581tok{i}" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(
+        [2] + [3] * (len(specials) - 1) + [6] * 256 + [1] * (vocab - len(specials) - 256)
+    )
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
 
 
 def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -188,7 +208,7 @@ def write_model(
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), s.arch)
     _metadata(w, name, s, mix)
-    _tokenizer(w, s.vocab)
+    (_spm_tokenizer if s.arch == "phi3" else _tokenizer)(w, s.vocab)
     for tname, role, layer, shape in tensors(s):
         if role == "norm":
             w.add_tensor(tname, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))

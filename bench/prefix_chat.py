@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import wait_up  # noqa: E402
+from serve_bench import running  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -141,19 +139,8 @@ def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:
 
 
 def run_one(kind: str, args: argparse.Namespace, port: int) -> Result:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen(server_cmd(kind, args, port), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_up(url, proc)
+    with running(server_cmd(kind, args, port), port) as url:
         return asyncio.run(traffic(url, args))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -74,18 +76,36 @@ def server_cmd(kind: str, args: argparse.Namespace, server: Path, port: int) -> 
     return [sys.executable, "-m", "graftlm", "serve", *common]
 
 
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+@contextmanager
+def running(
+    cmd: list[str], port: int, log: Path | None = None, timeout: float = 600
+) -> Iterator[str]:
+    """The server `cmd` (graftlm from this tree's src/) started, its /health answered; its URL.
+    Stopped on leaving (terminated, killed after 30 s). Its output goes to `log`, else nowhere."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    with open(log or os.devnull, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server at {url} did not come up in {timeout:.0f} s")
+            t0 = time.perf_counter()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() - t0 > timeout:
+                    raise RuntimeError(f"the server at {url} did not come up in {timeout:.0f} s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def bodies(args: argparse.Namespace, scenario: str) -> list[dict[str, object]]:
@@ -114,13 +134,8 @@ async def one_round(url: str, batch: list[dict[str, object]]) -> tuple[float, in
 
 def run_server(kind: str, args: argparse.Namespace, server: Path, port: int) -> dict[str, float]:
     """Starts one server, runs every scenario once on it; tok/s by scenario."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    log = open(Path(args.work) / f"{kind}-{port}.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(server_cmd(kind, args, server, port), env=env, stdout=log,
-                            stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_up(url, proc)
+    log = Path(args.work) / f"{kind}-{port}.log"
+    with running(server_cmd(kind, args, server, port), port, log) as url:
         warm = bodies(args, "mixed")[: min(2, args.clients)]
         asyncio.run(one_round(url, [dict(b, n_predict=4) for b in warm]))
         out = {}
@@ -130,13 +145,6 @@ def run_server(kind: str, args: argparse.Namespace, server: Path, port: int) -> 
             print(f"  {kind:12s} {scenario:5s} {n / wall:8.1f} tok/s ({n} tokens, {wall:.1f} s)",
                   flush=True)  # fmt: skip
         return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def main() -> int:

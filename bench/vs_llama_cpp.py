@@ -100,21 +100,17 @@ def bandwidth() -> float:
 def token_bytes(model: str) -> int:
     """The bytes one decode token reads: every tensor but an untied token embedding, and of a
     mixture of experts' routed tensors (`*_exps`) the share of the experts a token uses."""
-    from gguf import GGUFReader
+    from graftlm.gguf import GGUFFile
 
-    reader = GGUFReader(model)
-    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
-    tied = "output.weight" not in tensors
-    share = 1.0
-    for key, field in reader.fields.items():
-        if key.endswith(".expert_count"):
-            share /= float(field.parts[field.data[0]][0])
-        elif key.endswith(".expert_used_count"):
-            share *= float(field.parts[field.data[0]][0])
-    total = 0.0
-    for name, n in tensors.items():
-        if tied or name != "token_embd.weight":
-            total += n * share if "_exps." in name else n
+    f = GGUFFile(model)
+    n_expert = f.get(f"{f.architecture}.expert_count", 0)
+    share = f.get(f"{f.architecture}.expert_used_count", 0) / n_expert if n_expert else 1.0
+    tied = "output.weight" not in f.tensors
+    total = sum(
+        e.nbytes * (share if "_exps." in name else 1.0)
+        for name, e in f.tensors.items()
+        if tied or name != "token_embd.weight"
+    )
     return int(total)
 
 

@@ -112,13 +112,10 @@ class MoeSpec:
     down: list[QWeight]
     n_used: int
 
-    def router_f32(self) -> torch.Tensor | None:
-        """The router's weight as float32 (n_expert, n_embd), when the file keeps it as floats
-        (llama.cpp keeps routers F32): the product the composed block computes exactly."""
-        w = self.router.weight
-        if w.ggml_type not in FLOAT_TYPES:
-            return None
-        return w.dequantize().float().contiguous()
+    def router_f32(self) -> torch.Tensor:
+        """The router's weight as float32 (n_expert, n_embd); servable() holds it to a float type
+        in the file (llama.cpp keeps routers F32), so this is the composed block's exact product."""
+        return self.router.weight.dequantize().float().contiguous()
 
     def servable(self) -> bool:
         return (
@@ -231,7 +228,6 @@ class FusedLayer:
         self.router: torch.Tensor | None = None
         if spec.moe is not None:
             self.router = spec.moe.router_f32()  # the struct points into it
-            assert self.router is not None  # (servable)
             layer.router = self.router.data_ptr()
             self.experts = spec.moe.arrays()  # the struct points into them
             layer.exp_gate_up = ctypes.addressof(self.experts[0])

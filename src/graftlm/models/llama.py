@@ -75,22 +75,18 @@ class Llama(Transformer):
 
     def layer_spec(self, i: int) -> LayerSpec | None:
         cfg, b = self.cfg, self.blocks[i]
+        biases = {"q_bias": b.attn_q_bias, "k_bias": b.attn_k_bias, "v_bias": b.attn_v_bias,
+                  "o_bias": b.attn_output_bias}  # fmt: skip
         if cfg.n_expert:
             experts = b.ffn_gate_up_exps
             if experts.stacked is None:  # gate and up of two types: the composed block
                 return None
             moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights,
                           cfg.n_expert_used)  # fmt: skip
-            return LayerSpec(
-                b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm, b.ffn_norm,
-                q_bias=b.attn_q_bias, k_bias=b.attn_k_bias, v_bias=b.attn_v_bias,
-                o_bias=b.attn_output_bias, moe=moe,
-            )  # fmt: skip
-        return LayerSpec.of(
-            b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm, b.ffn_norm,
-            q_bias=b.attn_q_bias, k_bias=b.attn_k_bias, v_bias=b.attn_v_bias,
-            o_bias=b.attn_output_bias,
-        )  # fmt: skip
+            return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
+                             b.ffn_norm, moe=moe, **biases)  # fmt: skip
+        return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,
+                            b.ffn_norm, **biases)  # fmt: skip
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]

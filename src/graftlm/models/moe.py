@@ -16,25 +16,32 @@ import torch
 import torch.nn.functional as F
 
 from graftlm.errors import ModelFileError
+from graftlm.gguf import TensorEntry
 from graftlm.models.base import Weights
 from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 
 
+def _entry(w: Weights, name: str, shape: tuple[int, int, int]) -> TensorEntry:
+    """The 3-D expert tensor `name` of this shape (n_expert, n_out, n_in), marked used."""
+    entry = w.file.tensors.get(name)
+    if entry is None:
+        raise ModelFileError(f"{w.file.path}: missing tensor {name!r}")
+    if tuple(entry.shape) != shape:
+        raise ModelFileError(
+            f"{w.file.path}: tensor {name!r} has shape {list(entry.shape)}, "
+            f"expected {list(shape)} (n_expert, n_out, n_in)"
+        )
+    w.used.add(name)
+    return entry
+
+
 class Experts:
     """One 3-D expert tensor of a layer, as n_expert 2-D weights of shape (n_out, n_in)."""
 
     def __init__(self, w: Weights, name: str, shape: tuple[int, int, int]) -> None:
-        entry = w.file.tensors.get(name)
-        if entry is None:
-            raise ModelFileError(f"{w.file.path}: missing tensor {name!r}")
-        if tuple(entry.shape) != shape:
-            raise ModelFileError(
-                f"{w.file.path}: tensor {name!r} has shape {list(entry.shape)}, "
-                f"expected {list(shape)} (n_expert, n_out, n_in)"
-            )
-        w.used.add(name)
+        entry = _entry(w, name, shape)
         n_expert, n_out, n_in = shape
         # entry.data is (n_expert, n_out, n_in) floats or (n_expert, n_out, row bytes) blocks
         self.weights = [
@@ -56,32 +63,34 @@ class Experts:
 
 class GatedExperts:
     """A layer's gate and up expert tensors: expert e as one stacked (2 n_ff, n_in) weight, rows
-    [gate_e; up_e], when the two tensors share a type, else as the two Experts."""
+    [gate_e; up_e], when the two tensors share a type (`stacked`), else as the two Experts
+    (`parts`)."""
 
     def __init__(self, w: Weights, gate: str, up: str, shape: tuple[int, int, int]) -> None:
-        self.gate, self.up = Experts(w, gate, shape), Experts(w, up, shape)
         self.stacked: list[QWeight] | None = None
-        g, u = w.file.tensors[gate], w.file.tensors[up]
-        if g.ggml_type == u.ggml_type:
-            n_expert, n_ff, n_in = shape
-            name = gate.removesuffix(".weight").replace("ffn_gate", "ffn_gate_up")
-            self.stacked = [
-                w.qweight(
-                    g,
-                    np.concatenate([np.asarray(g.data[e]), np.asarray(u.data[e])], axis=0),
-                    (2 * n_ff, n_in),
-                    f"{name}[{e}]",
-                )
-                for e in range(n_expert)
-            ]
-            for e in (g, u):
-                release_pages(e.data)  # the stacked copies replace the mapped pages
-            self.gate.weights = self.up.weights = []
+        self.parts: tuple[Experts, Experts] | None = None
+        g, u = _entry(w, gate, shape), _entry(w, up, shape)
+        if g.ggml_type != u.ggml_type:
+            self.parts = (Experts(w, gate, shape), Experts(w, up, shape))
+            return
+        n_expert, n_ff, n_in = shape
+        name = gate.removesuffix(".weight").replace("ffn_gate", "ffn_gate_up")
+        self.stacked = [
+            w.qweight(
+                g,
+                np.concatenate([np.asarray(g.data[e]), np.asarray(u.data[e])], axis=0),
+                (2 * n_ff, n_in),
+                f"{name}[{e}]",
+            )
+            for e in range(n_expert)
+        ]
+        for entry in (g, u):
+            release_pages(entry.data)  # the stacked copies replace the mapped pages
 
     def to(self, device: torch.device) -> GatedExperts:
         """Every expert's weights on `device` (in place; returns self)."""
-        self.gate.to(device)
-        self.up.to(device)
+        if self.parts is not None:
+            self.parts = (self.parts[0].to(device), self.parts[1].to(device))
         if self.stacked is not None:
             self.stacked = [q.to(device) for q in self.stacked]
         return self
@@ -89,18 +98,22 @@ class GatedExperts:
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """silu(gate_e(x)) * up_e(x) for x (n, n_in) -> (n, n_ff)."""
         if self.stacked is None:
-            return F.silu(linear(x, self.gate[e])) * linear(x, self.up[e])
+            assert self.parts is not None
+            gate, up = self.parts
+            return F.silu(linear(x, gate[e])) * linear(x, up[e])
         gu = linear(x, self.stacked[e])
         out = native_ops.gated(gu, "silu")
         if out is not None:
             return out
-        gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        g, u = gu.chunk(2, dim=-1)
+        return F.silu(g) * u
 
     @property
     def nbytes(self) -> int:
-        stacked = sum(q.nbytes for q in self.stacked) if self.stacked is not None else 0
-        return self.gate.nbytes + self.up.nbytes + stacked
+        if self.stacked is not None:
+            return sum(q.nbytes for q in self.stacked)
+        assert self.parts is not None
+        return self.parts[0].nbytes + self.parts[1].nbytes
 
 
 def moe_ffn(
@@ -116,8 +129,7 @@ def moe_ffn(
         p = softmax(router_logits); top = the n_used largest p; w = p[top] / sum(p[top])
         out = sum_{e in top} w_e * down_e(silu(gate_e(h)) * up_e(h))
     Tokens are grouped by expert, so each expert runs once per step on its own tokens; the
-    grouping reads the choices on the host once a layer (a decode token: one small copy, no
-    search). An expert with one token adds its output in place.
+    grouping reads the choices on the host once a layer (one small copy, no search).
     """
     x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
@@ -129,11 +141,6 @@ def moe_ffn(
     flat_weight = weight.reshape(-1)
     out = torch.zeros_like(x)
     for e, picks in groups.items():
-        if len(picks) == 1:
-            t = picks[0] // n_used
-            ye = linear(gate_up(e, x[t : t + 1]), down[e])  # (1, n_embd)
-            out[t : t + 1].add_(ye * flat_weight[picks[0]])
-            continue
         idx = torch.tensor(picks, device=x.device)
         token = idx // n_used
         ye = linear(gate_up(e, x.index_select(0, token)), down[e])  # (n_e, n_embd)

@@ -58,14 +58,19 @@ def cache_dir() -> Path:
     return root / "native"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(key: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with key, whole, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(key):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo_line("flags") or platform.processor()
 
 
 def _compiler() -> str | None:
@@ -179,13 +184,7 @@ def loaded_library() -> ctypes.CDLL | None:
 
 
 def _cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return (_cpuinfo_line("vendor_id") or "").partition(":")[2].strip()
 
 
 def pair_rows() -> int:

@@ -2,11 +2,15 @@
 #include "graftlm.h"
 
 /* One layer's buffers for B rows: the normed input and the gated activation (h), the QKV or
- * gate/up outputs (big), the attention output (att), each block's output (o), and the attention
- * scores of rows longer than the stack holds (n_ctx per thread; NULL when no row can be). */
+ * gate/up outputs (big), the attention output (att; a routed FFN gathers an expert's rows of h
+ * there), each block's output (o), and the attention scores of rows longer than the stack holds
+ * (n_ctx per thread; NULL when no row can be). A routed FFN's (else NULL): the router's logits
+ * (B, n_expert), each row's experts and their weights (B, n_expert_used), an expert's rows, their
+ * weights, gated activations (B, n_ff) and outputs (B, n_embd). */
 typedef struct {
     float *h, *big, *att, *o, *scores;
-    float *moe; /* a routed FFN's: router logits (B, n_expert), one expert's gate (n_ff), its output (n_embd) */
+    float *logits, *weight, *row_w, *act, *y;
+    int64_t *chosen, *rows;
 } layer_bufs;
 
 static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
@@ -19,7 +23,18 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
     b.att = scratch_take(s, f * B * (nq > d ? nq : d));
     b.o = scratch_take(s, f * B * d);
     b.scores = L->n_ctx > GL_STACK_SCORES ? scratch_take(s, f * nth * L->n_ctx) : NULL;
-    b.moe = L->n_expert ? scratch_take(s, f * (B * L->n_expert + ff + d)) : NULL;
+    b.logits = b.weight = b.row_w = b.act = b.y = NULL;
+    b.chosen = b.rows = NULL;
+    if (L->n_expert) {
+        const int64_t K = L->n_expert_used, i = (int64_t)sizeof(int64_t);
+        b.logits = scratch_take(s, f * B * L->n_expert);
+        b.weight = scratch_take(s, f * B * K);
+        b.row_w = scratch_take(s, f * B);
+        b.act = scratch_take(s, f * B * ff);
+        b.y = scratch_take(s, f * B * d);
+        b.chosen = scratch_take(s, i * B * K);
+        b.rows = scratch_take(s, i * B);
+    }
     return b;
 }
 
@@ -37,27 +52,29 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
         const int64_t bytes = proj_bytes(w[p], l[p], B, 1);
         most = bytes > most ? bytes : most;
     }
-    if (L->n_expert) { /* the router's delta over the rows, then each expert over one row */
+    if (L->n_expert) { /* the router's delta, then an expert's products over up to B rows (the
+                         * experts of one 3-D tensor share its type and shape: expert 0 stands
+                         * for all) */
         const gl_weight none = {-1, 0, 32, 0, L->n_expert, L->n_embd, NULL, NULL, NULL};
         const int64_t r = proj_bytes(&none, &L->l_router, B, 1);
+        const int64_t gu = proj_bytes(&L->exp_gate_up[0], NULL, B, 1);
+        const int64_t dn = proj_bytes(&L->exp_down[0], NULL, B, 1);
         most = r > most ? r : most;
-        for (int64_t e = 0; e < L->n_expert; e++) {
-            const int64_t gu = proj_bytes(&L->exp_gate_up[e], NULL, 1, 1);
-            const int64_t dn = proj_bytes(&L->exp_down[e], NULL, 1, 1);
-            most = gu > most ? gu : most;
-            most = dn > most ? dn : most;
-        }
+        most = gu > most ? gu : most;
+        most = dn > most ? dn : most;
     }
     return count.used + most;
 }
 
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
- * moe_ffn: p = softmax(router(h)); the n_expert_used largest (the lower index first among equals),
- * w = p / their sum; o = sum over them, in that order, of w_e * down_e(act(gate_e) * up_e)(h). */
+ * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
+ * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
+ * experts in ascending order. Each chosen expert runs once, over the rows that chose it (gathered
+ * into att), so a batch reads an expert's weights once, whatever number of rows chose it. */
 static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
-                    float *big, float *o, gl_scratch *sc, int nth) {
+                    float *big, float *att, float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
-    float *logits = bufs->moe, *act = logits + B * E, *y = act + ff;
+    float *logits = bufs->logits;
     for (int64_t b = 0; b < B; b++) /* the router: float32, as the composed block's product */
         for (int64_t e = 0; e < E; e++) {
             const float *we = L->router + e * d, *hb = h + b * d;
@@ -69,14 +86,14 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         const gl_weight none = {-1, 0, 32, 0, E, d, NULL, NULL, NULL};
         proj_run(&none, h, B, 1, &L->l_router, logits, sc, nth);
     }
-    for (int64_t b = 0; b < B; b++) {
-        float *p = logits + b * E, top = p[0], sum = 0.0f;
+    for (int64_t b = 0; b < B; b++) { /* softmax, the K largest by selection (E is small), w */
+        float *p = logits + b * E, top = p[0], sum = 0.0f, total = 0.0f;
+        int64_t *chosen = bufs->chosen + b * K;
+        float *w = bufs->weight + b * K;
         for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
         for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        int64_t chosen[GL_MAX_EXPERTS_USED];
-        float w[GL_MAX_EXPERTS_USED], total = 0.0f;
-        for (int64_t j = 0; j < K; j++) { /* the K largest, by selection: E is small */
+        for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
                 int taken = 0;
@@ -87,15 +104,27 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
             w[j] = p[best];
             total += w[j];
         }
-        float *ob = o + b * d;
-        for (int64_t i = 0; i < d; i++) ob[i] = 0.0f;
-        for (int64_t j = 0; j < K; j++) {
-            const int64_t e = chosen[j];
-            const float we = w[j] / total;
-            proj_run(&L->exp_gate_up[e], h + b * d, 1, 1, NULL, big, sc, nth);
-            gl_gated(big, 1, ff, L->act, act, nth);
-            proj_run(&L->exp_down[e], act, 1, 1, NULL, y, sc, nth);
-            for (int64_t i = 0; i < d; i++) ob[i] += y[i] * we;
+        for (int64_t j = 0; j < K; j++) w[j] /= total;
+    }
+    for (int64_t i = 0; i < B * d; i++) o[i] = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = 0; /* the rows that chose e, their weights, their inputs gathered */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < K; j++)
+                if (bufs->chosen[b * K + j] == e) {
+                    bufs->rows[n] = b;
+                    bufs->row_w[n] = bufs->weight[b * K + j];
+                    memcpy(att + n * d, h + b * d, sizeof(float) * (size_t)d);
+                    n++;
+                }
+        if (n == 0) continue;
+        proj_run(&L->exp_gate_up[e], att, n, 1, NULL, big, sc, nth);
+        gl_gated(big, n, ff, L->act, bufs->act, nth);
+        proj_run(&L->exp_down[e], bufs->act, n, 1, NULL, bufs->y, sc, nth);
+        for (int64_t r = 0; r < n; r++) {
+            float *ob = o + bufs->rows[r] * d;
+            const float *yr = bufs->y + r * d, we = bufs->row_w[r];
+            for (int64_t i = 0; i < d; i++) ob[i] += yr[i] * we;
         }
     }
 }
@@ -146,7 +175,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
     if (L->n_expert) {
-        moe_run(L, h, B, &bufs, big, o, sc, nth);
+        moe_run(L, h, B, &bufs, big, att, o, sc, nth);
     } else {
         proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, sc, nth);
         gl_gated(big, B, ff, L->act, h, nth);

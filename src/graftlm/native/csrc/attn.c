@@ -95,7 +95,10 @@ static inline __attribute__((always_inline)) void attn_decode_t(
         work += (p + 1) * H;
     }
     const int64_t group = H / Hkv;
-#pragma omp parallel for num_threads(nth) schedule(dynamic, 1) if (work * (D + Dv) > 200000)
+#pragma omp parallel num_threads(nth) if (work * (D + Dv) > 200000)
+    {
+    const unsigned csr = ftz_begin();
+#pragma omp for schedule(dynamic, 1)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, hk = h / group, p = pos[b], s = slots[b];
         const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p + 1 - lo;
@@ -172,6 +175,8 @@ static inline __attribute__((always_inline)) void attn_decode_t(
                 for (int64_t i = 0; i < w; i++) o[c0 + i] = acc[i] * il;
             }
         }
+    }
+    ftz_end(csr);
     }
 }
 
@@ -283,6 +288,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
     const int64_t ntask = B * Hkv * qblocks;
 #pragma omp parallel num_threads(nth)
     {
+        const unsigned csr = ftz_begin();
         float *Kt = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
         float *Kf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
         float *Vf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
@@ -409,6 +415,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
         free(alpha);
         free(qr);
         free(pr);
+        ftz_end(csr);
     }
 }
 

@@ -207,6 +207,19 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Flush-to-zero and denormals-are-zero for the calling thread, until ftz_end(the value returned):
+ * the attention kernels run under it. Their softmax weights of far-below-the-max scores are tiny
+ * (exp256 clamps at e^-87.3), and each product of one with a value is a denormal, which the CPU
+ * computes through a microcode assist tens of times slower than an FMA: without it, Llama-1B's
+ * 512-token prompt spent 17% of its time in attention, three quarters of it in P V. What is
+ * flushed is below 2^-126 of the row's largest weight (1), far under float32's precision. */
+static inline unsigned ftz_begin(void) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040); /* FTZ (bit 15) | DAZ (bit 6) */
+    return csr;
+}
+static inline void ftz_end(unsigned csr) { _mm_setcsr(csr); }
+
 /* e^x for 8 floats (Cephes' expf polynomial; ~2 ulp), x clamped to [-87.3, 88.3]. */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));

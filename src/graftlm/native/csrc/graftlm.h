@@ -518,19 +518,20 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 /* x quantized to int8 per 32 values, as every product reads it (quant.c: quantize_x). */
 typedef struct {
     int8_t *xq;
+    uint8_t *xu; /* xq + 128, for the s8 products with VNNI (NULL without) */
     float *xd, *xs, *xs16;
 } xbuf;
 
-static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
-                       float *xs16, int nth);
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
+                       float *xs, float *xs16, int nth);
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 /* kquant.c: mm_task for the weights of kind 2 and 3 */
 static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
 static inline __attribute__((always_inline)) void s8_group(
-    const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
-    int R, float *y, int64_t ldy, int64_t nvalid);
+    const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const uint8_t *xu,
+    const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);
 
 /* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */
 #define GL_STACK_SCORES 2048 /* the scores a decode thread keeps on its stack */

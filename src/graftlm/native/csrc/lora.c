@@ -127,10 +127,11 @@ static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64
     for (int64_t i = r0; i < r1; i += MT) {
         const int rows = r1 - i < MT ? (int)(r1 - i) : MT;
         const int8_t *xt = xb->xq + i * k;
+        const uint8_t *ut = xb->xu ? xb->xu + i * k : NULL;
         const float *dt = xb->xd + i * kb;
         float *yo = xa + i * R + g * 8;
-#define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, R, nv)
-#define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, R, nv)
+#define S8H(RR) s8_group(qg, sg, 1, kb, xt, ut, dt, RR, yo, R, nv)
+#define S8F(RR) s8_group(qg, sg, 0, kb, xt, ut, dt, RR, yo, R, nv)
         if (l->a_half) {
             WITH_ROWS(rows, S8H)
         } else {
@@ -290,7 +291,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     const int64_t mark = sc->used;
     const proj_bufs b = proj_take(w, l, M, T, sc);
     const xbuf xb = b.xb;
-    if (xb.xq) quantize_x(x, M, k, xb.xq, xb.xd, xb.xs, xb.xs16, nth);
+    if (xb.xq) quantize_x(x, M, k, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16, nth);
     float *av = b.av;
     int64_t *cols = b.cols, *cnt = b.cnt;
     char *two = b.two;

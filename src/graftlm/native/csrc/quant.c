@@ -5,7 +5,7 @@
  *       scale d and offset m per 32 values: w = q * d + m   (bit-exact with
  *       gguf.quants.dequantize for the four types).
  *       (Q4_K, Q5_K and Q6_K keep their super-blocks: kquant.c.)
- *   s8: Q8_0 (scale per 32 values; s8_group also reads a scale per 16).  One int8 code per
+ *   s8: Q8_0 (scale per 32 values).  One int8 code per
  *       value and a float scale per block: w = q * s   (bit-exact likewise).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
  * Q8_1 activations do) and accumulate the integer dot products of each block in float:
@@ -214,9 +214,10 @@ void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k, c
 
 /* ---------------------------------------------------------------- activations -> int8 */
 /* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32), xs16 (M, k/16): per 32 values
- * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values. */
-static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *xd, float *xs,
-                       float *xs16, int nth) {
+ * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values;
+ * xu (when not NULL) xq + 128 as unsigned bytes, for the s8 products with VNNI. */
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
+                       float *xs, float *xs16, int nth) {
     const int64_t kb = k / 32;
     const __m256 signbit = _mm256_set1_ps(-0.0f);
 #pragma omp parallel for num_threads(nth) schedule(static) if (M * k > 65536)
@@ -247,6 +248,7 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, float *
         __m256i pk = _mm256_packs_epi16(p01, p23);
         pk = _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(xq + i * 32), pk);
+        if (xu) _mm256_storeu_si256((__m256i *)(xu + i * 32), _mm256_xor_si256(pk, _mm256_set1_epi8((char)0x80)));
         xd[i] = dd;
         xs[i] = dd * (float)(sum0 + sum1);
         xs16[2 * i] = dd * (float)sum0;
@@ -353,81 +355,81 @@ static inline __attribute__((always_inline)) void u4_pair(
 }
 #endif
 
-/* The same for an s8 weight: sblk 32 (one scale per block) or 16 (two). */
+/* The same for an s8 weight (a scale per 32 values). With VNNI, x comes unsigned (xu: xq + 128,
+ * see quantize_x) against the signed codes, and each block's sums lose 128 * sum(w), one dot of
+ * the block's codes with 128s shared by all R rows: the same integer sums as sum(xq * w), so the
+ * same bits, in one instruction a row and chunk (was three: w's sign onto x, a dot, an add).
+ * Without VNNI, maddubs's int16 pairs would saturate on xu: |w| against x with w's sign. */
 static inline __attribute__((always_inline)) void s8_group(
-    const int8_t *q, const void *s, int h, int sblk, int64_t kb, const int8_t *xq, const float *xd,
-    int R, float *y, int64_t ldy, int64_t nvalid) {
-#if !GL_VNNI
+    const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const uint8_t *xu,
+    const float *xd, int R, float *y, int64_t ldy, int64_t nvalid) {
+#if GL_VNNI
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    (void)xq;
+#else
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)xu;
 #endif
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const int8_t *w = q + b * 256;
-        __m256i i0[MT], i1[MT];
-        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        __m256i i0[MT];
+        for (int r = 0; r < R; r++) i0[r] = _mm256_setzero_si256();
+#if GL_VNNI
+        __m256i corr = _mm256_setzero_si256();
+#endif
         for (int c = 0; c < 8; c++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+#if GL_VNNI
+            corr = DPBUSD(corr, bias, wv);
+            for (int r = 0; r < R; r++)
+                i0[r] = DPBUSD(i0[r], bcast4((const int8_t *)xu + (r * kb + b) * 32 + 4 * c), wv);
+#else
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int r = 0; r < R; r++) {
                 const __m256i xv = bcast4(xq + (r * kb + b) * 32 + 4 * c);
-#if GL_VNNI
-                const __m256i p = DPBUSD(_mm256_setzero_si256(), aw, _mm256_sign_epi8(xv, wv));
-#else
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
+                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+            }
 #endif
-                if (sblk == 32 || c < 4)
-                    i0[r] = _mm256_add_epi32(i0[r], p);
-                else
-                    i1[r] = _mm256_add_epi32(i1[r], p);
-            }
         }
-        if (sblk == 32) {
-            const __m256 sv = load_scales8(s, b * 8, h);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]),
-                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
-        } else {
-            const __m256 s0 = load_scales8(s, b * 16, h), s1 = load_scales8(s, b * 16 + 8, h);
-            for (int r = 0; r < R; r++) {
-                const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(s0, xdv), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(s1, xdv), acc[r]);
-            }
-        }
+#if GL_VNNI
+        for (int r = 0; r < R; r++) i0[r] = _mm256_sub_epi32(i0[r], corr);
+#endif
+        const __m256 sv = load_scales8(s, b * 8, h);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
     }
     store_group(acc, R, y, ldy, nvalid);
 }
 
 #if GL_VNNI512
-/* s8_group (sblk 32) for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in
- * 512-bit vectors: the same sums and float steps per output, so the same bits (|w| and x with
- * w's sign in place of _mm256_sign_epi8, which has no 512-bit form). */
+/* s8_group for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in 512-bit
+ * vectors: the same sums and float steps per output, so the same bits. */
 static inline __attribute__((always_inline)) void s8_pair(
     const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int64_t kb,
-    const int8_t *xq, const float *xd, int R, float *ya, float *yb, int64_t ldy) {
+    const uint8_t *xu, const float *xd, int R, float *ya, float *yb, int64_t ldy) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
     __m512 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const int8_t *wa = qa + b * 256, *wb = qb + b * 256;
-        __m512i i0[MT];
+        __m512i i0[MT], corr = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) i0[r] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {
             const __m512i wv = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
                                       _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
-            const __m512i aw = _mm512_abs_epi8(wv);
-            const __mmask64 neg = _mm512_movepi8_mask(wv);
+            corr = DPBUSD512(corr, bias, wv);
             for (int r = 0; r < R; r++) {
                 int32_t x4;
-                memcpy(&x4, xq + (r * kb + b) * 32 + 4 * c, 4);
-                const __m512i xv = _mm512_set1_epi32(x4);
-                const __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-                i0[r] = _mm512_add_epi32(i0[r], DPBUSD512(_mm512_setzero_si512(), aw, sx));
+                memcpy(&x4, xu + (r * kb + b) * 32 + 4 * c, 4);
+                i0[r] = DPBUSD512(i0[r], _mm512_set1_epi32(x4), wv);
             }
         }
         const __m512 sv = cat_ps(load_scales8(sa, b * 8, h), load_scales8(sb, b * 8, h));
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i0[r], corr)),
+                                     _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
     }
     store_pair(acc, R, ya, yb, ldy);
 }
@@ -437,6 +439,7 @@ static inline __attribute__((always_inline)) void s8_pair(
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
     xbuf b;
     b.xq = scratch_take(s, M * k);
+    b.xu = GL_VNNI ? scratch_take(s, M * k) : NULL;
     b.xd = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs16 = scratch_take(s, (int64_t)sizeof(float) * M * (k / 16));
@@ -511,6 +514,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     for (int64_t r0 = 0; r0 < M; r0 += MT) {
         const int R = M - r0 < MT ? (int)(M - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
+        const uint8_t *ut = xb->xu ? xb->xu + r0 * k : NULL;
         const float *dt = xb->xd + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
             const int8_t *qg = q + g * kb * 256;
@@ -521,8 +525,8 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
             if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const int8_t *qh = qg + kb * 256;
                 const void *sh = (const char *)sg + kb * 8 * ss;
-#define S8PH(RR) s8_pair(qg, qh, sg, sh, 1, kb, xt, dt, RR, yo, yo + 8, n)
-#define S8PF(RR) s8_pair(qg, qh, sg, sh, 0, kb, xt, dt, RR, yo, yo + 8, n)
+#define S8PH(RR) s8_pair(qg, qh, sg, sh, 1, kb, ut, dt, RR, yo, yo + 8, n)
+#define S8PF(RR) s8_pair(qg, qh, sg, sh, 0, kb, ut, dt, RR, yo, yo + 8, n)
                 if (h) {
                     WITH_ROWS(R, S8PH)
                 } else {
@@ -534,8 +538,8 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
                 continue;
             }
 #endif
-#define S8H(RR) s8_group(qg, sg, 1, 32, kb, xt, dt, RR, yo, n, nv)
-#define S8F(RR) s8_group(qg, sg, 0, 32, kb, xt, dt, RR, yo, n, nv)
+#define S8H(RR) s8_group(qg, sg, 1, kb, xt, ut, dt, RR, yo, n, nv)
+#define S8F(RR) s8_group(qg, sg, 0, kb, xt, ut, dt, RR, yo, n, nv)
             if (h) {
                 WITH_ROWS(R, S8H)
             } else {

@@ -23,7 +23,9 @@ from graftlm.quant.synth import gguf_tensor
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0]
 SHAPE = (40, 512)
-ROWS = (1, 3, 7, 33)  # a decode row, a batch, the tiles' remainders, a prompt
+# a decode row, a batch, the tiles' remainders, a prompt, one whose pairs are unpacked once for
+# 48 rows (k16_pair_rows) with a remainder, one in two passes over the tasks (proj_run's rows)
+ROWS = (1, 3, 7, 33, 100, 1100)
 
 PRODUCTS = """
 import sys, torch
@@ -38,7 +40,7 @@ for name in sys.argv[2].split(","):
     raw, _ = gguf_tensor(qt, (40, 512), seed=3)
     w = QWeight.from_gguf(raw, qt, (40, 512), name="w")
     out[name + ":kernel"] = w.kernel
-    for m in (1, 3, 7, 33):
+    for m in (1, 3, 7, 33, 100, 1100):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         out[f"{name}:{m}"] = w.matmul(x)
     out[name + ":deq"] = w.dequantize()

@@ -525,10 +525,13 @@ typedef struct {
 static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
                        float *xs, float *xs16, int nth);
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
-static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y);
 /* kquant.c: mm_task for the weights of kind 2 and 3 */
-static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
-static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y);
+static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y);
+static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y);
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);

@@ -242,13 +242,14 @@ static inline __attribute__((always_inline)) void k4_pair(
 #endif
 
 /* mm_task for a k4 / k5 weight (kind 2; small: Q5_K's fifth bits). */
-static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int h5 = (int)w->small, mt = h5 ? K5_MT : K4_MT;
     const int64_t bs = K4_BYTES(h5);
-    for (int64_t r0 = 0; r0 < M; r0 += mt) {
-        const int R = M - r0 < mt ? (int)(M - r0) : mt;
+    for (int64_t r0 = ra; r0 < rb; r0 += mt) {
+        const int R = rb - r0 < mt ? (int)(rb - r0) : mt;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
@@ -606,16 +607,147 @@ static inline __attribute__((always_inline)) void k16_pair(
 }
 #endif
 
+#if GL_VNNI512
+/* Many rows (a prompt): k16_pair's work, with each super-block's codes and scales of the two
+ * groups unpacked once for a chunk of up to RC rows (k16_unpack) instead of once for every tile
+ * of MT rows. The unpacking (nibbles, the fifth and sixth bits, the float scales) took more
+ * instructions a row than the dots themselves; the tiles now only load it. The accumulators of
+ * the chunk's rows wait in acc (RC x 16 floats) between super-blocks. Per output the same sums
+ * and float steps in the same order as k16_pair, so the same bits. */
+#define RC 48 /* rows a chunk: a multiple of MT, their accumulators (3 KiB) beside the unpacked 6 */
+
+typedef struct {
+    __m512i code[8][4][2];  /* block, chunk, lo / hi: the codes as the dots take them */
+    __m512 s[8][2], m[8][2]; /* block: the scale of each 16 values, what sum(x) is multiplied by */
+} k16_unpacked;
+
+static inline __attribute__((always_inline)) void k16_unpack(int v, const uint8_t *qa, const uint8_t *qb,
+                                                             const uint16_t *da, const uint16_t *db,
+                                                             int64_t sb, k16_unpacked *u) {
+    const int64_t bs = K16_BYTES(v), nd = K16_D(v), at_sc = v == V_Q6 ? 192 : 128;
+    const __m512 dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + sb * nd))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + sb * nd))));
+    __m512 dmv = _mm512_setzero_ps();
+    if (v == V_Q2)
+        dmv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + sb * nd + 8))),
+                     _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + sb * nd + 8))));
+    for (int i = 0; i < 8; i++) {
+        const int64_t b = sb * 8 + i;
+        const uint8_t *wa = qa + b * bs, *wb = qb + b * bs, *sa = wa + at_sc, *sbp = wb + at_sc;
+        const __m512 s0 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa), u8x8_ps(sbp)) : cat_ps(s8x8_ps(sa), s8x8_ps(sbp)));
+        const __m512 s1 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa + 8), u8x8_ps(sbp + 8))
+                                                       : cat_ps(s8x8_ps(sa + 8), s8x8_ps(sbp + 8)));
+        u->s[i][0] = s0;
+        u->s[i][1] = s1;
+        if (v == V_Q2) {
+            u->m[i][0] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 16), u8x8_ps(sbp + 16)));
+            u->m[i][1] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 24), u8x8_ps(sbp + 24)));
+        } else {
+            const __m512 off = _mm512_set1_ps((float)K16_OFF(v));
+            u->m[i][0] = _mm512_mul_ps(s0, off);
+            u->m[i][1] = _mm512_mul_ps(s1, off);
+        }
+        for (int c = 0; c < 4; c++) {
+            __m512i lo, hi;
+            nibbles2(wa, wb, c, 0, &lo, &hi);
+            if (v == V_Q6) {
+                __m512i lh, hh;
+                q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
+                lo = _mm512_or_si512(lo, lh);
+                hi = _mm512_or_si512(hi, hh);
+            }
+            u->code[i][c][0] = lo;
+            u->code[i][c][1] = hi;
+        }
+    }
+}
+
+/* R rows (a tile) of super-block sb through u: acc (16 floats a row) in, and out. */
+static inline __attribute__((always_inline)) void k16_tile(const k16_unpacked *u, int64_t sb, int64_t kb,
+                                                           const int8_t *xq, const float *xd,
+                                                           const float *xs16, int R, float *acc_m) {
+    __m512 acc[MT];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_load_ps(acc_m + 16 * r);
+    for (int i = 0; i < 8; i++) {
+        const int64_t b = sb * 8 + i;
+        __m512i lo32[MT], hi32[MT];
+        for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i lo = _mm512_load_si512(&u->code[i][c][0]), hi = _mm512_load_si512(&u->code[i][c][1]);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                int32_t x0, x1;
+                memcpy(&x0, xb + 4 * c, 4);
+                memcpy(&x1, xb + 16 + 4 * c, 4);
+                lo32[r] = DPBUSD512(lo32[r], lo, _mm512_set1_epi32(x0));
+                hi32[r] = DPBUSD512(hi32[r], hi, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512 s0 = _mm512_load_ps(&u->s[i][0]), s1 = _mm512_load_ps(&u->s[i][1]);
+        const __m512 m0 = _mm512_load_ps(&u->m[i][0]), m1 = _mm512_load_ps(&u->m[i][1]);
+        for (int r = 0; r < R; r++) {
+            const __m512 xdv = _mm512_set1_ps(xd[r * kb + b]);
+            const float *x16 = xs16 + (r * kb + b) * 2;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32[r]), _mm512_mul_ps(s0, xdv), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32[r]), _mm512_mul_ps(s1, xdv), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(x16[0]), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x16[1]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_store_ps(acc_m + 16 * r, acc[r]);
+}
+
+/* Groups g and g + 1 (qa, da; qb, db) for rows [r0, r1) of x, in chunks of RC rows. */
+static void k16_pair_rows(int v, const uint8_t *qa, const uint8_t *qb, const uint16_t *da,
+                          const uint16_t *db, int64_t kb, const xbuf *xb, int64_t k, int64_t r0,
+                          int64_t r1, float *ya, float *yb, int64_t ldy) {
+    k16_unpacked u __attribute__((aligned(64)));
+    float acc_m[RC * 16] __attribute__((aligned(64)));
+    for (int64_t c0 = r0; c0 < r1; c0 += RC) {
+        const int64_t nr = r1 - c0 < RC ? r1 - c0 : RC;
+        memset(acc_m, 0, sizeof(float) * 16 * (size_t)nr);
+        for (int64_t sb = 0; sb < kb / 8; sb++) {
+            k16_unpack(v, qa, qb, da, db, sb, &u);
+            for (int64_t t0 = 0; t0 < nr; t0 += MT) {
+                const int R = nr - t0 < MT ? (int)(nr - t0) : MT;
+                const int64_t row = c0 + t0;
+                const int8_t *xt = xb->xq + row * k;
+                const float *dt = xb->xd + row * kb, *st = xb->xs16 + row * kb * 2;
+#define K16T(RR) k16_tile(&u, sb, kb, xt, dt, st, RR, acc_m + 16 * t0)
+                WITH_ROWS(R, K16T)
+#undef K16T
+            }
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            _mm256_storeu_ps(ya + (c0 + r) * ldy, _mm256_load_ps(acc_m + 16 * r));
+            _mm256_storeu_ps(yb + (c0 + r) * ldy, _mm256_load_ps(acc_m + 16 * r + 8));
+        }
+    }
+}
+#endif
+
 /* mm_task for a k6 / k3 / k2 weight (kind 3, small = v). */
-static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int v = (int)w->small;
-    for (int64_t r0 = 0; r0 < M; r0 += K16_MT) {
-        const int R = M - r0 < K16_MT ? (int)(M - r0) : K16_MT;
+    int64_t g0 = t * GT; /* the first group the tiles below take */
+#if GL_VNNI512
+    if (M >= RC) { /* a prompt: the pairs unpacked once a chunk of rows, a last odd group below */
+        for (int64_t g = g0; pair_at(M, g, g1, n); g += 2, g0 = g) {
+            const uint8_t *qg = (const uint8_t *)w->q + g * kb * K16_BYTES(v);
+            const uint16_t *dg = (const uint16_t *)w->d + g * ks * K16_D(v);
+            k16_pair_rows(v, qg, qg + kb * K16_BYTES(v), dg, dg + ks * K16_D(v), kb, xb, k, ra, rb,
+                          y + g * 8, y + g * 8 + 8, n);
+        }
+    }
+#endif
+    for (int64_t r0 = ra; r0 < rb; r0 += K16_MT) {
+        const int R = rb - r0 < K16_MT ? (int)(rb - r0) : K16_MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs16 + r0 * kb * 2;
-        for (int64_t g = t * GT; g < g1; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             const uint8_t *qg = (const uint8_t *)w->q + g * kb * K16_BYTES(v);
             const uint16_t *dg = (const uint16_t *)w->d + g * ks * K16_D(v);
             float *yo = y + r0 * n + g * 8;

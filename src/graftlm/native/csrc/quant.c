@@ -446,22 +446,23 @@ static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
     return b;
 }
 
-/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of every row of x.
- * The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
-static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, float *y) {
+/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of rows [ra, rb) of
+ * x. The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int h = (int)w->half;
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
     if (w->kind == 2 || w->kind == 3) {
-        (w->kind == 2 ? k4_task : k6_task)(w, xb, M, t, y);
+        (w->kind == 2 ? k4_task : k6_task)(w, xb, M, ra, rb, t, y);
         return;
     }
     if (w->kind == 0) {
         const uint8_t *qs = (const uint8_t *)w->q;
         const int h5 = (int)w->small, mt = h5 && !GL_VNNI ? MTU : MT;
-        for (int64_t r0 = 0; r0 < M; r0 += mt) {
-            const int R = M - r0 < mt ? (int)(M - r0) : mt;
+        for (int64_t r0 = ra; r0 < rb; r0 += mt) {
+            const int R = rb - r0 < mt ? (int)(rb - r0) : mt;
             const int8_t *xt = xb->xq + r0 * k;
             const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
             for (int64_t g = t * GT; g < g1; g++) {
@@ -511,8 +512,8 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t t, fl
     }
     /* s8: a scale per 32 values */
     const int8_t *q = (const int8_t *)w->q;
-    for (int64_t r0 = 0; r0 < M; r0 += MT) {
-        const int R = M - r0 < MT ? (int)(M - r0) : MT;
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const uint8_t *ut = xb->xu ? xb->xu + r0 * k : NULL;
         const float *dt = xb->xd + r0 * kb;

@@ -320,7 +320,31 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 kv_gather(kv, kv->k, s, g, k0, nk, D, Kf);
                 kv_gather(kv, kv->v, s, g, k0, nk, D, Vf);
                 key_block_t(Kf, nk, D, Kt);
-                /* S = scale * Q Kt: AR rows x 16 keys a tile */
+                /* S = scale * Q Kt: AR rows x 16 keys a tile (AVX-512: x 32, a pair of vectors;
+                 * each score is the same FMA chain over d in either width, so the same bits) */
+#if defined(__AVX512F__)
+                for (int64_t j0 = 0; j0 < nk; j0 += 32) { /* Kt's columns past nk are 0 */
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR];
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m512 acc[AR][2];
+                        for (int r = 0; r < AR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                        for (int64_t d = 0; d < D; d++) {
+                            const __m512 k0v = _mm512_load_ps(Kt + d * PK + j0), k1v = _mm512_load_ps(Kt + d * PK + j0 + 16);
+                            for (int r = 0; r < AR; r++) {
+                                const __m512 x = _mm512_set1_ps(qr[rr[r]][d]);
+                                acc[r][0] = _mm512_fmadd_ps(x, k0v, acc[r][0]);
+                                acc[r][1] = _mm512_fmadd_ps(x, k1v, acc[r][1]);
+                            }
+                        }
+                        const __m512 sc = _mm512_set1_ps(scale);
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm512_store_ps(S + rr[r] * PK + j0, _mm512_mul_ps(acc[r][0], sc));
+                            _mm512_store_ps(S + rr[r] * PK + j0 + 16, _mm512_mul_ps(acc[r][1], sc));
+                        }
+                    }
+                }
+#else
                 for (int64_t j0 = 0; j0 < nk; j0 += 16) { /* Kt[:, j0 .. j0 + 16] stays in L1 */
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
                         int64_t rr[AR]; /* a tail tile repeats row r0: same values, same place */
@@ -342,17 +366,28 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                         }
                     }
                 }
+#endif
                 /* mask, online softmax: P = exp(S - m_new) in S, alpha = exp(m_old - m_new) */
                 const int64_t nk16 = (nk + 15) / 16 * 16;
                 for (int64_t r = 0; r < rows; r++) {
                     float *sr = S + r * PK;
                     const int64_t p = pr[r], lo = window > 0 ? p - window + 1 : 0;
-                    for (int64_t j = 0; j < nk16; j++) {
-                        const int64_t key = k0 + j;
-                        if (j >= nk || key > p || key < lo) sr[j] = -INFINITY;
+                    /* keys [jlo, jhi) of the block are visible to the row, the rest -inf */
+                    const int64_t jlo = lo - k0 > 0 ? lo - k0 : 0, jhi = p + 1 - k0 < nk ? p + 1 - k0 : nk;
+                    const __m256i vlo = _mm256_set1_epi32((int)(jlo < nk16 ? jlo : nk16));
+                    const __m256i vhi = _mm256_set1_epi32((int)(jhi > 0 ? jhi : 0));
+                    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+                    __m256 mxv = _mm256_set1_ps(m[r]);
+                    for (int64_t j = 0; j < nk16; j += 8) {
+                        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                        const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(vlo, idx), _mm256_cmpgt_epi32(_mm256_add_epi32(idx, _mm256_set1_epi32(1)), vhi));
+                        const __m256 sv = _mm256_blendv_ps(_mm256_load_ps(sr + j), ninf, _mm256_castsi256_ps(out));
+                        _mm256_store_ps(sr + j, sv);
+                        mxv = _mm256_max_ps(mxv, sv);
                     }
-                    float mx = m[r];
-                    for (int64_t j = 0; j < nk16; j++) mx = sr[j] > mx ? sr[j] : mx;
+                    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
+                    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                    const float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
                     if (mx == -INFINITY) { /* nothing visible yet: P = 0, O and l stay 0 */
                         memset(sr, 0, sizeof(float) * (size_t)nk16);
                         alpha[r] = 1.0f;
@@ -371,8 +406,36 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                     l[r] = l[r] * alpha[r] + hsum8(sum);
                     m[r] = mx;
                 }
-                /* O = alpha O + P V: AR rows x 16 dims a tile */
-                for (int64_t d0 = 0; d0 < D; d0 += 16) { /* V[:, d0 .. d0 + 16] stays in L1 */
+                /* O = alpha O + P V: AR rows x 16 dims a tile (AVX-512: x 32 while 32 remain) */
+                int64_t dz = 0;
+#if defined(__AVX512F__)
+                for (; dz + 32 <= D; dz += 32) {
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR];
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m512 c[AR][2];
+                        for (int r = 0; r < AR; r++) {
+                            const __m512 a = _mm512_set1_ps(alpha[rr[r]]);
+                            c[r][0] = _mm512_mul_ps(a, _mm512_loadu_ps(O + rr[r] * D + dz));
+                            c[r][1] = _mm512_mul_ps(a, _mm512_loadu_ps(O + rr[r] * D + dz + 16));
+                        }
+                        for (int64_t j = 0; j < nk; j++) {
+                            const float *vr = Vf + j * D + dz;
+                            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+                            for (int r = 0; r < AR; r++) {
+                                const __m512 x = _mm512_set1_ps(S[rr[r] * PK + j]);
+                                c[r][0] = _mm512_fmadd_ps(x, v0, c[r][0]);
+                                c[r][1] = _mm512_fmadd_ps(x, v1, c[r][1]);
+                            }
+                        }
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm512_storeu_ps(O + rr[r] * D + dz, c[r][0]);
+                            _mm512_storeu_ps(O + rr[r] * D + dz + 16, c[r][1]);
+                        }
+                    }
+                }
+#endif
+                for (int64_t d0 = dz; d0 < D; d0 += 16) { /* V[:, d0 .. d0 + 16] stays in L1 */
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
                         int64_t rr[AR];
                         for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;

@@ -17,7 +17,7 @@ from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
-from graftlm.native.heap import hold_freed_memory
+from graftlm.native.heap import hold_freed_memory, use_huge_pages
 from graftlm.resources import default_model_path
 from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.device import resolve_device
@@ -92,8 +92,9 @@ def load(
         )
     if threads is not None and threads > 0:
         torch.set_num_threads(threads)
-    if dev.type == "cpu":
-        hold_freed_memory()  # a step's activations stay in the heap for the next (native.heap)
+    if dev.type == "cpu":  # before the weights are packed (native.heap)
+        hold_freed_memory()  # a step's activations stay in the heap for the next
+        use_huge_pages()  # the weights in transparent huge pages
     file = GGUFFile(default_model_path() if path is None else path)
     n_ctx = context_size(file, ctx_size)
     model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import graftlm
-from graftlm.step.batch import Batch
+from graftlm.step.batch import Batch, LoraRows
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 
@@ -40,7 +40,7 @@ def main() -> None:
     on = None if args.null else engine.lora_rows([{slot: 1.0}])
     prompt = list(range(100, 100 + args.ctx))
 
-    def block(lora: object, i: int) -> float:
+    def block(lora: LoraRows | None, i: int) -> float:
         t0 = time.perf_counter()
         for s in range(args.steps):
             # every block decodes the same positions: equal attention work either way

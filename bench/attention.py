@@ -16,7 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from graftlm.native import ops, unavailable_reason
+from graftlm.native import unavailable_reason
+from graftlm.native.ops import attn_prefill
 from graftlm.step import Batch, KVCache
 
 # (name, new tokens, heads, kv heads, head dim, tokens already in the cache, window)
@@ -58,6 +59,7 @@ def main() -> None:
         cache = KVCache(1, 1, hkv, length, d, d, torch.float32)
         cache.write(0, Batch(torch.zeros(1, length, dtype=torch.long), [0], [0], [length]), kc, vc)
         rows = Batch(torch.zeros(1, t, dtype=torch.long), [0], [start], [t]).index()
+        assert rows is not None
         scale = d**-0.5
         pos = torch.arange(start, length).view(t, 1)
         key = torch.arange(length).view(1, length)
@@ -66,7 +68,7 @@ def main() -> None:
             mask &= pos - key < window
 
         def native() -> torch.Tensor | None:
-            return ops.attn_prefill(q, cache, 0, rows, scale, window)  # noqa: B023
+            return attn_prefill(q, cache, 0, rows, scale, window)  # noqa: B023
 
         def sdpa() -> torch.Tensor:
             return F.scaled_dot_product_attention(

@@ -141,10 +141,10 @@ def engines(m: graftlm.Model, rows: int) -> None:
             t1 = time.perf_counter()
             mt.fill_next_token_bitmask(bitmask, r)
             bits = bitmask[r].numpy().view(np.uint8)
-            ok = np.unpackbits(bits, bitorder="little")[:n_vocab]
+            okx = np.unpackbits(bits, bitorder="little")[:n_vocab]
             if r == 0:
                 one_row.append(time.perf_counter() - t1)
-            assert ok[seqs[r % 2][i]], (r, i)
+            assert okx[seqs[r % 2][i]], (r, i)
         per_step.append(time.perf_counter() - t0)
         for r, mt in enumerate(xm):
             assert mt.accept_token(seqs[r % 2][i])

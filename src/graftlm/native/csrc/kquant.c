@@ -544,6 +544,64 @@ static inline __attribute__((always_inline)) void k16_group(
 }
 
 #if GL_VNNI512
+/* The codes of chunk c of two k16 groups' blocks wa, wb as the dots take them (Q6_K: with their
+ * fifth and sixth bits). */
+static inline __attribute__((always_inline)) void k16_codes2(int v, const uint8_t *wa, const uint8_t *wb,
+                                                             int c, __m512i *lo, __m512i *hi) {
+    nibbles2(wa, wb, c, 0, lo, hi);
+    if (v == V_Q6) {
+        __m512i lh, hh;
+        q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
+        *lo = _mm512_or_si512(*lo, lh);
+        *hi = _mm512_or_si512(*hi, hh);
+    }
+}
+
+/* Two k16 groups' block scales (sa, sb: their scale bytes; dsv, dmv: the super-block's d and
+ * dmin): s per 16 values, and m, what sum(x) of those 16 is multiplied by and subtracted. */
+static inline __attribute__((always_inline)) void k16_scales2(int v, __m512 dsv, __m512 dmv, const uint8_t *sa,
+                                                              const uint8_t *sb, __m512 *s, __m512 *m) {
+    s[0] = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa), u8x8_ps(sb)) : cat_ps(s8x8_ps(sa), s8x8_ps(sb)));
+    s[1] = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8))
+                                        : cat_ps(s8x8_ps(sa + 8), s8x8_ps(sb + 8)));
+    if (v == V_Q2) {
+        m[0] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 16), u8x8_ps(sb + 16)));
+        m[1] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 24), u8x8_ps(sb + 24)));
+    } else {
+        const __m512 off = _mm512_set1_ps((float)K16_OFF(v));
+        m[0] = _mm512_mul_ps(s[0], off);
+        m[1] = _mm512_mul_ps(s[1], off);
+    }
+}
+
+/* lo32[r], hi32[r] += the dots of chunk c's codes lo, hi with row r's block b of x. */
+static inline __attribute__((always_inline)) void k16_dots2(__m512i lo, __m512i hi, const int8_t *xq, int64_t kb,
+                                                            int64_t b, int c, int R, __m512i *lo32, __m512i *hi32) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *xb = xq + (r * kb + b) * 32;
+        int32_t x0, x1;
+        memcpy(&x0, xb + 4 * c, 4);
+        memcpy(&x1, xb + 16 + 4 * c, 4);
+        lo32[r] = DPBUSD512(lo32[r], lo, _mm512_set1_epi32(x0));
+        hi32[r] = DPBUSD512(hi32[r], hi, _mm512_set1_epi32(x1));
+    }
+}
+
+/* acc[r] += block b's sums of row r, scaled (s0, s1) and offset (m0, m1) per 16 values. */
+static inline __attribute__((always_inline)) void k16_fold2(__m512 s0, __m512 s1, __m512 m0, __m512 m1,
+                                                            const float *xd, const float *xs16, int64_t kb,
+                                                            int64_t b, int R, const __m512i *lo32,
+                                                            const __m512i *hi32, __m512 *acc) {
+    for (int r = 0; r < R; r++) {
+        const __m512 xdv = _mm512_set1_ps(xd[r * kb + b]);
+        const float *x16 = xs16 + (r * kb + b) * 2;
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32[r]), _mm512_mul_ps(s0, xdv), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32[r]), _mm512_mul_ps(s1, xdv), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(x16[0]), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x16[1]), acc[r]);
+    }
+}
+
 /* k16_group for two whole groups at once (qa, da, ya: group g; qb, db, yb: g + 1), in 512-bit
  * vectors: the same sums and float steps per output as k16_group, so the same bits. */
 static inline __attribute__((always_inline)) void k16_pair(
@@ -562,46 +620,17 @@ static inline __attribute__((always_inline)) void k16_pair(
                 dmv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o + 8))),
                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(db + o + 8))));
         }
-        const __m512 s0 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa), u8x8_ps(sb)) : cat_ps(s8x8_ps(sa), s8x8_ps(sb)));
-        const __m512 s1 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8))
-                                                       : cat_ps(s8x8_ps(sa + 8), s8x8_ps(sb + 8)));
+        __m512 sv[2], mv[2];
+        k16_scales2(v, dsv, dmv, sa, sb, sv, mv);
+        const __m512 s0 = sv[0], s1 = sv[1], m0 = mv[0], m1 = mv[1];
         __m512i lo32[MT], hi32[MT];
         for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             __m512i lo, hi;
-            nibbles2(wa, wb, c, 0, &lo, &hi);
-            if (v == V_Q6) {
-                __m512i lh, hh;
-                q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
-                lo = _mm512_or_si512(lo, lh);
-                hi = _mm512_or_si512(hi, hh);
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-                int32_t x0, x1;
-                memcpy(&x0, xb + 4 * c, 4);
-                memcpy(&x1, xb + 16 + 4 * c, 4);
-                lo32[r] = DPBUSD512(lo32[r], lo, _mm512_set1_epi32(x0));
-                hi32[r] = DPBUSD512(hi32[r], hi, _mm512_set1_epi32(x1));
-            }
+            k16_codes2(v, wa, wb, c, &lo, &hi);
+            k16_dots2(lo, hi, xq, kb, b, c, R, lo32, hi32);
         }
-        __m512 m0, m1;
-        if (v == V_Q2) {
-            m0 = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 16), u8x8_ps(sb + 16)));
-            m1 = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 24), u8x8_ps(sb + 24)));
-        } else {
-            const __m512 off = _mm512_set1_ps((float)K16_OFF(v));
-            m0 = _mm512_mul_ps(s0, off);
-            m1 = _mm512_mul_ps(s1, off);
-        }
-        for (int r = 0; r < R; r++) {
-            const __m512 xdv = _mm512_set1_ps(xd[r * kb + b]);
-            const float *x16 = xs16 + (r * kb + b) * 2;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32[r]), _mm512_mul_ps(s0, xdv), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32[r]), _mm512_mul_ps(s1, xdv), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(x16[0]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x16[1]), acc[r]);
-        }
+        k16_fold2(s0, s1, m0, m1, xd, xs16, kb, b, R, lo32, hi32, acc);
     }
     store_pair(acc, R, ya, yb, ldy);
 }
@@ -634,31 +663,8 @@ static inline __attribute__((always_inline)) void k16_unpack(int v, const uint8_
     for (int i = 0; i < 8; i++) {
         const int64_t b = sb * 8 + i;
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs, *sa = wa + at_sc, *sbp = wb + at_sc;
-        const __m512 s0 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa), u8x8_ps(sbp)) : cat_ps(s8x8_ps(sa), s8x8_ps(sbp)));
-        const __m512 s1 = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa + 8), u8x8_ps(sbp + 8))
-                                                       : cat_ps(s8x8_ps(sa + 8), s8x8_ps(sbp + 8)));
-        u->s[i][0] = s0;
-        u->s[i][1] = s1;
-        if (v == V_Q2) {
-            u->m[i][0] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 16), u8x8_ps(sbp + 16)));
-            u->m[i][1] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 24), u8x8_ps(sbp + 24)));
-        } else {
-            const __m512 off = _mm512_set1_ps((float)K16_OFF(v));
-            u->m[i][0] = _mm512_mul_ps(s0, off);
-            u->m[i][1] = _mm512_mul_ps(s1, off);
-        }
-        for (int c = 0; c < 4; c++) {
-            __m512i lo, hi;
-            nibbles2(wa, wb, c, 0, &lo, &hi);
-            if (v == V_Q6) {
-                __m512i lh, hh;
-                q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
-                lo = _mm512_or_si512(lo, lh);
-                hi = _mm512_or_si512(hi, hh);
-            }
-            u->code[i][c][0] = lo;
-            u->code[i][c][1] = hi;
-        }
+        k16_scales2(v, dsv, dmv, sa, sbp, u->s[i], u->m[i]);
+        for (int c = 0; c < 4; c++) k16_codes2(v, wa, wb, c, &u->code[i][c][0], &u->code[i][c][1]);
     }
 }
 
@@ -674,25 +680,11 @@ static inline __attribute__((always_inline)) void k16_tile(const k16_unpacked *u
         for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             const __m512i lo = _mm512_load_si512(&u->code[i][c][0]), hi = _mm512_load_si512(&u->code[i][c][1]);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-                int32_t x0, x1;
-                memcpy(&x0, xb + 4 * c, 4);
-                memcpy(&x1, xb + 16 + 4 * c, 4);
-                lo32[r] = DPBUSD512(lo32[r], lo, _mm512_set1_epi32(x0));
-                hi32[r] = DPBUSD512(hi32[r], hi, _mm512_set1_epi32(x1));
-            }
+            k16_dots2(lo, hi, xq, kb, b, c, R, lo32, hi32);
         }
         const __m512 s0 = _mm512_load_ps(&u->s[i][0]), s1 = _mm512_load_ps(&u->s[i][1]);
         const __m512 m0 = _mm512_load_ps(&u->m[i][0]), m1 = _mm512_load_ps(&u->m[i][1]);
-        for (int r = 0; r < R; r++) {
-            const __m512 xdv = _mm512_set1_ps(xd[r * kb + b]);
-            const float *x16 = xs16 + (r * kb + b) * 2;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo32[r]), _mm512_mul_ps(s0, xdv), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi32[r]), _mm512_mul_ps(s1, xdv), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(m0, _mm512_set1_ps(x16[0]), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(m1, _mm512_set1_ps(x16[1]), acc[r]);
-        }
+        k16_fold2(s0, s1, m0, m1, xd, xs16, kb, b, R, lo32, hi32, acc);
     }
     for (int r = 0; r < R; r++) _mm512_store_ps(acc_m + 16 * r, acc[r]);
 }

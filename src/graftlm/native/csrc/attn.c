@@ -372,10 +372,10 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 for (int64_t r = 0; r < rows; r++) {
                     float *sr = S + r * PK;
                     const int64_t p = pr[r], lo = window > 0 ? p - window + 1 : 0;
-                    /* keys [jlo, jhi) of the block are visible to the row, the rest -inf */
-                    const int64_t jlo = lo - k0 > 0 ? lo - k0 : 0, jhi = p + 1 - k0 < nk ? p + 1 - k0 : nk;
-                    const __m256i vlo = _mm256_set1_epi32((int)(jlo < nk16 ? jlo : nk16));
-                    const __m256i vhi = _mm256_set1_epi32((int)(jhi > 0 ? jhi : 0));
+                    /* keys [jlo, jhi) of the block are visible to the row, the rest -inf; jlo < PQ
+                     * (the task's first query's window starts the first block) and jhi > -PQ */
+                    const int64_t jlo = lo - k0, jhi = p + 1 - k0 < nk ? p + 1 - k0 : nk;
+                    const __m256i vlo = _mm256_set1_epi32((int)jlo), vhi = _mm256_set1_epi32((int)jhi);
                     const __m256 ninf = _mm256_set1_ps(-INFINITY);
                     __m256 mxv = _mm256_set1_ps(m[r]);
                     for (int64_t j = 0; j < nk16; j += 8) {

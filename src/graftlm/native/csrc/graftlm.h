@@ -494,6 +494,7 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 #define MT 6  /* rows of x per tile: their accumulators live in registers */
 #define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
+#define RC 48 /* rows a chunk of a prompt's k16 pairs, unpacked once for them (kquant.c); a multiple of MT */
 
 /* F(rows) with rows a compile-time constant 1..MT (WITH_ROWS) or 1..MTU (WITH_ROWS_U): the group
  * kernels keep R accumulators in registers only when R is known when they are inlined. */
@@ -518,13 +519,13 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 /* x quantized to int8 per 32 values, as every product reads it (quant.c: quantize_x). */
 typedef struct {
     int8_t *xq;
-    uint8_t *xu; /* xq + 128, for the s8 products with VNNI (NULL without) */
+    uint8_t *xu; /* xq + 128, for the s8 products with VNNI (NULL without, or with none) */
     float *xd, *xs, *xs16;
 } xbuf;
 
 static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
                        float *xs, float *xs16, int nth);
-static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k);
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y);
 /* kquant.c: mm_task for the weights of kind 2 and 3 */

@@ -643,8 +643,6 @@ static inline __attribute__((always_inline)) void k16_pair(
  * instructions a row than the dots themselves; the tiles now only load it. The accumulators of
  * the chunk's rows wait in acc (RC x 16 floats) between super-blocks. Per output the same sums
  * and float steps in the same order as k16_pair, so the same bits. */
-#define RC 48 /* rows a chunk: a multiple of MT, their accumulators (3 KiB) beside the unpacked 6 */
-
 typedef struct {
     __m512i code[8][4][2];  /* block, chunk, lo / hi: the codes as the dots take them */
     __m512 s[8][2], m[8][2]; /* block: the scale of each 16 values, what sum(x) is multiplied by */

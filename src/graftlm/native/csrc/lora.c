@@ -244,7 +244,7 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0, S = M / T;
     proj_bufs b = {0};
-    if (w->q != NULL || (has && l->aq)) b.xb = xbuf_take(s, M, w->k);
+    if (w->q != NULL || (has && l->aq)) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || (has && l->aq));
     if (has && !proj_one_row(l, M)) {
         b.av = scratch_take(s, (int64_t)sizeof(float) * M * R);
         b.cols = scratch_take(s, (int64_t)sizeof(int64_t) * S * R);
@@ -287,7 +287,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
      * about 512 KiB of them (a core's L2 keeps them across the tasks; the weights are read again
      * each pass). Llama-1B's ffn_down (k = 8192) at 512 rows: 4 MiB of x, read from L3 by every
      * 32 outputs, had the Q6_K product at 434 GOP/s; in passes of 96 rows, 590. */
-    const int64_t rows = M * k <= (1 << 19) ? M : ((1 << 19) / k + 47) / 48 * 48;
+    const int64_t rows = M * k <= (1 << 19) ? M : ((1 << 19) / k + RC - 1) / RC * RC;
     if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
         for (int64_t off = 0; off < R * 16; off += 64) _mm_prefetch((const char *)l->span + off, _MM_HINT_T0);
         for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);

@@ -435,11 +435,12 @@ static inline __attribute__((always_inline)) void s8_pair(
 }
 #endif
 
-/* Room for M rows of k values of x quantized (quantize_x fills it). */
-static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k) {
+/* Room for M rows of k values of x quantized (quantize_x fills it); with s8 (an s8 product reads
+ * x: a Q8_0 weight, an int8 A) and VNNI, for x as unsigned bytes too. */
+static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8) {
     xbuf b;
     b.xq = scratch_take(s, M * k);
-    b.xu = GL_VNNI ? scratch_take(s, M * k) : NULL;
+    b.xu = GL_VNNI && s8 ? scratch_take(s, M * k) : NULL;
     b.xd = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs16 = scratch_take(s, (int64_t)sizeof(float) * M * (k / 16));

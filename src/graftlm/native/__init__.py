@@ -7,6 +7,6 @@
 Everything has a PyTorch twin that runs when the library is unavailable (see ``build``).
 """
 
-from graftlm.native.build import disabled, features, isa, library, threads, unavailable_reason
+from graftlm.native.build import amx, disabled, features, isa, library, threads, unavailable_reason
 
-__all__ = ["disabled", "features", "isa", "library", "threads", "unavailable_reason"]
+__all__ = ["amx", "disabled", "features", "isa", "library", "threads", "unavailable_reason"]

@@ -14,7 +14,9 @@ not used, and ``unavailable_reason()`` names the field or the function.
 ``GRAFTLM_NATIVE_ISA=ymm`` keeps what the CPU has but the 256-bit kernels where 512-bit VNNI ones
 exist (``-DGL_NO_ZMM``): their twins, tested on the machines that have both. ``isa()`` says which
 variant is loaded. ``GRAFTLM_PAIR_ROWS=N`` sets from how many rows of x the 512-bit kernels serve
-a product (``pair_rows()`` picks it by the CPU otherwise).
+a product (``pair_rows()`` picks it by the CPU otherwise). Where the compiler targets a CPU with AMX
+and Linux grants the tiles' state, products of ``GRAFTLM_AMX_ROWS`` rows or more (default 32; 0:
+never) run on the tiles in bfloat16 (``amx()`` says whether they do).
 
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
 ``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
@@ -46,6 +48,7 @@ ISA_FLAGS = {"native": [], "ymm": ["-DGL_NO_ZMM"], "avx2": ["-mno-avx512f", "-mn
 
 _REASON: list[str] = []
 _ENABLED = [True]
+_AMX = [False]
 
 
 def sources() -> list[Path]:
@@ -177,9 +180,11 @@ def loaded_library() -> ctypes.CDLL | None:
     abi.bind(lib)
     try:
         lib.gl_set_pair_rows(pair_rows())
+        rows = amx_rows()
     except ValueError as exc:
         _REASON.append(str(exc))
         return None
+    _AMX[0] = rows > 0 and lib.gl_set_amx_rows(rows) >= 0
     return lib
 
 
@@ -201,6 +206,25 @@ def pair_rows() -> int:
     return 1 if _cpu_vendor() == "GenuineIntel" else 2
 
 
+def amx_rows() -> int:
+    """From how many rows of x a product runs on AMX tiles, in bfloat16, where the library has them
+    and Linux grants their state: GRAFTLM_AMX_ROWS (0: never), else 32. Fewer rows keep the VNNI
+    kernels: each product dequantizes its weight once for all its rows, which a prompt's rows
+    repay and a decode step's do not."""
+    raw = os.environ.get("GRAFTLM_AMX_ROWS", "").strip()
+    if raw:
+        if not raw.isdigit():
+            raise ValueError(f"GRAFTLM_AMX_ROWS={raw!r}: expected a whole number of rows (0: never)")
+        return int(raw)
+    return 32
+
+
+def amx() -> bool:
+    """Whether prompts' products run on AMX tiles (the library has them, GRAFTLM_AMX_ROWS is not
+    0, and Linux granted the tiles' state)."""
+    return loaded_library() is not None and _AMX[0]
+
+
 def abi_problem(lib: ctypes.CDLL) -> str | None:
     """Why the library and abi.py disagree (the structs' layout, then the functions), or None."""
     layout = abi.layout_problems(lib)
@@ -214,7 +238,7 @@ def abi_problem(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-FEATURES = ("avx512f", "avx512bw+vl", "vnni", "avx512bf16", "zmm-vnni")
+FEATURES = ("avx512f", "avx512bw+vl", "vnni", "avx512bf16", "zmm-vnni", "amx")
 
 
 def features() -> list[str]:

@@ -69,7 +69,26 @@ int64_t gl_features(void) {
 #if GL_VNNI512
     f |= 16;
 #endif
+#if GL_AMX
+    f |= 32;
+#endif
     return f;
+}
+
+int64_t gl_set_amx_rows(int64_t m) {
+#if GL_AMX
+    static int granted = 0;
+    if (m > 0 && !granted) { /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the tiles' state */
+        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+        granted = 1;
+    }
+    const int64_t old = gl_amx_rows;
+    gl_amx_rows = m < 0 ? 0 : m;
+    return old;
+#else
+    (void)m;
+    return -1;
+#endif
 }
 
 int64_t gl_set_pair_rows(int64_t m) {
@@ -102,6 +121,7 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 
 #include "quant.c"
 #include "kquant.c"
+#include "amx.c"
 #include "attn.c"
 #include "lora.c"
 #include "layer.c"

@@ -136,12 +136,15 @@ GL_API void gl_scratch_free(gl_scratch *s);
  * count a decode step's); -1 in any other. */
 GL_API int64_t gl_alloc_count(void);
 /* graftlm.c: what the library was compiled to use: bit 0 AVX-512F, 1 AVX-512BW with VL, 2 VNNI
- * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16, 4 the 512-bit VNNI kernels (GL_VNNI512; build.py's FEATURES
- * names them). */
+ * (AVX-512 VNNI with VL, or AVX-VNNI), 3 AVX-512 BF16, 4 the 512-bit VNNI kernels (GL_VNNI512), 5 the
+ * AMX tiles (GL_AMX; build.py's FEATURES names them). */
 GL_API int64_t gl_features(void);
 /* graftlm.c: from how many rows of x the 512-bit pair kernels serve a product (at least 1; no
  * effect in a build without them); returns the value it replaces. */
 GL_API int64_t gl_set_pair_rows(int64_t m);
+/* From how many rows of x a product runs on AMX tiles (0: never); asks Linux for the tiles' state
+ * first. The previous value, or -1: no AMX in this library, or the state was refused. */
+GL_API int64_t gl_set_amx_rows(int64_t m);
 
 /* quant.c */
 GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -396,6 +399,19 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
 }
 #else
 #define GL_VNNI512 0
+#endif
+
+/* AMX: a prompt's products on the tiles in bfloat16 (amx.c), where the compiler targets a CPU
+ * with them; whether Linux grants their state is asked at run time (gl_set_amx_rows). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && GL_VNNI512
+#define GL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Rows of x from which a product runs on the tiles; 0: never (the default, and where Linux
+ * refused the tiles' state). */
+static int64_t gl_amx_rows = 0;
+#else
+#define GL_AMX 0
 #endif
 
 

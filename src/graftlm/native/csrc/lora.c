@@ -234,6 +234,7 @@ static inline int proj_one_row(const gl_lora_site *l, int64_t M) {
  * (S), and two[i]: rows i and i + 1 pair up (lora_b_two). */
 typedef struct {
     xbuf xb;
+    uint16_t *xbf; /* x in bfloat16 for the AMX tiles (amx.c), or NULL */
     float *av;
     int64_t *cols, *cnt;
     char *two;
@@ -244,7 +245,14 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
     const int has = l != NULL && l->a != NULL;
     const int64_t R = has ? l->r : 0, S = M / T;
     proj_bufs b = {0};
-    if (w->q != NULL || (has && l->aq)) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || (has && l->aq));
+    int vnni = w->q != NULL; /* the base product, or some of its outputs, on the VNNI kernels */
+#if GL_AMX
+    if (amx_serves(w, M)) {
+        b.xbf = scratch_take(s, (M + 31) / 32 * 32 * w->k * 2);
+        vnni = w->n % 32 != 0; /* the last task's outputs: not a whole tile pair */
+    }
+#endif
+    if (vnni || (has && l->aq)) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || (has && l->aq));
     if (has && !proj_one_row(l, M)) {
         b.av = scratch_take(s, (int64_t)sizeof(float) * M * R);
         b.cols = scratch_take(s, (int64_t)sizeof(int64_t) * S * R);
@@ -283,20 +291,24 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     const int one = proj_one_row(l, M);
     const int many = has && !one;
     const int64_t S = M / T; /* scale rows: T tokens each */
+    const int64_t mark = sc->used;
+    const proj_bufs b = proj_take(w, l, M, T, sc);
     /* Rows a pass over the tasks: every task reads all of x's rows of a pass, so a pass holds
      * about 512 KiB of them (a core's L2 keeps them across the tasks; the weights are read again
      * each pass). Llama-1B's ffn_down (k = 8192) at 512 rows: 4 MiB of x, read from L3 by every
-     * 32 outputs, had the Q6_K product at 434 GOP/s; in passes of 96 rows, 590. */
-    const int64_t rows = M * k <= (1 << 19) ? M : ((1 << 19) / k + RC - 1) / RC * RC;
+     * 32 outputs, had the Q6_K product at 434 GOP/s; in passes of 96 rows, 590. On the AMX tiles
+     * (b.xbf), one pass: a task's weights are dequantized once for all the rows. */
+    const int64_t rows = M * k <= (1 << 19) || b.xbf ? M : ((1 << 19) / k + RC - 1) / RC * RC;
     if (one) { /* the spans and scales lora_needed reads first: cold after the last product */
         for (int64_t off = 0; off < R * 16; off += 64) _mm_prefetch((const char *)l->span + off, _MM_HINT_T0);
         for (int64_t off = 0; off < R * 4; off += 64) _mm_prefetch((const char *)l->scales + off, _MM_HINT_T0);
     }
     const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
-    const int64_t mark = sc->used;
-    const proj_bufs b = proj_take(w, l, M, T, sc);
     const xbuf xb = b.xb;
     if (xb.xq) quantize_x(x, M, k, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16, nth);
+#if GL_AMX
+    if (b.xbf) amx_x(x, M, k, b.xbf, nth);
+#endif
     float *av = b.av;
     int64_t *cols = b.cols, *cnt = b.cnt;
     char *two = b.two;
@@ -317,11 +329,18 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         int64_t lines = 0;
         for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
         if (many) lora_xa_rows(l, &xb, x, M, T, k, av); /* the threads split the rows' dots */
+#if GL_AMX
+        if (b.xbf && t1 > t0) { /* the base product first, all of it: in chunks of k (amx_tasks) */
+            amx_begin();
+            amx_tasks(w, b.xbf, M, t0, t1, amx_panel_buf(k), y);
+            _tile_release();
+        }
+#endif
         for (int64_t ra = 0; ra < M; ra += rows) {
             const int64_t rb = M - ra < rows ? M : ra + rows;
             for (int64_t t = t0; t < t1; t++) {
                 if (ra == 0) prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
-                if (base) mm_task(w, &xb, M, ra, rb, t, y);
+                if (base && (!b.xbf || !amx_task_whole(w, t))) mm_task(w, &xb, M, ra, rb, t, y);
                 for (int64_t i = ra; many && i < rb; i++) { /* the task's outputs, while still in cache */
                     const int64_t *ci = cols + (i / T) * R;
                     if (two[i] && i + 1 < rb && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */

@@ -214,7 +214,9 @@ def amx_rows() -> int:
     raw = os.environ.get("GRAFTLM_AMX_ROWS", "").strip()
     if raw:
         if not raw.isdigit():
-            raise ValueError(f"GRAFTLM_AMX_ROWS={raw!r}: expected a whole number of rows (0: never)")
+            raise ValueError(
+                f"GRAFTLM_AMX_ROWS={raw!r}: expected a whole number of rows (0: never)"
+            )
         return int(raw)
     return 32
 

@@ -5,6 +5,8 @@ has no AMX or Linux refused the tiles' state; test_isa keeps the VNNI kernels' o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,16 @@ from graftlm.quant.synth import gguf_tensor
 pytestmark = pytest.mark.skipif(not amx(), reason="no AMX tiles here (CPU, compiler or kernel)")
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K]
+
+
+@pytest.fixture(autouse=True)
+def tiles_from_32_rows() -> Iterator[None]:
+    """The tiles take products of 32 rows or more here, whatever GRAFTLM_AMX_ROWS says."""
+    lib = library()
+    assert lib is not None
+    before = lib.gl_set_amx_rows(32)
+    yield
+    lib.gl_set_amx_rows(before)
 
 
 def bf16_twin(x: torch.Tensor, raw: np.ndarray, qt: Q, shape: tuple[int, int]) -> torch.Tensor:
@@ -35,7 +47,7 @@ def assert_twin(y: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.T
 @pytest.mark.parametrize("qt", TYPES)
 def test_tiles_match_the_bfloat16_twin(qt: Q) -> None:
     """Every weight format on the tiles: 72 outputs (two whole tasks of 32, and 8 the VNNI
-    kernels take), 32 rows (the threshold), 45 (a last tile of 13 rows), 300."""
+    kernels take), 32 rows, 45 (a last tile of 13 rows), 300."""
     shape = (72, 512)
     raw, _ = gguf_tensor(qt, shape, seed=7)
     w = QWeight.from_gguf(raw, qt, shape, name="w")
@@ -72,13 +84,9 @@ def test_rows_below_the_threshold_stay_on_vnni() -> None:
     lib = library()
     assert lib is not None
     x = torch.randn(31, shape[1], generator=torch.Generator().manual_seed(3))
-    before = lib.gl_set_amx_rows(32)
-    try:
-        y, tiles = w.matmul(x), w.matmul(torch.cat([x, x[:1]]))[:31]
-        lib.gl_set_amx_rows(0)
-        off = w.matmul(x)
-    finally:
-        lib.gl_set_amx_rows(before)
+    y, tiles = w.matmul(x), w.matmul(torch.cat([x, x[:1]]))[:31]
+    lib.gl_set_amx_rows(0)
+    off = w.matmul(x)
     assert torch.equal(y, off)
     assert not torch.equal(tiles, off)  # one row more, and the tiles take them
 

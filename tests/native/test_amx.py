@@ -100,3 +100,52 @@ def test_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("GRAFTLM_AMX_ROWS", bad)
         with pytest.raises(ValueError, match=f"GRAFTLM_AMX_ROWS='{bad}'"):
             build.amx_rows()
+
+
+def _q8_x(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int8 dots of A round it, per 32 values (test_native's twin of it)."""
+    v = x.reshape(-1, 32)
+    amax = v.abs().amax(dim=1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(v * (127 / torch.where(amax > 0, amax, 1))), 0)
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q8_0])
+def test_lora_delta_on_the_tiles(qt: Q) -> None:
+    """A projection with adapters at 48 rows: the delta's s * A . x (int8 dots, as at any row
+    count) in bfloat16 against B in bfloat16, summed on the tiles with the base product. 72
+    outputs: the last 8 on the VNNI kernels and the float delta. Two adapters of ranks 4 and 36
+    (two blocks of 32 columns), one on part of the outputs, rows on different adapters, a row on
+    none."""
+    from graftlm.lora.site import LoraSite
+    from graftlm.models.seam import Projection
+    from graftlm.step.batch import Batch, LoraRows
+
+    n_out, n_in = 72, 512
+    raw, _ = gguf_tensor(qt, (n_out, n_in), seed=9)
+    w = QWeight.from_gguf(raw, qt, (n_out, n_in), name="w")
+    p = Projection("blk.0.ffn_gate_up", w)
+    p.lora = LoraSite(n_in, n_out, compact=True)
+    g = torch.Generator().manual_seed(5)
+    a1, b1 = torch.randn(4, n_in, generator=g), torch.randn(n_out, 4, generator=g)
+    a2, b2 = torch.randn(36, n_in, generator=g) / 8, torch.randn(n_out, 36, generator=g)
+    b2[:40] = 0
+    p.lora.put(1, a1, b1)
+    p.lora.put(2, a2, b2)
+    table = [[0.0, 1.0, 0.5], [0.0, 0.0, -1.0], [0.0, 0.0, 0.0]]
+    rows = LoraRows(torch.tensor(table), (1, 2))
+    x = torch.randn(3, 16, n_in, generator=g)
+    batch = Batch(torch.zeros(3, 16, dtype=torch.long), [0, 1, 2], [0] * 3, [16] * 3, rows)
+    got = p(x, batch)
+    base = w.matmul(x)
+    torch.testing.assert_close(got[2], base[2], rtol=0, atol=0)  # the row on no adapter
+    want = base.clone()
+    for slot, (a, b) in ((1, (a1, b1)), (2, (a2, b2))):
+        aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
+        scale = torch.tensor(table)[:, slot].view(3, 1, 1)
+        av = scale * (_q8_x(x) @ aq.T)
+        tiles = av.bfloat16().float() @ b.bfloat16().float().T
+        vnni = av @ b.bfloat16().float().T
+        want[..., :64] += tiles[..., :64]
+        want[..., 64:] += vnni[..., 64:]
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * float(want.abs().max()))

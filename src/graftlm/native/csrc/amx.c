@@ -40,18 +40,18 @@ static void amx_begin(void) {
     _tile_loadconfig(&c);
 }
 
-/* This thread's panel, room for k values of 32 outputs: kept from call to call, grown when a
- * product has a larger k (32 k bfloat16: 512 KiB at k = 8192). */
-static uint16_t *amx_panel_buf(int64_t k) {
-    static __thread uint16_t *buf;
-    static __thread int64_t cap;
-    if (cap < k) {
-        free(buf);
-        buf = aligned_alloc(64, (size_t)k * 64);
-        if (!buf) abort();
-        cap = k;
+/* This thread's buffers (0: a task's panel, 32 k bfloat16, 512 KiB at k = 8192; 1: the extra
+ * values' panel), kept from call to call and grown when a product needs more. */
+static uint16_t *amx_buf(int which, int64_t bytes) {
+    static __thread uint16_t *buf[2];
+    static __thread int64_t cap[2];
+    if (cap[which] < bytes) {
+        free(buf[which]);
+        buf[which] = aligned_alloc(64, (size_t)bytes);
+        if (!buf[which]) abort();
+        cap[which] = bytes;
     }
-    return buf;
+    return buf[which];
 }
 
 /* Whether the tiles serve this task of this product (outputs [32 t, 32 t + 32) of M rows). */
@@ -69,19 +69,22 @@ static inline __attribute__((always_inline)) void amx_lanes(__m512i v, int sgn, 
     }
 }
 
+/* One tile row in bfloat16 from two values of 16 outputs: (a[o], b[o]) for each output o. */
+static inline __m512i amx_pair_row(__m512 a, __m512 b) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
 /* Two tile rows (values 4 l .. 4 l + 3 of 16 outputs: v, a code vector as the dots take it, 4 values
  * of an output a lane) in bfloat16: row 2 l holds values (4 l, 4 l + 1) of each output, 2 l + 1 the
  * next two. */
 static inline __attribute__((always_inline)) void amx_rows4(__m512i v, int sgn, __m512 a, __m512 c,
                                                             uint16_t *row) {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 f[4];
     amx_lanes(v, sgn, a, c, f);
-    const __m512i r0 = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
-    const __m512i r1 = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
-    _mm512_store_si512(row, r0);
-    _mm512_store_si512(row + 32, r1);
+    _mm512_store_si512(row, amx_pair_row(f[0], f[1]));
+    _mm512_store_si512(row + 32, amx_pair_row(f[2], f[3]));
 }
 
 /* Block b of groups g and g + 1 of w (32 values of 16 outputs) -> its 16 tile rows at out. */
@@ -172,10 +175,22 @@ static void amx_x(const float *x, int64_t M, int64_t k, uint16_t *xb, int nth) {
     }
 }
 
+/* Values past k that a product adds to its sums (proj_run: the LoRA delta, rows of s * A . x
+ * against B): a (rows padded to 32, 32 blocks values a row) in bfloat16, and the tiles of each
+ * task's outputs, which panel(ctx, t, buf) writes as amx_panel lays them out. */
+typedef struct {
+    const uint16_t *a;
+    int64_t blocks;
+    void (*panel)(const void *ctx, int64_t t, uint16_t *out);
+    const void *ctx;
+} amx_extra;
+
 /* Outputs [32 t, 32 t + 32) of all M rows, the sums over values [32 b0, 32 b1) through the
- * panel of those values: into y, or (acc) added to what y holds. */
+ * panel of those values, and (ex, not NULL) over ex's values through its panel ep: into y, or
+ * (acc) added to what y holds. */
 static void amx_task(const gl_weight *w, const uint16_t *xb, int64_t M, int64_t t, int64_t b0,
-                     int64_t b1, int acc, const uint16_t *panel, float *y) {
+                     int64_t b1, int acc, const uint16_t *panel, const amx_extra *ex,
+                     const uint16_t *ep, float *y) {
     const int64_t k = w->k, n = w->n, ldx = 2 * k, kc = 32 * (b1 - b0);
     const uint16_t *p0 = panel, *p1 = panel + kc * 16;
     float tail[32 * 32] __attribute__((aligned(64)));
@@ -208,6 +223,17 @@ static void amx_task(const gl_weight *w, const uint16_t *xb, int64_t M, int64_t 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        for (int64_t j = 0; ex && j < ex->blocks; j++) {
+            const int64_t lde = 32 * ex->blocks;
+            _tile_loadd(4, ex->a + m0 * lde + 32 * j, 2 * lde);
+            _tile_loadd(5, ex->a + (m0 + 16) * lde + 32 * j, 2 * lde);
+            _tile_loadd(6, ep + j * 512, 64);
+            _tile_loadd(7, ep + (ex->blocks + j) * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
         _tile_stored(0, c, ldc);
         _tile_stored(1, c + 16, ldc);
         _tile_stored(2, c + ldc / 4 * 16, ldc);
@@ -222,15 +248,18 @@ static void amx_task(const gl_weight *w, const uint16_t *xb, int64_t M, int64_t 
  * stay in L2 while every task of the thread reads them. At 512 rows of k = 8192 a task read 8 MiB
  * of x from L3: Q4_K 2048 x 8192 at 1460 GOP/s, against 2150 for 8192 x 2048. */
 static void amx_tasks(const gl_weight *w, const uint16_t *xb, int64_t M, int64_t t0, int64_t t1,
-                      uint16_t *panel, float *y) {
+                      const amx_extra *ex, float *y) {
+    uint16_t *panel = amx_buf(0, w->k * 64), *ep = ex ? amx_buf(1, ex->blocks * 2048) : NULL;
     const int64_t kb = w->k / 32;
     int64_t cb = (1 << 21) / (64 * M); /* blocks a chunk: 2 MiB of x */
     cb = cb < 8 ? 8 : cb > kb ? kb : cb;
     for (int64_t b0 = 0; b0 < kb; b0 += cb) {
         const int64_t b1 = b0 + cb < kb ? b0 + cb : kb;
         for (int64_t t = t0; t < t1 && amx_task_whole(w, t); t++) {
+            const amx_extra *last = b1 == kb ? ex : NULL; /* the extra values with the last chunk */
             amx_panel(w, t, b0, b1, panel);
-            amx_task(w, xb, M, t, b0, b1, b0 > 0, panel, y);
+            if (last) last->panel(last->ctx, t, ep);
+            amx_task(w, xb, M, t, b0, b1, b0 > 0, panel, last, ep, y);
         }
     }
 }

@@ -102,6 +102,47 @@ static void lora_b_two(float *ya, float *yb, const float *xa, const float *xb, c
     _mm256_storeu_ps(yb, c0), _mm256_storeu_ps(yb + 8, c1), _mm256_storeu_ps(yb + 16, c2), _mm256_storeu_ps(yb + 24, c3);
 }
 
+#if GL_AMX
+/* The LoRA delta on AMX tiles (amx.c), for a product that runs there: s * A . x of each row (av)
+ * in bfloat16 as values past k, against B as their weights, summed with the base product's. */
+typedef struct {
+    const gl_lora_site *l;
+    int64_t n;
+} lora_tiles;
+
+/* Task t's tiles of B: its 32 outputs of each column, two columns a tile row, in blocks of 32
+ * columns (zero past the rank). */
+static void lora_b_tiles(const void *ctx, int64_t t, uint16_t *out) {
+    const gl_lora_site *l = ((const lora_tiles *)ctx)->l;
+    const int64_t n = ((const lora_tiles *)ctx)->n, R = l->r, nb = (n + 31) / 32, blocks = (R + 31) / 32;
+    const int64_t es = l->bf ? 2 : 4;
+    for (int64_t c = 0; c < blocks * 32; c += 2) {
+        __m256 w0[4], w1[4];
+        for (int u = 0; u < 4; u++) w0[u] = w1[u] = _mm256_setzero_ps();
+        if (c < R) b_widen((const char *)l->bb + (c * nb + t) * 32 * es, (int)l->bf, w0);
+        if (c + 1 < R) b_widen((const char *)l->bb + ((c + 1) * nb + t) * 32 * es, (int)l->bf, w1);
+        for (int h = 0; h < 2; h++) {
+            uint16_t *row = out + (h * blocks + c / 32) * 512 + (c % 32) / 2 * 32;
+            _mm512_store_si512(row, amx_pair_row(cat_ps(w0[2 * h], w0[2 * h + 1]), cat_ps(w1[2 * h], w1[2 * h + 1])));
+        }
+    }
+}
+
+/* Rows [i0, i1) of av (M, R) -> avb (rows padded to 32, R padded to 32) in bfloat16, zeros past
+ * M and R. */
+static void lora_av_tiles(const float *av, int64_t M, int64_t R, int64_t i0, int64_t i1, uint16_t *avb) {
+    const int64_t ld = (R + 31) / 32 * 32;
+    for (int64_t i = i0; i < i1; i++)
+        for (int64_t c = 0; c < ld; c += 32) {
+            const int64_t left = i < M ? R - c : 0;
+            const __mmask16 m0 = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            const __mmask16 m1 = left >= 32 ? 0xFFFF : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            const __m512 a = _mm512_maskz_loadu_ps(m0, av + i * R + c), b = _mm512_maskz_loadu_ps(m1, av + i * R + c + 16);
+            _mm512_store_si512(avb + i * ld + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+}
+#endif
+
 /* Whether rows i and i + 1 (T tokens a scale row) list the same columns: lora_b_two can take them. */
 static int lora_same_cols(const int64_t *cols, const int64_t *cnt, int64_t R, int64_t T, int64_t i) {
     const int64_t s = i / T, u = (i + 1) / T;
@@ -235,6 +276,7 @@ static inline int proj_one_row(const gl_lora_site *l, int64_t M) {
 typedef struct {
     xbuf xb;
     uint16_t *xbf; /* x in bfloat16 for the AMX tiles (amx.c), or NULL */
+    uint16_t *avb; /* with them and many rows: s * A . x in bfloat16 (lora_av_tiles) */
     float *av;
     int64_t *cols, *cnt;
     char *two;
@@ -249,6 +291,7 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
 #if GL_AMX
     if (amx_serves(w, M)) {
         b.xbf = scratch_take(s, (M + 31) / 32 * 32 * w->k * 2);
+        if (has && !proj_one_row(l, M)) b.avb = scratch_take(s, (M + 31) / 32 * 32 * (R + 31) / 32 * 32 * 2);
         vnni = w->n % 32 != 0; /* the last task's outputs: not a whole tile pair */
     }
 #endif
@@ -330,18 +373,29 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
         if (many) lora_xa_rows(l, &xb, x, M, T, k, av); /* the threads split the rows' dots */
 #if GL_AMX
-        if (b.xbf && t1 > t0) { /* the base product first, all of it: in chunks of k (amx_tasks) */
-            amx_begin();
-            amx_tasks(w, b.xbf, M, t0, t1, amx_panel_buf(k), y);
-            _tile_release();
+        if (b.xbf) { /* the product first, all of it, in chunks of k (amx_tasks); the delta with it */
+            const lora_tiles lt = {l, n};
+            const amx_extra ex = {b.avb, (R + 31) / 32, lora_b_tiles, &lt};
+            if (many) {
+                int64_t i0, i1;
+                static_chunk((M + 31) / 32 * 32, me, nt, &i0, &i1);
+                lora_av_tiles(av, M, R, i0, i1, b.avb);
+#pragma omp barrier
+            }
+            if (t1 > t0) {
+                amx_begin();
+                amx_tasks(w, b.xbf, M, t0, t1, many ? &ex : NULL, y);
+                _tile_release();
+            }
         }
 #endif
         for (int64_t ra = 0; ra < M; ra += rows) {
             const int64_t rb = M - ra < rows ? M : ra + rows;
             for (int64_t t = t0; t < t1; t++) {
                 if (ra == 0) prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
-                if (base && (!b.xbf || !amx_task_whole(w, t))) mm_task(w, &xb, M, ra, rb, t, y);
-                for (int64_t i = ra; many && i < rb; i++) { /* the task's outputs, while still in cache */
+                const int tiles = b.xbf && amx_task_whole(w, t); /* base and delta: done */
+                if (base && !tiles) mm_task(w, &xb, M, ra, rb, t, y);
+                for (int64_t i = ra; many && !tiles && i < rb; i++) { /* the task's outputs, while still in cache */
                     const int64_t *ci = cols + (i / T) * R;
                     if (two[i] && i + 1 < rb && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */
                         lora_b_two(y + i * n, y + (i + 1) * n, av + i * R, av + (i + 1) * R, ci, cnt[i / T], l->bb, (int)l->bf, l->span, t, n);

@@ -561,12 +561,15 @@ static inline __attribute__((always_inline)) void k16_codes2(int v, const uint8_
  * dmin): s per 16 values, and m, what sum(x) of those 16 is multiplied by and subtracted. */
 static inline __attribute__((always_inline)) void k16_scales2(int v, __m512 dsv, __m512 dmv, const uint8_t *sa,
                                                               const uint8_t *sb, __m512 *s, __m512 *m) {
-    s[0] = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa), u8x8_ps(sb)) : cat_ps(s8x8_ps(sa), s8x8_ps(sb)));
-    s[1] = _mm512_mul_ps(dsv, v == V_Q2 ? cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8))
-                                        : cat_ps(s8x8_ps(sa + 8), s8x8_ps(sb + 8)));
+    /* 16 scale bytes of each group: the low 8 of both in one 128-bit lane, then the high 8 */
+    const __m128i ra = _mm_loadu_si128((const __m128i *)sa), rb = _mm_loadu_si128((const __m128i *)sb);
+    const __m128i lo = _mm_unpacklo_epi64(ra, rb), hi = _mm_unpackhi_epi64(ra, rb);
+    s[0] = _mm512_mul_ps(dsv, _mm512_cvtepi32_ps(v == V_Q2 ? _mm512_cvtepu8_epi32(lo) : _mm512_cvtepi8_epi32(lo)));
+    s[1] = _mm512_mul_ps(dsv, _mm512_cvtepi32_ps(v == V_Q2 ? _mm512_cvtepu8_epi32(hi) : _mm512_cvtepi8_epi32(hi)));
     if (v == V_Q2) {
-        m[0] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 16), u8x8_ps(sb + 16)));
-        m[1] = _mm512_mul_ps(dmv, cat_ps(u8x8_ps(sa + 24), u8x8_ps(sb + 24)));
+        const __m128i ma = _mm_loadu_si128((const __m128i *)(sa + 16)), mb = _mm_loadu_si128((const __m128i *)(sb + 16));
+        m[0] = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ma, mb))));
+        m[1] = _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(ma, mb))));
     } else {
         const __m512 off = _mm512_set1_ps((float)K16_OFF(v));
         m[0] = _mm512_mul_ps(s[0], off);

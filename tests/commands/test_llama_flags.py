@@ -13,6 +13,7 @@ from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 from graftlm.cli import build_parser, main
 from graftlm.commands import short_error
+from graftlm.native import amx, build
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -105,6 +106,10 @@ def test_version_names_torch_and_the_native_kernels() -> None:
     assert lines[0] == "graftlm 0.1.0"
     assert lines[1].startswith("torch ")
     assert lines[2].startswith("native kernels: ")
+    if amx():  # the tiles in use, and from how many rows
+        assert f"amx from {build.amx_rows()} rows" in lines[2]
+        none = _graftlm("--version", env={"GRAFTLM_AMX_ROWS": "0"})
+        assert "amx unused" in none.stdout.splitlines()[2]
     off = _graftlm("run", "--version", env={"GRAFTLM_NATIVE": "0"})
     assert off.stdout.splitlines()[2] == "native kernels: off (disabled by GRAFTLM_NATIVE)"
 

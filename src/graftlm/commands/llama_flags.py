@@ -190,7 +190,11 @@ def version_text() -> str:
     from graftlm.native import build
 
     reason = build.unavailable_reason()
-    extra = ", ".join(build.features()) or "AVX2 + FMA"
+    feats = build.features()
+    if "amx" in feats:  # compiled in; in use only where Linux granted the tiles and rows > 0
+        rows = build.amx_rows() if build.amx() else 0
+        feats[feats.index("amx")] = f"amx from {rows} rows" if rows else "amx unused"
+    extra = ", ".join(feats) or "AVX2 + FMA"
     native = (
         f"on ({extra}; GRAFTLM_NATIVE_ISA={build.isa()})" if reason is None else f"off ({reason})"
     )

@@ -221,6 +221,12 @@ static inline __attribute__((always_inline)) void k4_pair(
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs;
         const uint8_t *sa = wa + 128 + 32 * h5, *sb = wb + 128 + 32 * h5;
+        if (h5) { /* Q5_K: as the k16 pairs (K16_AHEAD); 1.06x a Llama-1B Q5_K_M decode, Q4_K 1.01x */
+            _mm_prefetch((const char *)wa + 2048, _MM_HINT_T0);
+            _mm_prefetch((const char *)wa + 2048 + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + 2048, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + 2048 + 128, _MM_HINT_T0);
+        }
         if ((b & 7) == 0) {
             const int64_t o = (b >> 3) * 16;
             dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),

@@ -78,8 +78,9 @@ int64_t gl_features(void) {
 int64_t gl_set_amx_rows(int64_t m) {
 #if GL_AMX
     static int granted = 0;
-    if (m > 0 && !granted) { /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the tiles' state */
-        if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 }; /* <asm/prctl.h>, the kernel's */
+    if (m > 0 && !granted) { /* the tiles' state, for the whole process */
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return -1;
         granted = 1;
     }
     const int64_t old = gl_amx_rows;

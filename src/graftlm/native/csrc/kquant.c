@@ -166,6 +166,7 @@ static inline __attribute__((always_inline)) void k4_group(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *w = qg + b * bs, *sm = w + 128 + 32 * h5;
+        prefetch_block(w, bs);
         if ((b & 7) == 0) {
             dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 16)));
             msv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 16 + 8)));
@@ -221,12 +222,8 @@ static inline __attribute__((always_inline)) void k4_pair(
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs;
         const uint8_t *sa = wa + 128 + 32 * h5, *sb = wb + 128 + 32 * h5;
-        if (h5) { /* Q5_K: as the k16 pairs (K16_AHEAD); 1.06x a Llama-1B Q5_K_M decode, Q4_K 1.01x */
-            _mm_prefetch((const char *)wa + 2048, _MM_HINT_T0);
-            _mm_prefetch((const char *)wa + 2048 + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)wb + 2048, _MM_HINT_T0);
-            _mm_prefetch((const char *)wb + 2048 + 128, _MM_HINT_T0);
-        }
+        prefetch_block(wa, bs);
+        prefetch_block(wb, bs);
         if ((b & 7) == 0) {
             const int64_t o = (b >> 3) * 16;
             dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),
@@ -310,11 +307,6 @@ void gl_mm_k4(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint
 enum { V_Q6, V_Q3, V_Q2 };
 #define K16_BYTES(v) (128 + ((v) == V_Q6 ? 64 : 0) + 16 + ((v) == V_Q2 ? 16 : 0))
 #define K16_D(v) ((v) == V_Q2 ? 16 : 8) /* float16 per (group, super-block) */
-/* How far ahead of its block a k16 pair asks for its two groups' codes (bytes; 2 lines a block
- * of 208). At one row the Q6_K pairs waited on their loads (perf: 60% of the samples on a block's
- * first two loads) and streamed 19-20 GB/s on 2 threads where Q4_K streams 25-28: with these
- * prefetches 22-26, and Llama-1B Q6_K tg128 1.11x, Q4_K_M (a third Q6_K) 1.04x. */
-#define K16_AHEAD 2048
 #define K16_OFF(v) ((v) == V_Q6 ? 32 : (v) == V_Q3 ? 4 : 0)
 
 /* One GGUF row -> codes (k bytes), scales (and mins) per 16 values, the raw float16 d (and
@@ -505,6 +497,7 @@ static inline __attribute__((always_inline)) void k16_group(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *w = qg + b * bs, *sm = w + at_sc;
+        prefetch_block(w, bs);
         if ((b & 7) == 0) {
             dsv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * nd)));
             if (v == V_Q2) dmv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * nd + 8)));
@@ -626,10 +619,8 @@ static inline __attribute__((always_inline)) void k16_pair(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs, *sa = wa + at_sc, *sb = wb + at_sc;
-        _mm_prefetch((const char *)wa + K16_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)wa + K16_AHEAD + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + K16_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + K16_AHEAD + 128, _MM_HINT_T0);
+        prefetch_block(wa, bs);
+        prefetch_block(wb, bs);
         if ((b & 7) == 0) {
             const int64_t o = (b >> 3) * nd;
             dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),

@@ -292,6 +292,7 @@ static inline __attribute__((always_inline)) void u4_group(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *w = qs + b * U4_BYTES(h5);
+        prefetch_block(w, U4_BYTES(h5));
         __m256i s32[MT];
 #if !GL_VNNI
         __m256i s16[MT];
@@ -341,6 +342,8 @@ static inline __attribute__((always_inline)) void u4_pair(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * U4_BYTES(h5), *wb = qb + b * U4_BYTES(h5);
+        prefetch_block(wa, U4_BYTES(h5));
+        prefetch_block(wb, U4_BYTES(h5));
         __m512i s32[MT];
         nibble_dots2(wa, wb, h5, xq, kb, b, R, s32);
         const __m512 dv = cat_ps(load_scales8(da, b * 8, h), load_scales8(db, b * 8, h));
@@ -374,6 +377,7 @@ static inline __attribute__((always_inline)) void s8_group(
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const int8_t *w = q + b * 256;
+        prefetch_block(w, 256);
         __m256i i0[MT];
         for (int r = 0; r < R; r++) i0[r] = _mm256_setzero_si256();
 #if GL_VNNI
@@ -414,6 +418,8 @@ static inline __attribute__((always_inline)) void s8_pair(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const int8_t *wa = qa + b * 256, *wb = qb + b * 256;
+        prefetch_block(wa, 256);
+        prefetch_block(wb, 256);
         __m512i i0[MT], corr = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) i0[r] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {

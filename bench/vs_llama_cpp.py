@@ -15,9 +15,10 @@ takes no adapters; it sits beside llama-bench in the same folder), graftlm throu
 --lora FILE`.
 
 `--bandwidth` also measures the machine's read bandwidth (`bench/read_bandwidth.c`: 2 threads
-streaming through 1 GiB, the best of 5, before and after the runs; the higher is used) and, for each decode test, the share of it each engine
-reaches: tokens/s x the bytes a token reads (every tensor of the file except an untied
-embedding, of which a token reads one row) / bandwidth.
+streaming through 1 GiB, the best of 5) before every run and after the last, and, for each
+decode test, the share of it each engine reaches: tokens/s x the bytes a token reads (every
+tensor of the file except an untied embedding, of which a token reads one row) / the higher of
+the two probes around that run; the median over the rounds, and their range.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROW = re.compile(r"^\| [^|]+ \| \d+ \| \d+ \| (?P<test>\w+) \|\s+(?P<tps>[\d.]+)")
@@ -80,20 +82,22 @@ def graftlm(model: str, p: int, n: int, r: int, lora: str | None = None) -> dict
     }
 
 
-def bandwidth() -> float:
+class Bandwidth:
     """Read bandwidth in bytes/s: bench/read_bandwidth.c (2 threads streaming through 1 GiB as
-    64-bit words, vectorised for this CPU), built with the system's C compiler, the best of 5."""
-    import tempfile
+    64-bit words, vectorised for this CPU), built once with the system's C compiler; each
+    measure() is the best of 5 passes."""
 
-    source = Path(__file__).resolve().with_name("read_bandwidth.c")
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "read_bandwidth"
+    def __init__(self, folder: Path) -> None:
+        source = Path(__file__).resolve().with_name("read_bandwidth.c")
+        self.exe = folder / "read_bandwidth"
         cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, "-O3", "-march=native", "-pthread", str(source), "-o", str(exe)],
+        subprocess.run([cc, "-O3", "-march=native", "-pthread", str(source), "-o", str(self.exe)],
                        check=True)  # fmt: skip
-        done = subprocess.run([str(exe), "2", "1024", "5"], capture_output=True, text=True)
+
+    def measure(self) -> float:
+        done = subprocess.run([str(self.exe), "2", "1024", "5"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{exe} failed ({done.returncode}): {done.stderr[-500:]}")
+            raise RuntimeError(f"{self.exe} failed ({done.returncode}): {done.stderr[-500:]}")
         return float(done.stdout.strip())
 
 
@@ -142,44 +146,74 @@ def main() -> None:
     if args.write_1b:
         print(write_1b(args.write_1b))
         return
-    bw = [bandwidth()] if args.bandwidth else []
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Bandwidth(Path(tmp)) if args.bandwidth else None
+        rows, probes = compare(args, loras, probe)
+    print(f"2 threads, {args.rounds} rounds alternated, median t/s")
+    if probes:
+        print(f"read bandwidth, {len(probes)} probes between the runs: "
+              f"{min(probes) / 1e9:.1f} to {max(probes) / 1e9:.1f} GB/s")  # fmt: skip
+    print()
+    head = "| model | test | llama.cpp | graftlm | graftlm / llama.cpp |"
+    print(head + (" bytes/token | llama.cpp % bw | graftlm % bw |" if probes else ""))
+    print("|" + " --- |" * (8 if probes else 5))
+    for name, test, a, b, nbytes, shares in rows:
+        line = f"| {name} | {test} | {a:.1f} | {b:.1f} | {b / a:.2f} |"
+        if probes:
+            if test.startswith("tg"):
+                line += f" {nbytes / 2**20:.0f} MiB | {shares[0]} | {shares[1]} |"
+            else:
+                line += " | | |"
+        print(line)
+
+
+def compare(
+    args: argparse.Namespace, loras: list[str], probe: Bandwidth | None
+) -> tuple[list[tuple[str, str, float, float, int, tuple[str, str]]], list[float]]:
+    """Every model's rounds, alternated; with a probe, the read bandwidth measured before every
+    run and after the last. Each run's share of the bandwidth is taken against the higher of the
+    two probes around it (the machine's bandwidth drifts by a fifth within minutes here), and a
+    row gives the median share over the rounds and their range."""
+    probes: list[float] = [probe.measure()] if probe else []
     rows = []
     for model, lora_arg in zip(args.model, loras, strict=True):
         lora = None if lora_arg == "-" else lora_arg
         runs: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "graftlm": []}
+        around: dict[str, list[int]] = {"llama.cpp": [], "graftlm": []}
         for i in range(args.rounds):
             for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
+                around[who].append(len(probes) - 1)  # the probe just before this run
                 if who == "graftlm":
                     runs[who].append(graftlm(model, args.p, args.n, args.r, lora))
                 elif lora is None:
                     runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r))
                 else:
                     runs[who].append(llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n))
+                if probe:
+                    probes.append(probe.measure())
         name = Path(model).name + ("" if lora is None else f" + {Path(lora).name}")
+        nbytes = token_bytes(model)
         for test in runs["graftlm"][0]:
             a = statistics.median(r[test] for r in runs["llama.cpp"])
             b = statistics.median(r[test] for r in runs["graftlm"])
-            rows.append((name, test, a, b, token_bytes(model)))
-    if args.bandwidth:
-        bw.append(bandwidth())
-    print(f"2 threads, {args.rounds} rounds alternated, median t/s")
-    if bw:
-        print(f"read bandwidth: {bw[0] / 1e9:.1f} GB/s before, {bw[1] / 1e9:.1f} after")
-    print()
-    head = "| model | test | llama.cpp | graftlm | graftlm / llama.cpp |"
-    print(head + (" bytes/token | llama.cpp % bw | graftlm % bw |" if bw else ""))
-    print("|" + " --- |" * (8 if bw else 5))
-    for name, test, a, b, nbytes in rows:
-        line = f"| {name} | {test} | {a:.1f} | {b:.1f} | {b / a:.2f} |"
-        if bw:
-            share = "" if not test.startswith("tg") else f"{nbytes / 2**20:.0f} MiB | "
-            if test.startswith("tg"):
-                peak = max(bw)
-                share += f"{100 * a * nbytes / peak:.0f}% | {100 * b * nbytes / peak:.0f}% |"
-            else:
-                share = " | | |"
-            line += " " + share
-        print(line)
+            shares = ("", "")
+            if probe:
+                shares = (_share(runs["llama.cpp"], around["llama.cpp"], test, nbytes, probes),
+                          _share(runs["graftlm"], around["graftlm"], test, nbytes, probes))  # fmt: skip
+            rows.append((name, test, a, b, nbytes, shares))
+    return rows, probes
+
+
+def _share(
+    runs: list[dict[str, float]], before: list[int], test: str, nbytes: int, probes: list[float]
+) -> str:
+    """The runs' median share of the bandwidth (each against the higher of the probes just
+    before and just after it) and, over several runs, their range, in percent."""
+    xs = [
+        r[test] * nbytes / max(probes[j], probes[j + 1]) for r, j in zip(runs, before, strict=True)
+    ]
+    mid = f"{100 * statistics.median(xs):.0f}%"
+    return mid if len(xs) < 2 else f"{mid} ({100 * min(xs):.0f}-{100 * max(xs):.0f})"
 
 
 if __name__ == "__main__":

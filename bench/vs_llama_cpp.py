@@ -169,7 +169,7 @@ def main() -> None:
 
 def compare(
     args: argparse.Namespace, loras: list[str], probe: Bandwidth | None
-) -> tuple[list[tuple[str, str, float, float, int, tuple[str, str]]], list[float]]:
+) -> tuple[list[tuple[str, str, float, float, int, tuple[str, ...]]], list[float]]:
     """Every model's rounds, alternated; with a probe, the read bandwidth measured before every
     run and after the last. Each run's share of the bandwidth is taken against the higher of the
     two probes around it (the machine's bandwidth drifts by a fifth within minutes here), and a
@@ -179,10 +179,9 @@ def compare(
     for model, lora_arg in zip(args.model, loras, strict=True):
         lora = None if lora_arg == "-" else lora_arg
         runs: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "graftlm": []}
-        around: dict[str, list[int]] = {"llama.cpp": [], "graftlm": []}
+        bw: dict[str, list[float]] = {"llama.cpp": [], "graftlm": []}  # each run's bandwidth
         for i in range(args.rounds):
             for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
-                around[who].append(len(probes) - 1)  # the probe just before this run
                 if who == "graftlm":
                     runs[who].append(graftlm(model, args.p, args.n, args.r, lora))
                 elif lora is None:
@@ -191,27 +190,24 @@ def compare(
                     runs[who].append(llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n))
                 if probe:
                     probes.append(probe.measure())
+                    bw[who].append(max(probes[-2:]))
         name = Path(model).name + ("" if lora is None else f" + {Path(lora).name}")
         nbytes = token_bytes(model)
         for test in runs["graftlm"][0]:
             a = statistics.median(r[test] for r in runs["llama.cpp"])
             b = statistics.median(r[test] for r in runs["graftlm"])
-            shares = ("", "")
-            if probe:
-                shares = (_share(runs["llama.cpp"], around["llama.cpp"], test, nbytes, probes),
-                          _share(runs["graftlm"], around["graftlm"], test, nbytes, probes))  # fmt: skip
+            shares = tuple(
+                _share([r[test] * nbytes / w for r, w in zip(runs[who], bw[who], strict=True)])
+                if probe
+                else ""
+                for who in ("llama.cpp", "graftlm")
+            )
             rows.append((name, test, a, b, nbytes, shares))
     return rows, probes
 
 
-def _share(
-    runs: list[dict[str, float]], before: list[int], test: str, nbytes: int, probes: list[float]
-) -> str:
-    """The runs' median share of the bandwidth (each against the higher of the probes just
-    before and just after it) and, over several runs, their range, in percent."""
-    xs = [
-        r[test] * nbytes / max(probes[j], probes[j + 1]) for r, j in zip(runs, before, strict=True)
-    ]
+def _share(xs: list[float]) -> str:
+    """The runs' median share of the bandwidth and, over several runs, their range, in percent."""
     mid = f"{100 * statistics.median(xs):.0f}%"
     return mid if len(xs) < 2 else f"{mid} ({100 * min(xs):.0f}-{100 * max(xs):.0f})"
 

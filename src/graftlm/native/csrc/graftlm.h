@@ -513,11 +513,11 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 #define RC 48 /* rows a chunk of a prompt's k16 pairs, unpacked once for them (kquant.c); a multiple of MT */
 
 /* The group and pair kernels ask for every line of a block's codes AHEAD bytes before they read
- * it (one weight stream; a pair calls it for both). A decode step reads each weight once, from
- * memory, and the hardware's prefetchers alone kept a core's stream at about 12 GB/s while the
- * kernels did their arithmetic, where a plain read gets 16 (Xeon, 1 GB of Q4_K 16384 x 2048 at one
- * row: 22 GB/s on two cores, 27 with these). The earlier prefetches took two lines a block, which
- * at a stride of 144 or 210 bytes left every other line to the hardware. */
+ * it (one weight stream; a pair calls it for both): a decode step reads each weight once from
+ * memory, and the hardware's prefetchers alone left a core waiting on its loads
+ * (docs/design-notes.md, "Prefetch"). At a block size that is not a multiple of 64 a line is
+ * asked for twice, from two blocks; asking for each line once (from the block its start lies in:
+ * a loop of 2 or 3 trips instead of a fixed count) decoded Llama-1B 2-3% slower. */
 #define AHEAD 2048
 static inline __attribute__((always_inline)) void prefetch_block(const void *w, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)w + AHEAD + o, _MM_HINT_T0);

@@ -508,7 +508,6 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
 #define MT 6  /* rows of x per tile: their accumulators live in registers */
-#define MTU 4 /* the same for the unsigned small-code kernels (s5, k6), which hold 4 weight vectors */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
 #define RC 48 /* rows a chunk of a prompt's k16 pairs, unpacked once for them (kquant.c); a multiple of MT */
 
@@ -523,16 +522,8 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *w, 
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)w + AHEAD + o, _MM_HINT_T0);
 }
 
-/* F(rows) with rows a compile-time constant 1..MT (WITH_ROWS) or 1..MTU (WITH_ROWS_U): the group
- * kernels keep R accumulators in registers only when R is known when they are inlined. */
-#define WITH_ROWS_U(R, F)                                                                           \
-    switch (R) {                                                                                   \
-    case 4: F(4); break;                                                                           \
-    case 3: F(3); break;                                                                           \
-    case 2: F(2); break;                                                                           \
-    default: F(1); break;                                                                          \
-    }
-
+/* F(rows) with rows a compile-time constant 1..MT: the group kernels keep R accumulators in
+ * registers only when R is known when they are inlined. */
 #define WITH_ROWS(R, F)                                                                            \
     switch (R) {                                                                                   \
     case 6: F(6); break;                                                                           \

@@ -143,24 +143,11 @@ void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, const int
     }
 }
 
-/* Rows of x a tile: with VNNI the R int32 sums and R accumulators; without it, Q5_K's kernel also
- * holds R int16 sums and takes fewer rows so that they stay in registers. */
-#define K4_MT MT
-#if GL_VNNI
-#define K5_ROWS(R, F) WITH_ROWS(R, F)
-#define K5_MT MT
-#else
-#define K5_ROWS(R, F) WITH_ROWS_U(R, F)
-#define K5_MT MTU
-#endif
-
-/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k4 / k5 weight. Without VNNI the int16 sums
- * hold: 8 pairs of 4-bit products (|pair| <= 2 * 15 * 127) a block, 4 of 5-bit ones (2 * 31 * 127)
- * before they are widened. */
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a k4 / k5 weight: the u4 layout's codes
+ * (quant.c's nibble_dots, nibble_sums) with a scale and min per 32 values. */
 static inline __attribute__((always_inline)) void k4_group(
     const uint8_t *qg, const uint16_t *dg, int h5, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int64_t bs = K4_BYTES(h5);
     __m256 acc[MT], dsv = _mm256_setzero_ps(), msv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -172,37 +159,20 @@ static inline __attribute__((always_inline)) void k4_group(
             msv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dg + (b >> 3) * 16 + 8)));
         }
         const __m256 dv = _mm256_mul_ps(dsv, u8x8_ps(sm)), mv = _mm256_mul_ps(msv, u8x8_ps(sm + 8));
-        __m256i s32[MT];
-#if !GL_VNNI
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i s16[MT];
-        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-#endif
-        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-            __m256i lo = _mm256_and_si256(raw, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (h5) {
-                lo = _mm256_or_si256(lo, fifth_bits(w + 128 + 8 * c));
-                hi = _mm256_or_si256(hi, fifth_bits(w + 128 + 8 * c + 4));
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
 #if GL_VNNI
-                s32[r] = DPBUSD(DPBUSD(s32[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
+        __m256i s32[MT];
+        nibble_dots(w, h5, xq + b * 32, kb * 32, R, s32);
 #else
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
-                if (h5 ? (c & 1) : c == 3) {
-                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], ones));
-                    s16[r] = _mm256_setzero_si256();
-                }
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) nibble_chunk(w, h5, c, &lo[c], &hi[c]);
 #endif
-            }
-        }
         for (int r = 0; r < R; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
+#if GL_VNNI
+            const __m256i s32r = s32[r];
+#else
+            const __m256i s32r = nibble_sums(lo, hi, h5, xq + (r * kb + b) * 32);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32r), _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm256_fnmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
         }
     }
@@ -249,10 +219,10 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
                     float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
-    const int h5 = (int)w->small, mt = h5 ? K5_MT : K4_MT;
+    const int h5 = (int)w->small;
     const int64_t bs = K4_BYTES(h5);
-    for (int64_t r0 = ra; r0 < rb; r0 += mt) {
-        const int R = rb - r0 < mt ? (int)(rb - r0) : mt;
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
@@ -267,7 +237,7 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
 #define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n)
                 if (h5) {
-                    K5_ROWS(R, K5P)
+                    WITH_ROWS(R, K5P)
                 } else {
                     WITH_ROWS(R, K4P)
                 }
@@ -280,7 +250,7 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #define K4(RR) k4_group(qg, dg, 0, kb, xt, dt, st, RR, yo, n, nv)
 #define K5(RR) k4_group(qg, dg, 1, kb, xt, dt, st, RR, yo, n, nv)
             if (h5) {
-                K5_ROWS(R, K5)
+                WITH_ROWS(R, K5)
             } else {
                 WITH_ROWS(R, K4)
             }
@@ -473,25 +443,41 @@ static inline __m256 s8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-#if GL_VNNI
-#define K16_ROWS(R, F) WITH_ROWS(R, F)
-#define K16_MT MT
-#else
-#define K16_ROWS(R, F) WITH_ROWS_U(R, F)
-#define K16_MT MTU
+/* The codes of chunk c of a k16 block w: lo (values 4 c .. of every row) and hi (16 + 4 c ..). */
+static inline __attribute__((always_inline)) void k16_codes(int v, const uint8_t *w, int c, __m256i *lo,
+                                                            __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+    *lo = _mm256_and_si256(raw, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if (v == V_Q6) {
+        __m256i lh, hh;
+        q6_high(w + 128 + 16 * c, &lh, &hh);
+        *lo = _mm256_or_si256(*lo, lh);
+        *hi = _mm256_or_si256(*hi, hh);
+    }
+}
+
+#if !GL_VNNI
+/* Four chunks' maddubs sums of one half block -> int32 a row. |pair| <= 2 * 63 * 127 for Q6_K
+ * (quantize_x keeps |x| <= 127), so two of them fit int16 (Q3_K, Q2_K: all four); then they are
+ * widened. */
+static inline __attribute__((always_inline)) __m256i k16_widen(int v, const __m256i *p) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (v == V_Q6)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+}
 #endif
 
 /* y[r, 8g .. 8g+7] for R rows of x, one group g of a k6 / k3 / k2 weight. The unsigned codes go
  * into the dots as they are; -O s sum(x) per 16 values corrects the offset, and Q2_K's mins
- * subtract dmin mn sum(x). Without VNNI each maddubs is widened alone (Q6_K: |pair| <= 2 * 63 *
- * 127, two would overflow int16). */
+ * subtract dmin mn sum(x). Without VNNI a row's maddubs sums are taken from the block's 8 code
+ * vectors, unpacked once for the R rows (k16_widen). */
 static inline __attribute__((always_inline)) void k16_group(
     int v, const uint8_t *qg, const uint16_t *dg, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-#if !GL_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     const int64_t bs = K16_BYTES(v), nd = K16_D(v), at_sc = v == V_Q6 ? 192 : 128;
     __m256 acc[MT], dsv = _mm256_setzero_ps(), dmv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -504,28 +490,6 @@ static inline __attribute__((always_inline)) void k16_group(
         }
         const __m256 s0 = _mm256_mul_ps(dsv, v == V_Q2 ? u8x8_ps(sm) : s8x8_ps(sm));
         const __m256 s1 = _mm256_mul_ps(dsv, v == V_Q2 ? u8x8_ps(sm + 8) : s8x8_ps(sm + 8));
-        __m256i lo32[MT], hi32[MT];
-        for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (v == V_Q6) {
-                __m256i lh, hh;
-                q6_high(w + 128 + 16 * c, &lh, &hh);
-                lo = _mm256_or_si256(lo, lh);
-                hi = _mm256_or_si256(hi, hh);
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-#if GL_VNNI
-                lo32[r] = DPBUSD(lo32[r], lo, bcast4(xb + 4 * c));
-                hi32[r] = DPBUSD(hi32[r], hi, bcast4(xb + 16 + 4 * c));
-#else
-                lo32[r] = _mm256_add_epi32(lo32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)), ones));
-                hi32[r] = _mm256_add_epi32(hi32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)), ones));
-#endif
-            }
-        }
         __m256 m0, m1; /* per 16 values: what sum(x) is multiplied by and subtracted */
         if (v == V_Q2) {
             m0 = _mm256_mul_ps(dmv, u8x8_ps(sm + 16));
@@ -535,11 +499,39 @@ static inline __attribute__((always_inline)) void k16_group(
             m0 = _mm256_mul_ps(s0, off);
             m1 = _mm256_mul_ps(s1, off);
         }
+#if GL_VNNI
+        __m256i lo32[MT], hi32[MT];
+        for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i lo, hi;
+            k16_codes(v, w, c, &lo, &hi);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xb = xq + (r * kb + b) * 32;
+                lo32[r] = DPBUSD(lo32[r], lo, bcast4(xb + 4 * c));
+                hi32[r] = DPBUSD(hi32[r], hi, bcast4(xb + 16 + 4 * c));
+            }
+        }
+#else
+        /* the block's 8 code vectors first, then each row's sums from them */
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) k16_codes(v, w, c, &lo[c], &hi[c]);
+#endif
         for (int r = 0; r < R; r++) {
+#if GL_VNNI
+            const __m256i l32 = lo32[r], h32 = hi32[r];
+#else
+            const int8_t *xb = xq + (r * kb + b) * 32;
+            __m256i pl[4], ph[4];
+            for (int c = 0; c < 4; c++) {
+                pl[c] = _mm256_maddubs_epi16(lo[c], bcast4(xb + 4 * c));
+                ph[c] = _mm256_maddubs_epi16(hi[c], bcast4(xb + 16 + 4 * c));
+            }
+            const __m256i l32 = k16_widen(v, pl), h32 = k16_widen(v, ph);
+#endif
             const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
             const float *x16 = xs16 + (r * kb + b) * 2;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo32[r]), _mm256_mul_ps(s0, xdv), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi32[r]), _mm256_mul_ps(s1, xdv), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l32), _mm256_mul_ps(s0, xdv), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h32), _mm256_mul_ps(s1, xdv), acc[r]);
             acc[r] = _mm256_fnmadd_ps(m0, _mm256_set1_ps(x16[0]), acc[r]);
             acc[r] = _mm256_fnmadd_ps(m1, _mm256_set1_ps(x16[1]), acc[r]);
         }
@@ -742,8 +734,8 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         }
     }
 #endif
-    for (int64_t r0 = ra; r0 < rb; r0 += K16_MT) {
-        const int R = rb - r0 < K16_MT ? (int)(rb - r0) : K16_MT;
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs16 + r0 * kb * 2;
         for (int64_t g = g0; g < g1; g++) {
@@ -759,11 +751,11 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #define K3P(RR) k16_pair(V_Q3, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)
 #define K2P(RR) k16_pair(V_Q2, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)
                 if (v == V_Q6) {
-                    K16_ROWS(R, K6P)
+                    WITH_ROWS(R, K6P)
                 } else if (v == V_Q3) {
-                    K16_ROWS(R, K3P)
+                    WITH_ROWS(R, K3P)
                 } else {
-                    K16_ROWS(R, K2P)
+                    WITH_ROWS(R, K2P)
                 }
 #undef K6P
 #undef K3P
@@ -776,11 +768,11 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #define K3(RR) k16_group(V_Q3, qg, dg, kb, xt, dt, st, RR, yo, n, nv)
 #define K2(RR) k16_group(V_Q2, qg, dg, kb, xt, dt, st, RR, yo, n, nv)
             if (v == V_Q6) {
-                K16_ROWS(R, K6)
+                WITH_ROWS(R, K6)
             } else if (v == V_Q3) {
-                K16_ROWS(R, K3)
+                WITH_ROWS(R, K3)
             } else {
-                K16_ROWS(R, K2)
+                WITH_ROWS(R, K2)
             }
 #undef K6
 #undef K3

@@ -278,52 +278,76 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 (h5: u5) weight. Without VNNI the int16
- * sums hold 8 pairs of 4-bit products (|pair| <= 2 * 15 * 127) a block, or 4 of 5-bit ones
- * (2 * 31 * 127), and are widened then. */
+/* Chunk c of a block w of 4-bit (h5: 5-bit) codes as u4 and k4 lay them: its low nibbles in lo,
+ * its high in hi, with the fifth bits after the 128 code bytes (h5). */
+static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *w, int h5, int c,
+                                                               __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+    *lo = _mm256_and_si256(raw, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if (h5) {
+        *lo = _mm256_or_si256(*lo, fifth_bits(w + 128 + 8 * c));
+        *hi = _mm256_or_si256(*hi, fifth_bits(w + 128 + 8 * c + 4));
+    }
+}
+
+#if GL_VNNI
+/* R rows' int32 sums of a block w of 4- (h5: 5-) bit codes (xb: the rows' blocks of x, stride
+ * apart), chunk by chunk. */
+static inline __attribute__((always_inline)) void nibble_dots(const uint8_t *w, int h5, const int8_t *xb,
+                                                              int64_t stride, int R, __m256i *s32) {
+    for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i lo, hi;
+        nibble_chunk(w, h5, c, &lo, &hi);
+        for (int r = 0; r < R; r++)
+            s32[r] = DPBUSD(DPBUSD(s32[r], lo, bcast4(xb + r * stride + 4 * c)), hi,
+                            bcast4(xb + r * stride + 16 + 4 * c));
+    }
+}
+#else
+/* Without VNNI: the block's 8 code vectors are unpacked once for the R rows and stay in
+ * registers (lo, hi: nibble_chunk's), and each row's sums (xb: its block of x) come from them:
+ * its 8 maddubs summed in int16, all 8 of 4-bit codes (|pair| <= 2 * 15 * 127; quantize_x keeps
+ * |x| <= 127) or 4 at a time of 5-bit ones (2 * 31 * 127), then widened. */
+static inline __attribute__((always_inline)) __m256i nibble_sums(const __m256i *lo, const __m256i *hi,
+                                                                 int h5, const int8_t *xb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i p[4];
+    for (int c = 0; c < 4; c++)
+        p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(xb + 4 * c)),
+                                _mm256_maddubs_epi16(hi[c], bcast4(xb + 16 + 4 * c)));
+    if (h5)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+}
+#endif
+
+/* y[r, 8g .. 8g+7] for R rows of x, one group g of a u4 (h5: u5) weight. */
 static inline __attribute__((always_inline)) void u4_group(
     const uint8_t *qs, const void *d, const void *m, int h, int h5, int64_t kb, const int8_t *xq,
     const float *xd, const float *xs, int R, float *y, int64_t ldy, int64_t nvalid) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-#if !GL_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *w = qs + b * U4_BYTES(h5);
         prefetch_block(w, U4_BYTES(h5));
-        __m256i s32[MT];
-#if !GL_VNNI
-        __m256i s16[MT];
-        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-#endif
-        for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-            __m256i lo = _mm256_and_si256(raw, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (h5) {
-                lo = _mm256_or_si256(lo, fifth_bits(w + 128 + 8 * c));
-                hi = _mm256_or_si256(hi, fifth_bits(w + 128 + 8 * c + 4));
-            }
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-#if GL_VNNI
-                s32[r] = DPBUSD(DPBUSD(s32[r], lo, bcast4(xb + 4 * c)), hi, bcast4(xb + 16 + 4 * c));
-#else
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, bcast4(xb + 4 * c)));
-                s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, bcast4(xb + 16 + 4 * c)));
-                if (h5 ? (c & 1) : c == 3) {
-                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(s16[r], ones));
-                    s16[r] = _mm256_setzero_si256();
-                }
-#endif
-            }
-        }
         const __m256 dv = load_scales8(d, b * 8, h), mv = load_scales8(m, b * 8, h);
+#if GL_VNNI
+        __m256i s32[MT];
+        nibble_dots(w, h5, xq + b * 32, kb * 32, R, s32);
+#else
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) nibble_chunk(w, h5, c, &lo[c], &hi[c]);
+#endif
         for (int r = 0; r < R; r++) {
+#if GL_VNNI
             const __m256 isum = _mm256_cvtepi32_ps(s32[r]);
+#else
+            const __m256 isum = _mm256_cvtepi32_ps(nibble_sums(lo, hi, h5, xq + (r * kb + b) * 32));
+#endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
             acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[r * kb + b]), acc[r]);
         }
@@ -467,9 +491,9 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     }
     if (w->kind == 0) {
         const uint8_t *qs = (const uint8_t *)w->q;
-        const int h5 = (int)w->small, mt = h5 && !GL_VNNI ? MTU : MT;
-        for (int64_t r0 = ra; r0 < rb; r0 += mt) {
-            const int R = rb - r0 < mt ? (int)(rb - r0) : mt;
+        const int h5 = (int)w->small;
+        for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+            const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
             const int8_t *xt = xb->xq + r0 * k;
             const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
             for (int64_t g = t * GT; g < g1; g++) {
@@ -492,17 +516,11 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #define U4F(RR) u4_group(qg, dg, mg, 0, 0, kb, xt, dt, st, RR, yo, n, nv)
 #define U5H(RR) u4_group(qg, dg, mg, 1, 1, kb, xt, dt, st, RR, yo, n, nv)
 #define U5F(RR) u4_group(qg, dg, mg, 0, 1, kb, xt, dt, st, RR, yo, n, nv)
-                if (h5 && GL_VNNI) {
+                if (h5) {
                     if (h) {
                         WITH_ROWS(R, U5H)
                     } else {
                         WITH_ROWS(R, U5F)
-                    }
-                } else if (h5) {
-                    if (h) {
-                        WITH_ROWS_U(R, U5H)
-                    } else {
-                        WITH_ROWS_U(R, U5F)
                     }
                 } else if (h) {
                     WITH_ROWS(R, U4H)

@@ -12,7 +12,8 @@ reaches) so the output head costs what it costs. The mixes follow llama.cpp's
 `llama_tensor_get_type` for the common cases: q4_k_m / q5_k_m put Q6_K on the output (or the tied
 embedding) and on attn_v and ffn_down of the layers llama.cpp gives more bits (the first and last
 eighth and every third between), and fall back to Q5_0 / Q5_1 / Q8_0 where a row is not a
-multiple of 256 (Qwen2.5-0.5B's 896). Layer counts are cut for the 4B-7B shapes (`--layers`
+multiple of 256 (Qwen2.5-0.5B's 896). iq4_xs / iq4_nl are IQ4_XS / IQ4_NL with Q6_K in those
+places (llama.cpp's own IQ4 mixes differ in detail: Q5_K on some attn_v / ffn_down). Layer counts are cut for the 4B-7B shapes (`--layers`
 overrides): decode speed per layer is what is compared.
 """
 
@@ -66,11 +67,21 @@ MIXES = {
     "q4_0": (Q.Q4_0, Q.Q6_K),
     "q3_k_m": (Q.Q3_K, Q.Q5_K),
     "q2_k": (Q.Q2_K, Q.Q4_K),
+    "iq4_xs": (Q.IQ4_XS, Q.Q6_K),
+    "iq4_nl": (Q.IQ4_NL, Q.Q6_K),
 }
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q3_K: Q.Q4_0, Q.Q2_K: Q.Q4_0}
+FALLBACK = {
+    Q.Q4_K: Q.Q5_0,
+    Q.Q5_K: Q.Q5_1,
+    Q.Q6_K: Q.Q8_0,
+    Q.Q3_K: Q.Q4_0,
+    Q.Q2_K: Q.Q4_0,
+    Q.IQ4_XS: Q.IQ4_NL,
+}
 # a block scale that gives weights of about 0.01-0.03 with random codes
 SCALE = {Q.Q4_0: 2e-3, Q.Q4_1: 2e-3, Q.Q5_0: 1e-3, Q.Q5_1: 1e-3, Q.Q8_0: 2e-4,
-         Q.Q2_K: 2e-4, Q.Q3_K: 1e-4, Q.Q4_K: 3e-5, Q.Q5_K: 2e-5, Q.Q6_K: 3e-5}  # fmt: skip
+         Q.Q2_K: 2e-4, Q.Q3_K: 1e-4, Q.Q4_K: 3e-5, Q.Q5_K: 2e-5, Q.Q6_K: 3e-5,
+         Q.IQ4_NL: 1.5e-4, Q.IQ4_XS: 6e-6}  # fmt: skip
 
 
 def more_bits(i: int, n: int) -> bool:

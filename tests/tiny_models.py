@@ -12,6 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from graftlm.quant.synth import random_blocks
+
 T = gguf.GGMLQuantizationType
 
 
@@ -82,6 +84,10 @@ def _tokenizer(w: gguf.GGUFWriter, spec: TinySpec) -> int:
     return len(tokens)
 
 
+# types gguf.quants cannot write, with the block scale (times std) that gives weights of about std
+RANDOM_CODES = {T.IQ4_NL: 1 / 60, T.IQ4_XS: 1 / 960}
+
+
 def _matrix(
     w: gguf.GGUFWriter,
     name: str,
@@ -96,6 +102,9 @@ def _matrix(
         w.add_tensor(name, a)
     elif qtype == T.F16:
         w.add_tensor(name, a.astype(np.float16))
+    elif qtype in RANDOM_CODES:  # gguf cannot quantize to it: valid random blocks of that size
+        raw = random_blocks(qtype, (rows, cols), rng, std * RANDOM_CODES[qtype])
+        w.add_tensor(name, raw, raw_dtype=qtype)
     else:
         w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
 

@@ -19,7 +19,8 @@ from graftlm.quant.synth import gguf_tensor
 
 pytestmark = pytest.mark.skipif(not amx(), reason="no AMX tiles here (CPU, compiler or kernel)")
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.IQ4_NL,
+         Q.IQ4_XS]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

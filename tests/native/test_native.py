@@ -38,7 +38,9 @@ def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
     return xt @ w.astype(np.float64).T
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=str)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS], ids=str
+)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
     rng = np.random.default_rng(m)
@@ -235,6 +237,7 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("gemma3", Q.Q5_0),
         ("qwen3", Q.Q8_0),
         ("qwen2", Q.Q4_0),
+        ("llama", Q.IQ4_NL),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])

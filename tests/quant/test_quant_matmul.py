@@ -37,7 +37,10 @@ CASES = [
     (Q.Q2_K, (100, 768), "blocks", "native-k16"),
     (Q.Q3_K, (64, 512), "blocks", "native-k16"),
     (Q.Q3_K, (100, 768), "blocks", "native-k16"),
-    (Q.IQ4_NL, (64, 256), "blocks", "blocks"),
+    (Q.IQ4_NL, (64, 256), "blocks", "native-s8"),
+    (Q.IQ4_NL, (100, 896), "blocks", "native-s8"),  # a padded row group
+    (Q.IQ4_XS, (64, 512), "blocks", "native-s8"),
+    (Q.IQ4_XS, (100, 768), "blocks", "native-s8"),
     (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
 ]
 MODES = ["torch", "native"]

@@ -4,7 +4,8 @@
   float16 scale and offset per 32 values.
 * ``NativeK4Kernel``, ``NativeK16Kernel``: Q4_K, Q5_K, Q6_K (at the file's size), Q3_K and Q2_K
   in their super-blocks (csrc/kquant.c).
-* ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values.
+* ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values; IQ4_NL and IQ4_XS the same
+  way, their codes kept in 4 bits (indices into IQ4_NL's table of 16 int8 values).
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
 llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
@@ -101,7 +102,7 @@ class NativeKernel(Kernel):
 
 
 # types whose scales (and Q4_1's offsets) are the file's float16 values: stored as float16
-F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+F16_SCALES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)
 
 
 class NativeU4Kernel(NativeKernel):
@@ -294,43 +295,54 @@ class NativeK16Kernel(NativeKernel):
 
 
 class NativeS8Kernel(NativeKernel):
-    """Semantics: w[n, i] = q[n, i] * s[n, i // sblk], q int8.
+    """Semantics: w[n, i] = v[n, i] * s[n, i // 32], v int8.
 
-    Q8_0: q, s = d as in the file: 1 B + 2 B (the file's float16 d) per 32 values.
+    Q8_0: v, s = d as in the file: 1 B + 2 B (the file's float16 d) per 32 values.
+    IQ4_NL, IQ4_XS (``n4``): v = IQ4_NL's table at the file's 4-bit code, kept as the code in
+    u4's layout; s = d (IQ4_NL: float16, the file's size) or d * (ls - 32) (IQ4_XS, ls its 6-bit
+    scale per 32: float32, 5 bits a weight against the file's 4.25).
     """
 
     name = "native-s8"
-    TYPES = (T.Q8_0,)
+    TYPES = (T.Q8_0, T.IQ4_NL, T.IQ4_XS)
+    N4 = (T.IQ4_NL, T.IQ4_XS)
 
-    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, sblk: int) -> None:
+    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, n4: bool) -> None:
         super().__init__(shape)
-        self.q, self.s, self.sblk = q, s, sblk  # interleaved by 8 rows (see csrc/quant.c)
-        self.half = int(s.dtype == torch.float16)
+        self.q, self.s, self.sblk = q, s, 32  # interleaved by 8 rows (see csrc/quant.c)
+        self.half, self.n4 = int(s.dtype == torch.float16), int(n4)
         n, k = shape
-        self._view = GlWeight(1, self.half, sblk, 0, n, k, q.data_ptr(), s.data_ptr(), None)
+        self._view = GlWeight(
+            1, self.half, self.sblk, self.n4, n, k, q.data_ptr(), s.data_ptr(), None
+        )
         lib = loaded_library()
         assert lib is not None
         self._fn = lib.gl_mm_s8
-        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, sblk, n)
+        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, self.n4, self.sblk, n)
+
+    @classmethod
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        block = 256 if qtype == T.IQ4_XS else 32
+        return qtype in cls.TYPES and shape[1] % block == 0 and library() is not None
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         lib = library()
         assert lib is not None
         n, k = shape
-        sblk = 32
+        n4 = qtype in cls.N4
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
-        q = torch.empty(n8, k, dtype=torch.int8)
+        q = torch.empty(n8, k // 2 if n4 else k, dtype=torch.uint8 if n4 else torch.int8)
         (s,) = _pack_scales(
-            qtype, (n8, k // sblk),
+            qtype, (n8, k // 32),
             lambda sc: lib.gl_pack_s8(
                 int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(),
                 sc[0].data_ptr(), int(sc[0].dtype == torch.float16), threads(),
             ),
             1,
         )  # fmt: skip
-        return cls(shape, q, s, sblk)
+        return cls(shape, q, s, n4)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()
@@ -338,8 +350,8 @@ class NativeS8Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_s8(
-            self.q.data_ptr(), self.s.data_ptr(), self.half, self.sblk, k, _ptr(ids), row0,
-            count, out.data_ptr(), threads(),
+            self.q.data_ptr(), self.s.data_ptr(), self.half, self.n4, self.sblk, k, _ptr(ids),
+            row0, count, out.data_ptr(), threads(),
         )  # fmt: skip
         return out
 

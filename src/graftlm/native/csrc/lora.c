@@ -171,8 +171,8 @@ static void lora_dots_s8(const gl_lora_site *l, const xbuf *xb, int64_t k, int64
         const uint8_t *ut = xb->xu ? xb->xu + i * k : NULL;
         const float *dt = xb->xd + i * kb;
         float *yo = xa + i * R + g * 8;
-#define S8H(RR) s8_group(qg, sg, 1, kb, xt, ut, dt, RR, yo, R, nv)
-#define S8F(RR) s8_group(qg, sg, 0, kb, xt, ut, dt, RR, yo, R, nv)
+#define S8H(RR) s8_group(qg, sg, 1, 0, kb, xt, ut, dt, RR, yo, R, nv)
+#define S8F(RR) s8_group(qg, sg, 0, 0, kb, xt, ut, dt, RR, yo, R, nv)
         if (l->a_half) {
             WITH_ROWS(rows, S8H)
         } else {

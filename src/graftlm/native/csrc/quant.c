@@ -7,6 +7,9 @@
  *       (Q4_K, Q5_K and Q6_K keep their super-blocks: kquant.c.)
  *   s8: Q8_0 (scale per 32 values).  One int8 code per
  *       value and a float scale per block: w = q * s   (bit-exact likewise).
+ *   n4: IQ4_NL, IQ4_XS.  s8 whose codes are kept as 4-bit indices into IQ4_NL's table of 16
+ *       int8 values (N4_VALUES), in u4's layout, and looked up in the products (vpshufb); the
+ *       scale per 32 is the file's d (IQ4_NL) or d * (ls - 32) (IQ4_XS, ls its 6-bit scale).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
  * Q8_1 activations do) and accumulate the integer dot products of each block in float:
  *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
@@ -16,9 +19,13 @@
 #include "graftlm.h"
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
-       T_Q5_K = 13, T_Q6_K = 14 };
+       T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23 };
 
 #define U4_BYTES(h5) (128 + 32 * (h5)) /* a block of 8 rows: the 4-bit codes, u5's fifth bits */
+#define S8_BYTES(n4) ((n4) ? 128 : 256) /* the same for s8 (n4: 4-bit codes) */
+
+/* The value of each 4-bit code of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl). */
+static const int8_t N4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, f;
@@ -83,12 +90,37 @@ static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d
     }
 }
 
-/* One GGUF row of an s8 type -> codes (k int8) and scales per sblk values. */
+/* One GGUF row of an s8 type -> codes (k int8; n4: the 4-bit indices) and scales per 32 values,
+ * computed as gguf does: IQ4_XS's d * (ls - 32) in float. */
 static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s) {
     if (type == T_Q8_0) {
         for (int64_t b = 0; b < k / 32; b++) {
             s[b] = h2f(rd16(src + b * 34));
             memcpy(o + b * 32, src + b * 34 + 2, 32);
+        }
+    } else if (type == T_IQ4_NL) {
+        for (int64_t b = 0; b < k / 32; b++) {
+            const uint8_t *blk = src + b * 18;
+            s[b] = h2f(rd16(blk));
+            for (int j = 0; j < 16; j++) {
+                o[b * 32 + j] = (int8_t)(blk[2 + j] & 0xF);
+                o[b * 32 + 16 + j] = (int8_t)(blk[2 + j] >> 4);
+            }
+        }
+    } else if (type == T_IQ4_XS) {
+        for (int64_t sb = 0; sb < k / 256; sb++) {
+            const uint8_t *blk = src + sb * 136;
+            const float d = h2f(rd16(blk));
+            const unsigned sh = rd16(blk + 2);
+            for (int ib = 0; ib < 8; ib++) {
+                const int ls = ((blk[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (int)(((sh >> 2 * ib) & 3u) << 4);
+                const int64_t b = sb * 8 + ib;
+                s[b] = d * (float)(ls - 32);
+                for (int j = 0; j < 16; j++) {
+                    o[b * 32 + j] = (int8_t)(blk[8 + 16 * ib + j] & 0xF);
+                    o[b * 32 + 16 + j] = (int8_t)(blk[8 + 16 * ib + j] >> 4);
+                }
+            }
         }
     }
 }
@@ -142,6 +174,9 @@ int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
 
 int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, int8_t *q,
                void *s, int h, int nth) {
+    if (type != T_Q8_0 && type != T_IQ4_NL && type != T_IQ4_XS) return -1;
+    if (type == T_IQ4_XS && k % 256) return -1;
+    const int n4 = type != T_Q8_0;
     const int64_t kb = k / 32, groups = (n + 7) / 8, ns = k / 32;
     int inexact = 0;
 #pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
@@ -152,9 +187,18 @@ int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
             row_s8(type, raw + (g * 8 + i) * rowbytes, k, t + i * k, ss + i * ns);
         for (int i = 0; i < 8; i++) {
             for (int64_t u = 0; u < ns; u++) put_scale(s, (g * ns + u) * 8 + i, ss[i * ns + u], h, &inexact);
-            for (int64_t b = 0; b < kb; b++)
-                for (int c = 0; c < 8; c++)
-                    memcpy(q + ((g * kb + b) * 8 + c) * 32 + 4 * i, t + i * k + 32 * b + 4 * c, 4);
+            for (int64_t b = 0; b < kb; b++) {
+                if (n4) { /* u4's layout: value 4 c + j low, 16 + 4 c + j high */
+                    uint8_t *w = (uint8_t *)q + (g * kb + b) * 128 + 4 * i;
+                    const int8_t *v = t + i * k + 32 * b;
+                    for (int c = 0; c < 4; c++)
+                        for (int j = 0; j < 4; j++)
+                            w[32 * c + j] = (uint8_t)(v[4 * c + j] | v[16 + 4 * c + j] << 4);
+                } else {
+                    for (int c = 0; c < 8; c++)
+                        memcpy(q + ((g * kb + b) * 8 + c) * 32 + 4 * i, t + i * k + 32 * b + 4 * c, 4);
+                }
+            }
         }
         free(t);
         free(ss);
@@ -199,15 +243,22 @@ void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, i
     }
 }
 
-void gl_deq_s8(const int8_t *q, const void *s, int h, int64_t sblk, int64_t k, const int64_t *ids,
-               int64_t row0, int64_t nrows, float *out, int nth) {
+void gl_deq_s8(const int8_t *q, const void *s, int h, int n4, int64_t sblk, int64_t k,
+               const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
     const int64_t kb = k / 32, ns = k / sblk;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
         for (int64_t v = 0; v < k; v++) {
             const int64_t b = v / 32, t = (v % 32) / 4, j = v % 4;
-            out[r * k + v] = (float)q[((g * kb + b) * 8 + t) * 32 + 4 * i + j] * get_scale(s, (g * ns + v / sblk) * 8 + i, h);
+            int code;
+            if (n4) {
+                const uint8_t byte = ((const uint8_t *)q)[(g * kb + b) * 128 + 32 * (t % 4) + 4 * i + j];
+                code = N4_VALUES[t < 4 ? byte & 0xF : byte >> 4];
+            } else {
+                code = q[((g * kb + b) * 8 + t) * 32 + 4 * i + j];
+            }
+            out[r * k + v] = (float)code * get_scale(s, (g * ns + v / sblk) * 8 + i, h);
         }
     }
 }
@@ -382,13 +433,29 @@ static inline __attribute__((always_inline)) void u4_pair(
 }
 #endif
 
-/* The same for an s8 weight (a scale per 32 values). With VNNI, x comes unsigned (xu: xq + 128,
+/* Chunks c and c + 4 (0 <= c < 4: values 4 c .. 4 c + 3 and 16 + 4 c .. of every row) of an s8
+ * block w as signed codes: loaded (s8), or looked up from the 4-bit codes (n4). */
+static inline __attribute__((always_inline)) void s8_chunks(const int8_t *w, int n4, int c, __m256i *a,
+                                                            __m256i *b) {
+    if (n4) {
+        const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)N4_VALUES));
+        __m256i lo, hi;
+        nibble_chunk((const uint8_t *)w, 0, c, &lo, &hi);
+        *a = _mm256_shuffle_epi8(tbl, lo);
+        *b = _mm256_shuffle_epi8(tbl, hi);
+    } else {
+        *a = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+        *b = _mm256_loadu_si256((const __m256i *)(w + 32 * c + 128));
+    }
+}
+
+/* The same for an s8 / n4 weight (a scale per 32 values). With VNNI, x comes unsigned (xu: xq + 128,
  * see quantize_x) against the signed codes, and each block's sums lose 128 * sum(w), one dot of
  * the block's codes with 128s shared by all R rows: the same integer sums as sum(xq * w), so the
  * same bits, in one instruction a row and chunk (was three: w's sign onto x, a dot, an add).
  * Without VNNI, maddubs's int16 pairs would saturate on xu: |w| against x with w's sign. */
 static inline __attribute__((always_inline)) void s8_group(
-    const int8_t *q, const void *s, int h, int64_t kb, const int8_t *xq, const uint8_t *xu,
+    const int8_t *q, const void *s, int h, int n4, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid) {
 #if GL_VNNI
     const __m256i bias = _mm256_set1_epi8((char)0x80);
@@ -400,26 +467,31 @@ static inline __attribute__((always_inline)) void s8_group(
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const int8_t *w = q + b * 256;
-        prefetch_block(w, 256);
+        const int8_t *w = q + b * S8_BYTES(n4);
+        prefetch_block(w, S8_BYTES(n4));
         __m256i i0[MT];
         for (int r = 0; r < R; r++) i0[r] = _mm256_setzero_si256();
 #if GL_VNNI
         __m256i corr = _mm256_setzero_si256();
 #endif
-        for (int c = 0; c < 8; c++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
+        for (int c = 0; c < 4; c++) {
+            __m256i wc[2];
+            s8_chunks(w, n4, c, &wc[0], &wc[1]);
+            for (int u = 0; u < 2; u++) { /* chunk c, then c + 4 */
+                const __m256i wv = wc[u];
+                const int at = 4 * c + 16 * u;
 #if GL_VNNI
-            corr = DPBUSD(corr, bias, wv);
-            for (int r = 0; r < R; r++)
-                i0[r] = DPBUSD(i0[r], bcast4((const int8_t *)xu + (r * kb + b) * 32 + 4 * c), wv);
+                corr = DPBUSD(corr, bias, wv);
+                for (int r = 0; r < R; r++)
+                    i0[r] = DPBUSD(i0[r], bcast4((const int8_t *)xu + (r * kb + b) * 32 + at), wv);
 #else
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            for (int r = 0; r < R; r++) {
-                const __m256i xv = bcast4(xq + (r * kb + b) * 32 + 4 * c);
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
-            }
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xv = bcast4(xq + (r * kb + b) * 32 + at);
+                    i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+                }
 #endif
+            }
         }
 #if GL_VNNI
         for (int r = 0; r < R; r++) i0[r] = _mm256_sub_epi32(i0[r], corr);
@@ -432,28 +504,46 @@ static inline __attribute__((always_inline)) void s8_group(
 }
 
 #if GL_VNNI512
+/* s8_chunks of two groups' blocks wa, wb (the low and high 256 bits). */
+static inline __attribute__((always_inline)) void s8_chunks2(const int8_t *wa, const int8_t *wb, int n4,
+                                                             int c, __m512i *a, __m512i *b) {
+    if (n4) {
+        const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)N4_VALUES));
+        __m512i lo, hi;
+        nibbles2((const uint8_t *)wa, (const uint8_t *)wb, c, 0, &lo, &hi);
+        *a = _mm512_shuffle_epi8(tbl, lo);
+        *b = _mm512_shuffle_epi8(tbl, hi);
+    } else {
+        *a = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)), _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
+        *b = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c + 128)),
+                    _mm256_loadu_si256((const __m256i *)(wb + 32 * c + 128)));
+    }
+}
+
 /* s8_group for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in 512-bit
  * vectors: the same sums and float steps per output, so the same bits. */
 static inline __attribute__((always_inline)) void s8_pair(
-    const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int64_t kb,
+    const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int n4, int64_t kb,
     const uint8_t *xu, const float *xd, int R, float *ya, float *yb, int64_t ldy) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     __m512 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const int8_t *wa = qa + b * 256, *wb = qb + b * 256;
-        prefetch_block(wa, 256);
-        prefetch_block(wb, 256);
+        const int8_t *wa = qa + b * S8_BYTES(n4), *wb = qb + b * S8_BYTES(n4);
+        prefetch_block(wa, S8_BYTES(n4));
+        prefetch_block(wb, S8_BYTES(n4));
         __m512i i0[MT], corr = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) i0[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c++) {
-            const __m512i wv = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
-                                      _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
-            corr = DPBUSD512(corr, bias, wv);
-            for (int r = 0; r < R; r++) {
-                int32_t x4;
-                memcpy(&x4, xu + (r * kb + b) * 32 + 4 * c, 4);
-                i0[r] = DPBUSD512(i0[r], _mm512_set1_epi32(x4), wv);
+        for (int c = 0; c < 4; c++) {
+            __m512i wc[2];
+            s8_chunks2(wa, wb, n4, c, &wc[0], &wc[1]);
+            for (int u = 0; u < 2; u++) { /* chunk c, then c + 4 */
+                corr = DPBUSD512(corr, bias, wc[u]);
+                for (int r = 0; r < R; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xu + (r * kb + b) * 32 + 4 * c + 16 * u, 4);
+                    i0[r] = DPBUSD512(i0[r], _mm512_set1_epi32(x4), wc[u]);
+                }
             }
         }
         const __m512 sv = cat_ps(load_scales8(sa, b * 8, h), load_scales8(sb, b * 8, h));
@@ -535,44 +625,70 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         }
         return;
     }
-    /* s8: a scale per 32 values */
+    /* s8 / n4: a scale per 32 values */
     const int8_t *q = (const int8_t *)w->q;
+    const int n4 = (int)w->small;
+    const int64_t bs = S8_BYTES(n4);
     for (int64_t r0 = ra; r0 < rb; r0 += MT) {
         const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const uint8_t *ut = xb->xu ? xb->xu + r0 * k : NULL;
         const float *dt = xb->xd + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
-            const int8_t *qg = q + g * kb * 256;
+            const int8_t *qg = q + g * kb * bs;
             const void *sg = (const char *)w->d + g * kb * 8 * ss;
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
             if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
-                const int8_t *qh = qg + kb * 256;
+                const int8_t *qh = qg + kb * bs;
                 const void *sh = (const char *)sg + kb * 8 * ss;
-#define S8PH(RR) s8_pair(qg, qh, sg, sh, 1, kb, ut, dt, RR, yo, yo + 8, n)
-#define S8PF(RR) s8_pair(qg, qh, sg, sh, 0, kb, ut, dt, RR, yo, yo + 8, n)
-                if (h) {
+#define S8P(HH, NN, RR) s8_pair(qg, qh, sg, sh, HH, NN, kb, ut, dt, RR, yo, yo + 8, n)
+#define S8PH(RR) S8P(1, 0, RR)
+#define S8PF(RR) S8P(0, 0, RR)
+#define N4PH(RR) S8P(1, 1, RR)
+#define N4PF(RR) S8P(0, 1, RR)
+                if (n4) {
+                    if (h) {
+                        WITH_ROWS(R, N4PH)
+                    } else {
+                        WITH_ROWS(R, N4PF)
+                    }
+                } else if (h) {
                     WITH_ROWS(R, S8PH)
                 } else {
                     WITH_ROWS(R, S8PF)
                 }
+#undef S8P
 #undef S8PH
 #undef S8PF
+#undef N4PH
+#undef N4PF
                 g++;
                 continue;
             }
 #endif
-#define S8H(RR) s8_group(qg, sg, 1, kb, xt, ut, dt, RR, yo, n, nv)
-#define S8F(RR) s8_group(qg, sg, 0, kb, xt, ut, dt, RR, yo, n, nv)
-            if (h) {
+#define S8G(HH, NN, RR) s8_group(qg, sg, HH, NN, kb, xt, ut, dt, RR, yo, n, nv)
+#define S8H(RR) S8G(1, 0, RR)
+#define S8F(RR) S8G(0, 0, RR)
+#define N4H(RR) S8G(1, 1, RR)
+#define N4F(RR) S8G(0, 1, RR)
+            if (n4) {
+                if (h) {
+                    WITH_ROWS(R, N4H)
+                } else {
+                    WITH_ROWS(R, N4F)
+                }
+            } else if (h) {
                 WITH_ROWS(R, S8H)
             } else {
                 WITH_ROWS(R, S8F)
             }
+#undef S8G
 #undef S8H
 #undef S8F
+#undef N4H
+#undef N4F
         }
     }
 }
@@ -584,9 +700,10 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
-/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of n rows, s per 32 values (sblk 32). */
-void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
+/* y (M, n) = x (M, k) @ W.T for an s8 (n4: 4-bit codes) weight (q, s) of n rows, s per 32 values
+ * (sblk 32). */
+void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h, int n4,
               int sblk, int64_t n, float *y, int nth) {
-    const gl_weight w = {1, h, sblk, 0, n, k, q, s, NULL};
+    const gl_weight w = {1, h, sblk, n4, n, k, q, s, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }

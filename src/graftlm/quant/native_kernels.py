@@ -298,27 +298,29 @@ class NativeS8Kernel(NativeKernel):
     """Semantics: w[n, i] = v[n, i] * s[n, i // 32], v int8.
 
     Q8_0: v, s = d as in the file: 1 B + 2 B (the file's float16 d) per 32 values.
-    IQ4_NL, IQ4_XS (``n4``): v = IQ4_NL's table at the file's 4-bit code, kept as the code in
-    u4's layout; s = d (IQ4_NL: float16, the file's size) or d * (ls - 32) (IQ4_XS, ls its 6-bit
-    scale per 32: float32, 5 bits a weight against the file's 4.25).
+    IQ4_NL, IQ4_XS: v = IQ4_NL's table at the file's 4-bit code, kept as the code (u4's layout).
+    IQ4_NL: s = d, float16 (the file's 4.5 bits a weight). IQ4_XS: s = d * (ls - 32) from its
+    float16 d per 256 and its 6-bit ls per 32, both kept (ls - 32 as int8): 4.375 bits a weight
+    against the file's 4.25.
     """
 
     name = "native-s8"
     TYPES = (T.Q8_0, T.IQ4_NL, T.IQ4_XS)
-    N4 = (T.IQ4_NL, T.IQ4_XS)
+    VARIANT = {T.Q8_0: 0, T.IQ4_NL: 1, T.IQ4_XS: 2}  # csrc/quant.c's S8_Q8, S8_N4, S8_N4X
+    BLOCK_BYTES = (256, 128, 136)  # a block of 32 values of 8 rows
 
-    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, n4: bool) -> None:
+    def __init__(self, shape: Shape, q: torch.Tensor, s: torch.Tensor, variant: int) -> None:
         super().__init__(shape)
         self.q, self.s, self.sblk = q, s, 32  # interleaved by 8 rows (see csrc/quant.c)
-        self.half, self.n4 = int(s.dtype == torch.float16), int(n4)
+        self.half, self.variant = int(s.dtype == torch.float16), variant
         n, k = shape
         self._view = GlWeight(
-            1, self.half, self.sblk, self.n4, n, k, q.data_ptr(), s.data_ptr(), None
+            1, self.half, self.sblk, variant, n, k, q.data_ptr(), s.data_ptr(), None
         )
         lib = loaded_library()
         assert lib is not None
         self._fn = lib.gl_mm_s8
-        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, self.n4, self.sblk, n)
+        self._args = (k, q.data_ptr(), s.data_ptr(), self.half, variant, self.sblk, n)
 
     @classmethod
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
@@ -330,19 +332,23 @@ class NativeS8Kernel(NativeKernel):
         lib = library()
         assert lib is not None
         n, k = shape
-        n4 = qtype in cls.N4
+        v = cls.VARIANT[T(qtype)]
         raw = raw.contiguous()
-        n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
-        q = torch.empty(n8, k // 2 if n4 else k, dtype=torch.uint8 if n4 else torch.int8)
-        (s,) = _pack_scales(
-            qtype, (n8, k // 32),
-            lambda sc: lib.gl_pack_s8(
+        groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
+        q = torch.empty(groups * (k // 32) * cls.BLOCK_BYTES[v], dtype=torch.uint8)
+
+        def pack(sc: tuple[torch.Tensor, ...]) -> int:
+            return int(lib.gl_pack_s8(
                 int(qtype), raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(),
                 sc[0].data_ptr(), int(sc[0].dtype == torch.float16), threads(),
-            ),
-            1,
-        )  # fmt: skip
-        return cls(shape, q, s, n4)
+            ))  # fmt: skip
+
+        if v == 2:  # its own float16 d per 256 values
+            s = torch.empty(groups * (k // 256) * 8, dtype=torch.float16)
+            assert pack((s,)) == 0, qtype
+        else:
+            (s,) = _pack_scales(qtype, (groups * 8, k // 32), pack, 1)
+        return cls(shape, q, s, v)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
         lib = loaded_library()
@@ -350,8 +356,8 @@ class NativeS8Kernel(NativeKernel):
         k = self.shape[1]
         out = torch.empty(count, k, dtype=torch.float32)
         lib.gl_deq_s8(
-            self.q.data_ptr(), self.s.data_ptr(), self.half, self.n4, self.sblk, k, _ptr(ids),
-            row0, count, out.data_ptr(), threads(),
+            self.q.data_ptr(), self.s.data_ptr(), self.half, self.variant, self.sblk, k,
+            _ptr(ids), row0, count, out.data_ptr(), threads(),
         )  # fmt: skip
         return out
 

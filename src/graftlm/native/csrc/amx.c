@@ -90,11 +90,12 @@ static inline __attribute__((always_inline)) void amx_rows4(__m512i v, int sgn, 
 /* Block b of groups g and g + 1 of w (32 values of 16 outputs) -> its 16 tile rows at out. */
 static void amx_block(const gl_weight *w, int64_t g, int64_t b, uint16_t *out) {
     const int64_t k = w->k, kb = k / 32, ks = k / 256;
-    if (w->kind == 1) { /* s8 / n4: signed codes, a scale per 32 */
-        const int64_t ss = w->half ? 2 : 4, bs = S8_BYTES(w->small);
+    if (w->kind == 1) { /* s8: signed codes, a scale per 32 */
+        const int v = (int)w->small, h = (int)w->half;
+        const int64_t bs = S8_BYTES(v), sg = v == S8_N4X ? ks * 16 : kb * 8 * (h ? 2 : 4);
         const int8_t *qa = (const int8_t *)w->q + (g * kb + b) * bs, *qb = qa + kb * bs;
-        const void *sa = (const char *)w->d + g * kb * 8 * ss, *sb = (const char *)sa + kb * 8 * ss;
-        const __m512 s = cat_ps(load_scales8(sa, b * 8, (int)w->half), load_scales8(sb, b * 8, (int)w->half));
+        const void *sa = (const char *)w->d + g * sg, *sb = (const char *)sa + sg;
+        const __m512 s = cat_ps(s8_scales(v, sa, h, b, qa), s8_scales(v, sb, h, b, qb));
         for (int c = 0; c < 4; c++) {
             __m512i v[2];
             s8_chunks2(qa, qb, (int)w->small, c, &v[0], &v[1]);

@@ -44,10 +44,10 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 / n4 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c) */
-    /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); n4
-     * (kind 1): 4-bit codes of the IQ4_NL table instead of int8 codes; kind 3's variant (0 Q6_K,
-     * 1 Q3_K, 2 Q2_K) */
+    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c) */
+    /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
+     * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
+     * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
     int64_t half, sblk, small, n, k;
     const void *q, *d, *m;
 } gl_weight;
@@ -155,12 +155,12 @@ GL_API int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n,
 GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, int offset,
                       int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out,
                       int nth);
-GL_API void gl_deq_s8(const int8_t *q, const void *s, int h, int n4, int64_t sblk, int64_t k,
+GL_API void gl_deq_s8(const int8_t *q, const void *s, int h, int v, int64_t sblk, int64_t k,
                       const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const void *d,
                      const void *m, int h, int h5, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
-                     int n4, int sblk, int64_t n, float *y, int nth);
+                     int v, int sblk, int64_t n, float *y, int nth);
 
 /* kquant.c */
 GL_API int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -553,7 +553,7 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y);
 static inline __attribute__((always_inline)) void s8_group(
-    const int8_t *q, const void *s, int h, int n4, int64_t kb, const int8_t *xq, const uint8_t *xu,
+    const int8_t *q, const void *s, int h, int v, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);
 
 /* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */

@@ -9,7 +9,8 @@
  *       value and a float scale per block: w = q * s   (bit-exact likewise).
  *   n4: IQ4_NL, IQ4_XS.  s8 whose codes are kept as 4-bit indices into IQ4_NL's table of 16
  *       int8 values (N4_VALUES), in u4's layout, and looked up in the products (vpshufb); the
- *       scale per 32 is the file's d (IQ4_NL) or d * (ls - 32) (IQ4_XS, ls its 6-bit scale).
+ *       scale per 32 is the file's d (IQ4_NL), or d * (ls - 32) made in the products from IQ4_XS's
+ *       own super-block scales (its d per 256, its 6-bit ls per 32, kept as the int8 ls - 32).
  * Matrix products quantize x to int8 per 32 values (xd = max|x| / 127, as llama.cpp's Q8_0 /
  * Q8_1 activations do) and accumulate the integer dot products of each block in float:
  *   y[r, n] = sum_b (d[n,b] * xd[r,b]) * sum_j q[n,b,j] * xq[r,b,j]  +  sum_b m[n,b] * xs[r,b]
@@ -22,7 +23,10 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, 
        T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23 };
 
 #define U4_BYTES(h5) (128 + 32 * (h5)) /* a block of 8 rows: the 4-bit codes, u5's fifth bits */
-#define S8_BYTES(n4) ((n4) ? 128 : 256) /* the same for s8 (n4: 4-bit codes) */
+/* s8's variants (gl_weight.small): int8 codes (Q8_0); 4-bit codes with a scale per 32 (IQ4_NL);
+ * 4-bit codes and the int8 ls - 32 of each row after them, d per super-block (IQ4_XS) */
+enum { S8_Q8, S8_N4, S8_N4X };
+#define S8_BYTES(v) ((v) == S8_Q8 ? 256 : (v) == S8_N4 ? 128 : 136) /* a block of 8 rows */
 
 /* The value of each 4-bit code of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl). */
 static const int8_t N4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -90,9 +94,10 @@ static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d
     }
 }
 
-/* One GGUF row of an s8 type -> codes (k int8; n4: the 4-bit indices) and scales per 32 values,
- * computed as gguf does: IQ4_XS's d * (ls - 32) in float. */
-static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s) {
+/* One GGUF row of an s8 type -> codes (k int8; IQ4: the 4-bit indices) and scales per 32 values;
+ * IQ4_XS: its d per 256 (d16, float16) and ls - 32 per 32 (ls) instead. */
+static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s, uint16_t *d16,
+                   int8_t *ls) {
     if (type == T_Q8_0) {
         for (int64_t b = 0; b < k / 32; b++) {
             s[b] = h2f(rd16(src + b * 34));
@@ -110,12 +115,12 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s)
     } else if (type == T_IQ4_XS) {
         for (int64_t sb = 0; sb < k / 256; sb++) {
             const uint8_t *blk = src + sb * 136;
-            const float d = h2f(rd16(blk));
             const unsigned sh = rd16(blk + 2);
+            d16[sb] = rd16(blk);
             for (int ib = 0; ib < 8; ib++) {
-                const int ls = ((blk[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (int)(((sh >> 2 * ib) & 3u) << 4);
+                const int l = ((blk[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (int)(((sh >> 2 * ib) & 3u) << 4);
                 const int64_t b = sb * 8 + ib;
-                s[b] = d * (float)(ls - 32);
+                ls[b] = (int8_t)(l - 32);
                 for (int j = 0; j < 16; j++) {
                     o[b * 32 + j] = (int8_t)(blk[8 + 16 * ib + j] & 0xF);
                     o[b * 32 + 16 + j] = (int8_t)(blk[8 + 16 * ib + j] >> 4);
@@ -176,32 +181,39 @@ int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
                void *s, int h, int nth) {
     if (type != T_Q8_0 && type != T_IQ4_NL && type != T_IQ4_XS) return -1;
     if (type == T_IQ4_XS && k % 256) return -1;
-    const int n4 = type != T_Q8_0;
-    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = k / 32;
+    const int v = type == T_Q8_0 ? S8_Q8 : type == T_IQ4_NL ? S8_N4 : S8_N4X;
+    const int64_t kb = k / 32, groups = (n + 7) / 8, ns = k / 32, bs = S8_BYTES(v);
+    const int64_t ks = k / 256;
     int inexact = 0;
 #pragma omp parallel for num_threads(nth) schedule(static) reduction(| : inexact)
     for (int64_t g = 0; g < groups; g++) {
-        int8_t *t = calloc((size_t)(8 * k), 1);
+        int8_t *t = calloc((size_t)(8 * k), 1), *ls = calloc((size_t)(8 * kb), 1);
         float *ss = calloc((size_t)(8 * ns), sizeof(float));
+        uint16_t *d16 = calloc((size_t)(8 * ks + 1), sizeof(uint16_t));
         for (int i = 0; i < 8 && g * 8 + i < n; i++)
-            row_s8(type, raw + (g * 8 + i) * rowbytes, k, t + i * k, ss + i * ns);
+            row_s8(type, raw + (g * 8 + i) * rowbytes, k, t + i * k, ss + i * ns, d16 + i * ks, ls + i * kb);
         for (int i = 0; i < 8; i++) {
-            for (int64_t u = 0; u < ns; u++) put_scale(s, (g * ns + u) * 8 + i, ss[i * ns + u], h, &inexact);
+            if (v == S8_N4X)
+                for (int64_t sb = 0; sb < ks; sb++) ((uint16_t *)s)[(g * ks + sb) * 8 + i] = d16[i * ks + sb];
+            else
+                for (int64_t u = 0; u < ns; u++) put_scale(s, (g * ns + u) * 8 + i, ss[i * ns + u], h, &inexact);
             for (int64_t b = 0; b < kb; b++) {
-                if (n4) { /* u4's layout: value 4 c + j low, 16 + 4 c + j high */
-                    uint8_t *w = (uint8_t *)q + (g * kb + b) * 128 + 4 * i;
-                    const int8_t *v = t + i * k + 32 * b;
-                    for (int c = 0; c < 4; c++)
-                        for (int j = 0; j < 4; j++)
-                            w[32 * c + j] = (uint8_t)(v[4 * c + j] | v[16 + 4 * c + j] << 4);
-                } else {
-                    for (int c = 0; c < 8; c++)
-                        memcpy(q + ((g * kb + b) * 8 + c) * 32 + 4 * i, t + i * k + 32 * b + 4 * c, 4);
+                uint8_t *w = (uint8_t *)q + (g * kb + b) * bs;
+                const int8_t *c8 = t + i * k + 32 * b;
+                if (v == S8_Q8) {
+                    for (int c = 0; c < 8; c++) memcpy(w + 32 * c + 4 * i, c8 + 4 * c, 4);
+                    continue;
                 }
+                for (int c = 0; c < 4; c++) /* u4's layout: value 4 c + j low, 16 + 4 c + j high */
+                    for (int j = 0; j < 4; j++)
+                        w[32 * c + 4 * i + j] = (uint8_t)(c8[4 * c + j] | c8[16 + 4 * c + j] << 4);
+                if (v == S8_N4X) w[128 + i] = (uint8_t)ls[i * kb + b];
             }
         }
         free(t);
+        free(ls);
         free(ss);
+        free(d16);
     }
     return inexact;
 }
@@ -243,22 +255,28 @@ void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, i
     }
 }
 
-void gl_deq_s8(const int8_t *q, const void *s, int h, int n4, int64_t sblk, int64_t k,
+void gl_deq_s8(const int8_t *q, const void *s, int h, int v, int64_t sblk, int64_t k,
                const int64_t *ids, int64_t row0, int64_t nrows, float *out, int nth) {
-    const int64_t kb = k / 32, ns = k / sblk;
+    const int64_t kb = k / 32, ks = k / 256, ns = k / sblk, bs = S8_BYTES(v);
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = ids ? ids[r] : row0 + r, g = row / 8, i = row % 8;
-        for (int64_t v = 0; v < k; v++) {
-            const int64_t b = v / 32, t = (v % 32) / 4, j = v % 4;
+        for (int64_t e = 0; e < k; e++) {
+            const int64_t b = e / 32, t = (e % 32) / 4, j = e % 4;
+            const uint8_t *w = (const uint8_t *)q + (g * kb + b) * bs;
             int code;
-            if (n4) {
-                const uint8_t byte = ((const uint8_t *)q)[(g * kb + b) * 128 + 32 * (t % 4) + 4 * i + j];
-                code = N4_VALUES[t < 4 ? byte & 0xF : byte >> 4];
+            float sc;
+            if (v == S8_Q8) {
+                code = (int8_t)w[32 * t + 4 * i + j];
             } else {
-                code = q[((g * kb + b) * 8 + t) * 32 + 4 * i + j];
+                const uint8_t byte = w[32 * (t % 4) + 4 * i + j];
+                code = N4_VALUES[t < 4 ? byte & 0xF : byte >> 4];
             }
-            out[r * k + v] = (float)code * get_scale(s, (g * ns + v / sblk) * 8 + i, h);
+            if (v == S8_N4X) /* gguf's dl = d * (ls - 32), in float */
+                sc = h2f(((const uint16_t *)s)[(g * ks + b / 8) * 8 + i]) * (float)(int8_t)w[128 + i];
+            else
+                sc = get_scale(s, (g * ns + e / sblk) * 8 + i, h);
+            out[r * k + e] = (float)code * sc;
         }
     }
 }
@@ -434,10 +452,10 @@ static inline __attribute__((always_inline)) void u4_pair(
 #endif
 
 /* Chunks c and c + 4 (0 <= c < 4: values 4 c .. 4 c + 3 and 16 + 4 c .. of every row) of an s8
- * block w as signed codes: loaded (s8), or looked up from the 4-bit codes (n4). */
-static inline __attribute__((always_inline)) void s8_chunks(const int8_t *w, int n4, int c, __m256i *a,
+ * block w of variant v as signed codes: loaded (Q8_0), or looked up from the 4-bit codes. */
+static inline __attribute__((always_inline)) void s8_chunks(const int8_t *w, int v, int c, __m256i *a,
                                                             __m256i *b) {
-    if (n4) {
+    if (v != S8_Q8) {
         const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)N4_VALUES));
         __m256i lo, hi;
         nibble_chunk((const uint8_t *)w, 0, c, &lo, &hi);
@@ -449,13 +467,23 @@ static inline __attribute__((always_inline)) void s8_chunks(const int8_t *w, int
     }
 }
 
-/* The same for an s8 / n4 weight (a scale per 32 values). With VNNI, x comes unsigned (xu: xq + 128,
+/* The 8 rows' scales of block b (w) of an s8 weight of variant v, s the group's scales: a scale
+ * per 32 (float16 or float: h), or IQ4_XS's d * (ls - 32) from its super-block's float16 d and the
+ * block's int8 ls - 32, as gguf computes it. */
+static inline __attribute__((always_inline)) __m256 s8_scales(int v, const void *s, int h, int64_t b,
+                                                              const int8_t *w) {
+    if (v != S8_N4X) return load_scales8(s, b * 8, h);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + (b >> 3) * 8)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 128)))));
+}
+
+/* The same for an s8 weight of variant v (a scale per 32 values). With VNNI, x comes unsigned (xu: xq + 128,
  * see quantize_x) against the signed codes, and each block's sums lose 128 * sum(w), one dot of
  * the block's codes with 128s shared by all R rows: the same integer sums as sum(xq * w), so the
  * same bits, in one instruction a row and chunk (was three: w's sign onto x, a dot, an add).
  * Without VNNI, maddubs's int16 pairs would saturate on xu: |w| against x with w's sign. */
 static inline __attribute__((always_inline)) void s8_group(
-    const int8_t *q, const void *s, int h, int n4, int64_t kb, const int8_t *xq, const uint8_t *xu,
+    const int8_t *q, const void *s, int h, int v, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid) {
 #if GL_VNNI
     const __m256i bias = _mm256_set1_epi8((char)0x80);
@@ -467,8 +495,8 @@ static inline __attribute__((always_inline)) void s8_group(
     __m256 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const int8_t *w = q + b * S8_BYTES(n4);
-        prefetch_block(w, S8_BYTES(n4));
+        const int8_t *w = q + b * S8_BYTES(v);
+        prefetch_block(w, S8_BYTES(v));
         __m256i i0[MT];
         for (int r = 0; r < R; r++) i0[r] = _mm256_setzero_si256();
 #if GL_VNNI
@@ -476,7 +504,7 @@ static inline __attribute__((always_inline)) void s8_group(
 #endif
         for (int c = 0; c < 4; c++) {
             __m256i wc[2];
-            s8_chunks(w, n4, c, &wc[0], &wc[1]);
+            s8_chunks(w, v, c, &wc[0], &wc[1]);
             for (int u = 0; u < 2; u++) { /* chunk c, then c + 4 */
                 const __m256i wv = wc[u];
                 const int at = 4 * c + 16 * u;
@@ -496,7 +524,7 @@ static inline __attribute__((always_inline)) void s8_group(
 #if GL_VNNI
         for (int r = 0; r < R; r++) i0[r] = _mm256_sub_epi32(i0[r], corr);
 #endif
-        const __m256 sv = load_scales8(s, b * 8, h);
+        const __m256 sv = s8_scales(v, s, h, b, w);
         for (int r = 0; r < R; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * kb + b])), acc[r]);
     }
@@ -505,9 +533,9 @@ static inline __attribute__((always_inline)) void s8_group(
 
 #if GL_VNNI512
 /* s8_chunks of two groups' blocks wa, wb (the low and high 256 bits). */
-static inline __attribute__((always_inline)) void s8_chunks2(const int8_t *wa, const int8_t *wb, int n4,
+static inline __attribute__((always_inline)) void s8_chunks2(const int8_t *wa, const int8_t *wb, int v,
                                                              int c, __m512i *a, __m512i *b) {
-    if (n4) {
+    if (v != S8_Q8) {
         const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)N4_VALUES));
         __m512i lo, hi;
         nibbles2((const uint8_t *)wa, (const uint8_t *)wb, c, 0, &lo, &hi);
@@ -523,20 +551,20 @@ static inline __attribute__((always_inline)) void s8_chunks2(const int8_t *wa, c
 /* s8_group for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in 512-bit
  * vectors: the same sums and float steps per output, so the same bits. */
 static inline __attribute__((always_inline)) void s8_pair(
-    const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int n4, int64_t kb,
+    const int8_t *qa, const int8_t *qb, const void *sa, const void *sb, int h, int v, int64_t kb,
     const uint8_t *xu, const float *xd, int R, float *ya, float *yb, int64_t ldy) {
     const __m512i bias = _mm512_set1_epi8((char)0x80);
     __m512 acc[MT];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
-        const int8_t *wa = qa + b * S8_BYTES(n4), *wb = qb + b * S8_BYTES(n4);
-        prefetch_block(wa, S8_BYTES(n4));
-        prefetch_block(wb, S8_BYTES(n4));
+        const int8_t *wa = qa + b * S8_BYTES(v), *wb = qb + b * S8_BYTES(v);
+        prefetch_block(wa, S8_BYTES(v));
+        prefetch_block(wb, S8_BYTES(v));
         __m512i i0[MT], corr = _mm512_setzero_si512();
         for (int r = 0; r < R; r++) i0[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             __m512i wc[2];
-            s8_chunks2(wa, wb, n4, c, &wc[0], &wc[1]);
+            s8_chunks2(wa, wb, v, c, &wc[0], &wc[1]);
             for (int u = 0; u < 2; u++) { /* chunk c, then c + 4 */
                 corr = DPBUSD512(corr, bias, wc[u]);
                 for (int r = 0; r < R; r++) {
@@ -546,7 +574,7 @@ static inline __attribute__((always_inline)) void s8_pair(
                 }
             }
         }
-        const __m512 sv = cat_ps(load_scales8(sa, b * 8, h), load_scales8(sb, b * 8, h));
+        const __m512 sv = cat_ps(s8_scales(v, sa, h, b, wa), s8_scales(v, sb, h, b, wb));
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i0[r], corr)),
                                      _mm512_mul_ps(sv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
@@ -625,10 +653,10 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         }
         return;
     }
-    /* s8 / n4: a scale per 32 values */
+    /* s8: a scale per 32 values (IQ4_XS: made from its super-block's) */
     const int8_t *q = (const int8_t *)w->q;
-    const int n4 = (int)w->small;
-    const int64_t bs = S8_BYTES(n4);
+    const int v = (int)w->small;
+    const int64_t bs = S8_BYTES(v), sg_bytes = v == S8_N4X ? (k / 256) * 16 : kb * 8 * ss;
     for (int64_t r0 = ra; r0 < rb; r0 += MT) {
         const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
@@ -636,19 +664,22 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         const float *dt = xb->xd + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
             const int8_t *qg = q + g * kb * bs;
-            const void *sg = (const char *)w->d + g * kb * 8 * ss;
+            const void *sg = (const char *)w->d + g * sg_bytes;
             float *yo = y + r0 * n + g * 8;
             const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
 #if GL_VNNI512
             if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const int8_t *qh = qg + kb * bs;
-                const void *sh = (const char *)sg + kb * 8 * ss;
-#define S8P(HH, NN, RR) s8_pair(qg, qh, sg, sh, HH, NN, kb, ut, dt, RR, yo, yo + 8, n)
-#define S8PH(RR) S8P(1, 0, RR)
-#define S8PF(RR) S8P(0, 0, RR)
-#define N4PH(RR) S8P(1, 1, RR)
-#define N4PF(RR) S8P(0, 1, RR)
-                if (n4) {
+                const void *sh = (const char *)sg + sg_bytes;
+#define S8P(HH, VV, RR) s8_pair(qg, qh, sg, sh, HH, VV, kb, ut, dt, RR, yo, yo + 8, n)
+#define S8PH(RR) S8P(1, S8_Q8, RR)
+#define S8PF(RR) S8P(0, S8_Q8, RR)
+#define N4PH(RR) S8P(1, S8_N4, RR)
+#define N4PF(RR) S8P(0, S8_N4, RR)
+#define N4PX(RR) S8P(1, S8_N4X, RR)
+                if (v == S8_N4X) {
+                    WITH_ROWS(R, N4PX)
+                } else if (v == S8_N4) {
                     if (h) {
                         WITH_ROWS(R, N4PH)
                     } else {
@@ -664,16 +695,20 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #undef S8PF
 #undef N4PH
 #undef N4PF
+#undef N4PX
                 g++;
                 continue;
             }
 #endif
-#define S8G(HH, NN, RR) s8_group(qg, sg, HH, NN, kb, xt, ut, dt, RR, yo, n, nv)
-#define S8H(RR) S8G(1, 0, RR)
-#define S8F(RR) S8G(0, 0, RR)
-#define N4H(RR) S8G(1, 1, RR)
-#define N4F(RR) S8G(0, 1, RR)
-            if (n4) {
+#define S8G(HH, VV, RR) s8_group(qg, sg, HH, VV, kb, xt, ut, dt, RR, yo, n, nv)
+#define S8H(RR) S8G(1, S8_Q8, RR)
+#define S8F(RR) S8G(0, S8_Q8, RR)
+#define N4H(RR) S8G(1, S8_N4, RR)
+#define N4F(RR) S8G(0, S8_N4, RR)
+#define N4X(RR) S8G(1, S8_N4X, RR)
+            if (v == S8_N4X) {
+                WITH_ROWS(R, N4X)
+            } else if (v == S8_N4) {
                 if (h) {
                     WITH_ROWS(R, N4H)
                 } else {
@@ -689,6 +724,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 #undef S8F
 #undef N4H
 #undef N4F
+#undef N4X
         }
     }
 }
@@ -700,10 +736,10 @@ void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, const voi
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
-/* y (M, n) = x (M, k) @ W.T for an s8 (n4: 4-bit codes) weight (q, s) of n rows, s per 32 values
- * (sblk 32). */
-void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h, int n4,
+/* y (M, n) = x (M, k) @ W.T for an s8 weight (q, s) of variant v and n rows, s per 32 values
+ * (sblk 32; IQ4_XS: per 256). */
+void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h, int v,
               int sblk, int64_t n, float *y, int nth) {
-    const gl_weight w = {1, h, sblk, n4, n, k, q, s, NULL};
+    const gl_weight w = {1, h, sblk, v, n, k, q, s, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }

@@ -595,6 +595,30 @@ static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8) {
     return b;
 }
 
+/* F(h, variant, rows) for an s8 weight's h and variant v, with R rows: each a compile-time
+ * constant where the kernel is inlined (WITH_ROWS). */
+#define WITH_ROWS_HV(R, F, HH, VV)                                                                 \
+    switch (R) {                                                                                   \
+    case 6: F(HH, VV, 6); break;                                                                   \
+    case 5: F(HH, VV, 5); break;                                                                   \
+    case 4: F(HH, VV, 4); break;                                                                   \
+    case 3: F(HH, VV, 3); break;                                                                   \
+    case 2: F(HH, VV, 2); break;                                                                   \
+    default: F(HH, VV, 1); break;                                                                  \
+    }
+#define S8_BY_VARIANT(F)                                                                           \
+    if (v == S8_N4X) {                                                                             \
+        WITH_ROWS_HV(R, F, 1, S8_N4X)                                                              \
+    } else if (v == S8_N4 && h) {                                                                  \
+        WITH_ROWS_HV(R, F, 1, S8_N4)                                                               \
+    } else if (v == S8_N4) {                                                                       \
+        WITH_ROWS_HV(R, F, 0, S8_N4)                                                               \
+    } else if (h) {                                                                                \
+        WITH_ROWS_HV(R, F, 1, S8_Q8)                                                               \
+    } else {                                                                                       \
+        WITH_ROWS_HV(R, F, 0, S8_Q8)                                                               \
+    }
+
 /* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of rows [ra, rb) of
  * x. The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
@@ -672,59 +696,15 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
                 const int8_t *qh = qg + kb * bs;
                 const void *sh = (const char *)sg + sg_bytes;
 #define S8P(HH, VV, RR) s8_pair(qg, qh, sg, sh, HH, VV, kb, ut, dt, RR, yo, yo + 8, n)
-#define S8PH(RR) S8P(1, S8_Q8, RR)
-#define S8PF(RR) S8P(0, S8_Q8, RR)
-#define N4PH(RR) S8P(1, S8_N4, RR)
-#define N4PF(RR) S8P(0, S8_N4, RR)
-#define N4PX(RR) S8P(1, S8_N4X, RR)
-                if (v == S8_N4X) {
-                    WITH_ROWS(R, N4PX)
-                } else if (v == S8_N4) {
-                    if (h) {
-                        WITH_ROWS(R, N4PH)
-                    } else {
-                        WITH_ROWS(R, N4PF)
-                    }
-                } else if (h) {
-                    WITH_ROWS(R, S8PH)
-                } else {
-                    WITH_ROWS(R, S8PF)
-                }
+                S8_BY_VARIANT(S8P)
 #undef S8P
-#undef S8PH
-#undef S8PF
-#undef N4PH
-#undef N4PF
-#undef N4PX
                 g++;
                 continue;
             }
 #endif
 #define S8G(HH, VV, RR) s8_group(qg, sg, HH, VV, kb, xt, ut, dt, RR, yo, n, nv)
-#define S8H(RR) S8G(1, S8_Q8, RR)
-#define S8F(RR) S8G(0, S8_Q8, RR)
-#define N4H(RR) S8G(1, S8_N4, RR)
-#define N4F(RR) S8G(0, S8_N4, RR)
-#define N4X(RR) S8G(1, S8_N4X, RR)
-            if (v == S8_N4X) {
-                WITH_ROWS(R, N4X)
-            } else if (v == S8_N4) {
-                if (h) {
-                    WITH_ROWS(R, N4H)
-                } else {
-                    WITH_ROWS(R, N4F)
-                }
-            } else if (h) {
-                WITH_ROWS(R, S8H)
-            } else {
-                WITH_ROWS(R, S8F)
-            }
+            S8_BY_VARIANT(S8G)
 #undef S8G
-#undef S8H
-#undef S8F
-#undef N4H
-#undef N4F
-#undef N4X
         }
     }
 }

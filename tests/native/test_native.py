@@ -238,6 +238,7 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("qwen3", Q.Q8_0),
         ("qwen2", Q.Q4_0),
         ("llama", Q.IQ4_NL),
+        ("llama", Q.IQ4_XS),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])
@@ -253,7 +254,11 @@ def test_fused_layer_equals_the_pytorch_block(
     from graftlm.models.base import Transformer
 
     extra = {"n_head": 2, "n_head_kv": 1, "head_dim": 32} if arch == "gemma3" else {}
-    spec = TinySpec(arch=arch, n_embd=64, n_ff=96, qtype=qtype, embd_type=Q.Q8_0, n_layer=3,
+    # IQ4_XS's super-blocks need rows of 256 values
+    dims = {"n_embd": 64, "n_ff": 96}
+    if qtype == Q.IQ4_XS:
+        dims = {"n_embd": 256, "n_ff": 512, "head_dim": 64}
+    spec = TinySpec(arch=arch, qtype=qtype, embd_type=Q.Q8_0, n_layer=3, **dims,
                     **extra)  # type: ignore[arg-type]  # fmt: skip
     path = write_tiny_model(tmp_path / "m.gguf", spec)
     m = graftlm.load(str(path), ctx_size=64, n_seq=3, cache_type="f32")

@@ -19,6 +19,11 @@ streaming through 1 GiB, the best of 5) before every run and after the last, and
 decode test, the share of it each engine reaches: tokens/s x the bytes a token reads (every
 tensor of the file except an untied embedding, of which a token reads one row) / the higher of
 the two probes around that run; the median over the rounds, and their range.
+
+Each `graftlm bench` builds the native library from the sources it imports, afresh whenever a
+file there changed: to edit `src/` while a comparison runs, run it from a worktree of a commit
+(`git worktree add --detach DIR REV`, then `PYTHONPATH=DIR/src python DIR/bench/vs_llama_cpp.py`),
+or its runs measure a mix of revisions.
 """
 
 from __future__ import annotations

@@ -92,15 +92,15 @@ static void amx_block(const gl_weight *w, int64_t g, int64_t b, uint16_t *out) {
     const int64_t k = w->k, kb = k / 32, ks = k / 256;
     if (w->kind == 1) { /* s8: signed codes, a scale per 32 */
         const int v = (int)w->small, h = (int)w->half;
-        const int64_t bs = S8_BYTES(v), sg = v == S8_N4X ? ks * 16 : kb * 8 * (h ? 2 : 4);
+        const int64_t bs = S8_BYTES(v), sg = s8_scale_bytes(w);
         const int8_t *qa = (const int8_t *)w->q + (g * kb + b) * bs, *qb = qa + kb * bs;
         const void *sa = (const char *)w->d + g * sg, *sb = (const char *)sa + sg;
         const __m512 s = cat_ps(s8_scales(v, sa, h, b, qa), s8_scales(v, sb, h, b, qb));
         for (int c = 0; c < 4; c++) {
-            __m512i v[2];
-            s8_chunks2(qa, qb, (int)w->small, c, &v[0], &v[1]);
-            amx_rows4(v[0], 1, s, _mm512_setzero_ps(), out + 64 * c);
-            amx_rows4(v[1], 1, s, _mm512_setzero_ps(), out + 64 * (c + 4));
+            __m512i codes[2]; /* chunks c and c + 4 */
+            s8_chunks2(qa, qb, v, c, &codes[0], &codes[1]);
+            amx_rows4(codes[0], 1, s, _mm512_setzero_ps(), out + 64 * c);
+            amx_rows4(codes[1], 1, s, _mm512_setzero_ps(), out + 64 * (c + 4));
         }
         return;
     }

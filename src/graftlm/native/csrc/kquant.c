@@ -88,17 +88,8 @@ int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
             for (int i = 0; i < 8; i++) {
                 sm[i] = sc[i * kb + b];
                 sm[8 + i] = mn[i * kb + b];
-                for (int c = 0; c < 4; c++) {
-                    for (int j = 0; j < 4; j++) {
-                        const int L = 4 * i + j;
-                        const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
-                        w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
-                        if (h5) {
-                            w[128 + 8 * c + L / 8] |= (uint8_t)((lo >> 4) << (L % 8));
-                            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)((hi >> 4) << (L % 8));
-                        }
-                    }
-                }
+                put_nibbles(w, i, codes + i * k + 32 * b);
+                if (h5) put_fifth_bits(w, i, codes + i * k + 32 * b);
             }
         }
         for (int64_t sb = 0; sb < ks; sb++)
@@ -361,17 +352,13 @@ int gl_pack_k6(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
                     w[at_sc + 16 + i] = mn[i * kb * 2 + 2 * b];
                     w[at_sc + 24 + i] = mn[i * kb * 2 + 2 * b + 1];
                 }
-                for (int c = 0; c < 4; c++) {
+                put_nibbles(w, i, codes + i * k + 32 * b);
+                for (int c = 0; c < 4 && v == V_Q6; c++) /* the fifth and sixth bits: q6_high's byte L % 16 */
                     for (int j = 0; j < 4; j++) {
-                        const int L = 4 * i + j;
+                        const int L = 4 * i + j, sh = L < 16 ? 0 : 2;
                         const uint8_t lo = codes[i * k + 32 * b + 4 * c + j], hi = codes[i * k + 32 * b + 16 + 4 * c + j];
-                        w[32 * c + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
-                        if (v == V_Q6) { /* q6_high's byte L % 16 */
-                            const int sh = L < 16 ? 0 : 2;
-                            w[128 + 16 * c + L % 16] |= (uint8_t)(((lo >> 4) & 3) << sh | ((hi >> 4) & 3) << (4 + sh));
-                        }
+                        w[128 + 16 * c + L % 16] |= (uint8_t)(((lo >> 4) & 3) << sh | ((hi >> 4) & 3) << (4 + sh));
                     }
-                }
             }
         }
         for (int64_t sb = 0; sb < ks; sb++)
@@ -446,10 +433,7 @@ static inline __m256 s8x8_ps(const uint8_t *p) {
 /* The codes of chunk c of a k16 block w: lo (values 4 c .. of every row) and hi (16 + 4 c ..). */
 static inline __attribute__((always_inline)) void k16_codes(int v, const uint8_t *w, int c, __m256i *lo,
                                                             __m256i *hi) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
-    *lo = _mm256_and_si256(raw, m4);
-    *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    nibble_chunk(w, 0, c, lo, hi);
     if (v == V_Q6) {
         __m256i lh, hh;
         q6_high(w + 128 + 16 * c, &lh, &hh);
@@ -458,23 +442,11 @@ static inline __attribute__((always_inline)) void k16_codes(int v, const uint8_t
     }
 }
 
-#if !GL_VNNI
-/* Four chunks' maddubs sums of one half block -> int32 a row. |pair| <= 2 * 63 * 127 for Q6_K
- * (quantize_x keeps |x| <= 127), so two of them fit int16 (Q3_K, Q2_K: all four); then they are
- * widened. */
-static inline __attribute__((always_inline)) __m256i k16_widen(int v, const __m256i *p) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (v == V_Q6)
-        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
-}
-#endif
-
 /* y[r, 8g .. 8g+7] for R rows of x, one group g of a k6 / k3 / k2 weight. The unsigned codes go
  * into the dots as they are; -O s sum(x) per 16 values corrects the offset, and Q2_K's mins
  * subtract dmin mn sum(x). Without VNNI a row's maddubs sums are taken from the block's 8 code
- * vectors, unpacked once for the R rows (k16_widen). */
+ * vectors, unpacked once for the R rows (widen_sums: Q6_K's |pair| <= 2 * 63 * 127, so two
+ * of them fit int16; Q3_K's and Q2_K's all four). */
 static inline __attribute__((always_inline)) void k16_group(
     int v, const uint8_t *qg, const uint16_t *dg, int64_t kb, const int8_t *xq, const float *xd,
     const float *xs16, int R, float *y, int64_t ldy, int64_t nvalid) {
@@ -526,7 +498,7 @@ static inline __attribute__((always_inline)) void k16_group(
                 pl[c] = _mm256_maddubs_epi16(lo[c], bcast4(xb + 4 * c));
                 ph[c] = _mm256_maddubs_epi16(hi[c], bcast4(xb + 16 + 4 * c));
             }
-            const __m256i l32 = k16_widen(v, pl), h32 = k16_widen(v, ph);
+            const __m256i l32 = widen_sums(pl, v == V_Q6), h32 = widen_sums(ph, v == V_Q6);
 #endif
             const __m256 xdv = _mm256_set1_ps(xd[r * kb + b]);
             const float *x16 = xs16 + (r * kb + b) * 2;

@@ -94,6 +94,14 @@ static void row_u4(int type, const uint8_t *src, int64_t k, uint8_t *q, float *d
     }
 }
 
+/* An IQ4 block's 16 bytes of codes qs -> its 32 codes in order (value j low, 16 + j high). */
+static void iq4_codes(int8_t *o, const uint8_t *qs) {
+    for (int j = 0; j < 16; j++) {
+        o[j] = (int8_t)(qs[j] & 0xF);
+        o[16 + j] = (int8_t)(qs[j] >> 4);
+    }
+}
+
 /* One GGUF row of an s8 type -> codes (k int8; IQ4: the 4-bit indices) and scales per 32 values;
  * IQ4_XS: its d per 256 (d16, float16) and ls - 32 per 32 (ls) instead. */
 static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s, uint16_t *d16,
@@ -107,10 +115,7 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s,
         for (int64_t b = 0; b < k / 32; b++) {
             const uint8_t *blk = src + b * 18;
             s[b] = h2f(rd16(blk));
-            for (int j = 0; j < 16; j++) {
-                o[b * 32 + j] = (int8_t)(blk[2 + j] & 0xF);
-                o[b * 32 + 16 + j] = (int8_t)(blk[2 + j] >> 4);
-            }
+            iq4_codes(o + b * 32, blk + 2);
         }
     } else if (type == T_IQ4_XS) {
         for (int64_t sb = 0; sb < k / 256; sb++) {
@@ -121,13 +126,30 @@ static void row_s8(int type, const uint8_t *src, int64_t k, int8_t *o, float *s,
                 const int l = ((blk[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (int)(((sh >> 2 * ib) & 3u) << 4);
                 const int64_t b = sb * 8 + ib;
                 ls[b] = (int8_t)(l - 32);
-                for (int j = 0; j < 16; j++) {
-                    o[b * 32 + j] = (int8_t)(blk[8 + 16 * ib + j] & 0xF);
-                    o[b * 32 + 16 + j] = (int8_t)(blk[8 + 16 * ib + j] >> 4);
-                }
+                iq4_codes(o + b * 32, blk + 8 + 16 * ib);
             }
         }
     }
+}
+
+/* Row i's 32 codes v of a block into w, a block of 8 rows in u4's layout (below): the codes'
+ * low 4 bits, value 4 c + j in the low nibble of byte 32 c + 4 i + j, 16 + 4 c + j in its high.
+ * u4, k4, k16 and the IQ4 codes of s8 share it. */
+static void put_nibbles(uint8_t *w, int i, const uint8_t *v) {
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 4; j++)
+            w[32 * c + 4 * i + j] = (uint8_t)((v[4 * c + j] & 0xF) | (v[16 + 4 * c + j] & 0xF) << 4);
+}
+
+/* The fifth bits of row i's 32 codes v into the plane after w's 128 code bytes (u5, k5; w zeroed
+ * first): bit 4 i + j of the uint32 at 8 c is value 4 c + j's, at 8 c + 4 value 16 + 4 c + j's. */
+static void put_fifth_bits(uint8_t *w, int i, const uint8_t *v) {
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 4; j++) {
+            const int L = 4 * i + j;
+            w[128 + 8 * c + L / 8] |= (uint8_t)(((v[4 * c + j] >> 4) & 1) << (L % 8));
+            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)(((v[16 + 4 * c + j] >> 4) & 1) << (L % 8));
+        }
 }
 
 /* Layouts, rows in groups of 8 (n padded to a multiple of 8 with zero rows), g = row / 8,
@@ -158,16 +180,8 @@ int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
             for (int i = 0; i < 8; i++) {
                 put_scale(d, (g * kb + b) * 8 + i, dd[i * kb + b], h, &inexact);
                 put_scale(m, (g * kb + b) * 8 + i, mm[i * kb + b], h, &inexact);
-                for (int c = 0; c < 4; c++)
-                    for (int j = 0; j < 4; j++) {
-                        const int L = 4 * i + j;
-                        const uint8_t lo = q[i * k + 32 * b + 4 * c + j], hi = q[i * k + 32 * b + 16 + 4 * c + j];
-                        w[c * 32 + L] = (uint8_t)((lo & 0xF) | (hi & 0xF) << 4);
-                        if (h5) {
-                            w[128 + 8 * c + L / 8] |= (uint8_t)((lo >> 4) << (L % 8));
-                            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)((hi >> 4) << (L % 8));
-                        }
-                    }
+                put_nibbles(w, i, q + i * k + 32 * b);
+                if (h5) put_fifth_bits(w, i, q + i * k + 32 * b);
             }
         }
         free(q);
@@ -204,9 +218,7 @@ int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
                     for (int c = 0; c < 8; c++) memcpy(w + 32 * c + 4 * i, c8 + 4 * c, 4);
                     continue;
                 }
-                for (int c = 0; c < 4; c++) /* u4's layout: value 4 c + j low, 16 + 4 c + j high */
-                    for (int j = 0; j < 4; j++)
-                        w[32 * c + 4 * i + j] = (uint8_t)(c8[4 * c + j] | c8[16 + 4 * c + j] << 4);
+                put_nibbles(w, i, (const uint8_t *)c8);
                 if (v == S8_N4X) w[128 + i] = (uint8_t)ls[i * kb + b];
             }
         }
@@ -376,21 +388,27 @@ static inline __attribute__((always_inline)) void nibble_dots(const uint8_t *w, 
     }
 }
 #else
+/* Four int16 sums of a row -> its int32 sums: added in int16 two at a time (pairs: where a third
+ * could overflow) or all four, then widened. */
+static inline __attribute__((always_inline)) __m256i widen_sums(const __m256i *p, int pairs) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (pairs)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+}
+
 /* Without VNNI: the block's 8 code vectors are unpacked once for the R rows and stay in
  * registers (lo, hi: nibble_chunk's), and each row's sums (xb: its block of x) come from them:
  * its 8 maddubs summed in int16, all 8 of 4-bit codes (|pair| <= 2 * 15 * 127; quantize_x keeps
  * |x| <= 127) or 4 at a time of 5-bit ones (2 * 31 * 127), then widened. */
 static inline __attribute__((always_inline)) __m256i nibble_sums(const __m256i *lo, const __m256i *hi,
                                                                  int h5, const int8_t *xb) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[4];
     for (int c = 0; c < 4; c++)
         p[c] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], bcast4(xb + 4 * c)),
                                 _mm256_maddubs_epi16(hi[c], bcast4(xb + 16 + 4 * c)));
-    if (h5)
-        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                                _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+    return widen_sums(p, h5);
 }
 #endif
 
@@ -465,6 +483,12 @@ static inline __attribute__((always_inline)) void s8_chunks(const int8_t *w, int
         *a = _mm256_loadu_si256((const __m256i *)(w + 32 * c));
         *b = _mm256_loadu_si256((const __m256i *)(w + 32 * c + 128));
     }
+}
+
+/* The bytes of an s8 weight's scales a group of 8 rows: a scale per 32 values (float16 or float),
+ * or IQ4_XS's float16 d per 256. */
+static inline int64_t s8_scale_bytes(const gl_weight *w) {
+    return w->small == S8_N4X ? w->k / 256 * 16 : w->k / 32 * 8 * (w->half ? 2 : 4);
 }
 
 /* The 8 rows' scales of block b (w) of an s8 weight of variant v, s the group's scales: a scale
@@ -680,7 +704,7 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     /* s8: a scale per 32 values (IQ4_XS: made from its super-block's) */
     const int8_t *q = (const int8_t *)w->q;
     const int v = (int)w->small;
-    const int64_t bs = S8_BYTES(v), sg_bytes = v == S8_N4X ? (k / 256) * 16 : kb * 8 * ss;
+    const int64_t bs = S8_BYTES(v), sg_bytes = s8_scale_bytes(w);
     for (int64_t r0 = ra; r0 < rb; r0 += MT) {
         const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;

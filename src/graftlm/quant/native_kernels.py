@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from graftlm.native import library, threads
 from graftlm.native.abi import GlWeight
@@ -324,8 +324,11 @@ class NativeS8Kernel(NativeKernel):
 
     @classmethod
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
-        block = 256 if qtype == T.IQ4_XS else 32
-        return qtype in cls.TYPES and shape[1] % block == 0 and library() is not None
+        return (
+            qtype in cls.TYPES
+            and shape[1] % GGML_QUANT_SIZES[qtype][0] == 0  # IQ4_XS: super-blocks of 256
+            and library() is not None
+        )
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:

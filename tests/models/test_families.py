@@ -24,6 +24,7 @@ from families import (
 from graftlm.config import ModelConfig, build_config
 from graftlm.gguf import GGUFFile
 from graftlm.models import ARCHITECTURES
+from graftlm.native import ops as native_ops
 from graftlm.step.batch import Batch
 
 TOL = 1e-3
@@ -79,6 +80,34 @@ def test_cached_steps_match_one_pass(family: str) -> None:
         c = model.forward(Batch.single(IDS[39:], start=39))
     steps = torch.cat([a, b, c.unsqueeze(1)], dim=1)
     assert rel_err(steps, full) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompts_take_the_native_attention_and_gates(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every family's prompt computes each layer's attention (gemma2's soft-capped scores
+    included) and its gated FFN natively: spies count the calls that were served. The logits
+    are those of the PyTorch twins, which run when the native ops are refused."""
+    served: dict[str, list[bool]] = {"attn_prefill": [], "gated": []}
+    for name, got in served.items():
+
+        def spy(*args: object, _real: object = getattr(native_ops, name), _got: list[bool] = got,
+                **kwargs: object) -> object:  # fmt: skip
+            out = _real(*args, **kwargs)  # type: ignore[operator]
+            _got.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native_ops, name, spy)
+    model = load(family)
+    ours = forward(model, IDS)
+    n_layer = model.cfg.n_layer
+    assert served["attn_prefill"] == [True] * n_layer
+    # one gated call a layer; mixtral: one a routed expert that has tokens
+    assert all(served["gated"]) and len(served["gated"]) >= n_layer
+    for name in served:
+        monkeypatch.setattr(native_ops, name, lambda *args, **kwargs: None)
+    assert rel_err(ours, forward(model, IDS)) < 1e-4  # float32 sums in another order
 
 
 def test_registry_has_every_family() -> None:

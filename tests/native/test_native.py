@@ -598,6 +598,40 @@ def test_native_prefill_attention_equals_masked_sdpa(
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    ("t", "h", "hkv", "d", "starts", "window", "cap"),
+    [
+        (100, 8, 4, 32, [0], 0, 5.0),  # the tiny gemma-2's cap: most scores past its knee
+        (37, 4, 1, 64, [70], 16, 50.0),  # gemma-2's own cap; a later chunk in a window
+        (5, 3, 3, 16, [0, 9, 2], 4, 0.5),  # three rows at their own starts
+    ],
+)
+def test_native_prefill_attention_soft_caps_the_scores(
+    t: int, h: int, hkv: int, d: int, starts: list[int], window: int, cap: float
+) -> None:
+    """gemma-2's scores cap * tanh(scale q.k / cap), against the same attention written out."""
+    g = torch.Generator().manual_seed(t)
+    n_ctx = max(starts) + t + 3
+    dense = torch.randn(4, hkv, n_ctx, d, generator=g)
+    q = torch.randn(len(starts), t, h, d, generator=g) * 4  # scores well past a cap of 5
+    slots = [3, 0, 1][: len(starts)]
+    cache = _paged(dense, torch.float32, seed=t)
+    out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window, cap)
+    assert out is not None
+    plain = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
+    assert plain is not None and not torch.allclose(out, plain, atol=1e-2)  # the cap matters
+    for r, (s, p0) in enumerate(zip(slots, starts, strict=True)):
+        pos = torch.arange(p0, p0 + t).view(t, 1)
+        key = torch.arange(p0 + t).view(1, -1)
+        mask = (key <= pos) & ((pos - key < window) if window else True)
+        keys = dense[s, :, : p0 + t].repeat_interleave(h // hkv, 0)  # (h, L, d)
+        values = dense[s, :, : p0 + t].flip(-1).repeat_interleave(h // hkv, 0)
+        scores = torch.tanh(q[r].transpose(0, 1) @ keys.transpose(1, 2) * d**-0.5 / cap) * cap
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+        want = (p @ values).transpose(0, 1).flatten(1)  # (t, h * d)
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
 def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
     """A decode step of three rows through scattered blocks: the new k and v land in the pool

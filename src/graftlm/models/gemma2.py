@@ -8,46 +8,13 @@ GGUF gemma norms already hold (1 + w): llama.cpp's converter adds the one.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
-from graftlm.models.layers import rms_norm
+from graftlm.models.layers import attention, rms_norm, softcap
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
-from graftlm.step.kv_cache import KVCache
-
-
-def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    return x if cap <= 0 else torch.tanh(x / cap) * cap
-
-
-def softcapped_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer: int,
-    batch: Batch,
-    cache: KVCache,
-    scale: float,
-    cap: float,
-    window: int,
-) -> torch.Tensor:
-    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv). Written out rather than through
-    scaled_dot_product_attention, which has no hook between the scores and the mask."""
-    keys, values = cache.update(layer, batch, k, v)  # (B, Hkv, L, D)
-    B, T, H, D = q.shape
-    Hkv = keys.shape[1]
-    q = q.transpose(1, 2).reshape(B, Hkv, H // Hkv * T, D)  # heads sharing a kv head, stacked
-    scores = softcap((q @ keys.transpose(-1, -2)) * scale, cap)  # (B, Hkv, H/Hkv * T, L)
-    scores = scores.view(B, H, T, -1)
-    mask = batch.mask(window)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
-    out = (p @ values).view(B, H, T, -1)  # (B, H, T, Dv)
-    return out.transpose(1, 2).flatten(2)
 
 
 class Gemma2Block:
@@ -92,13 +59,10 @@ class Gemma2(Transformer):
         rope = self.rope_of_layer[i]
         q, k = rope(q, batch.positions), rope(k, batch.positions)
         assert self.cache is not None
-        a = softcapped_attention(
-            q, k, v, i, batch, self.cache, cfg.scale, cfg.attn_softcap, cfg.sliding_window[i]
-        )
+        window, cap = cfg.sliding_window[i], cfg.attn_softcap
+        a = attention(q, k, v, i, batch, self.cache, cfg.scale, window, cap)
         x = x + rms_norm(b.attn_output(a, batch), b.post_attention_norm, eps)
-        h = rms_norm(x, b.ffn_norm, eps)
-        gate, up = b.ffn_gate_up(h, batch)
-        h = F.gelu(gate, approximate="tanh") * up
+        h = b.ffn_gate_up.gated(rms_norm(x, b.ffn_norm, eps), batch, "gelu_tanh")
         return x + rms_norm(b.ffn_down(h, batch), b.post_ffw_norm, eps)
 
     def forward(self, batch: Batch, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:

@@ -93,15 +93,19 @@ def attention(
     cache: KVCache,
     scale: float,
     window: int = 0,
+    cap: float = 0.0,
 ) -> torch.Tensor:
-    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache."""
+    """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
+    scores soft-capped (softcap) before the mask and the softmax (gemma-2)."""
     cache.write(layer, batch, k, v)
     rows = batch.index()
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
-        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window)
+        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap)
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)
+    if cap > 0:
+        return _softcapped(q, keys, values, batch, scale, cap, window)
     # one sequence's first chunk inside its window: plain causal attention, which SDPA computes
     # without the masked half (an explicit mask makes it compute every score)
     causal = batch.n_rows == 1 and batch.starts[0] == 0 and batch.n_tokens > 1
@@ -118,3 +122,45 @@ def attention(
         enable_gqa=q.shape[2] != keys.shape[1],
     )  # (B, H, T, Dv)
     return out.transpose(1, 2).flatten(2)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return x if cap <= 0 else torch.tanh(x / cap) * cap
+
+
+def _softcapped(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    batch: Batch,
+    scale: float,
+    cap: float,
+    window: int,
+) -> torch.Tensor:
+    """attention's soft-capped scores, written out: scaled_dot_product_attention has no hook
+    between the scores and the mask. q (B, T, H, D), keys/values (B, Hkv, L, D)."""
+    B, T, H, D = q.shape
+    Hkv = keys.shape[1]
+    q = q.transpose(1, 2).reshape(B, Hkv, H // Hkv * T, D)  # heads sharing a kv head, stacked
+    scores = softcap((q @ keys.transpose(-1, -2)) * scale, cap)  # (B, Hkv, H/Hkv * T, L)
+    scores = scores.view(B, H, T, -1)
+    mask = batch.mask(window)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
+    out = (p @ values).view(B, H, T, -1)  # (B, H, T, Dv)
+    return out.transpose(1, 2).flatten(2)
+
+
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of a stacked (..., 2 ff) = [gate | up] -> (..., ff), act "silu" or
+    "gelu_tanh": natively where it can (native.ops.gated), else in PyTorch."""
+    out = native_ops.gated(gate_up, act)
+    if out is not None:
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activation(gate, act) * up
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")

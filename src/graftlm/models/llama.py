@@ -1,8 +1,9 @@
 """llama: Llama 2/3, Mistral, SmolLM2, Mixtral (GQA, RoPE over adjacent pairs, SwiGLU).
 
 Optional pieces, each present when its tensor is: llama3 RoPE frequency factors
-(`rope_freqs.weight`), Q/K/V/output biases (`attn_q.bias`...), and mixture-of-experts FFNs
-(`ffn_gate_inp` + `ffn_{gate,up,down}_exps`, see moe.py) when `expert_count` is set.
+(`rope_freqs.weight`), Q/K/V/output biases (`attn_q.bias`...), per-head Q/K norms (qwen3.py's
+block sets them), and mixture-of-experts FFNs (`ffn_gate_inp` + `ffn_{gate,up,down}_exps`, see
+moe.py) when `expert_count` is set.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class LlamaBlock:
         self.attn_k_bias = _bias(w, p + "attn_k.bias", cfg.n_head_kv * cfg.head_dim)
         self.attn_v_bias = _bias(w, p + "attn_v.bias", cfg.n_head_kv * vd)
         self.attn_output_bias = _bias(w, p + "attn_output.bias", d)
+        # per-head RMS norms of q and k before RoPE (QK-norm): qwen3's block sets them
+        self.attn_q_norm: torch.Tensor | None = None
+        self.attn_k_norm: torch.Tensor | None = None
         self.ffn_norm = w.vector(p + "ffn_norm.weight", cfg.n_embd)
         if cfg.n_expert:
             shape, down = (cfg.n_expert, cfg.n_ff, d), (cfg.n_expert, d, cfg.n_ff)
@@ -75,8 +79,9 @@ class Llama(Transformer):
 
     def layer_spec(self, i: int) -> LayerSpec | None:
         cfg, b = self.cfg, self.blocks[i]
-        biases = {"q_bias": b.attn_q_bias, "k_bias": b.attn_k_bias, "v_bias": b.attn_v_bias,
-                  "o_bias": b.attn_output_bias}  # fmt: skip
+        extra = {"q_bias": b.attn_q_bias, "k_bias": b.attn_k_bias, "v_bias": b.attn_v_bias,
+                  "o_bias": b.attn_output_bias, "q_norm": b.attn_q_norm,
+                  "k_norm": b.attn_k_norm}  # fmt: skip
         if cfg.n_expert:
             experts = b.ffn_gate_up_exps
             if experts.stacked is None:  # gate and up of two types: the composed block
@@ -84,17 +89,16 @@ class Llama(Transformer):
             moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights,
                           cfg.n_expert_used)  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
-                             b.ffn_norm, moe=moe, **biases)  # fmt: skip
+                             b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,
-                            b.ffn_norm, **biases)  # fmt: skip
+                            b.ffn_norm, **extra)  # fmt: skip
 
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
         q, k, v = b.attn_qkv(h, batch)
-        a = self.attend(
-            i, _plus(q, b.attn_q_bias), _plus(k, b.attn_k_bias), _plus(v, b.attn_v_bias), batch
-        )
+        q, k, v = _plus(q, b.attn_q_bias), _plus(k, b.attn_k_bias), _plus(v, b.attn_v_bias)
+        a = self.attend(i, q, k, v, batch, b.attn_q_norm, b.attn_k_norm)
         x = x + _plus(b.attn_output(a, batch), b.attn_output_bias)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from graftlm.errors import ModelFileError
 from graftlm.gguf import TensorEntry
 from graftlm.models.base import Weights
-from graftlm.native import ops as native_ops
+from graftlm.models.layers import gated
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 
@@ -101,12 +101,7 @@ class GatedExperts:
             assert self.parts is not None
             gate, up = self.parts
             return F.silu(linear(x, gate[e])) * linear(x, up[e])
-        gu = linear(x, self.stacked[e])
-        out = native_ops.gated(gu, "silu")
-        if out is not None:
-            return out
-        g, u = gu.chunk(2, dim=-1)
-        return F.silu(g) * u
+        return gated(linear(x, self.stacked[e]), "silu")
 
     @property
     def nbytes(self) -> int:

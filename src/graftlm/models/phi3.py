@@ -10,13 +10,12 @@ The fused tensors stay one projection each (one matmul, split after), so an adap
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
-from graftlm.models.layers import Rope, attention, rms_norm
+from graftlm.models.layers import Rope, attention, gated, rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 
@@ -81,5 +80,4 @@ class Phi3(Transformer):
         a = attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
         x = x + b.attn_output(a, batch)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
-        gate, up = b.ffn_up(h, batch).chunk(2, dim=-1)  # (B, T, n_ff) each
-        return x + b.ffn_down(F.silu(gate) * up, batch)
+        return x + b.ffn_down(gated(b.ffn_up(h, batch), "silu"), batch)  # ffn_up: gate | up

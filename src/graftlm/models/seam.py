@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
+from graftlm.models.layers import activation, gated
 from graftlm.native import layer as native_layer
 from graftlm.native import library
 from graftlm.native import ops as native_ops
@@ -212,15 +212,9 @@ class ProjectionGroup:
         """act(gate) * up for a [gate, up] group: one native pass over the stacked output when
         there is one, else PyTorch's ("silu" or "gelu_tanh")."""
         if self.fused is not None:
-            gu = self.fused(x, batch)
-            out = native_ops.gated(gu, act)
-            if out is not None:
-                return out
-            gate, up = gu.split(self.sizes, dim=-1)
-        else:
-            gate, up = self(x, batch)
-        a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-        return a * up
+            return gated(self.fused(x, batch), act)
+        gate, up = self(x, batch)
+        return activation(gate, act) * up
 
     def projections(self) -> list[Projection]:
         return [self.fused] if self.fused is not None else list(self.parts or [])

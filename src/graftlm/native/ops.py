@@ -266,14 +266,16 @@ def attn_prefill(
     rows: RowIndex,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
     q (B, T, H, D) rotated; cache: the paged cache, whose layer holds every row's keys and values
     up to start + T - 1 (this chunk's included); rows: the batch's slots and starts
     (Batch.index). Returns (B, T, H * D): query t of row b at position starts[b] + t sees the keys
-    at positions <= its own, within `window` when > 0. Padding queries past a row's real tokens
-    get values that nothing reads.
+    at positions <= its own, within `window` when > 0; softcap > 0: the scores (scale q.k) are
+    softcap * tanh(score / softcap) before the softmax (gemma-2). Padding queries past a row's
+    real tokens get values that nothing reads.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -296,7 +298,7 @@ def attn_prefill(
         return None
     out = q.new_empty(b, t, h * d)
     n_pos = cache.max_blocks * cache.block
-    attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, 0.0)  # fmt: skip
+    attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap)  # fmt: skip
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
         out.data_ptr(), threads(),

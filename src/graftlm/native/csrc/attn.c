@@ -240,7 +240,8 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
  * rotated; a: the cache and the dimensions, no RoPE tables). Each block of PK keys and their
  * values is read from the pool as float32 into the task's own tiles (Kf, Vf) once. q (B, T, H, D) rotated;
  * out (B, T, H * D) (Dv == D). Query t of row b sits at
- * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0).
+ * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0). Scores are
+ * scale * q.k, soft-capped to cap * tanh(score / cap) when a->softcap > 0 (gemma-2).
  *
  * One task: a kv head g of a row and PQ queries, whose H / Hkv heads share g's keys: rows =
  * PQ * group score rows. Keys go by blocks of PK, transposed once per block into Kt (D, PK), so
@@ -283,7 +284,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
     const gl_kv *kv = &a->kv;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim;
     const int64_t window = a->window;
-    const float scale = a->scale;
+    const float scale = a->scale, softcap = a->softcap;
+    const __m256 cap = _mm256_set1_ps(softcap);
     const int64_t group = H / Hkv, qblocks = (T + PQ - 1) / PQ, rows_max = PQ * group;
     const int64_t ntask = B * Hkv * qblocks;
 #pragma omp parallel num_threads(nth)
@@ -367,7 +369,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                     }
                 }
 #endif
-                /* mask, online softmax: P = exp(S - m_new) in S, alpha = exp(m_old - m_new) */
+                /* soft-cap, mask, online softmax: P = exp(S - m_new) in S, alpha = exp(m_old - m_new) */
                 const int64_t nk16 = (nk + 15) / 16 * 16;
                 for (int64_t r = 0; r < rows; r++) {
                     float *sr = S + r * PK;
@@ -381,7 +383,9 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                     for (int64_t j = 0; j < nk16; j += 8) {
                         const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
                         const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(vlo, idx), _mm256_cmpgt_epi32(_mm256_add_epi32(idx, _mm256_set1_epi32(1)), vhi));
-                        const __m256 sv = _mm256_blendv_ps(_mm256_load_ps(sr + j), ninf, _mm256_castsi256_ps(out));
+                        __m256 sv = _mm256_load_ps(sr + j);
+                        if (softcap > 0.0f) sv = _mm256_mul_ps(tanh256(_mm256_div_ps(sv, cap)), cap);
+                        sv = _mm256_blendv_ps(sv, ninf, _mm256_castsi256_ps(out));
                         _mm256_store_ps(sr + j, sv);
                         mxv = _mm256_max_ps(mxv, sv);
                     }

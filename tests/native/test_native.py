@@ -70,6 +70,19 @@ def test_rms_norm_matches_torch() -> None:
     assert ops.rms_norm(x.transpose(0, 1), w, 1e-5) is None  # not contiguous
 
 
+@pytest.mark.parametrize("n", [7, 13, 100, 128, 2048])
+def test_rms_norm_sums_the_float_squares_in_double(n: int) -> None:
+    """ggml's steps: each square in float32, their mean in float64, the scale and the products
+    in float32; rows shorter than a vector and rows with a tail past the last vector."""
+    x = torch.randn(64, n) * 3
+    w = torch.randn(n)
+    y = ops.rms_norm(x, w, 1e-6)
+    assert y is not None
+    mean = (x * x).double().sum(-1, keepdim=True) / n
+    scale = 1.0 / torch.sqrt(mean.float() + 1e-6)
+    torch.testing.assert_close(y, (x * scale) * w, rtol=1e-6, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """head_dim 96: one 64-wide register block of the weighted sum plus a 32-wide tail."""

@@ -13,15 +13,26 @@ static inline void scale_axpy(float *o, float c, float p, const float *v, int64_
     for (; i < n; i++) o[i] = o[i] * c + p * v[i];
 }
 
-/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over rows of n values (the sum in double, as ggml). */
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over rows of n values: each square in float, their
+ * sum in double, as ggml (in 8 lanes: one chain of n dependent adds made short rows of heads,
+ * qwen3's QK-norm, cost as much as the long ones). */
 void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps, float *y,
                  int nth) {
 #pragma omp parallel for num_threads(nth) schedule(static) if (rows * n > 65536)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; i++) sum += (double)(xr[i] * xr[i]);
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + i), sq = _mm256_mul_ps(v, v);
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+        double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; i < n; i++) sum += (double)(xr[i] * xr[i]);
         const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
         for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
     }

@@ -254,13 +254,16 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
  * position p = start[b] + t and sees keys j <= p (and p - j < window when window > 0). Scores are
  * scale * q.k, soft-capped to cap * tanh(score / cap) when a->softcap > 0 (gemma-2).
  *
- * One task: a kv head g of a row and PQ queries, whose H / Hkv heads share g's keys: rows =
- * PQ * group score rows. Keys go by blocks of PK, transposed once per block into Kt (D, PK), so
- * the score tile is 4 rows x 16 keys of FMAs with every operand a load or a broadcast; softmax
+ * One task: a kv head g of a row and pq queries, whose H / Hkv heads share g's keys: rows =
+ * pq * group score rows, about PR (pq: PR / group, at least PQ), since every task gathers and
+ * transposes its keys (qwen3's group of 2 at 16 queries a task: 1.05x a whole pp512 at 32). Keys
+ * go by blocks of PK, transposed once per block into Kt (D, PK), so the score tile is AR rows x
+ * 16 keys (AVX-512: 32) of FMAs with every operand a load or a broadcast; softmax
  * is online (flash attention): running max m and sum l per row, O rescaled when m grows. Blocks
  * past a task's last query or before its window are never touched: causal prompts do half the
  * work of a masked full product. */
-#define PQ 16
+#define PQ 16 /* the fewest queries a task */
+#define PR 64 /* the score rows a task aims at */
 #define PK 64
 #define AR 6 /* score / output rows per register tile */
 
@@ -297,7 +300,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
     const int64_t window = a->window;
     const float scale = a->scale, softcap = a->softcap;
     const __m256 cap = _mm256_set1_ps(softcap);
-    const int64_t group = H / Hkv, qblocks = (T + PQ - 1) / PQ, rows_max = PQ * group;
+    const int64_t group = H / Hkv, pq = PR / group > PQ ? PR / group : PQ;
+    const int64_t qblocks = (T + pq - 1) / pq, rows_max = pq * group;
     const int64_t ntask = B * Hkv * qblocks;
 #pragma omp parallel num_threads(nth)
     {
@@ -316,7 +320,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
         for (int64_t task = 0; task < ntask; task++) {
             const int64_t qb = qblocks - 1 - task % qblocks, bg = task / qblocks;
             const int64_t b = bg / Hkv, g = bg % Hkv, s = slots[b], p0 = starts[b];
-            const int64_t t0 = qb * PQ, nq = T - t0 < PQ ? T - t0 : PQ, rows = nq * group;
+            const int64_t t0 = qb * pq, nq = T - t0 < pq ? T - t0 : pq, rows = nq * group;
             /* row r: query t0 + r / group of head g * group + r % group */
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t t = t0 + r / group, h = g * group + r % group;
@@ -385,8 +389,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 for (int64_t r = 0; r < rows; r++) {
                     float *sr = S + r * PK;
                     const int64_t p = pr[r], lo = window > 0 ? p - window + 1 : 0;
-                    /* keys [jlo, jhi) of the block are visible to the row, the rest -inf; jlo < PQ
-                     * (the task's first query's window starts the first block) and jhi > -PQ */
+                    /* keys [jlo, jhi) of the block are visible to the row, the rest -inf; jlo < pq
+                     * (the task's first query's window starts the first block) and jhi > -pq */
                     const int64_t jlo = lo - k0, jhi = p + 1 - k0 < nk ? p + 1 - k0 : nk;
                     const __m256i vlo = _mm256_set1_epi32((int)jlo), vhi = _mm256_set1_epi32((int)jhi);
                     const __m256 ninf = _mm256_set1_ps(-INFINITY);

@@ -646,6 +646,41 @@ def test_native_prefill_attention_soft_caps_the_scores(
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
+def test_native_prompt_cache_writes_equal_kvcache_write(kv: str) -> None:
+    """A prompt step's k and v through gl_kv_write land as KVCache.write puts them, bit for bit:
+    three rows at their own slots and starts through scattered blocks, v a column slice of a
+    stacked product (rows nqkv apart), a padding row running past the context (KVCache.write
+    clamps it onto the last position; the native write leaves that position alone)."""
+    g = torch.Generator().manual_seed(3)
+    hkv, d, n_ctx, t = 2, 64, 40, 12
+    twin, ours = (_paged(torch.randn(4, hkv, n_ctx, d, generator=g), kv_dtype(kv)) for _ in "ab")
+    ours.k[0].copy_(twin.k[0])
+    ours.v[0].copy_(twin.v[0])
+    ours.tables.copy_(twin.tables)
+    stacked = torch.randn(3, t, 3 * hkv * d, generator=g)  # q | k | v, one row of each
+    k = torch.randn(3, t, hkv, d, generator=g)
+    v = stacked[..., 2 * hkv * d :].view(3, t, hkv, d)
+    assert not v.is_contiguous()
+    batch = Batch(torch.zeros(3, t, dtype=torch.long), [2, 0, 3], [0, 17, 5], [t, t, t])
+    rows = batch.index()
+    assert rows is not None and ops.kv_write(ours, 0, rows, k, v)
+    twin.write(0, batch, k, v)
+    assert torch.equal(ours.k[0], twin.k[0]) and torch.equal(ours.v[0], twin.v[0])
+    end = ours.max_blocks * 16  # the positions the table holds
+    late = Batch(torch.zeros(1, t, dtype=torch.long), [1], [end - 4], [4])  # 8 past the end
+    rows = late.index()
+    assert rows is not None and ops.kv_write(ours, 0, rows, k[:1], v[:1])
+    twin.write(0, late, k[:1], v[:1])
+    last = int(twin.tables[1, -1])  # the block of the table's last position, 15 in it
+    for pool_ours, pool_twin in ((ours.k[0], twin.k[0]), (ours.v[0], twin.v[0])):
+        assert not torch.equal(pool_ours, pool_twin)  # the twin's clamped writes landed on 15
+        real = pool_ours.clone()
+        real[last, :, 15] = pool_twin[last, :, 15]
+        assert torch.equal(real, pool_twin)  # every other position alike
+    assert not ops.kv_write(ours, 0, rows, k[:1].double(), v[:1])  # float32 only: the twin runs
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
 def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
     """A decode step of three rows through scattered blocks: the new k and v land in the pool
     block the table names (rotated k, rounded as torch rounds), and the output equals SDPA over

@@ -97,8 +97,9 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
     scores soft-capped (softcap) before the mask and the softmax (gemma-2)."""
-    cache.write(layer, batch, k, v)
     rows = batch.index()
+    if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
+        cache.write(layer, batch, k, v)
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
         out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap)
         if out is not None:  # read straight from the cache: no gathered copy of the rows

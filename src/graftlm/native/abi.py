@@ -107,6 +107,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # attn, q, slots, starts, B, T, out, threads
     "gl_attn_prefill": (None, [_P, _P, _P, _P, _I64, _I64, _P, _INT]),
     "gl_gated": (None, [_P, _I64, _I64, _I64, _P, _INT]),
+    # kv, which, x, rs, slots, starts, B, T, D, threads
+    "gl_kv_write": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _INT]),
     "gl_proj": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),  # weight, lora site, x, M, T, y, threads
     "gl_lora": (None, [_P, _I64, _I64, _P, _I64, _I64, _P, _INT]),  # site, n_in, n_out, x, M, T, y
     # layer, x, B, slots, pos, scratch, threads

@@ -202,6 +202,37 @@ def gl_kv(cache: KVCache, layer: int) -> GlKv | None:
                 cache.max_blocks, cache.block, cache.n_head_kv, cache.type_code)  # fmt: skip
 
 
+def kv_write(cache: KVCache, layer: int, rows: RowIndex, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """KVCache.write natively (gl_kv_write): a step's k, v (B, T, Hkv, D) at each row's slot and
+    positions from its start, with the same bits. False, having written nothing, where it cannot
+    (then KVCache.write runs)."""
+    lib = library()
+    kv = gl_kv(cache, layer)
+    if lib is None or kv is None or rows.max_slot >= cache.n_slots:
+        return False
+    for x, d in ((k, cache.head_dim), (v, cache.v_head_dim)):
+        if (
+            x.dtype is not torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 4
+            or tuple(x.shape[:3]) != (rows.slots.numel(), x.shape[1], cache.n_head_kv)
+            or x.shape[3] != d
+            or x.stride(3) != 1
+            or x.stride(2) != d
+            or x.stride(0) != x.shape[1] * x.stride(1)
+        ):
+            return False
+    b, t = k.shape[:2]
+    if v.shape[:2] != k.shape[:2]:
+        return False
+    for which, x in enumerate((k, v)):
+        lib.gl_kv_write(
+            ctypes.byref(kv), which, x.data_ptr(), x.stride(1), rows.slots.data_ptr(),
+            rows.starts.data_ptr(), b, t, x.shape[3], threads(),
+        )  # fmt: skip
+    return True
+
+
 def attn_decode(
     q: torch.Tensor,
     k: torch.Tensor,

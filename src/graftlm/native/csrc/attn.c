@@ -219,6 +219,23 @@ void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float 
     scratch_close(s, &own);
 }
 
+/* A prompt step's keys (which 0) or values (1) into the paged cache: x (B, T, n_head_kv, D), row
+ * (b, t) at x + (b * T + t) * rs with its heads D apart, at slot slots[b] and position
+ * starts[b] + t, each row rounded as kv_store rounds it (torch's rounding: the same bits as
+ * KVCache.write). Positions past the table (a padding row's, which KVCache.write clamps to its
+ * last position) are not written: nothing reads them. */
+void gl_kv_write(const gl_kv *kv, int64_t which, const float *x, int64_t rs, const int64_t *slots,
+                 const int64_t *starts, int64_t B, int64_t T, int64_t D, int nth) {
+    const int64_t H = kv->n_head_kv, end = kv->max_blocks * kv->block;
+    void *base = which ? kv->v : kv->k;
+#pragma omp parallel for num_threads(nth) schedule(static) if (B * T * H * D > 65536)
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        const int64_t b = bt / T, p = starts[b] + bt % T;
+        for (int64_t h = 0; p < end && h < H; h++)
+            kv_store(kv_at(kv, base, slots[b], h, p, D), x + bt * rs + h * D, D, kv->type);
+    }
+}
+
 /* n rows of D cached values of (slot s, kv head h) from position p0 on, as float32 into dst
  * (n, D): a block's rows at a time (contiguous in the pool). */
 static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t p0, int64_t n,

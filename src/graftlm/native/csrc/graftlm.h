@@ -188,6 +188,9 @@ GL_API void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const
 GL_API void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                             const int64_t *starts, int64_t B, int64_t T, float *out, int nth);
 GL_API void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
+GL_API void gl_kv_write(const gl_kv *kv, int64_t which, const float *x, int64_t rs,
+                        const int64_t *slots, const int64_t *starts, int64_t B, int64_t T,
+                        int64_t D, int nth);
 
 /* lora.c */
 GL_API void gl_proj(const gl_weight *w, const gl_lora_site *l, const float *x, int64_t M,

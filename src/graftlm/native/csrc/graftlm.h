@@ -427,28 +427,24 @@ static int64_t gl_amx_rows = 0;
 #endif
 
 
-/* The bit planes of 5-bit codes (quant.c's u5, kquant.c's k5). */
-/* value in every byte lane whose bit is set in the uint32 at p (lane L: bit L), else 0. */
-static inline __m256i plane_bits(const uint8_t *p, char value) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(value));
-#else
-    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)bits), sel);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(value));
-#endif
+/* The fifth bits of 5-bit codes (quant.c's u5, kquant.c's k5): the 32 bytes after a block's 128
+ * code bytes, byte L for lane L of its chunks (row L / 4, value L % 4 of a chunk), bit 2 c the
+ * fifth bit of chunk c's low-nibble value, bit 2 c + 1 its high-nibble value's. One load a block;
+ * bit s of every byte at bit 4 with one 16-bit shift (by at most 4, so nothing crosses into bit
+ * 4 from the byte beside) and a mask. */
+static inline int fifth_bit(const uint8_t *w, int c, int L, int hi) {
+    return ((w[128 + L] >> (2 * c + hi)) & 1) << 4;
 }
 
-static inline __m256i fifth_bits(const uint8_t *p) { return plane_bits(p, 16); }
+static inline __attribute__((always_inline)) __m256i fifth_at(__m256i f, int s) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi16(f, 4 - s) : _mm256_srli_epi16(f, s - 4), m);
+}
 
 /* Q6_K's fifth and sixth bits of a 32-byte chunk of codes (kquant.c's k6), from its 16 bytes at
  * p: byte i holds, two bits each from bit 0 up, those of low-nibble lanes i and i + 16, then of
  * high-nibble lanes i and i + 16. -> *lo, *hi: each lane's two bits at bits 4-5. Shifts, a blend
- * and a mask, without the shuffles and compares of plane_bits (which AVX2 pays per plane). */
+ * and a mask, without the shuffles and compares a bit plane would cost AVX2. */
 static inline void q6_high(const uint8_t *p, __m256i *lo, __m256i *hi) {
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     const __m256i m = _mm256_set1_epi8(0x30);
@@ -467,12 +463,10 @@ static inline void q6_high2(const uint8_t *pa, const uint8_t *pb, __m512i *lo, _
     *hi = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, v, _mm512_srli_epi16(v, 2)), m);
 }
 
-/* plane_bits of two groups' planes (pa: the low 256 bits, pb: the high). */
-static inline __m512i plane_bits2(const uint8_t *pa, const uint8_t *pb, char value) {
-    uint32_t a, b;
-    memcpy(&a, pa, 4);
-    memcpy(&b, pb, 4);
-    return _mm512_maskz_mov_epi8((__mmask64)a | (__mmask64)b << 32, _mm512_set1_epi8(value));
+/* fifth_at of two groups' blocks (the low 256 bits, the high). */
+static inline __attribute__((always_inline)) __m512i fifth_at2(__m512i f, int s) {
+    const __m512i m = _mm512_set1_epi8(0x10);
+    return _mm512_and_si512(s <= 4 ? _mm512_slli_epi16(f, 4 - s) : _mm512_srli_epi16(f, s - 4), m);
 }
 
 /* The codes of chunk c (32 bytes: 4 of every row's 32 values, low nibbles then high) of two
@@ -485,8 +479,10 @@ static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, co
     *lo = _mm512_and_si512(raw, m4);
     *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
     if (h5) {
-        *lo = _mm512_or_si512(*lo, plane_bits2(wa + 128 + 8 * c, wb + 128 + 8 * c, 16));
-        *hi = _mm512_or_si512(*hi, plane_bits2(wa + 132 + 8 * c, wb + 132 + 8 * c, 16));
+        const __m512i f = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 128)),
+                                 _mm256_loadu_si256((const __m256i *)(wb + 128)));
+        *lo = _mm512_or_si512(*lo, fifth_at2(f, 2 * c));
+        *hi = _mm512_or_si512(*hi, fifth_at2(f, 2 * c + 1));
     }
 }
 

@@ -8,8 +8,8 @@
  *   q: per (g, b), K4_BYTES(h5) bytes:
  *      [0, 128)    the low 4 bits, as u4 lays them (quant.c, gl_pack_u4): byte 32 c + L holds
  *                  value 4 c + j of row i (low nibble) and value 16 + 4 c + j (high nibble)
- *      [128, 160)  Q5_K only: the fifth bits, 8 bytes a c: bit L of the uint32 at 8 c is the low
- *                  nibble's of lane L, bit L of the uint32 at 8 c + 4 the high nibble's
+ *      [128, 160)  Q5_K only: the fifth bits, a byte a lane: bit 2 c of byte 128 + L is the low
+ *                  nibble's of lane L in chunk c, bit 2 c + 1 the high nibble's (fifth_at)
  *      then 16     sc of the 8 rows, mn of the 8 rows (bytes)
  *   d: per (g, super-block), 16 float16: the 8 rows' d, then their dmin (the file's own values)
  * 4.625 bits a weight for Q4_K (the file: 4.5), 5.625 for Q5_K (5.5): what a decode step reads.
@@ -122,8 +122,8 @@ void gl_deq_k4(const uint8_t *q, const uint16_t *d, int h5, int64_t k, const int
                     const int L = 4 * (int)i + j;
                     int lo = w[32 * c + L] & 0xF, hi = w[32 * c + L] >> 4;
                     if (h5) {
-                        lo |= ((w[128 + 8 * c + L / 8] >> (L % 8)) & 1) << 4;
-                        hi |= ((w[128 + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << 4;
+                        lo |= fifth_bit(w, c, L, 0);
+                        hi |= fifth_bit(w, c, L, 1);
                     }
                     const float a = (float)lo * dd, e = (float)hi * dd;
                     o[32 * b + 4 * c + j] = a + mm;

@@ -141,14 +141,14 @@ static void put_nibbles(uint8_t *w, int i, const uint8_t *v) {
             w[32 * c + 4 * i + j] = (uint8_t)((v[4 * c + j] & 0xF) | (v[16 + 4 * c + j] & 0xF) << 4);
 }
 
-/* The fifth bits of row i's 32 codes v into the plane after w's 128 code bytes (u5, k5; w zeroed
- * first): bit 4 i + j of the uint32 at 8 c is value 4 c + j's, at 8 c + 4 value 16 + 4 c + j's. */
+/* The fifth bits of row i's 32 codes v into the 32 bytes after w's 128 code bytes (u5, k5; w
+ * zeroed first): bit 2 c of byte 4 i + j is value 4 c + j's, bit 2 c + 1 value 16 + 4 c + j's. */
 static void put_fifth_bits(uint8_t *w, int i, const uint8_t *v) {
     for (int c = 0; c < 4; c++)
         for (int j = 0; j < 4; j++) {
             const int L = 4 * i + j;
-            w[128 + 8 * c + L / 8] |= (uint8_t)(((v[4 * c + j] >> 4) & 1) << (L % 8));
-            w[128 + 8 * c + 4 + L / 8] |= (uint8_t)(((v[16 + 4 * c + j] >> 4) & 1) << (L % 8));
+            w[128 + L] |= (uint8_t)(((v[4 * c + j] >> 4) & 1) << (2 * c));
+            w[128 + L] |= (uint8_t)(((v[16 + 4 * c + j] >> 4) & 1) << (2 * c + 1));
         }
 }
 
@@ -156,8 +156,8 @@ static void put_fifth_bits(uint8_t *w, int i, const uint8_t *v) {
  * i = row % 8, b = block of 32 values, j = 0..3:
  *   u4: qs[(g*kb + b)*U4_BYTES + c*32 + 4i + j] = q[32b + 4c + j] & 15 | (q[32b + 16 + 4c + j] & 15) << 4
  *       d[(g*kb + b)*8 + i], m[(g*kb + b)*8 + i]
- *       u5: then 32 bytes of fifth bits, 8 a c: bit 4i + j of the uint32 at 8c is value 4c + j's,
- *       of the uint32 at 8c + 4 value 16 + 4c + j's (kquant.c's k5 lays them out the same)
+ *       u5: then 32 bytes of fifth bits: bit 2c of byte 4i + j is value 4c + j's, bit 2c + 1
+ *       value 16 + 4c + j's (graftlm.h's fifth_at; kquant.c's k5 lays them out the same)
  *   s8: q[((g*kb + b)*8 + t)*32 + 4i + j] = q[32b + 4t + j]
  *       s[(g*ns + u)*8 + i] for scale block u of the row (ns = k / sblk)
  * so one 32-byte load holds 4 consecutive values of 8 rows: the products below yield 8 outputs
@@ -249,8 +249,8 @@ void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, i
                     const int L = 4 * (int)i + j;
                     int lo = blk[c * 32 + j] & 0xF, hi = blk[c * 32 + j] >> 4;
                     if (h5) {
-                        lo |= ((w[128 + 8 * c + L / 8] >> (L % 8)) & 1) << 4;
-                        hi |= ((w[128 + 8 * c + 4 + L / 8] >> (L % 8)) & 1) << 4;
+                        lo |= fifth_bit(w, c, L, 0);
+                        hi |= fifth_bit(w, c, L, 1);
                     }
                     float *v0 = o + 32 * b + 4 * c + j, *v1 = v0 + 16;
                     if (offset) {
@@ -368,8 +368,9 @@ static inline __attribute__((always_inline)) void nibble_chunk(const uint8_t *w,
     *lo = _mm256_and_si256(raw, m4);
     *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     if (h5) {
-        *lo = _mm256_or_si256(*lo, fifth_bits(w + 128 + 8 * c));
-        *hi = _mm256_or_si256(*hi, fifth_bits(w + 128 + 8 * c + 4));
+        const __m256i f = _mm256_loadu_si256((const __m256i *)(w + 128));
+        *lo = _mm256_or_si256(*lo, fifth_at(f, 2 * c));
+        *hi = _mm256_or_si256(*hi, fifth_at(f, 2 * c + 1));
     }
 }
 

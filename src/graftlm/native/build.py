@@ -9,8 +9,9 @@ Before its first use, the library's struct layout and the prototypes of ``csrc/g
 checked against ``abi.py``, the one Python description of the ABI: a library that disagrees is
 not used, and ``unavailable_reason()`` names the field or the function.
 
-``GRAFTLM_NATIVE_ISA=avx2`` builds without AVX-512 and VNNI even where the CPU has them
-(``-mno-avx512f -mno-avxvnni``): the AVX2 variants of the kernels, testable on any machine.
+``GRAFTLM_NATIVE_ISA=avx2`` builds without AVX-512, VNNI and GFNI even where the CPU has them
+(``-mno-avx512f -mno-avxvnni -mno-gfni``, as on Zen 2 and 3): the AVX2 variants of the kernels,
+testable on any machine.
 ``GRAFTLM_NATIVE_ISA=ymm`` keeps what the CPU has but the 256-bit kernels where 512-bit VNNI ones
 exist (``-DGL_NO_ZMM``): their twins, tested on the machines that have both. ``isa()`` says which
 variant is loaded. ``GRAFTLM_PAIR_ROWS=N`` sets from how many rows of x the 512-bit kernels serve
@@ -44,7 +45,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 # "ymm": what the CPU has, but the 256-bit kernels where 512-bit ones exist (their twins' tests)
-ISA_FLAGS = {"native": [], "ymm": ["-DGL_NO_ZMM"], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
+ISA_FLAGS = {"native": [], "ymm": ["-DGL_NO_ZMM"], "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-gfni"]}
 
 _REASON: list[str] = []
 _ENABLED = [True]

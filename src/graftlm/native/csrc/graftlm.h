@@ -429,20 +429,22 @@ static int64_t gl_amx_rows = 0;
 
 /* The fifth bits of 5-bit codes (quant.c's u5, kquant.c's k5): the 32 bytes after a block's 128
  * code bytes, byte L for lane L of its chunks (row L / 4, value L % 4 of a chunk), bit 2 c the
- * fifth bit of chunk c's low-nibble value, bit 2 c + 1 its high-nibble value's. One load a block;
- * bit s of every byte at bit 4: AVX2 with one 16-bit shift (by at most 4, so nothing crosses into
- * bit 4 from the byte beside) and a mask (where a bit plane a chunk cost it a broadcast, shuffle,
- * and, compare and mask); AVX-512 with a byte test into a mask register and a masked move, off
- * the ports the dots use (a shift and a mask there: Llama-1B Q5_K_M tg128 0.965x on the 256-bit
- * VNNI groups). */
+ * fifth bit of chunk c's low-nibble value, bit 2 c + 1 its high-nibble value's. One load a block,
+ * then bit s of every byte moved to bit 4, the rest 0: with GFNI one affine transform (the 8 x 8
+ * bit matrix whose row for bit 4 is bit s); else (Zen 2 and 3) one 16-bit shift, by at most 4 so
+ * nothing crosses into bit 4 from the byte beside, and a mask. A bit plane a chunk cost AVX2 a
+ * broadcast, shuffle, and, compare and mask (this: Llama-1B Q5_K_M pp512 1.109x there); the
+ * AVX-512 kernels took it in a mask register and a masked move, which the affine transform
+ * matches and a shift and mask did not (tg128 0.965x on the 256-bit VNNI groups). */
 static inline int fifth_bit(const uint8_t *w, int c, int L, int hi) {
     return ((w[128 + L] >> (2 * c + hi)) & 1) << 4;
 }
 
+#define FIFTH_MATRIX(s) ((long long)(1ull << (s)) << 24) /* the matrix's byte 3: output bit 4 */
+
 static inline __attribute__((always_inline)) __m256i fifth_at(__m256i f, int s) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(f, _mm256_set1_epi8((char)(1 << s))),
-                                 _mm256_set1_epi8(0x10));
+#if defined(__GFNI__)
+    return _mm256_gf2p8affine_epi64_epi8(f, _mm256_set1_epi64x(FIFTH_MATRIX(s)), 0);
 #else
     const __m256i m = _mm256_set1_epi8(0x10);
     return _mm256_and_si256(s <= 4 ? _mm256_slli_epi16(f, 4 - s) : _mm256_srli_epi16(f, s - 4), m);
@@ -473,8 +475,12 @@ static inline void q6_high2(const uint8_t *pa, const uint8_t *pb, __m512i *lo, _
 
 /* fifth_at of two groups' blocks (the low 256 bits, the high). */
 static inline __attribute__((always_inline)) __m512i fifth_at2(__m512i f, int s) {
+#if defined(__GFNI__)
+    return _mm512_gf2p8affine_epi64_epi8(f, _mm512_set1_epi64(FIFTH_MATRIX(s)), 0);
+#else
     return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(f, _mm512_set1_epi8((char)(1 << s))),
                                  _mm512_set1_epi8(0x10));
+#endif
 }
 
 /* The codes of chunk c (32 bytes: 4 of every row's 32 values, low nibbles then high) of two

@@ -45,7 +45,11 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 # "ymm": what the CPU has, but the 256-bit kernels where 512-bit ones exist (their twins' tests)
-ISA_FLAGS = {"native": [], "ymm": ["-DGL_NO_ZMM"], "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-gfni"]}
+ISA_FLAGS = {
+    "native": [],
+    "ymm": ["-DGL_NO_ZMM"],
+    "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-gfni"],
+}
 
 _REASON: list[str] = []
 _ENABLED = [True]

@@ -208,23 +208,19 @@ def kv_write(cache: KVCache, layer: int, rows: RowIndex, k: torch.Tensor, v: tor
     (then KVCache.write runs)."""
     lib = library()
     kv = gl_kv(cache, layer)
-    if lib is None or kv is None or rows.max_slot >= cache.n_slots:
+    if lib is None or kv is None or rows.max_slot >= cache.n_slots or k.dim() != 4:
         return False
+    b, t = k.shape[:2]
     for x, d in ((k, cache.head_dim), (v, cache.v_head_dim)):
         if (
             x.dtype is not torch.float32
             or x.device.type != "cpu"
-            or x.dim() != 4
-            or tuple(x.shape[:3]) != (rows.slots.numel(), x.shape[1], cache.n_head_kv)
-            or x.shape[3] != d
+            or tuple(x.shape) != (rows.slots.numel(), t, cache.n_head_kv, d)
             or x.stride(3) != 1
             or x.stride(2) != d
-            or x.stride(0) != x.shape[1] * x.stride(1)
+            or x.stride(0) != t * x.stride(1)
         ):
             return False
-    b, t = k.shape[:2]
-    if v.shape[:2] != k.shape[:2]:
-        return False
     for which, x in enumerate((k, v)):
         lib.gl_kv_write(
             ctypes.byref(kv), which, x.data_ptr(), x.stride(1), rows.slots.data_ptr(),

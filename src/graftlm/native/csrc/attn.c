@@ -34,7 +34,7 @@ void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float 
         double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
         for (; i < n; i++) sum += (double)(xr[i] * xr[i]);
         const float scale = 1.0f / sqrtf((float)(sum / (double)n) + eps);
-        for (int64_t i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
+        for (i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
     }
 }
 

@@ -52,18 +52,25 @@ for name in sys.argv[2].split(","):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         out[f"{name}:{m}:pairs"] = w.matmul(x)
     library().gl_set_pair_rows(before)
-# the LoRA delta alone (gl_lora): rows in pairs and alone, a tail block, float32 and bfloat16
-from graftlm.native import ops
+# the LoRA delta alone (gl_lora): two packed adapters, prompt rows and one-token rows (in pairs,
+# alone, runs on one adapter), a tail block, float32 and bfloat16 B (Q8_0 A)
+from graftlm.lora.site import LoraSite
+from graftlm.models.seam import add_delta
+from graftlm.step.batch import LoraRows
 g = torch.Generator().manual_seed(5)
-a, bt = torch.randn(16, 512, generator=g), torch.randn(16, 72, generator=g)
-bt[3, :40] = 0.0  # a column whose span starts past the first block
-x = torch.randn(3, 11, 512, generator=g)
-scales = torch.rand(3, 1, 16, generator=g)
-scales[1, 0, 5] = 0.0  # a row whose columns differ from its neighbours'
-for dt in (torch.float32, torch.bfloat16):
-    y = torch.randn(3, 11, 72, generator=g)
-    assert ops.lora_delta(y, x, a.to(dt).contiguous(), scales, ops.lora_block(bt, dt), ops.lora_spans(bt))
-    out[f"lora:{dt}"] = y
+for compact in (False, True):
+    site = LoraSite(512, 72, compact=compact)
+    for slot in (0, 2):
+        a, b = torch.randn(16, 512, generator=g), torch.randn(72, 16, generator=g)
+        b[:40, 3] = 0.0  # a column whose span starts past the first block
+        site.put(slot, a, b)
+    for rows, t in ((3, 11), (6, 1)):
+        scales = torch.rand(rows, 3, generator=g)
+        scales[:, 1] = 0.0
+        scales[1, 0] = 0.0  # a row whose adapters differ from its neighbours'
+        x = torch.randn(rows, t, 512, generator=g)
+        y = torch.randn(rows, t, 72, generator=g)
+        out[f"lora:{compact}:{t}"] = add_delta(site, y, x, LoraRows(scales, (0, 2)), exact=False)
 torch.save(out, sys.argv[1])
 """
 
@@ -109,7 +116,7 @@ def test_other_variants_match_this_cpus(tmp_path: Path, other: str) -> None:
         for m in (1, 3):  # this CPU's pairs from one row on, against the other's kernels
             a, b = mine[f"{qt.name}:{m}:pairs"], them[f"{qt.name}:{m}"]
             assert torch.equal(a, b), (qt.name, m, "pairs", float((a - b).abs().max()))
-    for key in ("lora:torch.float32", "lora:torch.bfloat16"):
+    for key in ("lora:False:11", "lora:False:1", "lora:True:11", "lora:True:1"):
         assert torch.equal(mine[key], them[key]), key
 
 

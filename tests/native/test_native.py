@@ -220,8 +220,10 @@ def test_native_lora_delta_equals_torch_delta(scales: list[list[float]], t: int)
             return seam.add_delta(site, y, x, rows, exact=False)
         return site.add_delta(y, x, rows)  # the PyTorch twin
 
-    spans = seam.native_lora(site, (0, 2), exact=False).spans  # type: ignore[union-attr]
-    assert spans is not None and spans[4:].tolist() == [[20, 48]] * 3 + [[20, 40]] + [[20, 48]] * 4
+    table = site.native()
+    assert table is not None and table.ids == [0, 2]
+    # slot 2's columns all reach blocks 0 and 1 (outputs 20..47; column 3 only to 40): one part
+    assert [(p.c0, p.r, p.lo, p.hi) for p in table.slots[1].parts] == [(0, 8, 0, 2)]
     got, want = delta(True), delta(False)  # entries ~50: float32 summation order differs
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     assert not torch.equal(want, base)
@@ -351,16 +353,15 @@ def test_compact_lora_stacks_in_fast_mode_only() -> None:
     x = torch.randn(2, 3, 64, generator=g)
     scale = torch.tensor([1.5, -1.0]).view(2, 1, 1)
     got = seam.add_delta(site, torch.zeros(2, 3, 40), x, rows, exact=False)
-    st = seam.native_lora(site, (3,), exact=False)
-    assert st is not None and st.a.dtype == torch.bfloat16 and st.a_s8 is not None
+    st = site._packed[3]
+    assert st is not None and st.a is None and st.aq is not None  # A: the integer dots' alone
+    assert all(p.data.dtype == torch.bfloat16 for p in st.parts)
     aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
     want = scale * (_q8_x(x) @ aq.T) @ b.bfloat16().float().T
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     exact = scale * (x @ a.T) @ b.T
     assert (got - exact).norm() / exact.norm() < 1e-2
-    st32 = seam.native_lora(site, (3,), exact=True)
-    assert st32 is not None and st32.a.dtype == torch.float32 and st32.a_s8 is None
-    torch.testing.assert_close(
+    torch.testing.assert_close(  # the float32 mode: the PyTorch twin on the float32 factors
         seam.add_delta(site, torch.zeros(2, 3, 40), x, rows, exact=True),
         exact,
         rtol=1e-5,
@@ -546,7 +547,8 @@ def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
             return int(counting.gl_alloc_count() - before)
 
         assert [step(1), step(1), step(3), step(3), step(1)] == [1, 0, 1, 0, 0]
-        assert [step(3, lora=True), step(3, lora=True), step(3)] == [1, 0, 0]  # A . x per row
+        # the adapters' buffers (A . x per row, each row's list): grown once at most
+        assert step(3, lora=True) <= 1 and [step(3, lora=True), step(3)] == [0, 0]
         stack = model.fused_stack()
         assert stack is not None and stack.scratch.capacity > 0
         cap = stack.scratch.capacity
@@ -766,27 +768,31 @@ def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
     assert ops.attn_prefill(torch.zeros(1, 4, 2, 24), odd, 0, _rows([0], [0], 4), 1.0, 0) is None
 
 
-def test_scale_board_keeps_addresses_until_it_must_grow() -> None:
+def test_scale_board_keeps_its_address_until_it_must_grow() -> None:
+    """The decode layers' scale table: the batch's scales copied in once a step (zeros past them
+    and for a step without adapters), its address kept until an adapter id or a row passes it."""
     from graftlm.lora.site import Generation
     from graftlm.models.fused import ScaleBoard
     from graftlm.step.batch import LoraRows
 
-    board = ScaleBoard(Generation())
-    layout, cols = ((1, 2),), torch.tensor([1, 1])
-    at = board.address(layout, cols, 2)
-    gen = board.generation
-    assert board.address(layout, cols, 2) == at and board.generation == gen
+    adapters = Generation()
+    board = ScaleBoard(adapters, rows=2)
+    at, key = board.buf.data_ptr(), board.key
     rows = LoraRows(torch.tensor([[0.0, 0.5], [0.0, -1.0]]), (1,))
     board.fill(rows)
-    key = board.key(rows)
-    assert board.key(rows) is key  # layers compare it by identity
-    assert board.address(layout, cols, 3) != at and board.generation == gen + 1  # grew
-    board.fill(rows)
-    other = board.address(((3, 1),), torch.tensor([3]), 2)  # a slot this step's scales lack
-    board.fill(LoraRows(torch.tensor([[0.0, 2.0]]), (1,)))  # fills what it can, skips the rest
-    buf = board._bufs[layout][2]
-    assert buf[0].tolist() == [2.0, 2.0] and buf[1].tolist() == [-1.0, -1.0]
-    assert other != 0 and board.key(rows) is not key
+    assert board.buf.data_ptr() == at and board.key == key
+    assert board.buf[:, :3].tolist() == [[0.0, 0.5, 0.0], [0.0, -1.0, 0.0]]
+    board.fill(LoraRows(torch.tensor([[2.0]]), (0,)))  # fewer rows and adapters: zeros past them
+    assert board.buf[:, :2].tolist() == [[2.0, 0.0], [0.0, 0.0]]
+    board.fill(None)
+    assert not board.buf.any() and board.buf.data_ptr() == at
+    wide = torch.zeros(3, 20)
+    wide[2, 19] = 4.0
+    board.fill(LoraRows(wide, (19,)))  # adapter 19 on a third row: it grows, layers rebind
+    assert board.key != key and board.buf.shape[0] >= 3 and board.buf.shape[1] >= 20
+    assert board.buf[2, 19] == 4.0
+    adapters.bump()
+    assert board.key[0] == adapters.value  # an adapter change rebinds too
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -863,19 +869,31 @@ def test_projection_with_adapters_in_one_native_pass(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_block_layout_and_its_inverse(dtype: torch.dtype) -> None:
-    """B's native layout: each column padded to whole 32-output blocks; in bfloat16 each 16
-    outputs stored as the pairs (o + u, o + 8 + u). lora_unblock gives B back exactly."""
-    bt = torch.randn(3, 70).to(dtype)  # 70 outputs: 3 blocks, the last one partly padding
-    bb = ops.lora_block(bt, dtype)
-    assert bb.shape == (3, 96) and bb.dtype == dtype
-    torch.testing.assert_close(ops.lora_unblock(bb, 70), bt, rtol=0, atol=0)
-    padded = torch.cat([bt, torch.zeros(3, 26, dtype=dtype)], dim=1)
+def test_packed_parts_layout_and_its_inverse(dtype: torch.dtype) -> None:
+    """B's packed layout: runs of columns reaching the same 32-output blocks are one part, stored
+    block by block with each block's columns in turn, zero past n_out; in bfloat16 each 16
+    outputs as the pairs (o + u, o + 8 + u). Zero columns are in no part; unpacking gives B
+    back exactly."""
+    from graftlm.lora import packed
+
+    b = torch.randn(200, 6).to(dtype).float()  # 200 outputs: 7 blocks, the last one partly
+    b[64:, 0:2] = 0  # columns 0, 1: outputs 0..63 (blocks 0, 1)
+    b[:70, 2:4] = 0  # columns 2, 3: outputs 70..199 (blocks 2..6)
+    b[:, 4] = 0  # a zero column
+    slot = packed.PackedSlot(torch.randn(6, 64), b, compact=dtype == torch.bfloat16)
+    assert [(p.c0, p.r, p.lo, p.hi) for p in slot.parts] == [
+        (0, 2, 0, 2),
+        (2, 2, 2, 7),
+        (5, 1, 0, 7),
+    ]
+    torch.testing.assert_close(slot.b_dense(), b, rtol=0, atol=0)
+    part = slot.parts[1]
+    assert part.data.shape == (5, 2, 32) and part.data.dtype == dtype
+    block = torch.zeros(2, 32)  # block 6 of columns 2, 3: outputs 192..199, then padding
+    block[:, :8] = b[192:, 2:4].T
     if dtype == torch.bfloat16:
-        order = [16 * h + u + 8 * p for h in range(6) for u in range(8) for p in range(2)]
-        torch.testing.assert_close(bb, padded[:, order], rtol=0, atol=0)
-    else:
-        torch.testing.assert_close(bb, padded, rtol=0, atol=0)
+        block = block.view(2, 2, 2, 8).transpose(2, 3).reshape(2, 32)
+    torch.testing.assert_close(part.data[4].float(), block, rtol=0, atol=0)
 
 
 def _same_three_ways(

@@ -9,6 +9,7 @@ The hot path sees only A, B and the user's scale.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,9 @@ class Delta:
     b: torch.Tensor
     # ranks of the file tensors stacked into this delta (several when Q/K/V share a projection)
     parts: tuple[int, ...] = ()
+    # the native form (lora.packed.PackedSlot), packed with the read, off the engine's thread;
+    # None: packed when attached, or never (the PyTorch twin serves it)
+    packed: Any = None
 
     @property
     def width(self) -> int:

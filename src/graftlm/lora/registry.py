@@ -14,6 +14,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
+from graftlm.lora.packed import pack
 from graftlm.lora.scales import scale_problem
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
@@ -64,10 +65,23 @@ class AdapterSet:
         if p.is_dir():
             from graftlm.lora.peft import read_peft_adapter
 
-            return read_peft_adapter(p, self.model)
-        from graftlm.lora.gguf_adapter import read_gguf_adapter
+            resolved = read_peft_adapter(p, self.model)
+        else:
+            from graftlm.lora.gguf_adapter import read_gguf_adapter
 
-        return read_gguf_adapter(p, self.model, self.model.base_tensor_names)
+            resolved = read_gguf_adapter(p, self.model, self.model.base_tensor_names)
+        self._pack(resolved)
+        return resolved
+
+    def _pack(self, adapter: ResolvedAdapter) -> None:
+        """Each projection's factors in the native delta's form, packed with the read (the
+        server reads in a worker thread): attaching then only points the tables at them."""
+        if self.model.device.type != "cpu":
+            return
+        table = self.model.seams
+        for name, d in adapter.deltas.items():
+            if name != EMBEDDING:
+                d.packed = pack(d.a, d.b, table.projections[name].approximate)
 
     def attach(self, adapter: ResolvedAdapter, scale: float = 1.0) -> int:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
@@ -110,7 +124,7 @@ class AdapterSet:
                         p.n_in, p.n_out, compact=p.approximate, device=dev,
                         generation=table.generation,
                     )  # fmt: skip
-                p.lora.put(slot, a, b)
+                p.lora.put(slot, a, b, adapter.deltas[name].packed)
 
     def detach(self, adapter_id: int) -> None:
         self._check(adapter_id)

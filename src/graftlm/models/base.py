@@ -168,7 +168,7 @@ class Transformer:
         # layer -> (the cache it was bound to, its one-call native decode step or None)
         self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
         self._stack: list[FusedStack | None] = []  # [] unknown, [None] some layer has none
-        self._scale_board = ScaleBoard(self.seams.generation)
+        self._scale_board: ScaleBoard | None = None  # made with the first native layer (CPU)
 
     # -- adapter seams -------------------------------------------------------------------------
     def projections(self) -> dict[str, Projection]:
@@ -306,6 +306,8 @@ class Transformer:
                 "n_ff": cfg.n_ff,
                 "window": cfg.sliding_window[i],
             }
+            if self._scale_board is None:
+                self._scale_board = ScaleBoard(self.seams.generation)
             rope, board = self.rope_of_layer[i], self._scale_board
             fused = FusedLayer(spec, self.cache, i, rope, dims, cfg.rms_eps, cfg.scale, board)
         self._fused[i] = (kc.data_ptr(), fused)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from graftlm.lora.packed import SlotTable
 from graftlm.lora.site import Generation
-from graftlm.models.seam import NativeLora, Projection, ProjectionGroup, native_lora
+from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.native import layer as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, GlWeight, Scratch
@@ -138,58 +139,46 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class ScaleBoard:
-    """The current decode step's per-column adapter scales, in buffers that stay where they are.
+    """The current decode step's adapter scales, in one buffer that stays where it is.
 
-    One per model. Every native layer with adapters reads its sites' scales (row, rank column)
-    from here: it binds a buffer's address once per adapter set, and the step fills each buffer
-    once for all layers (`fill`). Rebinding four ctypes fields per layer every step cost about
-    as much as the adapter's arithmetic (7 us a layer).
+    One per model. Every native layer's sites read their rows' scales from it (row b's scale of
+    adapter s at [b, s]): they bind its address once, and each step copies the batch's scale
+    table into it once for all layers (`fill`). It grows (and the layers rebind) only when an
+    adapter's id passes its width. Rebinding ctypes fields per layer every step cost about as
+    much as the adapter's arithmetic (7 us a layer).
     """
 
-    def __init__(self, adapters: Generation) -> None:
+    def __init__(self, adapters: Generation, rows: int = 1) -> None:
         self.adapters = adapters  # the model's: changes whenever any of its slots do
-        # column layout ((slot, rank), ...) -> (slot of each column, the largest, (rows, R) buffer)
-        self._bufs: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.buf = torch.zeros(rows, 8, dtype=torch.float32)
+        self.generation = 0  # bumped when the buffer is replaced: bound addresses are stale
         self._filled: LoraRows | None = None
-        self.generation = 0  # bumped when a buffer is replaced: bound addresses are stale
-        self._key: tuple[object, ...] | None = None
-        self._key_rows: LoraRows | None = None
+        self._clear = True  # the buffer holds zeros
 
-    def key(self, lora: LoraRows) -> tuple[object, ...]:
-        """What a layer's binding depends on: (active slots, adapter generation, board
-        generation). Computed once a step; the same object while it does not change, so layers
-        compare it by identity."""
-        if lora is not self._key_rows:
-            k = (lora.active, self.adapters.value, self.generation)
-            if k != self._key:
-                self._key = k
-            self._key_rows = lora
-        assert self._key is not None
-        return self._key
+    @property
+    def key(self) -> tuple[int, int]:
+        """What a layer's binding depends on: (adapter generation, board generation)."""
+        return (self.adapters.value, self.generation)
 
-    def address(
-        self, layout: tuple[tuple[int, int], ...], col_slot: torch.Tensor, rows: int
-    ) -> int:
-        """The buffer of this column layout, with room for `rows` rows."""
-        entry = self._bufs.get(layout)
-        if entry is None or entry[2].shape[0] < rows:
-            buf = torch.zeros(rows, col_slot.numel(), dtype=torch.float32)
-            entry = (col_slot, int(col_slot.max()), buf)
-            self._bufs[layout] = entry
-            self.generation += 1
-            self._filled = self._key_rows = None
-        return entry[2].data_ptr()
-
-    def fill(self, lora: LoraRows) -> None:
-        """Write this step's scales into every buffer its active set can fill (once a step)."""
+    def fill(self, lora: LoraRows | None) -> None:
+        """This step's scales (None: every adapter at 0), once a step; grows the buffer first
+        when an adapter's id passes its width."""
+        if lora is None:
+            if not self._clear:
+                self.buf.zero_()
+                self._clear, self._filled = True, None
+            return
         if lora is self._filled:
             return
-        scales = lora.scales
-        b, n_cols = scales.shape
-        for col_slot, top, buf in self._bufs.values():
-            if top < n_cols:  # a layout of another active set: no layer reads it this step
-                torch.index_select(scales, 1, col_slot, out=buf[:b])  # in place: 3 us, not 7
-        self._filled = lora
+        b, n = lora.scales.shape
+        if b > self.buf.shape[0] or n > self.buf.shape[1]:
+            rows, cols = max(b, self.buf.shape[0]), max(n, 2 * self.buf.shape[1])
+            self.buf = torch.zeros(rows, cols, dtype=torch.float32)
+            self.generation += 1
+        else:
+            self.buf.zero_()
+        self.buf[:b, :n] = lora.scales
+        self._filled, self._clear = lora, False
 
 
 class FusedLayer:
@@ -262,42 +251,40 @@ class FusedLayer:
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         tail = [layer.l_router] if spec.moe is not None else [layer.l_gate_up, layer.l_down]
         self.lora_fields += [layer.l_o, *tail]
-        # the adapters bound into the struct: (active slots, adapter generation, board generation)
-        self._bound: tuple[object, ...] | None = None
-        self._forms: list[NativeLora | None] = []  # kept alive: the struct points into them
+        # the adapters bound into the struct: the board's key when they were
+        self._bound: tuple[int, int] | None = None
+        self._tables: list[SlotTable] = []  # kept alive: the struct points into them
         self._servable = True
         self.scratch = Scratch(loaded_library())  # the step's buffers, kept from step to step
 
-    def _bind_lora(self, batch: Batch) -> bool:
-        """Point the struct's LoRA fields at the active adapters' stacks and at the board's scale
-        buffers; both change only with the active set, the adapters or the board. The step's
-        scales go into the board once, for every layer."""
-        lora, board = batch.lora, self.board
-        key = None if lora is None else board.key(lora)
-        if key is not self._bound:
-            self._forms, self._servable = [], True
+    def bind_lora(self) -> bool:
+        """Point the struct's LoRA fields at each site's table of packed adapters and at the
+        board's scale buffer: once per change of the model's adapters or of the board, never
+        per step (the kernels skip the adapters a step's rows have at scale 0). False when some
+        site's adapters are not packed (the PyTorch block serves the layer)."""
+        board = self.board
+        if board.key != self._bound:
+            self._tables, self._servable = [], True
+            buf = board.buf
             for site, p in zip(self.lora_fields, self.sites, strict=True):
-                site.a = None  # no adapter here this step
-                if p.lora is None or lora is None or not p.lora.present(lora.active):
-                    continue
-                form = native_lora(p.lora, lora.active, exact=False)
-                self._forms.append(form)
-                if form is None:
+                site.n = 0  # no adapter here
+                table = None if p.lora is None else p.lora.native()
+                if p.lora is not None and table is None:
                     self._servable = False
                     continue
-                form.point(site, board.address(form.layout, form.col_slot, self.n_slots))
-            # address() may have replaced a buffer: the key holds the generation after binding
-            self._bound = None if lora is None else board.key(lora)
-        if not self._servable:
-            return False
-        if lora is not None:
-            board.fill(lora)
-        return True
+                if table is not None:
+                    self._tables.append(table)
+                    table.point(site, buf.data_ptr(), buf.shape[1])
+            self._bound = board.key
+        return self._servable
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if rows is None or not self._bind_lora(batch):
+        if rows is None:
+            return None
+        self.board.fill(batch.lora)
+        if not self.bind_lora():
             return None  # (an adapter the native delta cannot read: the PyTorch block runs)
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layer_decode(self.layer, out, rows.slots, rows.starts, self.scratch)
@@ -340,9 +327,9 @@ class FusedStack:
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
-        for f in self.layers:  # each binds its sites; the board fills once for all
-            if not f._bind_lora(batch):
-                return None
+        self.layers[0].board.fill(batch.lora)  # once for all the layers
+        if not all(f.bind_lora() for f in self.layers):
+            return None
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layers_decode(self._ptrs, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)

@@ -9,104 +9,38 @@ next and is tested against it:
 
 1. one native pass (``gl_proj``): the base product, then each task's outputs get B's delta while
    still in cache; for a fast step (not Batch.exact) on a weight the native products hold;
-2. the base product (``quant.linear``, exact or fast as the batch says), then the delta from the
-   site's native form (``native.ops.lora_delta``);
-3. the base product, then the delta in PyTorch (``LoraSite.add_delta``).
+2. the base product (``quant.linear``), then the delta from the site's packed adapters
+   (``native.ops.lora_delta``), for a fast step;
+3. the base product, then the delta in PyTorch (``LoraSite.add_delta``): exact steps (float32
+   factors: scoring's log-probabilities), and sites the native delta does not serve.
 
 A projection with no adapter, or a step with no active adapter, runs the base product alone.
-The native forms of a site's stack (B blocked as the kernels stream it, spans, A as Q8_0) are
-made here, from the site's factors, and cached on the site (LoraSite.derived).
+Every adapter's native form was packed when it was attached (``lora.packed``): nothing here
+builds one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.layers import activation, gated
 from graftlm.native import layer as native_layer
-from graftlm.native import library
 from graftlm.native import ops as native_ops
-from graftlm.native.abi import GlLoraSite
 from graftlm.quant import QWeight, config, linear
-from graftlm.quant.native_kernels import NativeS8Kernel
 from graftlm.step.batch import Batch, LoraRows
-
-
-@dataclass(frozen=True)
-class NativeLora:
-    """A site's active stack in the native delta's layout."""
-
-    a: torch.Tensor  # (R, n_in) float32, or bfloat16 in the compact form
-    blocked: torch.Tensor  # native_ops.lora_block(B_cat.T), same dtype as a
-    spans: torch.Tensor  # (R, 2) int64: nonzero output range of each column
-    col_slot: torch.Tensor  # (R,) int64
-    layout: tuple[tuple[int, int], ...]
-    a_s8: tuple[torch.Tensor, torch.Tensor] | None  # A as Q8_0 for the integer dots (compact)
-
-    def point(self, site: GlLoraSite, scales: int) -> None:
-        """Point a gl_lora_site at this form and at a scale table's address."""
-        site.a, site.bb = self.a.data_ptr(), self.blocked.data_ptr()
-        site.span, site.r = self.spans.data_ptr(), self.a.shape[0]
-        site.bf = int(self.a.dtype is torch.bfloat16)
-        site.aq = None
-        if self.a_s8 is not None:
-            site.aq, site.a_scales = self.a_s8[0].data_ptr(), self.a_s8[1].data_ptr()
-            site.a_half = int(self.a_s8[1].dtype is torch.float16)
-        site.scales = scales
-
-
-def native_lora(site: LoraSite, active: tuple[int, ...], exact: bool) -> NativeLora | None:
-    """The native form of the site's active stack (made once per active set and precision), or
-    None where the native delta does not serve the site (no library, a gathering site, factors
-    off the CPU or not float32)."""
-    slots = site.present(active)
-    if not slots or site.gather or site.device.type != "cpu" or library() is None:
-        return None
-    half = site.compact and not exact
-    return site.derived(("native", slots, half), lambda: _native_form(site, slots, half))
-
-
-def _native_form(site: LoraSite, slots: tuple[int, ...], half: bool) -> NativeLora | None:
-    st = site.concat(slots)
-    if not st.a.dtype == st.bt.dtype == torch.float32:
-        return None
-    dtype = torch.bfloat16 if half else torch.float32
-    blocked, spans = native_ops.lora_block(st.bt, dtype), native_ops.lora_spans(st.bt)
-    a_s8 = lora_a_s8(st.a) if half else None
-    return NativeLora(st.a.to(dtype).contiguous(), blocked, spans, st.col_slot, st.layout, a_s8)
-
-
-def lora_a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A (R, n_in) float32 as an s8 weight for the decode products' integer dots: Q8_0 codes and
-    scales (per 32 values, |error| <= max|block| / 254), packed as a Q8_0 weight is. None when
-    n_in is not a whole number of blocks."""
-    r, n_in = a.shape
-    if n_in % 32 or library() is None:
-        return None
-    raw = quants.quantize(a.contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    k = NativeS8Kernel.build(
-        torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (r, n_in)
-    )
-    assert isinstance(k, NativeS8Kernel)
-    return k.q, k.s
 
 
 def add_delta(
     site: LoraSite, y: torch.Tensor, x: torch.Tensor, rows: LoraRows, exact: bool
 ) -> torch.Tensor:
-    """y plus the delta of x on `site` for rows: natively where the site's form allows (ways 2
-    and 3 of the module's docstring); in place when y is contiguous."""
-    form = native_lora(site, rows.active, exact)
-    if form is not None:
-        s = rows.columns(form.layout, form.col_slot)  # (B, 1, R)
-        if native_ops.lora_delta(y, x, form.a, s, form.blocked, form.spans, form.a_s8):
-            return y
+    """y plus the delta of x on `site` for rows: natively where the step is fast and the site's
+    adapters are packed (ways 2 and 3 of the module's docstring); in place when y is
+    contiguous."""
+    table = None if exact else site.native()
+    if table is not None and native_ops.lora_delta(y, x, table.site(rows.scales)):
+        return y
     return site.add_delta(y, x, rows)
 
 
@@ -128,14 +62,11 @@ def _one_pass(
     w = weight.native()  # (None first for a kernel the native product does not know)
     if w is None or b * t == 0 or not config.use_fused(weight.kernel, b * t):
         return None
-    form = native_lora(site, lora.active, exact=False)
-    if form is None:
+    table = site.native()
+    if table is None:
         return None
-    scales = lora.columns(form.layout, form.col_slot)  # (B, 1, R)
-    view = GlLoraSite()
-    form.point(view, scales.data_ptr())
     y = torch.empty(b, t, weight.shape[0])
-    native_layer.proj(w, view, x, y)
+    native_layer.proj(w, table.site(lora.scales), x, y)
     return y
 
 

@@ -33,10 +33,20 @@ class GlWeight(Mirror):
                 ("k", _I64), ("q", _P), ("d", _P), ("m", _P)]  # fmt: skip
 
 
+class GlLoraPart(Mirror):
+    c_name = "gl_lora_part"
+    _fields_ = [("b", _P), ("c0", _I64), ("r", _I64), ("lo", _I64), ("hi", _I64)]
+
+
+class GlLoraSlot(Mirror):
+    c_name = "gl_lora_slot"
+    _fields_ = [("a", _P), ("aq", _P), ("a_scales", _P), ("parts", _P), ("id", _I64),
+                ("r", _I64), ("a_half", _I64), ("n_parts", _I64)]  # fmt: skip
+
+
 class GlLoraSite(Mirror):
     c_name = "gl_lora_site"
-    _fields_ = [("a", _P), ("bb", _P), ("scales", _P), ("span", _P), ("r", _I64), ("bf", _I64),
-                ("aq", _P), ("a_scales", _P), ("a_half", _I64)]  # fmt: skip
+    _fields_ = [("slot", _P), ("scales", _P), ("n", _I64), ("bf", _I64), ("ld", _I64)]
 
 
 class GlKv(Mirror):
@@ -77,7 +87,16 @@ class GlScratch(Mirror):
     _fields_ = [("base", _P), ("cap", _I64), ("used", _I64), ("busy", _I64)]
 
 
-STRUCTS: tuple[type[Mirror], ...] = (GlWeight, GlLoraSite, GlKv, GlLayer, GlAttn, GlScratch)
+STRUCTS: tuple[type[Mirror], ...] = (
+    GlWeight,
+    GlLoraPart,
+    GlLoraSlot,
+    GlLoraSite,
+    GlKv,
+    GlLayer,
+    GlAttn,
+    GlScratch,
+)
 
 # name -> (return type, argument types); pointers of every kind as c_void_p
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {

@@ -21,10 +21,7 @@ __all__ = [
     "attn_prefill",
     "gated",
     "library",
-    "lora_block",
     "lora_delta",
-    "lora_spans",
-    "lora_unblock",
     "rms_norm",
 ]
 
@@ -52,53 +49,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
-def lora_spans(bt: torch.Tensor) -> torch.Tensor:
-    """(R, 2) int64 [lo, hi): the outputs outside which each row of bt (a column of B) is zero."""
-    r, n_out = bt.shape
-    nz = bt != 0
-    any_nz = nz.any(dim=1)
-    idx = torch.arange(n_out)
-    lo = torch.where(nz, idx, n_out).min(dim=1).values
-    hi = torch.where(nz, idx + 1, 0).max(dim=1).values
-    return torch.stack([torch.where(any_nz, lo, 0), torch.where(any_nz, hi, 0)], 1).contiguous()
-
-
-def lora_block(bt: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """bt (R, n_out) -> (R, ceil(n_out / 32) * 32) of float32 or bfloat16, zero-padded: each
-    column of B in whole 32-output blocks, the layout the native delta streams. In bfloat16 each
-    16 outputs o .. o + 15 are stored as pairs (o + u, o + 8 + u), u = 0 .. 7: one 32-byte load
-    widens to two float32 vectors with a shift and a mask."""
-    r, n_out = bt.shape
-    padded = torch.zeros(r, -(-n_out // 32) * 32, dtype=dtype)
-    padded[:, :n_out] = bt
-    if dtype == torch.bfloat16:
-        padded = padded.view(r, -1, 2, 8).transpose(2, 3).reshape(r, -1)
-    return padded
-
-
-def lora_unblock(bb: torch.Tensor, n_out: int) -> torch.Tensor:
-    """The inverse of lora_block: (R, n_out)."""
-    if bb.dtype == torch.bfloat16:
-        bb = bb.view(bb.shape[0], -1, 8, 2).transpose(2, 3).reshape(bb.shape[0], -1)
-    return bb[:, :n_out].contiguous()
-
-
-def lora_delta(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    scales: torch.Tensor,
-    bb: torch.Tensor,
-    spans: torch.Tensor,
-    a_s8: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> bool:
-    """y (B, T, n_out) += per row b: sum_c scales[b, 0, c] * (A[c] . x[b, t]) * B[:, c], in place.
-
-    a (R, n_in) contiguous, bb = lora_block(B.T) of the same dtype (float32 or bfloat16),
-    spans = lora_spans(B.T), scales (B, 1, R) float32. With a_s8 (A as Q8_0 codes and scales,
-    packed as an s8 weight: graftlm.models.seam.lora_a_s8), A . x is the
-    decode layer's: x rounded to int8 per 32 values as the base products round it, the integer
-    dots of Q8_0. False (nothing done) when it cannot serve the call."""
+def lora_delta(y: torch.Tensor, x: torch.Tensor, site: GlLoraSite) -> bool:
+    """y (B, T, n_out) += per row b: sum_j scale[b, j] * B_j (A_j x[b, t]), in place, over the
+    adapters of `site` (a gl_lora_site: graftlm.lora.packed's table of packed adapters and the
+    batch's scale table, a row of it per row of x). False (nothing done) when it cannot serve
+    the call."""
     lib = library()
     if (
         lib is None
@@ -106,15 +61,10 @@ def lora_delta(
         or y.dtype is not torch.float32
         or x.dim() != 3
         or x.device.type != "cpu"
-        or not (x.is_contiguous() and y.is_contiguous() and scales.is_contiguous())
+        or not (x.is_contiguous() and y.is_contiguous())
     ):
         return False
     b, t, n_in = x.shape
-    site = GlLoraSite(a.data_ptr(), bb.data_ptr(), scales.data_ptr(), spans.data_ptr(), a.shape[0],
-                      int(a.dtype is torch.bfloat16))  # fmt: skip
-    if a_s8 is not None:
-        site.aq, site.a_scales = a_s8[0].data_ptr(), a_s8[1].data_ptr()
-        site.a_half = int(a_s8[1].dtype is torch.float16)
     lib.gl_lora(
         ctypes.byref(site), n_in, y.shape[-1], x.data_ptr(), b * t, t, y.data_ptr(), threads()
     )

@@ -39,12 +39,17 @@ def lora_rows(settings: Sequence[Mapping[int, float]], device: torch.device) -> 
     if not active:
         return None
     # columns up to the highest active slot: only active slots are ever looked up
-    table = [[0.0] * (active[-1] + 1) for _ in settings]
+    at: tuple[list[int], list[int]] = ([], [])
+    values: list[float] = []
     for r, row in enumerate(settings):
         for s, v in row.items():
             if v != 0.0:  # (a zero may name a slot past the highest active one)
-                table[r][s] = v
-    return LoraRows(torch.tensor(table, dtype=torch.float32, device=device), tuple(active))
+                at[0].append(r)
+                at[1].append(s)
+                values.append(v)
+    table = torch.zeros(len(settings), active[-1] + 1)
+    table[at] = torch.tensor(values)
+    return LoraRows(table.to(device), tuple(active))
 
 
 class Engine:
@@ -243,20 +248,25 @@ class Engine:
                 self._emit(req, row)
 
     def _decode(self, reqs: Sequence[Request]) -> None:
-        """One token for each of these sequences, in one batch."""
+        """One token for each of these sequences, in one batch. The rows go in order of their
+        adapter ids, so the rows of one adapter are neighbours: the native delta reads each
+        adapter's A once for a run of rows and adds B's blocks to two rows at a time."""
+        settings = [r.settings_at(r.n_past) for r in reqs]
+        order = sorted(range(len(reqs)), key=lambda i: tuple(s for s, _ in settings[i].pairs))
+        rows = [reqs[i] for i in order]
         tokens = torch.tensor(
-            [[r.generated[-1]] for r in reqs], dtype=torch.long, device=self.device
+            [[r.generated[-1]] for r in rows], dtype=torch.long, device=self.device
         )
         batch = Batch(
             tokens,
-            [self.slots.slot(r) for r in reqs],
-            [r.n_past for r in reqs],
-            [1] * len(reqs),
-            self.lora_rows([r.settings_at(r.n_past) for r in reqs]),
+            [self.slots.slot(r) for r in rows],
+            [r.n_past for r in rows],
+            [1] * len(rows),
+            self.lora_rows([settings[i] for i in order]),
         )
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
-        for r, row in zip(reqs, logits, strict=False):
-            self._emit(r, row)
+        for r, row in sorted(zip(order, logits, strict=True), key=lambda p: p[0]):
+            self._emit(reqs[r], row)  # (in the requests' own order)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         assert req.sampler is not None

@@ -26,19 +26,9 @@ class LoraRows:
 
     scales: torch.Tensor
     active: tuple[int, ...]
-    # per-column scales by column layout ((slot, rank), ...): every layer's sites with the same
-    # adapters share one gather a step
-    _columns: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(
-        default_factory=dict, repr=False
-    )
 
-    def columns(self, layout: tuple[tuple[int, int], ...], col_slot: torch.Tensor) -> torch.Tensor:
-        """(B, 1, R): the scale of each rank column's slot on each row."""
-        s = self._columns.get(layout)
-        if s is None:
-            s = self.scales[:, col_slot].unsqueeze(1).to(torch.float32).contiguous()
-            self._columns[layout] = s
-        return s
+    def __post_init__(self) -> None:  # the native kernels read it as it is
+        self.scales = self.scales.to(torch.float32).contiguous()
 
 
 class RowIndex(NamedTuple):

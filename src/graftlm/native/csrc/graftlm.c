@@ -15,10 +15,15 @@ static const struct {
     GL_AT(gl_weight, small), GL_AT(gl_weight, n), GL_AT(gl_weight, k), GL_AT(gl_weight, q),
     GL_AT(gl_weight, d), GL_AT(gl_weight, m),
 
-    GL_SIZE(gl_lora_site), GL_AT(gl_lora_site, a), GL_AT(gl_lora_site, bb),
-    GL_AT(gl_lora_site, scales), GL_AT(gl_lora_site, span), GL_AT(gl_lora_site, r),
-    GL_AT(gl_lora_site, bf), GL_AT(gl_lora_site, aq), GL_AT(gl_lora_site, a_scales),
-    GL_AT(gl_lora_site, a_half),
+    GL_SIZE(gl_lora_part), GL_AT(gl_lora_part, b), GL_AT(gl_lora_part, c0),
+    GL_AT(gl_lora_part, r), GL_AT(gl_lora_part, lo), GL_AT(gl_lora_part, hi),
+
+    GL_SIZE(gl_lora_slot), GL_AT(gl_lora_slot, a), GL_AT(gl_lora_slot, aq),
+    GL_AT(gl_lora_slot, a_scales), GL_AT(gl_lora_slot, parts), GL_AT(gl_lora_slot, id),
+    GL_AT(gl_lora_slot, r), GL_AT(gl_lora_slot, a_half), GL_AT(gl_lora_slot, n_parts),
+
+    GL_SIZE(gl_lora_site), GL_AT(gl_lora_site, slot), GL_AT(gl_lora_site, scales),
+    GL_AT(gl_lora_site, n), GL_AT(gl_lora_site, bf), GL_AT(gl_lora_site, ld),
 
     GL_SIZE(gl_layer), GL_AT(gl_layer, qkv), GL_AT(gl_layer, o), GL_AT(gl_layer, gate_up),
     GL_AT(gl_layer, down), GL_AT(gl_layer, l_qkv), GL_AT(gl_layer, l_o),

@@ -52,18 +52,29 @@ typedef struct {
     const void *q, *d, *m;
 } gl_weight;
 
-/* The adapters on one projection in this step (layouts: lora.c's LoRA delta section). */
-typedef struct {
-    const void *a, *bb; /* NULL a: no adapter on this projection in this step */
-    const float *scales;
-    const int64_t *span;
-    int64_t r, bf;
+/* The adapters attached to one projection, each packed once when it was attached
+ * (graftlm/lora/packed.py; layouts: lora.c's LoRA delta section). */
+typedef struct { /* one adapter's columns of B that reach one range of outputs */
+    const void *b; /* blocks [lo, hi) of 32 outputs, each block's r columns in turn, 32 values each */
+    int64_t c0, r, lo, hi; /* its columns c0 .. c0 + r - 1 of the adapter's rank */
+} gl_lora_part;
+
+typedef struct { /* one adapter on one projection */
+    const void *a; /* (r, n_in), float32 or bfloat16 (the site's bf); NULL where aq serves */
     /* A again as an s8 weight of r rows (Q8_0 codes and scales, laid out as gl_pack_s8 lays
-     * them), or NULL: the decode products take A . x from the quantized x the base product
-     * already made, with the base kernel's integer dots (a quarter of the instructions and half
-     * the bytes of the bfloat16 dots) */
+     * them), or NULL: the products take A . x from the quantized x the base product already
+     * made, with the base kernel's integer dots (a quarter of the instructions and half the
+     * bytes of the bfloat16 dots) */
     const void *aq, *a_scales;
-    int64_t a_half;
+    const gl_lora_part *parts; /* in column order; a column in none is zero in B */
+    int64_t id;                /* its column in the rows' scale table */
+    int64_t r, a_half, n_parts;
+} gl_lora_slot;
+
+typedef struct {
+    const gl_lora_slot *slot; /* the n adapters on this projection (n 0: none) */
+    const float *scales; /* row i's scale of slot j: scales[i * ld + slot[j].id], 0 past ld */
+    int64_t n, bf, ld;   /* bf: A and B in bfloat16 (float32 arithmetic either way) */
 } gl_lora_site;
 
 /* One layer's paged KV cache (step/kv_cache.py): keys and values in blocks of `block` positions

@@ -82,7 +82,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
             for (int64_t i = 0; i < d; i++) s += hb[i] * we[i];
             logits[b * E + e] = s;
         }
-    if (L->l_router.a != NULL) { /* its adapter's delta */
+    if (L->l_router.n > 0) { /* its adapters' delta (proj_run skips rows at scale 0) */
         const gl_weight none = {-1, 0, 32, 0, E, d, NULL, NULL, NULL};
         proj_run(&none, h, B, 1, &L->l_router, logits, sc, nth);
     }

@@ -128,8 +128,12 @@ def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> Non
         "alora_invocation_tokens": [5, 6],
     }
     # float32, rank 4, A (r, n_in) + B (r, n_out) per target as resident: attn_q and attn_v land
-    # on the stacked Q/K/V projection (64 + 32 + 32 rows), ffn_down on its own; two layers
-    assert info["bytes"] == 4 * 4 * ((64 + 128) + (64 + 128) + (96 + 64)) * 2
+    # on the stacked Q/K/V projection (64 + 32 + 32 rows), ffn_down on its own; two layers;
+    # and each target's packed form (the native delta's), where the library is
+    deltas = model.adapters.attached[i].adapter.deltas.values()
+    packed = sum(d.packed.nbytes for d in deltas if d.packed is not None)
+    assert packed == 0 or all(d.packed is not None for d in deltas)
+    assert info["bytes"] == 4 * 4 * ((64 + 128) + (64 + 128) + (96 + 64)) * 2 + packed
     assert model.adapters.attached[i].adapter.invocation_tokens == [5, 6]
 
 

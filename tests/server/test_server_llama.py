@@ -220,6 +220,9 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
         assert name in text, name
     assert 'adapter="beta"' in text and 'adapter="base"' in text
     assert _metric(http, "graftlm_lora_adapter_bytes") > 0
+    # beta (a --lora-modules adapter) was attached on first use: its cold-load time observed
+    assert _metric(http, "graftlm_lora_adapter_load_seconds_count") >= 1
+    assert _metric(http, "graftlm_lora_adapter_load_seconds_sum") > 0
 
 
 def test_client_disconnect_frees_the_slot(server: TinyServer, http: httpx.Client) -> None:

@@ -61,7 +61,10 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+        """The bytes it holds: the float32 factors (the exact mode's, the twin's) and their
+        packed form."""
+        held = self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+        return held + (int(self.packed.nbytes) if self.packed is not None else 0)
 
 
 @dataclass

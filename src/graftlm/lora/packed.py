@@ -37,29 +37,25 @@ from graftlm.quant.native_kernels import NativeS8Kernel
 BLOCK = 32  # outputs a product task covers: one block of every part it reaches
 
 
-def spans(bt: torch.Tensor) -> torch.Tensor:
-    """(R, 2) int64 [lo, hi): the outputs outside which each row of bt (a column of B) is zero
-    (0, 0 for a zero column)."""
-    r, n_out = bt.shape
-    nz = bt != 0
-    any_nz = nz.any(dim=1)
-    idx = torch.arange(n_out)
-    lo = torch.where(nz, idx, n_out).min(dim=1).values
-    hi = torch.where(nz, idx + 1, 0).max(dim=1).values
-    return torch.stack([torch.where(any_nz, lo, 0), torch.where(any_nz, hi, 0)], 1).contiguous()
-
-
 def part_ranges(bt: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(c0, r, lo, hi) of each part of B (bt: (R, n_out), B transposed): the runs of consecutive
     columns that reach the same blocks [lo, hi) of 32 outputs; zero columns are in none."""
+    r, n_out = bt.shape
+    blocks = -(-n_out // BLOCK)
+    padded = torch.zeros(r, blocks * BLOCK, dtype=torch.bool)
+    padded[:, :n_out] = bt != 0
+    nz = padded.view(r, blocks, BLOCK).any(dim=2)  # (R, blocks): where each column reaches
+    first = nz.int().argmax(dim=1)
+    last = blocks - nz.flip(1).int().argmax(dim=1)
     out: list[tuple[int, int, int, int]] = []
-    for c, (lo, hi) in enumerate(spans(bt).tolist()):
-        if hi <= lo:
+    for c, (any_nz, blo, bhi) in enumerate(
+        zip(nz.any(dim=1).tolist(), first.tolist(), last.tolist(), strict=True)
+    ):
+        if not any_nz:
             continue
-        blo, bhi = lo // BLOCK, -(-hi // BLOCK)
         if out and out[-1][0] + out[-1][1] == c and out[-1][2:] == (blo, bhi):
-            c0, r, _, _ = out[-1]
-            out[-1] = (c0, r + 1, blo, bhi)
+            c0, n, _, _ = out[-1]
+            out[-1] = (c0, n + 1, blo, bhi)
         else:
             out.append((c, 1, blo, bhi))
     return out

@@ -80,6 +80,13 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
+        self.adapter_load_seconds = Histogram(
+            "graftlm_lora_adapter_load_seconds",
+            "Seconds from a request needing an adapter that was not resident to its attach "
+            "(read, checked and packed off the engine's thread, room made, attached)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.adapter_bytes = Gauge(
             "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
         )
@@ -152,8 +159,9 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(tpot)
 
-    def adapter_loaded(self, name: str) -> None:
+    def adapter_loaded(self, name: str, seconds: float) -> None:
         self.adapter_loads.labels(name).inc()
+        self.adapter_load_seconds.observe(seconds)
 
     def adapters(self, resident: int, nbytes: int) -> None:
         self.adapters_resident.set(resident)

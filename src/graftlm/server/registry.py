@@ -91,7 +91,8 @@ class AdapterRegistry:
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
-        self.on_attach: list[Any] = []  # callables(name) told after each attach on first use
+        # callables(name, seconds) told after each attach on first use, with its cold-load time
+        self.on_attach: list[Any] = []
         self._attach_lock = asyncio.Lock()
         self._drops: set[asyncio.Future[Any]] = set()
 
@@ -336,7 +337,8 @@ class AdapterRegistry:
         )
 
     async def _attach(self, entry: AdapterEntry) -> int:
-        try:  # read in a worker thread, off the event loop and the engine thread
+        t0 = time.perf_counter()
+        try:  # read (and pack) in a worker thread, off the event loop and the engine thread
             prepared = await asyncio.wait_for(
                 asyncio.to_thread(self.service.prepare_adapter, entry.path), self.load_timeout_s
             )
@@ -353,7 +355,7 @@ class AdapterRegistry:
             self.by_id[adapter_id] = entry
             self._changed()
             for fn in self.on_attach:
-                fn(entry.name)
+                fn(entry.name, time.perf_counter() - t0)
             return adapter_id
 
     def _check_rank(self, facts: AdapterFacts) -> None:

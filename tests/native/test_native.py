@@ -337,6 +337,68 @@ def _q8_x(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127)).reshape(x.shape)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_an_adapter_whose_b_is_zero_adds_nothing(rows: int) -> None:
+    """PEFT initialises B to zero: such an adapter has no parts and adds nothing, natively as in
+    the twin, alone on a row (one row: the per-thread path) or beside another adapter."""
+    from graftlm.lora.site import LoraSite
+    from graftlm.step.batch import LoraRows
+
+    g = torch.Generator().manual_seed(7)
+    site = LoraSite(64, 80, compact=True)
+    site.put(0, torch.randn(8, 64, generator=g), torch.zeros(80, 8))
+    site.put(1, torch.randn(4, 64, generator=g), torch.randn(80, 4, generator=g))
+    table = site.native()
+    assert table is not None and table.slots[0].parts == [] and len(table.slots[1].parts) == 1
+    x = torch.randn(rows, 1, 64, generator=g)
+    base = torch.randn(rows, 1, 80, generator=g)
+    alone = LoraRows(torch.tensor([[1.0, 0.0]] * rows), (0,))
+    assert torch.equal(seam.add_delta(site, base.clone(), x, alone, exact=False), base)
+    both = LoraRows(torch.tensor([[1.0, 0.5]] * rows), (0, 1))
+    got = seam.add_delta(site, base.clone(), x, both, exact=False)
+    want = site.add_delta(base.clone(), x, both)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    assert not torch.equal(got, base)
+
+
+def test_steps_pack_nothing_whatever_adapters_they_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter's native form is packed when it is read, never in a step: decode and prompt
+    steps over ever-changing sets of adapters (as requests start and end) pack nothing, and
+    every row equals its adapter computed alone."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    from graftlm.lora import packed
+
+    spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0, n_layer=2)
+    m = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=64, n_seq=4)
+    ids = [m.add_lora(str(write_tiny_adapter(tmp_path / f"{i}.gguf", spec, seed=i)), 0.0)
+           for i in range(1, 5)]  # fmt: skip
+    made: list[int] = []
+    init = packed.PackedSlot.__init__
+    monkeypatch.setattr(
+        packed.PackedSlot, "__init__", lambda *a, **k: made.append(1) or init(*a, **k)
+    )
+    model = m.model
+    with torch.inference_mode():
+        for s in range(4):
+            model.forward(Batch.single([3 + s, 4, 5], s, 0))
+        for step in range(4):  # each step another mix: two rows on adapters, rows alone
+            settings = [{ids[(r + step) % 4]: 1.0} if (r + step) % 2 else {} for r in range(4)]
+            tokens = torch.tensor([[7 + r] for r in range(4)])
+            rows = m.engine.lora_rows(settings)
+            mixed = model.forward(Batch(tokens, [0, 1, 2, 3], [3 + step] * 4, [1] * 4, rows))
+            for r in range(4):  # the same row alone, on a copy of the cache it wrote
+                alone = model.forward(
+                    Batch(
+                        tokens[r : r + 1], [r], [3 + step], [1], m.engine.lora_rows([settings[r]])
+                    )
+                )
+                torch.testing.assert_close(alone[0], mixed[r], rtol=1e-4, atol=1e-4)
+    assert made == []
+
+
 def test_compact_lora_stacks_in_fast_mode_only() -> None:
     """A site over an approximate (native, int8-activation) base computes A . x as the base
     products do in the fast mode (x rounded to int8 per 32 values, A as Q8_0) and streams B as
@@ -770,29 +832,56 @@ def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
 
 def test_scale_board_keeps_its_address_until_it_must_grow() -> None:
     """The decode layers' scale table: the batch's scales copied in once a step (zeros past them
-    and for a step without adapters), its address kept until an adapter id or a row passes it."""
+    and for a step without adapters), its address kept until a row or an adapter id passes it:
+    the kernels read a scale for every row of every attached adapter, at scale 0 too."""
     from graftlm.lora.site import Generation
     from graftlm.models.fused import ScaleBoard
     from graftlm.step.batch import LoraRows
 
     adapters = Generation()
-    board = ScaleBoard(adapters, rows=2)
+    board = ScaleBoard(adapters)
+    board.fill(None, 2)  # a step of two rows on no adapter: two rows of zeros
+    assert board.buf.shape[0] >= 2 and not board.buf.any()
     at, key = board.buf.data_ptr(), board.key
     rows = LoraRows(torch.tensor([[0.0, 0.5], [0.0, -1.0]]), (1,))
-    board.fill(rows)
+    board.fill(rows, 2)
     assert board.buf.data_ptr() == at and board.key == key
     assert board.buf[:, :3].tolist() == [[0.0, 0.5, 0.0], [0.0, -1.0, 0.0]]
-    board.fill(LoraRows(torch.tensor([[2.0]]), (0,)))  # fewer rows and adapters: zeros past them
+    board.fill(LoraRows(torch.tensor([[2.0]]), (0,)), 1)  # fewer rows and adapters: zeros past
     assert board.buf[:, :2].tolist() == [[2.0, 0.0], [0.0, 0.0]]
-    board.fill(None)
+    board.fill(None, 2)
     assert not board.buf.any() and board.buf.data_ptr() == at
+    board.fill(None, 5)  # more rows than it had, none on an adapter: it grows to zeros
+    assert board.buf.shape[0] >= 5 and not board.buf.any() and board.key != key
+    key = board.key
     wide = torch.zeros(3, 20)
     wide[2, 19] = 4.0
-    board.fill(LoraRows(wide, (19,)))  # adapter 19 on a third row: it grows, layers rebind
-    assert board.key != key and board.buf.shape[0] >= 3 and board.buf.shape[1] >= 20
-    assert board.buf[2, 19] == 4.0
+    board.fill(LoraRows(wide, (19,)), 3)  # adapter 19: it grows, the layers rebind
+    assert board.key != key and board.buf.shape[1] >= 20 and board.buf[2, 19] == 4.0
     adapters.bump()
     assert board.key[0] == adapters.value  # an adapter change rebinds too
+
+
+def test_adapters_at_scale_zero_leave_a_batch_as_the_base(tmp_path: Path) -> None:
+    """Adapters attached at scale 0 and a decode step of several rows on none: the native layers
+    read every row's scale of every attached adapter, all 0, and the step is the base's, bit for
+    bit."""
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    spec = TinySpec(qtype=Q.Q8_0, embd_type=Q.Q8_0, n_layer=2)
+    path = str(write_tiny_model(tmp_path / "m.gguf", spec))
+    plain, m = (graftlm.load(path, ctx_size=64, n_seq=6) for _ in range(2))
+    for i in range(1, 4):
+        m.add_lora(str(write_tiny_adapter(tmp_path / f"{i}.gguf", spec, seed=i)), 0.0)
+    outs = []
+    with torch.inference_mode():
+        for model in (plain.model, m.model):
+            for s in range(6):
+                model.forward(Batch.single([3 + s, 4, 5], s, 0))
+            tokens = torch.tensor([[7 + r] for r in range(6)])
+            outs.append(model.forward(Batch(tokens, list(range(6)), [3] * 6, [1] * 6, None)))
+    assert m.model.fused_stack() is not None
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("neox", [True, False])

@@ -160,25 +160,23 @@ class ScaleBoard:
         """What a layer's binding depends on: (adapter generation, board generation)."""
         return (self.adapters.value, self.generation)
 
-    def fill(self, lora: LoraRows | None) -> None:
-        """This step's scales (None: every adapter at 0), once a step; grows the buffer first
-        when an adapter's id passes its width."""
-        if lora is None:
-            if not self._clear:
-                self.buf.zero_()
-                self._clear, self._filled = True, None
+    def fill(self, lora: LoraRows | None, rows: int) -> None:
+        """This step's scales for its `rows` rows (lora None: every adapter at 0), once a step;
+        grows the buffer first when the rows or an adapter's id pass it (the kernels read a
+        scale for every row of every attached adapter)."""
+        b, n = (rows, 0) if lora is None else lora.scales.shape
+        if lora is not None and lora is self._filled:
             return
-        if lora is self._filled:
-            return
-        b, n = lora.scales.shape
         if b > self.buf.shape[0] or n > self.buf.shape[1]:
-            rows, cols = max(b, self.buf.shape[0]), max(n, 2 * self.buf.shape[1])
-            self.buf = torch.zeros(rows, cols, dtype=torch.float32)
+            cols = max(n, 2 * self.buf.shape[1]) if n > self.buf.shape[1] else self.buf.shape[1]
+            self.buf = torch.zeros(max(b, self.buf.shape[0]), cols, dtype=torch.float32)
             self.generation += 1
-        else:
+        elif not self._clear:
             self.buf.zero_()
-        self.buf[:b, :n] = lora.scales
-        self._filled, self._clear = lora, False
+        self._clear = lora is None
+        self._filled = lora
+        if lora is not None:
+            self.buf[:b, :n] = lora.scales
 
 
 class FusedLayer:
@@ -283,7 +281,7 @@ class FusedLayer:
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
-        self.board.fill(batch.lora)
+        self.board.fill(batch.lora, batch.n_rows)
         if not self.bind_lora():
             return None  # (an adapter the native delta cannot read: the PyTorch block runs)
         out = x.reshape(-1, self.n_embd).clone()
@@ -327,7 +325,7 @@ class FusedStack:
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
-        self.layers[0].board.fill(batch.lora)  # once for all the layers
+        self.layers[0].board.fill(batch.lora, batch.n_rows)  # once for all the layers
         if not all(f.bind_lora() for f in self.layers):
             return None
         out = x.reshape(-1, self.n_embd).clone()

@@ -470,9 +470,9 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t t0, t1;
         static_chunk(tasks, me, nt, &t0, &t1);
-        int64_t len[one ? 3 * P : 1];
+        int64_t len[one ? 3 * P + 1 : 1];
         float xa[one ? U : 1];
-        const char *at[one ? 3 * P : 1];
+        const char *at[one ? 3 * P + 1 : 1];
         int nr = 0;
         if (one) lora_one_row(l, &pl, &xb, x, k, t0, t1, 0, xa, at, len, &nr);
         line_walk walk = {at, len, nr, 0, 0, 0};

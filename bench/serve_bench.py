@@ -78,13 +78,20 @@ def server_cmd(kind: str, args: argparse.Namespace, server: Path, port: int) -> 
 
 @contextmanager
 def running(
-    cmd: list[str], port: int, log: Path | None = None, timeout: float = 600
+    cmd: list[str],
+    port: int,
+    log: Path | None = None,
+    timeout: float = 600,
+    pid_file: Path | None = None,
 ) -> Iterator[str]:
     """The server `cmd` (graftlm from this tree's src/) started, its /health answered; its URL.
-    Stopped on leaving (terminated, killed after 30 s). Its output goes to `log`, else nowhere."""
+    Stopped on leaving (terminated, killed after 30 s). Its output goes to `log`, else nowhere;
+    its process id to `pid_file`, where given."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     with open(log or os.devnull, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if pid_file is not None:
+            pid_file.write_text(str(proc.pid))
         url = f"http://127.0.0.1:{port}"
         try:
             t0 = time.perf_counter()

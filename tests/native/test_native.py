@@ -389,7 +389,7 @@ def test_steps_pack_nothing_whatever_adapters_they_mix(
             tokens = torch.tensor([[7 + r] for r in range(4)])
             rows = m.engine.lora_rows(settings)
             mixed = model.forward(Batch(tokens, [0, 1, 2, 3], [3 + step] * 4, [1] * 4, rows))
-            for r in range(4):  # the same row alone, on a copy of the cache it wrote
+            for r in range(4):  # the same row alone (it writes the same position again)
                 alone = model.forward(
                     Batch(
                         tokens[r : r + 1], [r], [3 + step], [1], m.engine.lora_rows([settings[r]])

@@ -85,7 +85,7 @@ def test_merge_metrics_labels_every_sample_by_replica() -> None:
         m = Metrics()
         for _ in range(n):
             m.finished(["a1"], "completions", 4, 8, 0.1, 0.01)
-        m.adapter_loaded("a1")
+        m.adapter_loaded("a1", 0.02, 0.0)
         pages.append((replica, m.render()[0].decode()))
     merged = merge_metrics(pages)
     fams = {f.name: f for f in text_string_to_metric_families(merged)}

@@ -105,7 +105,7 @@ def test_an_adapter_just_attached_waits_for_its_requests(
         reg.add_module("delta", str(tiny_files["delta"]))
         reg.room_wait_s = 30.0
         loads: list[str] = []
-        reg.on_attach.append(lambda name, seconds: loads.append(name))
+        reg.on_attach.append(lambda name, load, wait: loads.append(name))
 
         async def one(name: str) -> str:
             lease = await reg.lease(name, None, BASE)

@@ -223,6 +223,7 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
     # beta (a --lora-modules adapter) was attached on first use: its cold-load time observed
     assert _metric(http, "graftlm_lora_adapter_load_seconds_count") >= 1
     assert _metric(http, "graftlm_lora_adapter_load_seconds_sum") > 0
+    assert _metric(http, "graftlm_lora_adapter_wait_seconds_count") >= 1
 
 
 def test_client_disconnect_frees_the_slot(server: TinyServer, http: httpx.Client) -> None:

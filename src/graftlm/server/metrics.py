@@ -82,8 +82,15 @@ class Metrics:
         )
         self.adapter_load_seconds = Histogram(
             "graftlm_lora_adapter_load_seconds",
-            "Seconds from a request needing an adapter that was not resident to its attach "
-            "(read, checked and packed off the engine's thread, room made, attached)",
+            "Seconds an adapter attached on first use took to read, check and pack (off the "
+            "engine's thread) and to attach (between two steps)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.adapter_wait_seconds = Histogram(
+            "graftlm_lora_adapter_wait_seconds",
+            "Seconds an adapter attached on first use waited for room under --max-loras / "
+            "--max-lora-memory (adapters of running requests stay), or for another attach",
             buckets=_LATENCY,
             registry=r,
         )
@@ -159,9 +166,10 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(tpot)
 
-    def adapter_loaded(self, name: str, seconds: float) -> None:
+    def adapter_loaded(self, name: str, load: float, wait: float) -> None:
         self.adapter_loads.labels(name).inc()
-        self.adapter_load_seconds.observe(seconds)
+        self.adapter_load_seconds.observe(load)
+        self.adapter_wait_seconds.observe(wait)
 
     def adapters(self, resident: int, nbytes: int) -> None:
         self.adapters_resident.set(resident)

@@ -91,7 +91,8 @@ class AdapterRegistry:
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
-        # callables(name, seconds) told after each attach on first use, with its cold-load time
+        # callables(name, load, wait) told after each attach on first use: the seconds it took to
+        # read, check, pack and attach, and those it waited for room (or for another attach)
         self.on_attach: list[Any] = []
         self._attach_lock = asyncio.Lock()
         self._drops: set[asyncio.Future[Any]] = set()
@@ -348,14 +349,17 @@ class AdapterRegistry:
                 "adapter_load_timeout",
             ) from None
         self._check_rank(prepared.facts)
+        read = time.perf_counter() - t0
         async with self._attach_lock:
             await self._make_room(prepared.facts.nbytes, entry.name)
+            t1 = time.perf_counter()  # (before it: waiting for room, or for another attach)
             adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
             entry.id, entry.facts = adapter_id, prepared.facts
             self.by_id[adapter_id] = entry
             self._changed()
+            t2 = time.perf_counter()
             for fn in self.on_attach:
-                fn(entry.name, time.perf_counter() - t0)
+                fn(entry.name, read + t2 - t1, t1 - t0 - read)
             return adapter_id
 
     def _check_rank(self, facts: AdapterFacts) -> None:

@@ -1,0 +1,178 @@
+"""Many adapters registered, a few resident: traffic that churns adapters through the resident set.
+
+Writes R small adapters (rank 4 on q and v of the default model, SmolLM2: 0.9 MB each in float32)
+into a temporary folder, registers them all with one graftlm server (`--lora-modules`, with
+`--max-loras S`: at most S attached at once, the least recently used evicted), and sends the same
+traffic twice, in turn each round: U requests, C at a time, each N greedy tokens of its own prompt,
+
+    base    every request on the base model
+    churn   request i on adapter i mod U (named as the request's `model`): U adapters churn
+            through S slots, each attached on first use (read, checked and packed in a worker
+            thread), evicted when the room is needed
+
+then asks again, one request at a time, for the answers of some churn requests: each must equal
+what it was in the batch. Printed: each round's seconds and churn / base, the cold-load time of
+an attach from the server's /metrics (graftlm_lora_adapter_load_seconds: median and 95th
+percentile, interpolated within its buckets) apart from the time it waited for room
+(graftlm_lora_adapter_wait_seconds), how many loads, and the server's resident memory.
+
+    .venv/bin/python bench/churn_bench.py                       # 1,000 registered, 64 used, 16 slots
+    .venv/bin/python bench/churn_bench.py --registered 300 --used 64 --max-loras 16
+
+Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from serve_bench import running
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from tiny_models import write_tiny_adapter  # noqa: E402
+
+# SmolLM2-135M: 30 layers, n_embd 576, 3 KV heads of 64
+LAYERS, N_EMBD, N_KV = 30, 576, 192
+
+
+def write_adapters(folder: Path, n: int) -> list[Path]:
+    targets = {}
+    for i in range(LAYERS):
+        targets[f"blk.{i}.attn_q"] = (N_EMBD, N_EMBD)
+        targets[f"blk.{i}.attn_v"] = (N_EMBD, N_KV)
+    return [
+        write_tiny_adapter(folder / f"a{s}.gguf", targets=targets, rank=4, arch="llama", seed=s + 1)
+        for s in range(n)
+    ]
+
+
+async def traffic(url: str, bodies: list[dict[str, object]], clients: int) -> list[str]:
+    """The requests, `clients` at a time; their texts in order."""
+    out: list[str] = [""] * len(bodies)
+    sem = asyncio.Semaphore(clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+
+        async def one(i: int) -> None:
+            async with sem:
+                r = await c.post("/completion", json=bodies[i])
+                if r.status_code != 200:
+                    raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
+                out[i] = r.json()["content"]
+
+        await asyncio.gather(*(one(i) for i in range(len(bodies))))
+    return out
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """Prometheus' histogram_quantile: linear within the bucket that holds the q-th value."""
+    total = buckets[-1][1]
+    if total == 0:
+        return float("nan")
+    want, lo, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= want:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (want - below) / max(count - below, 1e-9)
+        lo, below = le, count
+    return lo
+
+
+def histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float]:
+    """A histogram of /metrics: its cumulative buckets and its count."""
+    buckets, count = [], 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+        elif line.startswith(name + "_count"):
+            count = float(line.rsplit(" ", 1)[1])
+    return buckets, count
+
+
+def rss_mib(pid_file: Path) -> float:
+    pid = pid_file.read_text().strip()
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--registered", type=int, default=1000)
+    p.add_argument("--used", type=int, default=64, help="adapters the churn traffic names")
+    p.add_argument("--max-loras", type=int, default=16)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--check", type=int, default=8, help="churn answers asked again, alone")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--port", type=int, default=18700)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        t0 = time.perf_counter()
+        paths = write_adapters(folder, args.registered)
+        size = paths[0].stat().st_size / 2**20
+        print(f"{args.registered} adapters of {size:.2f} MiB written in "
+              f"{time.perf_counter() - t0:.0f} s; {args.used} used, {args.max_loras} slots, "
+              f"{args.clients} clients x {args.tokens} tokens")  # fmt: skip
+        modules = [f"a{i}={p}" for i, p in enumerate(paths)]
+        pid_file = folder / "pid"
+        cmd = [sys.executable, "-m", "graftlm", "serve", "--host", "127.0.0.1",
+               "--port", str(args.port), "-np", str(args.clients), "-t", str(args.threads),
+               "-c", str(args.clients * 256), "--max-loras", str(args.max_loras),
+               "--lora-modules", *modules]  # fmt: skip
+        rng = np.random.default_rng(0)
+        words = ["sea", "ship", "storm", "island", "sail", "map", "gold", "wind", "star", "crew"]
+
+        def body(i: int, model: str | None) -> dict[str, object]:
+            prompt = " ".join(rng.choice(words, 6)) + f" ({i})"
+            b: dict[str, object] = {"prompt": prompt, "n_predict": args.tokens,
+                                    "temperature": 0, "ignore_eos": True, "cache_prompt": False}  # fmt: skip
+            if model is not None:
+                b["model"] = model
+            return b
+
+        base = [body(i, None) for i in range(args.used)]
+        churn = [dict(b, model=f"a{i % args.used}") for i, b in enumerate(base)]
+        with running(cmd, args.port, folder / "server.log", pid_file=pid_file) as url:
+            print(f"server up: {rss_mib(pid_file):.0f} MiB resident")
+            asyncio.run(traffic(url, base[:2], 2))  # warm
+            times: dict[str, list[float]] = {"base": [], "churn": []}
+            texts: list[str] = []
+            for rnd in range(args.rounds):
+                for name, bodies in (("base", base), ("churn", churn)):
+                    t0 = time.perf_counter()
+                    got = asyncio.run(traffic(url, bodies, args.clients))
+                    times[name].append(time.perf_counter() - t0)
+                    if name == "churn" and rnd == 0:
+                        texts = got
+                    print(f"  round {rnd + 1} {name:5s} {times[name][-1]:6.1f} s", flush=True)
+            alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
+            same = sum(a == b for a, b in zip(alone, texts, strict=False))
+            buckets, count = histogram(url, "graftlm_lora_adapter_load_seconds")
+            waits, _ = histogram(url, "graftlm_lora_adapter_wait_seconds")
+            rss = rss_mib(pid_file)
+        b, c = min(times["base"]), min(times["churn"])
+        print(f"base {b:.1f} s, churn {c:.1f} s: churn / base {c / b:.2f} (best round each)")
+        print(f"cold loads: {count:.0f}, each read, packed and attached in a median "
+              f"{quantile(buckets, 0.5) * 1000:.0f} ms (p95 {quantile(buckets, 0.95) * 1000:.0f}), "
+              f"after waiting for room a median {quantile(waits, 0.5) * 1000:.0f} ms "
+              f"(p95 {quantile(waits, 0.95) * 1000:.0f}); resident memory {rss:.0f} MiB")  # fmt: skip
+        print(f"answers asked again alone: {same} of {len(alone)} equal to the batch's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -568,6 +568,13 @@ static inline __attribute__((always_inline)) void prefetch_block(const void *w, 
     default: F(1); break;                                                                          \
     }
 
+/* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
+static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int64_t *end) {
+    const int64_t q = n / nt, r = n % nt;
+    *start = tid * q + (tid < r ? tid : r);
+    *end = *start + q + (tid < r);
+}
+
 /* x quantized to int8 per 32 values, as every product reads it (quant.c: quantize_x). */
 typedef struct {
     int8_t *xq;
@@ -577,6 +584,8 @@ typedef struct {
 
 static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
                        float *xs, float *xs16, int nth);
+static void quantize_blocks(const float *x, int64_t b0, int64_t b1, int8_t *xq, uint8_t *xu, float *xd,
+                            float *xs, float *xs16);
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8);
 static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y);

@@ -230,13 +230,6 @@ static int lora_same_slots(const lora_plan *p, int64_t n, int64_t T, int64_t i) 
 
 /* ---------------------------------------------------------------- one projection */
 
-/* [start, end) of n iterations for thread tid of nt under schedule(static), as libgomp splits them. */
-static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int64_t *end) {
-    const int64_t q = n / nt, r = n % nt;
-    *start = tid * q + (tid < r ? tid : r);
-    *end = *start + q + (tid < r);
-}
-
 /* xa[i * ld + 8 g + u] = A[8 g + u] . x[i] for rows [r0, r1) of x and group g (8 columns) of
  * slot sl's int8 A. */
 static void lora_dots_s8(const gl_lora_slot *sl, const xbuf *xb, int64_t k, int64_t r0, int64_t r1,
@@ -278,14 +271,11 @@ static void lora_slot_rows(const gl_lora_site *l, const lora_plan *p, int64_t j,
     }
 }
 
-/* av (M, U) = s * (A . x) for the rows of x (rows r*T .. r*T+T-1 share scale row r), the threads
- * of the enclosing parallel region splitting the rows; each active slot takes the runs of
- * consecutive rows that use it (the engine orders a batch's rows by adapter), so its A is read
- * once a run. Ends at a barrier. */
+/* av (M, U) = s * (A . x) for rows [i0, i1) of x (rows r*T .. r*T+T-1 share scale row r): the
+ * calling thread's share; each active slot takes the runs of consecutive rows that use it (the
+ * engine orders a batch's rows by adapter), so its A is read once a run. */
 static void lora_xa_rows(const gl_lora_site *l, const lora_plan *p, const xbuf *xb, const float *x,
-                         int64_t M, int64_t T, int64_t k, float *av) {
-    int64_t i0, i1;
-    static_chunk(M, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
+                         int64_t i0, int64_t i1, int64_t T, int64_t k, float *av) {
     for (int64_t j = 0; j < l->n; j++) {
         if (p->off[j] < 0) continue;
         for (int64_t a = i0; a < i1;) {
@@ -299,7 +289,6 @@ static void lora_xa_rows(const gl_lora_site *l, const lora_plan *p, const xbuf *
             a = e;
         }
     }
-#pragma omp barrier
 }
 
 /* One row, the thread's blocks [b0, b1): the s * A . x (into xa, av's one row) of the columns of
@@ -456,7 +445,9 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     const int64_t rows = M * k <= (1 << 19) || b.xbf ? M : ((1 << 19) / k + RC - 1) / RC * RC;
     const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
     const xbuf xb = b.xb;
-    if (xb.xq) quantize_x(x, M, k, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16, nth);
+    /* x quantized; with many rows and adapters by the threads of the region below, each its own
+     * rows, whose dots of A it takes next (one barrier for both, and no region of its own) */
+    if (xb.xq && !many) quantize_x(x, M, k, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16, nth);
 #if GL_AMX
     if (b.xbf) amx_x(x, M, k, b.xbf, nth);
     if (b.cols) lora_tile_cols(l, &pl, (lora_col *)b.cols);
@@ -478,7 +469,14 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
         line_walk walk = {at, len, nr, 0, 0, 0};
         int64_t lines = 0;
         for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
-        if (many) lora_xa_rows(l, &pl, &xb, x, M, T, k, av); /* the threads split the rows' dots */
+        if (many) { /* the threads split the rows: quantized, then their dots, then all wait */
+            int64_t i0, i1, kb = k / 32;
+            static_chunk(M, me, nt, &i0, &i1);
+            if (xb.xq)
+                quantize_blocks(x, i0 * kb, i1 * kb, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16);
+            lora_xa_rows(l, &pl, &xb, x, i0, i1, T, k, av);
+#pragma omp barrier
+        }
 #if GL_AMX
         if (b.xbf) { /* the product first, all of it, in chunks of k (amx_tasks); the delta with it */
             const lora_tiles lt = {(const lora_col *)b.cols, U, l ? l->bf : 0};

@@ -297,12 +297,11 @@ void gl_deq_s8(const int8_t *q, const void *s, int h, int v, int64_t sblk, int64
 /* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32), xs16 (M, k/16): per 32 values
  * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values;
  * xu (when not NULL) xq + 128 as unsigned bytes, for the s8 products with VNNI. */
-static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
-                       float *xs, float *xs16, int nth) {
-    const int64_t kb = k / 32;
+/* Blocks [b0, b1) of x (32 values each, rows of k one after another) quantized as quantize_x does. */
+static void quantize_blocks(const float *x, int64_t b0, int64_t b1, int8_t *xq, uint8_t *xu, float *xd,
+                            float *xs, float *xs16) {
     const __m256 signbit = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for num_threads(nth) schedule(static) if (M * k > 65536)
-    for (int64_t i = 0; i < M * kb; i++) {
+    for (int64_t i = b0; i < b1; i++) {
         const float *p = x + i * 32;
         __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
         __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
@@ -334,6 +333,21 @@ static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t
         xs[i] = dd * (float)(sum0 + sum1);
         xs16[2 * i] = dd * (float)sum0;
         xs16[2 * i + 1] = dd * (float)sum1;
+    }
+}
+
+static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
+                       float *xs, float *xs16, int nth) {
+    const int64_t kb = k / 32;
+    if (M * k <= 65536) {
+        quantize_blocks(x, 0, M * kb, xq, xu, xd, xs, xs16);
+        return;
+    }
+#pragma omp parallel num_threads(nth)
+    {
+        int64_t b0, b1;
+        static_chunk(M * kb, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        quantize_blocks(x, b0, b1, xq, xu, xd, xs, xs16);
     }
 }
 

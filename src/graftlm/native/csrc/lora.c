@@ -350,6 +350,8 @@ static inline void prefetch_upto(line_walk *w, int64_t upto) {
     }
 }
 
+#define LORA_CHUNK (1 << 18) /* bytes of outputs the many-row delta takes at a time (a chunk of tasks) */
+
 /* Which delta path proj_run takes: one row (each thread its own columns, no barrier; P bounds
  * its stack arrays), or many rows. */
 static inline int proj_one_row(int64_t U, int64_t P, int64_t M) {
@@ -496,20 +498,32 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
 #endif
         for (int64_t ra = 0; ra < M; ra += rows) {
             const int64_t rb = M - ra < rows ? M : ra + rows;
+            /* the delta every few tasks, row by row: each row then reads a run of its parts'
+             * blocks in order, while those tasks' outputs (LORA_CHUNK bytes of them) are still
+             * in cache */
+            const int64_t chunk = (LORA_CHUNK / (128 * (rb - ra))) > 1 ? LORA_CHUNK / (128 * (rb - ra)) : 1;
+            int64_t tc = t0;
             for (int64_t t = t0; t < t1; t++) {
                 if (ra == 0) prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
                 const int tiles = b.xbf && amx_task_whole(w, t); /* base and delta: done */
                 if (base && !tiles) mm_task(w, &xb, M, ra, rb, t, y);
-                for (int64_t i = ra; many && !tiles && i < rb; i++) { /* the task's outputs, while still in cache */
+                if (!many || (t + 1 - tc < chunk && t + 1 < t1)) continue;
+                for (int64_t i = ra; i < rb; i++) { /* tasks [tc, t]'s outputs, row by row */
                     const int64_t *ji = pl.js + (i / T) * ns, ci = pl.cnt[i / T];
                     if (ci == 0) continue;
-                    if (two[i] && i + 1 < rb && t * 32 + 32 <= n) { /* rows on the same adapters: a pair */
-                        lora_b_two(y + i * n, y + (i + 1) * n, av + i * U, av + (i + 1) * U, ji, ci, l, pl.off, t);
-                        i++;
-                    } else {
-                        lora_b_block(y + i * n, av + i * U, ji, ci, l, pl.off, t, n);
+                    const int pair = two[i] && i + 1 < rb; /* rows on the same adapters */
+                    for (int64_t u = tc; u <= t; u++) {
+                        if (b.xbf && amx_task_whole(w, u)) continue;
+                        if (pair && u * 32 + 32 <= n) {
+                            lora_b_two(y + i * n, y + (i + 1) * n, av + i * U, av + (i + 1) * U, ji, ci, l, pl.off, u);
+                        } else {
+                            lora_b_block(y + i * n, av + i * U, ji, ci, l, pl.off, u, n);
+                            if (pair) lora_b_block(y + (i + 1) * n, av + (i + 1) * U, ji, ci, l, pl.off, u, n);
+                        }
                     }
+                    i += pair;
                 }
+                tc = t + 1;
             }
         }
         if (one) {

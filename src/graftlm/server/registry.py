@@ -94,7 +94,10 @@ class AdapterRegistry:
         # callables(name, load, wait) told after each attach on first use: the seconds it took to
         # read, check, pack and attach, and those it waited for room (or for another attach)
         self.on_attach: list[Any] = []
-        self._attach_lock = asyncio.Lock()
+        self._attach_lock = asyncio.Lock()  # room is made for one attach at a time
+        # attaches on their way to the engine: the room made for them, held until they land
+        self._reserved = 0
+        self._reserved_bytes = 0
         self._drops: set[asyncio.Future[Any]] = set()
 
     # -- setup (before serving) --
@@ -350,17 +353,24 @@ class AdapterRegistry:
             ) from None
         self._check_rank(prepared.facts)
         read = time.perf_counter() - t0
-        async with self._attach_lock:
-            await self._make_room(prepared.facts.nbytes, entry.name)
-            t1 = time.perf_counter()  # (before it: waiting for room, or for another attach)
+        nbytes = prepared.facts.nbytes
+        async with self._attach_lock:  # the room, made and held for this attach
+            await self._make_room(nbytes, entry.name)
+            self._reserved += 1
+            self._reserved_bytes += nbytes
+        t1 = time.perf_counter()  # (before it: waiting for room, or for another attach)
+        try:  # outside the lock: attaches that have their room reach the engine together
             adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
-            entry.id, entry.facts = adapter_id, prepared.facts
-            self.by_id[adapter_id] = entry
-            self._changed()
-            t2 = time.perf_counter()
-            for fn in self.on_attach:
-                fn(entry.name, read + t2 - t1, t1 - t0 - read)
-            return adapter_id
+        finally:
+            self._reserved -= 1
+            self._reserved_bytes -= nbytes
+        entry.id, entry.facts = adapter_id, prepared.facts
+        self.by_id[adapter_id] = entry
+        self._changed()
+        t2 = time.perf_counter()
+        for fn in self.on_attach:
+            fn(entry.name, read + t2 - t1, t1 - t0 - read)
+        return adapter_id
 
     def _check_rank(self, facts: AdapterFacts) -> None:
         if self.max_rank is not None and facts.rank > self.max_rank:
@@ -375,9 +385,12 @@ class AdapterRegistry:
                 f"more than the whole LoRA budget of {self.max_bytes} bytes"
             )
 
-        def over() -> bool:
-            too_big = self.max_bytes is not None and self.resident_bytes + nbytes > self.max_bytes
-            too_many = self.max_loras is not None and len(self.by_id) + 1 > self.max_loras
+        def over() -> bool:  # (counting the room held for attaches on their way)
+            held = self.resident_bytes + self._reserved_bytes + nbytes
+            too_big = self.max_bytes is not None and held > self.max_bytes
+            too_many = (
+                self.max_loras is not None and len(self.by_id) + self._reserved + 1 > self.max_loras
+            )
             return too_big or too_many
 
         loop = asyncio.get_running_loop()

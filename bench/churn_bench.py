@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from kv_capacity import rss_mib
+from prometheus_client.parser import text_string_to_metric_families
 from serve_bench import running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,24 +89,14 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return lo
 
 
-def histogram(url: str, name: str) -> tuple[list[tuple[float, float]], float]:
-    """A histogram of /metrics: its cumulative buckets and its count."""
-    buckets, count = [], 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
-        elif line.startswith(name + "_count"):
-            count = float(line.rsplit(" ", 1)[1])
-    return buckets, count
-
-
-def rss_mib(pid_file: Path) -> float:
-    pid = pid_file.read_text().strip()
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+def histogram(url: str, name: str) -> list[tuple[float, float]]:
+    """A histogram of the server's /metrics: its cumulative buckets (upper bound, count)."""
+    page = httpx.get(url + "/metrics").text
+    for family in text_string_to_metric_families(page):
+        if family.name == name:
+            return [(float(s.labels["le"]), s.value) for s in family.samples
+                    if s.name == name + "_bucket"]  # fmt: skip
+    return [(float("inf"), 0.0)]
 
 
 def main() -> int:
@@ -147,7 +139,8 @@ def main() -> int:
         base = [body(i, None) for i in range(args.used)]
         churn = [dict(b, model=f"a{i % args.used}") for i, b in enumerate(base)]
         with running(cmd, args.port, folder / "server.log", pid_file=pid_file) as url:
-            print(f"server up: {rss_mib(pid_file):.0f} MiB resident")
+            pid = int(pid_file.read_text())
+            print(f"server up: {rss_mib(pid):.0f} MiB resident")
             asyncio.run(traffic(url, base[:2], 2))  # warm
             times: dict[str, list[float]] = {"base": [], "churn": []}
             texts: list[str] = []
@@ -161,9 +154,10 @@ def main() -> int:
                     print(f"  round {rnd + 1} {name:5s} {times[name][-1]:6.1f} s", flush=True)
             alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
             same = sum(a == b for a, b in zip(alone, texts, strict=False))
-            buckets, count = histogram(url, "graftlm_lora_adapter_load_seconds")
-            waits, _ = histogram(url, "graftlm_lora_adapter_wait_seconds")
-            rss = rss_mib(pid_file)
+            buckets = histogram(url, "graftlm_lora_adapter_load_seconds")
+            waits = histogram(url, "graftlm_lora_adapter_wait_seconds")
+            count = buckets[-1][1]
+            rss = rss_mib(pid)
         b, c = min(times["base"]), min(times["churn"])
         print(f"base {b:.1f} s, churn {c:.1f} s: churn / base {c / b:.2f} (best round each)")
         print(f"cold loads: {count:.0f}, each read, packed and attached in a median "

@@ -9,9 +9,12 @@ The hot path sees only A, B and the user's scale.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from graftlm.lora.packed import PackedSlot
 
 from graftlm.errors import AdapterError
 
@@ -45,9 +48,9 @@ class Delta:
     b: torch.Tensor
     # ranks of the file tensors stacked into this delta (several when Q/K/V share a projection)
     parts: tuple[int, ...] = ()
-    # the native form (lora.packed.PackedSlot), packed with the read, off the engine's thread;
-    # None: packed when attached, or never (the PyTorch twin serves it)
-    packed: Any = None
+    # the native form, packed with the read, off the engine's thread (AdapterSet.load); None:
+    # packed when attached, or never (the PyTorch twin serves it)
+    packed: PackedSlot | None = None
 
     @property
     def width(self) -> int:
@@ -64,7 +67,7 @@ class Delta:
         """The bytes it holds: the float32 factors (the exact mode's, the twin's) and their
         packed form."""
         held = self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
-        return held + (int(self.packed.nbytes) if self.packed is not None else 0)
+        return held + (self.packed.nbytes if self.packed is not None else 0)
 
 
 @dataclass

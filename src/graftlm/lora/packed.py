@@ -1,6 +1,7 @@
 """An adapter's factors on one projection in the native delta's layout, packed once when the adapter
-is attached (never in a step), and the table of a projection's packed adapters that the kernels
-read (``gl_lora_site``; the layouts are described in ``native/csrc/lora.c``).
+is read (``AdapterSet.load``; the server reads in a worker thread), never in a step, and the table
+of a projection's packed adapters that the kernels read (``gl_lora_site``; the layouts are
+described in ``native/csrc/lora.c``).
 
 Semantics are the PyTorch twin's (``LoraSite.add_delta``): per row b of the batch
     y[b] += sum_s scales[b, s] * B_s (A_s x[b]).
@@ -113,7 +114,7 @@ class PackedSlot:
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, compact: bool) -> None:
         dtype = torch.bfloat16 if compact else torch.float32
-        self.r, self.n_in, self.n_out = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
+        self.r, self.n_out = int(a.shape[0]), int(b.shape[0])
         self.half = compact
         self.aq = a_s8(a) if compact else None
         # A itself only where the integer dots cannot serve
@@ -135,12 +136,6 @@ class PackedSlot:
         if self.aq is not None:
             self.struct.aq, self.struct.a_scales = self.aq[0].data_ptr(), self.aq[1].data_ptr()
             self.struct.a_half = int(self.aq[1].dtype is torch.float16)
-
-    def fits(self, a: torch.Tensor, b: torch.Tensor, compact: bool) -> bool:
-        """Whether this is the packed form of factors of these shapes on a site of this kind
-        (packed ahead, when the adapter was read)."""
-        shape = (self.r, self.n_in, self.n_out)
-        return shape == (a.shape[0], a.shape[1], b.shape[0]) and compact == self.half
 
     @property
     def nbytes(self) -> int:
@@ -167,12 +162,13 @@ def pack(a: torch.Tensor, b: torch.Tensor, compact: bool) -> PackedSlot | None:
 
 class SlotTable:
     """A projection's packed adapters as one C array (gl_lora_slot), in slot order, each
-    naming its slot id: its column in the batch's scale table."""
+    naming its slot id: its column in the batch's scale table. Every slot of a projection is
+    packed for the same kind of base product (compact or not)."""
 
-    def __init__(self, slots: list[tuple[int, PackedSlot]], half: bool) -> None:
+    def __init__(self, slots: list[tuple[int, PackedSlot]]) -> None:
         self.slots = [p for _, p in slots]  # the structs point into them
         self.ids = [s for s, _ in slots]
-        self.bf = int(half)
+        self.bf = int(self.slots[0].half)
         self.array = (GlLoraSlot * max(len(slots), 1))(*[p.struct for p in self.slots])
         for i, (slot, _) in enumerate(slots):
             self.array[i].id = slot

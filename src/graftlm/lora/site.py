@@ -83,12 +83,13 @@ class LoraSite:
     ) -> None:
         """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r).
         Both are moved to the site's device (no copy on the CPU). `packed`: their native form,
-        packed ahead (lora.packed); else it is packed here."""
+        packed ahead for a site of this kind (AdapterSet.load); else it is packed here."""
         dev = self.device
-        self._slots[slot] = (a.to(dev).contiguous(), b.to(dev).contiguous())
-        a, b = self._slots[slot]
-        fits = packed is not None and packed.fits(a, b, self.compact)
-        self._packed[slot] = packed if fits else None if self.gather else pack(a, b, self.compact)
+        a, b = a.to(dev).contiguous(), b.to(dev).contiguous()
+        self._slots[slot] = (a, b)
+        if packed is None and not self.gather:
+            packed = pack(a, b, self.compact)
+        self._packed[slot] = packed
         self._changed()
 
     def to(self, device: torch.device | str) -> LoraSite:
@@ -122,7 +123,7 @@ class LoraSite:
             ready = [(s, p) for s, p in packed if p is not None]
             if not packed or len(ready) < len(packed):
                 return None
-            self._table = SlotTable(ready, self.compact)
+            self._table = SlotTable(ready)
         return self._table
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:

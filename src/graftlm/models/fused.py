@@ -148,9 +148,9 @@ class ScaleBoard:
     much as the adapter's arithmetic (7 us a layer).
     """
 
-    def __init__(self, adapters: Generation, rows: int = 1) -> None:
+    def __init__(self, adapters: Generation) -> None:
         self.adapters = adapters  # the model's: changes whenever any of its slots do
-        self.buf = torch.zeros(rows, 8, dtype=torch.float32)
+        self.buf = torch.zeros(1, 8, dtype=torch.float32)  # grown by fill
         self.generation = 0  # bumped when the buffer is replaced: bound addresses are stale
         self._filled: LoraRows | None = None
         self._clear = True  # the buffer holds zeros
@@ -319,14 +319,22 @@ class FusedStack:
         self.n_slots = min(f.n_slots for f in layers)
         self._ptrs = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(f.layer) for f in layers])
         self.scratch = Scratch(loaded_library())  # every layer's buffers, kept from step to step
+        self.board = layers[0].board  # the model's, every layer's
+        assert all(f.board is self.board for f in layers)
+        # the board's key when every layer last bound its adapters, and whether all could
+        self._bound: tuple[int, int] | None = None
+        self._servable = True
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
-        self.layers[0].board.fill(batch.lora, batch.n_rows)  # once for all the layers
-        if not all(f.bind_lora() for f in self.layers):
+        self.board.fill(batch.lora, batch.n_rows)  # once for all the layers
+        if self.board.key != self._bound:  # the adapters or the board changed: every layer binds
+            self._servable = all([f.bind_lora() for f in self.layers])
+            self._bound = self.board.key
+        if not self._servable:
             return None
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layers_decode(self._ptrs, out, rows.slots, rows.starts, self.scratch)

@@ -265,8 +265,9 @@ class Engine:
             self.lora_rows([settings[i] for i in order]),
         )
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
-        for r, row in sorted(zip(order, logits, strict=True), key=lambda p: p[0]):
-            self._emit(reqs[r], row)  # (in the requests' own order)
+        at = {i: k for k, i in enumerate(order)}  # each request's row of the batch
+        for i, r in enumerate(reqs):  # (in the requests' own order)
+            self._emit(r, logits[at[i]])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         assert req.sampler is not None

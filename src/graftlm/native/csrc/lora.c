@@ -6,21 +6,22 @@
 
 /* The LoRA delta of one projection for M rows of x (rows r*T .. r*T+T-1 share scale row r):
  *   y[i] += sum_j s[i / T, j] * B_j (A_j x[i])
- * over the adapters j attached to the projection (l->slot), each packed once, when it was
- * attached (graftlm/lora/packed.py), never in a step:
+ * over the adapters j attached to the projection (l->slot), each packed once, when it was read
+ * (graftlm/lora/packed.py), never in a step:
  *  - A (r, n_in) as float32 or bfloat16 (l->bf), or as an s8 weight (Q8_0 codes and scales, as
  *    gl_pack_s8 lays them): then A . x is the base products' integer dots on their int8 x;
  *  - B in parts, each the columns of the rank whose B reaches the same 32-output blocks [lo, hi)
  *    (one target of a stacked projection: an adapter on q, k and v has three), stored block by
  *    block with each block's columns in turn: one task of 32 outputs reads one contiguous range
- *    of each part (one column of 16 rows of bfloat16: 16 lines in a row). In bfloat16 each 16
+ *    of each part (a part of 16 columns in bfloat16: 16 lines), and consecutive tasks the
+ *    ranges after it. In bfloat16 each 16
  *    outputs o .. o + 15 are the pairs (o + u, o + 8 + u), u = 0 .. 7 (a load widens with a shift
  *    and a mask). Columns that are zero in B are in no part.
  * s comes from the batch's scale table as it is (row i's scale of slot j: scales[i * ld + id]):
  * an adapter at scale 0 on a row costs that row nothing, and one at 0 on every row costs nothing.
  * A call first lists each scale row's adapters (lora_plan), then computes s * A . x of the rows
  * of each adapter, each adapter's A read once for all its rows (av, the active adapters' columns
- * side by side), then adds each row's parts of B to every task's outputs. */
+ * side by side), then adds each row's parts of B to the outputs of every few tasks (proj_run). */
 
 /* Row i's scale of slot j. */
 static inline float lora_scale(const gl_lora_site *l, int64_t i, int64_t j) {
@@ -36,8 +37,8 @@ typedef struct {
     int64_t U, P;
 } lora_plan;
 
-/* U and P of a call (0: no row has an adapter) without listing anything: proj_take sizes the
- * call's buffers from them. */
+/* U and P of a call (0: no row has an adapter) without listing anything: what lora_list makes
+ * them, for a counter of the call's buffers (proj_bytes). */
 static int64_t lora_width(const gl_lora_site *l, int64_t S, int64_t *parts) {
     int64_t U = 0, P = 0;
     for (int64_t j = 0; l != NULL && j < l->n; j++)
@@ -374,13 +375,25 @@ typedef struct {
 
 static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M, int64_t T,
                            gl_scratch *s) {
-    const int64_t S = M / T;
-    int64_t P = 0;
-    const int64_t U = lora_width(l, S, &P);
+    const int64_t S = M / T, n = l != NULL ? l->n : 0, i8 = (int64_t)sizeof(int64_t);
+    proj_bufs b = {0};
+    /* the plan first: its lists are what the rest is sized by (a counter, with no memory to list
+     * into, counts the same widths with lora_width) */
+    int64_t U = 0, P = 0;
+    if (n > 0) {
+        b.plan.js = scratch_take(s, i8 * S * n);
+        b.plan.cnt = scratch_take(s, i8 * S);
+        b.plan.off = scratch_take(s, i8 * n);
+        if (b.plan.js) {
+            lora_list(l, S, &b.plan);
+            U = b.plan.U, P = b.plan.P;
+        } else {
+            U = lora_width(l, S, &P);
+        }
+    }
     const int has = U > 0, many = has && !proj_one_row(U, P, M);
     int aq = 0; /* some slot's A . x takes the integer dots */
-    for (int64_t j = 0; has && j < l->n; j++) aq |= l->slot[j].aq != NULL;
-    proj_bufs b = {0};
+    for (int64_t j = 0; has && j < n; j++) aq |= l->slot[j].aq != NULL;
     int vnni = w->q != NULL; /* the base product, or some of its outputs, on the VNNI kernels */
 #if GL_AMX
     if (amx_serves(w, M)) {
@@ -393,12 +406,6 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
     }
 #endif
     if (vnni || aq) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || aq);
-    if (has) {
-        const int64_t i8 = (int64_t)sizeof(int64_t);
-        b.plan.js = scratch_take(s, i8 * S * l->n);
-        b.plan.cnt = scratch_take(s, i8 * S);
-        b.plan.off = scratch_take(s, i8 * l->n);
-    }
     if (many) {
         b.av = scratch_take(s, (int64_t)sizeof(float) * M * U);
         b.two = scratch_take(s, M);
@@ -431,11 +438,9 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
                      float *y, gl_scratch *sc, int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
     const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
-    const int64_t S = M / T; /* scale rows: T tokens each */
     const int64_t mark = sc->used;
     const proj_bufs b = proj_take(w, l, M, T, sc);
-    lora_plan pl = b.plan;
-    if (pl.js) lora_list(l, S, &pl);
+    const lora_plan pl = b.plan; /* listed by proj_take */
     const int64_t U = pl.U, P = pl.P, ns = pl.js ? l->n : 0;
     const int one = proj_one_row(U, P, M);
     const int many = U > 0 && !one;

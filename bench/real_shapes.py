@@ -184,11 +184,11 @@ def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
     return out
 
 
-def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str) -> None:
+def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str, ctx: int = 4096) -> None:
     w.add_type("model")
     w.add_name(f"random-{name}-{mix}")
     w.add_block_count(s.n_layer)
-    w.add_context_length(4096)
+    w.add_context_length(ctx)
     w.add_embedding_length(s.d)
     w.add_feed_forward_length(s.ff)
     w.add_head_count(s.n_head)
@@ -212,13 +212,13 @@ def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str) -> None:
 
 
 def write_model(
-    folder: Path, name: str, mix: str, layers: int | None = None, seed: int = 0
+    folder: Path, name: str, mix: str, layers: int | None = None, seed: int = 0, ctx: int = 4096
 ) -> Path:
     s = SHAPES[name] if layers is None else replace(SHAPES[name], n_layer=layers)
-    path = folder / f"{name}-{mix}.gguf"
+    path = folder / (f"{name}-{mix}.gguf" if ctx == 4096 else f"{name}-{mix}-ctx{ctx}.gguf")
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), s.arch)
-    _metadata(w, name, s, mix)
+    _metadata(w, name, s, mix, ctx)
     (_spm_tokenizer if s.arch == "phi3" else _tokenizer)(w, s.vocab)
     for tname, role, layer, shape in tensors(s):
         if role == "norm":
@@ -274,6 +274,12 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), action="append")
     ap.add_argument("--mix", choices=sorted(MIXES), action="append")
     ap.add_argument("--layers", type=int, help="override the shape's layer count")
+    ap.add_argument(
+        "--ctx",
+        type=int,
+        default=4096,
+        help="the training context written (long-context runs: 40960; file -ctxN)",
+    )
     ap.add_argument("--adapter", action="store_true", help="also write a rank-16 adapter")
     ap.add_argument("--adapters", type=int, default=1, help="how many (with --adapter)")
     ap.add_argument("--all", action="store_true", help="every shape x q4_k_m, q5_k_m, q8_0")
@@ -289,7 +295,7 @@ def main() -> None:
     mixes = ["q4_k_m", "q5_k_m", "q8_0"] if args.all else args.mix or ["q4_k_m"]
     for name in shapes:
         for mix in mixes:
-            p = write_model(args.folder, name, mix, args.layers)
+            p = write_model(args.folder, name, mix, args.layers, ctx=args.ctx)
             print(f"{p}  {p.stat().st_size / 2**20:.0f} MiB")
         for seed in range(1, 1 + args.adapters * args.adapter):
             print(write_adapter(args.folder, name, layers=args.layers, seed=seed))

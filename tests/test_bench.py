@@ -15,7 +15,7 @@ def _rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and re.fullmatch(r"(pp|tg)\d+", cells[3]):
+        if len(cells) == 7 and re.fullmatch(r"(pp|tg)\d+( @ d\d+)?", cells[3]):
             rows[cells[3]] = cells
     return rows
 
@@ -32,6 +32,21 @@ def test_bench_prints_a_row_per_test(tiny_llama: Path, capsys: pytest.CaptureFix
         assert float(mean) > 0 and float(sd) >= 0
         assert cells[5] == "-" and cells[6] == "-"  # not in the reference file: no ratio
     assert re.search(r"resident: \d+ MiB \(file \d+ MiB\)", out)
+
+
+def test_bench_at_depths_prints_llama_benchs_rows(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """-d as llama-bench's: each test again after that many tokens of context, named as
+    llama-bench names it; a depth's slot is given back after its test (the generation after the
+    prompt test needs it: the model holds one sequence); a negative depth is refused."""
+    argv = ["bench", "-m", str(tiny_llama), "-p", "16", "-n", "4", "-r", "2", "--no-llama-cpp"]
+    assert main([*argv, "-d", "0", "40", "-ctk", "f32"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert set(rows) == {"pp16", "pp16 @ d40", "tg4", "tg4 @ d40"}
+    assert all(float(c[4].split()[0]) > 0 for c in rows.values())
+    assert main([*argv, "-d", "-1"]) == 1
+    assert "-d -1" in capsys.readouterr().err
 
 
 def test_bench_with_an_adapter_prints_its_self_ratio(

@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-m", "--model", default=None)
     b.add_argument("-p", "--n-prompt", type=int, nargs="+", default=[512], help="prompt lengths")
     b.add_argument("-n", "--n-gen", type=int, nargs="+", default=[128], help="generation lengths")
+    b.add_argument(
+        "-d",
+        "--n-depth",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="tokens already in the context before each test (llama-bench's -d)",
+    )
     b.add_argument("-t", "--threads", type=int, default=None)
     b.add_argument("-r", "--repetitions", type=int, default=3)
     add_device_argument(b)
@@ -178,9 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-llama-cpp", action="store_true", help="do not run llama-cpp-python even if installed"
     )
     add_lora_arguments(b)
-    add_llama_flags(
-        b, cache_types=False
-    )  # llama-bench's -ngl, -fa, -b, -ub: noted, never read as -n or -p
+    add_llama_flags(b)  # llama-bench's -ngl, -fa, -b, -ub, -ctk, -ctv: never read as -n or -p
     b.set_defaults(func=_bench)
     return parser
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from graftlm.errors import GraftError
+
 # ../shared/reference/llama_cpp_figures.md (llama.cpp 0c1e570, 2 threads, this machine kind)
 REFERENCE: dict[str, dict[str, float]] = {
     "SmolLM2-135M-Instruct.Q4_1.gguf": {"pp128": 398, "pp512": 361, "tg64": 159, "tg128": 138},
@@ -66,41 +68,67 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def _ours(model: Any, test: str, n: int, lora: list[dict[str, Any]] | None) -> Callable[[], int]:
+def _ours(
+    model: Any, test: str, n: int, lora: list[dict[str, Any]] | None, depth: int = 0
+) -> tuple[Callable[[], int], Callable[[], None]]:
+    """One test as a callable returning the tokens it timed, and what ends it. At a depth, `depth` random tokens
+    precede the test's: a prompt runs in a slot whose first `depth` positions were computed once,
+    before the timing; a generation's prompt is those tokens plus one, served from the prefix
+    cache after the first call (a depth of whole blocks: every later call computes one token)."""
     from graftlm.step.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.n_vocab - 100, (n,), generator=g).tolist()
+    before = torch.randint(100, model.config.n_vocab - 100, (depth,), generator=g).tolist()
     settings = model.adapters.settings(lora)
     engine = model.engine
     device = model.model.device
     sync = _sync(device)
 
+    def run(slot: int, tokens: list[int], start: int) -> None:
+        with torch.inference_mode():
+            for i in range(0, len(tokens), engine.chunk):
+                piece = tokens[i : i + engine.chunk]
+                rows = engine.lora_rows([settings])
+                model.model.forward(Batch.single(piece, slot, start + i, rows, device))
+
     if test == "pp":
+        held: list[int] = []  # at a depth: the slot holding its context, first call to end()
 
         def pp() -> int:
             # a borrowed slot with blocks of its own: the prompt is computed in full every time
             # (the prefix cache does not see it)
-            slot = engine.slots.borrow(n)
-            try:
-                with torch.inference_mode():
-                    for start in range(0, n, engine.chunk):
-                        piece = ids[start : start + engine.chunk]
-                        rows = engine.lora_rows([settings])
-                        model.model.forward(Batch.single(piece, slot, start, rows, device))
+            if not depth:
+                slot = engine.slots.borrow(n)
+                try:
+                    run(slot, ids, 0)
+                    sync()
+                finally:
+                    engine.slots.give_back(slot)
+                return n
+            if not held:
+                held.append(engine.slots.borrow(depth + n))
+                run(held[0], before, 0)
                 sync()
-            finally:
-                engine.slots.give_back(slot)
+            run(held[0], ids, depth)
+            sync()
             return n
 
-        return pp
+        def end() -> None:
+            for slot in held:
+                engine.slots.give_back(slot)
+            held.clear()
+
+        return pp, end
+
+    prompt = before + ids[:1]
 
     def tg() -> int:
-        model.generate(ids[:1], max_tokens=n, temperature=0, ignore_eos=True, lora=lora)
+        model.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True, lora=lora)
         sync()
         return n - 1 if n > 1 else 1  # tokens after the first, as llama-bench counts decode steps
 
-    return tg
+    return tg, lambda: None
 
 
 def _llama_cpp(
@@ -143,14 +171,25 @@ def _llama_cpp(
 
 def bench(args: argparse.Namespace) -> int:
     import graftlm
+    from graftlm.commands.llama_flags import cache_type
     from graftlm.lora.cli_args import lora_specs
 
     threads = args.threads or torch.get_num_threads()
-    n_ctx = max(args.n_prompt + args.n_gen) + 16
-    model = graftlm.load(args.model, threads=threads, ctx_size=n_ctx, device=args.device)
+    depths = sorted(set(args.n_depth))
+    if min(depths) < 0:
+        raise GraftError(f"-d {min(depths)}: a depth is a count of tokens, 0 or more")
+    n_ctx = max(depths) + max(args.n_prompt + args.n_gen) + 16
+    specs = lora_specs(args.lora, args.lora_scaled)
+    model = graftlm.load(
+        args.model,
+        threads=threads,
+        ctx_size=n_ctx,
+        device=args.device,
+        cache_type=cache_type(args),
+        n_seq=2 if specs and max(depths) else 1,  # with and without the adapters, each its depth
+    )
     on_cpu = model.model.device.type == "cpu"
     lora = None
-    specs = lora_specs(args.lora, args.lora_scaled)
     for spec in specs:
         model.add_lora(spec.path, spec.scale)
     if model.loras:
@@ -159,34 +198,43 @@ def bench(args: argparse.Namespace) -> int:
     ref = REFERENCE.get(name, {}) if on_cpu else {}  # llama.cpp's figures are CPU figures
     if not on_cpu:
         print(f"device: {model.model.device} (bfloat16 weights); llama.cpp is not compared\n")
-    rows = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+    tests = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
+    rows = [(test, n, d) for test, n in tests for d in depths]
     print("| model | adapters | threads | test | graftlm t/s | llama.cpp t/s | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     self_ratios: list[str] = []
-    for test, n in rows:
-        ours_fn = _ours(model, test, n, lora)
+    for test, n, depth in rows:
+        label = f"{test}{n}" + (f" @ d{depth}" if depth else "")  # llama-bench's names
+        ours_fn, end = _ours(model, test, n, lora, depth)
         theirs_fn = (
             None
-            if args.no_llama_cpp or not on_cpu
+            if args.no_llama_cpp or not on_cpu or depth
             else _llama_cpp(model.path, threads, test, n, [(s.path, s.scale) for s in specs])
         )
-        if theirs_fn is not None:
-            ours, theirs = _paired(ours_fn, theirs_fn, args.repetitions)
-            their_s, ratio = _stats(theirs) + " (same run)", f"{_pair_ratio(ours, theirs):.2f}"
-        else:
-            ours = _timed(ours_fn, args.repetitions)
-            r = ref.get(f"{test}{n}") if not specs else None
-            their_s = "-" if r is None else f"{r:8.1f} (reference)"
-            ratio = "-" if r is None else f"{statistics.fmean(ours) / r:.2f}"
-        if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
-            off = [{"id": a["id"], "scale": 0.0} for a in lora]
-            on_s, off_s = _paired(ours_fn, _ours(model, test, n, off), args.repetitions)
-            self_ratios.append(
-                f"{test}{n}: with adapters {statistics.fmean(on_s):.1f} t/s, without "
-                f"{statistics.fmean(off_s):.1f} t/s, ratio {_pair_ratio(on_s, off_s):.2f}"
-            )
+        try:
+            if theirs_fn is not None:
+                ours, theirs = _paired(ours_fn, theirs_fn, args.repetitions)
+                their_s, ratio = _stats(theirs) + " (same run)", f"{_pair_ratio(ours, theirs):.2f}"
+            else:
+                ours = _timed(ours_fn, args.repetitions)
+                r = ref.get(f"{test}{n}") if not specs and not depth else None
+                their_s = "-" if r is None else f"{r:8.1f} (reference)"
+                ratio = "-" if r is None else f"{statistics.fmean(ours) / r:.2f}"
+            if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
+                off = [{"id": a["id"], "scale": 0.0} for a in lora]
+                off_fn, off_end = _ours(model, test, n, off, depth)
+                try:
+                    on_s, off_s = _paired(ours_fn, off_fn, args.repetitions)
+                finally:
+                    off_end()
+                self_ratios.append(
+                    f"{label}: with adapters {statistics.fmean(on_s):.1f} t/s, without "
+                    f"{statistics.fmean(off_s):.1f} t/s, ratio {_pair_ratio(on_s, off_s):.2f}"
+                )
+        finally:
+            end()
         print(
-            f"| {name} | {len(model.loras)} | {threads} | {test}{n} | {_stats(ours)} | {their_s} | {ratio} |",
+            f"| {name} | {len(model.loras)} | {threads} | {label} | {_stats(ours)} | {their_s} | {ratio} |",
             flush=True,
         )
     for line in self_ratios:

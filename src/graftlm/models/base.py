@@ -294,7 +294,8 @@ class Transformer:
         if (
             spec is not None
             and spec.servable()
-            and cfg.v_head_dim == cfg.head_dim <= native_ops.MAX_HEAD_DIM
+            and cfg.v_head_dim == cfg.head_dim
+            and native_ops.decode_head_dims(cfg.head_dim, cfg.v_head_dim)
             and kc.device.type == "cpu"
             and kc.is_contiguous()
         ):

@@ -28,6 +28,12 @@ __all__ = [
 MAX_HEAD_DIM = 1024  # the C attention keeps a rotated query of this size on its stack
 
 
+def decode_head_dims(d: int, dv: int) -> bool:
+    """Whether gl_attn_decode takes heads of d (keys) and dv (values) dims: whole 8-float
+    vectors, a rotated key on the stack."""
+    return 0 < d <= MAX_HEAD_DIM and 0 < dv <= MAX_HEAD_DIM and d % 8 == 0 and dv % 8 == 0
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Semantics: x * rsqrt(mean(x^2, -1) + eps) * weight (sum of squares in double), or None."""
     lib = library()
@@ -212,7 +218,7 @@ def attn_decode(
     b = q.shape[0]
     h = q.shape[-1] // d
     rot = cos.shape[-1] * 2
-    if max(d, dv) > MAX_HEAD_DIM or q.shape[1] != 1 or h % hkv or rot > d:
+    if not decode_head_dims(d, dv) or q.shape[1] != 1 or h % hkv or rot > d:
         return None
     qs, ks, vs = _row_stride(q), _row_stride(k), _row_stride(v)
     if qs is None or ks is None or vs is None or not (cos.is_contiguous() and sin.is_contiguous()):

@@ -75,26 +75,407 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
     return 0;
 }
 
-/* One decode step of attention for B rows, each one new token of its own sequence:
- * RoPE on q and k at the row's position, k and v written into the cache at (slot, position),
- * then softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all),
- * with GQA (query head h reads kv head h / (H / Hkv)) and an optional tanh soft-cap.
- * q/k/v rows start every q_rs/k_rs/v_rs floats, heads contiguous within a row; the cache, the
- * RoPE tables, the dimensions and the scales are a's.
- * Cache: a->kv, paged (gl_kv), values of type t.  out: (B, H * Dv).  scores: `per` floats for
- * each thread, for the rows that see more positions than the stack holds (per >= their count). */
-static inline __attribute__((always_inline)) void attn_decode_t(
-    const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs, const float *v,
-    int64_t v_rs, const int64_t *slots, const int64_t *pos, int64_t B, float *out, float *scores,
-    int64_t per, int nth, const int t) {
+/* One decode step of attention for B rows, each one new token of its own sequence: RoPE on q and
+ * k at the row's position, k and v written into the cache at (slot, position), then
+ * softmax(scale * q.K) V over positions [max(0, pos - window + 1), pos] (window 0: all), with GQA
+ * (query head h reads kv head h / G, G = H / Hkv) and an optional tanh soft-cap. q/k/v rows start
+ * every q_rs/k_rs/v_rs floats, heads contiguous within a row; the cache, the RoPE tables, the
+ * dimensions and the scales are a's. out: (B, H * Dv).
+ *
+ * The step reads the cache once: a task is one row's kv head over a range of its positions, and
+ * takes all G query heads of that kv head through each tile of up to DT keys (consecutive
+ * positions of one cache block, contiguous in the pool) in one pass: the tile as float32 (the
+ * cache's type converted once), its G x DT scores (each key's dot products summed in 8 lanes,
+ * eight keys' lanes reduced together), the online softmax's running max and sum, and the weighted
+ * values added to the G outputs. Ranges: a row's positions split in chunks when the rows' kv
+ * heads alone would not keep every thread busy (flash-decoding), each chunk's (max, sum, output)
+ * merged at the end. */
+#define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
+#define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
+#ifndef DECODE_AHEAD
+#define DECODE_AHEAD 6 /* tiles read ahead of the one being computed */
+#endif
+
+/* 8 vectors of 8 -> their 8 sums, in order (lane i: the sum of v[i]'s lanes). */
+static inline __m256 reduce8x8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* The float32 rows of a tile: n rows of w cached values of type t at src (contiguous), converted
+ * into dst, or src itself when it is float32 and whole (a short float32 tile is copied: the rows
+ * past it may lie past the pool). */
+static inline __attribute__((always_inline)) const float *tile_f32(const char *src, int64_t n,
+                                                                   int64_t w, float *dst, const int t) {
+    if (t == 0 && n == DT) return (const float *)src;
+    const int64_t m = n * w;
+    for (int64_t i = 0; i < m; i += 8) _mm256_store_ps(dst + i, kv_load8(src, i, t));
+    return dst;
+}
+
+/* O (GN heads x 8 NU values, rows Dv apart) = alpha O + sum_i P[g][i] V[i] over the tile's n keys
+ * (V rows Dv apart, P rows DT apart): the accumulators held in registers. */
+static inline __attribute__((always_inline)) void pv_tile(float *O, const float *alpha, const float *P,
+                                                          const float *V, int64_t n, int64_t Dv,
+                                                          const int GN, const int NU) {
+    __m256 acc[4][4];
+    for (int g = 0; g < GN; g++) {
+        const __m256 a = _mm256_set1_ps(alpha[g]);
+        for (int u = 0; u < NU; u++) acc[g][u] = _mm256_mul_ps(a, _mm256_loadu_ps(O + g * Dv + 8 * u));
+    }
+    for (int64_t i = 0; i < n; i++) {
+        __m256 v[4];
+        for (int u = 0; u < NU; u++) v[u] = _mm256_loadu_ps(V + i * Dv + 8 * u);
+        for (int g = 0; g < GN; g++) {
+            const __m256 p = _mm256_broadcast_ss(P + g * DT + i);
+            for (int u = 0; u < NU; u++) acc[g][u] = _mm256_fmadd_ps(p, v[u], acc[g][u]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int u = 0; u < NU; u++) _mm256_storeu_ps(O + g * Dv + 8 * u, acc[g][u]);
+}
+
+#define PV_NU(GN)                                                                      \
+    switch (nu) {                                                                      \
+    case 1: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 1); break;                              \
+    case 2: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 2); break;                              \
+    case 3: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 3); break;                              \
+    default: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 4); break;                             \
+    }
+
+#if defined(__AVX512F__) && !defined(GL_NO_ZMM)
+/* The 512-bit task: a tile's 16 keys are one vector of scores a head. */
+
+/* e^x for 16 floats: exp256's polynomial. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 fx = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* 16 cached values from value i of p as float32 (i a multiple of 16). */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t i, const int t) {
+    if (t == 0) return _mm512_loadu_ps((const float *)p + i);
+    if (t == 3) {
+        const char *b = (const char *)p + (i >> 5) * 34;
+        uint16_t dh;
+        memcpy(&dh, b, 2);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + (i & 31)));
+        return _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dh)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+    if (t == 1) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+}
+
+/* The float32 keys of a tile transposed, Kt (D x DT): Kt[d * DT + j] = key j's value d, for the
+ * tile's n keys (keys past n: key 0's values, masked out later). 16 x 16 blocks through registers. */
+static inline __attribute__((always_inline)) void tile_keys_t(const char *src, int64_t n, int64_t D,
+                                                              float *Kt, const int t) {
+    const int64_t rb = kv_bytes(D, t); /* a row's bytes */
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const int64_t w = D - d0 < 16 ? D - d0 : 16; /* 16, or 8 at a tail */
+        __m512 r[16], u[16];
+        for (int j = 0; j < 16; j++) {
+            const char *row = src + (j < n ? j : 0) * rb;
+            r[j] = w == 16 ? kv_load16(row, d0, t) : _mm512_castps256_ps512(kv_load8(row, d0, t));
+        }
+        for (int j = 0; j < 16; j += 2) {
+            u[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+            u[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 16; j += 4) {
+            r[j] = _mm512_shuffle_ps(u[j], u[j + 2], 0x44);
+            r[j + 1] = _mm512_shuffle_ps(u[j], u[j + 2], 0xEE);
+            r[j + 2] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0x44);
+            r[j + 3] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
+        }
+        for (int j = 0; j < 4; j++) {
+            u[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+            u[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+            u[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
+            u[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
+        }
+        for (int j = 0; j < 8; j++) {
+            r[j] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0x88);
+            r[j + 8] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0xDD);
+        }
+        for (int i = 0; i < w; i++) _mm512_store_ps(Kt + (d0 + i) * DT, r[i]); /* r[i]: value i */
+    }
+}
+
+/* S[g] (one vector: the tile's 16 keys) = Q[g] . Kt for GN heads from Q (rows D apart): two
+ * chains a head over the even and odd values, all heads' chains interleaved. */
+static inline __attribute__((always_inline)) void scores_tile(const float *Q, const float *Kt, int64_t D,
+                                                              __m512 *S, const int GN) {
+    __m512 acc[8][2];
+    for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 2) {
+        const __m512 k0 = _mm512_load_ps(Kt + d * DT), k1 = _mm512_load_ps(Kt + (d + 1) * DT);
+        for (int g = 0; g < GN; g++) {
+            acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * D + d]), k0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * D + d + 1]), k1, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
+}
+
+/* O (GN heads x 16 NU values from value c0, rows Dv apart; the last vector's lanes: last) =
+ * alpha O + sum_i P[g][i] V[i] over the tile's n keys, each row of V read once from the cache
+ * (rows rb bytes apart, values of type t) for all GN heads. */
+static inline __attribute__((always_inline)) void pv_tile16(float *O, const float *alpha, const float *P,
+                                                            const char *V, int64_t rb, int64_t c0,
+                                                            int64_t n, int64_t Dv, __mmask16 last,
+                                                            const int t, const int GN, const int NU) {
+    __m512 acc[4][4];
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int u = 0; u < NU; u++)
+            acc[g][u] = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(u == NU - 1 ? last : 0xFFFF, O + g * Dv + 16 * u));
+    }
+    for (int64_t i = 0; i < n; i++) {
+        __m512 v[4];
+        for (int u = 0; u < NU; u++)
+            v[u] = u == NU - 1 && last != 0xFFFF ? _mm512_zextps256_ps512(kv_load8(V + i * rb, c0 + 16 * u, t))
+                                                 : kv_load16(V + i * rb, c0 + 16 * u, t);
+        for (int g = 0; g < GN; g++) {
+            const __m512 p = _mm512_set1_ps(P[g * DT + i]);
+            for (int u = 0; u < NU; u++) acc[g][u] = _mm512_fmadd_ps(p, v[u], acc[g][u]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int u = 0; u < NU; u++)
+            _mm512_mask_storeu_ps(O + g * Dv + 16 * u, u == NU - 1 ? last : 0xFFFF, acc[g][u]);
+}
+
+#define PV16_NU(GN)                                                                    \
+    switch (nu) {                                                                      \
+    case 1: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 1); break;                      \
+    case 2: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 2); break;                      \
+    case 3: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 3); break;                      \
+    default: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 4); break;                     \
+    }
+
+static inline __attribute__((always_inline)) void decode_task(
+    const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
+    float *Kf, float *Vf, float *P, float *alpha, const int t) {
     const gl_kv *kv = &a->kv;
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = kv->block;
+    const float softcap = a->softcap;
+    const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+    float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)(G * Dv));
+    for (int64_t j = k0; j < k1;) {
+        int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
+        if (n > DT) n = DT;
+        for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
+            const int64_t jn = (j / BS + ahead) * BS;
+            if (jn >= k1) break;
+            const int64_t nn = k1 - jn < BS ? k1 - jn : BS;
+            const char *kn = kv_at(kv, kv->k, s, hk, jn, D), *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
+            for (int64_t c = 0; c < kv_bytes(nn * D, t); c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
+            for (int64_t c = 0; c < kv_bytes(nn * Dv, t); c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+        }
+        tile_keys_t(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        const char *Vc = kv_at(kv, kv->v, s, hk, j, Dv);
+        const int64_t vrb = kv_bytes(Dv, t);
+        const __mmask16 vis = (__mmask16)((1u << n) - 1u);
+        for (int64_t g0 = 0; g0 < G;) {
+            const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+            __m512 S[8];
+            switch (gn) {
+            case 8: scores_tile(Q + g0 * D, Kf, D, S, 8); break;
+            case 4: scores_tile(Q + g0 * D, Kf, D, S, 4); break;
+            case 2: scores_tile(Q + g0 * D, Kf, D, S, 2); break;
+            default: scores_tile(Q + g0 * D, Kf, D, S, 1); break;
+            }
+            for (int64_t gi = 0; gi < gn; gi++) {
+                const int64_t g = g0 + gi;
+                __m512 x = _mm512_mul_ps(S[gi], _mm512_set1_ps(a->scale)); /* as llama.cpp: after the dot */
+                if (softcap > 0.0f) {
+                    const __m512 e = exp512(_mm512_mul_ps(_mm512_div_ps(x, cap), _mm512_set1_ps(-2.0f)));
+                    x = _mm512_mul_ps(_mm512_sub_ps(_mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_set1_ps(1.0f)), cap);
+                }
+                x = _mm512_mask_blend_ps(vis, ninf, x);
+                const float mx = _mm512_reduce_max_ps(x), mn = mx > m[g] ? mx : m[g];
+                const __m512 e = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
+                _mm512_storeu_ps(P + g * DT, e);
+                psum[g] = _mm512_reduce_add_ps(e);
+                mnew[g] = mn;
+            }
+            g0 += gn;
+        }
+        /* alpha = exp(m_old - m_new) of every head at once (0 where nothing was seen yet) */
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 mk = (__mmask16)(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1u);
+            const __m512 mo = _mm512_maskz_loadu_ps(mk, m + g), mw = _mm512_maskz_loadu_ps(mk, mnew + g);
+            const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ);
+            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mo, mw)));
+            _mm512_mask_storeu_ps(alpha + g, mk, al);
+            _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
+            _mm512_mask_storeu_ps(m + g, mk, mw);
+        }
+        /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            const float *al = alpha + g0, *Pg = P + g0 * DT;
+            for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+                const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64, nu = (w + 15) / 16;
+                const __mmask16 last = (__mmask16)(w % 16 ? (1u << (w % 16)) - 1u : 0xFFFF);
+                float *Og = O + g0 * Dv + c0;
+                switch (gn) {
+                case 1: PV16_NU(1) break;
+                case 2: PV16_NU(2) break;
+                case 3: PV16_NU(3) break;
+                default: PV16_NU(4) break;
+                }
+            }
+        }
+        j += n;
+    }
+}
+#else
+
+/* One task: kv head hk of the row at slot s and position p, its G query heads rotated and scaled
+ * in Q (G x D), over positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the
+ * sum of exp(score - max) and the unnormalized output. Kf, Vf: a tile's float32 rows; P: G x DT. */
+static inline __attribute__((always_inline)) void decode_task(
+    const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
+    float *Kf, float *Vf, float *P, float *alpha, const int t) {
+    const gl_kv *kv = &a->kv;
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = kv->block;
+    const float softcap = a->softcap;
+    const __m256 cap = _mm256_set1_ps(softcap), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float *m = part, *l = part + G, *O = part + 2 * G;
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)(G * Dv));
+    for (int64_t j = k0; j < k1;) {
+        int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
+        if (n > DT) n = DT;
+        /* the tile DECODE_AHEAD on from memory (the first tiles' at the start): the blocks lie
+         * anywhere in the pool, where no hardware prefetcher follows */
+        for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
+            const int64_t jn = (j / BS + ahead) * BS;
+            if (jn >= k1) break;
+            const int64_t nn = k1 - jn < BS ? k1 - jn : BS;
+            const char *kn = kv_at(kv, kv->k, s, hk, jn, D), *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
+            for (int64_t c = 0; c < kv_bytes(nn * D, t); c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
+            for (int64_t c = 0; c < kv_bytes(nn * Dv, t); c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+        }
+        const float *K = tile_f32(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        const float *V = tile_f32(kv_at(kv, kv->v, s, hk, j, Dv), n, Dv, Vf, t);
+        /* scores of G heads x n keys, 8 keys at a time: 8 chains over d, reduced together */
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = Q + g * D;
+            __m256 sv[DT / 8];
+            float mx = -INFINITY;
+            for (int h = 0; h < DT / 8; h++) {
+                if (8 * h >= n) {
+                    sv[h] = ninf;
+                    continue;
+                }
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                const float *kr = K + 8 * h * D;
+                for (int64_t c = 0; c < D; c += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + c);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + i * D + c), acc[i]);
+                }
+                __m256 x = _mm256_mul_ps(reduce8x8(acc), _mm256_set1_ps(a->scale));
+                if (softcap > 0.0f) x = _mm256_mul_ps(tanh256(_mm256_div_ps(x, cap)), cap);
+                const __m256i out = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)), _mm256_set1_epi32((int)n - 1));
+                sv[h] = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(out));
+                const float hm = hmax8(sv[h]);
+                mx = hm > mx ? hm : mx;
+            }
+            const float mnew = mx > m[g] ? mx : m[g];
+            alpha[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - mnew);
+            const __m256 mv = _mm256_set1_ps(mnew);
+            __m256 sum = _mm256_setzero_ps();
+            for (int h = 0; h < DT / 8; h++) {
+                const __m256 vis = _mm256_cmp_ps(sv[h], ninf, _CMP_NEQ_OQ);
+                const __m256 e = _mm256_and_ps(vis, exp256(_mm256_sub_ps(sv[h], mv)));
+                _mm256_store_ps(P + g * DT + 8 * h, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            l[g] = l[g] * alpha[g] + hsum8(sum);
+            m[g] = mnew;
+        }
+        /* O = alpha O + P V: up to 4 heads x 32 values a pass, in registers */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            const float *al = alpha + g0, *Pg = P + g0 * DT;
+            for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+                const int64_t nu = Dv - c0 < 32 ? (Dv - c0) / 8 : 4;
+                float *Og = O + g0 * Dv + c0;
+                const float *Vc = V + c0;
+                switch (gn) {
+                case 1: PV_NU(1) break;
+                case 2: PV_NU(2) break;
+                case 3: PV_NU(3) break;
+                default: PV_NU(4) break;
+                }
+            }
+        }
+        j += n;
+    }
+}
+#endif
+
+/* The positions a split hands one task: every row's kv heads over the threads, about four tasks
+ * a thread, never fewer than DECODE_MIN_CHUNK positions (a whole number of tiles). */
+static int64_t decode_chunk(int64_t total, int nth) {
+    int64_t c = (total + 4 * nth - 1) / (4 * nth);
+    c = (c + DT - 1) / DT * DT;
+    return c < DECODE_MIN_CHUNK ? DECODE_MIN_CHUNK : c;
+}
+
+/* The first position row b sees. */
+static inline int64_t decode_lo(const gl_attn *a, int64_t p) {
+    return a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
+}
+
+/* The work buffer of a decode step of B rows on nth threads: each thread's tiles (K and V as
+ * float32, the group's rotated queries, the tile's weights), the tasks' partial results (at most
+ * 4 nth + B Hkv tasks: see decode_chunk) and the tasks' first index per row. */
+static int64_t attn_decode_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t B, int nth) {
+    const int64_t G = H / Hkv, f = (int64_t)sizeof(float), r = 64;
+    const int64_t thread = ((DT * (D + Dv) + G * D + G * DT + 3 * G) * f + r - 1) / r * r;
+    return nth * thread + (4 * nth + B * Hkv) * G * (Dv + 2) * f + (B + 1) * (int64_t)sizeof(int64_t);
+}
+
+static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
+                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
+                            const int64_t *pos, int64_t B, float *out, void *work_, int nth) {
+    const gl_kv *kv = &a->kv;
+    const int t = (int)kv->type;
+    char *work = work_;
     const float *cos_t = a->cos_t, *sin_t = a->sin_t;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
-    const int64_t rot = a->rot, window = a->window, BS = kv->block;
+    const int64_t G = H / Hkv, rot = a->rot, half = rot / 2;
     const int neox = (int)a->neox;
-    const float scale = a->scale, softcap = a->softcap;
-    const int64_t half = rot / 2;
-    int64_t work = 0;
+    int64_t total = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = pos[b], s = slots[b];
         for (int64_t h = 0; h < Hkv; h++) {
@@ -103,119 +484,75 @@ static inline __attribute__((always_inline)) void attn_decode_t(
             kv_store(kv_at(kv, kv->k, s, h, p, D), kr, D, t);
             kv_store(kv_at(kv, kv->v, s, h, p, Dv), v + b * v_rs + h * Dv, Dv, t);
         }
-        work += (p + 1) * H;
+        total += (p + 1 - decode_lo(a, p)) * Hkv;
     }
-    const int64_t group = H / Hkv;
-#pragma omp parallel num_threads(nth) if (work * (D + Dv) > 200000)
+    const int64_t f = (int64_t)sizeof(float), r = 64;
+    const int64_t thread = ((DT * (D + Dv) + G * D + G * DT + 3 * G) * f + r - 1) / r * r;
+    const int64_t chunk = decode_chunk(total, nth), pw = G * (Dv + 2);
+    float *parts = (float *)(work + nth * thread);
+    int64_t *first = (int64_t *)(parts + (4 * nth + B * Hkv) * pw); /* row b's tasks: first[b] .. */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = pos[b] + 1 - decode_lo(a, pos[b]);
+        first[b + 1] = first[b] + Hkv * ((n + chunk - 1) / chunk);
+    }
+    const int64_t ntask = first[B];
+#pragma omp parallel num_threads(nth) if (total * (D + Dv) * G > 100000)
     {
-    const unsigned csr = ftz_begin();
+        const unsigned csr = ftz_begin();
+        char *mine = work + omp_get_thread_num() * thread;
+        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DT;
+        int64_t b = 0;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, hk = h / group, p = pos[b], s = slots[b];
-        const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p + 1 - lo;
-        float qr[1024], sbuf_stack[GL_STACK_SCORES];
-        float *sc = n <= GL_STACK_SCORES ? sbuf_stack : scores + omp_get_thread_num() * per;
-        rope_head(q + b * q_rs + h * D, qr, D, rot, cos_t + p * half, sin_t + p * half, neox);
-        /* scores, their max, exp(score - max) in place, their sum; the keys a block at a time */
-        float m = -INFINITY;
-        for (int64_t j = lo; j <= p;) {
-            const int64_t run = BS - j % BS < p + 1 - j ? BS - j % BS : p + 1 - j;
-            const char *kb = kv_at(kv, kv->k, s, hk, j, D);
-            for (int64_t i = 0; i < run; i++) {
-                float x = dot_kv(qr, kb + kv_bytes(i * D, t), D, t) * scale;
-                if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
-                sc[j - lo + i] = x;
-                m = x > m ? x : m;
-            }
-            j += run;
-        }
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 lsum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
-            _mm256_storeu_ps(sc + j, e);
-            lsum = _mm256_add_ps(lsum, e);
-        }
-        float l = hsum8(lsum);
-        for (; j < n; j++) {
-            sc[j] = expf(sc[j] - m);
-            l += sc[j];
-        }
-        const float il = 1.0f / l;
-        /* out = sum_j e_j V_j / l, 64 outputs at a time held in registers */
-        float *o = out + (b * H + h) * Dv;
-        for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
-            const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64;
-            if (w == 64) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                for (int64_t jj = lo; jj <= p;) {
-                    const int64_t run = BS - jj % BS < p + 1 - jj ? BS - jj % BS : p + 1 - jj;
-                    const char *vb = kv_at(kv, kv->v, s, hk, jj, Dv);
-                    const float *e_run = sc + (jj - lo);
-                    for (int64_t i = 0; i < run; i++) {
-                        const __m256 e = _mm256_set1_ps(e_run[i]);
-                        const void *vr = vb + kv_bytes(i * Dv + c0, t);
-                        a0 = _mm256_fmadd_ps(e, kv_load8(vr, 0, t), a0);
-                        a1 = _mm256_fmadd_ps(e, kv_load8(vr, 8, t), a1);
-                        a2 = _mm256_fmadd_ps(e, kv_load8(vr, 16, t), a2);
-                        a3 = _mm256_fmadd_ps(e, kv_load8(vr, 24, t), a3);
-                        a4 = _mm256_fmadd_ps(e, kv_load8(vr, 32, t), a4);
-                        a5 = _mm256_fmadd_ps(e, kv_load8(vr, 40, t), a5);
-                        a6 = _mm256_fmadd_ps(e, kv_load8(vr, 48, t), a6);
-                        a7 = _mm256_fmadd_ps(e, kv_load8(vr, 56, t), a7);
-                    }
-                    jj += run;
-                }
-                const __m256 iv = _mm256_set1_ps(il);
-                _mm256_storeu_ps(o + c0, _mm256_mul_ps(a0, iv));
-                _mm256_storeu_ps(o + c0 + 8, _mm256_mul_ps(a1, iv));
-                _mm256_storeu_ps(o + c0 + 16, _mm256_mul_ps(a2, iv));
-                _mm256_storeu_ps(o + c0 + 24, _mm256_mul_ps(a3, iv));
-                _mm256_storeu_ps(o + c0 + 32, _mm256_mul_ps(a4, iv));
-                _mm256_storeu_ps(o + c0 + 40, _mm256_mul_ps(a5, iv));
-                _mm256_storeu_ps(o + c0 + 48, _mm256_mul_ps(a6, iv));
-                _mm256_storeu_ps(o + c0 + 56, _mm256_mul_ps(a7, iv));
-            } else {
-                float acc[64] = {0};
-                for (int64_t jj = lo; jj <= p; jj++) {
-                    const char *vr = kv_at(kv, kv->v, s, hk, jj, Dv) + kv_bytes(c0, t);
-                    const float e = sc[jj - lo];
-                    for (int64_t i = 0; i < w; i++) acc[i] += e * kv_get(vr, i, t);
-                }
-                for (int64_t i = 0; i < w; i++) o[c0 + i] = acc[i] * il;
+        for (int64_t task = 0; task < ntask; task++) {
+            while (first[b + 1] <= task) b++; /* tasks come in order to each thread */
+            while (first[b] > task) b--;
+            const int64_t ns = (first[b + 1] - first[b]) / Hkv, i = task - first[b];
+            const int64_t hk = i / ns, c = i % ns, p = pos[b], lo = decode_lo(a, p);
+            const int64_t k0 = lo + c * chunk, k1 = k0 + chunk < p + 1 ? k0 + chunk : p + 1;
+            for (int64_t g = 0; g < G; g++) /* the group's queries, rotated */
+                rope_head(q + b * q_rs + (hk * G + g) * D, Q + g * D, D, rot, cos_t + p * half,
+                          sin_t + p * half, neox);
+            float *part = parts + task * pw;
+            switch (t) { /* here, not around the region: OpenMP outlines the region's body before
+                          * inlining, and each case must see its type as a constant */
+            case 1: decode_task(a, Q, slots[b], hk, k0, k1, part, Kf, Vf, P, al, 1); break;
+            case 2: decode_task(a, Q, slots[b], hk, k0, k1, part, Kf, Vf, P, al, 2); break;
+            case 3: decode_task(a, Q, slots[b], hk, k0, k1, part, Kf, Vf, P, al, 3); break;
+            default: decode_task(a, Q, slots[b], hk, k0, k1, part, Kf, Vf, P, al, 0); break;
             }
         }
-    }
-    ftz_end(csr);
+        /* each head's output: its chunks' outputs weighted by exp(m - max), over their sum */
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; bh++) {
+            const int64_t rb = bh / H, h = bh % H, hk = h / G, g = h % G;
+            const int64_t ns = (first[rb + 1] - first[rb]) / Hkv;
+            const float *p0 = parts + (first[rb] + hk * ns) * pw;
+            float mx = -INFINITY;
+            for (int64_t c = 0; c < ns; c++) mx = p0[c * pw + g] > mx ? p0[c * pw + g] : mx;
+            float wsum = 0.0f;
+            float *o = out + (rb * H + h) * Dv;
+            for (int64_t d = 0; d < Dv; d++) o[d] = 0.0f;
+            for (int64_t c = 0; c < ns; c++) {
+                const float *pc = p0 + c * pw;
+                const float wc = expf(pc[g] - mx);
+                wsum += wc * pc[G + g];
+                scale_axpy(o, 1.0f, wc, pc + 2 * G + g * Dv, Dv);
+            }
+            const float il = 1.0f / wsum;
+            for (int64_t d = 0; d < Dv; d++) o[d] *= il;
+        }
+        ftz_end(csr);
     }
 }
 
-static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
-                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
-                            const int64_t *pos, int64_t B, float *out, float *scores,
-                            int64_t per, int nth) {
-    switch (a->kv.type) { /* one specialization a cache type: the loads are its inner loop */
-    case 1: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 1); break;
-    case 2: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 2); break;
-    case 3: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 3); break;
-    default: attn_decode_t(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scores, per, nth, 0); break;
-    }
-}
-
-/* Attention of a decode step from Python: the scores of the longest rows in one allocation. */
+/* Attention of a decode step from Python: its work buffer in one allocation. */
 void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const float *k, int64_t k_rs,
                     const float *v, int64_t v_rs, const int64_t *slots, const int64_t *pos,
                     int64_t B, float *out, int nth) {
-    int64_t per = 0; /* the most positions a row sees, past what the stack holds */
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t lo = a->window > 0 && pos[b] - a->window + 1 > 0 ? pos[b] - a->window + 1 : 0;
-        if (pos[b] + 1 - lo > GL_STACK_SCORES && pos[b] + 1 - lo > per) per = pos[b] + 1 - lo;
-    }
-    const int64_t bytes = (int64_t)sizeof(float) * nth * per;
+    const int64_t bytes = attn_decode_bytes(a->n_head, a->n_head_kv, a->head_dim, a->v_dim, B, nth);
     gl_scratch own, *s = scratch_open(NULL, &own, bytes);
-    attn_decode_run(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scratch_take(s, bytes), per,
-                    nth);
+    attn_decode_run(a, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, scratch_take(s, bytes), nth);
     scratch_close(s, &own);
 }
 

@@ -598,13 +598,12 @@ static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int v, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);
 
-/* attn.c: gl_attn_decode with the scores of long rows in `scores` (per floats a thread). */
-#define GL_STACK_SCORES 2048 /* the scores a decode thread keeps on its stack */
+/* attn.c: gl_attn_decode in `work`, attn_decode_bytes(H, Hkv, D, Dv, B, nth) of it. */
 #define GL_MAX_EXPERTS_USED 16 /* a routed layer's experts a token, at most (fused.py holds to it) */
 static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
                             int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
-                            const int64_t *pos, int64_t B, float *out, float *scores,
-                            int64_t per, int nth);
+                            const int64_t *pos, int64_t B, float *out, void *work, int nth);
+static int64_t attn_decode_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t B, int nth);
 
 /* lora.c: y (M, n) = x (M, k) @ W.T plus l's delta, in one parallel region, its buffers from sc
  * (proj_bytes of them past sc->used); proj_alone: the same with buffers of its own. */

@@ -3,12 +3,12 @@
 
 /* One layer's buffers for B rows: the normed input and the gated activation (h), the QKV or
  * gate/up outputs (big), the attention output (att; a routed FFN gathers an expert's rows of h
- * there), each block's output (o), and the attention scores of rows longer than the stack holds
- * (n_ctx per thread; NULL when no row can be). A routed FFN's (else NULL): the router's logits
- * (B, n_expert), each row's experts and their weights (B, n_expert_used), an expert's rows, their
+ * there), each block's output (o), and the attention's work (attn_decode_bytes). A routed
+ * FFN's (else NULL): the router's logits (B, n_expert), each row's experts and their weights (B, n_expert_used), an expert's rows, their
  * weights, gated activations (B, n_ff) and outputs (B, n_embd). */
 typedef struct {
-    float *h, *big, *att, *o, *scores;
+    float *h, *big, *att, *o;
+    void *work;
     float *logits, *weight, *row_w, *act, *y;
     int64_t *chosen, *rows;
 } layer_bufs;
@@ -22,7 +22,7 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
     b.big = scratch_take(s, f * B * (2 * ff > nqkv ? 2 * ff : nqkv));
     b.att = scratch_take(s, f * B * (nq > d ? nq : d));
     b.o = scratch_take(s, f * B * d);
-    b.scores = L->n_ctx > GL_STACK_SCORES ? scratch_take(s, f * nth * L->n_ctx) : NULL;
+    b.work = scratch_take(s, attn_decode_bytes(L->n_head, L->n_head_kv, L->head_dim, L->head_dim, B, nth));
     b.logits = b.weight = b.row_w = b.act = b.y = NULL;
     b.chosen = b.rows = NULL;
     if (L->n_expert) {
@@ -168,7 +168,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
     }
     const gl_attn a = {L->kv, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
                        L->window, L->scale, L->softcap};
-    attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.scores, L->n_ctx, nth);
+    attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.work, nth);
     proj_run(&L->o, att, B, 1, &L->l_o, o, sc, nth);
     for (int64_t b = 0; b < B; b++) add_bias(o + b * d, L->o_bias, d);
     if (L->post_attn_norm) gl_rms_norm(o, B, d, L->post_attn_norm, L->eps, o, nth);

@@ -1,0 +1,172 @@
+"""The decode attention kernel (gl_attn_decode) against its PyTorch twin, SDPA in float64 on the
+cache's own values: every cache type, lengths around a block's edges and long ones (a row's
+positions split over tasks and merged), scattered blocks, rows of different lengths in one call,
+GQA groups of 1 to 8 heads, head sizes with a half-vector tail, sliding windows, soft-capping,
+RoPE in both layouts; and the same cases through the other ISA variants of this CPU (the 256-bit
+kernels where 512-bit ones exist, and the AVX2 build), each against the twin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from graftlm.native import features, library, ops
+from graftlm.step import KVCache
+from graftlm.step.kv_cache import KV_TYPES, q8_0_pack, q8_0_unpack
+
+pytestmark = pytest.mark.skipif(library() is None, reason="native kernels unavailable here")
+
+# (name, row lengths before the new token, heads, kv heads, head dim, window, soft-cap, neox)
+Case = tuple[str, list[int], int, int, int, int, float, bool]
+CASES: list[Case] = [
+    ("one position", [0], 4, 2, 64, 0, 0.0, False),
+    ("a block less one", [14], 4, 2, 64, 0, 0.0, False),
+    ("a block", [15], 4, 2, 64, 0, 0.0, False),
+    ("a block and one", [16], 4, 2, 64, 0, 0.0, False),
+    ("rows of their own lengths", [16, 3, 40, 0], 8, 2, 64, 0, 0.0, True),
+    ("4,095 split over tasks", [4094], 4, 1, 128, 0, 0.0, False),
+    ("16,384, llama-1b's group", [16383], 32, 8, 64, 0, 0.0, False),
+    ("qwen's group of 6", [700], 12, 2, 128, 0, 0.0, True),
+    ("no group", [300, 33], 3, 3, 64, 0, 0.0, False),
+    ("a group of 8 and a tail of 8 values", [99], 8, 1, 72, 0, 0.0, False),
+    ("gemma-3's window", [600, 20], 4, 1, 256, 512, 0.0, True),
+    ("gemma-2's soft-cap", [129], 8, 4, 256, 0, 50.0, True),
+    ("a window inside a block", [40], 4, 2, 64, 5, 0.0, False),
+]
+TYPES = list(KV_TYPES)
+
+
+def _rope(x: torch.Tensor, pos: int, base: float, neox: bool) -> torch.Tensor:
+    """x (..., D) rotated at pos in float64, as rope_head does (pairs, or halves when neox)."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos * inv
+    cos, sin = ang.cos(), ang.sin()
+    x = x.double()
+    if neox:
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+
+def _tables(n_ctx: int, d: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(n_ctx, dtype=torch.float64).view(-1, 1) * inv
+    return ang.cos().float().contiguous(), ang.sin().float().contiguous()
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q8_0_unpack(q8_0_pack(x)) if dtype is torch.uint8 else x.to(dtype).float()
+
+
+def run_case(case: Case, kv: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The kernel's output for one case, and what the twin needs: the cache's rounded values,
+    the inputs. Made the same way in every process (seeded)."""
+    _, lengths, h, hkv, d, window, cap, neox = case
+    dtype = KV_TYPES[kv][0]
+    if dtype is torch.uint8 and d % 32:
+        d = 64  # q8_0 rows are whole 32-value blocks
+    rows = len(lengths)
+    n_ctx = max(lengths) + 1
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, rows, hkv, n_ctx, d, d, dtype, n_blocks=2 * rows * -(-n_ctx // 16) + 1)
+    order = (torch.randperm(cache.n_blocks - 1, generator=g) + 1).tolist()
+    keys = torch.randn(rows, hkv, n_ctx, d, generator=g)
+    values = torch.randn(rows, hkv, n_ctx, d, generator=g)
+    for s in range(rows):  # every row's blocks scattered over the pool, out of order
+        blocks = order[s * cache.max_blocks : (s + 1) * cache.max_blocks]
+        cache.set_table(s, blocks)
+        for i, b in enumerate(blocks):
+            n = min(16, n_ctx - i * 16)
+            cache.k[0][b, :, :n] = cache._pack(keys[s, :, i * 16 : i * 16 + n])
+            cache.v[0][b, :, :n] = cache._pack(values[s, :, i * 16 : i * 16 + n])
+    q = torch.randn(rows, 1, h * d, generator=g)
+    k = torch.randn(rows, 1, hkv * d, generator=g)
+    v = torch.randn(rows, 1, hkv * d, generator=g)
+    cos, sin = _tables(n_ctx, d, 10000.0)
+    slots = torch.arange(rows - 1, -1, -1)  # slots out of the rows' order
+    pos = torch.tensor([lengths[int(s)] for s in slots])
+    out = ops.attn_decode(q, k, v, cache, 0, slots, pos, cos, sin, neox, d**-0.5, window, cap)
+    assert out is not None
+    return {"out": out, "keys": _rounded(keys, dtype), "values": _rounded(values, dtype),
+            "q": q, "k": k, "v": v, "slots": slots, "pos": pos, "d": torch.tensor(d)}  # fmt: skip
+
+
+def twin(case: Case, kv: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
+    """SDPA in float64 over the cache's values and the new token's (rotated and rounded as the
+    cache holds them)."""
+    _, _, h, hkv, _, window, cap, neox = case
+    dtype = KV_TYPES[kv][0]
+    d = int(got["d"])
+    outs = []
+    for r in range(len(got["slots"])):
+        s, p = int(got["slots"][r]), int(got["pos"][r])
+        kn = _rounded(_rope(got["k"][r, 0].view(hkv, d), p, 10000.0, neox).float(), dtype)
+        vn = _rounded(got["v"][r, 0].view(hkv, d), dtype)
+        keys = torch.cat([got["keys"][s, :, :p], kn.view(hkv, 1, d)], 1).double()
+        values = torch.cat([got["values"][s, :, :p], vn.view(hkv, 1, d)], 1).double()
+        lo = max(0, p - window + 1) if window else 0
+        keys, values = keys[:, lo:], values[:, lo:]
+        q = _rope(got["q"][r, 0].view(h, d), p, 10000.0, neox)
+        keys = keys.repeat_interleave(h // hkv, 0)
+        values = values.repeat_interleave(h // hkv, 0)
+        scores = (q.unsqueeze(1) @ keys.transpose(1, 2)) * d**-0.5  # (h, 1, L)
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        outs.append((torch.softmax(scores, -1) @ values).flatten())
+    return torch.stack(outs).view(len(outs), 1, -1)
+
+
+def _check(case: Case, kv: str, got: dict[str, torch.Tensor]) -> None:
+    want = twin(case, kv, got)
+    torch.testing.assert_close(got["out"].double(), want, rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("kv", TYPES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decode_attention_equals_its_twin(case: Case, kv: str) -> None:
+    torch.set_num_threads(2)  # (the long rows split into tasks merged at the end)
+    _check(case, kv, run_case(case, kv))
+
+
+VARIANT = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from graftlm.native import isa
+import test_decode_attention as t
+torch.set_num_threads(2)
+out = {"isa": isa()}
+for i, case in enumerate(t.CASES):
+    for kv in t.TYPES:
+        out[f"{i}:{kv}"] = t.run_case(case, kv)["out"]
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("other", ["avx2", "ymm"])
+def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
+    """The other variants' kernels (built in a subprocess) against the twin, case by case."""
+    if not features():
+        pytest.skip("this CPU's variant is the AVX2 one: the test above is its test")
+    if other == "ymm" and "avx512f" not in features():
+        pytest.skip("no 512-bit kernels on this CPU: the ymm variant is this one")
+    env = {**os.environ, "GRAFTLM_NATIVE_ISA": other, "GRAFTLM_AMX_ROWS": "0"}
+    path = tmp_path / "out.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", VARIANT, str(path), str(Path(__file__).parent)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(path)
+    assert theirs["isa"] == other
+    for i, case in enumerate(CASES):
+        for kv in TYPES:
+            got = run_case(case, kv)
+            got["out"] = theirs[f"{i}:{kv}"]
+            _check(case, kv, got)

@@ -14,10 +14,14 @@ scale 1 on both sides: llama.cpp through `llama-batched-bench --lora FILE -npl 1
 takes no adapters; it sits beside llama-bench in the same folder), graftlm through `graftlm bench
 --lora FILE`.
 
+`-d D [D ...]` runs every test again after D tokens of context (llama-bench's -d; llama.cpp with
+flash attention on, its fast path at depth), `--cache-type` sets both sides' KV cache (-ctk/-ctv).
+
 `--bandwidth` also measures the machine's read bandwidth (`bench/read_bandwidth.c`: 2 threads
 streaming through 1 GiB, the best of 5) before every run and after the last, and, for each
 decode test, the share of it each engine reaches: tokens/s x the bytes a token reads (every
-tensor of the file except an untied embedding, of which a token reads one row) / the higher of
+tensor of the file except an untied embedding, of which a token reads one row; at a depth, plus
+the keys and values of every position before it, the average over the test's steps) / the higher of
 the two probes around that run; the median over the rounds, and their range.
 
 Each `graftlm bench` builds the native library from the sources it imports, afresh whenever a
@@ -39,20 +43,35 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROW = re.compile(r"^\| [^|]+ \| \d+ \| \d+ \| (?P<test>\w+) \|\s+(?P<tps>[\d.]+)")
+ROW = re.compile(r"^\| [^|]+ \| \d+ \| \d+ \| (?P<test>\w+(?: @ d\d+)?) \|\s+(?P<tps>[\d.]+)")
 
 
-def llama_cpp(bench: Path, model: str, p: int, n: int, r: int) -> dict[str, float]:
-    done = subprocess.run(
-        [str(bench), "-m", model, "-p", str(p), "-n", str(n), "-r", str(r), "-t", "2", "-o", "csv"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def llama_cpp(
+    bench: Path, model: str, p: int, n: int, r: int, depths: list[int], cache: str
+) -> dict[str, float]:
+    cmd = [
+        str(bench),
+        "-m",
+        model,
+        "-p",
+        str(p),
+        "-n",
+        str(n),
+        "-r",
+        str(r),
+        "-t",
+        "2",
+        "-o",
+        "csv",
+    ]
+    if depths != [0] or cache != "f16":  # flash attention: llama.cpp's fast path at depth
+        cmd += ["-d", ",".join(map(str, depths)), "-ctk", cache, "-ctv", cache, "-fa", "on"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out = {}
     for row in csv.DictReader(io.StringIO(done.stdout)):
         test = f"pp{row['n_prompt']}" if row["n_prompt"] != "0" else f"tg{row['n_gen']}"
-        out[test] = float(row["avg_ts"])
+        depth = int(row.get("n_depth") or 0)
+        out[test + (f" @ d{depth}" if depth else "")] = float(row["avg_ts"])
     return out
 
 
@@ -74,9 +93,18 @@ def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int) -> dict[s
     raise RuntimeError(f"no result row in llama-batched-bench's output:\n{done.stdout[-2000:]}")
 
 
-def graftlm(model: str, p: int, n: int, r: int, lora: str | None = None) -> dict[str, float]:
+def graftlm(
+    model: str,
+    p: int,
+    n: int,
+    r: int,
+    lora: str | None = None,
+    depths: list[int] | None = None,
+    cache: str = "f16",
+) -> dict[str, float]:
     cmd = [sys.executable, "-m", "graftlm", "bench", "--no-llama-cpp", "-t", "2", "-m", model]
-    cmd += ["-p", str(p), "-n", str(n), "-r", str(r)]
+    cmd += ["-p", str(p), "-n", str(n), "-r", str(r), "-ctk", cache]
+    cmd += ["-d", *map(str, depths or [0])]
     if lora is not None:
         cmd += ["--lora", lora]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
@@ -123,6 +151,23 @@ def token_bytes(model: str) -> int:
     return int(total)
 
 
+def kv_bytes(model: str, depth: int, n: int, cache: str) -> int:
+    """The cache bytes one decode token of a tg`n` test at `depth` reads, on average over its n
+    steps: keys and values of every layer at every position before it (the step at d + i reads
+    d + i + 1). A sliding window is not counted (every layer is taken to read all positions)."""
+    from graftlm.gguf import GGUFFile
+
+    f = GGUFFile(model)
+    arch = f.architecture
+    n_layer, n_head = int(f.get(f"{arch}.block_count")), int(f.get(f"{arch}.attention.head_count"))
+    n_kv = int(f.get(f"{arch}.attention.head_count_kv", n_head))
+    d_k = int(f.get(f"{arch}.attention.key_length", f.get(f"{arch}.embedding_length") // n_head))
+    d_v = int(f.get(f"{arch}.attention.value_length", d_k))
+    per_value = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}[cache]
+    positions = depth + (n + 1) / 2
+    return int(n_layer * n_kv * (d_k + d_v) * per_value * positions)
+
+
 def write_1b(folder: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from gguf import GGMLQuantizationType as Q
@@ -140,6 +185,13 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-d", type=int, nargs="+", default=[0], help="depths, as llama-bench's -d")
+    ap.add_argument(
+        "--cache-type",
+        default="f16",
+        choices=["f16", "bf16", "f32", "q8_0"],
+        help="the KV cache type of both (-ctk/-ctv)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--write-1b", type=Path, metavar="DIR")
     ap.add_argument("--bandwidth", action="store_true", help="measure read bandwidth too")
@@ -188,19 +240,23 @@ def compare(
         for i in range(args.rounds):
             for who in ("llama.cpp", "graftlm") if i % 2 == 0 else ("graftlm", "llama.cpp"):
                 if who == "graftlm":
-                    runs[who].append(graftlm(model, args.p, args.n, args.r, lora))
+                    runs[who].append(graftlm(model, args.p, args.n, args.r, lora, args.d,
+                                             args.cache_type))  # fmt: skip
                 elif lora is None:
-                    runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r))
+                    runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r,
+                                               args.d, args.cache_type))  # fmt: skip
                 else:
                     runs[who].append(llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n))
                 if probe:
                     probes.append(probe.measure())
                     bw[who].append(max(probes[-2:]))
         name = Path(model).name + ("" if lora is None else f" + {Path(lora).name}")
-        nbytes = token_bytes(model)
+        weights = token_bytes(model)
         for test in runs["graftlm"][0]:
             a = statistics.median(r[test] for r in runs["llama.cpp"])
             b = statistics.median(r[test] for r in runs["graftlm"])
+            depth = int(test.split(" @ d")[1]) if " @ d" in test else 0
+            nbytes = weights + kv_bytes(model, depth, args.n, args.cache_type)
             shares = tuple(
                 _share([r[test] * nbytes / w for r, w in zip(runs[who], bw[who], strict=True)])
                 if probe

@@ -84,7 +84,7 @@ def run_case(case: Case, kv: str, seed: int = 0) -> dict[str, torch.Tensor]:
         cache.set_table(s, blocks)
         for i, b in enumerate(blocks):
             n = min(16, n_ctx - i * 16)
-            cache.k[0][b, :, :n] = cache._pack(keys[s, :, i * 16 : i * 16 + n])
+            cache.key_rows(0)[b, :, :n] = cache._pack(keys[s, :, i * 16 : i * 16 + n])
             cache.v[0][b, :, :n] = cache._pack(values[s, :, i * 16 : i * 16 + n])
     q = torch.randn(rows, 1, h * d, generator=g)
     k = torch.randn(rows, 1, hkv * d, generator=g)

@@ -635,7 +635,7 @@ def _paged(dense: torch.Tensor, dtype: torch.dtype, seed: int = 0) -> KVCache:
         cache.set_table(s, blocks)
         for i, b in enumerate(blocks):
             piece = dense[s, :, i * 16 : (i + 1) * 16]
-            cache.k[0][b, :, : piece.shape[1]] = cache._pack(piece)
+            cache.key_rows(0)[b, :, : piece.shape[1]] = cache._pack(piece)
             cache.v[0][b, :, : piece.shape[1]] = cache._pack(piece.flip(-1))  # V: K reversed
     return cache
 
@@ -736,7 +736,7 @@ def test_native_prompt_cache_writes_equal_kvcache_write(kv: str) -> None:
     assert rows is not None and ops.kv_write(ours, 0, rows, k[:1], v[:1])
     twin.write(0, late, k[:1], v[:1])
     last = int(twin.tables[1, -1])  # the block of the table's last position, 15 in it
-    for pool_ours, pool_twin in ((ours.k[0], twin.k[0]), (ours.v[0], twin.v[0])):
+    for pool_ours, pool_twin in ((ours.key_rows(0), twin.key_rows(0)), (ours.v[0], twin.v[0])):
         assert not torch.equal(pool_ours, pool_twin)  # the twin's clamped writes landed on 15
         real = pool_ours.clone()
         real[last, :, 15] = pool_twin[last, :, 15]
@@ -765,7 +765,7 @@ def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
     assert out is not None
     for r, (s, p) in enumerate(zip(slots, pos, strict=True)):
         b = int(cache.tables[s, p // 16])
-        assert torch.equal(cache.k[0][b, :, p % 16], cache._pack(k[r, 0].view(hkv, d)))
+        assert torch.equal(cache.key_rows(0)[b, :, p % 16], cache._pack(k[r, 0].view(hkv, d)))
         assert torch.equal(cache.v[0][b, :, p % 16], cache._pack(v[r, 0].view(hkv, d)))
         dt = cache.dtype
         keys = torch.cat([_rounded(dense[s, :, :p], dt),

@@ -107,9 +107,14 @@ class KVCache:
         self.n_head_kv, self.head_dim, self.v_head_dim = n_head_kv, head_dim, v_head_dim
         self.type_code = next(c for t, c in KV_TYPES.values() if t == dtype)
         kw, vw = row_width(head_dim, dtype), row_width(v_head_dim, dtype)
-        # (block, kv_head, position in the block, dim) (q8_0: the dims' bytes)
+        # values: (block, kv_head, position in the block, dim) (q8_0: the dims' bytes); keys the
+        # same in q8_0 (its blocks of 32 run along a key), else each block transposed, (block,
+        # kv_head, dim, position): a dim of a block's positions is one vector of the decode
+        # attention's scores (gl_kv in native/csrc/graftlm.h)
+        self.keys_transposed = dtype is not torch.uint8
+        kshape = (head_dim, block) if self.keys_transposed else (block, kw)
         self.k = [
-            torch.zeros(self.n_blocks, n_head_kv, block, kw, dtype=dtype, device=device)
+            torch.zeros(self.n_blocks, n_head_kv, *kshape, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         self.v = [
@@ -123,6 +128,12 @@ class KVCache:
             ids = torch.arange(1, n_slots * self.max_blocks + 1, dtype=torch.int32)
             self.tables = ids.view(n_slots, self.max_blocks).clone()
         self.tables = self.tables.to(device)
+
+    def key_rows(self, layer: int) -> torch.Tensor:
+        """A layer's key pool as rows, (n_blocks, Hkv, block, D) (q8_0: the rows' bytes): a view,
+        through which the blocks can be read and written whatever their layout."""
+        k = self.k[layer]
+        return k.transpose(-1, -2) if self.keys_transposed else k
 
     @property
     def nbytes(self) -> int:
@@ -160,7 +171,10 @@ class KVCache:
     def write(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's k, v (B, T, Hkv, D) at each row's slot and positions."""
         blocks, offs = self._places(batch)
-        self.k[layer][blocks, :, offs] = self._pack(k)
+        if self.keys_transposed:
+            self.k[layer][blocks, :, :, offs] = self._pack(k)
+        else:
+            self.k[layer][blocks, :, offs] = self._pack(k)
         self.v[layer][blocks, :, offs] = self._pack(v)
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,15 +187,17 @@ class KVCache:
         nb = -(-kv_len // self.block)
         blocks = self.tables[batch.slot_ids, :nb].long()  # (B, nb)
 
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            g = pool[blocks]  # (B, nb, Hkv, block, D)
+        def gather(pool: torch.Tensor, transposed: bool) -> torch.Tensor:
+            g = pool[blocks]  # (B, nb, Hkv, block, D), or (B, nb, Hkv, D, block) transposed
+            if transposed:
+                g = g.transpose(3, 4)
             if self.dtype is torch.uint8:
                 g = q8_0_unpack(g)
             b, _, h, _, d = g.shape
             g = g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * self.block, d)
             return g[:, :, :kv_len].to(torch.float32)
 
-        return gather(self.k[layer]), gather(self.v[layer])
+        return gather(self.k[layer], self.keys_transposed), gather(self.v[layer], False)
 
     def update(
         self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor

@@ -151,7 +151,19 @@ static inline __attribute__((always_inline)) void pv_tile(float *O, const float 
     default: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 4); break;                             \
     }
 
-#if defined(__AVX512F__) && !defined(GL_NO_ZMM)
+/* A later tile's keys and values toward the cache (L2): a whole block of keys where they are
+ * transposed, else its nn rows; nn rows of values. */
+static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *kv, int64_t s, int64_t hk,
+                                                                  int64_t jn, int64_t nn, int64_t D,
+                                                                  int64_t Dv, const int t) {
+    const char *kn = t != 3 ? kt_plane(kv, s, hk, jn, D) : kv_at(kv, kv->k, s, hk, jn, D);
+    const char *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
+    const int64_t kb = kv_bytes((t != 3 ? kv->block : nn) * D, t), vb = kv_bytes(nn * Dv, t);
+    for (int64_t c = 0; c < kb; c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
+    for (int64_t c = 0; c < vb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
 /* The 512-bit task: a tile's 16 keys are one vector of scores a head. */
 
 /* e^x for 16 floats: exp256's polynomial. */
@@ -223,14 +235,25 @@ static inline __attribute__((always_inline)) void tile_keys_t(const char *src, i
     }
 }
 
-/* S[g] (one vector: the tile's 16 keys) = Q[g] . Kt for GN heads from Q (rows D apart): two
- * chains a head over the even and odd values, all heads' chains interleaved. */
-static inline __attribute__((always_inline)) void scores_tile(const float *Q, const float *Kt, int64_t D,
-                                                              __m512 *S, const int GN) {
+/* 16 values of type t from p (16-bit types: elements; float32: floats), lanes past m zero. */
+static inline __attribute__((always_inline)) __m512 kt_load16(const char *p, __mmask16 m, const int t) {
+    if (t == 0) return _mm512_maskz_loadu_ps(m, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (t == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* S[g] (one vector: the tile's 16 keys) = Q[g] . K for GN heads from Q (rows D apart), K the
+ * tile's keys transposed: value d of the 16 keys at K + kv_bytes(d * ld), type t, lanes past m
+ * zero. Two chains a head over the even and odd values, all heads' chains interleaved. */
+static inline __attribute__((always_inline)) void scores_tile(const float *Q, const char *K, int64_t ld,
+                                                              __mmask16 m, int64_t D, __m512 *S,
+                                                              const int t, const int GN) {
     __m512 acc[8][2];
     for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
-        const __m512 k0 = _mm512_load_ps(Kt + d * DT), k1 = _mm512_load_ps(Kt + (d + 1) * DT);
+        const __m512 k0 = kt_load16(K + kv_bytes(d * ld, t), m, t);
+        const __m512 k1 = kt_load16(K + kv_bytes((d + 1) * ld, t), m, t);
         for (int g = 0; g < GN; g++) {
             acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * D + d]), k0, acc[g][0]);
             acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(Q[g * D + d + 1]), k1, acc[g][1]);
@@ -292,11 +315,19 @@ static inline __attribute__((always_inline)) void decode_task(
             const int64_t jn = (j / BS + ahead) * BS;
             if (jn >= k1) break;
             const int64_t nn = k1 - jn < BS ? k1 - jn : BS;
-            const char *kn = kv_at(kv, kv->k, s, hk, jn, D), *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
-            for (int64_t c = 0; c < kv_bytes(nn * D, t); c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
-            for (int64_t c = 0; c < kv_bytes(nn * Dv, t); c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+            decode_prefetch(kv, s, hk, jn, nn, D, Dv, t);
         }
-        tile_keys_t(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        /* the tile's keys transposed: in the cache (offset to the tile's first position), or
+         * q8_0's rows transposed into Kf as float32 */
+        const int kt = t != 3 ? t : 0;
+        const char *K = (const char *)Kf;
+        int64_t ld = DT;
+        if (t != 3) {
+            K = kt_plane(kv, s, hk, j, D) + kv_bytes(j % BS, t);
+            ld = BS;
+        } else {
+            tile_keys_t(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        }
         const char *Vc = kv_at(kv, kv->v, s, hk, j, Dv);
         const int64_t vrb = kv_bytes(Dv, t);
         const __mmask16 vis = (__mmask16)((1u << n) - 1u);
@@ -304,10 +335,10 @@ static inline __attribute__((always_inline)) void decode_task(
             const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
             __m512 S[8];
             switch (gn) {
-            case 8: scores_tile(Q + g0 * D, Kf, D, S, 8); break;
-            case 4: scores_tile(Q + g0 * D, Kf, D, S, 4); break;
-            case 2: scores_tile(Q + g0 * D, Kf, D, S, 2); break;
-            default: scores_tile(Q + g0 * D, Kf, D, S, 1); break;
+            case 8: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 8); break;
+            case 4: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 4); break;
+            case 2: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 2); break;
+            default: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 1); break;
             }
             for (int64_t gi = 0; gi < gn; gi++) {
                 const int64_t g = g0 + gi;
@@ -378,49 +409,74 @@ static inline __attribute__((always_inline)) void decode_task(
         for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
             const int64_t jn = (j / BS + ahead) * BS;
             if (jn >= k1) break;
-            const int64_t nn = k1 - jn < BS ? k1 - jn : BS;
-            const char *kn = kv_at(kv, kv->k, s, hk, jn, D), *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
-            for (int64_t c = 0; c < kv_bytes(nn * D, t); c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
-            for (int64_t c = 0; c < kv_bytes(nn * Dv, t); c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+            decode_prefetch(kv, s, hk, jn, k1 - jn < BS ? k1 - jn : BS, D, Dv, t);
         }
-        const float *K = tile_f32(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        /* the tile's keys transposed (value d of its keys at K + kv_bytes(d * ld), type kt): in
+         * the cache when the tile is a whole block of them, else into Kf as float32, zero past n */
+        const int kt = t != 3 && n == DT ? t : 0;
+        const char *K = (const char *)Kf;
+        int64_t ld = DT;
+        if (t != 3) {
+            const char *plane = kt_plane(kv, s, hk, j, D) + kv_bytes(j % BS, t);
+            if (n == DT) {
+                K = plane;
+                ld = BS;
+            } else {
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t i = 0; i < DT; i++) Kf[d * DT + i] = i < n ? kv_get(plane, d * BS + i, t) : 0.0f;
+            }
+        } else { /* q8_0's rows, 8 values at a time */
+            const char *rows = kv_at(kv, kv->k, s, hk, j, D);
+            float r8[8];
+            memset(Kf, 0, sizeof(float) * (size_t)(D * DT));
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                    _mm256_storeu_ps(r8, kv_load8(rows + kv_bytes(i * D, t), d0, t));
+                    for (int u = 0; u < 8; u++) Kf[(d0 + u) * DT + i] = r8[u];
+                }
+        }
         const float *V = tile_f32(kv_at(kv, kv->v, s, hk, j, Dv), n, Dv, Vf, t);
-        /* scores of G heads x n keys, 8 keys at a time: 8 chains over d, reduced together */
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = Q + g * D;
-            __m256 sv[DT / 8];
-            float mx = -INFINITY;
-            for (int h = 0; h < DT / 8; h++) {
-                if (8 * h >= n) {
-                    sv[h] = ninf;
-                    continue;
+        /* scores of G heads x 16 keys (two vectors a head): FMAs over d with each head's value
+         * broadcast, up to 4 heads' chains interleaved */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            __m256 acc[4][2];
+            for (int gi = 0; gi < 4; gi++) acc[gi][0] = acc[gi][1] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                const char *kd = K + kv_bytes(d * ld, kt);
+                const __m256 lo = kv_load8(kd, 0, kt), hi = kv_load8(kd, 8, kt);
+                for (int gi = 0; gi < 4; gi++) {
+                    if (gi >= gn) break;
+                    const __m256 qv = _mm256_broadcast_ss(Q + (g0 + gi) * D + d);
+                    acc[gi][0] = _mm256_fmadd_ps(qv, lo, acc[gi][0]);
+                    acc[gi][1] = _mm256_fmadd_ps(qv, hi, acc[gi][1]);
                 }
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                const float *kr = K + 8 * h * D;
-                for (int64_t c = 0; c < D; c += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + c);
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + i * D + c), acc[i]);
+            }
+            for (int64_t gi = 0; gi < gn; gi++) {
+                const int64_t g = g0 + gi;
+                __m256 sv[DT / 8];
+                float mx = -INFINITY;
+                for (int h = 0; h < DT / 8; h++) {
+                    __m256 x = _mm256_mul_ps(acc[gi][h], _mm256_set1_ps(a->scale));
+                    if (softcap > 0.0f) x = _mm256_mul_ps(tanh256(_mm256_div_ps(x, cap)), cap);
+                    const __m256i out = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)), _mm256_set1_epi32((int)n - 1));
+                    sv[h] = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(out));
+                    const float hm = hmax8(sv[h]);
+                    mx = hm > mx ? hm : mx;
                 }
-                __m256 x = _mm256_mul_ps(reduce8x8(acc), _mm256_set1_ps(a->scale));
-                if (softcap > 0.0f) x = _mm256_mul_ps(tanh256(_mm256_div_ps(x, cap)), cap);
-                const __m256i out = _mm256_cmpgt_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)), _mm256_set1_epi32((int)n - 1));
-                sv[h] = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(out));
-                const float hm = hmax8(sv[h]);
-                mx = hm > mx ? hm : mx;
+                const float mnew = mx > m[g] ? mx : m[g];
+                alpha[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - mnew);
+                const __m256 mv = _mm256_set1_ps(mnew);
+                __m256 sum = _mm256_setzero_ps();
+                for (int h = 0; h < DT / 8; h++) {
+                    const __m256 vis = _mm256_cmp_ps(sv[h], ninf, _CMP_NEQ_OQ);
+                    const __m256 e = _mm256_and_ps(vis, exp256(_mm256_sub_ps(sv[h], mv)));
+                    _mm256_store_ps(P + g * DT + 8 * h, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                l[g] = l[g] * alpha[g] + hsum8(sum);
+                m[g] = mnew;
             }
-            const float mnew = mx > m[g] ? mx : m[g];
-            alpha[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - mnew);
-            const __m256 mv = _mm256_set1_ps(mnew);
-            __m256 sum = _mm256_setzero_ps();
-            for (int h = 0; h < DT / 8; h++) {
-                const __m256 vis = _mm256_cmp_ps(sv[h], ninf, _CMP_NEQ_OQ);
-                const __m256 e = _mm256_and_ps(vis, exp256(_mm256_sub_ps(sv[h], mv)));
-                _mm256_store_ps(P + g * DT + 8 * h, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            l[g] = l[g] * alpha[g] + hsum8(sum);
-            m[g] = mnew;
         }
         /* O = alpha O + P V: up to 4 heads x 32 values a pass, in registers */
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
@@ -481,7 +537,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
         for (int64_t h = 0; h < Hkv; h++) {
             float kr[1024];
             rope_head(k + b * k_rs + h * D, kr, D, rot, cos_t + p * half, sin_t + p * half, neox);
-            kv_store(kv_at(kv, kv->k, s, h, p, D), kr, D, t);
+            key_store(kv, s, h, p, kr, D);
             kv_store(kv_at(kv, kv->v, s, h, p, Dv), v + b * v_rs + h * Dv, Dv, t);
         }
         total += (p + 1 - decode_lo(a, p)) * Hkv;
@@ -568,8 +624,12 @@ void gl_kv_write(const gl_kv *kv, int64_t which, const float *x, int64_t rs, con
 #pragma omp parallel for num_threads(nth) schedule(static) if (B * T * H * D > 65536)
     for (int64_t bt = 0; bt < B * T; bt++) {
         const int64_t b = bt / T, p = starts[b] + bt % T;
-        for (int64_t h = 0; p < end && h < H; h++)
-            kv_store(kv_at(kv, base, slots[b], h, p, D), x + bt * rs + h * D, D, kv->type);
+        for (int64_t h = 0; p < end && h < H; h++) {
+            if (which == 0)
+                key_store(kv, slots[b], h, p, x + bt * rs + h * D, D);
+            else
+                kv_store(kv_at(kv, base, slots[b], h, p, D), x + bt * rs + h * D, D, kv->type);
+        }
     }
 }
 
@@ -647,6 +707,33 @@ static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
         for (int64_t j = j0; j < PK; j++) Kt[d * PK + j] = j < nk ? k[j * D + d] : 0.0f;
 }
 
+/* The keys of (slot s, kv head h) at positions k0 .. k0 + nk - 1 from a cache whose key blocks
+ * are transposed, as float32 into Kt (D, PK): the same tile key_block_t makes from rows, zero
+ * past nk. */
+static void kt_gather(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t nk, int64_t D,
+                      float *Kt) {
+    const int64_t BS = kv->block, t = kv->type;
+    for (int64_t j = k0; j < k0 + nk;) {
+        const int64_t o = j % BS, run = BS - o < k0 + nk - j ? BS - o : k0 + nk - j;
+        const char *plane = kt_plane(kv, s, h, j, D);
+        for (int64_t d = 0; d < D; d++) {
+            const char *src = plane + kv_bytes(d * BS + o, t);
+            float *dst = Kt + d * PK + (j - k0);
+            int64_t i = 0;
+            if (t == 1)
+                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 1));
+            else if (t == 2)
+                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 2));
+            else
+                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 0));
+            for (; i < run; i++) dst[i] = kv_get(src, i, t);
+        }
+        j += run;
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = nk; j < PK; j++) Kt[d * PK + j] = 0.0f;
+}
+
 void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                      const int64_t *starts, int64_t B, int64_t T, float *out, int nth) {
     const gl_kv *kv = &a->kv;
@@ -688,9 +775,13 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
             const int64_t klo = window > 0 && pmin - window + 1 > 0 ? pmin - window + 1 : 0;
             for (int64_t k0 = klo; k0 <= pmax; k0 += PK) {
                 const int64_t nk = pmax + 1 - k0 < PK ? pmax + 1 - k0 : PK;
-                kv_gather(kv, kv->k, s, g, k0, nk, D, Kf);
                 kv_gather(kv, kv->v, s, g, k0, nk, D, Vf);
-                key_block_t(Kf, nk, D, Kt);
+                if (kv_keys_t(kv)) {
+                    kt_gather(kv, s, g, k0, nk, D, Kt);
+                } else {
+                    kv_gather(kv, kv->k, s, g, k0, nk, D, Kf);
+                    key_block_t(Kf, nk, D, Kt);
+                }
                 /* S = scale * Q Kt: AR rows x 16 keys a tile (AVX-512: x 32, a pair of vectors;
                  * each score is the same FMA chain over d in either width, so the same bits) */
 #if defined(__AVX512F__)

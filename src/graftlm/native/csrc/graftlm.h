@@ -82,7 +82,10 @@ typedef struct {
  * its positions [i * block, (i + 1) * block). Pool block 0 is never handed out: table entries no
  * sequence owns point at it (padding writes land there, nothing reads them). */
 typedef struct {
-    void *k, *v;           /* (n_blocks, n_head_kv, block, head_dim / v_dim), of `type` */
+    /* v: (n_blocks, n_head_kv, block, v_dim); k: (n_blocks, n_head_kv, head_dim, block), each
+     * block's keys transposed (a value of 16 positions is one vector: kv_keys_t), except in q8_0,
+     * whose blocks of 32 values run along a key: (n_blocks, n_head_kv, block, head_dim) */
+    void *k, *v;
     const int32_t *tables; /* (n_slots, max_blocks) */
     int64_t n_blocks, n_slots, max_blocks, block, n_head_kv;
     int64_t type; /* 0: float32, 1: float16, 2: bfloat16, 3: q8_0 (ggml's block_q8_0: per 32
@@ -351,6 +354,31 @@ static inline uint16_t bf16_of(float f) {
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Whether the cache's key blocks are transposed (every type but q8_0: see gl_kv). */
+static inline int kv_keys_t(const gl_kv *kv) { return kv->type != 3; }
+
+/* Where the keys of (slot s, kv head h) in the block holding position p start: a transposed
+ * block's (head_dim x block) values, value d of position p at d * block + p % block. */
+static inline char *kt_plane(const gl_kv *kv, int64_t s, int64_t h, int64_t p, int64_t D) {
+    const int64_t blk = kv->tables[s * kv->max_blocks + p / kv->block];
+    return (char *)kv->k + kv_bytes((blk * kv->n_head_kv + h) * kv->block * D, kv->type);
+}
+
+static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t);
+
+/* A key of D float32 values into the cache at (slot s, kv head h, position p), rounded as
+ * kv_store rounds: along its block's row where keys are transposed. */
+static inline void key_store(const gl_kv *kv, int64_t s, int64_t h, int64_t p, const float *src,
+                             int64_t D) {
+    if (!kv_keys_t(kv)) {
+        kv_store(kv_at(kv, kv->k, s, h, p, D), src, D, kv->type);
+        return;
+    }
+    char *plane = kt_plane(kv, s, h, p, D);
+    const int64_t BS = kv->block, o = p % BS;
+    for (int64_t d = 0; d < D; d++) kv_store(plane + kv_bytes(d * BS + o, kv->type), src + d, 1, kv->type);
 }
 
 /* n float32 values into the cache at dst, as type t (rounded to nearest even, as torch does). */

@@ -4,6 +4,10 @@ numpy, torch's RMS norm, and the PyTorch attention path of the model."""
 from __future__ import annotations
 
 import ctypes
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +20,7 @@ from gguf import quants
 
 import graftlm
 from graftlm.models import seam
-from graftlm.native import build, disabled, library, ops, unavailable_reason
+from graftlm.native import build, disabled, features, library, ops, unavailable_reason
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
 from graftlm.step.batch import Batch, RowIndex
@@ -543,6 +547,18 @@ def test_fused_layer_rebinds_when_adapters_or_scales_change(
     assert not torch.allclose(outs[0][0], outs[1][0])  # the settings did change the output
 
 
+# Prompt attention in bfloat16 pairs (the library's "attn-bf16": AVX-512 BF16): q, k, the weights
+# and v rounded to bfloat16, so its twin takes q, k, v rounded alike, and the weights' rounding
+# (2^-9 of each) is what the tolerance leaves (at most 2^-9 of the largest |v|, about 0.008 here)
+BF16_ATTN = "attn-bf16" in features()
+PREFILL_RTOL, PREFILL_ATOL = (1e-2, 8e-3) if BF16_ATTN else (1e-5, 2e-5)
+
+
+def _as_attn(x: torch.Tensor) -> torch.Tensor:
+    """x as the prompt attention's products see it."""
+    return x.to(torch.bfloat16).float() if BF16_ATTN else x
+
+
 def _rows(slots: list[int], starts: list[int], t: int) -> RowIndex | None:
     """The index a batch of t-token rows at these slots and starts hands the kernels."""
     tokens = torch.zeros(len(slots), t, dtype=torch.long)
@@ -671,8 +687,12 @@ def test_native_prefill_attention_equals_masked_sdpa(
     out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
     kc, vc = _rounded(dense, kv_dtype(kv)), _rounded(dense.flip(-1), kv_dtype(kv))
+    ref = _masked_sdpa(_as_attn(q), _as_attn(kc), _as_attn(vc), slots, starts, d**-0.5, window)
+    torch.testing.assert_close(out, ref, rtol=PREFILL_RTOL, atol=PREFILL_ATOL)
+    # an exact step's (scoring's) products are float32 on every CPU
+    exact = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window, exact=True)
     ref = _masked_sdpa(q, kc, vc, slots, starts, d**-0.5, window)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(exact, ref, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize(
@@ -701,12 +721,13 @@ def test_native_prefill_attention_soft_caps_the_scores(
         pos = torch.arange(p0, p0 + t).view(t, 1)
         key = torch.arange(p0 + t).view(1, -1)
         mask = (key <= pos) & ((pos - key < window) if window else True)
-        keys = dense[s, :, : p0 + t].repeat_interleave(h // hkv, 0)  # (h, L, d)
-        values = dense[s, :, : p0 + t].flip(-1).repeat_interleave(h // hkv, 0)
-        scores = torch.tanh(q[r].transpose(0, 1) @ keys.transpose(1, 2) * d**-0.5 / cap) * cap
+        keys = _as_attn(dense[s, :, : p0 + t]).repeat_interleave(h // hkv, 0)  # (h, L, d)
+        values = _as_attn(dense[s, :, : p0 + t].flip(-1)).repeat_interleave(h // hkv, 0)
+        qr = _as_attn(q[r]).transpose(0, 1)
+        scores = torch.tanh(qr @ keys.transpose(1, 2) * d**-0.5 / cap) * cap
         p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
         want = (p @ values).transpose(0, 1).flatten(1)  # (t, h * d)
-        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(out[r], want, rtol=PREFILL_RTOL, atol=PREFILL_ATOL)
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "bf16", "q8_0"])
@@ -814,8 +835,11 @@ def test_model_prompts_take_the_native_attention(
     with disabled():
         want = run()
     assert not any(served[3 * model.cfg.n_layer :])  # the twin: refused, SDPA ran
+    # bfloat16 products (attn-bf16) move a tiny model's logits by a few hundredths; float32 by
+    # rounding alone
+    rtol, atol = (2e-2, 0.1) if BF16_ATTN else (1e-4, 1e-4)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
 
 
 def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
@@ -1114,3 +1138,18 @@ def test_the_q8_0_cache_stores_what_ggml_quantizes() -> None:
     assert np.array_equal(packed.numpy(), want.view(np.uint8).reshape(5, -1))
     d = torch.from_numpy(quants.dequantize(want, Q.Q8_0))
     torch.testing.assert_close(q8_0_unpack(packed), d.reshape(5, 96), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not BF16_ATTN, reason="this CPU's prompt attention is float32: tested above")
+def test_the_float32_prompt_attention_equals_its_twin_too() -> None:
+    """Where this CPU's prompt attention takes bfloat16 pairs, its float32 kernels (the ymm
+    variant's, every AVX2 CPU's) still run here: the prompt attention's tests again in that
+    variant, in a subprocess, with float32's tolerance."""
+    env = {**os.environ, "GRAFTLM_NATIVE_ISA": "ymm", "GRAFTLM_AMX_ROWS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "prefill_attention_equals or soft_caps_the_scores or prompts_take_the_native"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"\b12 passed\b", done.stdout), done.stdout[-1000:]

@@ -101,7 +101,9 @@ def attention(
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
-        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap)
+        out = native_ops.attn_prefill(
+            q.contiguous(), cache, layer, rows, scale, window, cap, batch.exact
+        )
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)

@@ -124,7 +124,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # attn, q, q_rs, k, k_rs, v, v_rs, slots, pos, B, out, threads
     "gl_attn_decode": (None, [_P, _P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _INT]),
     # attn, q, slots, starts, B, T, out, threads
-    "gl_attn_prefill": (None, [_P, _P, _P, _P, _I64, _I64, _P, _INT]),
+    "gl_attn_prefill": (None, [_P, _P, _P, _P, _I64, _I64, _P, _I64, _INT]),
     "gl_gated": (None, [_P, _I64, _I64, _I64, _P, _INT]),
     # kv, which, x, rs, slots, starts, B, T, D, threads
     "gl_kv_write": (None, [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _INT]),

@@ -250,6 +250,7 @@ def attn_prefill(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    exact: bool = False,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
@@ -258,7 +259,8 @@ def attn_prefill(
     (Batch.index). Returns (B, T, H * D): query t of row b at position starts[b] + t sees the keys
     at positions <= its own, within `window` when > 0; softcap > 0: the scores (scale q.k) are
     softcap * tanh(score / softcap) before the softmax (gemma-2). Padding queries past a row's
-    real tokens get values that nothing reads.
+    real tokens get values that nothing reads. exact: float32 products even where the CPU's
+    prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -284,6 +286,6 @@ def attn_prefill(
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap)  # fmt: skip
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
-        out.data_ptr(), threads(),
+        out.data_ptr(), int(exact), threads(),
     )  # fmt: skip
     return out

@@ -93,7 +93,7 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
 #ifndef DECODE_AHEAD
-#define DECODE_AHEAD 6 /* tiles read ahead of the one being computed */
+#define DECODE_AHEAD 1 /* tiles read ahead of the one being computed */
 #endif
 
 /* 8 vectors of 8 -> their 8 sums, in order (lane i: the sum of v[i]'s lanes). */
@@ -681,6 +681,22 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
 #define PK 64
 #define AR 6 /* score / output rows per register tile */
 
+#if ATTN_BF16
+/* 16 pairs (lo[i], hi[i]) of bfloat16, lo in the low half of each 32-bit lane */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+/* n float32 values as bfloat16 in order (n even; pairs of them are 32-bit lanes) */
+static inline void bf16_row(const float *x, int64_t n, uint16_t *o) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(o + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    for (; i < n; i++) o[i] = bf16_of(x[i]);
+}
+#endif
+
 /* Kt (D, PK) = the nk <= PK keys k (nk, D) transposed, zero past nk: 8 x 8 tiles in registers. */
 static void key_block_t(const float *k, int64_t nk, int64_t D, float *Kt) {
     int64_t j0 = 0;
@@ -735,7 +751,9 @@ static void kt_gather(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t
 }
 
 void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
-                     const int64_t *starts, int64_t B, int64_t T, float *out, int nth) {
+                     const int64_t *starts, int64_t B, int64_t T, float *out, int64_t exact,
+                     int nth) {
+    const int bf = ATTN_BF16 && !exact; /* the products in bfloat16 pairs (not for exact steps) */
     const gl_kv *kv = &a->kv;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim;
     const int64_t window = a->window;
@@ -756,6 +774,13 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
         float *alpha = malloc(sizeof(float) * (size_t)rows_max);
         const float **qr = malloc(sizeof(float *) * (size_t)rows_max);
         int64_t *pr = malloc(sizeof(int64_t) * (size_t)rows_max);
+#if ATTN_BF16
+        const int64_t D2 = D / 2, PK2 = PK / 2;
+        uint32_t *Kt2 = aligned_alloc(64, sizeof(uint32_t) * (size_t)(D2 * PK)); /* (D / 2, PK) */
+        uint32_t *Vt2 = aligned_alloc(64, sizeof(uint32_t) * (size_t)(PK2 * D)); /* (PK / 2, D) */
+        uint32_t *Qb = aligned_alloc(64, sizeof(uint32_t) * (size_t)(rows_max * D2 + 16));
+        uint32_t *Pb = aligned_alloc(64, sizeof(uint32_t) * (size_t)(rows_max * PK2));
+#endif
         /* later query blocks have more keys: hand them out first, one at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {
@@ -771,6 +796,10 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 l[r] = 0.0f;
             }
             memset(O, 0, sizeof(float) * (size_t)(rows * D));
+#if ATTN_BF16
+            if (bf)
+                for (int64_t r = 0; r < rows; r++) bf16_row(qr[r], D, (uint16_t *)(Qb + r * D2));
+#endif
             const int64_t pmin = p0 + t0, pmax = p0 + t0 + nq - 1;
             const int64_t klo = window > 0 && pmin - window + 1 > 0 ? pmin - window + 1 : 0;
             for (int64_t k0 = klo; k0 <= pmax; k0 += PK) {
@@ -784,6 +813,37 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 }
                 /* S = scale * Q Kt: AR rows x 16 keys a tile (AVX-512: x 32, a pair of vectors;
                  * each score is the same FMA chain over d in either width, so the same bits) */
+#if ATTN_BF16
+                if (bf) {
+                for (int64_t i = 0; i < D2; i++) /* Kt's columns past nk are 0: so are these */
+                    for (int64_t j0 = 0; j0 < PK; j0 += 16)
+                        _mm512_store_si512(Kt2 + i * PK + j0, bf16_pairs(_mm512_load_ps(Kt + 2 * i * PK + j0),
+                                                                         _mm512_load_ps(Kt + (2 * i + 1) * PK + j0)));
+                for (int64_t j0 = 0; j0 < nk; j0 += 32) {
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR];
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m512 acc[AR][2];
+                        for (int r = 0; r < AR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+                        for (int64_t i = 0; i < D2; i++) {
+                            const __m512bh k0v = (__m512bh)_mm512_load_si512(Kt2 + i * PK + j0);
+                            const __m512bh k1v = (__m512bh)_mm512_load_si512(Kt2 + i * PK + j0 + 16);
+                            for (int r = 0; r < AR; r++) {
+                                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)Qb[rr[r] * D2 + i]);
+                                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, k0v);
+                                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, k1v);
+                            }
+                        }
+                        const __m512 sc = _mm512_set1_ps(scale);
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm512_store_ps(S + rr[r] * PK + j0, _mm512_mul_ps(acc[r][0], sc));
+                            _mm512_store_ps(S + rr[r] * PK + j0 + 16, _mm512_mul_ps(acc[r][1], sc));
+                        }
+                    }
+                }
+                } else
+#endif
+                {
 #if defined(__AVX512F__)
                 for (int64_t j0 = 0; j0 < nk; j0 += 32) { /* Kt's columns past nk are 0 */
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
@@ -829,6 +889,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                     }
                 }
 #endif
+                }
                 /* soft-cap, mask, online softmax: P = exp(S - m_new) in S, alpha = exp(m_old - m_new) */
                 const int64_t nk16 = (nk + 15) / 16 * 16;
                 for (int64_t r = 0; r < rows; r++) {
@@ -872,6 +933,49 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                 }
                 /* O = alpha O + P V: AR rows x 16 dims a tile (AVX-512: x 32 while 32 remain) */
                 int64_t dz = 0;
+#if ATTN_BF16
+                if (bf) {
+                const int64_t np = (nk + 1) / 2; /* S is 0 in [nk, nk16) */
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t j0 = 0; j0 < nk16; j0 += 32) {
+                        const __m512 lo = _mm512_load_ps(S + r * PK + j0);
+                        const __m512 hi = j0 + 16 < nk16 ? _mm512_load_ps(S + r * PK + j0 + 16) : _mm512_setzero_ps();
+                        _mm512_storeu_si512(Pb + r * PK2 + j0 / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                    }
+                for (int64_t i = 0; i < np; i++) /* value pairs (j, j + 1), a missing j + 1 zero */
+                    for (int64_t c0 = 0; c0 + 16 <= D; c0 += 16) {
+                        const __m512 lo = _mm512_loadu_ps(Vf + 2 * i * D + c0);
+                        const __m512 hi = 2 * i + 1 < nk ? _mm512_loadu_ps(Vf + (2 * i + 1) * D + c0) : _mm512_setzero_ps();
+                        _mm512_storeu_si512(Vt2 + i * D + c0, bf16_pairs(lo, hi));
+                    }
+                for (; dz + 32 <= D; dz += 32) {
+                    for (int64_t r0 = 0; r0 < rows; r0 += AR) {
+                        int64_t rr[AR];
+                        for (int r = 0; r < AR; r++) rr[r] = r0 + r < rows ? r0 + r : r0;
+                        __m512 c[AR][2];
+                        for (int r = 0; r < AR; r++) {
+                            const __m512 a = _mm512_set1_ps(alpha[rr[r]]);
+                            c[r][0] = _mm512_mul_ps(a, _mm512_loadu_ps(O + rr[r] * D + dz));
+                            c[r][1] = _mm512_mul_ps(a, _mm512_loadu_ps(O + rr[r] * D + dz + 16));
+                        }
+                        for (int64_t i = 0; i < np; i++) {
+                            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(Vt2 + i * D + dz);
+                            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(Vt2 + i * D + dz + 16);
+                            for (int r = 0; r < AR; r++) {
+                                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)Pb[rr[r] * PK2 + i]);
+                                c[r][0] = _mm512_dpbf16_ps(c[r][0], x, v0);
+                                c[r][1] = _mm512_dpbf16_ps(c[r][1], x, v1);
+                            }
+                        }
+                        for (int r = AR - 1; r >= 0; r--) {
+                            _mm512_storeu_ps(O + rr[r] * D + dz, c[r][0]);
+                            _mm512_storeu_ps(O + rr[r] * D + dz + 16, c[r][1]);
+                        }
+                    }
+                }
+                } else
+#endif
+                {
 #if defined(__AVX512F__)
                 for (; dz + 32 <= D; dz += 32) {
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
@@ -899,6 +1003,7 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                     }
                 }
 #endif
+                }
                 for (int64_t d0 = dz; d0 < D; d0 += 16) { /* V[:, d0 .. d0 + 16] stays in L1 */
                     for (int64_t r0 = 0; r0 < rows; r0 += AR) {
                         int64_t rr[AR];
@@ -942,6 +1047,12 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
         free(alpha);
         free(qr);
         free(pr);
+#if ATTN_BF16
+        free(Kt2);
+        free(Vt2);
+        free(Qb);
+        free(Pb);
+#endif
         ftz_end(csr);
     }
 }

@@ -77,6 +77,9 @@ int64_t gl_features(void) {
 #if GL_AMX
     f |= 32;
 #endif
+#if ATTN_BF16
+    f |= 64;
+#endif
     return f;
 }
 

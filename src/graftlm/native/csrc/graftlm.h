@@ -200,7 +200,8 @@ GL_API void gl_attn_decode(const gl_attn *a, const float *q, int64_t q_rs, const
                            int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,
                            const int64_t *pos, int64_t B, float *out, int nth);
 GL_API void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
-                            const int64_t *starts, int64_t B, int64_t T, float *out, int nth);
+                            const int64_t *starts, int64_t B, int64_t T, float *out,
+                            int64_t exact, int nth);
 GL_API void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth);
 GL_API void gl_kv_write(const gl_kv *kv, int64_t which, const float *x, int64_t rs,
                         const int64_t *slots, const int64_t *starts, int64_t B, int64_t T,
@@ -454,6 +455,17 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
 
 /* AMX: a prompt's products on the tiles in bfloat16 (amx.c), where the compiler targets a CPU
  * with them; whether Linux grants their state is asked at run time (gl_set_amx_rows). */
+/* Prompt attention's products in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums)
+ * where the CPU has them: q, k, the softmax weights and v rounded to bfloat16 (8 bits of
+ * mantissa, as int8 activations are about as coarse), each tile converted once a task, twice the
+ * products an instruction of the float32 FMAs. -DGL_NO_BF16_ATTN (and the ymm and avx2 variants)
+ * keep float32. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(GL_NO_ZMM) && !defined(GL_NO_BF16_ATTN)
+#define ATTN_BF16 1
+#else
+#define ATTN_BF16 0
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && GL_VNNI512
 #define GL_AMX 1
 #include <sys/syscall.h>

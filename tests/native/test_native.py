@@ -835,11 +835,8 @@ def test_model_prompts_take_the_native_attention(
     with disabled():
         want = run()
     assert not any(served[3 * model.cfg.n_layer :])  # the twin: refused, SDPA ran
-    # bfloat16 products (attn-bf16) move a tiny model's logits by a few hundredths; float32 by
-    # rounding alone
-    rtol, atol = (2e-2, 0.1) if BF16_ATTN else (1e-4, 1e-4)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+    for g, w in zip(got, want, strict=True):  # (short contexts: float32 products everywhere)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_prefill_attention_refuses_what_it_cannot_serve() -> None:
@@ -1153,3 +1150,40 @@ def test_the_float32_prompt_attention_equals_its_twin_too() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert re.search(r"\b12 passed\b", done.stdout), done.stdout[-1000:]
+
+
+def test_a_prompt_chunk_at_depth_takes_bfloat16_pairs_where_the_cpu_has_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fast prompt chunk whose last query sees ops.BF16_ATTN_MIN_KEYS positions or more asks
+    for bfloat16 pairs (exact=False), one that sees fewer, or an exact step, for float32; the
+    logits of a chunk at depth stay within bfloat16's rounding of the exact step's (equal where
+    the CPU has no BF16: both float32)."""
+    from tiny_models import TinySpec, write_tiny_model
+
+    spec = TinySpec(n_ctx=ops.BF16_ATTN_MIN_KEYS + 128)
+    model = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=spec.n_ctx,
+                         cache_type="f32").model  # fmt: skip
+    asked: list[tuple[int, bool]] = []  # (positions the chunk's last query sees, exact)
+    real = ops.attn_prefill
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append((args[3].max_start + args[0].shape[1], bool(args[7])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "attn_prefill", spy)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (ops.BF16_ATTN_MIN_KEYS + 64,), generator=g).tolist()
+    depth = ops.BF16_ATTN_MIN_KEYS
+    with torch.inference_mode():
+        for start in range(0, depth, 512):
+            model.forward(Batch.single(ids[start : start + 512], 0, start))
+        n = len(asked)
+        fast = model.forward(Batch.single(ids[depth:], 0, depth), all_logits=True)
+        exact = model.forward(Batch.single(ids[depth:], 0, depth, exact=True), all_logits=True)
+    layers = model.cfg.n_layer
+    assert [e for _, e in asked[:n]] == [seen < depth for seen, _ in asked[:n]]
+    assert {seen for seen, e in asked[:n] if e} == {512, 1024, 1536}  # float32 below it
+    assert asked[n:] == [(depth + 64, False)] * layers + [(depth + 64, True)] * layers
+    err = float((fast - exact).abs().max() / exact.abs().max())
+    assert err < (2e-2 if BF16_ATTN else 1e-5), err

@@ -101,9 +101,9 @@ def attention(
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
     if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
-        out = native_ops.attn_prefill(
-            q.contiguous(), cache, layer, rows, scale, window, cap, batch.exact
-        )
+        # float32 products for exact steps and short contexts, bfloat16 pairs past them
+        exact = batch.exact or rows.max_start + q.shape[1] < native_ops.BF16_ATTN_MIN_KEYS
+        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap, exact)
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)

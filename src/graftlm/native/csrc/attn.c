@@ -96,14 +96,6 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
 #define DECODE_AHEAD 1 /* tiles read ahead of the one being computed */
 #endif
 
-/* 8 vectors of 8 -> their 8 sums, in order (lane i: the sum of v[i]'s lanes). */
-static inline __m256 reduce8x8(const __m256 *v) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -164,7 +156,8 @@ static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *k
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
-/* The 512-bit task: a tile's 16 keys are one vector of scores a head. */
+/* The 512-bit task: a tile's 16 keys are one vector of scores a head (the ymm variant and AVX2
+ * CPUs take the 256-bit one below, two vectors a head). */
 
 /* e^x for 16 floats: exp256's polynomial. */
 static inline __m512 exp512(__m512 x) {
@@ -298,6 +291,12 @@ static inline __attribute__((always_inline)) void pv_tile16(float *O, const floa
     default: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 4); break;                     \
     }
 
+/* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
+ * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
+ * exp(score - max) and the unnormalized output. Each tile: the heads' scores from the keys as the
+ * cache holds them (q8_0's transposed into Kf first), the online softmax (alpha: the heads'
+ * rescales, then their new maxima and the tile's sums), and the weighted values, read once for
+ * up to 4 heads. P: G x DT weights; Vf unused here. */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {
@@ -387,9 +386,11 @@ static inline __attribute__((always_inline)) void decode_task(
 }
 #else
 
-/* One task: kv head hk of the row at slot s and position p, its G query heads rotated and scaled
- * in Q (G x D), over positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the
- * sum of exp(score - max) and the unnormalized output. Kf, Vf: a tile's float32 rows; P: G x DT. */
+/* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
+ * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
+ * exp(score - max) and the unnormalized output. Kf: a tile's keys transposed as float32 (when
+ * the cache's cannot be read in place), Vf: its values' float32 rows; P: G x DT weights. The
+ * 256-bit twin of the 512-bit task above. */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {

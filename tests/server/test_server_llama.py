@@ -189,7 +189,11 @@ def test_tokenize_detokenize_template(server: TinyServer, http: httpx.Client) ->
     assert [p["id"] for p in pieces] == r["tokens"] and "".join(
         p["piece"] for p in pieces
     ) == "the the"
-    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"content": "the the"}
+    # llama-server's name for the text and vLLM's: both send this body
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "content": "the the",
+        "prompt": "the the",
+    }
     messages = [{"role": "user", "content": "hi"}]
     assert http.post("/apply-template", json={"messages": messages}).json()[
         "prompt"
@@ -279,3 +283,33 @@ def test_non_streaming_client_that_leaves_is_cancelled(
     while svc.engine.busy and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(svc.engine.free_slots) == svc.engine.n_slots
+
+
+def test_tokenize_takes_vllms_body_for_remote_tokenizer_clients(
+    server: TinyServer, http: httpx.Client
+) -> None:
+    """lm-eval's `tokenizer_backend=remote` and other vLLM clients send `prompt` and
+    `add_special_tokens` (default true), with `model`, and read vLLM's fields back; a body with
+    both texts, or neither, is a 400 that names both fields."""
+    ref = server.ref.tokenize("the the", add_special=True, parse_special=True)
+    r = http.post("/tokenize", json={"model": "any", "prompt": "the the"})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["tokens"] == ref and out["count"] == len(ref) and out["token_strs"] is None
+    assert (
+        out["max_model_len"]
+        == http.get("/props").json()["default_generation_settings"]["n_ctx_seq"]
+    )
+    plain = http.post("/tokenize", json={"prompt": "the the", "add_special_tokens": False}).json()
+    assert plain["tokens"] == server.ref.tokenize("the the", add_special=False, parse_special=True)
+    strs = http.post("/tokenize", json={"prompt": "the", "return_token_strs": True}).json()
+    assert "".join(strs["token_strs"]).endswith("the")
+    # lm-eval's RemoteTokenizer, call for call: /tokenizer_info with an eos_token, encode without
+    # specials, decode by "prompt"
+    assert "eos_token" in http.get("/tokenizer_info").json()
+    ids = http.post("/tokenize", json={"prompt": "the the", "add_special_tokens": False}).json()
+    back = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()
+    assert back["prompt"] == "the the"
+    for bad in ({"prompt": "a", "content": "a"}, {"model": "any"}):
+        r = http.post("/tokenize", json=bad)
+        assert r.status_code == 400 and "content" in r.text and "prompt" in r.text, r.text

@@ -214,12 +214,15 @@ async def _complete(
 # -- tokens and templates --
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    svc = state_of(request).prompter
+    svc, n_ctx = state_of(request).prompter, state_of(request).service.n_ctx
 
     def work() -> bytes:  # tokens and their JSON off the event loop: a large body takes seconds
-        ids = svc.tokenize(
-            body.content, add_special=body.add_special, parse_special=body.parse_special
-        )
+        ids = svc.tokenize(body.text, add_special=body.specials, parse_special=body.parse_special)
+        if body.prompt is not None:  # vLLM's body, vLLM's answer
+            strs = [svc.token_bytes(i).decode("utf-8", "replace") for i in ids]
+            answer = {"count": len(ids), "max_model_len": n_ctx, "tokens": ids,
+                      "token_strs": strs if body.return_token_strs else None}  # fmt: skip
+            return json.dumps(answer, ensure_ascii=False).encode()
         if not body.with_pieces:
             return json.dumps({"tokens": ids}).encode()
         out = []
@@ -237,7 +240,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
-    return {"content": state_of(request).prompter.detokenize(body.tokens)}
+    """The text under llama-server's name (`content`) and vLLM's (`prompt`): both send the same
+    body, so both names answer it."""
+    text = state_of(request).prompter.detokenize(body.tokens)
+    return {"content": text, "prompt": text}
 
 
 @router.post("/apply-template")

@@ -424,14 +424,46 @@ class LlamaEmbeddingRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    content: str
-    add_special: bool = False
+    """llama-server's body (`content`, `add_special`, ...) or vLLM's (`prompt`,
+    `add_special_tokens`, `model`, `return_token_strs`): the text in exactly one of the two."""
+
+    content: str | None = None
+    prompt: str | None = None  # vLLM's name for the text; its answer has vLLM's fields
+    add_special: bool | None = None
+    add_special_tokens: bool | None = None  # vLLM's name for add_special (default True there)
     parse_special: bool = True
     with_pieces: bool = False
+    return_token_strs: bool = False
+    model: str | None = None  # vLLM's; any value (one model is served)
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.content is None) == (self.prompt is None):
+            raise ValueError(
+                "give the text to tokenize in 'content' (llama-server) or 'prompt' (vLLM), "
+                "one of them"
+            )
+        if self.add_special is not None and self.add_special_tokens is not None:
+            raise ValueError(
+                "give 'add_special' (llama-server) or 'add_special_tokens' (vLLM), not both"
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if self.content is not None else self.prompt or ""
+
+    @property
+    def specials(self) -> bool:
+        """Whether to add the BOS and other special tokens: llama-server's default is no, vLLM's
+        yes."""
+        given = self.add_special if self.add_special is not None else self.add_special_tokens
+        return given if given is not None else self.prompt is not None
 
 
 class DetokenizeRequest(_Body):
     tokens: list[int]
+    model: str | None = None  # vLLM's; any value
 
 
 class ApplyTemplateRequest(_Body):

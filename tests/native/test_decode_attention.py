@@ -39,6 +39,9 @@ CASES: list[Case] = [
     ("a window inside a block", [40], 4, 2, 64, 5, 0.0, False),
 ]
 TYPES = list(KV_TYPES)
+# with AVX-512 VNNI the 512-bit kernel takes q8_0 keys through integer dots against the query
+# quantized per 32 values (llama.cpp's q8_0 x q8_0); its twin quantizes the query alike
+Q8_DOTS = "vnni" in features() and "avx512f" in features()
 
 
 def _rope(x: torch.Tensor, pos: int, base: float, neox: bool) -> torch.Tensor:
@@ -98,7 +101,9 @@ def run_case(case: Case, kv: str, seed: int = 0) -> dict[str, torch.Tensor]:
             "q": q, "k": k, "v": v, "slots": slots, "pos": pos, "d": torch.tensor(d)}  # fmt: skip
 
 
-def twin(case: Case, kv: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
+def twin(
+    case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS
+) -> torch.Tensor:
     """SDPA in float64 over the cache's values and the new token's (rotated and rounded as the
     cache holds them)."""
     _, _, h, hkv, _, window, cap, neox = case
@@ -114,6 +119,8 @@ def twin(case: Case, kv: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
         lo = max(0, p - window + 1) if window else 0
         keys, values = keys[:, lo:], values[:, lo:]
         q = _rope(got["q"][r, 0].view(h, d), p, 10000.0, neox)
+        if kv == "q8_0" and q8_dots:  # q8_0 keys meet the query quantized as ggml's q8_0
+            q = q8_0_unpack(q8_0_pack(q.float())).double()
         keys = keys.repeat_interleave(h // hkv, 0)
         values = values.repeat_interleave(h // hkv, 0)
         scores = (q.unsqueeze(1) @ keys.transpose(1, 2)) * d**-0.5  # (h, 1, L)
@@ -123,8 +130,8 @@ def twin(case: Case, kv: str, got: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(outs).view(len(outs), 1, -1)
 
 
-def _check(case: Case, kv: str, got: dict[str, torch.Tensor]) -> None:
-    want = twin(case, kv, got)
+def _check(case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS) -> None:
+    want = twin(case, kv, got, q8_dots)
     torch.testing.assert_close(got["out"].double(), want, rtol=1e-5, atol=3e-5)
 
 
@@ -169,4 +176,4 @@ def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
         for kv in TYPES:
             got = run_case(case, kv)
             got["out"] = theirs[f"{i}:{kv}"]
-            _check(case, kv, got)
+            _check(case, kv, got, q8_dots=False)  # the 256-bit kernel: q8_0 keys in float32

@@ -793,8 +793,11 @@ def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
                           _rounded(k[r, 0].view(hkv, 1, d), dt)], 1)  # fmt: skip
         values = torch.cat([_rounded(dense[s, :, :p].flip(-1), dt),
                             _rounded(v[r, 0].view(hkv, 1, d), dt)], 1)  # fmt: skip
+        qr = q[r].view(h, d)
+        if kv == "q8_0" and "vnni" in features() and "avx512f" in features():
+            qr = q8_0_unpack(q8_0_pack(qr))  # q8_0 keys meet the query in int8 codes, as ggml's
         want = F.scaled_dot_product_attention(
-            q[r].view(1, h, 1, d), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5,
+            qr.view(1, h, 1, d), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5,
             enable_gqa=True,
         ).flatten()  # fmt: skip
         torch.testing.assert_close(out[r, 0], want, rtol=1e-5, atol=2e-5)

@@ -255,6 +255,111 @@ static inline __attribute__((always_inline)) void scores_tile(const float *Q, co
     for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
 }
 
+#if defined(__AVX512VNNI__)
+#define DECODE_Q8_DOTS 1
+/* q8_0 keys against int8 queries (llama.cpp's q8_0 x q8_0 dot for a q8_0 cache): the group's
+ * queries quantized per 32 values (qi, their scales qd, and 128 x each block's sum, qs, for the
+ * unsigned keys), 1.25 G D bytes of the thread's Vf (the 512-bit task reads values in place). */
+typedef struct {
+    int8_t *qi;
+    float *qd;
+    int32_t *qs;
+} q8_queries;
+
+/* Round half away from zero, as roundf (the cache's kv_store and KVCache's q8_0_pack). */
+static inline __m512i round_away(__m512 v) {
+    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+}
+
+static inline q8_queries q8_quantize(const float *Q, int64_t G, int64_t D, void *room) {
+    const int64_t nb = D / 32;
+    q8_queries out = {(int8_t *)room, NULL, NULL};
+    out.qd = (float *)((char *)room + (G * D + 63) / 64 * 64);
+    out.qs = (int32_t *)(out.qd + G * nb);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t b = 0; b < nb; b++) { /* as ggml's quantize_row_q8_0: d = amax / 127 */
+            const float *x = Q + g * D + b * 32;
+            const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m512i a = round_away(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+            const __m512i c = round_away(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+            _mm_storeu_si128((__m128i *)(out.qi + g * D + b * 32), _mm512_cvtsepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)(out.qi + g * D + b * 32 + 16), _mm512_cvtsepi32_epi8(c));
+            out.qd[g * nb + b] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); /* stored as float16 */
+            out.qs[g * nb + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(a, c));
+        }
+    return out;
+}
+
+/* A tile's n q8_0 keys (rows of 34-byte blocks at rows, rb bytes apart) as unsigned bytes (+128),
+ * transposed in dwords: kq[c * 16 + l] lanes = keys, dword l of 64-value chunk c (values 4 l ..
+ * 4 l + 3 of block 2c, then of block 2c + 1); ks[b * 16 + i] key i's scale of block b. Keys past
+ * n: key 0's (masked out later). */
+static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D, __m512i *kq, float *ks) {
+    const int64_t nb = D / 32;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t c = 0; 2 * c < nb; c++) {
+        __m512 r[16], u[16];
+        for (int i = 0; i < 16; i++) {
+            const char *row = rows + (i < n ? i : 0) * rb + 2 * c * 34;
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(row + 2));
+            const __m256i hi = 2 * c + 1 < nb ? _mm256_loadu_si256((const __m256i *)(row + 36)) : _mm256_setzero_si256();
+            r[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        }
+        for (int i = 0; i < 16; i += 2) {
+            u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+            u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 16; i += 4) {
+            r[i] = _mm512_shuffle_ps(u[i], u[i + 2], 0x44);
+            r[i + 1] = _mm512_shuffle_ps(u[i], u[i + 2], 0xEE);
+            r[i + 2] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+            r[i + 3] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+        }
+        for (int i = 0; i < 4; i++) {
+            u[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+            u[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+            u[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+            u[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+        }
+        for (int i = 0; i < 8; i++) {
+            r[i] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0x88);
+            r[i + 8] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0xDD);
+        }
+        for (int l = 0; l < 16; l++) kq[c * 16 + l] = _mm512_xor_si512(_mm512_castps_si512(r[l]), flip);
+    }
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < 16; i++) {
+            uint16_t h;
+            memcpy(&h, rows + (i < n ? i : 0) * rb + b * 34, 2);
+            ks[b * 16 + i] = _cvtsh_ss(h);
+        }
+}
+
+/* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
+ * with the query's, then times both scales. */
+static inline __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D, const __m512i *kq,
+                               const float *ks) {
+    const int64_t nb = D / 32;
+    const int32_t *q4 = (const int32_t *)(qq->qi + g * D);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot = _mm512_set1_epi32(-qq->qs[g * nb + b]);
+        const __m512i *kb = kq + (b / 2) * 16 + (b % 2) * 8;
+        for (int l = 0; l < 8; l++) dot = _mm512_dpbusd_epi32(dot, kb[l], _mm512_set1_epi32(q4[b * 8 + l]));
+        const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(ks + b * 16), _mm512_set1_ps(qq->qd[g * nb + b]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc);
+    }
+    return acc;
+}
+#else
+#define DECODE_Q8_DOTS 0
+#endif
+
 /* O (GN heads x 16 NU values from value c0, rows Dv apart; the last vector's lanes: last) =
  * alpha O + sum_i P[g][i] V[i] over the tile's n keys, each row of V read once from the cache
  * (rows rb bytes apart, values of type t) for all GN heads. */
@@ -307,6 +412,16 @@ static inline __attribute__((always_inline)) void decode_task(
     float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)(G * Dv));
+#if DECODE_Q8_DOTS
+    /* q8_0 keys: integer dots where the quantized queries fit in Vf */
+    const int q8 = t == 3 && (G * D + 63) / 64 * 64 + 8 * G * (D / 32) <= DT * Dv * 4;
+    q8_queries qq = {NULL, NULL, NULL};
+    if (q8) qq = q8_quantize(Q, G, D, Vf);
+    __m512i kq[16 * 16]; /* a tile's keys, up to 1,024 values (MAX_HEAD_DIM) */
+    float ks[32 * 16];
+#else
+    const int q8 = 0;
+#endif
     for (int64_t j = k0; j < k1;) {
         int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
         if (n > DT) n = DT;
@@ -324,15 +439,23 @@ static inline __attribute__((always_inline)) void decode_task(
         if (t != 3) {
             K = kt_plane(kv, s, hk, j, D) + kv_bytes(j % BS, t);
             ld = BS;
-        } else {
+        } else if (!q8) {
             tile_keys_t(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
         }
+#if DECODE_Q8_DOTS
+        if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, j, D), kv_bytes(D, 3), n, D, kq, ks);
+#endif
         const char *Vc = kv_at(kv, kv->v, s, hk, j, Dv);
         const int64_t vrb = kv_bytes(Dv, t);
         const __mmask16 vis = (__mmask16)((1u << n) - 1u);
         for (int64_t g0 = 0; g0 < G;) {
             const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
             __m512 S[8];
+#if DECODE_Q8_DOTS
+            if (q8)
+                for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks);
+            else
+#endif
             switch (gn) {
             case 8: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 8); break;
             case 4: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 4); break;

@@ -399,9 +399,10 @@ static inline __attribute__((always_inline)) void pv_tile16(float *O, const floa
 /* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
  * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
  * exp(score - max) and the unnormalized output. Each tile: the heads' scores from the keys as the
- * cache holds them (q8_0's transposed into Kf first), the online softmax (alpha: the heads'
- * rescales, then their new maxima and the tile's sums), and the weighted values, read once for
- * up to 4 heads. P: G x DT weights; Vf unused here. */
+ * cache holds them (q8_0's: integer dots with VNNI, else transposed into Kf as float32), the
+ * online softmax (alpha: the heads' rescales, then their new maxima and the tile's sums), and
+ * the weighted values, read once for up to 4 heads. P: G x DT weights; Vf: room for a q8_0
+ * cache's quantized queries (the values are read in place). */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {

@@ -7,6 +7,7 @@ kernels where 512-bit ones exist, and the AVX2 build), each against the twin."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -140,6 +141,26 @@ def _check(case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8
 def test_decode_attention_equals_its_twin(case: Case, kv: str) -> None:
     torch.set_num_threads(2)  # (the long rows split into tasks merged at the end)
     _check(case, kv, run_case(case, kv))
+
+
+def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 512-bit kernel's q8_0 keys without integer dots (an AVX-512 CPU without VNNI): built
+    here with -DGL_NO_Q8_DOTS, every case against the twin with the query unquantized."""
+    from graftlm.native import abi, build
+
+    if not Q8_DOTS:
+        pytest.skip("this CPU's kernel is that one: the tests above")
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_Q8_DOTS",))))
+    abi.bind(lib)
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    torch.set_num_threads(2)
+    for case in CASES:
+        _check(case, "q8_0", run_case(case, "q8_0"), q8_dots=False)
 
 
 VARIANT = """

@@ -192,6 +192,31 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
 }
 
+/* 16 vectors of 16 transposed in place: r[i] lane j <- r[j] lane i (dwords: any 32-bit data). */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
+    __m512 u[16];
+    for (int j = 0; j < 16; j += 2) {
+        u[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+        u[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {
+        r[j] = _mm512_shuffle_ps(u[j], u[j + 2], 0x44);
+        r[j + 1] = _mm512_shuffle_ps(u[j], u[j + 2], 0xEE);
+        r[j + 2] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0x44);
+        r[j + 3] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        u[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+        u[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+        u[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
+        u[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
+    }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0xDD);
+    }
+}
+
 /* The float32 keys of a tile transposed, Kt (D x DT): Kt[d * DT + j] = key j's value d, for the
  * tile's n keys (keys past n: key 0's values, masked out later). 16 x 16 blocks through registers. */
 static inline __attribute__((always_inline)) void tile_keys_t(const char *src, int64_t n, int64_t D,
@@ -199,31 +224,12 @@ static inline __attribute__((always_inline)) void tile_keys_t(const char *src, i
     const int64_t rb = kv_bytes(D, t); /* a row's bytes */
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const int64_t w = D - d0 < 16 ? D - d0 : 16; /* 16, or 8 at a tail */
-        __m512 r[16], u[16];
+        __m512 r[16];
         for (int j = 0; j < 16; j++) {
             const char *row = src + (j < n ? j : 0) * rb;
             r[j] = w == 16 ? kv_load16(row, d0, t) : _mm512_castps256_ps512(kv_load8(row, d0, t));
         }
-        for (int j = 0; j < 16; j += 2) {
-            u[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
-            u[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
-        }
-        for (int j = 0; j < 16; j += 4) {
-            r[j] = _mm512_shuffle_ps(u[j], u[j + 2], 0x44);
-            r[j + 1] = _mm512_shuffle_ps(u[j], u[j + 2], 0xEE);
-            r[j + 2] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0x44);
-            r[j + 3] = _mm512_shuffle_ps(u[j + 1], u[j + 3], 0xEE);
-        }
-        for (int j = 0; j < 4; j++) {
-            u[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
-            u[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
-            u[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
-            u[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
-        }
-        for (int j = 0; j < 8; j++) {
-            r[j] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0x88);
-            r[j + 8] = _mm512_shuffle_f32x4(u[j], u[j + 8], 0xDD);
-        }
+        transpose16(r);
         for (int i = 0; i < w; i++) _mm512_store_ps(Kt + (d0 + i) * DT, r[i]); /* r[i]: value i */
     }
 }
@@ -255,7 +261,7 @@ static inline __attribute__((always_inline)) void scores_tile(const float *Q, co
     for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
 }
 
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && !defined(GL_NO_Q8_DOTS) /* (-DGL_NO_Q8_DOTS: tests of the rest) */
 #define DECODE_Q8_DOTS 1
 /* q8_0 keys against int8 queries (llama.cpp's q8_0 x q8_0 dot for a q8_0 cache): the group's
  * queries quantized per 32 values (qi, their scales qd, and 128 x each block's sum, qs, for the
@@ -303,33 +309,14 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
     const int64_t nb = D / 32;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t c = 0; 2 * c < nb; c++) {
-        __m512 r[16], u[16];
+        __m512 r[16];
         for (int i = 0; i < 16; i++) {
             const char *row = rows + (i < n ? i : 0) * rb + 2 * c * 34;
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(row + 2));
             const __m256i hi = 2 * c + 1 < nb ? _mm256_loadu_si256((const __m256i *)(row + 36)) : _mm256_setzero_si256();
             r[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
         }
-        for (int i = 0; i < 16; i += 2) {
-            u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-            u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int i = 0; i < 16; i += 4) {
-            r[i] = _mm512_shuffle_ps(u[i], u[i + 2], 0x44);
-            r[i + 1] = _mm512_shuffle_ps(u[i], u[i + 2], 0xEE);
-            r[i + 2] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0x44);
-            r[i + 3] = _mm512_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
-        }
-        for (int i = 0; i < 4; i++) {
-            u[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-            u[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-            u[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-            u[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-        }
-        for (int i = 0; i < 8; i++) {
-            r[i] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0x88);
-            r[i + 8] = _mm512_shuffle_f32x4(u[i], u[i + 8], 0xDD);
-        }
+        transpose16(r);
         for (int l = 0; l < 16; l++) kq[c * 16 + l] = _mm512_xor_si512(_mm512_castps_si512(r[l]), flip);
     }
     for (int64_t b = 0; b < nb; b++)

@@ -71,10 +71,11 @@ def _sync(device: torch.device) -> Callable[[], None]:
 def _ours(
     model: Any, test: str, n: int, lora: list[dict[str, Any]] | None, depth: int = 0
 ) -> tuple[Callable[[], int], Callable[[], None]]:
-    """One test as a callable returning the tokens it timed, and what ends it. At a depth, `depth` random tokens
-    precede the test's: a prompt runs in a slot whose first `depth` positions were computed once,
-    before the timing; a generation's prompt is those tokens plus one, served from the prefix
-    cache after the first call (a depth of whole blocks: every later call computes one token)."""
+    """One test as a callable returning the tokens it timed, and what ends it. At a depth,
+    `depth` random tokens precede the test's: a prompt runs in a slot whose first `depth`
+    positions were computed once, before the timing; a generation's prompt is those tokens plus
+    one, served from the prefix cache after the first call (a depth of whole blocks: every later
+    call computes one token)."""
     from graftlm.step.batch import Batch
 
     g = torch.Generator().manual_seed(0)

@@ -92,9 +92,7 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * merged at the end. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
-#ifndef DECODE_AHEAD
-#define DECODE_AHEAD 1 /* tiles read ahead of the one being computed */
-#endif
+#define DECODE_AHEAD 1 /* blocks read ahead of the one being computed */
 
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -143,39 +141,28 @@ static inline __attribute__((always_inline)) void pv_tile(float *O, const float 
     default: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 4); break;                             \
     }
 
-/* A later tile's keys and values toward the cache (L2): a whole block of keys where they are
- * transposed, else its nn rows; nn rows of values. */
-static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *kv, int64_t s, int64_t hk,
-                                                                  int64_t jn, int64_t nn, int64_t D,
-                                                                  int64_t Dv, const int t) {
-    const char *kn = t != 3 ? kt_plane(kv, s, hk, jn, D) : kv_at(kv, kv->k, s, hk, jn, D);
-    const char *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
-    const int64_t kb = kv_bytes((t != 3 ? kv->block : nn) * D, t), vb = kv_bytes(nn * Dv, t);
-    for (int64_t c = 0; c < kb; c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
-    for (int64_t c = 0; c < vb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+/* The tiles DECODE_AHEAD blocks past position j toward the cache (L2), of a task over [k0, k1)
+ * (at its first tile the ones before them too): a whole block of keys where they are transposed,
+ * else its rows; the block's rows of values. The blocks lie anywhere in the pool, where no
+ * hardware prefetcher follows. */
+static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, int64_t s, int64_t hk,
+                                                               int64_t j, int64_t k0, int64_t k1,
+                                                               int64_t D, int64_t Dv, const int t) {
+    const int64_t BS = kv->block;
+    for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
+        const int64_t jn = (j / BS + ahead) * BS, nn = k1 - jn < BS ? k1 - jn : BS;
+        if (jn >= k1) break;
+        const char *kn = t != 3 ? kt_plane(kv, s, hk, jn, D) : kv_at(kv, kv->k, s, hk, jn, D);
+        const char *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
+        const int64_t kb = kv_bytes((t != 3 ? BS : nn) * D, t), vb = kv_bytes(nn * Dv, t);
+        for (int64_t c = 0; c < kb; c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
+        for (int64_t c = 0; c < vb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
+    }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
 /* The 512-bit task: a tile's 16 keys are one vector of scores a head (the ymm variant and AVX2
  * CPUs take the 256-bit one below, two vectors a head). */
-
-/* e^x for 16 floats: exp256's polynomial. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 fx = _mm512_floor_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 /* 16 cached values from value i of p as float32 (i a multiple of 16). */
 static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int64_t i, const int t) {
@@ -413,12 +400,7 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t j = k0; j < k1;) {
         int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
         if (n > DT) n = DT;
-        for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
-            const int64_t jn = (j / BS + ahead) * BS;
-            if (jn >= k1) break;
-            const int64_t nn = k1 - jn < BS ? k1 - jn : BS;
-            decode_prefetch(kv, s, hk, jn, nn, D, Dv, t);
-        }
+        decode_ahead(kv, s, hk, j, k0, k1, D, Dv, t);
         /* the tile's keys transposed: in the cache (offset to the tile's first position), or
          * q8_0's rows transposed into Kf as float32 */
         const int kt = t != 3 ? t : 0;
@@ -453,10 +435,7 @@ static inline __attribute__((always_inline)) void decode_task(
             for (int64_t gi = 0; gi < gn; gi++) {
                 const int64_t g = g0 + gi;
                 __m512 x = _mm512_mul_ps(S[gi], _mm512_set1_ps(a->scale)); /* as llama.cpp: after the dot */
-                if (softcap > 0.0f) {
-                    const __m512 e = exp512(_mm512_mul_ps(_mm512_div_ps(x, cap), _mm512_set1_ps(-2.0f)));
-                    x = _mm512_mul_ps(_mm512_sub_ps(_mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_set1_ps(1.0f)), cap);
-                }
+                if (softcap > 0.0f) x = _mm512_mul_ps(tanh512(_mm512_div_ps(x, cap)), cap);
                 x = _mm512_mask_blend_ps(vis, ninf, x);
                 const float mx = _mm512_reduce_max_ps(x), mn = mx > m[g] ? mx : m[g];
                 const __m512 e = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
@@ -516,13 +495,7 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t j = k0; j < k1;) {
         int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
         if (n > DT) n = DT;
-        /* the tile DECODE_AHEAD on from memory (the first tiles' at the start): the blocks lie
-         * anywhere in the pool, where no hardware prefetcher follows */
-        for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
-            const int64_t jn = (j / BS + ahead) * BS;
-            if (jn >= k1) break;
-            decode_prefetch(kv, s, hk, jn, k1 - jn < BS ? k1 - jn : BS, D, Dv, t);
-        }
+        decode_ahead(kv, s, hk, j, k0, k1, D, Dv, t);
         /* the tile's keys transposed (value d of its keys at K + kv_bytes(d * ld), type kt): in
          * the cache when the tile is a whole block of them, else into Kf as float32, zero past n */
         const int kt = t != 3 && n == DT ? t : 0;
@@ -624,13 +597,19 @@ static inline int64_t decode_lo(const gl_attn *a, int64_t p) {
     return a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
 }
 
-/* The work buffer of a decode step of B rows on nth threads: each thread's tiles (K and V as
- * float32, the group's rotated queries, the tile's weights), the tasks' partial results (at most
- * 4 nth + B Hkv tasks: see decode_chunk) and the tasks' first index per row. */
+/* A decode thread's part of the work buffer: a tile's K and V as float32, the group's rotated
+ * queries, the tile's weights, and the heads' rescales, maxima and sums (G each); 64-byte whole. */
+static inline int64_t decode_thread_bytes(int64_t G, int64_t D, int64_t Dv) {
+    return ((DT * (D + Dv) + G * D + G * DT + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
+}
+
+/* The work buffer of a decode step of B rows on nth threads: each thread's part, the tasks'
+ * partial results (at most 4 nth + B Hkv tasks: see decode_chunk) and the tasks' first index per
+ * row. */
 static int64_t attn_decode_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t B, int nth) {
-    const int64_t G = H / Hkv, f = (int64_t)sizeof(float), r = 64;
-    const int64_t thread = ((DT * (D + Dv) + G * D + G * DT + 3 * G) * f + r - 1) / r * r;
-    return nth * thread + (4 * nth + B * Hkv) * G * (Dv + 2) * f + (B + 1) * (int64_t)sizeof(int64_t);
+    const int64_t G = H / Hkv;
+    return nth * decode_thread_bytes(G, D, Dv) + (4 * nth + B * Hkv) * G * (Dv + 2) * (int64_t)sizeof(float) +
+           (B + 1) * (int64_t)sizeof(int64_t);
 }
 
 static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
@@ -654,8 +633,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
         }
         total += (p + 1 - decode_lo(a, p)) * Hkv;
     }
-    const int64_t f = (int64_t)sizeof(float), r = 64;
-    const int64_t thread = ((DT * (D + Dv) + G * D + G * DT + 3 * G) * f + r - 1) / r * r;
+    const int64_t thread = decode_thread_bytes(G, D, Dv);
     const int64_t chunk = decode_chunk(total, nth), pw = G * (Dv + 2);
     float *parts = (float *)(work + nth * thread);
     int64_t *first = (int64_t *)(parts + (4 * nth + B * Hkv) * pw); /* row b's tasks: first[b] .. */
@@ -848,13 +826,8 @@ static void kt_gather(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t
             const char *src = plane + kv_bytes(d * BS + o, t);
             float *dst = Kt + d * PK + (j - k0);
             int64_t i = 0;
-            if (t == 1)
-                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 1));
-            else if (t == 2)
-                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 2));
-            else
-                for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, 0));
-            for (; i < run; i++) dst[i] = kv_get(src, i, t);
+            for (; i + 8 <= run; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, (int)t));
+            for (; i < run; i++) dst[i] = kv_get(src, i, (int)t);
         }
         j += run;
     }

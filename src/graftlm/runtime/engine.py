@@ -29,6 +29,7 @@ from graftlm.runtime.scheduler import (
     activation,
     settings_at,
 )
+from graftlm.runtime.speculative import NgramDrafter, SpecConfig
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -55,7 +56,9 @@ def lora_rows(settings: Sequence[Mapping[int, float]], device: torch.device) -> 
 class Engine:
     """n_slots: sequences at once (rows of the block table). n_blocks: the paged cache's pool
     (default: every sequence's whole context, plus the unowned block 0); kv_dtype: its values'
-    type (default float16). prefix_cache: reuse cached blocks across requests (on by default)."""
+    type (default float16). prefix_cache: reuse cached blocks across requests (on by default).
+    speculative: draft tokens and verify them in the step (runtime/speculative.py; off by
+    default)."""
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class Engine:
         n_blocks: int | None = None,
         kv_dtype: torch.dtype | None = None,
         prefix_cache: bool = True,
+        speculative: SpecConfig | None = None,
     ) -> None:
         self.model = model
         self.cache = model.allocate_cache(n_slots, n_blocks, kv_dtype)
@@ -74,7 +78,10 @@ class Engine:
         )
         self.scheduler = Scheduler(self.slots, chunk)
         self.slots.admit_tokens = chunk
+        self.scheduler.n_ctx = self.n_ctx
         self.lock = threading.RLock()
+        self.drafter: NgramDrafter | None = None
+        self.speculative = speculative
         self._adapters_seen = model.seams.generation.value
         # activated-LoRA adapters by id -> their invocation tokens (the model's adapter set's)
         self.invocations: Callable[[], Mapping[int, tuple[int, ...]]] = dict
@@ -125,6 +132,17 @@ class Engine:
         if seen != self._adapters_seen:
             self._adapters_seen = seen
             self.slots.adapters_changed()
+
+    @property
+    def speculative(self) -> SpecConfig | None:
+        """Speculative decoding's settings (None: off)."""
+        return None if self.drafter is None else self.drafter.cfg
+
+    @speculative.setter
+    def speculative(self, cfg: SpecConfig | None) -> None:
+        with self.lock:
+            self.drafter = None if cfg is None else NgramDrafter(cfg)
+            self.scheduler.drafter = self.drafter
 
     @property
     def running(self) -> list[Request]:
@@ -210,7 +228,7 @@ class Engine:
                 self._prefill(plan.prefill)
             decoding = [r for r in plan.decode if not r.done]  # a first token may have ended one
             if decoding:
-                self._decode(decoding)
+                self._decode(decoding, plan.drafts)
             self.scheduler.commit(plan)
             return plan
 
@@ -247,27 +265,51 @@ class Engine:
                     req.on_progress(req, c.end)
                 self._emit(req, row)
 
-    def _decode(self, reqs: Sequence[Request]) -> None:
-        """One token for each of these sequences, in one batch. The rows go in order of their
-        adapter ids, so the rows of one adapter are neighbours: the native delta reads each
-        adapter's A once for a run of rows and adds B's blocks to two rows at a time."""
+    def _decode(self, reqs: Sequence[Request], drafts: Mapping[int, list[int]]) -> None:
+        """One token for each of these sequences, in one batch, and for a sequence with a draft
+        (speculative decoding) the draft's tokens too: one row each at the next positions of
+        its slot, kept while the row's sampler draws them (runtime/speculative.py). The rows go
+        in order of their adapter ids, so the rows of one adapter are neighbours: the native
+        delta reads each adapter's A once for a run of rows and adds B's blocks to two rows at
+        a time."""
         settings = [r.settings_at(r.n_past) for r in reqs]
         order = sorted(range(len(reqs)), key=lambda i: tuple(s for s, _ in settings[i].pairs))
-        rows = [reqs[i] for i in order]
-        tokens = torch.tensor(
-            [[r.generated[-1]] for r in rows], dtype=torch.long, device=self.device
-        )
+        tokens: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        row_settings: list[AdapterSettings] = []
+        first = [0] * len(reqs)  # each request's first row of the batch
+        for i in order:
+            r = reqs[i]
+            feed = [r.generated[-1], *drafts.get(r.id, ())]
+            first[i] = len(tokens)
+            tokens += feed
+            slots += [self.slots.slot(r)] * len(feed)
+            starts += range(r.n_past, r.n_past + len(feed))
+            row_settings += [settings[i]] * len(feed)
         batch = Batch(
-            tokens,
-            [self.slots.slot(r) for r in rows],
-            [r.n_past for r in rows],
-            [1] * len(rows),
-            self.lora_rows([settings[i] for i in order]),
+            torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1),
+            slots,
+            starts,
+            [1] * len(tokens),
+            self.lora_rows(row_settings),
         )
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
-        at = {i: k for k, i in enumerate(order)}  # each request's row of the batch
         for i, r in enumerate(reqs):  # (in the requests' own order)
-            self._emit(r, logits[at[i]])
+            at = first[i]
+            self._emit(r, logits[at])
+            draft = drafts.get(r.id, ())
+            kept = 0
+            for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
+                if r.done or r.generated[-1] != tok:
+                    break
+                kept += 1
+                self._emit(r, logits[at + kept])
+            if draft:
+                r.n_drafted += len(draft)
+                r.n_draft_accepted += kept
+                if self.drafter is not None:
+                    self.drafter.verified(r, len(draft), kept)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         assert req.sampler is not None

@@ -36,6 +36,7 @@ from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 
 if TYPE_CHECKING:
     from graftlm.runtime.sampling import Sampler, SamplingParams
+    from graftlm.runtime.speculative import DraftState, NgramDrafter, SpecParams
 
 _ids = itertools.count()
 
@@ -78,6 +79,12 @@ class Request:
     # the prefix cache's digests of the sequence's full blocks, memoised by its allocator
     block_digests: list[bytes] = field(default_factory=list)
     digest_epoch: int = -1
+    # speculative decoding: the request's own bounds (None: the server's), its drafter's state,
+    # and its drafted and accepted tokens (llama-server's timings.draft_n / draft_n_accepted)
+    spec: SpecParams | None = None
+    draft: DraftState | None = None
+    n_drafted: int = 0
+    n_draft_accepted: int = 0
 
     @property
     def done(self) -> bool:
@@ -239,12 +246,14 @@ class StepPlan:
     `decode`: the sequences that decode one token, in admission order, including those whose
     prompt ends in this step's prefill (they decode in the same step, from the token their
     prompt's logits gave); one that ended on that token is skipped. `n_running`: sequences
-    running in this step, those just admitted included."""
+    running in this step, those just admitted included. `drafts`: request id -> the tokens
+    drafted for that decode row, verified in this step (speculative decoding)."""
 
     admitted: tuple[Request, ...] = ()
     prefill: tuple[Chunk, ...] = ()
     decode: tuple[Request, ...] = ()
     n_running: int = 0
+    drafts: Mapping[int, list[int]] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -270,6 +279,9 @@ class Scheduler:
         self.max_running = allocator.n_slots if max_running is None else max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # speculative decoding (the engine's): drafts for decode rows, within n_ctx positions
+        self.drafter: NgramDrafter | None = None
+        self.n_ctx = 1 << 62
 
     @property
     def busy(self) -> bool:
@@ -304,7 +316,27 @@ class Scheduler:
             if self._grow(prefill, decode):
                 break
         admitted = [r for r in admitted if r in self.running]
-        return StepPlan(tuple(admitted), prefill, decode, len(self.running))
+        drafts = self._drafts([r for r in decode if r.id not in completing])
+        return StepPlan(tuple(admitted), prefill, decode, len(self.running), drafts)
+
+    def _drafts(self, rows: list[Request]) -> dict[int, list[int]]:
+        """The drafter's tokens for these decode rows, each within its room (the context's last
+        position, and the tokens max_tokens still allows: the last kept token is the model's
+        own, never a draft) and the blocks the pool can give now (a draft never preempts)."""
+        if self.drafter is None or not rows:
+            return {}
+        room = []
+        for r in rows:
+            n = self.n_ctx - 1 - r.n_past
+            if r.params.max_tokens >= 0:
+                n = min(n, r.params.max_tokens - len(r.generated) - 1)
+            room.append(n)
+        drafts = self.drafter.propose(rows, room)
+        for r in rows:
+            d = drafts.get(r.id)
+            if d and not self.allocator.grow(r, r.n_past + 1 + len(d)):
+                del drafts[r.id]
+        return drafts
 
     def _grow(self, prefill: tuple[Chunk, ...], decode: tuple[Request, ...]) -> bool:
         """Blocks for every planned range; False after preempting one sequence (plan again)."""

@@ -108,11 +108,14 @@ class Batch:
     @cached_property
     def _decode(self) -> RowIndex | None:
         one_each = self.n_tokens == 1 and all(n == 1 for n in self.lengths)
-        return self.index() if one_each and len(set(self.slots)) == len(self.slots) else None
+        places = set(zip(self.slots, self.starts, strict=True))
+        return self.index() if one_each and len(places) == len(self.slots) else None
 
     def decode_rows(self) -> RowIndex | None:
-        """index() when every row is one real token of a distinct sequence (a decode step), else
-        None; decided once a step, though every layer asks."""
+        """index() when every row is one real token at its own place (a decode step), else None;
+        decided once a step, though every layer asks. Rows may share a slot at different
+        positions (a speculative draft's tokens): the step writes every row's keys and values
+        before any row attends, so each sees the positions up to its own."""
         return self._decode
 
     def mask(self, window: int) -> torch.Tensor | None:

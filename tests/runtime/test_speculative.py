@@ -1,0 +1,316 @@
+"""Speculative decoding: the n-gram drafter alone (plain Python), then the engine verifying drafts
+on tiny models: greedy tokens identical with speculation on and off, seeded sampling identical,
+constraints, stop strings, max_tokens, the context's end, mixed adapters, a short cache pool and a
+sliding window; drafts that are wrong at every place (a test drafter) and right ones."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+import graftlm
+from graftlm.errors import RequestError
+from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
+from graftlm.runtime.speculative import DraftState, NgramDrafter, SpecConfig, SpecParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _ids(n: int, seed: int, vocab: int = 250) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+# -- the drafter alone ------------------------------------------------------------------------------
+
+
+def _state(drafter: NgramDrafter, tokens: list[int]) -> DraftState:
+    req = Request(tokens, GREEDY)
+    return drafter._state(req)
+
+
+def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence() -> None:
+    d = NgramDrafter(SpecConfig(lookup_min=2, lookup_max=3))
+    # "5 6" occurs twice (followed by 7, then by 9); "4 5 6" once (followed by 7): longest wins
+    st = _state(d, [4, 5, 6, 7, 8, 1, 5, 6, 9, 2, 4, 5, 6])
+    assert d.lookup(st, 3) == [7, 8, 1]
+    # without the 3-gram, the latest "5 6" (followed by 9) wins
+    st = _state(d, [4, 5, 6, 7, 8, 1, 5, 6, 9, 2, 3, 5, 6])
+    assert d.lookup(st, 2) == [9, 2]
+    assert d.lookup(_state(d, [1, 2, 3, 4, 5, 6]), 4) == []  # nothing repeats
+
+
+def test_a_draft_that_runs_into_the_end_continues_the_loop() -> None:
+    d = NgramDrafter(SpecConfig(lookup_min=2, lookup_max=2))
+    st = _state(d, [9, 1, 2, 3, 1, 2])  # "1 2" last ended at 3: period 3
+    assert d.lookup(st, 7) == [3, 1, 2, 3, 1, 2, 3]
+    st = _state(d, [8, 8, 8])
+    assert d.lookup(st, 4) == [8, 8, 8, 8]
+
+
+def test_the_index_follows_generated_tokens() -> None:
+    d = NgramDrafter(SpecConfig(lookup_min=2, lookup_max=2))
+    req = Request([1, 2, 3, 4], GREEDY)
+    assert d.lookup(d._state(req), 2) == []
+    req.generated += [1, 2]  # "1 2" again: what followed it first
+    st = d._state(req)
+    assert st.tokens == [1, 2, 3, 4, 1, 2] and d.lookup(st, 2) == [3, 4]
+
+
+def test_propose_respects_room_bounds_and_the_cost_of_rows() -> None:
+    cfg = SpecConfig(n_max=8, lookup_min=2, lookup_max=2)
+    loop = [7, 3] * 10
+    one = Request(list(loop), GREEDY)
+    one.generated = [7]
+    d = NgramDrafter(cfg)
+    assert 0 < len(d.propose([one], [100])[one.id]) <= 8
+    assert len(d.propose([one], [3])[one.id]) <= 3  # its room (context, max_tokens)
+    assert d.propose([one], [0]) == {}
+    off = Request(list(loop), GREEDY, spec=SpecParams(n_max=0))
+    off.generated = [7]
+    assert d.propose([off], [100]) == {}
+    # a row that keeps being right drafts longer; a lone row drafts more than one of 16
+    for _ in range(20):
+        n = len(d.propose([one], [100])[one.id])
+        d.verified(one, n, n)
+    assert len(d.propose([one], [100])[one.id]) == 8
+    many = [Request(list(loop), GREEDY) for _ in range(16)]
+    for r in many:
+        r.generated = [7]
+    fresh = NgramDrafter(cfg)
+    lone = sum(map(len, fresh.propose(many[:1], [100]).values()))
+    crowd = fresh.propose(many, [100] * 16)
+    assert sum(map(len, crowd.values())) < 16 * lone
+    # a row whose drafts keep failing stops drafting
+    bad = Request(list(loop), GREEDY)
+    bad.generated = [7]
+    for _ in range(4):
+        got = d.propose([bad], [100]).get(bad.id, [])
+        d.verified(bad, len(got), 0)
+    assert all(d.propose([bad], [100]) == {} for _ in range(10))
+    # n_min: a draft shorter than it is not verified
+    strict = Request(list(loop), GREEDY, spec=SpecParams(n_min=8))
+    strict.generated = [7]
+    assert d.propose([strict], [4]) == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"method": "eagle"}, "method"),
+        ({"n_max": 0}, "n_max"),
+        ({"n_min": 9, "n_max": 8}, "n_min"),
+        ({"lookup_min": 3, "lookup_max": 2}, "lookup"),
+        ({"p_min": 1.5}, "p_min"),
+    ],
+)
+def test_bad_settings_are_named(kwargs: dict, field: str) -> None:
+    with pytest.raises(RequestError, match=field):
+        SpecConfig(**kwargs)
+
+
+def test_bad_request_bounds_are_named() -> None:
+    with pytest.raises(RequestError, match="speculative.n_max"):
+        SpecParams(n_max=-1)
+    with pytest.raises(RequestError, match="speculative.p_min"):
+        SpecParams(p_min=2.0)
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    d = tmp_path_factory.mktemp("spec")
+    spec = TinySpec()
+    return (
+        write_tiny_model(d / "m.gguf", spec),
+        write_tiny_adapter(d / "a.gguf", spec, seed=1),
+        write_tiny_adapter(d / "b.gguf", spec, seed=2),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(files: tuple[Path, Path, Path]) -> graftlm.Model:
+    m = graftlm.load(files[0], ctx_size=256, n_seq=4)
+    m.add_lora(files[1])
+    m.add_lora(files[2])
+    return m
+
+
+class ScriptedDrafter:
+    """Drafts the reference continuation with some places made wrong (each draft wrong at a
+    random place, or right throughout), so every accepted length is verified."""
+
+    def __init__(self, truth: dict[int, list[int]], seed: int = 0, n: int = 5) -> None:
+        self.truth = truth  # request id -> its tokens generated without speculation
+        self.rng = random.Random(seed)
+        self.n = n
+        self.verdicts: list[tuple[int, int]] = []
+
+    def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
+        out = {}
+        for r, n_room in zip(reqs, room, strict=True):
+            ref = self.truth[r.id][len(r.generated) :]
+            k = min(self.n, n_room, len(ref) + 1)
+            if k <= 0:
+                continue
+            draft = (ref + [5])[:k]
+            wrong = self.rng.randrange(k + 1)
+            if wrong < k:
+                draft[wrong] = (draft[wrong] + 1) % 250
+            out[r.id] = draft
+        return out
+
+    def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
+        self.verdicts.append((n_drafted, n_accepted))
+
+
+def _generate(
+    m: graftlm.Model,
+    prompts: list[list[int]],
+    params: SamplingParams = GREEDY,
+    loras: list[AdapterSettings] | None = None,
+) -> list[Request]:
+    reqs = [
+        Request(list(p), params, (loras or [NO_ADAPTERS] * len(prompts))[i])
+        for i, p in enumerate(prompts)
+    ]
+    for r in reqs:
+        m.engine.submit(r)
+    while m.engine.busy:
+        m.engine.step()
+    return reqs
+
+
+def _with(m: graftlm.Model, drafter: object | None) -> None:
+    m.engine.drafter = drafter  # type: ignore[assignment]
+    m.engine.scheduler.drafter = drafter  # type: ignore[assignment]
+
+
+def test_scripted_drafts_leave_every_row_as_plain_decoding_left_it(tiny: graftlm.Model) -> None:
+    prompts = [_ids(9 + 4 * i, seed=i) for i in range(4)]
+    loras = [NO_ADAPTERS, AdapterSettings({0: 1.0}), AdapterSettings({1: 0.7}), NO_ADAPTERS]
+    _with(tiny, None)
+    plain = _generate(tiny, prompts, loras=loras)
+    # the same requests again with drafts: the drafter keys its truth by the new requests' ids
+    reqs = [Request(list(p), GREEDY, lora) for p, lora in zip(prompts, loras, strict=True)]
+    drafter = ScriptedDrafter({r.id: p.generated for r, p in zip(reqs, plain, strict=True)})
+    _with(tiny, drafter)
+    try:
+        for r in reqs:
+            tiny.engine.submit(r)
+        while tiny.engine.busy:
+            tiny.engine.step()
+    finally:
+        _with(tiny, None)
+    for r, p in zip(reqs, plain, strict=True):
+        assert r.generated == p.generated
+        assert r.finish_reason == p.finish_reason == "length"
+    accepted = {a for _, a in drafter.verdicts}
+    assert {0, 5} <= accepted and len(accepted) == 6  # every accepted length, 0 to 5, was seen
+    assert sum(r.n_drafted for r in reqs) == sum(n for n, _ in drafter.verdicts)
+    assert sum(r.n_draft_accepted for r in reqs) == sum(a for _, a in drafter.verdicts)
+
+
+def _repeating(n: int, seed: int) -> list[int]:
+    base = _ids(n, seed)
+    return base + base + base[: n // 2]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=40, ignore_eos=True, repeat_penalty=1.3, repeat_last_n=8
+        ),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded", "penalties", "max_tokens"],
+)
+def test_ngram_speculation_gives_the_same_tokens(
+    tiny: graftlm.Model, params: SamplingParams
+) -> None:
+    prompts = [_repeating(12, seed=s) for s in (5, 6, 7)]
+    _with(tiny, None)
+    plain = _generate(tiny, prompts, params)
+    tiny.engine.speculative = SpecConfig(n_max=6)
+    try:
+        spec = _generate(tiny, prompts, params)
+    finally:
+        tiny.engine.speculative = None
+    for s, p in zip(spec, plain, strict=True):
+        assert s.generated == p.generated
+        assert s.finish_reason == p.finish_reason
+    if params.max_tokens > 10:
+        assert sum(r.n_draft_accepted for r in spec) > 0  # the drafts were used, not only tried
+
+
+def test_speculation_stops_at_the_context_end(files: tuple[Path, Path, Path]) -> None:
+    m = graftlm.load(files[0], ctx_size=48, n_seq=2)
+    prompt = _repeating(12, seed=8)  # 30 tokens: 18 positions left
+    params = SamplingParams(temperature=0.0, max_tokens=-1, ignore_eos=True)
+    (plain,) = _generate(m, [prompt], params)
+    m.engine.speculative = SpecConfig()
+    (spec,) = _generate(m, [prompt], params)
+    assert spec.generated == plain.generated and len(plain.generated) == 48 - 30
+    assert spec.finish_reason == plain.finish_reason == "length"
+
+
+def test_a_short_pool_drops_drafts_before_it_preempts(files: tuple[Path, Path, Path]) -> None:
+    # 4 sequences in a pool too small for all of them at full length: plain decoding preempts
+    m = graftlm.load(files[0], ctx_size=64, n_seq=4, cache_blocks=9)
+    prompts = [_repeating(8, seed=s) for s in range(4)]
+    plain = _generate(m, prompts)
+    m.engine.speculative = SpecConfig()
+    spec = _generate(m, prompts)
+    assert [r.generated for r in spec] == [r.generated for r in plain]
+
+
+def test_the_sliding_window_sees_the_same_positions(tiny_gemma3: Path) -> None:
+    m = graftlm.load(tiny_gemma3, ctx_size=128, n_seq=2)  # window 8: drafts cross it
+    prompts = [_repeating(10, seed=s) for s in (1, 2)]
+    plain = _generate(m, prompts)
+    reqs = [Request(list(p), GREEDY) for p in prompts]
+    drafter = ScriptedDrafter({r.id: p.generated for r, p in zip(reqs, plain, strict=True)}, n=9)
+    _with(m, drafter)
+    for r in reqs:
+        m.engine.submit(r)
+    while m.engine.busy:
+        m.engine.step()
+    assert [r.generated for r in reqs] == [r.generated for r in plain]
+    # ten rows of one slot, more positions than the window, and most of such drafts kept
+    assert max(n for n, _ in drafter.verdicts) == 9
+    assert max(a for _, a in drafter.verdicts) >= 8
+
+
+def test_a_grammar_only_keeps_what_it_allows(tiny: graftlm.Model) -> None:
+    from graftlm.runtime.constraints import Constraint
+
+    grammar = tiny.prompter.compile(Constraint("regex", "(ab|ba)+c", "regex"))
+    params = SamplingParams(temperature=0.0, max_tokens=30, grammar=grammar)
+    prompt = _repeating(12, seed=3)
+    _with(tiny, None)
+    (plain,) = _generate(tiny, [prompt], params)
+    reqs = [Request(list(prompt), params)]
+    # the plain run's tokens, one place made wrong in most drafts (a token the grammar may or
+    # may not allow there)
+    drafter = ScriptedDrafter({reqs[0].id: plain.generated}, n=3)
+    _with(tiny, drafter)
+    try:
+        tiny.engine.submit(reqs[0])
+        tiny.engine.run(reqs[0])
+    finally:
+        _with(tiny, None)
+    assert reqs[0].generated == plain.generated and reqs[0].finish_reason == plain.finish_reason
+    assert 0 < reqs[0].n_draft_accepted < reqs[0].n_drafted

@@ -26,6 +26,7 @@ from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
+from graftlm.runtime.speculative import SpecConfig
 from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
 from graftlm.tokenizer.templates import resolve_chat_template
@@ -67,6 +68,7 @@ def load(
     cache_blocks: int | None = None,
     cache_bytes: int | None = None,
     prefix_cache: bool = True,
+    speculative: SpecConfig | str | None = None,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
 
@@ -81,8 +83,12 @@ def load(
     not bit-exact with, the CPU path). GraftError when the device is not there.
     `chat_template`: a built-in template's name (chatml, llama3, gemma, phi3, mistral) or Jinja
     text, or `chat_template_file` a file of it, in place of the file's own template.
+    `speculative`: "ngram" (or a `SpecConfig`) drafts tokens from each request's own prompt and
+    output and verifies them in the step: the same output, faster where the text repeats.
     """
     template = resolve_chat_template(chat_template, chat_template_file)
+    if isinstance(speculative, str):
+        speculative = SpecConfig(method=speculative)
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise GraftError(f"n_seq must be a whole number of sequences, at least 1; got {n_seq!r}")
     dev = resolve_device(device)
@@ -119,6 +125,7 @@ def load(
         cache_blocks=cache_blocks,
         prefix_cache=prefix_cache,
         chat_template=template,
+        speculative=speculative,
     )
 
 
@@ -135,6 +142,7 @@ class Model:
         cache_blocks: int | None = None,
         prefix_cache: bool = True,
         chat_template: str | None = None,
+        speculative: SpecConfig | None = None,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
@@ -146,6 +154,7 @@ class Model:
             n_blocks=cache_blocks,
             kv_dtype=kv_dtype,
             prefix_cache=prefix_cache,
+            speculative=speculative,
         )
         template = chat_template or file.get("tokenizer.chat_template")
         self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_template_arguments(r)
     add_lora_arguments(r)
     add_llama_flags(r)
+    from graftlm.commands.spec_args import add_spec_arguments
+
+    add_spec_arguments(r)
     r.set_defaults(func=_run)
 
     i = sub.add_parser(

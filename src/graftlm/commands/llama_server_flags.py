@@ -48,7 +48,7 @@ _TABLE = """
 -v --verbose --log-verbose|0|mapped
 -lv --verbosity --log-verbosity|1|mapped
 --offline|0|graftlm never downloads
---spec-draft-type-k -ctkd --cache-type-k-draft --spec-draft-type-v -ctvd --cache-type-v-draft|1|no speculative decoding
+--spec-draft-type-k -ctkd --cache-type-k-draft --spec-draft-type-v -ctvd --cache-type-v-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
 --samplers --sampler-seq --sampling-seq|1|graftlm's sampler order is fixed (penalties, top-k, top-p, min-p, temperature)
 --ignore-eos|0|set ignore_eos in the request
 --temperature|1|mapped
@@ -61,27 +61,26 @@ _TABLE = """
 -l --logit-bias --grammar --grammar-file -j --json-schema -jf --json-schema-file|1|set it in the request
 -bs --backend-sampling --backend_sampling|0|sampling runs beside the engine step
 -hfd -hfrd --hf-repo-draft --spec-draft-hf|1|graftlm downloads nothing
--td --threads-draft --spec-draft-threads -tbd --threads-batch-draft --spec-draft-threads-batch|1|no speculative decoding
--Cd --cpu-mask-draft --spec-draft-cpu-mask -Crd --cpu-range-draft --spec-draft-cpu-range|1|no speculative decoding
---spec-draft-cpu-strict --cpu-strict-draft --spec-draft-prio --prio-draft|1|no speculative decoding
---spec-draft-poll --poll-draft -Cbd --cpu-mask-batch-draft --spec-draft-cpu-mask-batch|1|no speculative decoding
---spec-draft-cpu-strict-batch --cpu-strict-batch-draft --spec-draft-prio-batch --prio-batch-draft|1|no speculative decoding
---spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|no speculative decoding
--cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|no speculative decoding
--ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|no speculative decoding
---spec-draft-n-max --spec-draft-n-min --spec-synth-len --spec-synth-rates|1|no speculative decoding
---spec-draft-p-split --draft-p-split --spec-draft-p-min --draft-p-min|1|no speculative decoding
---spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|no speculative decoding
---spec-draft-sampling -devd --device-draft --spec-draft-device|1|no speculative decoding
--ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl|1|no speculative decoding
--md --model-draft --spec-draft-model --spec-type|1|no speculative decoding
---spec-ngram-mod-n-min --spec-ngram-mod-n-max --spec-ngram-mod-n-match|1|no speculative decoding
---spec-ngram-simple-size-n --spec-ngram-simple-size-m --spec-ngram-simple-min-hits|1|no speculative decoding
---spec-ngram-map-k-size-n --spec-ngram-map-k-size-m --spec-ngram-map-k-min-hits|1|no speculative decoding
---spec-ngram-map-k4v-size-n --spec-ngram-map-k4v-size-m --spec-ngram-map-k4v-min-hits|1|no speculative decoding
---draft --draft-n --draft-max --draft-min --draft-n-min|1|no speculative decoding
---spec-ngram-size-n --spec-ngram-size-m --spec-ngram-min-hits|1|no speculative decoding
---spec-default|0|no speculative decoding
+-td --threads-draft --spec-draft-threads -tbd --threads-batch-draft --spec-draft-threads-batch|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+-Cd --cpu-mask-draft --spec-draft-cpu-mask -Crd --cpu-range-draft --spec-draft-cpu-range|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-cpu-strict --cpu-strict-draft --spec-draft-prio --prio-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-poll --poll-draft -Cbd --cpu-mask-batch-draft --spec-draft-cpu-mask-batch|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-cpu-strict-batch --cpu-strict-batch-draft --spec-draft-prio-batch --prio-batch-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+-cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+-ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-synth-len --spec-synth-rates|1|no synthetic acceptance (llama.cpp's benchmarking aid)
+--spec-draft-p-split --draft-p-split|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-sampling -devd --device-draft --spec-draft-device|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-ngram-mod-n-min --spec-ngram-mod-n-max --spec-ngram-mod-n-match|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
+--spec-ngram-simple-min-hits|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
+--spec-ngram-map-k-size-n --spec-ngram-map-k-size-m --spec-ngram-map-k-min-hits|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
+--spec-ngram-map-k4v-size-n --spec-ngram-map-k4v-size-m --spec-ngram-map-k4v-min-hits|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
+--draft --draft-n --draft-max --draft-min --draft-n-min|1|removed from llama-server: --spec-draft-n-max / --spec-draft-n-min
+--spec-ngram-size-n --spec-ngram-size-m --spec-ngram-min-hits|1|removed from llama-server: --spec-ngram-simple-size-n / -size-m
+--spec-default|0|no preset: --spec-type ngram-simple
 -lcs --lookup-cache-static -lcd --lookup-cache-dynamic|1|no lookup decoding
 --kv-unified-per-slot|1|one sequence may use the whole KV pool already
 -ctxcp --ctx-checkpoints --swa-checkpoints -cms --checkpoint-min-step|1|no context checkpoints

@@ -35,9 +35,11 @@ def run(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
+    from graftlm.commands.spec_args import spec_config
     from graftlm.lora.cli_args import lora_specs
 
     check_llama_flags(args)
+    speculative = spec_config(args)
 
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
     prompt = args.prompt
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         chat_template_file=args.chat_template_file,
         cache_type=cache_type(args),
+        speculative=speculative,
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.commands.serve_options import add_http_arguments
+from graftlm.commands.spec_args import add_spec_arguments, spec_config
 from graftlm.lora.cli_args import add_lora_arguments
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         const="debug",
         help="the same as --log-level debug",
     )
+    add_spec_arguments(p)
     add_http_arguments(p)
     from graftlm.commands.llama_flags import VersionAction, add_llama_flags
 
@@ -296,6 +298,7 @@ def serving_state(args: argparse.Namespace) -> ServerState:
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be at least 1")
     kv_type = cache_type(args) or DEFAULT_KV_TYPE  # -ctk / -ctv, checked before the load
+    speculative = spec_config(args)  # checked before the load too
     pool_tokens = args.ctx_size
     if pool_tokens <= 0:  # -c 0: the model's context, for the pool too
         from graftlm.gguf import GGUFFile
@@ -324,6 +327,7 @@ def serving_state(args: argparse.Namespace) -> ServerState:
             cache_blocks=None if args.kv_memory else -(-pool_tokens // BLOCK) + 1,
             cache_bytes=args.kv_memory,
             prefix_cache=args.cache_prompt,
+            speculative=speculative,
         )
         if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
             m.engine.chunk = args.batch_size

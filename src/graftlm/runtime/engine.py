@@ -306,6 +306,7 @@ class Engine:
                 kept += 1
                 self._emit(r, logits[at + kept])
             if draft:
+                r.n_drafts += 1
                 r.n_drafted += len(draft)
                 r.n_draft_accepted += kept
                 if self.drafter is not None:

@@ -80,9 +80,11 @@ class Request:
     block_digests: list[bytes] = field(default_factory=list)
     digest_epoch: int = -1
     # speculative decoding: the request's own bounds (None: the server's), its drafter's state,
-    # and its drafted and accepted tokens (llama-server's timings.draft_n / draft_n_accepted)
+    # its drafts verified, drafted and accepted tokens (llama-server's timings.draft_n /
+    # draft_n_accepted)
     spec: SpecParams | None = None
     draft: DraftState | None = None
+    n_drafts: int = 0
     n_drafted: int = 0
     n_draft_accepted: int = 0
 

@@ -41,6 +41,7 @@ from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import Sampler, SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
+from graftlm.runtime.speculative import SpecParams
 from graftlm.runtime.textstream import TextStream
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class Job:
     post_sampling: bool = False
     # ProgressEvents while the prompt is computed (llama-server's return_progress)
     progress: bool = False
+    # the request's own speculative bounds (llama-server's speculative.n_max / n_min / p_min)
+    spec: SpecParams | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class FinishEvent:
     t_first: float | None = None
     t_prompt_done: float | None = None
     t_end: float | None = None
+    n_drafts: int = 0  # speculative decoding: drafts verified, tokens drafted, tokens kept
+    n_drafted: int = 0
+    n_draft_accepted: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -618,7 +624,10 @@ class EngineService:
         """Each job becomes a request in the engine's queue (its scheduler admits it)."""
         for index, job in enumerate(sub.jobs):
             p = job.params
-            req = Request(list(job.prompt), p, job.lora, eog=self.prompter.eog, use_cache=job.cache)
+            req = Request(
+                list(job.prompt), p, job.lora, eog=self.prompter.eog, use_cache=job.cache,
+                spec=job.spec,
+            )  # fmt: skip
             t = _Tracked(sub, index, job, req, self.prompter.text_stream(p.stop, p.ignore_eos))
             req.on_token = self._on_token_for(t)
             if job.progress:
@@ -712,6 +721,9 @@ class EngineService:
             t_first=req.t_first,
             t_prompt_done=req.t_prompt_done,
             t_end=req.t_end,
+            n_drafts=req.n_drafts,
+            n_drafted=req.n_drafted,
+            n_draft_accepted=req.n_draft_accepted,
         )
 
     def _cancel(self, sub: _Submission) -> None:

@@ -164,7 +164,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
     lease = await admit(state, body.model, body.lora)
     progress = body.stream and body.return_progress
     jobs = [
-        Job(ids, params[j], lease.lora, top, body.cache_prompt, progress=progress)
+        Job(ids, params[j], lease.lora, top, body.cache_prompt, progress=progress, spec=body.spec())
         for j in range(body.n)
     ]
     return ChatRun(ids, text, tools, deltas(state, jobs, lease, "chat"), top)

@@ -346,7 +346,7 @@ def timings(f: FinishEvent) -> dict[str, float]:
     predicted_ms = (end - first) * 1000.0
     n = f.n_prompt - f.n_cached
     steps = max(0, f.n_generated - 1)  # decode steps after the first token
-    return {
+    out: dict[str, float] = {
         "cache_n": f.n_cached,
         "prompt_n": n,
         "prompt_ms": prompt_ms,
@@ -359,6 +359,10 @@ def timings(f: FinishEvent) -> dict[str, float]:
         if predicted_ms > 0 and steps
         else 0.0,
     }
+    if f.n_drafted:  # as llama-server: only where speculative decoding drafted
+        out["draft_n"] = f.n_drafted
+        out["draft_n_accepted"] = f.n_draft_accepted
+    return out
 
 
 def progress_fields(p: ProgressEvent, with_timings: bool) -> dict[str, Any]:

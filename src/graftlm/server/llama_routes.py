@@ -104,6 +104,7 @@ async def _complete(
         body.cache_prompt,
         post_sampling=body.post_sampling_probs,
         progress=body.stream and body.return_progress,
+        spec=body.spec(),
     )
     pieces = deltas(state, [job], lease, "completion")
     model = served_name(state, body.model)

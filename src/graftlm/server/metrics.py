@@ -195,6 +195,9 @@ class LlamaMetrics:
         self.n_tokens_max = 0
         self.running = 0
         self.waiting = 0
+        self.drafts = 0  # speculative decoding, over finished requests
+        self.drafted = 0
+        self.draft_accepted = 0
         # as llama-server, the throughput gauges are over what finished since the last scrape:
         # the four totals as that scrape saw them
         self._scraped: tuple[int, float, int, float] = (0, 0.0, 0, 0.0)
@@ -213,6 +216,9 @@ class LlamaMetrics:
             self.predicted += f.n_generated
             self.predicted_seconds += max(0.0, (f.t_end or first) - first)
             self.n_tokens_max = max(self.n_tokens_max, f.n_prompt + f.n_generated)
+            self.drafts += f.n_drafts
+            self.drafted += f.n_drafted
+            self.draft_accepted += f.n_draft_accepted
 
     def prompt_only(self, n_tokens: int, seconds: float) -> None:
         """A request that only reads its prompt (embeddings)."""
@@ -262,16 +268,21 @@ class LlamaMetrics:
                 (
                     "counter",
                     "spec_decode_num_draft_tokens_total",
-                    "Draft tokens (no speculative decoding here).",
-                    0,
+                    "Tokens drafted by speculative decoding (of finished requests).",
+                    self.drafted,
                 ),
                 (
                     "counter",
                     "spec_decode_num_accepted_tokens_total",
-                    "Accepted draft tokens (none).",
-                    0,
+                    "Drafted tokens accepted (of finished requests).",
+                    self.draft_accepted,
                 ),
-                ("counter", "spec_decode_num_drafts_total", "Drafts (none).", 0),
+                (
+                    "counter",
+                    "spec_decode_num_drafts_total",
+                    "Drafts verified (of finished requests).",
+                    self.drafts,
+                ),
                 (
                     "gauge",
                     "prompt_tokens_seconds",

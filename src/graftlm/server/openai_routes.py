@@ -154,6 +154,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 body.logprobs,
                 body.cache_prompt,
                 progress=body.stream and body.return_progress,
+                spec=body.spec(),
             )
             for x in ids
             for j in range(body.n)

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
+from graftlm.runtime.speculative import SpecParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -57,10 +58,6 @@ IGNORED: dict[str, str] = {
     "xtc_threshold": "unused while xtc_probability is 0",
     "top_n_sigma": "accepted at -1 only (off)",
     "guided_decoding_backend": "vLLM's constraint backend (always llguidance)",
-    "speculative.n_max": "llama-server's draft length (no speculative decoding; it would not "
-    "change the output)",
-    "speculative.n_min": "as speculative.n_max",
-    "speculative.p_min": "as speculative.n_max",
 }
 
 # the values at which an ignored sampler setting is off
@@ -158,9 +155,11 @@ class SamplingFields(_Body):
     xtc_threshold: float | None = None
     top_n_sigma: float | None = None
     guided_decoding_backend: str | None = None
-    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max")
-    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min")
-    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")
+    # llama-server's per-request draft bounds (speculative decoding, when the server drafts;
+    # n_max 0 turns it off for the request; p_min bounds a draft model's, unused by n-grams)
+    speculative_n_max: int | None = Field(default=None, alias="speculative.n_max", ge=0, le=1024)
+    speculative_n_min: int | None = Field(default=None, alias="speculative.n_min", ge=0, le=1024)
+    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min", ge=0.0, le=1.0)
     verbose: bool = False  # llama-server's __verbose: the rendered prompt beside the answer
 
     @field_validator(*_OFF, mode="after")
@@ -172,6 +171,13 @@ class SamplingFields(_Body):
                 f"{_OFF[info.field_name][-1]!r} is accepted"
             )
         return v
+
+    def spec(self) -> SpecParams | None:
+        """The request's own speculative bounds, None when it names none."""
+        n_max, n_min, p_min = self.speculative_n_max, self.speculative_n_min, self.speculative_p_min
+        if n_max is None and n_min is None and p_min is None:
+            return None
+        return SpecParams(n_max, n_min, p_min)
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

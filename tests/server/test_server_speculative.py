@@ -1,0 +1,147 @@
+"""Speculative decoding behind the server: llama-server's and vLLM's flags, the same tokens as
+without it, llama-server's timings.draft_n / draft_n_accepted, per-request speculative.n_max,
+the acceptance counters in /metrics, and bad settings refused at start-up or with a 400."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import SPEC, error_of, serving
+
+import graftlm
+from graftlm.commands.llama_server_flags import llama_server_notes
+from graftlm.commands.serve import add_serve_arguments
+from graftlm.commands.spec_args import spec_config
+from graftlm.runtime.speculative import SpecConfig
+from graftlm.server.app import build_state
+from graftlm.server.state import ServerConfig
+
+# a prompt that repeats itself: n-gram drafts find it
+PROMPT = [12, 80, 31, 77, 140, 9, 66, 201, 45, 12, 80, 31, 77, 140, 9, 66, 201, 45, 12, 80]
+BODY = {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "ignore_eos": True}
+
+
+def _serve(path: Path, speculative: SpecConfig | None) -> Iterator[str]:
+    model = graftlm.load(path, ctx_size=SPEC.n_ctx, n_seq=3, speculative=speculative)
+    state = build_state(model, ServerConfig(model_name="tiny"), parallel=2)
+    with serving(state) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_files: dict[str, Path]) -> Iterator[str]:
+    yield from _serve(tiny_files["model"], None)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_files: dict[str, Path]) -> Iterator[str]:
+    yield from _serve(tiny_files["model"], SpecConfig())
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_same_tokens_and_llama_servers_draft_timings(plain: str, spec: str) -> None:
+    want = _post(plain, "/completion", {**BODY, "return_tokens": True})
+    got = _post(spec, "/completion", {**BODY, "return_tokens": True})
+    assert got["tokens"] == want["tokens"] and got["content"] == want["content"]
+    assert "draft_n" not in want["timings"]
+    t = got["timings"]
+    assert t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+    # sampled with a seed: the same draws
+    seeded = {**BODY, "temperature": 0.8, "seed": 5, "return_tokens": True}
+    assert (
+        _post(spec, "/completion", seeded)["tokens"]
+        == _post(plain, "/completion", seeded)["tokens"]
+    )
+    # the OpenAI endpoint, streamed: the same text
+    oai = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    chunks = httpx.post(spec + "/v1/completions", json={**oai, "stream": True}, timeout=60).text
+    pieces = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in chunks.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(pieces) == _post(plain, "/v1/completions", oai)["choices"][0]["text"]
+
+
+def test_a_request_turns_drafting_off_or_bounds_it(spec: str) -> None:
+    off = _post(spec, "/completion", {**BODY, "speculative.n_max": 0})
+    assert "draft_n" not in off["timings"]
+    short = _post(spec, "/completion", {**BODY, "speculative.n_max": 1})
+    t = short["timings"]
+    assert 0 < t["draft_n"] <= 39  # at most one a step
+    error_of(httpx.post(spec + "/completion", json={**BODY, "speculative.n_max": -1}), 400)
+    error_of(httpx.post(spec + "/completion", json={**BODY, "speculative.p_min": 2}), 400)
+
+
+def test_metrics_count_drafts(spec: str) -> None:
+    _post(spec, "/completion", BODY)
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in httpx.get(spec + "/metrics").text.splitlines()
+        if line.startswith("llamacpp:spec_decode")
+    }
+    assert values["llamacpp:spec_decode_num_drafts_total"] > 0
+    assert (
+        values["llamacpp:spec_decode_num_draft_tokens_total"]
+        >= values["llamacpp:spec_decode_num_accepted_tokens_total"]
+        > 0
+    )
+
+
+def _args(line: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(line.split())
+
+
+def test_flags() -> None:
+    assert spec_config(_args("")) is None and spec_config(_args("--spec-type none")) is None
+    cfg = spec_config(_args("--spec-type ngram-simple --spec-draft-n-max 6 --spec-draft-n-min 2"))
+    assert cfg == SpecConfig(n_max=6, n_min=2)
+    cfg = spec_config(_args("--spec-type ngram-mod --spec-ngram-simple-size-n 8"))
+    assert cfg is not None and (cfg.lookup_min, cfg.lookup_max) == (2, 8)
+    vllm = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    cfg = spec_config(_vllm(vllm))
+    assert cfg == SpecConfig(n_max=5, lookup_min=2, lookup_max=4)
+    # the flags graftlm reads are no longer noted as having no effect
+    notes = llama_server_notes(_args("--spec-type ngram-simple --spec-draft-n-max 4"))
+    assert not any(n.startswith(("--spec-type", "--spec-draft-n-max")) for n in notes)
+
+
+def _vllm(text: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(["--speculative-config", text])
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--spec-type", "draft-simple"], ["draft-simple", "not supported"]),
+        (["--spec-type", "ngram-simple,bogus"], ["bogus", "unknown"]),
+        (["-md", "draft.gguf"], ["-md draft.gguf", "not supported"]),
+        (["--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], ["--spec-draft-n-max 0"]),
+        (["--speculative-config", "{nope"], ["--speculative-config", "not JSON"]),
+        (["--speculative-config", '{"method": "eagle"}'], ["eagle"]),
+        (["--speculative-config", '{"model": "x.gguf"}'], ["draft models"]),
+        (["--speculative-config", '{"num_speculative_tokens": "5"}'], ["whole number"]),
+        (["--speculative-config", '{"gamma": 1}'], ["gamma"]),
+    ],
+)
+def test_bad_flags_are_named(argv: list[str], words: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    with pytest.raises(ValueError) as info:
+        spec_config(p.parse_args(argv))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))

@@ -198,3 +198,32 @@ def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
             got = run_case(case, kv)
             got["out"] = theirs[f"{i}:{kv}"]
             _check(case, kv, got, q8_dots=False)  # the 256-bit kernel: q8_0 keys in float32
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_a_row_is_the_same_bits_whatever_else_the_step_holds(kv: str) -> None:
+    """How a row's positions are split over tasks depends on its own length alone: the same row
+    alone, beside a longer sequence, and followed by more rows of its own slot (a speculative
+    draft's) gives the same bits, so greedy output never depends on the batch."""
+    h, hkv, d, n = 8, 2, 64, 5000
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(1, 2, hkv, n + 8, d, d, KV_TYPES[kv][0], n_blocks=2 * (-(-(n + 8) // 16)) + 1)
+    for s in range(2):
+        blocks = list(range(1 + s * cache.max_blocks, 1 + (s + 1) * cache.max_blocks))
+        cache.set_table(s, blocks)
+        for i, b in enumerate(blocks):
+            cache.key_rows(0)[b] = cache._pack(torch.randn(hkv, 16, d, generator=g))
+            cache.v[0][b] = cache._pack(torch.randn(hkv, 16, d, generator=g))
+    cos, sin = _tables(n + 8, d, 10000.0)
+    q, k, v = (torch.randn(4, 1, m * d, generator=g) for m in (h, hkv, hkv))
+
+    def run(slots: list[int], pos: list[int]) -> torch.Tensor:
+        b = len(slots)
+        out = ops.attn_decode(q[:b], k[:b], v[:b], cache, 0, torch.tensor(slots),
+                              torch.tensor(pos), cos, sin, False, d**-0.5, 0, 0.0)  # fmt: skip
+        assert out is not None
+        return out
+
+    alone = run([0], [3000])[0]
+    assert torch.equal(run([0, 1], [3000, n])[0], alone)
+    assert torch.equal(run([0, 0, 0, 1], [3000, 3001, 3002, 4000])[0], alone)

@@ -584,10 +584,12 @@ static inline __attribute__((always_inline)) void decode_task(
 }
 #endif
 
-/* The positions a split hands one task: every row's kv heads over the threads, about four tasks
- * a thread, never fewer than DECODE_MIN_CHUNK positions (a whole number of tiles). */
-static int64_t decode_chunk(int64_t total, int nth) {
-    int64_t c = (total + 4 * nth - 1) / (4 * nth);
+/* The positions a split hands one task of a row that sees n positions: its kv heads over the
+ * threads, about four tasks a thread, never fewer than DECODE_MIN_CHUNK positions (a whole number
+ * of tiles). The row's own length decides, never the batch's: a row's result is the same bits
+ * whatever else the step holds (a speculative draft's rows, other sequences). */
+static int64_t decode_chunk(int64_t n, int64_t Hkv, int nth) {
+    int64_t c = (n * Hkv + 4 * nth - 1) / (4 * nth);
     c = (c + DT - 1) / DT * DT;
     return c < DECODE_MIN_CHUNK ? DECODE_MIN_CHUNK : c;
 }
@@ -604,11 +606,11 @@ static inline int64_t decode_thread_bytes(int64_t G, int64_t D, int64_t Dv) {
 }
 
 /* The work buffer of a decode step of B rows on nth threads: each thread's part, the tasks'
- * partial results (at most 4 nth + B Hkv tasks: see decode_chunk) and the tasks' first index per
- * row. */
+ * partial results (at most 4 nth + Hkv tasks a row: see decode_chunk) and the tasks' first index
+ * per row. */
 static int64_t attn_decode_bytes(int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t B, int nth) {
     const int64_t G = H / Hkv;
-    return nth * decode_thread_bytes(G, D, Dv) + (4 * nth + B * Hkv) * G * (Dv + 2) * (int64_t)sizeof(float) +
+    return nth * decode_thread_bytes(G, D, Dv) + B * (4 * nth + Hkv) * G * (Dv + 2) * (int64_t)sizeof(float) +
            (B + 1) * (int64_t)sizeof(int64_t);
 }
 
@@ -633,13 +635,12 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
         }
         total += (p + 1 - decode_lo(a, p)) * Hkv;
     }
-    const int64_t thread = decode_thread_bytes(G, D, Dv);
-    const int64_t chunk = decode_chunk(total, nth), pw = G * (Dv + 2);
+    const int64_t thread = decode_thread_bytes(G, D, Dv), pw = G * (Dv + 2);
     float *parts = (float *)(work + nth * thread);
-    int64_t *first = (int64_t *)(parts + (4 * nth + B * Hkv) * pw); /* row b's tasks: first[b] .. */
+    int64_t *first = (int64_t *)(parts + B * (4 * nth + Hkv) * pw); /* row b's tasks: first[b] .. */
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t n = pos[b] + 1 - decode_lo(a, pos[b]);
+        const int64_t n = pos[b] + 1 - decode_lo(a, pos[b]), chunk = decode_chunk(n, Hkv, nth);
         first[b + 1] = first[b] + Hkv * ((n + chunk - 1) / chunk);
     }
     const int64_t ntask = first[B];
@@ -655,6 +656,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
             while (first[b] > task) b--;
             const int64_t ns = (first[b + 1] - first[b]) / Hkv, i = task - first[b];
             const int64_t hk = i / ns, c = i % ns, p = pos[b], lo = decode_lo(a, p);
+            const int64_t chunk = decode_chunk(p + 1 - lo, Hkv, nth);
             const int64_t k0 = lo + c * chunk, k1 = k0 + chunk < p + 1 ? k0 + chunk : p + 1;
             for (int64_t g = 0; g < G; g++) /* the group's queries, rotated */
                 rope_head(q + b * q_rs + (hk * G + g) * D, Q + g * D, D, rot, cos_t + p * half,

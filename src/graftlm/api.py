@@ -17,6 +17,7 @@ from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
+from graftlm.native import release_threads
 from graftlm.native.heap import hold_freed_memory, use_huge_pages
 from graftlm.resources import default_model_path
 from graftlm.runtime.constraints import Constraint
@@ -116,6 +117,8 @@ def load(
                 f"positions takes {per} bytes ({kv_type})"
             )
         cache_blocks = cache_bytes // per + 1  # (block 0 holds nothing)
+    if dev.type == "cpu":  # whichever thread steps next makes its own pool (release_threads)
+        release_threads()
     return Model(
         file,
         model,

@@ -211,7 +211,7 @@ def test_a_row_is_the_same_bits_whatever_else_the_step_holds(kv: str) -> None:
     for s in range(2):
         blocks = list(range(1 + s * cache.max_blocks, 1 + (s + 1) * cache.max_blocks))
         cache.set_table(s, blocks)
-        for i, b in enumerate(blocks):
+        for b in blocks:
             cache.key_rows(0)[b] = cache._pack(torch.randn(hkv, 16, d, generator=g))
             cache.v[0][b] = cache._pack(torch.randn(hkv, 16, d, generator=g))
     cos, sin = _tables(n + 8, d, 10000.0)

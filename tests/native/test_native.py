@@ -20,7 +20,15 @@ from gguf import quants
 
 import graftlm
 from graftlm.models import seam
-from graftlm.native import build, disabled, features, library, ops, unavailable_reason
+from graftlm.native import (
+    build,
+    disabled,
+    features,
+    library,
+    ops,
+    release_threads,
+    unavailable_reason,
+)
 from graftlm.quant import QWeight
 from graftlm.quant.synth import random_blocks
 from graftlm.step.batch import Batch, RowIndex
@@ -135,11 +143,33 @@ def test_native_decode_attention_equals_torch_attention(
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_prefill_and_repeated_slots_are_not_decode_rows() -> None:
+def test_prefill_and_repeated_places_are_not_decode_rows() -> None:
     assert Batch(torch.tensor([[1, 2]]), [0], [0], [2]).decode_rows() is None
-    assert Batch(torch.tensor([[1], [2]]), [0, 0], [3, 4], [1, 1]).decode_rows() is None
+    assert Batch(torch.tensor([[1], [2]]), [0, 0], [3, 3], [1, 1]).decode_rows() is None
     rows = Batch(torch.tensor([[1], [2]]), [1, 0], [3, 4], [1, 1]).decode_rows()
     assert rows is not None and rows[0].tolist() == [1, 0] and rows[1].tolist() == [3, 4]
+    # one slot at consecutive positions (a speculative draft's rows): decode rows
+    rows = Batch(torch.tensor([[1], [2]]), [0, 0], [3, 4], [1, 1]).decode_rows()
+    assert rows is not None and rows[1].tolist() == [3, 4]
+
+
+def test_a_thread_gives_back_its_openmp_workers() -> None:
+    """release_threads frees the calling thread's OpenMP pool (the engine service's starter does,
+    so that only the engine thread's workers count against the CPUs); the next native call on
+    this thread makes a new one and computes the same."""
+
+    def n_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    x = torch.randn(64, 4096)
+    w = torch.rand(4096) + 0.5
+    want = ops.rms_norm(x, w, 1e-6)  # a parallel region: this thread's pool is up
+    assert want is not None and torch.get_num_threads() >= 2
+    before = n_threads()
+    assert release_threads()
+    assert n_threads() < before
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got is not None and torch.equal(got, want) and n_threads() == before
 
 
 def test_disabled_and_missing_compiler_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,24 @@
 Everything has a PyTorch twin that runs when the library is unavailable (see ``build``).
 """
 
-from graftlm.native.build import amx, disabled, features, isa, library, threads, unavailable_reason
+from graftlm.native.build import (
+    amx,
+    disabled,
+    features,
+    isa,
+    library,
+    release_threads,
+    threads,
+    unavailable_reason,
+)
 
-__all__ = ["amx", "disabled", "features", "isa", "library", "threads", "unavailable_reason"]
+__all__ = [
+    "amx",
+    "disabled",
+    "features",
+    "isa",
+    "library",
+    "release_threads",
+    "threads",
+    "unavailable_reason",
+]

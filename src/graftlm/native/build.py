@@ -264,6 +264,14 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+def release_threads() -> bool:
+    """Give back the calling thread's OpenMP workers (`gl_release_threads`): done by a thread that
+    hands the model's steps to another (the engine service's starter), so that only the stepping
+    thread's pool counts against the CPUs. True when given back."""
+    lib = loaded_library()
+    return lib is not None and int(lib.gl_release_threads()) == 0
+
+
 def unavailable_reason() -> str | None:
     """Why ``library()`` is None, or None when the native kernels are in use."""
     if not _ENABLED[0]:

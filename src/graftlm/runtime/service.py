@@ -36,6 +36,7 @@ import torch
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
+from graftlm.native import release_threads
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import Sampler, SamplingParams
@@ -326,6 +327,10 @@ class EngineService:
     # -- lifecycle --
     def start(self) -> EngineService:
         if self._thread is None:
+            # the steps run on the engine thread from now on: this thread's OpenMP workers, idle
+            # from here, would count against the CPUs and make the engine's team sleep between
+            # regions instead of spinning (a decode step at half speed: gl_release_threads)
+            release_threads()
             self._thread = threading.Thread(target=self._loop, name="graftlm-engine", daemon=True)
             self._thread.start()
         return self

@@ -157,6 +157,7 @@ GL_API int64_t gl_features(void);
 /* graftlm.c: from how many rows of x the 512-bit pair kernels serve a product (at least 1; no
  * effect in a build without them); returns the value it replaces. */
 GL_API int64_t gl_set_pair_rows(int64_t m);
+GL_API int64_t gl_release_threads(void);
 /* From how many rows of x a product runs on AMX tiles (0: never); asks Linux for the tiles' state
  * first. The previous value, or -1: no AMX in this library, or the state was refused. */
 GL_API int64_t gl_set_amx_rows(int64_t m);

@@ -17,7 +17,13 @@ from graftlm.errors import RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
-from graftlm.runtime.speculative import DraftState, NgramDrafter, SpecConfig, SpecParams
+from graftlm.runtime.speculative import (
+    DraftState,
+    NgramDrafter,
+    SpecConfig,
+    SpecParams,
+    StepCosts,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -100,6 +106,28 @@ def test_propose_respects_room_bounds_and_the_cost_of_rows() -> None:
     assert d.propose([strict], [4]) == {}
 
 
+def test_measured_step_costs_decide_how_much_to_draft() -> None:
+    costs = StepCosts()
+    assert costs.estimate(3) == pytest.approx(StepCosts.shape(3))  # nothing seen: the prior
+    costs.observe(1, 0.010)
+    costs.observe(1, 0.020)  # an average over recent steps
+    assert 0.010 < costs.estimate(1) < 0.020
+    costs.observe(4, 0.020)
+    assert costs.estimate(5) == pytest.approx(0.020 * StepCosts.shape(5) / StepCosts.shape(4))
+
+    def drafted(step_seconds: dict[int, float]) -> int:
+        d = NgramDrafter(SpecConfig(n_max=8, lookup_min=2, lookup_max=2))
+        for rows, t in step_seconds.items():
+            d.costs.observe(rows, t)
+        r = Request([7, 3] * 10, GREEDY)
+        r.generated = [7]
+        return len(d.propose([r], [100]).get(r.id, []))
+
+    cheap = {n: 0.010 * (1 + 0.02 * (n - 1)) for n in range(1, 10)}
+    dear = {n: 0.010 * (1 + 2.0 * (n > 1) + 0.5 * (n - 1)) for n in range(1, 10)}
+    assert drafted(cheap) >= 5 and drafted(dear) == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -155,6 +183,7 @@ class ScriptedDrafter:
         self.rng = random.Random(seed)
         self.n = n
         self.verdicts: list[tuple[int, int]] = []
+        self.costs = StepCosts()
 
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
         out = {}

@@ -294,7 +294,10 @@ class Engine:
             [1] * len(tokens),
             self.lora_rows(row_settings),
         )
+        t0 = time.perf_counter()
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
+        if self.drafter is not None:  # what a step of this many rows costs, for the next drafts
+            self.drafter.costs.observe(len(tokens), time.perf_counter() - t0)
         for i, r in enumerate(reqs):  # (in the requests' own order)
             at = first[i]
             self._emit(r, logits[at])

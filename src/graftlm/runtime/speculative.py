@@ -16,14 +16,18 @@ The drafter here is n-gram lookup in the row's own prompt and output (llama-serv
 `ngram-simple`, vLLM's `ngram` method): the longest of the last `lookup_max` .. `lookup_min`
 tokens that occurred before, and what followed its latest occurrence.
 
-How many tokens to draft is a cost decision. A decode step of R rows costs about
-`c + b * R` (the weights are read once; each row adds its products), with b / c = ROW_COST
-here. One more drafted token pays off when the tokens it is expected to add (its row's
-acceptance rate a to the power of its place in the draft) exceed the share of a step it costs,
-`b * R / (c + b * R)` with R the rows already planned. So a lone row drafts several tokens at a
-modest acceptance, a full batch drafts only where acceptance is high, and a row whose drafts
-keep failing stops drafting (its estimate decays back toward the prior, so it probes again
-now and then).
+How many tokens to draft is a cost decision, made for the whole step: the drafted tokens are
+taken in order of the tokens they are expected to add (a row's acceptance rate a to the power of
+the token's place in its draft), and the step gets the number n that maximizes the expected
+tokens per second, (R + sum of the first n values) / t(R + n), with R the rows of the step
+without drafts and t(rows) a decode step's time at that many rows as this engine measures it
+(`StepCosts`: the weights are read once a step, each row adds its products; on a 2-core Zen 4 the
+second row of a SmolLM2 step adds about 60%, later ones about 15%). A lone row on a model whose
+second row is cheap drafts several tokens at a modest acceptance; a full batch, or a model whose
+rows are dear, drafts only where acceptance is high; a row whose drafts keep failing stops
+drafting (its own evidence decays, so it probes again now and then). A row's acceptance rate
+starts from what drafts from n-grams of the same length did for every row (the prior: a match of
+n tokens keeps n of n + 1 drafted tokens) and moves with its own verdicts.
 """
 
 from __future__ import annotations
@@ -34,12 +38,38 @@ from typing import Protocol
 
 from graftlm.errors import RequestError
 
-# A decode row's cost as a share of a one-row step's fixed cost (reading the weights), measured
-# on a 2-core Zen 4 (`bench/speculative.py`): about 0.29 for SmolLM2-135M, 0.21 for a Llama-1B
-# shape. Taking the larger drafts a little less than it could on big models, never more.
-ROW_COST = 0.3
-PRIOR = (1.0, 1.0)  # the acceptance estimate's prior: one accepted, one rejected
-DECAY = 0.99  # per step a row could draft: old evidence fades toward the prior
+MAX_STEP_DRAFT = 64  # drafted tokens a step verifies at most
+DECAY = 0.99  # per step a row could draft: its old evidence fades (toward the shared estimate)
+SHARED_WEIGHT = 4.0  # the shared estimate counts as this many drafted tokens beside a row's own
+# A decode step's time at R rows before any is measured, as a multiple of one row's:
+# 1 + SECOND (R > 1) + EACH (R - 1); measured on a 2-core Zen 4: SmolLM2-135M 0.6 and 0.15, a
+# Llama-1B shape 0.3 and 0.12. The larger are the prior: drafting starts cautious.
+SECOND, EACH = 0.6, 0.15
+
+
+class StepCosts:
+    """A decode step's time by its number of rows, as measured (an average over the recent
+    steps of each size); sizes not seen yet are estimated from the nearest one seen, scaled by
+    the prior's shape."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    @staticmethod
+    def shape(rows: int) -> float:
+        return 1.0 + (SECOND if rows > 1 else 0.0) + EACH * (rows - 1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + 0.2 * (seconds - old)
+
+    def estimate(self, rows: int) -> float:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        if not self.seconds:
+            return self.shape(rows)
+        near = min(self.seconds, key=lambda r: (abs(r - rows), r))
+        return self.seconds[near] * self.shape(rows) / self.shape(near)
 
 
 @dataclass(frozen=True)
@@ -108,18 +138,16 @@ class Request(Protocol):
 
 @dataclass(eq=False)
 class DraftState:
-    """One row's drafting: its tokens so far, the latest end of every n-gram in them, and its
-    acceptance evidence (accepted, rejected drafted tokens, decayed)."""
+    """One row's drafting: its tokens so far, the latest end of every n-gram in them, its
+    acceptance evidence (drafted tokens accepted, drafts cut short; decayed) and the length of
+    the n-gram its last draft came from."""
 
     tokens: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     n_generated: int = 0  # generated tokens already in `tokens`
-    accepted: float = PRIOR[0]
-    rejected: float = PRIOR[1]
-
-    @property
-    def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+    accepted: float = 0.0
+    rejected: float = 0.0
+    matched: int = 0
 
 
 class NgramDrafter:
@@ -128,6 +156,17 @@ class NgramDrafter:
 
     def __init__(self, cfg: SpecConfig) -> None:
         self.cfg = cfg
+        self.costs = StepCosts()  # the engine reports each decode step's rows and time
+        # what drafts from an n-gram of each length did, over every row (accepted, cut short;
+        # decayed): a row's estimate starts from it. Prior: a match of n tokens, n of n + 1.
+        self.by_length = {n: [float(n), 1.0] for n in range(cfg.lookup_min, cfg.lookup_max + 1)}
+
+    def rate(self, st: DraftState) -> float:
+        """A row's chance that its next drafted token is kept: its own evidence beside what
+        drafts from n-grams of its match's length did for every row."""
+        acc, rej = self.by_length[st.matched]
+        w = min(1.0, SHARED_WEIGHT / (acc + rej))
+        return (st.accepted + w * acc) / (st.accepted + st.rejected + w * (acc + rej))
 
     def _state(self, req: Request) -> DraftState:
         st = req.draft
@@ -153,9 +192,9 @@ class NgramDrafter:
                 ends[tuple(toks[e - n : e])] = e
 
     def lookup(self, st: DraftState, k: int) -> list[int]:
-        """k tokens that followed the latest earlier occurrence of the longest suffix; where
-        that runs into the end, the draft goes on copying itself (a loop of period L - e
-        continues), so a repeating tail drafts at full length."""
+        """k tokens that followed the latest earlier occurrence of the longest suffix (its length
+        kept in st.matched); where that runs into the end, the draft goes on copying itself (a
+        loop of period L - e continues), so a repeating tail drafts at full length."""
         toks = st.tokens
         n_tok = len(toks)
         for n in range(min(self.cfg.lookup_max, n_tok - 1), self.cfg.lookup_min - 1, -1):
@@ -164,6 +203,7 @@ class NgramDrafter:
                 draft = toks[e : e + k]
                 while len(draft) < k:
                     draft.append(draft[len(draft) - (n_tok - e)])
+                st.matched = n
                 return draft
         return []
 
@@ -182,33 +222,34 @@ class NgramDrafter:
             draft = self.lookup(st, n_max)
             if not draft:
                 continue
-            st.accepted += (1.0 - DECAY) * (PRIOR[0] - st.accepted)
-            st.rejected += (1.0 - DECAY) * (PRIOR[1] - st.rejected)
+            st.accepted *= DECAY
+            st.rejected *= DECAY
             n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
             if len(draft) < max(n_min, 1):
                 continue
-            wants.append((req, st, draft, st.rate))
+            wants.append((req, st, draft, self.rate(st)))
         if not wants:
             return {}
-        # the batch's rows grow one drafted token at a time, the most promising first
+        # every drafted token's expected gain, best first (a row's gains fall along its draft,
+        # so any prefix of this order takes a prefix of each row's draft)
+        gains = sorted(
+            ((rate ** (i + 1), w) for w, (_, _, draft, rate) in enumerate(wants)
+             for i in range(len(draft))),
+            key=lambda g: -g[0],
+        )  # fmt: skip
         rows = len(reqs)
-        taken = {id(w[0]): 0 for w in wants}
-        while True:
-            best = None
-            for w in wants:
-                i = taken[id(w[0])]
-                if i < len(w[2]) and (best is None or w[3] ** (i + 1) > best[1]):
-                    best = (w, w[3] ** (i + 1))
-            if best is None:
-                break
-            worth = ROW_COST * rows / (1.0 + ROW_COST * rows)
-            if best[1] <= worth:
-                break
-            taken[id(best[0][0])] += 1
-            rows += 1
+        best_n, best = 0, rows / self.costs.estimate(rows)
+        total = float(rows)
+        for n, (gain, _) in enumerate(gains[:MAX_STEP_DRAFT], 1):
+            total += gain
+            rate = total / self.costs.estimate(rows + n)
+            if rate > best:
+                best_n, best = n, rate
+        taken = [0] * len(wants)
+        for _, w in gains[:best_n]:
+            taken[w] += 1
         out: dict[int, list[int]] = {}
-        for req, _st, draft, _ in wants:
-            n = taken[id(req)]
+        for (req, _st, draft, _), n in zip(wants, taken, strict=True):
             own = req.spec
             n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
             if n > 0 and n >= n_min:
@@ -220,5 +261,9 @@ class NgramDrafter:
         st = req.draft
         if st is None:
             return
+        cut = 1.0 if n_accepted < n_drafted else 0.0
         st.accepted += n_accepted
-        st.rejected += 1.0 if n_accepted < n_drafted else 0.0
+        st.rejected += cut
+        shared = self.by_length[st.matched]
+        shared[0] = shared[0] * DECAY + n_accepted
+        shared[1] = shared[1] * DECAY + cut

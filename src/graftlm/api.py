@@ -22,6 +22,7 @@ from graftlm.native.heap import hold_freed_memory, use_huge_pages
 from graftlm.resources import default_model_path
 from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.device import resolve_device
+from graftlm.runtime.draft_model import check_vocabulary
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import SamplingParams
@@ -70,6 +71,7 @@ def load(
     cache_bytes: int | None = None,
     prefix_cache: bool = True,
     speculative: SpecConfig | str | None = None,
+    draft_model: str | os.PathLike[str] | None = None,
 ) -> Model:
     """Load a GGUF model (None: the embedded SmolLM2-135M-Instruct Q4_1).
 
@@ -86,6 +88,8 @@ def load(
     text, or `chat_template_file` a file of it, in place of the file's own template.
     `speculative`: "ngram" (or a `SpecConfig`) drafts tokens from each request's own prompt and
     output and verifies them in the step: the same output, faster where the text repeats.
+    `draft_model`: a small GGUF of the same vocabulary that drafts instead (method "draft", the
+    default once it is given).
     """
     template = resolve_chat_template(chat_template, chat_template_file)
     if isinstance(speculative, str):
@@ -117,6 +121,19 @@ def load(
                 f"positions takes {per} bytes ({kv_type})"
             )
         cache_blocks = cache_bytes // per + 1  # (block 0 holds nothing)
+    draft = None
+    if draft_model is not None:
+        draft_file = GGUFFile(draft_model)
+        check_vocabulary(
+            list(file.get("tokenizer.ggml.tokens") or []),
+            list(draft_file.get("tokenizer.ggml.tokens") or []),
+            str(draft_model),
+        )
+        draft = build_model(draft_file, n_ctx, prefer="reference" if reference else "fast")
+        if dev.type != "cpu":
+            draft.to(dev)
+        if speculative is None:
+            speculative = SpecConfig(method="draft")
     if dev.type == "cpu":  # whichever thread steps next makes its own pool (release_threads)
         release_threads()
     return Model(
@@ -129,6 +146,7 @@ def load(
         prefix_cache=prefix_cache,
         chat_template=template,
         speculative=speculative,
+        draft_model=draft,
     )
 
 
@@ -146,6 +164,7 @@ class Model:
         prefix_cache: bool = True,
         chat_template: str | None = None,
         speculative: SpecConfig | None = None,
+        draft_model: Transformer | None = None,
     ) -> None:
         self.file = file
         self.path = Path(file.path)
@@ -158,6 +177,7 @@ class Model:
             kv_dtype=kv_dtype,
             prefix_cache=prefix_cache,
             speculative=speculative,
+            draft_model=draft_model,
         )
         template = chat_template or file.get("tokenizer.chat_template")
         self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)

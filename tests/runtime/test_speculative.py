@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import graftlm
-from graftlm.errors import RequestError
+from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
@@ -379,3 +379,54 @@ def test_real_models_copy_faster_in_steps_and_say_the_same(
     (plain, n_plain, _, _), (spec_tokens, n_spec, drafted, accepted) = out[False], out[True]
     assert spec_tokens == plain
     assert n_spec < 0.6 * n_plain and accepted > 0.6 * drafted
+
+
+# -- a draft model ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A target, a smaller draft of the same vocabulary, and a model of another vocabulary."""
+    from tiny_models import TinySpec, write_tiny_model
+
+    d = tmp_path_factory.mktemp("draft")
+    return (
+        write_tiny_model(d / "target.gguf", TinySpec(n_layer=3), seed=4),
+        write_tiny_model(d / "draft.gguf", TinySpec(n_layer=1, n_embd=32, n_ff=48), seed=5),
+        write_tiny_model(d / "gemma.gguf", TinySpec(arch="gemma3", n_head=2, n_head_kv=1)),
+    )
+
+
+def test_a_draft_model_drafts_and_the_output_is_the_targets(
+    draft_files: tuple[Path, Path, Path],
+) -> None:
+    target, draft, _ = draft_files
+    prompts = [_ids(7 + 3 * i, seed=20 + i) for i in range(3)]
+    plain = _generate(graftlm.load(target, ctx_size=128, n_seq=2), prompts)
+    m = graftlm.load(target, ctx_size=128, n_seq=2, draft_model=draft)
+    assert m.engine.speculative == SpecConfig(method="draft")
+    for params in (GREEDY, SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True)):
+        want = plain if params is GREEDY else _generate(graftlm.load(target, ctx_size=128, n_seq=2),
+                                                        prompts, params)  # fmt: skip
+        got = _generate(m, prompts, params)  # 3 requests through 2 slots: slots come back
+        assert [r.generated for r in got] == [r.generated for r in want]
+        assert all(r.n_drafted > 0 for r in got)
+    # the target as its own draft: every drafted token is kept
+    same = graftlm.load(target, ctx_size=128, n_seq=2, draft_model=target)
+    for r in _generate(same, prompts):
+        assert r.n_draft_accepted == r.n_drafted > 0
+    # p_min 1: no draft is that sure; n_max bounds every draft
+    m.engine.speculative = SpecConfig(method="draft", p_min=1.0)
+    assert all(r.n_drafted == 0 for r in _generate(m, prompts))
+    m.engine.speculative = SpecConfig(method="draft", n_max=2)
+    got = _generate(m, prompts)
+    assert all(r.n_drafted <= 2 * r.n_drafts for r in got)
+    assert [r.generated for r in got] == [r.generated for r in plain]
+
+
+def test_a_draft_of_another_vocabulary_is_refused(draft_files: tuple[Path, Path, Path]) -> None:
+    target, _, other = draft_files
+    with pytest.raises(GraftError, match="gemma.gguf.*vocabulary"):
+        graftlm.load(target, ctx_size=64, draft_model=other)
+    with pytest.raises(GraftError, match="needs a draft model"):
+        graftlm.load(target, ctx_size=64, speculative=SpecConfig(method="draft"))

@@ -113,6 +113,13 @@ def test_flags() -> None:
     vllm = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
     cfg = spec_config(_vllm(vllm))
     assert cfg == SpecConfig(n_max=5, lookup_min=2, lookup_max=4)
+    # a draft model: -md alone, with draft-simple, or vLLM's draft_model
+    for line in ("-md d.gguf", "-md d.gguf --spec-type draft-simple --spec-draft-n-max 8"):
+        cfg = spec_config(_args(line))
+        assert cfg is not None and cfg.method == "draft"
+    args = _vllm('{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3}')
+    cfg = spec_config(args)
+    assert cfg == SpecConfig(method="draft", n_max=3) and args.model_draft == "d.gguf"
     # the flags graftlm reads are no longer noted as having no effect
     notes = llama_server_notes(_args("--spec-type ngram-simple --spec-draft-n-max 4"))
     assert not any(n.startswith(("--spec-type", "--spec-draft-n-max")) for n in notes)
@@ -127,13 +134,19 @@ def _vllm(text: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "words"),
     [
-        (["--spec-type", "draft-simple"], ["draft-simple", "not supported"]),
+        (["--spec-type", "draft-eagle3"], ["draft-eagle3", "not supported"]),
+        (["--spec-type", "draft-simple"], ["draft-simple", "needs a draft model"]),
         (["--spec-type", "ngram-simple,bogus"], ["bogus", "unknown"]),
-        (["-md", "draft.gguf"], ["-md draft.gguf", "not supported"]),
+        (["-md", "d.gguf", "--spec-type", "ngram-mod"], ["-md d.gguf", "needs no draft model"]),
+        (["--spec-type", "draft-simple,ngram-simple", "-md", "d.gguf"], ["one kind"]),
         (["--spec-type", "ngram-simple", "--spec-draft-n-max", "0"], ["--spec-draft-n-max 0"]),
         (["--speculative-config", "{nope"], ["--speculative-config", "not JSON"]),
         (["--speculative-config", '{"method": "eagle"}'], ["eagle"]),
-        (["--speculative-config", '{"model": "x.gguf"}'], ["draft models"]),
+        (["--speculative-config", '{"method": "draft_model"}'], ["needs model"]),
+        (
+            ["-md", "a.gguf", "--speculative-config", '{"model": "b.gguf"}'],
+            ["-md or in --speculative-config"],
+        ),
         (["--speculative-config", '{"num_speculative_tokens": "5"}'], ["whole number"]),
         (["--speculative-config", '{"gamma": 1}'], ["gamma"]),
     ],

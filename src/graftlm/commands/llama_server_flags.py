@@ -48,7 +48,7 @@ _TABLE = """
 -v --verbose --log-verbose|0|mapped
 -lv --verbosity --log-verbosity|1|mapped
 --offline|0|graftlm never downloads
---spec-draft-type-k -ctkd --cache-type-k-draft --spec-draft-type-v -ctvd --cache-type-v-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-type-k -ctkd --cache-type-k-draft --spec-draft-type-v -ctvd --cache-type-v-draft|1|the draft model's KV cache is float16
 --samplers --sampler-seq --sampling-seq|1|graftlm's sampler order is fixed (penalties, top-k, top-p, min-p, temperature)
 --ignore-eos|0|set ignore_eos in the request
 --temperature|1|mapped
@@ -61,19 +61,20 @@ _TABLE = """
 -l --logit-bias --grammar --grammar-file -j --json-schema -jf --json-schema-file|1|set it in the request
 -bs --backend-sampling --backend_sampling|0|sampling runs beside the engine step
 -hfd -hfrd --hf-repo-draft --spec-draft-hf|1|graftlm downloads nothing
--td --threads-draft --spec-draft-threads -tbd --threads-batch-draft --spec-draft-threads-batch|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
--Cd --cpu-mask-draft --spec-draft-cpu-mask -Crd --cpu-range-draft --spec-draft-cpu-range|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-cpu-strict --cpu-strict-draft --spec-draft-prio --prio-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-poll --poll-draft -Cbd --cpu-mask-batch-draft --spec-draft-cpu-mask-batch|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-cpu-strict-batch --cpu-strict-batch-draft --spec-draft-prio-batch --prio-batch-draft|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
--cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
--ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+-td --threads-draft --spec-draft-threads -tbd --threads-batch-draft --spec-draft-threads-batch|1|the draft model runs on the engine's threads and device
+-Cd --cpu-mask-draft --spec-draft-cpu-mask -Crd --cpu-range-draft --spec-draft-cpu-range|1|the draft model runs on the engine's threads and device
+--spec-draft-cpu-strict --cpu-strict-draft --spec-draft-prio --prio-draft|1|the draft model runs on the engine's threads and device
+--spec-draft-poll --poll-draft -Cbd --cpu-mask-batch-draft --spec-draft-cpu-mask-batch|1|the draft model runs on the engine's threads and device
+--spec-draft-cpu-strict-batch --cpu-strict-batch-draft --spec-draft-prio-batch --prio-batch-draft|1|the draft model runs on the engine's threads and device
+--spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|the draft model runs on the engine's threads and device
+-cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|the draft model runs on the engine's threads and device
+-ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|the draft model runs on the engine's threads and device
 --spec-synth-len --spec-synth-rates|1|no synthetic acceptance (llama.cpp's benchmarking aid)
---spec-draft-p-split --draft-p-split|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
---spec-draft-sampling -devd --device-draft --spec-draft-device|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
--ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl|1|no draft-model speculation (n-gram drafting: --spec-type ngram-simple)
+--spec-draft-p-split --draft-p-split|1|drafts are greedy, from the draft model's top token
+--spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|drafts are greedy, from the draft model's top token
+--spec-draft-sampling|1|drafts are greedy, from the draft model's top token
+-devd --device-draft --spec-draft-device|1|the draft model runs on the engine's threads and device
+-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl|1|the draft model runs on the engine's threads and device
 --spec-ngram-mod-n-min --spec-ngram-mod-n-max --spec-ngram-mod-n-match|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
 --spec-ngram-simple-min-hits|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m
 --spec-ngram-map-k-size-n --spec-ngram-map-k-size-m --spec-ngram-map-k-min-hits|1|graftlm's one n-gram drafter takes --spec-ngram-simple-size-n and --spec-ngram-simple-size-m

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template_file=args.chat_template_file,
         cache_type=cache_type(args),
         speculative=speculative,
+        draft_model=args.model_draft,
     )
     print(
         f"loaded {model.path.name}: {model.config.arch}, {model.config.n_layer} layers, "

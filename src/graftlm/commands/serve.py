@@ -328,6 +328,7 @@ def serving_state(args: argparse.Namespace) -> ServerState:
             cache_bytes=args.kv_memory,
             prefix_cache=args.cache_prompt,
             speculative=speculative,
+            draft_model=args.model_draft,
         )
         if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
             m.engine.chunk = args.batch_size

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 # llama-server's --spec-type values: its n-gram kinds all map to graftlm's one n-gram drafter
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
+MODEL_TYPES = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
 
 
 def add_spec_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,9 +21,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         "--spec-type",
         default=None,
         metavar="TYPE",
-        help="none (default) or an n-gram type (" + ", ".join(NGRAM_TYPES) + "): tokens "
-        "drafted from each request's own prompt and output, verified in the step's batch; the "
-        "output is the same as without",
+        help="none (default), an n-gram type (" + ", ".join(NGRAM_TYPES) + "): tokens "
+        "drafted from each request's own prompt and output, or draft-simple (with -md): "
+        "verified in the step's batch, the output the same as without",
     )
     g.add_argument(
         "--spec-draft-n-max",
@@ -70,14 +70,16 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         dest="model_draft",
         default=None,
         metavar="FNAME",
-        help="a draft model (not supported yet: refused, rather than run without it)",
+        help="a small GGUF model of the same vocabulary that drafts (llama-server's "
+        "draft-simple; the kind of drafting once it is given)",
     )
     g.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
         help='vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
-        '"prompt_lookup_min": M}',
+        '"prompt_lookup_min": M}, or {"method": "draft_model", "model": "draft.gguf", '
+        '"num_speculative_tokens": K}',
     )
 
 
@@ -89,31 +91,40 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
 
     kind = args.spec_type
     vllm = args.speculative_config
-    if getattr(args, "model_draft", None):
-        raise ValueError(
-            f"-md {args.model_draft}: speculative decoding with a draft model is not supported "
-            "yet; n-gram drafting needs no second model (--spec-type ngram-simple)"
-        )
+    draft = args.model_draft
     fields: dict[str, Any] = {}
     if vllm is not None:
         if kind is not None:
             raise ValueError("give --spec-type or --speculative-config, not both")
         fields = _vllm_fields(vllm)
+        if fields.get("method") == "draft":
+            if draft is not None:
+                raise ValueError("give the draft model by -md or in --speculative-config, not both")
+            args.model_draft = fields.pop("model")
+    elif kind is None and draft is not None:
+        fields["method"] = "draft"  # -md alone: llama-server's draft-simple
     elif kind is None or kind == "none":
         return None
     else:
         kinds = [k.strip() for k in kind.split(",") if k.strip()]
-        bad = [k for k in kinds if k not in NGRAM_TYPES]
+        known = (*NGRAM_TYPES, "draft-simple")
+        bad = [k for k in kinds if k not in known]
         if bad:
-            why = (
-                "draft-model speculation is not supported yet"
-                if any(k in MODEL_TYPES for k in bad)
-                else "unknown type"
-            )
+            why = "not supported" if any(k in MODEL_TYPES for k in bad) else "unknown type"
             raise ValueError(
                 f"--spec-type {kind}: {', '.join(bad)}: {why} (supported: none, "
-                + ", ".join(NGRAM_TYPES)
+                + ", ".join(known)
                 + ")"
+            )
+        if "draft-simple" in kinds:
+            if len(set(kinds)) > 1:
+                raise ValueError(f"--spec-type {kind}: one kind of drafting at a time")
+            if draft is None:
+                raise ValueError("--spec-type draft-simple needs a draft model (-md FILE)")
+            fields["method"] = "draft"
+        elif draft is not None:
+            raise ValueError(
+                f"-md {draft} with --spec-type {kind}: n-gram drafting needs no draft model"
             )
     for flag, name, value in (
         ("--spec-draft-n-max", "n_max", args.spec_draft_n_max),
@@ -148,13 +159,17 @@ def _vllm_fields(text: str) -> dict[str, Any]:
         raise ValueError(
             f"--speculative-config: unsupported keys {unknown} (known: {sorted(known)})"
         )
-    method = cfg.get("method", "ngram" if "model" not in cfg else None)
-    if method != "ngram" or "model" in cfg:
-        raise ValueError(
-            f"--speculative-config: method {method!r} is not supported (supported: ngram; "
-            "draft models are not supported yet)"
-        )
+    method = cfg.get("method", "ngram" if "model" not in cfg else "draft_model")
     fields: dict[str, Any] = {}
+    if method == "draft_model":
+        if not isinstance(cfg.get("model"), str):
+            raise ValueError("--speculative-config: method draft_model needs model, a GGUF file")
+        fields.update(method="draft", model=cfg["model"])
+    elif method != "ngram" or "model" in cfg:
+        raise ValueError(
+            f"--speculative-config: method {method!r} is not supported (supported: ngram, "
+            "draft_model with a GGUF model)"
+        )
     for key, name in (
         ("num_speculative_tokens", "n_max"),
         ("prompt_lookup_max", "lookup_max"),

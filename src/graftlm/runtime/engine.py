@@ -16,10 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from graftlm.errors import RequestError
+from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.blocks import PagedAllocator
+from graftlm.runtime.draft_model import ModelDrafter
 from graftlm.runtime.sampling import Sampler
 from graftlm.runtime.scheduler import (
     Chunk,
@@ -29,7 +30,7 @@ from graftlm.runtime.scheduler import (
     activation,
     settings_at,
 )
-from graftlm.runtime.speculative import NgramDrafter, SpecConfig
+from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -58,7 +59,7 @@ class Engine:
     (default: every sequence's whole context, plus the unowned block 0); kv_dtype: its values'
     type (default float16). prefix_cache: reuse cached blocks across requests (on by default).
     speculative: draft tokens and verify them in the step (runtime/speculative.py; off by
-    default)."""
+    default); draft_model: the model that drafts for the method "draft"."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class Engine:
         kv_dtype: torch.dtype | None = None,
         prefix_cache: bool = True,
         speculative: SpecConfig | None = None,
+        draft_model: Transformer | None = None,
     ) -> None:
         self.model = model
         self.cache = model.allocate_cache(n_slots, n_blocks, kv_dtype)
@@ -80,7 +82,8 @@ class Engine:
         self.slots.admit_tokens = chunk
         self.scheduler.n_ctx = self.n_ctx
         self.lock = threading.RLock()
-        self.drafter: NgramDrafter | None = None
+        self.drafter: Drafter | None = None
+        self.draft_model: Transformer | None = draft_model  # speculative method "draft"
         self.speculative = speculative
         self._adapters_seen = model.seams.generation.value
         # activated-LoRA adapters by id -> their invocation tokens (the model's adapter set's)
@@ -136,12 +139,19 @@ class Engine:
     @property
     def speculative(self) -> SpecConfig | None:
         """Speculative decoding's settings (None: off)."""
-        return None if self.drafter is None else self.drafter.cfg
+        return getattr(self.drafter, "cfg", None)
 
     @speculative.setter
     def speculative(self, cfg: SpecConfig | None) -> None:
         with self.lock:
-            self.drafter = None if cfg is None else NgramDrafter(cfg)
+            if cfg is None:
+                self.drafter = None
+            elif cfg.method == "draft":
+                if self.draft_model is None:
+                    raise GraftError("speculative method 'draft' needs a draft model (-md)")
+                self.drafter = ModelDrafter(self.draft_model, cfg, self.n_slots)
+            else:
+                self.drafter = NgramDrafter(cfg)
             self.scheduler.drafter = self.drafter
 
     @property

@@ -36,7 +36,7 @@ from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 
 if TYPE_CHECKING:
     from graftlm.runtime.sampling import Sampler, SamplingParams
-    from graftlm.runtime.speculative import DraftState, NgramDrafter, SpecParams
+    from graftlm.runtime.speculative import Drafter, DraftState, SpecParams
 
 _ids = itertools.count()
 
@@ -282,7 +282,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # speculative decoding (the engine's): drafts for decode rows, within n_ctx positions
-        self.drafter: NgramDrafter | None = None
+        self.drafter: Drafter | None = None
         self.n_ctx = 1 << 62
 
     @property

@@ -94,10 +94,11 @@ class SpecParams:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """The server's speculative decoding. method: "ngram" (the only one so far). n_max: the
-    most tokens drafted for a row in one step; n_min: a shorter draft is not verified.
-    lookup_min / lookup_max: the n-gram lengths looked up (longest first). p_min: a draft
-    model's confidence floor (kept for the flag; n-gram drafts have no probability)."""
+    """The server's speculative decoding. method: "ngram" (from the row's own tokens) or
+    "draft" (a draft model, runtime/draft_model.py). n_max: the most tokens drafted for a row in
+    one step; n_min: a shorter draft is not verified. lookup_min / lookup_max: the n-gram
+    lengths looked up (longest first). p_min: a draft model's drafting stops at a token it gives
+    a lower probability (n-gram drafts have none)."""
 
     method: str = "ngram"
     n_max: int = 16
@@ -107,9 +108,9 @@ class SpecConfig:
     p_min: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "draft"):
             raise RequestError(
-                f"speculative method {self.method!r} is not supported (supported: ngram)"
+                f"speculative method {self.method!r} is not supported (supported: ngram, draft)"
             )
         if not 1 <= self.n_max <= 64:
             raise RequestError(f"the draft's n_max must be in [1, 64], got {self.n_max}")
@@ -134,6 +135,16 @@ class Request(Protocol):
     generated: list[int]
     spec: SpecParams | None
     draft: DraftState | None
+
+
+class Drafter(Protocol):
+    """What the scheduler and the engine ask of a drafter (n-grams here, a draft model in
+    runtime/draft_model.py)."""
+
+    costs: StepCosts
+
+    def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]: ...
+    def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None: ...
 
 
 @dataclass(eq=False)

@@ -73,6 +73,35 @@ def test_the_same_tokens_and_llama_servers_draft_timings(plain: str, spec: str) 
     assert "".join(pieces) == _post(plain, "/v1/completions", oai)["choices"][0]["text"]
 
 
+def test_stop_strings_probabilities_and_the_prefix_cache_are_unchanged(
+    plain: str, spec: str
+) -> None:
+    """n_probs come from the same logits (a row's are the same in any batch), a stop string
+    ends the text where it ends without drafts, and a second request that extends the first's
+    text is served from the blocks the first wrote while drafting: the same tokens."""
+    body = {**BODY, "n_probs": 3, "return_tokens": True}
+    want, got = _post(plain, "/completion", body), _post(spec, "/completion", body)
+    assert got["tokens"] == want["tokens"]
+    for g, w in zip(got["completion_probabilities"], want["completion_probabilities"], strict=True):
+        # (this tiny model's float32 weights go through PyTorch's GEMM, whose sums depend on the
+        # batch's rows in the last bits; quantized weights' native kernels give the same bits)
+        assert [t["id"] for t in g["top_logprobs"]] == [t["id"] for t in w["top_logprobs"]]
+        for a, b in zip(g["top_logprobs"], w["top_logprobs"], strict=True):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+    text = want["content"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        stopped = {**BODY, "stop": [stop]}
+        a, b = _post(plain, "/completion", stopped), _post(spec, "/completion", stopped)
+        assert a["content"] == b["content"] and a["stop_type"] == b["stop_type"] == "word"
+    longer = {**BODY, "prompt": PROMPT + got["tokens"][:24], "return_tokens": True}
+    again = _post(spec, "/completion", longer)
+    assert again["timings"]["cache_n"] >= 32  # the first request's blocks, drafted rows and all
+    assert (
+        again["tokens"] == _post(plain, "/completion", {**longer, "cache_prompt": False})["tokens"]
+    )
+
+
 def test_a_request_turns_drafting_off_or_bounds_it(spec: str) -> None:
     off = _post(spec, "/completion", {**BODY, "speculative.n_max": 0})
     assert "draft_n" not in off["timings"]

@@ -275,13 +275,16 @@ class Engine:
                     req.on_progress(req, c.end)
                 self._emit(req, row)
 
-    def _decode(self, reqs: Sequence[Request], drafts: Mapping[int, list[int]]) -> None:
+    def _decode(
+        self, reqs: Sequence[Request], drafts: Mapping[int, list[int]] | None = None
+    ) -> None:
         """One token for each of these sequences, in one batch, and for a sequence with a draft
         (speculative decoding) the draft's tokens too: one row each at the next positions of
         its slot, kept while the row's sampler draws them (runtime/speculative.py). The rows go
         in order of their adapter ids, so the rows of one adapter are neighbours: the native
         delta reads each adapter's A once for a run of rows and adds B's blocks to two rows at
         a time."""
+        drafts = drafts or {}
         settings = [r.settings_at(r.n_past) for r in reqs]
         order = sorted(range(len(reqs)), key=lambda i: tuple(s for s, _ in settings[i].pairs))
         tokens: list[int] = []

@@ -356,3 +356,53 @@ def test_parser_whole_and_split_anywhere(
         c3, k3 = p.finish()
         assert (c1 + c2 + c3).strip() == content.strip(), cut
         assert [(c.name, json.loads(c.arguments)) for c in k1 + k2 + k3] == calls, cut
+
+
+def _grammar_takes(server: TinyServer, constraint: Any, text: str) -> bool:
+    """Whether the grammar takes the whole of text (one byte token a character) and may end."""
+    from graftlm.runtime.constraints import ConstraintError
+
+    matcher = server.ref.prompter.compile(constraint).matcher()
+    try:
+        for tok in server.ref.prompter.tokenizer.encode(text):
+            matcher.advance(tok)
+    except ConstraintError:
+        return False
+    return matcher.accepting
+
+
+def test_a_forced_call_ends_with_its_object_and_closes_the_tools_objects(
+    server: TinyServer,
+) -> None:
+    """After a forced call the generic format's object must end (it was open: SmolLM2 went on
+    writing keys until max_tokens), and a tool schema's objects take no keys of their own
+    unless the schema says so (llama.cpp's reading)."""
+    from graftlm.server.tools import closed, tool_constraint
+
+    c = tool_constraint(TOOLS, None, "generic")
+    call = '{"tool_call":{"name":"add","arguments":{"a":1,"b":2}}}'
+    assert _grammar_takes(server, c, call)
+    assert not _grammar_takes(server, c, call[:-1] + ',"description":"x"}')
+    plain_args = {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}
+    loose = [{"type": "function", "function": {"name": "f", "parameters": plain_args}}]
+    f = tool_constraint(loose, None, "generic")
+    assert _grammar_takes(server, f, '{"tool_call":{"name":"f","arguments":{"a":2}}}')
+    assert not _grammar_takes(server, f, '{"tool_call":{"name":"f","arguments":{"a":2,"t":3}}}')
+    reply = tool_constraint(TOOLS, None, "generic", answer=True)
+    assert _grammar_takes(server, reply, '{"response":"hi"}')
+    assert not _grammar_takes(server, reply, '{"response":"hi","more":1}')
+    # what a schema says of other keys stands, nested objects are closed too, the input is kept
+    open_args = {"type": "object", "properties": {"a": {"type": "number"}},
+                 "additionalProperties": True}  # fmt: skip
+    nested = {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "properties": {"type": "string"}}}}}  # fmt: skip
+    got = closed(nested)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]["p"]["properties"]  # a key's name
+    assert "additionalProperties" not in nested and closed(open_args) == open_args
+    tools = [{"type": "function", "function": {"name": "f", "parameters": open_args}}]
+    assert _grammar_takes(
+        server, tool_constraint(tools, "f", "generic"),
+        '{"tool_call":{"name":"f","arguments":{"a":1,"z":2}}}',
+    )  # fmt: skip

@@ -65,7 +65,7 @@ def tool_constraint(
         fn = t["function"]
         if only is not None and fn["name"] != only:
             continue
-        params = fn.get("parameters") or {"type": "object"}
+        params = closed(fn.get("parameters") or {"type": "object"})
         options.append(
             {
                 "type": "object",
@@ -76,9 +76,12 @@ def tool_constraint(
         )
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     if fmt == "generic":
-        call = {"type": "object", "properties": {"tool_call": schema}, "required": ["tool_call"]}
-        reply = {"type": "object", "properties": {"response": {"type": "string"}}}
-        reply["required"] = ["response"]
+        # closed: once its one key is written the object must end (open, a model went on adding
+        # keys until max_tokens)
+        call = {"type": "object", "properties": {"tool_call": schema}, "required": ["tool_call"],
+                "additionalProperties": False}  # fmt: skip
+        reply = {"type": "object", "properties": {"response": {"type": "string"}},
+                 "required": ["response"], "additionalProperties": False}  # fmt: skip
         schema = {"anyOf": [call, reply]} if answer else call
     # no free whitespace (as for response_format): a sampled call cannot wander into newlines
     schema = schema | {"x-guidance": {"whitespace_flexible": False, "lenient": True}}
@@ -87,6 +90,33 @@ def tool_constraint(
     else:
         lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
     return Constraint("lark", lark, field)
+
+
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed(schema: Any) -> Any:
+    """A tool's JSON schema with every object that lists its properties and says nothing of
+    others closed to them (`additionalProperties: false`), as llama.cpp's grammar reads a tool's
+    schema: JSON Schema's default (open) let a model append keys of its own to the arguments.
+    Whatever the schema says itself stands; the caller's dict is not changed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _MAPS:
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in schema[k].items()}
+    for k in _ONE:
+        if isinstance(schema.get(k), dict):
+            out[k] = closed(schema[k])
+    for k in _MANY:
+        if isinstance(schema.get(k), list):
+            out[k] = [closed(sub) for sub in schema[k]]
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _parse_call(text: str) -> ToolCall | None:

@@ -31,7 +31,7 @@ from graftlm.runtime.scoring import Scorer
 from graftlm.runtime.speculative import SpecConfig
 from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
-from graftlm.tokenizer.templates import resolve_chat_template
+from graftlm.tokenizer.templates import BUILTIN, resolve_chat_template
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Model:
             speculative=speculative,
             draft_model=draft_model,
         )
-        template = chat_template or file.get("tokenizer.chat_template")
+        template = chat_template or file.get("tokenizer.chat_template") or family_template(file)
         self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
@@ -359,6 +359,20 @@ class Model:
                 t_end - (req.t_prompt_done or t_end),
                 req.n_cached,
             )
+
+
+def family_template(file: GGUFFile) -> str | None:
+    """The built-in template of a file's model family where the file carries none (a gemma
+    model chats in its own turns, not in ChatML); None leaves llama.cpp's ChatML default."""
+    arch = file.architecture or ""
+    if arch.startswith("gemma"):
+        return BUILTIN["gemma"]
+    if arch == "phi3":
+        return BUILTIN["phi3"]
+    tokens = file.get("tokenizer.ggml.tokens") or []
+    if arch == "llama" and "<|start_header_id|>" in tokens and "<|eot_id|>" in tokens:
+        return BUILTIN["llama3"]
+    return None
 
 
 def _constraint(

@@ -121,9 +121,28 @@ def test_resolve_names_text_and_files(tmp_path: Path) -> None:
 
 @pytest.mark.real
 def test_gemma3_chats_with_the_gemma_template(gemma3_file: Path) -> None:
-    """The packaged gemma-3 file has no template: ChatML by default, gemma by name."""
-    m = graftlm.load(gemma3_file, ctx_size=256, chat_template="gemma")
+    """The packaged gemma-3 file has no template: its family's (gemma) with no flag, another
+    by name."""
+    m = graftlm.load(gemma3_file, ctx_size=256)
     prompt = m.apply_chat_template([{"role": "user", "content": "Say hi"}])
-    assert prompt.endswith("<start_of_turn>model\n") and "<|im_" not in prompt
+    assert prompt.startswith("<bos><start_of_turn>user\n") and "<|im_" not in prompt
+    assert prompt.endswith("<start_of_turn>model\n")
+    named = graftlm.load(gemma3_file, ctx_size=256, chat_template="chatml")
+    assert named.apply_chat_template([{"role": "user", "content": "x"}]).startswith("<|im_start|>")
     out = m.chat([{"role": "user", "content": "Say hi"}], max_tokens=12, temperature=0)
     assert "<|im_" not in str(out) and "<start_of_turn>" not in str(out)
+
+
+def test_a_file_without_a_template_gets_its_familys(tiny_gemma3: Path, tiny_llama: Path) -> None:
+    """gemma files chat in gemma's turns, phi3 in phi3's, llama files with Llama 3's header tokens
+    in Llama 3's; the rest in llama.cpp's ChatML default."""
+    from graftlm.api import family_template
+    from graftlm.gguf import GGUFFile
+    from graftlm.tokenizer.templates import BUILTIN
+
+    assert family_template(GGUFFile(tiny_gemma3)) == BUILTIN["gemma"]
+    assert family_template(GGUFFile(tiny_llama)) is None
+    m = graftlm.load(tiny_gemma3, ctx_size=64)
+    assert m.apply_chat_template([{"role": "user", "content": "x"}]).endswith(
+        "<start_of_turn>model\n"
+    )

@@ -157,7 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("input", help="PEFT directory, or with --to-peft a GGUF adapter")
     c.add_argument("--base", help="base model GGUF (needed for PEFT -> GGUF)")
     c.add_argument("-o", "--outfile", required=True)
-    c.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f32")
+    c.add_argument(
+        "--outtype",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        default="f32",
+        help="the GGUF adapter's tensor type (default f32)",
+    )
     c.add_argument("--to-peft", action="store_true", help="GGUF adapter -> PEFT directory")
     c.set_defaults(func=_convert_lora)
 
@@ -166,7 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("-m", "--model", required=True)
     e.add_argument("-o", "--output", required=True)
-    e.add_argument("--outtype", choices=["f16", "f32", "q8_0", "same"], default="f16")
+    e.add_argument(
+        "--outtype",
+        choices=["f16", "f32", "q8_0", "same"],
+        default="f16",
+        help="the merged weights' type (default f16, as llama-export-lora; same: each base "
+        "weight's own type where it can be written, else f16)",
+    )
     add_lora_arguments(e)
     e.set_defaults(func=_export_lora)
 
@@ -194,12 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    """Exit naming the arguments the command does not take, with its usage and the flags
+    closest to each unknown one (`run --tmep 0`: did you mean --temp?)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        args.command
+    ]
+    flags = [o for a in sub._actions for o in a.option_strings]
+    hints = []
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{word}: did you mean {' or '.join(close)}?")
+    sub.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"\n  {h}" for h in hints))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown(parser, args, extra)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        rc = func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return rc
     except GraftError as exc:
         from graftlm.commands import short_error
 
@@ -208,6 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # argument values (e.g. --lora-scaled) checked after parsing
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`graftlm inspect FILE | head`): not an error
+        import os
+
+        # what is still buffered for the closed pipe goes nowhere at exit (Python's advice)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:  # files the user named: unwritable output folder, full disk, ...
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -25,3 +25,14 @@ class RequestError(GraftError):
     def __init__(self, message: str, code: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.code = code
+
+
+def shortened(message: str, shown: int) -> str:
+    """A message's first line and the first `shown` of the problems listed under it
+    ("  - ..."), then how many more (an adapter for another base has one a tensor: the terminal
+    and the server's answers show a few; the exception keeps them all)."""
+    head, *rest = message.splitlines() or [""]
+    items = [ln for ln in rest if ln.startswith("  - ")]
+    if len(items) <= shown + 1 or len(items) != len(rest):
+        return message
+    return "\n".join([head, *items[: shown - 1], f"  - and {len(items) - shown + 1} more"])

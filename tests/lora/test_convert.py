@@ -94,6 +94,9 @@ def test_gguf_to_peft_to_gguf(family: str, tmp_path: Path) -> None:
     base = TINY / family / "model-f32.gguf"
     notes = gguf_to_peft(TINY / family / "lora-f32.gguf", base, tmp_path / "peft")
     assert notes[-1].startswith(f"wrote {tmp_path / 'peft'}")
+    # the weights readable as the config is (safetensors alone would make them 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "peft").iterdir()}
+    assert modes["adapter_model.safetensors"] == modes["adapter_config.json"]
     original = load_file(TINY / family / "peft" / "adapter_model.safetensors")
     back = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert_same_tensors(back, original, atol=0)

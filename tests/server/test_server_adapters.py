@@ -4,6 +4,7 @@ a running request, and vLLM's runtime load/unload API over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from contextlib import aclosing
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import SPEC, TinyServer
+from server_fixtures import SPEC, TinyServer, error_of
 from tiny_models import write_tiny_adapter
 
 import graftlm
@@ -292,3 +293,18 @@ def test_a_slow_adapter_read_ends_its_request_with_a_503(
         reg.release(lease)
 
     asyncio.run(go())
+
+
+def test_an_adapter_for_another_base_is_a_short_answer(
+    server: TinyServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One problem a tensor would be kilobytes: the answer names a few and counts the rest."""
+    from dataclasses import replace
+
+    other = replace(SPEC, n_embd=SPEC.n_embd * 2, n_layer=12)
+    path = write_tiny_adapter(tmp_path_factory.mktemp("other") / "other.gguf", other, seed=9)
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "other", "lora_path": str(path)}, timeout=60)  # fmt: skip
+    msg = error_of(r, 400)["message"]
+    assert "other.gguf" in msg and re.search(r"  - and \d+ more$", msg), msg
+    assert len(msg.splitlines()) <= 1 + 5 and len(msg) < 2000

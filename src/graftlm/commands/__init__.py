@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from graftlm.errors import shortened
+
 
 def _device(value: str) -> str:
     """A --device value that can run a model: "meta" (which holds no data) is for tests of
@@ -78,10 +80,6 @@ SHOWN_PROBLEMS = 2  # an adapter for another base has a problem per tensor: a fe
 
 
 def short_error(message: str, shown: int = SHOWN_PROBLEMS) -> str:
-    """An error for the terminal: its first line and the first `shown` of the problems listed
-    under it ("  - ..."), then how many more; the Python API and the server keep them all."""
-    head, *rest = message.splitlines() or [""]
-    items = [ln for ln in rest if ln.startswith("  - ")]
-    if len(items) <= shown + 1 or len(items) != len(rest):
-        return message
-    return "\n".join([head, *items[: shown - 1], f"  - and {len(items) - shown + 1} more"])
+    """An error for the terminal: `errors.shortened` to its first `shown` problems; the Python
+    API keeps them all."""
+    return shortened(message, shown)

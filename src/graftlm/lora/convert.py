@@ -288,6 +288,8 @@ def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, A
     try:
         save_file(tensors, str(w_tmp), metadata={"format": "pt"})
         c_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        # safetensors creates its file 0600: the pair gets the config's mode (the umask's)
+        os.chmod(w_tmp, c_tmp.stat().st_mode & 0o777)
         (out / CONFIG_FILE).unlink(missing_ok=True)  # the old config goes first
         os.replace(w_tmp, out / WEIGHTS_FILE)
         os.replace(c_tmp, out / CONFIG_FILE)  # the new one last: it completes the pair

@@ -216,7 +216,8 @@ class Engine:
                     f" (the KV cache pool holds {self.slots.capacity})"
                     if self.slots.capacity < self.model.n_ctx
                     else ""
-                ),
+                )
+                + f": generating needs at least {len(req.prompt) + 1}",
                 "context_length_exceeded",
             )
         if req.sampler is None:

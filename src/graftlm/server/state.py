@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graftlm.errors import AdapterError, GraftError, RequestError
+from graftlm.errors import AdapterError, GraftError, RequestError, shortened
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.service import EngineService
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
+
+SHOWN_PROBLEMS = 5  # of an adapter's problems in an answer (one a tensor for another base)
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -132,8 +134,8 @@ class ApiError(Exception):
                 else 400
             )
             return cls(status, str(exc), exc.code)
-        if isinstance(exc, AdapterError):
-            return cls(400, str(exc), "invalid_adapter")
+        if isinstance(exc, AdapterError):  # a few of its problems, not one a tensor
+            return cls(400, shortened(str(exc), SHOWN_PROBLEMS), "invalid_adapter")
         if isinstance(exc, GraftError):
             return cls(400, str(exc), "invalid_request_error")
         return cls(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")

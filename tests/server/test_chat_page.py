@@ -213,3 +213,48 @@ def test_api_key_entered_once_in_the_page(browser: Any, server: TinyServer) -> N
         assert len(_replies(browser)) == 1 and error.text == ""
         browser.get(srv.url + "/")  # kept for the next visit
         _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)
+
+
+def _direct_model(server: TinyServer, text: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
+            "max_tokens": 12}  # fmt: skip
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_the_picker_alone_selects_an_adapter_and_compare_columns_differ(
+    browser: Any, server: TinyServer
+) -> None:
+    """`model` names an adapter that runs at scale 1; the page's sliders of the other adapters
+    go in `lora`, the picked one's only once moved (it used to send every slider, and a slider
+    at 0 put the picked adapter back to the base)."""
+    prompt = next(  # a prompt whose three answers read differently (a random model's bytes)
+        p for p in ("Hello", "Hi there", "abc", "What now?", "Tell me", "xyz", "ok", "yes")
+        if len({_direct_model(server, p, m) for m in ("tiny", "alpha", "beta")}) == 3
+    )  # fmt: skip
+    want = {m: _direct_model(server, prompt, m) for m in ("tiny", "alpha", "beta")}
+    _open(browser, server.url)
+    names = {
+        str(browser.execute_script("return arguments[0].firstChild.textContent", e))
+        for e in browser.find_elements(By.CSS_SELECTOR, ".column .adapter")
+    }
+    assert {"alpha", "beta"} <= names
+    _settings(browser, temperature="0", max_tokens="12")
+    _set(browser, ".column select.model", "alpha")
+    slider = browser.find_element(
+        By.XPATH, "//label[contains(@class,'adapter')][starts-with(.,'alpha')]/input"
+    )
+    assert slider.get_attribute("value") == "1"  # the picked adapter's scale, shown
+    _send(browser, prompt)
+    assert _replies(browser) == [want["alpha"]]
+
+    browser.find_element(By.ID, "new-chat").click()
+    _set(browser, "#mode", "compare")
+    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2)
+    browser.find_element(By.ID, "add-column").click()
+    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 3)
+    for index, model in enumerate(("tiny", "alpha", "beta")):
+        _set(browser, f".column[data-index='{index}'] select.model", model)
+    _send(browser, prompt)
+    assert _replies(browser) == [want["tiny"], want["alpha"], want["beta"]]

@@ -84,6 +84,13 @@ function adapterLabel(a) {
   return a.name || String(a.path).split(/[\\/]/).pop();
 }
 
+// An adapter's scale in a column: what its slider was set to, else 1 for the adapter the
+// picker names (as the server runs `model`), else the server's scale for it.
+function scaleOf(col, a) {
+  if (a.id in col.scales) return Number(col.scales[a.id]);
+  return a.name && a.name === col.model ? 1 : Number(a.scale);
+}
+
 // -- rendering ------------------------------------------------------------------------------
 function visibleColumns() {
   return state.mode === "compare" ? state.columns : state.columns.slice(0, 1);
@@ -104,7 +111,9 @@ function renderColumn(col, index) {
   for (const id of models) select.append(new Option(id, id));
   if (!col.model || !models.includes(col.model)) col.model = models[0] || null;
   select.value = col.model || "";
-  select.addEventListener("change", () => { col.model = select.value; save(); });
+  // the picked adapter runs at scale 1 (the server's rule for `model`): its slider shows that
+  // until moved, and the column's other sliders keep theirs
+  select.addEventListener("change", () => { col.model = select.value; save(); render(); });
 
   const box = $(".adapters", node);
   for (const a of adapters) {
@@ -113,7 +122,7 @@ function renderColumn(col, index) {
     const range = document.createElement("input");
     Object.assign(range, { type: "range", min: "0", max: "2", step: "0.05" });
     range.dataset.id = String(a.id);
-    range.value = String(col.scales[a.id] ?? a.scale);
+    range.value = String(scaleOf(col, a));
     const out = document.createElement("output");
     out.textContent = Number(range.value).toFixed(2);
     range.addEventListener("input", () => {
@@ -159,7 +168,11 @@ function requestBody(col) {
     .filter((m) => !m.pending)
     .map((m) => ({ role: m.role, content: m.content }));
   if (system) messages.unshift({ role: "system", content: system });
-  const lora = adapters.map((a) => ({ id: a.id, scale: Number(col.scales[a.id] ?? a.scale) }));
+  // every slider's scale but the picked adapter's untouched one: a `lora` entry for it would
+  // override the picker (the server's rule: the list sets the scales it names)
+  const lora = adapters
+    .filter((a) => a.id in col.scales || !(a.name && a.name === col.model))
+    .map((a) => ({ id: a.id, scale: scaleOf(col, a) }));
   return {
     model: col.model || undefined,
     messages,

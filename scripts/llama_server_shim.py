@@ -16,6 +16,10 @@ it would for a user; only the model is swapped:
   runner places the pirate adapter (a real LoRA of SmolLM2, GGUF form) at that file name before
   the run, so `--lora tmp/<name>.gguf` already names a local file; likewise the draft model for
   speculative decoding is SmolLM2 itself.
+- `--chat-template-file ../../../models/templates/NAME.jinja` (test_template.py's path from
+  llama.cpp's tools/server/tests) becomes the same file under the shared llama.cpp's
+  `models/templates/` (LLAMA_TEMPLATES, else ../shared/llama.cpp/models/templates beside the
+  repository), for both targets.
 
 Environment: GRAFTLM_PYTHON (the interpreter that has graftlm's dependencies), GRAFTLM_SRC (the
 `src` folder whose graftlm is tested), LLAMA_SERVER_REAL (the real binary for the control).
@@ -72,11 +76,30 @@ def swap_models(argv: list[str]) -> list[str]:
     return out
 
 
+TEMPLATES_PREFIX = "../../../models/templates/"
+
+
+def templates_dir() -> Path:
+    found = os.environ.get("LLAMA_TEMPLATES")
+    if found:
+        return Path(found)
+    return Path(__file__).resolve().parents[2] / "shared" / "llama.cpp" / "models" / "templates"
+
+
+def swap_templates(argv: list[str]) -> list[str]:
+    """argv with test_template.py's relative template paths pointing into the shared copy."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a == "--chat-template-file" and out[i + 1].startswith(TEMPLATES_PREFIX):
+            out[i + 1] = str(templates_dir() / out[i + 1][len(TEMPLATES_PREFIX) :])
+    return out
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in ("--target=graftlm", "--target=llama-server"):
         sys.exit("usage: llama_server_shim.py --target=graftlm|llama-server LLAMA-SERVER-ARGS...")
     target = sys.argv[1].split("=", 1)[1]
-    args = swap_models(sys.argv[2:])
+    args = swap_templates(swap_models(sys.argv[2:]))
     print(f"shim ({target}): {' '.join(args)}", file=sys.stderr, flush=True)
     if target == "llama-server":
         real = os.environ["LLAMA_SERVER_REAL"]

@@ -263,6 +263,7 @@ def prepare(work: Path, target: str, graftlm_python: str, src: Path) -> Path:
         f"export GRAFTLM_PYTHON={graftlm_python}",
         f"export GRAFTLM_SRC={src}",
         f"export SMOLLM2_GGUF={smollm2}",
+        f"export LLAMA_TEMPLATES={SUITE.parent / 'models' / 'templates'}",
     ]
     if target == "llama-server":
         bindir = work / "llama-bin"

@@ -644,3 +644,42 @@ def test_pooling_and_tools_flags_map_as_llama_server_does() -> None:
     assert http_config(p.parse_args(["--tools", "all"]))["cors_origins"] == ("localhost",)
     both = p.parse_args(["--tools", "all", "--cors-origins", "https://app.example"])
     assert http_config(both)["cors_origins"] == ("https://app.example",)
+
+
+def test_chat_template_kwargs_from_the_request_and_the_flags(
+    tiny_files: dict[str, Path], http: httpx.Client
+) -> None:
+    """A request's chat_template_kwargs reach the template (over the server's, which
+    --chat-template-kwargs and --reasoning set); the template's own names are refused."""
+    thinking = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if not enable_thinking %}</think>{% endif %}{{ greeting | default('') }}"
+    )
+    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=2, chat_template=thinking)
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args(["--reasoning", "off", "--chat-template-kwargs", '{"greeting": "hey"}'])
+    from graftlm.commands.serve import chat_template_kwargs
+
+    model.prompter.template_kwargs = chat_template_kwargs(args)
+    state = build_state(model, ServerConfig(model_name="tiny"), parallel=1)
+    user = {"role": "user", "content": "hi"}
+    with serving(state) as url:
+
+        def prompt(**body: Any) -> str:
+            r = httpx.post(url + "/apply-template", json={"messages": [user], **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            return str(r.json()["prompt"])
+
+        assert prompt() == "hi</think>hey"
+        assert prompt(chat_template_kwargs={"enable_thinking": True, "greeting": "yo"}) == "hiyo"
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [user], "max_tokens": 1, "chat_template_kwargs": {"messages": []}})  # fmt: skip
+        error_of(r, 400, "messages")
+    # the request's field on a server with the model's own template: accepted
+    r = http.post("/v1/chat/completions", json={
+        "messages": [user], "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert r.status_code == 200, r.text
+    for bad in (["--chat-template-kwargs", "[1]"], ["--chat-template-kwargs", '{"tools": 1}']):
+        with pytest.raises(ValueError, match="--chat-template-kwargs"):
+            chat_template_kwargs(p.parse_args(bad))

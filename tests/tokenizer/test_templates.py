@@ -146,3 +146,24 @@ def test_a_file_without_a_template_gets_its_familys(tiny_gemma3: Path, tiny_llam
     assert m.apply_chat_template([{"role": "user", "content": "x"}]).endswith(
         "<start_of_turn>model\n"
     )
+
+
+def test_templates_get_llama_cpps_context_variables() -> None:
+    """llama.cpp's own templates read enable_thinking, date_string, datetime and functions
+    without defaults: they are given (today's date), and a caller's values replace them."""
+    import datetime as dt
+
+    from graftlm.tokenizer.chat import render_chat
+
+    t = (
+        "{{ date_string }}|{{ datetime[:6] }}|{{ functions }}|"
+        "{% if not enable_thinking %}</think>{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "x"}]
+    today = dt.date.today()
+    out = render_chat(t, msgs)
+    assert out == f"{today.strftime('%d %b %Y')}|{today.strftime('%b %d')}||"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert '"name": "f"' in render_chat(t, msgs, tools=tools)
+    assert render_chat(t, msgs, enable_thinking=False).endswith("</think>")
+    assert render_chat(t, msgs, date_string="1 Jan 2000").startswith("1 Jan 2000|")

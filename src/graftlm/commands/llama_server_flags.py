@@ -114,7 +114,6 @@ _TABLE = """
 --rerank --reranking|0|/rerank is always served
 --api-key-file|1|mapped
 --ssl-key-file --ssl-cert-file|1|no TLS: put a TLS proxy in front
---chat-template-kwargs|1|set chat_template_kwargs in the request
 -to --timeout|1|no read/write timeout
 --sse-ping-interval --threads-http|1|no effect
 --cache-prompt|0|mapped
@@ -129,7 +128,6 @@ _TABLE = """
 --models-autoload --no-models-autoload|0|no router mode: one base model, adapters by name
 --jinja --no-jinja|0|chat templates are always rendered with Jinja
 --reasoning-format|1|reasoning text stays in the content
--rea --reasoning|?|reasoning text stays in the content
 --reasoning-effort --reasoning-budget --reasoning-budget-message|1|no reasoning control
 --reasoning-preserve --no-reasoning-preserve|0|no reasoning control
 --skip-chat-parsing --no-skip-chat-parsing|0|no effect

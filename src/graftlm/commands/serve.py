@@ -204,6 +204,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         const="debug",
         help="the same as --log-level debug",
     )
+    g = p.add_argument_group("chat templates")
+    g.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help='more variables for the chat template, a JSON object (e.g. \'{"enable_thinking": '
+        "false}'); a request's chat_template_kwargs go over them",
+    )
+    g.add_argument(
+        "-rea",
+        "--reasoning",
+        choices=["on", "off", "auto"],
+        default=None,
+        help="off renders chats with enable_thinking false (the model answers without thinking); "
+        "on and auto (the default) with it true",
+    )
     add_spec_arguments(p)
     add_http_arguments(p)
     from graftlm.commands.llama_flags import VersionAction, add_llama_flags
@@ -271,6 +287,28 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--chat-template-kwargs and --reasoning as the template variables every chat gets."""
+    from graftlm.server.schemas import TEMPLATE_RESERVED
+
+    out: dict[str, Any] = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            out = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--chat-template-kwargs: not JSON ({exc})") from None
+        if not isinstance(out, dict):
+            raise ValueError(
+                f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs}"
+            )
+        bad = sorted(set(out) & set(TEMPLATE_RESERVED))
+        if bad:
+            raise ValueError(f"--chat-template-kwargs: {', '.join(bad)} cannot be set")
+    if args.reasoning is not None:
+        out["enable_thinking"] = args.reasoning != "off"
+    return out
+
+
 def serving_state(args: argparse.Namespace) -> ServerState:
     """The model loaded and its engine service started from `serve`'s flags, as `graftlm serve`
     runs before it listens (each replica of `graftlm ray-serve` runs it too): a ServerState,
@@ -299,6 +337,7 @@ def serving_state(args: argparse.Namespace) -> ServerState:
         raise ValueError(f"--parallel {args.parallel}: must be at least 1")
     kv_type = cache_type(args) or DEFAULT_KV_TYPE  # -ctk / -ctv, checked before the load
     speculative = spec_config(args)  # checked before the load too
+    template_kwargs = chat_template_kwargs(args)
     pool_tokens = args.ctx_size
     if pool_tokens <= 0:  # -c 0: the model's context, for the pool too
         from graftlm.gguf import GGUFFile
@@ -330,6 +369,7 @@ def serving_state(args: argparse.Namespace) -> ServerState:
             speculative=speculative,
             draft_model=args.model_draft,
         )
+        m.prompter.template_kwargs = template_kwargs
         if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
             m.engine.chunk = args.batch_size
         return m

@@ -22,6 +22,8 @@ class Prompter:
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, n_vocab: int) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        # variables every rendering gives the template (`--chat-template-kwargs`, `--reasoning`)
+        self.template_kwargs: dict[str, Any] = {}
         self.n_vocab = n_vocab
         self._compiler: ConstraintCompiler | None = None
         self._compiler_lock = threading.Lock()
@@ -136,15 +138,17 @@ class Prompter:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The chat rendered through the template; `tools` (OpenAI's function definitions) are
         passed to it as Hugging Face's `apply_chat_template` passes them, or, for a template that
         never reads them, described in a system message with calls and results as JSON text
-        (`generic_tool_messages`)."""
+        (`generic_tool_messages`). `kwargs`: more variables for the template (a request's
+        `chat_template_kwargs`), over the prompter's own `template_kwargs` (the server's)."""
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {**self.template_kwargs, **(kwargs or {})}
         if tools:
             if supports_tools(self.chat_template):
                 extra["tools"] = tools

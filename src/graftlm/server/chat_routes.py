@@ -116,13 +116,13 @@ def chat_text(
     if cont and not last_assistant:
         raise ApiError(400, "continue_final_message: the last message is not the assistant's")
     apply = state.prompter.apply_chat_template
+    kwargs = body.chat_template_kwargs
     if cont:
-        return str(apply(messages[:-1], add_generation_prompt=True, tools=tools)) + str(
-            messages[-1]["content"]
-        )
-    return str(
-        apply(messages, add_generation_prompt=body.add_generation_prompt is not False, tools=tools)
-    )
+        return str(
+            apply(messages[:-1], add_generation_prompt=True, tools=tools, kwargs=kwargs)
+        ) + str(messages[-1]["content"])
+    gen = body.add_generation_prompt is not False
+    return str(apply(messages, add_generation_prompt=gen, tools=tools, kwargs=kwargs))
 
 
 def chat_ids(state: ServerState, text: str) -> list[int]:

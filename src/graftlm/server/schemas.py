@@ -363,6 +363,17 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+# a template's own variables, which chat_template_kwargs may not replace
+TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    bad = sorted(set(value or ()) & set(TEMPLATE_RESERVED))
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: set by the request itself, not a template variable")
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -376,6 +387,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
+    # more variables for the chat template (llama-server's and vLLM's; e.g. enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # see IGNORED
     # the template's generation prompt (False: none); continue_final_message: the final
@@ -383,6 +396,11 @@ class ChatCompletionRequest(SamplingFields):
     # llama-server's prefill); both true is a 400
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
 
 class LlamaCompletionRequest(SamplingFields):
@@ -477,6 +495,12 @@ class ApplyTemplateRequest(_Body):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
 
 class LoadLoraRequest(_Body):

@@ -42,7 +42,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
-            **extra,
+            **(context(extra.get("tools")) | extra),
         )
     except ChatTemplateError:
         raise
@@ -74,6 +74,20 @@ def _content_text(content: Any) -> str:
 
 def _raise_exception(message: str) -> NoReturn:
     raise ChatTemplateError(message)
+
+
+def context(tools: Any = None) -> dict[str, Any]:
+    """The variables llama.cpp gives every template beside the messages, which templates it
+    ships read without a default: `enable_thinking` (true unless reasoning is off),
+    `date_string` (Llama 3.x's "Today Date"), and FireFunction's `datetime` and `functions`
+    (the tools as JSON). A caller's own values (chat_template_kwargs) replace them."""
+    now = datetime.now()
+    return {
+        "enable_thinking": True,
+        "date_string": now.strftime("%d %b %Y"),
+        "datetime": now.strftime("%b %d %Y %H:%M:%S GMT"),
+        "functions": json.dumps(tools, indent=2, ensure_ascii=False) if tools else "",
+    }
 
 
 def _strftime_now(fmt: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from graftlm.config import ModelConfig
-from graftlm.errors import GraftError
+from graftlm.errors import GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.lora.settings import AdapterSettings
@@ -31,6 +31,7 @@ from graftlm.runtime.scoring import Scorer
 from graftlm.runtime.speculative import SpecConfig
 from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
+from graftlm.tokenizer.chat import ChatTemplateError, TemplateLimitError, render_chat
 from graftlm.tokenizer.templates import BUILTIN, resolve_chat_template
 
 
@@ -180,6 +181,7 @@ class Model:
             draft_model=draft_model,
         )
         template = chat_template or file.get("tokenizer.chat_template") or family_template(file)
+        check_template_limits(template, file.path)
         self.prompter = Prompter(tokenizer, template, model.cfg.n_vocab)
         self.scorer = Scorer(self.engine, self.prompter)
         self.last_timings = Timings()
@@ -359,6 +361,25 @@ class Model:
                 t_end - (req.t_prompt_done or t_end),
                 req.n_cached,
             )
+
+
+def check_template_limits(template: str | None, path: str | os.PathLike[str]) -> None:
+    """A model's chat template is untrusted: rendered once at load on a short conversation,
+    one that runs past the renderer's limits (time, size) refuses the model. A template that
+    merely rejects this conversation (raise_exception) is left to the requests."""
+    if template is None:
+        return
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"}]  # fmt: skip
+    try:
+        render_chat(template, chat)
+    except TemplateLimitError as exc:
+        raise ModelFileError(
+            f"{path}: the chat template is refused ({exc}); give another with "
+            "--chat-template NAME or --chat-template-file FILE"
+        ) from None
+    except ChatTemplateError:
+        pass
 
 
 def family_template(file: GGUFFile) -> str | None:

@@ -683,3 +683,15 @@ def test_chat_template_kwargs_from_the_request_and_the_flags(
     for bad in (["--chat-template-kwargs", "[1]"], ["--chat-template-kwargs", '{"tools": 1}']):
         with pytest.raises(ValueError, match="--chat-template-kwargs"):
             chat_template_kwargs(p.parse_args(bad))
+
+
+def test_what_one_request_makes_the_server_produce_is_bounded(http: httpx.Client) -> None:
+    """n_probs past 100 (2**70 made a 187 MB answer) and /tokenize past 1 Mi characters are
+    400s naming the field and the limit."""
+    error_of(http.post("/completion", json={"prompt": PROMPT, "n_probs": 2**70}), 400, "n_probs")
+    error_of(http.post("/completion", json={"prompt": PROMPT, "n_probs": 101}), 400, "100")
+    ok = http.post("/completion", json={"prompt": PROMPT, "n_probs": 100, "n_predict": 1})
+    assert ok.status_code == 200
+    big = "a" * ((1 << 20) + 1)
+    error_of(http.post("/tokenize", json={"content": big}), 400, "content", str(1 << 20))
+    error_of(http.post("/tokenize", json={"prompt": big}), 400, "prompt")

@@ -167,3 +167,44 @@ def test_templates_get_llama_cpps_context_variables() -> None:
     assert '"name": "f"' in render_chat(t, msgs, tools=tools)
     assert render_chat(t, msgs, enable_thinking=False).endswith("</think>")
     assert render_chat(t, msgs, date_string="1 Jan 2000").startswith("1 Jan 2000|")
+
+
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        ("{{ 'x' * 1500000000 }}", "repetition"),
+        ("{{ [0] * 10**9 }}", "repetition"),
+        ("{{ 2 ** 100000 }}", "too large"),
+        ("{{ range(10**12)|list }}", "Range too big"),
+        ("{% for i in range(100000) %}{{ 'y' * 20 }}{% endfor %}", "output passed"),
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "2 s"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+            "a string of more than",
+        ),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}"
+            "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+            "a sum of more than",
+        ),
+    ],
+)
+def test_an_untrusted_template_is_bounded(template: str, words: str) -> None:
+    """A template comes with the model file: a loop, a repetition or a doubling stops at the
+    renderer's limits with a ChatTemplateError (a 400 in the server), never a hang or gigabytes."""
+    from graftlm.tokenizer.chat import ChatTemplateError, render_chat
+
+    with pytest.raises(ChatTemplateError, match=words):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+
+
+def test_a_model_whose_template_runs_past_the_limits_is_refused_at_load(tiny_llama: Path) -> None:
+    loop = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    with pytest.raises(graftlm.ModelFileError, match="chat template is refused.*2 s"):
+        graftlm.load(tiny_llama, ctx_size=64, chat_template=loop)
+    # a template that only rejects the load's conversation is left to the requests
+    strict = "{{ raise_exception('system messages only') }}"
+    m = graftlm.load(tiny_llama, ctx_size=64, chat_template=strict)
+    with pytest.raises(GraftError, match="system messages only"):
+        m.apply_chat_template([{"role": "user", "content": "x"}])

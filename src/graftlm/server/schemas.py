@@ -17,6 +17,8 @@ from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
+MAX_N_PROBS = 100  # /completion's n_probs (2**70 made a 187 MB answer of the whole vocabulary)
+MAX_TOKENIZE_CHARS = 1 << 20  # /tokenize's text (a model's context is far shorter)
 PositiveInt = Annotated[int, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0)]
@@ -411,7 +413,8 @@ class LlamaCompletionRequest(SamplingFields):
     n_predict: int | None = None
     response_fields: list[str] | None = None  # only these fields in the answer
     stream: bool = False
-    n_probs: NonNegInt = 0
+    # the alternatives a token lists (each is a row of the answer: bounded, as OpenAI's 20)
+    n_probs: Annotated[int, Field(ge=0, le=MAX_N_PROBS)] = 0
     return_tokens: bool = False
     model: str | None = None
 
@@ -451,8 +454,9 @@ class TokenizeRequest(_Body):
     """llama-server's body (`content`, `add_special`, ...) or vLLM's (`prompt`,
     `add_special_tokens`, `model`, `return_token_strs`): the text in exactly one of the two."""
 
-    content: str | None = None
-    prompt: str | None = None  # vLLM's name for the text; its answer has vLLM's fields
+    content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
+    # vLLM's name for the text; its answer has vLLM's fields
+    prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
     add_special: bool | None = None
     add_special_tokens: bool | None = None  # vLLM's name for add_special (default True there)
     parse_special: bool = True

@@ -4,11 +4,15 @@ does, or llama.cpp's ChatML fallback when the file has none."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, NoReturn
 
 import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -17,6 +21,10 @@ from graftlm.errors import GraftError
 
 class ChatTemplateError(GraftError, ValueError):
     """The template failed to compile, or raised while rendering (e.g. `raise_exception`)."""
+
+
+class TemplateLimitError(ChatTemplateError):
+    """The template ran past the renderer's limits (time, output, a string or list's size)."""
 
 
 def render_chat(
@@ -36,18 +44,47 @@ def render_chat(
     if template is None:
         return chatml(messages, add_generation_prompt)
     compiled = _compile(template)
+    variables = dict(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        **(context(extra.get("tools")) | extra),
+    )
+    # A template comes with the model file: untrusted. It renders in Jinja's sandbox (ranges
+    # up to MAX_RANGE), with `*` and `**` bounded (_Bounded), its output gathered piece by piece
+    # under MAX_OUTPUT characters, and anything it raises a ChatTemplateError: a 400, not a
+    # 500, and never gigabytes.
+    limit = MAX_OUTPUT + sum(len(str(m.get("content") or "")) for m in messages)
+    out: list[str] = []
+    size = 0
+    deadline = time.monotonic() + MAX_SECONDS
+
+    def clock(frame: Any, event: str, arg: Any) -> Any:  # a loop that never ends, ended
+        if time.monotonic() > deadline:
+            raise TemplateLimitError(f"chat template ran past {MAX_SECONDS:g} s: refused")
+        return clock
+
+    before = sys.gettrace()
+    sys.settrace(clock)
     try:
-        return compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            **(context(extra.get("tools")) | extra),
-        )
+        for piece in compiled.generate(**variables):
+            size += len(piece)
+            if size > limit:
+                raise TemplateLimitError(
+                    f"chat template output passed {limit} characters (the messages' length "
+                    f"and {MAX_OUTPUT} more): refused"
+                )
+            out.append(piece)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    except (OverflowError, MemoryError, RecursionError, TypeError, ValueError) as exc:
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        sys.settrace(before)
+    return "".join(out)
 
 
 def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -107,11 +144,61 @@ def _tojson(
     )
 
 
+MAX_OUTPUT = 1 << 20  # characters a template may add to the messages' own
+MAX_SECONDS = 2.0  # a render's time (a chat template renders in milliseconds)
+MAX_PRODUCT = 1 << 20  # items a `*` (string or list repetition) or `**` may make
+
+
+class _BoundedCode(CodeGenerator):
+    """Jinja's code generator with `~` (concatenation) through the environment's
+    `bounded_join`: a template that doubles a string in a loop is stopped at MAX_PRODUCT."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Bounded(ImmutableSandboxedEnvironment):
+    """The sandbox with `*`, `**`, `+` and `~` checked before they run: `'x' * 1500000000`
+    took a server past 4 GiB in seconds."""
+
+    code_generator_class = _BoundedCode
+    intercepted_binops = frozenset(["*", "**", "+"])
+
+    @staticmethod
+    def bounded_join(parts: tuple[Any, ...]) -> str:
+        texts = [str(p) for p in parts]
+        if sum(map(len, texts)) > MAX_PRODUCT:
+            raise TemplateLimitError(f"chat template: a string of more than {MAX_PRODUCT}: refused")
+        return "".join(texts)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > MAX_PRODUCT:
+                    raise TemplateLimitError(
+                        f"chat template: a sum of more than {MAX_PRODUCT} items: refused"
+                    )
+        elif operator == "*":
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                if len(seq) * max(n, 0) > MAX_PRODUCT:
+                    raise TemplateLimitError(
+                        f"chat template: a repetition of {len(seq)} x {n} items passes "
+                        f"{MAX_PRODUCT}: refused"
+                    )
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if abs(left) > 1 and right > 64:
+                raise TemplateLimitError(f"chat template: {left} ** {right} is too large: refused")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
+    env = _Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -120,6 +120,13 @@ def test_runtime_load_paths_are_confined(
     link = tmp_path / "sneaky.gguf"
     link.symlink_to("/etc/hostname")
     _err(http.post(load, json={"lora_name": "x", "lora_path": str(link)}), 403, "outside")
+    # ... and so is a PEFT directory inside it whose files link outside
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    (peft / "adapter_config.json").symlink_to("/etc/hostname")
+    (peft / "adapter_model.safetensors").write_bytes(b"")
+    err = _err(http.post(load, json={"lora_name": "x", "lora_path": str(peft)}), 403, "links")
+    assert "adapter_config.json" in err["message"]
     long = str(tmp_path / ("a" * 300))
     r = http.post(load, json={"lora_name": "x", "lora_path": long})
     assert r.status_code == 400, r.text
@@ -132,7 +139,7 @@ def test_runtime_load_paths_are_confined(
 
 def test_a_large_tokenize_does_not_hold_up_the_event_loop(http: httpx.Client) -> None:
     """Tokenizing a large body runs off the event loop: /health answers meanwhile."""
-    text = "hello world, some text to split into tokens. " * 150_000  # ~7 MB
+    text = "hello world, some text to split into tokens. " * 22_000  # ~1 MB (the cap: 1 Mi)
     done: list[float] = []
 
     def big() -> None:

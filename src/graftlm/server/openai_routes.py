@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from graftlm.lora.peft import WEIGHTS_FILE
+from graftlm.lora.peft_config import CONFIG_FILE
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import Job
 from graftlm.server.generation import (
@@ -391,10 +393,21 @@ def _confined(state: ServerState, path: str) -> str:
         )
     try:
         is_other = real.exists() and not (real.is_file() or real.is_dir())
-    except OSError as exc:
-        raise ApiError(400, f"lora_path cannot be used: {exc.strerror}", "invalid_value") from None
+        # a PEFT directory's files are read too: a link in it to elsewhere is outside as well
+        files = [real / n for n in (CONFIG_FILE, WEIGHTS_FILE)] if real.is_dir() else []
+        inner = [(f.name, f.resolve()) for f in files if f.is_symlink()]
+    except (OSError, RuntimeError) as exc:
+        raise ApiError(400, f"lora_path cannot be used: {exc}"[:300], "invalid_value") from None
     if is_other:
         raise ApiError(400, f"{path[:200]}: not a regular file or a directory", "invalid_value")
+    for name, target in inner:
+        if not any(target.is_relative_to(d) for d in dirs):
+            raise ApiError(
+                403,
+                f"lora_path {path[:200]!r}: {name} links outside the folders runtime loads may "
+                "read",
+                "permission_denied",
+            )
     return str(real)
 
 

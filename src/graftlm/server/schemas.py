@@ -454,9 +454,8 @@ class TokenizeRequest(_Body):
     """llama-server's body (`content`, `add_special`, ...) or vLLM's (`prompt`,
     `add_special_tokens`, `model`, `return_token_strs`): the text in exactly one of the two."""
 
-    content: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
-    # vLLM's name for the text; its answer has vLLM's fields
-    prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
+    content: str | None = None
+    prompt: str | None = None  # vLLM's name for the text; its answer has vLLM's fields
     add_special: bool | None = None
     add_special_tokens: bool | None = None  # vLLM's name for add_special (default True there)
     parse_special: bool = True
@@ -474,6 +473,14 @@ class TokenizeRequest(_Body):
         if self.add_special is not None and self.add_special_tokens is not None:
             raise ValueError(
                 "give 'add_special' (llama-server) or 'add_special_tokens' (vLLM), not both"
+            )
+        name, text = (
+            ("content", self.content) if self.content is not None else ("prompt", self.prompt)
+        )
+        if text is not None and len(text) > MAX_TOKENIZE_CHARS:
+            raise ValueError(
+                f"{name}: {len(text)} characters, more than the {MAX_TOKENIZE_CHARS} one request "
+                "may tokenize"
             )
         return self
 

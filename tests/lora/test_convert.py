@@ -322,36 +322,49 @@ def test_target_modules_select_exactly_the_converted_modules(
     assert selected == {gguf_to_hf("llama", t) for t in targets}
 
 
-def test_to_peft_over_an_existing_adapter_never_mixes_the_two(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two renames"])
+@pytest.mark.parametrize("kill_at", ["weights", "config", "swap"])
+def test_to_peft_over_an_existing_adapter_is_the_old_or_the_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill_at: str, exchange: bool
 ) -> None:
-    """Killed between any two steps of the write, the folder holds the old pair, the new pair, or
-    no config (refused as 'missing adapter_config.json'): never the old config beside the new
-    weights. Other files of the folder stay."""
-    import os
+    """Killed at any step of the write, the folder holds the whole old adapter or the whole new
+    one (the new is written in a fresh folder beside it and swapped in), never a mix and never
+    nothing; other files of the folder stay."""
+    from safetensors.torch import load_file
 
     from graftlm.lora import convert
 
     out = tmp_path / "peft"
     gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
     (out / "README.md").write_text("mine")
-    old_config = (out / "adapter_config.json").read_text()
-    real_replace = os.replace
-    calls: list[str] = []
+    config = out / "adapter_config.json"  # the old adapter told apart from the new one
+    config.write_text(config.read_text().replace("{", '{"old": true, ', 1))
+    old = {f.name: f.read_bytes() for f in out.iterdir()}
+    if not exchange:
+        monkeypatch.setattr(convert, "_exchange", lambda a, b: False)
 
-    def dying_replace(src: object, dst: object) -> None:
-        calls.append(str(dst))
-        if str(dst).endswith("adapter_model.safetensors"):
-            real_replace(src, dst)  # type: ignore[arg-type]
-            raise KeyboardInterrupt  # killed right after the weights went in
-        real_replace(src, dst)  # type: ignore[arg-type]
+    def killed(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert.os, "replace", dying_replace)
+    if kill_at == "weights":
+        monkeypatch.setattr(convert, "save_file", killed)
+    elif kill_at == "config":
+        monkeypatch.setattr(convert.os, "chmod", killed)  # (right after the config is written)
+    else:
+        real = convert.os.rename
+        monkeypatch.setattr(convert.os, "rename", lambda a, b: (real(a, b), killed())[1])
+        monkeypatch.setattr(convert, "_exchange", lambda a, b: killed() if exchange else False)
     with pytest.raises(KeyboardInterrupt):
         gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
-    assert not (out / "adapter_config.json").exists()  # not the old one beside new weights
-    assert (out / "README.md").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_model.safetensors"]
-    monkeypatch.setattr(convert.os, "replace", real_replace)
+    monkeypatch.undo()
+    got = {f.name: f.read_bytes() for f in out.iterdir()} if out.exists() else {}
+    if kill_at == "swap" and not exchange:  # killed between the renames: the old one aside,
+        assert got == {}  # whole, and put back by the next write
+        aside = tmp_path / ".peft.old"
+        assert {f.name: f.read_bytes() for f in aside.iterdir()} == old
+    else:
+        assert got == old
     gguf_to_peft(TINY / "qwen2" / "lora-f32.gguf", None, out)
-    assert (out / "adapter_config.json").read_text() == old_config
+    assert (out / "README.md").read_text() == "mine" and '"old"' not in config.read_text()
+    assert load_file(out / "adapter_model.safetensors")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]

@@ -16,8 +16,11 @@ exactly PEFT's factor; the returned notes say which happened.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -279,23 +282,63 @@ def gguf_to_peft(
 
 
 def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """Write the pair into `out` so that a process killed at any moment leaves the old adapter,
-    the new one, or (between the last two steps) a folder without adapter_config.json, which
-    reads as "not a PEFT adapter directory": never the old config beside the new weights. Both
-    files are written aside first; other files of the folder are left alone."""
-    out.mkdir(parents=True, exist_ok=True)
-    w_tmp, c_tmp = out / f".{WEIGHTS_FILE}.partial", out / f".{CONFIG_FILE}.partial"
+    """Write the pair into a fresh folder beside `out` (the other files of an existing `out`
+    copied in), then swap it in: one rename where `out` does not exist, else an atomic exchange
+    of the two folders (Linux's renameat2 RENAME_EXCHANGE) and the old one removed. A process
+    killed at any moment leaves the old adapter or the new one under `out` (and at worst a
+    hidden `.partial` folder beside it). Without the exchange, the old folder steps aside first
+    (`.NAME.old`): a kill between the two renames leaves both, named, and the next write puts the
+    old one back before it starts."""
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    old = parent / f".{out.name}.old"
+    if not out.exists() and old.is_dir():  # a write killed between the two renames: put it back
+        os.rename(old, out)
+    if out.exists() and not out.is_dir():
+        raise GraftError(f"{out}: exists and is not a folder")
+    new = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
     try:
-        save_file(tensors, str(w_tmp), metadata={"format": "pt"})
-        c_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(new, out.stat().st_mode & 0o777 if out.is_dir() else 0o777 & ~mask)
+        if out.is_dir():
+            for f in out.iterdir():
+                if f.name not in (WEIGHTS_FILE, CONFIG_FILE) and f.is_file():
+                    shutil.copy2(f, new / f.name)
+        save_file(tensors, str(new / WEIGHTS_FILE), metadata={"format": "pt"})
+        (new / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         # safetensors creates its file 0600: the pair gets the config's mode (the umask's)
-        os.chmod(w_tmp, c_tmp.stat().st_mode & 0o777)
-        (out / CONFIG_FILE).unlink(missing_ok=True)  # the old config goes first
-        os.replace(w_tmp, out / WEIGHTS_FILE)
-        os.replace(c_tmp, out / CONFIG_FILE)  # the new one last: it completes the pair
-    finally:
-        w_tmp.unlink(missing_ok=True)
-        c_tmp.unlink(missing_ok=True)
+        os.chmod(new / WEIGHTS_FILE, (new / CONFIG_FILE).stat().st_mode & 0o777)
+        if not out.exists():
+            os.rename(new, out)
+        elif _exchange(new, out):
+            shutil.rmtree(new)  # (the old adapter, now)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+            os.rename(new, out)
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where it cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def _peft_config(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spec_helpers import pin_costs
 
 import graftlm
 from graftlm.errors import GraftError, RequestError
@@ -274,6 +275,7 @@ def test_ngram_speculation_gives_the_same_tokens(
     _with(tiny, None)
     plain = _generate(tiny, prompts, params)
     tiny.engine.speculative = SpecConfig(n_max=6)
+    pin_costs(tiny.engine)
     try:
         spec = _generate(tiny, prompts, params)
     finally:
@@ -369,6 +371,8 @@ def test_real_models_copy_faster_in_steps_and_say_the_same(
     out = {}
     for spec in (None, SpecConfig()):
         m.engine.speculative = spec
+        if spec is not None:
+            pin_costs(m.engine)
         r = Request(list(ids), params, eog=m.prompter.eog)
         m.engine.submit(r)
         steps = 0

@@ -92,6 +92,41 @@ def test_cross_site_requests_are_refused(server: TinyServer, http: httpx.Client)
     assert http.get("/lora-adapters").json() == before
 
 
+def test_dns_rebinding_is_refused_by_host(server: TinyServer, http: httpx.Client) -> None:
+    """A page of rebind.attacker.example, its name resolved to 127.0.0.1, is same-origin with
+    the server in the browser's eyes (Host and Origin agree): its Host gives it away."""
+    before = http.get("/lora-adapters").json()
+    port = server.url.rsplit(":", 1)[1]
+    evil = f"rebind.attacker.example:{port}"
+    r = http.post("/lora-adapters", content='[{"id": 0, "scale": 1.0}]',
+                  headers={"Host": evil, "Origin": f"http://{evil}", "Content-Type": "text/plain"})  # fmt: skip
+    err = _err(r, 403, "rebind.attacker.example", "--allowed-hosts")
+    assert err["code"] == "host_not_allowed"
+    assert _err(http.get("/v1/models", headers={"Host": evil}), 403, "Host")
+    assert http.get("/lora-adapters").json() == before
+    for ok in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", f"app.localhost:{port}",
+               f"10.1.2.3:{port}", "localhost"):  # fmt: skip
+        assert http.get("/v1/models", headers={"Host": ok}).status_code == 200, ok
+
+
+def test_allowed_hosts_from_the_flags() -> None:
+    import argparse
+
+    from graftlm.commands.serve import add_serve_arguments
+    from graftlm.commands.serve_options import allowed_hosts
+    from graftlm.server.guard import Hosts
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert allowed_hosts(p.parse_args([])) == ("127.0.0.1",)
+    assert allowed_hosts(p.parse_args(["--host", "0.0.0.0"])) is None  # any name reaches it
+    got = allowed_hosts(p.parse_args(["--host", "0.0.0.0", "--allowed-hosts", "my.lan"]))
+    assert got is not None and "my.lan" in got
+    assert Hosts(got).allows("MY.LAN:8080") and not Hosts(got).allows("other.lan")
+    assert Hosts(("*",)).allows("anything") and Hosts(None).allows("anything")
+    assert not Hosts(()).allows("localhost.evil.example")
+
+
 def test_nested_json_and_lone_surrogates_are_400(http: httpx.Client) -> None:
     deep = "[" * 1000 + "]" * 1000
     headers = {"Content-Type": "application/json"}

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_fixtures import SPEC, error_of, serving
+from spec_helpers import pin_costs
 
 import graftlm
 from graftlm.commands.llama_server_flags import llama_server_notes
@@ -28,6 +29,8 @@ BODY = {"prompt": PROMPT, "n_predict": 40, "temperature": 0, "ignore_eos": True}
 
 def _serve(path: Path, speculative: SpecConfig | None) -> Iterator[str]:
     model = graftlm.load(path, ctx_size=SPEC.n_ctx, n_seq=3, speculative=speculative)
+    if speculative is not None:
+        pin_costs(model.engine)
     state = build_state(model, ServerConfig(model_name="tiny"), parallel=2)
     with serving(state) as url:
         yield url

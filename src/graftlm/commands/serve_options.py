@@ -23,6 +23,14 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
         "loopback origin, `*`: any). Default: same origin only, or any origin with --api-key",
     )
     g.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host names answered besides loopback ones and IP addresses "
+        "(against DNS rebinding; `*`: any). Default: the --host names; no check when listening "
+        "on a network address",
+    )
+    g.add_argument(
         "--metrics",
         dest="metrics",
         action="store_true",
@@ -86,6 +94,7 @@ def http_config(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "gcp": os.environ.get("AIP_MODE") == "PREDICTION",
         "cors_origins": cors_origins(args),
+        "allowed_hosts": allowed_hosts(args),
         "metrics": args.metrics,
         "slots": args.slots,
         "ui": args.ui,
@@ -93,6 +102,26 @@ def http_config(args: argparse.Namespace) -> dict[str, Any]:
         "strict_model_names": args.strict_model_names,
         "pooling": pooling(args),
     }
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The Host names answered besides loopback ones and IP literals: --allowed-hosts, and the
+    names --host listens on; None (no check) when it listens on a network address and no
+    --allowed-hosts is given (reachable under any name of the machine)."""
+    import ipaddress
+
+    given = split_list(getattr(args, "allowed_hosts", None))
+    hosts = split_list(getattr(args, "host", None)) or ("127.0.0.1",)
+    exposed = False
+    for h in hosts:
+        try:
+            exposed |= not ipaddress.ip_address(h.strip("[]")).is_loopback
+        except ValueError:  # a name: answered under it
+            exposed |= h.lower() != "localhost"
+    if exposed and not given:
+        return None
+    names = tuple(h for h in hosts if h.lower() not in ("localhost",))
+    return given + names
 
 
 def cors_origins(args: argparse.Namespace) -> tuple[str, ...] | None:

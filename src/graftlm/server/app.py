@@ -30,7 +30,7 @@ from graftlm.server import (
     responses_routes,
     ui,
 )
-from graftlm.server.guard import Cors, Guard
+from graftlm.server.guard import Cors, Guard, Hosts
 from graftlm.server.metrics import Metrics
 from graftlm.server.registry import AdapterRegistry
 from graftlm.server.state import ApiError, ServerConfig, ServerState
@@ -120,7 +120,8 @@ def create_app(state: ServerState) -> FastAPI:
     cors = Cors(state.config.cors_origins, api_key=state.config.api_key is not None)
     if state.service.sleep_idle_s is not None:
         app.add_middleware(KeepAwake, service=state.service)
-    app.add_middleware(Guard, max_body=state.config.max_body_bytes, cors=cors)
+    hosts = Hosts(state.config.allowed_hosts)
+    app.add_middleware(Guard, max_body=state.config.max_body_bytes, cors=cors, hosts=hosts)
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
     state.registry.on_attach.append(state.metrics.adapter_loaded)

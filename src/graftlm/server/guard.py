@@ -17,6 +17,7 @@ only for an allowed origin, as llama-server answers it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,6 +43,32 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+class Hosts:
+    """The names the server answers to (`Host`), against DNS rebinding: a page of
+    rebind.attacker.example whose name comes to resolve to 127.0.0.1 is same-origin with the
+    server as far as the browser knows, so its requests pass the cross-site check; only its
+    `Host` gives it away. `names` None (a server listening on a network address, reachable
+    under any name) or holding "*" checks nothing; else the loopback names (and
+    `*.localhost`), these names, and IP literals (a rebinding needs a name) pass."""
+
+    def __init__(self, names: tuple[str, ...] | None) -> None:
+        self.any = names is None or "*" in names
+        self.names = {n.strip("[]").lower().rstrip(".") for n in names or ()} | set(_LOOPBACK)
+
+    def allows(self, host: str | None) -> bool:
+        if self.any or host is None:
+            return True
+        name = urlsplit(f"//{host}").hostname or ""
+        name = name.rstrip(".")
+        if name in self.names or name.endswith(".localhost"):
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
 
 
 class Cors:
@@ -125,19 +152,32 @@ def _canonical_names(send: Send) -> Send:
 
 
 class Guard:
-    """ASGI middleware: 413 past `max_body` bytes (declared or streamed), 403 for a cross-site
-    request. Errors are OpenAI error objects, as every other error of the server."""
+    """ASGI middleware: 403 for a `Host` the server does not answer to, 413 past `max_body`
+    bytes (declared or streamed), 403 for a cross-site request. Errors are OpenAI error objects, as every other error of the server."""
 
-    def __init__(self, app: ASGIApp, max_body: int, cors: Cors | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body: int, cors: Cors | None = None, hosts: Hosts | None = None
+    ) -> None:
         self.app = app
         self.max_body = max_body
         self.cors = cors or Cors(None, api_key=False)
+        self.hosts = hosts or Hosts(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         send = _canonical_names(send)
+        host = _header(scope, b"host")
+        if not self.hosts.allows(host):
+            await self._refuse(
+                send,
+                403,
+                f"Host {str(host)[:100]!r} is not a name this server answers to (a DNS "
+                "rebinding?); --allowed-hosts adds names",
+                "host_not_allowed",
+            )
+            return
         origin = _header(scope, b"origin")
         allowed = origin is not None and self.cors.allows(origin)
         if scope["method"] == "OPTIONS" and origin is not None:

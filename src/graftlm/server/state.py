@@ -41,6 +41,9 @@ class ServerConfig:
     # web pages of these origins may call the API (`localhost`: any loopback origin, `*`: any);
     # None: the same origin only, or any origin where an API key is required
     cors_origins: tuple[str, ...] | None = None
+    # the Host names answered besides loopback ones and IP literals (DNS rebinding); None:
+    # any (a server listening on a network address); "*" in it: any
+    allowed_hosts: tuple[str, ...] | None = ()
     metrics: bool = True  # /metrics served (else 501, as llama-server without --metrics)
     slots: bool = True  # /slots served (else 501, as llama-server with --no-slots)
     ui: bool = True  # the chat page at /

@@ -100,13 +100,16 @@ def _replies(browser: Any) -> list[str]:
     ]
 
 
-def _direct(server: TinyServer, text: str, lora: list[dict[str, Any]]) -> str:
-    body = {
+def _direct(
+    server: TinyServer, text: str, lora: list[dict[str, Any]] | None = None, model: str = ""
+) -> str:
+    """The answer to the same request made without the page: by `lora`, or by `model`."""
+    body: dict[str, Any] = {
         "messages": [{"role": "user", "content": text}],
         "temperature": 0,
         "max_tokens": 12,
-        "lora": lora,
     }
+    body |= {"lora": lora} if lora is not None else {"model": model}
     r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
@@ -215,14 +218,6 @@ def test_api_key_entered_once_in_the_page(browser: Any, server: TinyServer) -> N
         _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)
 
 
-def _direct_model(server: TinyServer, text: str, model: str) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "temperature": 0,
-            "max_tokens": 12}  # fmt: skip
-    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return str(r.json()["choices"][0]["message"]["content"])
-
-
 def test_the_picker_alone_selects_an_adapter_and_compare_columns_differ(
     browser: Any, server: TinyServer
 ) -> None:
@@ -231,9 +226,9 @@ def test_the_picker_alone_selects_an_adapter_and_compare_columns_differ(
     at 0 put the picked adapter back to the base)."""
     prompt = next(  # a prompt whose three answers read differently (a random model's bytes)
         p for p in ("Hello", "Hi there", "abc", "What now?", "Tell me", "xyz", "ok", "yes")
-        if len({_direct_model(server, p, m) for m in ("tiny", "alpha", "beta")}) == 3
+        if len({_direct(server, p, model=m) for m in ("tiny", "alpha", "beta")}) == 3
     )  # fmt: skip
-    want = {m: _direct_model(server, prompt, m) for m in ("tiny", "alpha", "beta")}
+    want = {m: _direct(server, prompt, model=m) for m in ("tiny", "alpha", "beta")}
     _open(browser, server.url)
     names = {
         str(browser.execute_script("return arguments[0].firstChild.textContent", e))

@@ -220,7 +220,7 @@ def test_unknown_and_unsupported_fields_are_400_naming_them(
     error_of(http.post(path, json=body | {"bogus_knob": 1}), 400, "bogus_knob")
     error_of(http.post(path, json=body | {"mirostat": 2}), 400, "mirostat")
     error_of(http.post(path, json=body | {"typical_p": 0.5}), 400, "typical_p")
-    # accepted and ignored (README's list): the sampler settings at their off values, metadata
+    # accepted and ignored (docs/server.md's list): the sampler settings at their off values, metadata
     ok = body | {"mirostat": 0, "typical_p": 1.0, "user": "u", "cache_prompt": False}
     assert http.post(path, json=ok).status_code == 200
 

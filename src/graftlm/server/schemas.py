@@ -2,7 +2,7 @@
 
 Strict: a string where a number belongs is an error (400), not a coercion. No field is silently
 ignored: a field no body declares is a 400 naming it. The few fields that are declared and then
-not used are listed in `IGNORED` (and in the README): each is one that changes nothing here
+not used are listed in `IGNORED` (and in docs/server.md): each is one that changes nothing here
 (`user`, `id_slot`), or a sampler setting accepted only at the value that turns it off.
 """
 

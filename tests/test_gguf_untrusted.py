@@ -85,6 +85,29 @@ def test_a_huge_string_array_is_refused_before_it_is_read(tmp_path: Path) -> Non
     _refused(p, "'tokenizer.ggml.tokens'", "1200000000 entries")
 
 
+def test_a_sparse_file_cannot_make_a_huge_array_or_string(tmp_path: Path) -> None:
+    """A sparse file holds any declared size on disk for free: 9e9 one-byte entries made a list
+    that never finished. Arrays and strings are bounded by what a model can use."""
+    from graftlm.gguf.parse import MAX_ARRAY, MAX_STRING
+
+    n = MAX_ARRAY + 1
+    payload = struct.pack("<I", V.UINT8) + struct.pack("<Q", n)
+    p = _file(tmp_path / "a.gguf", [ARCH, _kv("x.big", V.ARRAY, payload)])
+    with open(p, "r+b") as f:  # the declared bytes, as a hole
+        f.truncate(p.stat().st_size + n)
+    _refused(p, "'x.big'", f"{n} entries", "limit")
+    words = struct.pack("<I", V.STRING) + struct.pack("<Q", 1) + struct.pack("<Q", MAX_STRING + 1)
+    p = _file(tmp_path / "s.gguf", [ARCH, _kv("x.words", V.ARRAY, words)])
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size + MAX_STRING + 1)
+    _refused(p, "'x.words'", "limit")
+    one = _kv("x.text", V.STRING, struct.pack("<Q", MAX_STRING + 1))
+    p = _file(tmp_path / "t.gguf", [ARCH, one])
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size + MAX_STRING + 1)
+    _refused(p, "'x.text'", "limit")
+
+
 def test_counts_past_the_file(tmp_path: Path) -> None:
     _refused(_file(tmp_path / "kv.gguf", [ARCH], n_kv=10**15), "metadata", "entries")
     _refused(_file(tmp_path / "t.gguf", [ARCH], n_tensors=10**12), "tensors")

@@ -62,6 +62,10 @@ _FLOAT_NP = {
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_DEPTH = 8  # arrays of arrays: deeper nesting is refused (llama.cpp reads none at all)
+# What a model can use, far past any real one (gemma's 262,144 tokens, a few MB of template):
+# a sparse file can hold any declared size, and 9e9 entries made a list that never finished.
+MAX_ARRAY = 1 << 24  # entries of one metadata array
+MAX_STRING = 1 << 26  # bytes of one metadata string
 _MIN_SIZE = {**{t: size for t, (_, size) in _SCALAR.items()}, V.STRING: 8, V.ARRAY: 12}
 
 
@@ -103,6 +107,8 @@ class _Cursor:
 
     def string(self, what: str = "string") -> str:
         n = self.count(what, 1)
+        if n > MAX_STRING:
+            raise GGUFFormatError(f"{what}: a string of {n} bytes, past the limit of {MAX_STRING}")
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
     def value(self, vtype: int, what: str, depth: int = 0) -> Any:
@@ -124,6 +130,10 @@ class _Cursor:
         except ValueError:
             raise GGUFFormatError(f"{what}: unknown array element type {raw_type}") from None
         n = self.count(what, _MIN_SIZE[etype])
+        if n > MAX_ARRAY:
+            raise GGUFFormatError(
+                f"{what}: an array of {n} entries, past the limit of {MAX_ARRAY} (no model has one)"
+            )
         if etype in _NP:
             dt = np.dtype(_NP[etype]).newbyteorder("<")
             return np.frombuffer(self.take(n * dt.itemsize), dtype=dt).tolist()
@@ -135,6 +145,11 @@ class _Cursor:
                     raise GGUFFormatError(f"{what}: string {i} of {n} runs past the end of file")
                 (ln,) = struct.unpack_from("<Q", buf, pos)
                 pos += 8
+                if ln > MAX_STRING:
+                    raise GGUFFormatError(
+                        f"{what}: string {i} of {n} declares {ln} bytes, past the limit of "
+                        f"{MAX_STRING}"
+                    )
                 if ln > end - pos:
                     raise GGUFFormatError(
                         f"{what}: string {i} of {n} declares {ln} bytes, {end - pos} are left"

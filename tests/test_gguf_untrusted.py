@@ -189,7 +189,12 @@ def _with_meta(src: Path, dst: Path, **changes: object) -> Path:
         else:
             w.add_array(key, value)  # type: ignore[arg-type]
     for key, value in changes.items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_int64(key, value)  # type: ignore[arg-type]
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_int64(key, value)  # type: ignore[arg-type]
     for name, e in f.tensors.items():
         arr, qtype = change(name, np.asarray(e.data), e.ggml_type)
         w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=qtype)
@@ -335,3 +340,22 @@ def test_an_adapter_alpha_past_float32_is_refused(tmp_path: Path) -> None:
     with pytest.raises(GraftError, match="adapter.lora.alpha"):
         model.add_lora(bad)
     assert model.loras == []
+
+
+def test_fields_of_the_wrong_type_are_named_not_tracebacks(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by the mutation fuzz: scores stored as strings broke tokenization later (unary minus
+    on a str), an adapter's alpha stored as an array broke `inspect`'s format."""
+    from tiny_models import write_tiny_adapter
+
+    from graftlm.cli import main
+
+    n = len(GGUFFile(tiny).metadata["tokenizer.ggml.tokens"])
+    bad = _with_meta(tiny, tmp_path / "scores.gguf", **{"tokenizer.ggml.scores": ["x"] * n})
+    with pytest.raises(ModelFileError, match=r"scores.gguf.*tokenizer.ggml.scores\[0\] is a str"):
+        graftlm.load(str(bad), ctx_size=32)
+    adapter = write_tiny_adapter(tmp_path / "a.gguf", TinySpec())
+    arr = _with_meta(adapter, tmp_path / "alpha.gguf", **{"adapter.lora.alpha": [8.0]})
+    assert main(["inspect", str(arr)]) == 0
+    assert "alpha list [8.0] (not a number" in capsys.readouterr().out

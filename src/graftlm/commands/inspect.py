@@ -73,8 +73,13 @@ def _adapter_summary(f: GGUFFile) -> list[str]:
         if len(f.tensors[n].shape) == 2
     ]
     alpha = f.get("adapter.lora.alpha", 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):  # a fuzzed file's list
+        shown = f"{type(alpha).__name__} {str(alpha)[:40]} (not a number: the adapter is refused)"
+        alpha = 0.0
+    else:
+        shown = f"{alpha:g}"
     out = [
-        f"  rank {_ranks(ranks) or '?'}, alpha {alpha:g}"
+        f"  rank {_ranks(ranks) or '?'}, alpha {shown}"
         + (f" (scale alpha/r = {alpha / ranks[0]:g})" if ranks and alpha and len(set(ranks)) == 1 else ""),
         f"  targets: {_targets(n[: -len('.lora_a')] for n in a_names) or 'none'}; {_layers(a_names)}",
     ]  # fmt: skip

@@ -355,6 +355,18 @@ def _apply_eog_workarounds(tokens: list[str], attrs: list[int], eog: set[int]) -
 def _number_list(value: Any, n: int, key: str) -> Sequence[float]:
     if value is None:
         return [0.0] * n
+    if not isinstance(value, list):
+        raise ValueError(f"{key} is a {type(value).__name__}, not an array of numbers")
     if len(value) < n:
         raise ValueError(f"{key} has {len(value)} entries for {n} tokens")
+    bad = next(
+        (
+            i
+            for i, v in enumerate(value[:n])
+            if isinstance(v, bool) or not isinstance(v, (int, float))
+        ),
+        None,
+    )
+    if bad is not None:
+        raise ValueError(f"{key}[{bad}] is a {type(value[bad]).__name__}, not a number")
     return value

@@ -156,3 +156,19 @@ def test_smollm2_json_schema_valid_with_sampling(smollm2_file: Path) -> None:
     for seed in range(5):
         out = m.chat(msgs, max_tokens=200, temperature=0.9, seed=seed, json_schema=PERSON)
         jsonschema.validate(json.loads(str(out)), PERSON)
+
+
+def test_compile_errors_are_in_the_users_terms(tiny: graftlm.Model) -> None:
+    """A choice list past the limit is named; the compiler's panics (100,000 choices made one,
+    with a backtrace in the 400) say what they mean, without internals."""
+    from graftlm.runtime.constraints import MAX_CHOICES, _users_terms
+
+    with pytest.raises(ConstraintError, match=f"{MAX_CHOICES + 1} choices, more than"):
+        Constraint.choice([f"w{i}" for i in range(MAX_CHOICES + 1)], "guided_choice")
+    tiny.prompter.compile(Constraint.choice([f"w{i}" for i in range(MAX_CHOICES)]))
+    panic = (
+        "panic: assertion failed: grammar.symbols.len() < u16::MAX\n<backtrace>\n   0: <unknown>"
+    )
+    assert _users_terms(panic) == "the grammar is too large or malformed for the grammar compiler"
+    assert _users_terms("x" * 1000).endswith("...") and len(_users_terms("x" * 1000)) == 303
+    assert _users_terms("Rule 'x' not found") == "Rule 'x' not found"

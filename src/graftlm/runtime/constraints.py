@@ -46,6 +46,9 @@ def _json_options(strict: bool) -> JsonCompileOptions:
     return {"whitespace_flexible": False, "lenient": not strict}
 
 
+MAX_CHOICES = 10_000  # of a `choice` constraint (100,000 made the grammar compiler panic)
+
+
 class ConstraintError(RequestError, ValueError):
     """A schema, regex or grammar that does not compile: the request's fault (a 400)."""
 
@@ -75,6 +78,10 @@ class Constraint:
     def choice(cls, choices: Sequence[str], field: str = "choice") -> Constraint:
         if not choices or not all(isinstance(c, str) for c in choices):
             raise ConstraintError(f"{field}: a choice must be a non-empty list of strings")
+        if len(choices) > MAX_CHOICES:
+            raise ConstraintError(
+                f"{field}: {len(choices)} choices, more than the {MAX_CHOICES} a request may give"
+            )
         return cls("choice", json.dumps(list(choices)), field)
 
     def grammar(self) -> str:
@@ -251,8 +258,17 @@ class ConstraintCompiler:
             raise ConstraintError(f"{c.field}: {exc}"[:500]) from None
         bad, messages = LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if bad:
-            raise ConstraintError(f"{c.field} does not compile: {messages[0]}"[:500])
+            raise ConstraintError(f"{c.field} does not compile: {_users_terms(messages[0])}")
         m = LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
-            raise ConstraintError(f"{c.field} does not compile: {m.get_error()}"[:500])
+            raise ConstraintError(f"{c.field} does not compile: {_users_terms(m.get_error())}")
         return CompiledGrammar(c, m, self.n_vocab)
+
+
+def _users_terms(message: str) -> str:
+    """The compiler's complaint without its internals: a panic's backtrace cut, a panic said
+    as what it means (the grammar is too large or malformed), the rest bounded."""
+    first = message.split("\n<backtrace>")[0].strip()
+    if first.startswith("panic:"):
+        return "the grammar is too large or malformed for the grammar compiler"
+    return first if len(first) <= 300 else first[:300] + "..."

@@ -309,6 +309,12 @@ def test_anthropic_messages(http: httpx.Client) -> None:
         "content_block_stop"
     )
     error_of(http.post("/v1/messages", json={"max_tokens": 4}), 400, "messages")
+    bad_text = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": bad_text})
+    error_of(r, 400, "messages[0].content[0].text", "expected a string")
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                        "system": [{"type": "text", "text": 5}]})  # fmt: skip
+    error_of(r, 400, "system[0].text: expected a string, got int")
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}
     error_of(
         http.post(

@@ -40,6 +40,12 @@ def _text_of(content: Any, where: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             out.append(block["text"])
+        elif kind == "text":
+            text = block.get("text")
+            raise ApiError(
+                400,
+                f"{where}[{k}].text: expected a string, got {type(text).__name__} {text!r}"[:300],
+            )
         elif kind == "image":
             raise ApiError(400, f"{where}[{k}]: image input is not supported by this model")
         else:
@@ -69,7 +75,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             where = f"messages[{i}].content[{k}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                text.append(_text_of([block], where))
+                text.append(_text_of(block.get("text"), f"{where}.text"))
             elif kind == "thinking":
                 continue  # earlier reasoning: this server's templates do not render it
             elif kind == "tool_use" and role == "assistant":

@@ -701,3 +701,14 @@ def test_what_one_request_makes_the_server_produce_is_bounded(http: httpx.Client
     big = "a" * ((1 << 20) + 1)
     error_of(http.post("/tokenize", json={"content": big}), 400, "content", str(1 << 20))
     error_of(http.post("/tokenize", json={"prompt": big}), 400, "prompt")
+
+
+def test_openai_completions_take_llama_servers_n_predict(http: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    r = http.post("/v1/completions", json=body | {"n_predict": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    want = http.post("/v1/completions", json=body | {"max_tokens": 3}).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == want
+    error_of(http.post("/v1/completions", json=body | {"n_predict": 3, "max_tokens": 2}), 400,
+             "n_predict")  # fmt: skip

@@ -139,7 +139,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     """Continue prompts (text or token ids); echo + logprobs + max_tokens 0 scores a prompt."""
     state = state_of(request)
     svc = state.service
-    max_tokens = state.config.n_predict if body.max_tokens is None else body.max_tokens
+    if body.max_tokens is not None and body.n_predict is not None:
+        raise ApiError(400, "give max_tokens or n_predict (llama-server's name), not both")
+    max_tokens = next(
+        (v for v in (body.max_tokens, body.n_predict) if v is not None), state.config.n_predict
+    )
     prompts = _prompts(body)
     ids = [await asyncio.to_thread(prompt_ids, state, p) for p in prompts]  # off the loop
     for x in ids:

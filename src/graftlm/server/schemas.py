@@ -285,6 +285,8 @@ class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: NonNegInt | None = None
+    # llama-server's name for max_tokens, which its OpenAI endpoint takes too (-1: no limit)
+    n_predict: Annotated[int, Field(ge=-1)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -32,7 +32,7 @@ from graftlm.runtime.speculative import SpecConfig
 from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE, block_nbytes, kv_dtype
 from graftlm.tokenizer import Tokenizer
 from graftlm.tokenizer.chat import ChatTemplateError, TemplateLimitError, render_chat
-from graftlm.tokenizer.templates import BUILTIN, resolve_chat_template
+from graftlm.tokenizer.templates import family_template, resolve_chat_template
 
 
 @dataclass
@@ -380,20 +380,6 @@ def check_template_limits(template: str | None, path: str | os.PathLike[str]) ->
         ) from None
     except ChatTemplateError:
         pass
-
-
-def family_template(file: GGUFFile) -> str | None:
-    """The built-in template of a file's model family where the file carries none (a gemma
-    model chats in its own turns, not in ChatML); None leaves llama.cpp's ChatML default."""
-    arch = file.architecture or ""
-    if arch.startswith("gemma"):
-        return BUILTIN["gemma"]
-    if arch == "phi3":
-        return BUILTIN["phi3"]
-    tokens = file.get("tokenizer.ggml.tokens") or []
-    if arch == "llama" and "<|start_header_id|>" in tokens and "<|eot_id|>" in tokens:
-        return BUILTIN["llama3"]
-    return None
 
 
 def _constraint(

@@ -136,9 +136,8 @@ def test_gemma3_chats_with_the_gemma_template(gemma3_file: Path) -> None:
 def test_a_file_without_a_template_gets_its_familys(tiny_gemma3: Path, tiny_llama: Path) -> None:
     """gemma files chat in gemma's turns, phi3 in phi3's, llama files with Llama 3's header tokens
     in Llama 3's; the rest in llama.cpp's ChatML default."""
-    from graftlm.api import family_template
     from graftlm.gguf import GGUFFile
-    from graftlm.tokenizer.templates import BUILTIN
+    from graftlm.tokenizer.templates import BUILTIN, family_template
 
     assert family_template(GGUFFile(tiny_gemma3)) == BUILTIN["gemma"]
     assert family_template(GGUFFile(tiny_llama)) is None

@@ -289,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """--chat-template-kwargs and --reasoning as the template variables every chat gets."""
-    from graftlm.server.schemas import TEMPLATE_RESERVED
+    from graftlm.server.schemas import check_template_kwargs
 
     out: dict[str, Any] = {}
     if args.chat_template_kwargs is not None:
@@ -301,9 +301,10 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(
                 f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs}"
             )
-        bad = sorted(set(out) & set(TEMPLATE_RESERVED))
-        if bad:
-            raise ValueError(f"--chat-template-kwargs: {', '.join(bad)} cannot be set")
+        try:
+            check_template_kwargs(out)  # (the rule a request's chat_template_kwargs meet)
+        except ValueError as exc:
+            raise ValueError(f"--chat-template-kwargs: {exc}") from None
     if args.reasoning is not None:
         out["enable_thinking"] = args.reasoning != "off"
     return out

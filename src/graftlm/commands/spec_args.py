@@ -93,10 +93,11 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     vllm = args.speculative_config
     draft = args.model_draft
     fields: dict[str, Any] = {}
+    names: dict[str, str] = {}  # field -> the flag or key that gave it (for the error)
     if vllm is not None:
         if kind is not None:
             raise ValueError("give --spec-type or --speculative-config, not both")
-        fields = _vllm_fields(vllm)
+        fields, names = _vllm_fields(vllm)
         if fields.get("method") == "draft":
             if draft is not None:
                 raise ValueError("give the draft model by -md or in --speculative-config, not both")
@@ -134,19 +135,29 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
         ("--spec-ngram-simple-size-n", "lookup_max", args.spec_ngram_simple_size_n),
     ):
         if value is not None:
-            fields[name] = value
-            fields.setdefault("_flags", {})[name] = flag
-    flags = fields.pop("_flags", {})
+            fields[name], names[name] = value, flag
+    # one lookup length given: the other's default moves out of its way
     if "lookup_max" in fields and "lookup_min" not in fields:
         fields["lookup_min"] = min(2, fields["lookup_max"])
+    if "lookup_min" in fields and "lookup_max" not in fields:
+        fields["lookup_max"] = max(5, fields["lookup_min"])
     try:
         return SpecConfig(**fields)
     except RequestError as exc:
-        named = ", ".join(f"{flags.get(k, k)} {v}" for k, v in fields.items())
+        named = ", ".join(f"{names.get(k, k)} {v}" for k, v in fields.items())
         raise ValueError(f"speculative decoding ({named}): {exc}") from None
 
 
-def _vllm_fields(text: str) -> dict[str, Any]:
+# vLLM's speculative_config keys -> SpecConfig's fields
+_VLLM_KEYS = {
+    "num_speculative_tokens": "n_max",
+    "prompt_lookup_max": "lookup_max",
+    "prompt_lookup_min": "lookup_min",
+}
+
+
+def _vllm_fields(text: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM's JSON as SpecConfig's fields, and the key that gave each."""
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -170,23 +181,10 @@ def _vllm_fields(text: str) -> dict[str, Any]:
             f"--speculative-config: method {method!r} is not supported (supported: ngram, "
             "draft_model with a GGUF model)"
         )
-    for key, name in (
-        ("num_speculative_tokens", "n_max"),
-        ("prompt_lookup_max", "lookup_max"),
-        ("prompt_lookup_min", "lookup_min"),
-    ):
+    for key, name in _VLLM_KEYS.items():
         if key in cfg:
             v = cfg[key]
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"--speculative-config: {key} must be a whole number, got {v!r}")
             fields[name] = v
-    if "lookup_max" in fields and "lookup_min" not in fields:
-        fields["lookup_min"] = min(2, fields["lookup_max"])
-    if "lookup_min" in fields and "lookup_max" not in fields:
-        fields["lookup_max"] = max(5, fields["lookup_min"])
-    fields["_flags"] = {
-        "n_max": "num_speculative_tokens",
-        "lookup_max": "prompt_lookup_max",
-        "lookup_min": "prompt_lookup_min",
-    }
-    return fields
+    return fields, {name: key for key, name in _VLLM_KEYS.items()}

@@ -13,6 +13,7 @@ target's alone. The draft model runs without adapters.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,17 @@ from graftlm.step.batch import Batch
 CATCH_UP = 512  # the most tokens of one row a catch-up pass feeds
 
 
+@dataclass(eq=False)
+class _Row:
+    """A row's place in the draft model's cache: its slot, how many of its tokens the slot
+    holds, and its length when it last drafted (the first drafted token's position)."""
+
+    req: Request
+    slot: int
+    cached: int = 0
+    drafted_at: int = 0
+
+
 class ModelDrafter:
     """Drafts for the decode rows of a step with `model` (its own cache of n_slots slots)."""
 
@@ -31,121 +43,101 @@ class ModelDrafter:
         self.model = model
         self.cfg = cfg
         self.costs = StepCosts()  # (the engine reports its steps; drafting here is by n_max)
-        cache = model.allocate_cache(n_slots, n_slots * _max_blocks(model) + 1)
-        for s in range(n_slots):  # each slot its own whole context, for the drafter's life
+        cache = model.allocate_cache(n_slots)  # (default: every slot's whole context)
+        for s in range(n_slots):  # each slot its own blocks, for the drafter's life
             cache.set_table(
                 s, list(range(1 + s * cache.max_blocks, 1 + (s + 1) * cache.max_blocks))
             )
         self.free = list(range(n_slots))
-        # request id -> (the request, its slot, tokens its slot holds, its length when drafted)
-        self.held: dict[int, list] = {}
+        self.held: dict[int, _Row] = {}  # request id -> its row
 
     def _release_done(self) -> None:
-        for rid, (req, slot, _, _) in list(self.held.items()):
-            if getattr(req, "done", False) or getattr(req, "cancelled", False):
-                self.free.append(slot)
+        for rid, row in list(self.held.items()):
+            if getattr(row.req, "done", False) or getattr(row.req, "cancelled", False):
+                self.free.append(row.slot)
                 del self.held[rid]
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
         self._release_done()
-        cfg = self.cfg
-        rows: list[tuple[Request, int]] = []
+        rows: list[tuple[Request, int, int, float]] = []  # (req, n_max, n_min, p_min)
         for req, n_room in zip(reqs, room, strict=True):
-            own = req.spec
-            n_max = cfg.n_max if own is None or own.n_max is None else own.n_max
-            n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
+            n_max, n_min, p_min = self.cfg.bounds(req.spec)
             n_max = min(n_max, n_room)
             if n_max < max(1, n_min):
                 continue
             if req.id not in self.held:
                 if not self.free:
                     continue  # more rows than slots (scoring's borrowed one): plain decoding
-                self.held[req.id] = [req, self.free.pop(), 0, 0]
-            rows.append((req, n_max))
+                self.held[req.id] = _Row(req, self.free.pop())
+            rows.append((req, n_max, n_min, p_min))
         if not rows:
             return {}
-        last = self._catch_up([r for r, _ in rows])
+        last = self._catch_up([r for r, _, _, _ in rows])
         drafts: dict[int, list[int]] = {}
         live = []
-        for (req, n_max), (tok, p) in zip(rows, last, strict=True):
-            p_min = self._p_min(req)
+        for (req, n_max, _, p_min), (tok, p) in zip(rows, last, strict=True):
             if p < p_min:
                 continue
             drafts[req.id] = [tok]
             if n_max > 1:
-                live.append((req, n_max))
+                live.append((req, n_max, p_min))
         while live:  # one draft step for every row still drafting
-            held = [self.held[r.id] for r, _ in live]
-            tokens = torch.tensor([[drafts[r.id][-1]] for r, _ in live], dtype=torch.long)
-            starts = [h[3] + len(drafts[r.id]) - 1 for h, (r, _) in zip(held, live, strict=True)]
-            batch = Batch(tokens.to(self.model.device), [h[1] for h in held], starts,
+            held = [self.held[r.id] for r, _, _ in live]
+            tokens = torch.tensor([[drafts[r.id][-1]] for r, _, _ in live], dtype=torch.long)
+            starts = [h.drafted_at + len(drafts[h.req.id]) - 1 for h in held]
+            batch = Batch(tokens.to(self.model.device), [h.slot for h in held], starts,
                           [1] * len(live))  # fmt: skip
             logits = self.model.forward(batch).float().cpu()
             nxt = []
-            for (req, n_max), row in zip(live, logits, strict=True):
-                prob, best = torch.softmax(row, -1).max(-1)
-                if float(prob) < self._p_min(req):
+            for (req, n_max, p_min), logit in zip(live, logits, strict=True):
+                prob, best = torch.softmax(logit, -1).max(-1)
+                if float(prob) < p_min:
                     continue
                 drafts[req.id].append(int(best))
                 if len(drafts[req.id]) < n_max:
-                    nxt.append((req, n_max))
+                    nxt.append((req, n_max, p_min))
             live = nxt
-        out = {}
-        for req, _ in rows:
-            d = drafts.get(req.id)
-            own = req.spec
-            n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
-            if d and len(d) >= n_min:
-                out[req.id] = d
-        return out
-
-    def _p_min(self, req: Request) -> float:
-        own = req.spec
-        return self.cfg.p_min if own is None or own.p_min is None else own.p_min
+        return {
+            req.id: drafts[req.id]
+            for req, _, n_min, _ in rows
+            if req.id in drafts and len(drafts[req.id]) >= n_min
+        }
 
     def _catch_up(self, reqs: list[Request]) -> list[tuple[int, float]]:
         """Feed each row's slot the tokens it lacks; the draft's next token after each row's
         tokens, and its probability."""
-        out: list[tuple[int, float] | None] = [None] * len(reqs)
+        out: dict[int, tuple[int, float]] = {}
         while True:
             todo = []
-            for i, req in enumerate(reqs):
+            for req in reqs:
                 h = self.held[req.id]
                 toks = req.prompt + req.generated
-                if h[2] < len(toks):
-                    todo.append((i, req, toks[h[2] : h[2] + CATCH_UP]))
+                if h.cached < len(toks):
+                    todo.append((h, toks[h.cached : h.cached + CATCH_UP], len(toks)))
             if not todo:
                 break
-            width = max(len(t) for _, _, t in todo)
+            width = max(len(t) for _, t, _ in todo)
             tokens = torch.zeros(len(todo), width, dtype=torch.long)
-            for row, (_, _, t) in enumerate(todo):
-                tokens[row, : len(t)] = torch.tensor(t, dtype=torch.long)
-            held = [self.held[r.id] for _, r, _ in todo]
-            batch = Batch(tokens.to(self.model.device), [h[1] for h in held], [h[2] for h in held],
-                          [len(t) for _, _, t in todo])  # fmt: skip
+            for i, (_, t, _) in enumerate(todo):
+                tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            batch = Batch(tokens.to(self.model.device), [h.slot for h, _, _ in todo],
+                          [h.cached for h, _, _ in todo], [len(t) for _, t, _ in todo])  # fmt: skip
             logits = self.model.forward(batch).float().cpu()
-            for (i, req, t), h, row in zip(todo, held, logits, strict=True):
-                h[2] += len(t)
-                h[3] = h[2]
-                if h[2] == len(req.prompt) + len(req.generated):
-                    prob, best = torch.softmax(row, -1).max(-1)
-                    out[i] = (int(best), float(prob))
-        assert all(o is not None for o in out)
-        return [o for o in out if o is not None]
+            for (h, t, n_tok), logit in zip(todo, logits, strict=True):
+                h.cached += len(t)
+                h.drafted_at = h.cached
+                if h.cached == n_tok:
+                    prob, best = torch.softmax(logit, -1).max(-1)
+                    out[h.req.id] = (int(best), float(prob))
+        return [out[r.id] for r in reqs]
 
     def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
         """The slot holds the row's tokens, its draft's first n_accepted kept, up to the last
         drafted token fed (the draft's own positions past the last kept are written again)."""
         h = self.held.get(req.id)
         if h is not None:
-            h[2] = h[3] + min(n_accepted, n_drafted - 1)
-
-
-def _max_blocks(model: Transformer) -> int:
-    from graftlm.step.kv_cache import BLOCK
-
-    return -(-model.n_ctx // BLOCK)
+            h.cached = h.drafted_at + min(n_accepted, n_drafted - 1)
 
 
 def check_vocabulary(target: list[str], draft: list[str], draft_path: str) -> None:

@@ -139,7 +139,7 @@ class Engine:
     @property
     def speculative(self) -> SpecConfig | None:
         """Speculative decoding's settings (None: off)."""
-        return getattr(self.drafter, "cfg", None)
+        return None if self.drafter is None else self.drafter.cfg
 
     @speculative.setter
     def speculative(self, cfg: SpecConfig | None) -> None:

@@ -126,6 +126,16 @@ class SpecConfig:
         if not 0.0 <= self.p_min <= 1.0:
             raise RequestError(f"the draft's p_min must be in [0, 1], got {self.p_min}")
 
+    def bounds(self, own: SpecParams | None) -> tuple[int, int, float]:
+        """(n_max, n_min, p_min) for a request: its own where it set them, else these."""
+        if own is None:
+            return self.n_max, self.n_min, self.p_min
+        return (
+            self.n_max if own.n_max is None else min(own.n_max, 64),
+            self.n_min if own.n_min is None else own.n_min,
+            self.p_min if own.p_min is None else own.p_min,
+        )
+
 
 class Request(Protocol):
     """What the drafter reads and keeps on a sequence (the scheduler's `Request`)."""
@@ -141,6 +151,7 @@ class Drafter(Protocol):
     """What the scheduler and the engine ask of a drafter (n-grams here, a draft model in
     runtime/draft_model.py)."""
 
+    cfg: SpecConfig
     costs: StepCosts
 
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]: ...
@@ -153,9 +164,8 @@ class DraftState:
     acceptance evidence (drafted tokens accepted, drafts cut short; decayed) and the length of
     the n-gram its last draft came from."""
 
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the prompt, then the generated tokens
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
-    n_generated: int = 0  # generated tokens already in `tokens`
     accepted: float = 0.0
     rejected: float = 0.0
     matched: int = 0
@@ -181,15 +191,14 @@ class NgramDrafter:
 
     def _state(self, req: Request) -> DraftState:
         st = req.draft
-        if st is None or st.n_generated > len(req.generated):  # new, or recomputed differently
+        if st is None:
             st = DraftState(tokens=list(req.prompt))
             req.draft = st
             self._index(st, 0)
-        new = req.generated[st.n_generated :]
+        start = len(st.tokens)
+        new = req.generated[start - len(req.prompt) :]  # (generated never shrinks)
         if new:
-            start = len(st.tokens)
             st.tokens.extend(new)
-            st.n_generated = len(req.generated)
             self._index(st, start)
         return st
 
@@ -221,11 +230,9 @@ class NgramDrafter:
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
         """Drafts for these decode rows (request id -> tokens), each at most its room (what its
         context and max_tokens leave). Rows without a draft are left out."""
-        cfg = self.cfg
-        wants: list[tuple[Request, DraftState, list[int], float]] = []
+        wants: list[tuple[Request, int, list[int], float]] = []  # (req, n_min, draft, rate)
         for req, n_room in zip(reqs, room, strict=True):
-            own = req.spec
-            n_max = cfg.n_max if own is None or own.n_max is None else min(own.n_max, 64)
+            n_max, n_min, _ = self.cfg.bounds(req.spec)
             n_max = min(n_max, n_room)
             if n_max <= 0:
                 continue
@@ -235,10 +242,9 @@ class NgramDrafter:
                 continue
             st.accepted *= DECAY
             st.rejected *= DECAY
-            n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
             if len(draft) < max(n_min, 1):
                 continue
-            wants.append((req, st, draft, self.rate(st)))
+            wants.append((req, n_min, draft, self.rate(st)))
         if not wants:
             return {}
         # every drafted token's expected gain, best first (a row's gains fall along its draft,
@@ -260,9 +266,7 @@ class NgramDrafter:
         for _, w in gains[:best_n]:
             taken[w] += 1
         out: dict[int, list[int]] = {}
-        for (req, _st, draft, _), n in zip(wants, taken, strict=True):
-            own = req.spec
-            n_min = cfg.n_min if own is None or own.n_min is None else own.n_min
+        for (req, n_min, draft, _), n in zip(wants, taken, strict=True):
             if n > 0 and n >= n_min:
                 out[req.id] = draft[:n]
         return out

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import GraftError
+from graftlm.gguf import GGUFFile
 
 CHATML = """\
 {%- if tools %}
@@ -308,3 +309,17 @@ def _generic_call(call: dict[str, Any]) -> dict[str, Any]:
         except json.JSONDecodeError:
             pass  # kept as the text it was
     return {"name": fn.get("name", ""), "arguments": args}
+
+
+def family_template(file: GGUFFile) -> str | None:
+    """The built-in template of a file's model family where the file carries none (a gemma
+    model chats in its own turns, not in ChatML); None leaves llama.cpp's ChatML default."""
+    arch = file.architecture or ""
+    if arch.startswith("gemma"):
+        return BUILTIN["gemma"]
+    if arch == "phi3":
+        return BUILTIN["phi3"]
+    tokens = file.get("tokenizer.ggml.tokens") or []
+    if arch == "llama" and "<|start_header_id|>" in tokens and "<|eot_id|>" in tokens:
+        return BUILTIN["llama3"]
+    return None

@@ -56,6 +56,8 @@ SHAPES = {
     "gemma2-2b": Shape("gemma2", 2304, 8, 4, 256, 9216, 26, 256000, rope_base=1e4),
     "mistral-7b-8l": Shape("llama", 4096, 32, 8, 128, 14336, 8, 32768, tied=False, rope_base=1e6),
     "mixtral-small": Shape("llama", 1024, 16, 4, 64, 2048, 8, 32000, False, 8, 2, 1e6),
+    # Qwen3-30B-A3B with 6 of its 48 layers: 128 experts of width 768, 8 a token
+    "qwen3-30b-a3b-6l": Shape("qwen3moe", 2048, 32, 4, 128, 768, 6, 151936, False, 128, 8, 1e6),
 }
 
 # (default type, the "more bits" type); llama.cpp's fallback where n_in % 256 != 0
@@ -153,7 +155,7 @@ def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
         if s.arch == "gemma2":
             norms += ["post_attention_norm", "post_ffw_norm"]
         out += [(p + n + ".weight", "norm", i, (s.d,)) for n in norms]
-        if s.arch == "qwen3":
+        if s.arch in ("qwen3", "qwen3moe"):
             out += [
                 (p + n + ".weight", "norm", i, (s.head_dim,))
                 for n in ("attn_q_norm", "attn_k_norm")
@@ -209,6 +211,8 @@ def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str, ctx: int = 4096
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
+    if s.arch == "qwen3moe":
+        w.add_expert_feed_forward_length(s.ff)  # (feed_forward_length is the dense width)
 
 
 def write_model(

@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("GRAFTLM_SHARED") or REPO.parent / "shared")
 GOLDEN = SHARED / "golden"
 FIXTURES = SHARED / "fixtures"
-TINY = FIXTURES / "tiny"  # tiny random models of seven families (HF, GGUF, PEFT, GGUF adapter)
+# tiny random models of seven families (HF, GGUF, PEFT, GGUF adapter); made_families.py makes more
+TINY = FIXTURES / "tiny"
 TINY_WITH_PEFT = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"]
 # the real fixture adapters: (model, adapter) under FIXTURES
 REAL_ADAPTERS = [

@@ -35,7 +35,8 @@ class ModelConfig:
     # gemma2: cap * tanh(x / cap) on attention scores and on the logits (0 = off).
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    # Mixture of experts (llama/Mixtral): experts per layer and experts used per token (0 = dense).
+    # Mixture of experts (llama/Mixtral, qwen3moe): experts per layer and experts used per token
+    # (0 = dense); n_ff is then an expert's width.
     n_expert: int = 0
     n_expert_used: int = 0
     # LongRoPE (phi3): the training context that picks long or short factors, and the multiplier on
@@ -128,6 +129,10 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
     v_head_dim = whole_field(meta.get(key, head_dim), key, path)
     key = p + "feed_forward_length"
     n_ff = _per_layer(_req(meta, key, path), n_layer, key, path, lo=0)
+    n_expert = whole_field(meta.get(p + "expert_count", 0), p + "expert_count", path, 0, 1024)
+    key = p + "expert_feed_forward_length"
+    if n_expert and key in meta:  # qwen3moe: every layer routed, its experts this wide
+        n_ff = whole_field(meta[key], key, path)
     tokens = meta.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens) if isinstance(tokens, list) else 0
     n_vocab = whole_field(meta.get(p + "vocab_size", n_tokens), p + "vocab_size", path)
@@ -152,7 +157,7 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
             if i % 6 < 5:
                 sliding[i] = window
                 rope_layer[i] = float(meta.get(p + "rope.freq_base_swa", 10000.0))
-    elif arch in ("qwen2", "qwen3", "phi3"):
+    elif arch in ("qwen2", "qwen3", "qwen3moe", "phi3"):
         # their GGUF Q/K rows keep Hugging Face order (no permutation), so RoPE rotates halves.
         # phi3's `attention.sliding_window` is ignored as llama.cpp does (it disables Phi SWA).
         rope_neox = True
@@ -198,7 +203,7 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         name=str(meta.get("general.name", "")),
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
-        n_expert=whole_field(meta.get(p + "expert_count", 0), p + "expert_count", path, 0, 1024),
+        n_expert=n_expert,
         n_expert_used=whole_field(
             meta.get(p + "expert_used_count", 0), p + "expert_used_count", path, 0, 1024
         ),

@@ -12,15 +12,17 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from made_families import made_dir
+from shared_data import TINY
 
 from graftlm.gguf import GGUFFile
 from graftlm.lora.registry import AdapterSet
 from graftlm.models import Transformer, build_model
 from graftlm.step.batch import Batch, LoraRows
 
-TINY = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "tiny"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen3moe"]
 WITH_PEFT = [f for f in FAMILIES if f != "mixtral"]
+ROUTED = ("mixtral", "qwen3moe")  # routing flips on near ties when the weights move
 N_CTX = 64
 # 40 tokens: past gemma2's sliding window of 16, and enough to route every mixtral expert
 IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -39,10 +41,14 @@ def one_thread() -> Iterator[None]:
 
 
 def family_dir(family: str) -> Path:
+    """The fixture folder: ../shared's, or one made_families.py makes from transformers."""
     d = TINY / family
-    if not d.is_dir():
-        pytest.skip(f"fixture {d} is not available")
-    return d
+    if d.is_dir():
+        return d
+    made = made_dir(family)
+    if made is None:
+        pytest.skip(f"fixture {d} is not available and cannot be made here")
+    return made
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,14 +60,16 @@ def load(
     family: str, quant: str = "f32", n_ctx: int = N_CTX, prefer: str = "reference"
 ) -> Transformer:
     model = build_model(GGUFFile(family_dir(family) / f"model-{quant}.gguf"), n_ctx, prefer=prefer)
-    model.allocate_cache(1)
+    model.allocate_cache(1, dtype=torch.float32)  # (see forward)
     return model
 
 
 def forward(model: Transformer, ids: list[int], scale: float | None = None) -> torch.Tensor:
     """(1, T, n_vocab) logits of one fresh sequence; with `scale`, adapter slot 0 at that scale."""
     lora = None if scale is None else LoraRows(torch.tensor([[scale]]), (0,))
-    model.allocate_cache(1)
+    # float32 keys and values, as the references compute them: a float16 cache moves the
+    # routers' inputs by ~1e-4, enough to flip qwen3moe's near ties between its 16 experts
+    model.allocate_cache(1, dtype=torch.float32)
     with torch.no_grad():
         return model.forward(Batch.single(ids, lora=lora), all_logits=True)
 

@@ -1105,21 +1105,32 @@ def test_fused_layer_serves_the_converted_families(
     _same_three_ways(run, fused, monkeypatch)
 
 
+# family -> (architecture, q rows, experts) of the tiny routed models
+ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16)}
+
+
+@pytest.mark.parametrize("family", list(ROUTED))
 @pytest.mark.parametrize("n_rows", [2, 1])
 def test_fused_layer_serves_the_routed_experts(
-    n_rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    n_rows: int, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """llama.cpp's Q8_0 conversion of the tiny Mixtral (8 experts, top 2, an F32 router): every
-    decode step in one native call with the routed FFN in C, bit-identical to one call a layer
-    and within 1e-4 of the composed blocks (moe.py), a row with an adapter on the attention and
-    on the router, a row without."""
+    """llama.cpp's Q8_0 conversions of the tiny Mixtral (8 experts, top 2) and Qwen3-MoE (16
+    experts, top 4, QK-norm), F32 routers: every decode step in one native call with the routed
+    FFN in C, bit-identical to one call a layer and within 1e-4 of the composed blocks (moe.py),
+    a row with an adapter on the attention and on the router, a row without."""
+    from made_families import made_dir
     from shared_data import TINY
     from tiny_models import write_tiny_adapter
 
-    m = graftlm.load(TINY / "mixtral" / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
-    targets = {f"blk.{i}.{n}": (128, o) for i in range(2)
-               for n, o in (("attn_q", 128), ("attn_output", 128), ("ffn_gate_inp", 8))}  # fmt: skip
-    aid = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", targets=targets, arch="llama"), 0.0)
+    d = TINY / family if (TINY / family).is_dir() else made_dir(family)
+    if d is None:
+        pytest.skip(f"the tiny {family} is not available here")
+    arch, nq, n_expert = ROUTED[family]
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
+    targets = {f"blk.{i}.{n}": shape for i in range(2)
+               for n, shape in (("attn_q", (128, nq)), ("attn_output", (nq, 128)),
+                                ("ffn_gate_inp", (128, n_expert)))}  # fmt: skip
+    aid = m.add_lora(write_tiny_adapter(tmp_path / "a.gguf", targets=targets, arch=arch), 0.0)
     model = m.model
     assert model.fused_stack() is not None
     rows = m.engine.lora_rows([{aid: 1.0}, {}][:n_rows])

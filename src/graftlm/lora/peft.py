@@ -82,6 +82,15 @@ ARCH_RULES: dict[str, ArchRules] = {
     "gemma2": ArchRules(gguf.MODEL_ARCH.GEMMA2, rope_permuted=False),
     "qwen2": ArchRules(gguf.MODEL_ARCH.QWEN2, rope_permuted=False),
     "qwen3": ArchRules(gguf.MODEL_ARCH.QWEN3, rope_permuted=False),
+    # every layer routed: attention and the router take adapters (the experts are 3-D tensors)
+    "qwen3moe": ArchRules(
+        gguf.MODEL_ARCH.QWEN3MOE,
+        rope_permuted=False,
+        hf_modules={
+            **{k: v for k, v in _HF_MODULES.items() if not k.startswith("ffn_")},
+            "ffn_gate_inp": "model.layers.{bid}.mlp.gate",
+        },
+    ),
     # phi3 keeps its fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (gate rows first)
     "phi3": ArchRules(
         gguf.MODEL_ARCH.PHI3,

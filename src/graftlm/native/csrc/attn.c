@@ -1146,12 +1146,11 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
 
 /* ---------------------------------------------------------------- gates */
 
-/* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
-void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth) {
+/* Rows [b0, b1) of gl_gated, on the calling thread. */
+static void gated_rows(const float *gu, int64_t b0, int64_t b1, int64_t ff, int64_t act, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f);
-#pragma omp parallel for num_threads(nth) schedule(static) if (B * ff > 65536)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const float *g = gu + b * 2 * ff, *u = g + ff;
         float *a = out + b * ff;
         int64_t j = 0;
@@ -1173,5 +1172,19 @@ void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, i
                                      : x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x)));
             a[j] = v * u[j];
         }
+    }
+}
+
+/* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
+void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth) {
+    if (B * ff <= 65536) {
+        gated_rows(gu, 0, B, ff, act, out);
+        return;
+    }
+#pragma omp parallel num_threads(nth)
+    {
+        int64_t b0, b1;
+        static_chunk(B, omp_get_thread_num(), omp_get_num_threads(), &b0, &b1);
+        gated_rows(gu, b0, b1, ff, act, out);
     }
 }

@@ -2,38 +2,46 @@
 #include "graftlm.h"
 
 /* One layer's buffers for B rows: the normed input and the gated activation (h), the QKV or
- * gate/up outputs (big), the attention output (att; a routed FFN gathers an expert's rows of h
- * there), each block's output (o), and the attention's work (attn_decode_bytes). A routed
- * FFN's (else NULL): the router's logits (B, n_expert), each row's experts and their weights (B, n_expert_used), an expert's rows, their
- * weights, gated activations (B, n_ff) and outputs (B, n_embd). */
+ * gate/up outputs (big), the attention output (att), each block's output (o), and the
+ * attention's work (attn_decode_bytes). A routed FFN's (else NULL; K = n_expert_used): the
+ * router's logits (B, n_expert), each row's experts and their weights (B, K), then every chosen
+ * (row, expert) pair's row of h gathered in the experts' order (gath, (B K, n_embd)), its row and
+ * weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act, (B K, n_ff)) and
+ * outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
+ * both products (xg, xd). */
 typedef struct {
     float *h, *big, *att, *o;
     void *work;
-    float *logits, *weight, *row_w, *act, *y;
-    int64_t *chosen, *rows;
+    float *logits, *weight, *row_w, *gath, *gu, *act, *y;
+    int64_t *chosen, *rows, *jobs;
+    xbuf xg, xd;
 } layer_bufs;
 
 static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
     const int64_t d = L->n_embd, nq = L->n_head * L->head_dim;
     const int64_t nqkv = nq + 2 * L->n_head_kv * L->head_dim, ff = L->n_ff;
     const int64_t f = (int64_t)sizeof(float);
-    layer_bufs b;
+    layer_bufs b = {0};
     b.h = scratch_take(s, f * B * (ff > d ? ff : d));
     b.big = scratch_take(s, f * B * (2 * ff > nqkv ? 2 * ff : nqkv));
     b.att = scratch_take(s, f * B * (nq > d ? nq : d));
     b.o = scratch_take(s, f * B * d);
     b.work = scratch_take(s, attn_decode_bytes(L->n_head, L->n_head_kv, L->head_dim, L->head_dim, B, nth));
-    b.logits = b.weight = b.row_w = b.act = b.y = NULL;
-    b.chosen = b.rows = NULL;
     if (L->n_expert) {
-        const int64_t K = L->n_expert_used, i = (int64_t)sizeof(int64_t);
+        const int64_t K = L->n_expert_used, R = B * K, i = (int64_t)sizeof(int64_t);
         b.logits = scratch_take(s, f * B * L->n_expert);
-        b.weight = scratch_take(s, f * B * K);
-        b.row_w = scratch_take(s, f * B);
-        b.act = scratch_take(s, f * B * ff);
-        b.y = scratch_take(s, f * B * d);
-        b.chosen = scratch_take(s, i * B * K);
-        b.rows = scratch_take(s, i * B);
+        b.weight = scratch_take(s, f * R);
+        b.chosen = scratch_take(s, i * R);
+        b.rows = scratch_take(s, i * R);
+        b.row_w = scratch_take(s, f * R);
+        b.jobs = scratch_take(s, i * 3 * L->n_expert);
+        b.gath = scratch_take(s, f * R * d);
+        b.gu = scratch_take(s, f * R * 2 * ff);
+        b.act = scratch_take(s, f * R * ff);
+        b.y = scratch_take(s, f * R * d);
+        /* the experts of one 3-D tensor share its type: expert 0 stands for all */
+        b.xg = xbuf_take(s, R, d, L->exp_gate_up[0].kind == 1);
+        b.xd = xbuf_take(s, R, ff, L->exp_down[0].kind == 1);
     }
     return b;
 }
@@ -52,36 +60,64 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
         const int64_t bytes = proj_bytes(w[p], l[p], B, 1);
         most = bytes > most ? bytes : most;
     }
-    if (L->n_expert) { /* the router's delta, then an expert's products over up to B rows (the
-                         * experts of one 3-D tensor share its type and shape: expert 0 stands
-                         * for all) */
+    if (L->n_expert) { /* the router's delta (the experts' products take layer_take's buffers) */
         const gl_weight none = {-1, 0, 32, 0, L->n_expert, L->n_embd, NULL, NULL, NULL};
         const int64_t r = proj_bytes(&none, &L->l_router, B, 1);
-        const int64_t gu = proj_bytes(&L->exp_gate_up[0], NULL, B, 1);
-        const int64_t dn = proj_bytes(&L->exp_down[0], NULL, B, 1);
         most = r > most ? r : most;
-        most = gu > most ? gu : most;
-        most = dn > most ? dn : most;
     }
     return count.used + most;
+}
+
+/* x's rows [r0, ...) of a quantized buffer of rows of k values. */
+static inline xbuf xbuf_rows(const xbuf *x, int64_t r0, int64_t k) {
+    const xbuf o = {x->xq + r0 * k, x->xu ? x->xu + r0 * k : NULL, x->xd + r0 * (k / 32),
+                    x->xs + r0 * (k / 32), x->xs16 + r0 * (k / 16)};
+    return o;
+}
+
+/* Tasks [t0, t1) of the experts' products: the runs' tasks one after another, each run one
+ * expert's weight (ws[e]) over its gathered rows (x's rows r0.., into y's). */
+static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks, const xbuf *x,
+                         int64_t t0, int64_t t1, float *y) {
+    const int64_t n = ws[0].n, k = ws[0].k;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t *job = jobs + 3 * (t / tasks); /* (expert, first row, rows) */
+        const xbuf xj = xbuf_rows(x, job[1], k);
+        mm_task(&ws[job[0]], &xj, job[2], 0, job[2], t % tasks, y + job[1] * n);
+    }
+}
+
+/* The router's float32 logits of B rows (B, n_expert), 8 experts' sums at a time. */
+static void router_logits(const gl_layer *L, const float *h, int64_t B, float *logits, int nth) {
+    const int64_t d = L->n_embd, E = L->n_expert, d8 = d / 8 * 8;
+#pragma omp parallel for num_threads(nth) schedule(static) if (E * d * B > (1 << 17))
+    for (int64_t e = 0; e < E; e++) {
+        const float *we = L->router + e * d;
+        for (int64_t b = 0; b < B; b++) {
+            const float *hb = h + b * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d8; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(hb + i), _mm256_loadu_ps(we + i), acc);
+            float s = hsum8(acc);
+            for (int64_t i = d8; i < d; i++) s += hb[i] * we[i];
+            logits[b * E + e] = s;
+        }
+    }
 }
 
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
  * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
  * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
- * experts in ascending order. Each chosen expert runs once, over the rows that chose it (gathered
- * into att), so a batch reads an expert's weights once, whatever number of rows chose it. */
+ * experts in ascending order. Each chosen expert runs once, over the rows that chose it, so a
+ * batch reads an expert's weights once, whatever number of rows chose it; and all the experts'
+ * products run in one parallel region, their tasks one list split over the threads (an
+ * expert's products alone are too small to share: a region each, Qwen3-30B-A3B's 8 experts of
+ * a token made 24 regions a layer, each starting its stream of weights cold). */
 static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
-                    float *big, float *att, float *o, gl_scratch *sc, int nth) {
+                    float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
     float *logits = bufs->logits;
-    for (int64_t b = 0; b < B; b++) /* the router: float32, as the composed block's product */
-        for (int64_t e = 0; e < E; e++) {
-            const float *we = L->router + e * d, *hb = h + b * d;
-            float s = 0.0f;
-            for (int64_t i = 0; i < d; i++) s += hb[i] * we[i];
-            logits[b * E + e] = s;
-        }
+    router_logits(L, h, B, logits, nth);
     if (L->l_router.n > 0) { /* its adapters' delta (proj_run skips rows at scale 0) */
         const gl_weight none = {-1, 0, 32, 0, E, d, NULL, NULL, NULL};
         proj_run(&none, h, B, 1, &L->l_router, logits, sc, nth);
@@ -106,25 +142,47 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         }
         for (int64_t j = 0; j < K; j++) w[j] /= total;
     }
-    for (int64_t i = 0; i < B * d; i++) o[i] = 0.0f;
+    int64_t nj = 0, R = 0; /* the chosen experts in ascending order, each its run of rows */
     for (int64_t e = 0; e < E; e++) {
-        int64_t n = 0; /* the rows that chose e, their weights, their inputs gathered */
+        const int64_t r0 = R;
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < K; j++)
                 if (bufs->chosen[b * K + j] == e) {
-                    bufs->rows[n] = b;
-                    bufs->row_w[n] = bufs->weight[b * K + j];
-                    memcpy(att + n * d, h + b * d, sizeof(float) * (size_t)d);
-                    n++;
+                    bufs->rows[R] = b;
+                    bufs->row_w[R] = bufs->weight[b * K + j];
+                    memcpy(bufs->gath + R * d, h + b * d, sizeof(float) * (size_t)d);
+                    R++;
                 }
-        if (n == 0) continue;
-        proj_run(&L->exp_gate_up[e], att, n, 1, NULL, big, sc, nth);
-        gl_gated(big, n, ff, L->act, bufs->act, nth);
-        proj_run(&L->exp_down[e], bufs->act, n, 1, NULL, bufs->y, sc, nth);
-        for (int64_t r = 0; r < n; r++) {
+        if (R == r0) continue;
+        int64_t *job = bufs->jobs + 3 * nj++;
+        job[0] = e, job[1] = r0, job[2] = R - r0;
+    }
+    const int64_t tgu = ((2 * ff + 7) / 8 + GT - 1) / GT, tdn = ((d + 7) / 8 + GT - 1) / GT;
+    const xbuf xg = bufs->xg, xd = bufs->xd;
+#pragma omp parallel num_threads(nth)
+    {
+        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t a0, a1;
+        static_chunk(R * (d / 32), me, nt, &a0, &a1); /* the gathered rows quantized */
+        quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
+#pragma omp barrier
+        static_chunk(nj * tgu, me, nt, &a0, &a1);
+        expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, a0, a1, bufs->gu);
+#pragma omp barrier
+        static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: gated, quantized */
+        gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
+        quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
+#pragma omp barrier
+        static_chunk(nj * tdn, me, nt, &a0, &a1);
+        expert_tasks(L->exp_down, bufs->jobs, tdn, &xd, a0, a1, bufs->y);
+#pragma omp barrier
+        static_chunk(d, me, nt, &a0, &a1); /* o's columns: each row's experts added in order */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = a0; i < a1; i++) o[b * d + i] = 0.0f;
+        for (int64_t r = 0; r < R; r++) {
             float *ob = o + bufs->rows[r] * d;
             const float *yr = bufs->y + r * d, we = bufs->row_w[r];
-            for (int64_t i = 0; i < d; i++) ob[i] += yr[i] * we;
+            for (int64_t i = a0; i < a1; i++) ob[i] += yr[i] * we;
         }
     }
 }
@@ -175,7 +233,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
     for (int64_t i = 0; i < B * d; i++) x[i] += o[i];
     gl_rms_norm(x, B, d, L->ffn_norm, L->eps, h, nth);
     if (L->n_expert) {
-        moe_run(L, h, B, &bufs, big, att, o, sc, nth);
+        moe_run(L, h, B, &bufs, o, sc, nth);
     } else {
         proj_run(&L->gate_up, h, B, 1, &L->l_gate_up, big, sc, nth);
         gl_gated(big, B, ff, L->act, h, nth);

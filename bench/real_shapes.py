@@ -71,6 +71,8 @@ MIXES = {
     "q2_k": (Q.Q2_K, Q.Q4_K),
     "iq4_xs": (Q.IQ4_XS, Q.Q6_K),
     "iq4_nl": (Q.IQ4_NL, Q.Q6_K),
+    "f16": (Q.F16, Q.F16),  # what export-lora writes by default
+    "bf16": (Q.BF16, Q.BF16),
 }
 FALLBACK = {
     Q.Q4_K: Q.Q5_0,
@@ -233,6 +235,13 @@ def write_model(
             w.add_tensor(tname, (0.05 * rng.standard_normal(shape)).astype(np.float32))
         else:
             qt = tensor_type(mix, role, layer, s.n_layer, shape[-1])
+            if qt in (Q.F16, Q.BF16):  # values of about 0.02, as the quantized mixes hold
+                v = (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+                if qt == Q.F16:
+                    w.add_tensor(tname, v.astype(np.float16))
+                else:  # bfloat16: the high half of each float32 (truncated)
+                    w.add_tensor(tname, (v.view(np.uint32) >> 16).astype(np.uint16), raw_dtype=qt)
+                continue
             rows = int(np.prod(shape[:-1]))
             raw = random_blocks(qt, (rows, shape[-1]), rng, SCALE.get(qt, 1e-3))
             w.add_tensor(tname, raw.reshape(*shape[:-1], -1), raw_dtype=qt)

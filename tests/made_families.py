@@ -81,6 +81,9 @@ def made_dir(family: str) -> Path | None:
         except OSError:  # made meanwhile by another process
             if not (done / "lora-f32.gguf").exists():
                 raise
+    for old in done.parent.glob(f"{family}-*"):  # made by an older version of these files
+        if old != done:
+            shutil.rmtree(old, ignore_errors=True)
     return done
 
 

@@ -9,18 +9,24 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from families import (
     FAMILIES,
     IDS,
+    WITH_PEFT,
+    family_dir,
     forward,
     one_thread,  # noqa: F401 (an autouse fixture: tiny models run on one thread)
     reference,
     rel_err,
     requantize,
+    with_adapter,
 )
 
 from graftlm.gguf import GGUFFile
 from graftlm.models import build_model
+from graftlm.native import library
+from graftlm.step.batch import Batch, LoraRows
 
 TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
@@ -35,3 +41,50 @@ def test_type_matches_transformers_on_the_same_weights(
     assert file.tensors["blk.0.attn_output.weight"].type_name == qtype
     model = build_model(file, 64, prefer="reference")
     assert rel_err(forward(model, IDS), reference(family, qtype)) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_files_on_the_native_layers_match_transformers(
+    family: str, qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F16 and BF16 files on the fast path: the prompt's products and the decode steps' whole
+    native layers (csrc/float.c reads the weights in place, x float32) give transformers' logits
+    on the same weights; with the family's adapter, the exact path's logits within 1e-5."""
+    from graftlm.models.fused import FusedStack
+
+    served: list[bool] = []
+    call = FusedStack.__call__
+
+    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        y = call(self, x, batch)
+        served.append(y is not None)
+        return y
+
+    monkeypatch.setattr(FusedStack, "__call__", counted)
+    path = requantize(family, gguf.GGMLQuantizationType[qtype], tmp_path / f"{family}-{qtype}.gguf")
+
+    def run(prefer: str, adapter: bool) -> torch.Tensor:
+        model = build_model(GGUFFile(path), 64, prefer=prefer)
+        lora = None
+        if adapter:
+            with_adapter(model, family_dir(family) / "lora-f32.gguf")
+            lora = LoraRows(torch.tensor([[1.0]]), (0,))
+        model.allocate_cache(1, dtype=torch.float32)
+        with torch.no_grad():
+            prompt = model.forward(Batch.single(IDS[:36], lora=lora), all_logits=True)
+            steps = [model.forward(Batch.single([IDS[i]], start=i, lora=lora))
+                     for i in range(36, 40)]  # fmt: skip
+        if prefer == "fast" and library() is not None:
+            assert model.blocks[0].attn_output.weight.kernel == "native-float"
+        return torch.cat([prompt, torch.stack(steps, dim=1)], dim=1)
+
+    native = library() is not None
+    assert rel_err(run("fast", False), reference(family, qtype)) < 1e-3
+    # the prompt is not the stack's; each decode step is one native call
+    assert served == ([False] + [True] * 4 if native else [])
+    if family in WITH_PEFT:
+        served.clear()
+        fast = run("fast", True)  # (its float adapters' A and B: not int8 codes)
+        assert served == ([False] + [True] * 4 if native else [])
+        assert rel_err(fast, run("reference", True)) < 1e-5

@@ -122,11 +122,12 @@ def test_reader_style_typed_arrays_and_torch_inputs() -> None:
         assert torch.equal(qw.dequantize(), ref)
 
 
-def test_dense_f32_is_a_zero_copy_view_and_dequantize_is_fresh() -> None:
+def test_f32_is_a_zero_copy_view_and_dequantize_is_fresh() -> None:
     w = np.random.default_rng(5).normal(size=SHAPE).astype(np.float32)
     w.setflags(write=False)  # like a read-only memory map
     qw = QWeight.from_gguf(w, Q.F32, SHAPE)
-    assert qw.kernel == "dense-f32" and qw.nbytes == w.nbytes
+    # the native products read it in place where they built, torch's F.linear elsewhere
+    assert qw.kernel in ("native-float", "dense-f32") and qw.nbytes == w.nbytes
     assert np.shares_memory(qw._k.tensors()[0].numpy(), w)
     d = qw.dequantize()
     d += 1  # writable and not the weight itself

@@ -16,9 +16,10 @@ from graftlm.quant.synth import gguf_tensor
 
 # (type, shape, kernel expected with torch's kernels (int4pack usable), with native kernels)
 CASES = [
-    (Q.F32, (96, 256), "dense-f32", "dense-f32"),
-    (Q.F16, (96, 256), "dense-f16", "dense-f16"),
-    (Q.BF16, (96, 256), "dense-bf16", "dense-bf16"),
+    (Q.F32, (96, 256), "dense-f32", "native-float"),
+    (Q.F16, (96, 256), "dense-f16", "native-float"),
+    (Q.BF16, (96, 256), "dense-bf16", "native-float"),
+    (Q.F16, (101, 576), "dense-f16", "native-float"),  # a last task of 5 outputs
     (Q.Q4_0, (100, 256), "int4pack", "native-u4"),
     (Q.Q4_1, (192, 576), "int4pack", "native-u4"),
     (Q.Q4_K, (64, 512), "int4pack", "native-k4"),
@@ -103,6 +104,18 @@ def test_matmul_matches_float32_twin(
     assert torch.allclose(w.reference_matmul(x), ref, rtol=1e-5, atol=1e-6)
     assert rel_err(w.matmul(x, exact=True), ref) < F32_TOL
     assert rel_err(linear(x, w, exact=True), ref) < F32_TOL
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
+def test_float_weights_keep_x_float32(qtype: Q) -> None:
+    """F16 / BF16 / F32 weights on the native products (csrc/float.c) read the file's values in
+    place and keep x float32: the fast product is the float32 GEMM's up to the order of its sums,
+    for every count of rows of x a tile takes (1-4) and a row count past one tile."""
+    w, dense = load(qtype, (101, 576), mode="native")
+    assert w.kernel == "native-float"
+    for m in (1, 2, 3, 4, 5, 9, 33):
+        x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        assert rel_err(w.matmul(x), x @ dense.T) < F32_TOL
 
 
 @pytest.mark.parametrize("mode", MODES)

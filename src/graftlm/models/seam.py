@@ -95,8 +95,9 @@ class Projection:
 
     @property
     def approximate(self) -> bool:
-        """Whether the fast base product rounds x to int8 (the native kernels)."""
-        return self.weight.kernel.startswith("native")
+        """Whether the fast base product rounds x to int8 (the native kernels but the float
+        weights')."""
+        return self.weight.kernel.startswith("native") and self.weight.kernel != "native-float"
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         site, rows = self.lora, batch.lora

@@ -6,6 +6,8 @@
   in their super-blocks (csrc/kquant.c).
 * ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values; IQ4_NL and IQ4_XS the same
   way, their codes kept in 4 bits (indices into IQ4_NL's table of 16 int8 values).
+* ``NativeFloatKernel``: F16, BF16 and F32 read in place from the file (csrc/float.c), x kept
+  float32: the one native kind whose products do not round x.
 
 Matrix products with few rows of x (decode, batched decode) quantize x to int8 per 32 values, as
 llama.cpp does for its CPU matmuls, and run integer dot products; from ``config.PREFILL_M`` rows
@@ -366,3 +368,43 @@ class NativeS8Kernel(NativeKernel):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.s)
+
+
+class NativeFloatKernel(NativeKernel):
+    """Semantics: y = x @ float32(W).T, W the file's F16 / BF16 / F32 values read in place (no
+    copy, no repacking); x stays float32 and each value is converted as it is read (csrc/float.c),
+    so the fast product differs from the float32 GEMM only in the order of its sums. Decode
+    reads each weight once at its stored size, where upcasting chunks for a float32 GEMM wrote
+    and read them again as float32 on every call."""
+
+    name = "native-float"
+    TYPES = (T.F16, T.BF16, T.F32)
+    HALF: ClassVar[dict[QType, int]] = {T.F16: 0, T.BF16: 1, T.F32: 2}
+    DTYPES: ClassVar[dict[QType, torch.dtype]] = {
+        T.F16: torch.float16, T.BF16: torch.bfloat16, T.F32: torch.float32,
+    }  # fmt: skip
+    keeps_source = True
+
+    def __init__(self, w: torch.Tensor, half: int) -> None:
+        super().__init__((w.shape[0], w.shape[1]))
+        self.w = w  # (n_out, n_in) in the file's dtype
+        n, k = self.shape
+        self._view = GlWeight(4, half, 32, 0, n, k, w.data_ptr(), None, None)
+        lib = loaded_library()
+        assert lib is not None
+        self._fn = lib.gl_mm_f
+        self._args = (k, w.data_ptr(), half, n)
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        # (n_out, row bytes) of the mapped file -> (n_out, n_in) values, still the file's bytes
+        return cls(raw.contiguous().view(cls.DTYPES[qtype]), cls.HALF[qtype])
+
+    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.w[start:stop].to(torch.float32, copy=True)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w[_check_ids(ids.to(torch.int64), self.shape[0])].float()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w,)

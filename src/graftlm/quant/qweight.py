@@ -21,6 +21,7 @@ from graftlm.quant.kernels import (
     ReferenceKernel,
 )
 from graftlm.quant.native_kernels import (
+    NativeFloatKernel,
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,
@@ -30,8 +31,9 @@ from graftlm.quant.native_kernels import (
 # Tried in order; the first kernel that accepts (type, shape) holds the weight.  The model never
 # looks at quantization types: it only ever calls QWeight.matmul / rows.
 FAST_KERNELS: list[type[Kernel]] = [
+    NativeFloatKernel,  # accept only where the native library built (AVX2 + a C compiler)
     DenseKernel,
-    NativeU4Kernel,  # accept only where the native library built (AVX2 + a C compiler)
+    NativeU4Kernel,
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,

@@ -56,7 +56,8 @@ static uint16_t *amx_buf(int which, int64_t bytes) {
 
 /* Whether the tiles serve this task of this product (outputs [32 t, 32 t + 32) of M rows). */
 static inline int amx_serves(const gl_weight *w, int64_t M) {
-    return gl_amx_rows > 0 && M >= gl_amx_rows && w->q != NULL && (w->kind != 1 || w->sblk == 32);
+    return gl_amx_rows > 0 && M >= gl_amx_rows && w->q != NULL && w->kind != 4 &&
+           (w->kind != 1 || w->sblk == 32);
 }
 
 /* f[j] (16 outputs) for the j-th value of each 4-value lane of v, times a plus c. */

@@ -44,7 +44,8 @@ static int64_t gl_allocs;
 
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
-    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c) */
+    int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
+                   * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
@@ -176,6 +177,9 @@ GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, co
                      const void *m, int h, int h5, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
                      int v, int sblk, int64_t n, float *y, int nth);
+/* float.c */
+GL_API void gl_mm_f(const float *x, int64_t M, int64_t k, const void *w, int h, int64_t n, float *y,
+                    int nth);
 
 /* kquant.c */
 GL_API int gl_pack_k4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
@@ -648,6 +652,7 @@ typedef struct {
     int8_t *xq;
     uint8_t *xu; /* xq + 128, for the s8 products with VNNI (NULL without, or with none) */
     float *xd, *xs, *xs16;
+    const float *xf; /* x itself, rows of k floats: what the float weights (kind 4) read */
 } xbuf;
 
 static void quantize_x(const float *x, int64_t M, int64_t k, int8_t *xq, uint8_t *xu, float *xd,
@@ -662,6 +667,9 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
                     float *y);
 static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y);
+/* float.c: mm_task for the weights of kind 4 */
+static void f_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                   float *y);
 static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int v, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);

@@ -71,7 +71,7 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
 /* x's rows [r0, ...) of a quantized buffer of rows of k values. */
 static inline xbuf xbuf_rows(const xbuf *x, int64_t r0, int64_t k) {
     const xbuf o = {x->xq + r0 * k, x->xu ? x->xu + r0 * k : NULL, x->xd + r0 * (k / 32),
-                    x->xs + r0 * (k / 32), x->xs16 + r0 * (k / 16)};
+                    x->xs + r0 * (k / 32), x->xs16 + r0 * (k / 16), x->xf ? x->xf + r0 * k : NULL};
     return o;
 }
 
@@ -158,7 +158,8 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         job[0] = e, job[1] = r0, job[2] = R - r0;
     }
     const int64_t tgu = ((2 * ff + 7) / 8 + GT - 1) / GT, tdn = ((d + 7) / 8 + GT - 1) / GT;
-    const xbuf xg = bufs->xg, xd = bufs->xd;
+    xbuf xg = bufs->xg, xd = bufs->xd;
+    xg.xf = bufs->gath, xd.xf = bufs->act; /* (what float experts read) */
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -394,7 +394,8 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
     const int has = U > 0, many = has && !proj_one_row(U, P, M);
     int aq = 0; /* some slot's A . x takes the integer dots */
     for (int64_t j = 0; has && j < n; j++) aq |= l->slot[j].aq != NULL;
-    int vnni = w->q != NULL; /* the base product, or some of its outputs, on the VNNI kernels */
+    /* the base product, or some of its outputs, on the VNNI kernels (not a float weight's) */
+    int vnni = w->q != NULL && w->kind != 4;
 #if GL_AMX
     if (amx_serves(w, M)) {
         b.xbf = scratch_take(s, (M + 31) / 32 * 32 * w->k * 2);
@@ -451,7 +452,8 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
      * (b.xbf), one pass: a task's weights are dequantized once for all the rows. */
     const int64_t rows = M * k <= (1 << 19) || b.xbf ? M : ((1 << 19) / k + RC - 1) / RC * RC;
     const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
-    const xbuf xb = b.xb;
+    xbuf xb = b.xb;
+    xb.xf = x; /* (a float weight reads x as it is) */
     /* x quantized; with many rows and adapters by the threads of the region below, each its own
      * rows, whose dots of A it takes next (one barrier for both, and no region of its own) */
     if (xb.xq && !many) quantize_x(x, M, k, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16, nth);

@@ -631,6 +631,7 @@ static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8) {
     b.xd = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs = scratch_take(s, (int64_t)sizeof(float) * M * (k / 32));
     b.xs16 = scratch_take(s, (int64_t)sizeof(float) * M * (k / 16));
+    b.xf = NULL;
     return b;
 }
 
@@ -668,6 +669,10 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
     if (w->kind == 2 || w->kind == 3) {
         (w->kind == 2 ? k4_task : k6_task)(w, xb, M, ra, rb, t, y);
+        return;
+    }
+    if (w->kind == 4) {
+        f_task(w, xb, M, ra, rb, t, y);
         return;
     }
     if (w->kind == 0) {

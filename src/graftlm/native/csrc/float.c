@@ -40,9 +40,6 @@ static inline __attribute__((always_inline)) fvec fw_load(const void *w, int64_t
 #define fv_sum hsum8
 #endif
 #define FR 4 /* rows of x a tile */
-#ifndef FPD
-#define FPD 4 /* tiles of weight rows prefetched ahead */
-#endif
 
 static inline float fw_value(const void *w, int64_t i, int h) {
     if (h == 2) return ((const float *)w)[i];
@@ -56,12 +53,14 @@ static inline float fw_value(const void *w, int64_t i, int h) {
  * each over all k values. */
 static inline __attribute__((always_inline)) void f_tile(const char *w, int64_t rowbytes, int64_t k, int h,
                                                          const float *x, int64_t ldx, int R, int64_t no,
-                                                         float *y, int64_t ldy) {
+                                                         float *y, int64_t ldy, const char *pf) {
     fvec acc[FO][FR];
     for (int o = 0; o < FO; o++)
         for (int r = 0; r < FR; r++) acc[o][r] = fv_zero();
-    const int64_t kv = k / FW * FW;
+    const int64_t kv = k / FW * FW, step = FO * FW * (h == 2 ? 4 : 2); /* bytes a trip reads */
     for (int64_t i = 0; i < kv; i += FW) {
+        if (pf) /* as much of the next tile as a trip reads of this one: all of it by the end */
+            for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pf + (i / FW) * step + b, _MM_HINT_T1);
         fvec xv[FR];
         for (int r = 0; r < R; r++) xv[r] = fx_load(x + r * ldx + i);
         for (int o = 0; o < FO; o++) {
@@ -92,12 +91,10 @@ static void f_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, in
         for (int64_t o = t * GT * 8; o < o1; o += FO) {
             const char *wo = (const char *)w->q + o * rowbytes;
             const int64_t no = o1 - o < FO ? o1 - o : FO;
-            if (r0 == ra) { /* the rows FPD tiles ahead (a thread's tasks are one run of rows) */
-                const char *ahead = wo + FPD * FO * rowbytes;
-                for (int64_t b = 0; b < FO * rowbytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-            }
+            /* the next tile's rows follow this one's (a thread's tasks are one run of rows) */
+            const char *pf = r0 == ra ? wo + FO * rowbytes : NULL;
             float *yo = y + r0 * n + o;
-#define FT(HH, RR) f_tile(wo, rowbytes, k, HH, x, k, RR, no, yo, n)
+#define FT(HH, RR) f_tile(wo, rowbytes, k, HH, x, k, RR, no, yo, n, pf)
 #define F_ROWS(HH)                                                                                 \
     switch (R) {                                                                                   \
     case 4: FT(HH, 4); break;                                                                      \

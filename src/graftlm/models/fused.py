@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from graftlm.lora.packed import SlotTable
 from graftlm.lora.site import Generation
@@ -32,7 +31,6 @@ from graftlm.quant import QWeight
 
 # experts a token that the native routed FFN serves (csrc/graftlm.h's GL_MAX_EXPERTS_USED)
 MAX_EXPERTS_USED = 16
-FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})  # routers the native layer takes, as float32
 
 if TYPE_CHECKING:
     from graftlm.models.layers import Rope
@@ -82,7 +80,7 @@ class LayerSpec:
     def projections(self) -> list[Projection]:
         """The projections with adapter sites, in the struct's order of sites."""
         if self.moe is not None:
-            return [*self.qkv, self.o]  # (+ the router: a float32 product, its site bound apart)
+            return [*self.qkv, self.o]  # (+ the router: its site bound apart)
         assert self.gate_up is not None and self.down is not None
         return [*self.qkv, self.o, self.gate_up, self.down]
 
@@ -113,15 +111,12 @@ class MoeSpec:
     down: list[QWeight]
     n_used: int
 
-    def router_f32(self) -> torch.Tensor:
-        """The router's weight as float32 (n_expert, n_embd); servable() holds it to a float type
-        in the file (llama.cpp keeps routers F32), so this is the composed block's exact product."""
-        return self.router.weight.dequantize().float().contiguous()
-
     def servable(self) -> bool:
         return (
             0 < self.n_used <= min(len(self.gate_up), MAX_EXPERTS_USED)
-            and self.router.weight.ggml_type in FLOAT_TYPES
+            # the composed block's own product (GGUF routers are F32: csrc/float.c's), so both
+            # route every row to the same experts, near ties included
+            and self.router.weight.native() is not None
             and len(self.gate_up) == len(self.down)
             and all(w.native() is not None for w in [*self.gate_up, *self.down])
         )
@@ -212,10 +207,8 @@ class FusedLayer:
                 layer.qkv[i] = w
         layer.o = spec.o.weight.native()
         self.experts: tuple[ctypes.Array[GlWeight], ctypes.Array[GlWeight]] | None = None
-        self.router: torch.Tensor | None = None
         if spec.moe is not None:
-            self.router = spec.moe.router_f32()  # the struct points into it
-            layer.router = self.router.data_ptr()
+            layer.router = spec.moe.router.weight.native()
             self.experts = spec.moe.arrays()  # the struct points into them
             layer.exp_gate_up = ctypes.addressof(self.experts[0])
             layer.exp_down = ctypes.addressof(self.experts[1])

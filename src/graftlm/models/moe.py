@@ -135,7 +135,8 @@ def moe_ffn(
         groups.setdefault(e, []).append(flat)
     flat_weight = weight.reshape(-1)
     out = torch.zeros_like(x)
-    for e, picks in groups.items():
+    for e, picks in sorted(groups.items()):  # ascending, as the native layer adds them: a row's
+        # sum then does not depend on which experts the other rows picked first
         idx = torch.tensor(picks, device=x.device)
         token = idx // n_used
         ye = linear(gate_up(e, x.index_select(0, token)), down[e])  # (n_e, n_embd)

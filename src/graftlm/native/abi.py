@@ -69,7 +69,7 @@ class GlLayer(Mirror):
         ("n_qkv", _I64), ("n_embd", _I64), ("n_head", _I64), ("n_head_kv", _I64),
         ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
         ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F), ("softcap", _F),
-        ("router", _P), ("l_router", GlLoraSite), ("exp_gate_up", _P), ("exp_down", _P),
+        ("router", GlWeight), ("l_router", GlLoraSite), ("exp_gate_up", _P), ("exp_down", _P),
         ("n_expert", _I64), ("n_expert_used", _I64),
     ]  # fmt: skip
 

@@ -106,11 +106,11 @@ typedef struct {
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
     int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
     float eps, scale, softcap; /* softcap: cap * tanh(score / cap) on attention scores, 0: none */
-    /* A routed FFN in place of gate_up / down where n_expert > 0 (Mixtral): the router as float32
-     * (n_expert, n_embd), as GGUF files keep it, with its adapter site; expert e's stacked
-     * [gate; up] (2 n_ff rows) and down at exp_gate_up[e] and exp_down[e]; n_expert_used experts a
-     * token. */
-    const float *router;
+    /* A routed FFN in place of gate_up / down where n_expert > 0 (Mixtral, qwen3moe): the router
+     * (n_expert rows; GGUF files keep it float32: kind 4) with its adapter site, the same product
+     * as the composed block's; expert e's stacked [gate; up] (2 n_ff rows) and down at
+     * exp_gate_up[e] and exp_down[e]; n_expert_used experts a token. */
+    gl_weight router;
     gl_lora_site l_router;
     const gl_weight *exp_gate_up, *exp_down;
     int64_t n_expert, n_expert_used;

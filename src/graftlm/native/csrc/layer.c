@@ -60,9 +60,8 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
         const int64_t bytes = proj_bytes(w[p], l[p], B, 1);
         most = bytes > most ? bytes : most;
     }
-    if (L->n_expert) { /* the router's delta (the experts' products take layer_take's buffers) */
-        const gl_weight none = {-1, 0, 32, 0, L->n_expert, L->n_embd, NULL, NULL, NULL};
-        const int64_t r = proj_bytes(&none, &L->l_router, B, 1);
+    if (L->n_expert) { /* the router's (the experts' products take layer_take's buffers) */
+        const int64_t r = proj_bytes(&L->router, &L->l_router, B, 1);
         most = r > most ? r : most;
     }
     return count.used + most;
@@ -87,24 +86,6 @@ static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks
     }
 }
 
-/* The router's float32 logits of B rows (B, n_expert), 8 experts' sums at a time. */
-static void router_logits(const gl_layer *L, const float *h, int64_t B, float *logits, int nth) {
-    const int64_t d = L->n_embd, E = L->n_expert, d8 = d / 8 * 8;
-#pragma omp parallel for num_threads(nth) schedule(static) if (E * d * B > (1 << 17))
-    for (int64_t e = 0; e < E; e++) {
-        const float *we = L->router + e * d;
-        for (int64_t b = 0; b < B; b++) {
-            const float *hb = h + b * d;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d8; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(hb + i), _mm256_loadu_ps(we + i), acc);
-            float s = hsum8(acc);
-            for (int64_t i = d8; i < d; i++) s += hb[i] * we[i];
-            logits[b * E + e] = s;
-        }
-    }
-}
-
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
  * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
  * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
@@ -117,11 +98,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
                     float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
     float *logits = bufs->logits;
-    router_logits(L, h, B, logits, nth);
-    if (L->l_router.n > 0) { /* its adapters' delta (proj_run skips rows at scale 0) */
-        const gl_weight none = {-1, 0, 32, 0, E, d, NULL, NULL, NULL};
-        proj_run(&none, h, B, 1, &L->l_router, logits, sc, nth);
-    }
+    proj_run(&L->router, h, B, 1, &L->l_router, logits, sc, nth); /* with its adapters' delta */
     for (int64_t b = 0; b < B; b++) { /* softmax, the K largest by selection (E is small), w */
         float *p = logits + b * E, top = p[0], sum = 0.0f, total = 0.0f;
         int64_t *chosen = bufs->chosen + b * K;

@@ -55,6 +55,12 @@ def _key() -> str:
     return hashlib.sha256(text).hexdigest()[:12]
 
 
+def tiny_dir(family: str) -> Path | None:
+    """The tiny fixture folder of `family`: ../shared's, else the one made here, else None."""
+    shared = TINY / family
+    return shared if shared.is_dir() else made_dir(family)
+
+
 def made_dir(family: str) -> Path | None:
     """The made fixture folder of `family` (made now if it is not cached), or None where it
     cannot be made here (no transformers, PEFT or llama.cpp's converter)."""

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from made_families import made_dir
+from made_families import tiny_dir
 from shared_data import TINY
 
 from graftlm.gguf import GGUFFile
@@ -42,13 +42,10 @@ def one_thread() -> Iterator[None]:
 
 def family_dir(family: str) -> Path:
     """The fixture folder: ../shared's, or one made_families.py makes from transformers."""
-    d = TINY / family
-    if d.is_dir():
-        return d
-    made = made_dir(family)
-    if made is None:
-        pytest.skip(f"fixture {d} is not available and cannot be made here")
-    return made
+    d = tiny_dir(family)
+    if d is None:
+        pytest.skip(f"fixture {TINY / family} is not available and cannot be made here")
+    return d
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

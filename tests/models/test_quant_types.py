@@ -22,6 +22,7 @@ from families import (
     requantize,
     with_adapter,
 )
+from spies import stack_calls
 
 from graftlm.gguf import GGUFFile
 from graftlm.models import build_model
@@ -51,17 +52,7 @@ def test_float_files_on_the_native_layers_match_transformers(
     """F16 and BF16 files on the fast path: the prompt's products and the decode steps' whole
     native layers (csrc/float.c reads the weights in place, x float32) give transformers' logits
     on the same weights; with the family's adapter, the exact path's logits within 1e-5."""
-    from graftlm.models.fused import FusedStack
-
-    served: list[bool] = []
-    call = FusedStack.__call__
-
-    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        y = call(self, x, batch)
-        served.append(y is not None)
-        return y
-
-    monkeypatch.setattr(FusedStack, "__call__", counted)
+    served = stack_calls(monkeypatch)
     path = requantize(family, gguf.GGMLQuantizationType[qtype], tmp_path / f"{family}-{qtype}.gguf")
 
     def run(prefer: str, adapter: bool) -> torch.Tensor:

@@ -1055,22 +1055,6 @@ def _same_three_ways(
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
 
 
-def _stack_calls(mp: pytest.MonkeyPatch) -> list[bool]:
-    """From here on, whether each FusedStack call served its step (True) or refused it (None)."""
-    from graftlm.models.fused import FusedStack
-
-    served: list[bool] = []
-    call = FusedStack.__call__
-
-    def counted(self: FusedStack, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        y = call(self, x, batch)
-        served.append(y is not None)
-        return y
-
-    mp.setattr(FusedStack, "__call__", counted)
-    return served
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"])
 def test_fused_layer_serves_the_converted_families(
     family: str, monkeypatch: pytest.MonkeyPatch
@@ -1080,13 +1064,14 @@ def test_fused_layer_serves_the_converted_families(
     decode step runs in one native call, bit-identical to one call a layer and within 1e-4 of
     the composed blocks, rows with the adapter and without."""
     from shared_data import TINY
+    from spies import stack_calls
 
     d = TINY / family
     m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
     aid = m.add_lora(d / "lora-f32.gguf", 0.0)
     model = m.model
     rows = m.engine.lora_rows([{aid: 1.0}, {}])
-    served = _stack_calls(monkeypatch)
+    served = stack_calls(monkeypatch)
 
     def run() -> list[torch.Tensor]:
         out = []
@@ -1118,11 +1103,11 @@ def test_fused_layer_serves_the_routed_experts(
     experts, top 4, QK-norm), F32 routers: every decode step in one native call with the routed
     FFN in C, bit-identical to one call a layer and within 1e-4 of the composed blocks (moe.py),
     a row with an adapter on the attention and on the router, a row without."""
-    from made_families import made_dir
-    from shared_data import TINY
+    from made_families import tiny_dir
+    from spies import stack_calls
     from tiny_models import write_tiny_adapter
 
-    d = TINY / family if (TINY / family).is_dir() else made_dir(family)
+    d = tiny_dir(family)
     if d is None:
         pytest.skip(f"the tiny {family} is not available here")
     arch, nq, n_expert = ROUTED[family]
@@ -1134,7 +1119,7 @@ def test_fused_layer_serves_the_routed_experts(
     model = m.model
     assert model.fused_stack() is not None
     rows = m.engine.lora_rows([{aid: 1.0}, {}][:n_rows])
-    served = _stack_calls(monkeypatch)
+    served = stack_calls(monkeypatch)
     lens = (12, 5)[:n_rows]
 
     def run() -> list[torch.Tensor]:

@@ -95,9 +95,8 @@ class Projection:
 
     @property
     def approximate(self) -> bool:
-        """Whether the fast base product rounds x to int8 (the native kernels but the float
-        weights')."""
-        return self.weight.kernel.startswith("native") and self.weight.kernel != "native-float"
+        """Whether the fast base product rounds x to int8 (Kernel.rounds_x)."""
+        return self.weight.rounds_x
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         site, rows = self.lora, batch.lora

@@ -28,6 +28,7 @@ from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
+from graftlm.quant.kernels import DenseKernel
 
 T = GGMLQuantizationType
 
@@ -64,6 +65,7 @@ class NativeKernel(Kernel):
     """Shared plumbing: the fused/float32 choice and dequantized-row helpers."""
 
     TYPES: ClassVar[tuple[GGMLQuantizationType, ...]] = ()
+    rounds_x = True
 
     @classmethod
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
@@ -378,12 +380,10 @@ class NativeFloatKernel(NativeKernel):
     and read them again as float32 on every call."""
 
     name = "native-float"
-    TYPES = (T.F16, T.BF16, T.F32)
+    TYPES = tuple(DenseKernel.DTYPES)
     HALF: ClassVar[dict[QType, int]] = {T.F16: 0, T.BF16: 1, T.F32: 2}
-    DTYPES: ClassVar[dict[QType, torch.dtype]] = {
-        T.F16: torch.float16, T.BF16: torch.bfloat16, T.F32: torch.float32,
-    }  # fmt: skip
     keeps_source = True
+    rounds_x = False
 
     def __init__(self, w: torch.Tensor, half: int) -> None:
         super().__init__((w.shape[0], w.shape[1]))
@@ -398,13 +398,11 @@ class NativeFloatKernel(NativeKernel):
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         # (n_out, row bytes) of the mapped file -> (n_out, n_in) values, still the file's bytes
-        return cls(raw.contiguous().view(cls.DTYPES[qtype]), cls.HALF[qtype])
+        return cls(raw.contiguous().view(DenseKernel.DTYPES[qtype]), cls.HALF[qtype])
 
-    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
-        return self.w[start:stop].to(torch.float32, copy=True)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.w[_check_ids(ids.to(torch.int64), self.shape[0])].float()
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        w = self.w[row0 : row0 + count] if ids is None else self.w[ids]
+        return w.to(torch.float32, copy=True)  # (never the file's bytes themselves)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.w,)

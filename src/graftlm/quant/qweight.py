@@ -142,6 +142,11 @@ class QWeight:
         Kernel.native)."""
         return self._k.native()
 
+    @property
+    def rounds_x(self) -> bool:
+        """Whether the fast product rounds x (see Kernel.rounds_x)."""
+        return self._k.rounds_x
+
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The slow twin of ``matmul``: x @ dequantize().T in float32."""
         n_out, n_in = self.shape

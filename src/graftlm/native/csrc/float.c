@@ -41,24 +41,16 @@ static inline __attribute__((always_inline)) fvec fw_load(const void *w, int64_t
 #endif
 #define FR 4 /* rows of x a tile */
 
-static inline float fw_value(const void *w, int64_t i, int h) {
-    if (h == 2) return ((const float *)w)[i];
-    const uint16_t u = ((const uint16_t *)w)[i];
-    if (h == 0) return _cvtsh_ss(u);
-    union { uint32_t u; float f; } c = {(uint32_t)u << 16};
-    return c.f;
-}
-
 /* y[r, o] for the R rows of x at x (ldx apart) and the outputs [o0, o0 + no) of W (no <= FO),
- * each over all k values. */
+ * each over all k values (a multiple of 32, as every native product's: NativeKernel.accepts). */
 static inline __attribute__((always_inline)) void f_tile(const char *w, int64_t rowbytes, int64_t k, int h,
                                                          const float *x, int64_t ldx, int R, int64_t no,
                                                          float *y, int64_t ldy, const char *pf) {
     fvec acc[FO][FR];
     for (int o = 0; o < FO; o++)
         for (int r = 0; r < FR; r++) acc[o][r] = fv_zero();
-    const int64_t kv = k / FW * FW, step = FO * FW * (h == 2 ? 4 : 2); /* bytes a trip reads */
-    for (int64_t i = 0; i < kv; i += FW) {
+    const int64_t step = FO * FW * (h == 2 ? 4 : 2); /* bytes a trip reads */
+    for (int64_t i = 0; i < k; i += FW) {
         if (pf) /* as much of the next tile as a trip reads of this one: all of it by the end */
             for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pf + (i / FW) * step + b, _MM_HINT_T1);
         fvec xv[FR];
@@ -70,11 +62,7 @@ static inline __attribute__((always_inline)) void f_tile(const char *w, int64_t 
         }
     }
     for (int o = 0; o < no; o++)
-        for (int r = 0; r < R; r++) {
-            float s = fv_sum(acc[o][r]);
-            for (int64_t i = kv; i < k; i++) s += fw_value(w + o * rowbytes, i, h) * x[r * ldx + i];
-            y[r * ldy + o] = s;
-        }
+        for (int r = 0; r < R; r++) y[r * ldy + o] = fv_sum(acc[o][r]);
 }
 
 /* mm_task for a float weight (kind 4): the outputs [8 GT t, 8 GT (t + 1)) of rows [ra, rb) of x

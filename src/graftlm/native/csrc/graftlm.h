@@ -177,7 +177,7 @@ GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, co
                      const void *m, int h, int h5, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
                      int v, int sblk, int64_t n, float *y, int nth);
-/* float.c */
+/* float.c (k a multiple of 32, as every product's) */
 GL_API void gl_mm_f(const float *x, int64_t M, int64_t k, const void *w, int h, int64_t n, float *y,
                     int nth);
 
@@ -615,6 +615,8 @@ static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, in
 /* The quantized products' tiles (quant.c; lora.c's integer dots of A use them too). */
 #define MT 6  /* rows of x per tile: their accumulators live in registers */
 #define GT 4 /* groups of 8 output rows per task: their weights stay in L1 across the x tiles */
+/* The tasks of a product with n outputs (each 8 GT of them: mm_task's t). */
+static inline int64_t mm_tasks(int64_t n) { return ((n + 7) / 8 + GT - 1) / GT; }
 #define RC 48 /* rows a chunk of a prompt's k16 pairs, unpacked once for them (kquant.c); a multiple of MT */
 
 /* The group and pair kernels ask for every line of a block's codes AHEAD bytes before they read

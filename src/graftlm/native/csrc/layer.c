@@ -39,9 +39,11 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
         b.gu = scratch_take(s, f * R * 2 * ff);
         b.act = scratch_take(s, f * R * ff);
         b.y = scratch_take(s, f * R * d);
-        /* the experts of one 3-D tensor share its type: expert 0 stands for all */
-        b.xg = xbuf_take(s, R, d, L->exp_gate_up[0].kind == 1);
-        b.xd = xbuf_take(s, R, ff, L->exp_down[0].kind == 1);
+        /* the experts of one 3-D tensor share its type: expert 0 stands for all (float
+         * experts read x itself: no quantized x) */
+        const gl_weight *gu = &L->exp_gate_up[0], *dn = &L->exp_down[0];
+        if (gu->kind != 4) b.xg = xbuf_take(s, R, d, gu->kind == 1);
+        if (dn->kind != 4) b.xd = xbuf_take(s, R, ff, dn->kind == 1);
     }
     return b;
 }
@@ -67,10 +69,14 @@ static int64_t layer_bytes(const gl_layer *L, int64_t B, int nth) {
     return count.used + most;
 }
 
-/* x's rows [r0, ...) of a quantized buffer of rows of k values. */
+/* x's rows [r0, ...) of a buffer of rows of k values: quantized, or x itself (xf). */
 static inline xbuf xbuf_rows(const xbuf *x, int64_t r0, int64_t k) {
+    if (!x->xq) { /* a float weight's: x itself */
+        const xbuf o = {NULL, NULL, NULL, NULL, NULL, x->xf + r0 * k};
+        return o;
+    }
     const xbuf o = {x->xq + r0 * k, x->xu ? x->xu + r0 * k : NULL, x->xd + r0 * (k / 32),
-                    x->xs + r0 * (k / 32), x->xs16 + r0 * (k / 16), x->xf ? x->xf + r0 * k : NULL};
+                    x->xs + r0 * (k / 32), x->xs16 + r0 * (k / 16), NULL};
     return o;
 }
 
@@ -134,7 +140,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         int64_t *job = bufs->jobs + 3 * nj++;
         job[0] = e, job[1] = r0, job[2] = R - r0;
     }
-    const int64_t tgu = ((2 * ff + 7) / 8 + GT - 1) / GT, tdn = ((d + 7) / 8 + GT - 1) / GT;
+    const int64_t tgu = mm_tasks(2 * ff), tdn = mm_tasks(d);
     xbuf xg = bufs->xg, xd = bufs->xd;
     xg.xf = bufs->gath, xd.xf = bufs->act; /* (what float experts read) */
 #pragma omp parallel num_threads(nth)
@@ -142,14 +148,14 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t a0, a1;
         static_chunk(R * (d / 32), me, nt, &a0, &a1); /* the gathered rows quantized */
-        quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
+        if (xg.xq) quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
 #pragma omp barrier
         static_chunk(nj * tgu, me, nt, &a0, &a1);
         expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, a0, a1, bufs->gu);
 #pragma omp barrier
         static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: gated, quantized */
         gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
-        quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
+        if (xd.xq) quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
 #pragma omp barrier
         static_chunk(nj * tdn, me, nt, &a0, &a1);
         expert_tasks(L->exp_down, bufs->jobs, tdn, &xd, a0, a1, bufs->y);

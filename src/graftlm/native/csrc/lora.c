@@ -438,7 +438,7 @@ static int64_t proj_bytes(const gl_weight *w, const gl_lora_site *l, int64_t M, 
 static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
                      float *y, gl_scratch *sc, int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
-    const int64_t n = w->n, k = w->k, tasks = ((n + 7) / 8 + GT - 1) / GT;
+    const int64_t n = w->n, k = w->k, tasks = mm_tasks(n);
     const int64_t mark = sc->used;
     const proj_bufs b = proj_take(w, l, M, T, sc);
     const lora_plan pl = b.plan; /* listed by proj_take */

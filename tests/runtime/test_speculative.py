@@ -203,6 +203,9 @@ class ScriptedDrafter:
     def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
         self.verdicts.append((n_drafted, n_accepted))
 
+    def release(self, req: Request) -> None:
+        pass
+
 
 def _generate(
     m: graftlm.Model,

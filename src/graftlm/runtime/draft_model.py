@@ -30,7 +30,6 @@ class _Row:
     """A row's place in the draft model's cache: its slot, how many of its tokens the slot
     holds, and its length when it last drafted (the first drafted token's position)."""
 
-    req: Request
     slot: int
     cached: int = 0
     drafted_at: int = 0
@@ -43,23 +42,18 @@ class ModelDrafter:
         self.model = model
         self.cfg = cfg
         self.costs = StepCosts()  # (the engine reports its steps; drafting here is by n_max)
-        cache = model.allocate_cache(n_slots)  # (default: every slot's whole context)
-        for s in range(n_slots):  # each slot its own blocks, for the drafter's life
-            cache.set_table(
-                s, list(range(1 + s * cache.max_blocks, 1 + (s + 1) * cache.max_blocks))
-            )
+        # the default pool: every slot its whole context, its own blocks for the drafter's life
+        model.allocate_cache(n_slots)
         self.free = list(range(n_slots))
         self.held: dict[int, _Row] = {}  # request id -> its row
 
-    def _release_done(self) -> None:
-        for rid, row in list(self.held.items()):
-            if getattr(row.req, "done", False) or getattr(row.req, "cancelled", False):
-                self.free.append(row.slot)
-                del self.held[rid]
+    def release(self, req: Request) -> None:
+        row = self.held.pop(req.id, None)
+        if row is not None:
+            self.free.append(row.slot)
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
-        self._release_done()
         rows: list[tuple[Request, int, int, float]] = []  # (req, n_max, n_min, p_min)
         for req, n_room in zip(reqs, room, strict=True):
             n_max, n_min, p_min = self.cfg.bounds(req.spec)
@@ -68,8 +62,8 @@ class ModelDrafter:
                 continue
             if req.id not in self.held:
                 if not self.free:
-                    continue  # more rows than slots (scoring's borrowed one): plain decoding
-                self.held[req.id] = _Row(req, self.free.pop())
+                    continue  # more rows than slots (preempted ones hold theirs): plain decoding
+                self.held[req.id] = _Row(self.free.pop())
             rows.append((req, n_max, n_min, p_min))
         if not rows:
             return {}
@@ -84,17 +78,21 @@ class ModelDrafter:
                 live.append((req, n_max, p_min))
         while live:  # one draft step for every row still drafting
             held = [self.held[r.id] for r, _, _ in live]
-            tokens = torch.tensor([[drafts[r.id][-1]] for r, _, _ in live], dtype=torch.long)
-            starts = [h.drafted_at + len(drafts[h.req.id]) - 1 for h in held]
-            batch = Batch(tokens.to(self.model.device), [h.slot for h in held], starts,
-                          [1] * len(live))  # fmt: skip
-            logits = self.model.forward(batch).float().cpu()
+            batch = Batch.padded(
+                [[drafts[r.id][-1]] for r, _, _ in live],
+                [h.slot for h in held],
+                [
+                    h.drafted_at + len(drafts[r.id]) - 1
+                    for h, (r, _, _) in zip(held, live, strict=True)
+                ],
+                device=self.model.device,
+            )
+            probs, bests = _top(self.model.forward(batch))
             nxt = []
-            for (req, n_max, p_min), logit in zip(live, logits, strict=True):
-                prob, best = torch.softmax(logit, -1).max(-1)
-                if float(prob) < p_min:
+            for (req, n_max, p_min), prob, best in zip(live, probs, bests, strict=True):
+                if prob < p_min:
                     continue
-                drafts[req.id].append(int(best))
+                drafts[req.id].append(best)
                 if len(drafts[req.id]) < n_max:
                     nxt.append((req, n_max, p_min))
             live = nxt
@@ -109,27 +107,22 @@ class ModelDrafter:
         tokens, and its probability."""
         out: dict[int, tuple[int, float]] = {}
         while True:
-            todo = []
+            todo = []  # (request id, its row, the tokens it lacks (at most CATCH_UP), its length)
             for req in reqs:
                 h = self.held[req.id]
-                toks = req.prompt + req.generated
-                if h.cached < len(toks):
-                    todo.append((h, toks[h.cached : h.cached + CATCH_UP], len(toks)))
+                n_tok = len(req.prompt) + len(req.generated)
+                if h.cached < n_tok:
+                    todo.append((req.id, h, _tokens(req, h.cached, CATCH_UP), n_tok))
             if not todo:
                 break
-            width = max(len(t) for _, t, _ in todo)
-            tokens = torch.zeros(len(todo), width, dtype=torch.long)
-            for i, (_, t, _) in enumerate(todo):
-                tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            batch = Batch(tokens.to(self.model.device), [h.slot for h, _, _ in todo],
-                          [h.cached for h, _, _ in todo], [len(t) for _, t, _ in todo])  # fmt: skip
-            logits = self.model.forward(batch).float().cpu()
-            for (h, t, n_tok), logit in zip(todo, logits, strict=True):
+            batch = Batch.padded([t for _, _, t, _ in todo], [h.slot for _, h, _, _ in todo],
+                                 [h.cached for _, h, _, _ in todo], device=self.model.device)  # fmt: skip
+            probs, bests = _top(self.model.forward(batch))
+            for (rid, h, t, n_tok), prob, best in zip(todo, probs, bests, strict=True):
                 h.cached += len(t)
                 h.drafted_at = h.cached
                 if h.cached == n_tok:
-                    prob, best = torch.softmax(logit, -1).max(-1)
-                    out[h.req.id] = (int(best), float(prob))
+                    out[rid] = (best, prob)
         return [out[r.id] for r in reqs]
 
     def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
@@ -138,6 +131,20 @@ class ModelDrafter:
         h = self.held.get(req.id)
         if h is not None:
             h.cached = h.drafted_at + min(n_accepted, n_drafted - 1)
+
+
+def _tokens(req: Request, start: int, n: int) -> list[int]:
+    """At most n of the row's tokens (its prompt, then its generated ones) from `start`."""
+    p = len(req.prompt)
+    head = req.prompt[start : start + n] if start < p else []
+    return head + req.generated[max(0, start - p) : max(0, start - p) + n - len(head)]
+
+
+def _top(logits: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Each row's most likely token and its probability, (B, n_vocab) in one pass on the
+    logits' device: 2 B numbers come back."""
+    prob, best = torch.softmax(logits.float(), -1).max(-1)
+    return prob.tolist(), best.tolist()
 
 
 def check_vocabulary(target: list[str], draft: list[str], draft_path: str) -> None:

@@ -78,11 +78,9 @@ class Engine:
         self.slots = PagedAllocator(
             n_slots, cache.n_blocks, cache.block, cache.max_blocks, cache.set_table, prefix_cache
         )
-        self.scheduler = Scheduler(self.slots, chunk)
+        self.scheduler = Scheduler(self.slots, chunk, n_ctx=self.n_ctx)
         self.slots.admit_tokens = chunk
-        self.scheduler.n_ctx = self.n_ctx
         self.lock = threading.RLock()
-        self.drafter: Drafter | None = None
         self.draft_model: Transformer | None = draft_model  # speculative method "draft"
         self.speculative = speculative
         self._adapters_seen = model.seams.generation.value
@@ -137,6 +135,16 @@ class Engine:
             self.slots.adapters_changed()
 
     @property
+    def drafter(self) -> Drafter | None:
+        """Speculative decoding's drafter (None: off); the scheduler's, which tells it when a
+        sequence ends."""
+        return self.scheduler.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.scheduler.drafter = drafter
+
+    @property
     def speculative(self) -> SpecConfig | None:
         """Speculative decoding's settings (None: off)."""
         return None if self.drafter is None else self.drafter.cfg
@@ -152,7 +160,6 @@ class Engine:
                 self.drafter = ModelDrafter(self.draft_model, cfg, self.n_slots)
             else:
                 self.drafter = NgramDrafter(cfg)
-            self.scheduler.drafter = self.drafter
 
     @property
     def running(self) -> list[Request]:
@@ -235,6 +242,10 @@ class Engine:
         with self.lock:
             self._check_adapters()
             plan = self.scheduler.plan()
+            if self.drafter is not None:  # (a draft model runs here: the engine runs models)
+                rows, room = self.scheduler.draft_room(plan)
+                if rows:
+                    plan = self.scheduler.keep_drafts(plan, self.drafter.propose(rows, room))
             if plan.prefill:
                 self._prefill(plan.prefill)
             decoding = [r for r in plan.decode if not r.done]  # a first token may have ended one
@@ -254,17 +265,8 @@ class Engine:
             c = chunks[0]
             batch = Batch.single(c.tokens, slot(c.seq), c.start, lora, self.device)
         else:
-            width = max(c.length for c in chunks)
-            tokens = torch.zeros(len(chunks), width, dtype=torch.long)  # padding: never read
-            for row, c in enumerate(chunks):
-                tokens[row, : c.length] = torch.tensor(c.tokens, dtype=torch.long)
-            batch = Batch(
-                tokens.to(self.device),
-                [slot(c.seq) for c in chunks],
-                [c.start for c in chunks],
-                [c.length for c in chunks],
-                lora,
-            )
+            batch = Batch.padded([c.tokens for c in chunks], [slot(c.seq) for c in chunks],
+                                 [c.start for c in chunks], lora, self.device)  # fmt: skip
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for c, row in zip(chunks, logits, strict=True):
             req = c.seq
@@ -285,7 +287,7 @@ class Engine:
         in order of their adapter ids, so the rows of one adapter are neighbours: the native
         delta reads each adapter's A once for a run of rows and adds B's blocks to two rows at
         a time."""
-        drafts = drafts or {}
+        drafts = drafts or {}  # (test_device.py decodes without)
         settings = [r.settings_at(r.n_past) for r in reqs]
         order = sorted(range(len(reqs)), key=lambda i: tuple(s for s, _ in settings[i].pairs))
         tokens: list[int] = []

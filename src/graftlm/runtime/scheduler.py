@@ -28,7 +28,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from graftlm.errors import RequestError
@@ -274,16 +274,21 @@ class Scheduler:
     tokens one step prefills, padding counted."""
 
     def __init__(
-        self, allocator: CacheAllocator, chunk: int = 512, max_running: int | None = None
+        self,
+        allocator: CacheAllocator,
+        chunk: int = 512,
+        max_running: int | None = None,
+        n_ctx: int = 1 << 62,
     ) -> None:
         self.allocator = allocator
         self.chunk = chunk
         self.max_running = allocator.n_slots if max_running is None else max_running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # speculative decoding (the engine's): drafts for decode rows, within n_ctx positions
+        # speculative decoding (the engine's): drafts for decode rows, within n_ctx positions;
+        # the drafter is told when a sequence ends, as the allocator is
         self.drafter: Drafter | None = None
-        self.n_ctx = 1 << 62
+        self.n_ctx = n_ctx
 
     @property
     def busy(self) -> bool:
@@ -318,27 +323,29 @@ class Scheduler:
             if self._grow(prefill, decode):
                 break
         admitted = [r for r in admitted if r in self.running]
-        drafts = self._drafts([r for r in decode if r.id not in completing])
-        return StepPlan(tuple(admitted), prefill, decode, len(self.running), drafts)
+        return StepPlan(tuple(admitted), prefill, decode, len(self.running))
 
-    def _drafts(self, rows: list[Request]) -> dict[int, list[int]]:
-        """The drafter's tokens for these decode rows, each within its room (the context's last
-        position, and the tokens max_tokens still allows: the last kept token is the model's
-        own, never a draft) and the blocks the pool can give now (a draft never preempts)."""
-        if self.drafter is None or not rows:
-            return {}
+    def draft_room(self, plan: StepPlan) -> tuple[list[Request], list[int]]:
+        """The decode rows of `plan` that may draft (not those whose prompt ends in its
+        prefill) and each one's room: the context's last position, and the tokens max_tokens
+        still allows (the last kept token is the model's own, never a draft)."""
+        completing = {c.seq.id for c in plan.prefill if c.end == len(c.seq.fill)}
+        rows = [r for r in plan.decode if r.id not in completing]
         room = []
         for r in rows:
             n = self.n_ctx - 1 - r.n_past
             if r.params.max_tokens >= 0:
                 n = min(n, r.params.max_tokens - len(r.generated) - 1)
             room.append(n)
-        drafts = self.drafter.propose(rows, room)
-        for r in rows:
+        return rows, room
+
+    def keep_drafts(self, plan: StepPlan, drafts: dict[int, list[int]]) -> StepPlan:
+        """`plan` with the drafts whose blocks the pool can give now (a draft never preempts)."""
+        for r in plan.decode:
             d = drafts.get(r.id)
             if d and not self.allocator.grow(r, r.n_past + 1 + len(d)):
                 del drafts[r.id]
-        return drafts
+        return replace(plan, drafts=drafts)
 
     def _grow(self, prefill: tuple[Chunk, ...], decode: tuple[Request, ...]) -> bool:
         """Blocks for every planned range; False after preempting one sequence (plan again)."""
@@ -358,6 +365,8 @@ class Scheduler:
         self.allocator.commit(req, self._written(req))
         self.running.remove(req)
         self.allocator.release(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
         if req.generated:
             req.resume = req.prompt + req.generated[:-1]
         req.n_prefilled = 0
@@ -406,6 +415,8 @@ class Scheduler:
         self.allocator.commit(req, self._written(req))
         self.running.remove(req)
         self.allocator.release(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     def cancel(self, req: Request, reason: str) -> None:
         """End a request early, running or not yet started."""
@@ -416,5 +427,7 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        if self.drafter is not None:  # (a preempted sequence may hold a draft's room)
+            self.drafter.release(req)
         req.cancelled = True
         req.finish_reason = reason

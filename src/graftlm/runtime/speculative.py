@@ -112,8 +112,10 @@ class SpecConfig:
             raise RequestError(
                 f"speculative method {self.method!r} is not supported (supported: ngram, draft)"
             )
-        if not 1 <= self.n_max <= 64:
-            raise RequestError(f"the draft's n_max must be in [1, 64], got {self.n_max}")
+        if not 1 <= self.n_max <= MAX_STEP_DRAFT:
+            raise RequestError(
+                f"the draft's n_max must be in [1, {MAX_STEP_DRAFT}], got {self.n_max}"
+            )
         if not 0 <= self.n_min <= self.n_max:
             raise RequestError(
                 f"the draft's n_min must be in [0, n_max={self.n_max}], got {self.n_min}"
@@ -131,7 +133,7 @@ class SpecConfig:
         if own is None:
             return self.n_max, self.n_min, self.p_min
         return (
-            self.n_max if own.n_max is None else min(own.n_max, 64),
+            self.n_max if own.n_max is None else min(own.n_max, MAX_STEP_DRAFT),
             self.n_min if own.n_min is None else own.n_min,
             self.p_min if own.p_min is None else own.p_min,
         )
@@ -152,10 +154,12 @@ class Drafter(Protocol):
     runtime/draft_model.py)."""
 
     cfg: SpecConfig
-    costs: StepCosts
+    costs: StepCosts  # the engine reports each decode step's rows and time
 
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]: ...
     def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None: ...
+    def release(self, req: Request) -> None:
+        """The request ended: what the drafter holds for it goes."""
 
 
 @dataclass(eq=False)
@@ -270,6 +274,10 @@ class NgramDrafter:
             if n > 0 and n >= n_min:
                 out[req.id] = draft[:n]
         return out
+
+    def release(self, req: Request) -> None:
+        """(A row's state lives on its request and goes with it; a verdict may still come in
+        the step the row ends, for the shared estimate.)"""
 
     def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
         """A row's draft of n_drafted tokens kept its first n_accepted."""

@@ -8,6 +8,7 @@ made here is on the device of `tokens` (the model's: the engine builds the batch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -136,6 +137,24 @@ class Batch:
             m = m.unsqueeze(1)
         self._masks[window] = m
         return m
+
+    @classmethod
+    def padded(
+        cls,
+        rows: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        starts: Sequence[int],
+        lora: LoraRows | None = None,
+        device: torch.device | None = None,
+    ) -> Batch:
+        """One row a sequence: its tokens at its slot from its start, padded to the longest
+        with token 0 (never read: each row's length bounds it)."""
+        tokens = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        if device is not None:
+            tokens = tokens.to(device)
+        return cls(tokens, list(slots), list(starts), [len(r) for r in rows], lora)
 
     @classmethod
     def single(

@@ -53,11 +53,15 @@ def add_ray_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _absolute(args: argparse.Namespace) -> argparse.Namespace:
-    """The flags with every path made absolute: replicas do not run in this folder."""
+def _replica_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags as a replica's server takes them: every path absolute (replicas do not run in
+    this folder), and --host the proxy's concern: a replica sits behind Serve's proxy, which
+    listens on --host (under KubeRay not even that), so its Host check is --allowed-hosts alone
+    (without it none), never the loopback names of a server listening on its own."""
     from graftlm.lora.cli_args import lora_specs
 
     out = copy.copy(args)
+    out.host = "0.0.0.0"  # (serve_options.allowed_hosts: a network address, no check unless given)
     if args.model:
         out.model = os.path.abspath(args.model)
     specs = lora_specs(args.lora, args.lora_scaled, args.lora_init_without_apply)
@@ -80,7 +84,7 @@ def spec_of(args: argparse.Namespace) -> Any:
     if args.max_loras is not None and args.max_loras < 1:
         raise ValueError(f"--max-loras {args.max_loras}: must be at least 1")
     spec = ScaleSpec(
-        build_state=partial(serving_state, _absolute(args)),
+        build_state=partial(serving_state, _replica_args(args)),
         threads=threads,
         replicas=args.replicas,
         min_replicas=args.min_replicas,

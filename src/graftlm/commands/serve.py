@@ -289,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """--chat-template-kwargs and --reasoning as the template variables every chat gets."""
-    from graftlm.server.schemas import check_template_kwargs
+    from graftlm.tokenizer.chat import check_template_kwargs
 
     out: dict[str, Any] = {}
     if args.chat_template_kwargs is not None:

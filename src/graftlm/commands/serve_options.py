@@ -110,18 +110,15 @@ def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
     --allowed-hosts is given (reachable under any name of the machine)."""
     import ipaddress
 
-    given = split_list(getattr(args, "allowed_hosts", None))
-    hosts = split_list(getattr(args, "host", None)) or ("127.0.0.1",)
+    given = split_list(args.allowed_hosts)
+    hosts = split_list(args.host) or ("127.0.0.1",)  # (as serve listens)
     exposed = False
     for h in hosts:
         try:
             exposed |= not ipaddress.ip_address(h.strip("[]")).is_loopback
         except ValueError:  # a name: answered under it
             exposed |= h.lower() != "localhost"
-    if exposed and not given:
-        return None
-    names = tuple(h for h in hosts if h.lower() not in ("localhost",))
-    return given + names
+    return None if exposed and not given else given + hosts  # (loopback names: always)
 
 
 def cors_origins(args: argparse.Namespace) -> tuple[str, ...] | None:

@@ -262,10 +262,15 @@ class PeftAdapter:
     notes: list[str] = field(default_factory=list)
 
 
+def peft_files(d: Path) -> tuple[Path, Path]:
+    """The files of PEFT directory `d` that reading it opens: its config, its weights."""
+    return d / CONFIG_FILE, d / WEIGHTS_FILE
+
+
 def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
     """Read and check a PEFT directory against `base`. Raises AdapterError listing every problem."""
     d = Path(path)
-    cfg_path, st_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    cfg_path, st_path = peft_files(d)
     missing = [p.name for p in (cfg_path, st_path) if not p.is_file()]
     if missing:
         hint = ""

@@ -29,6 +29,16 @@ from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls
 router = APIRouter()
 
 
+def _block_text(block: dict[str, Any], where: str) -> str:
+    """A text block's text (the block at `where`)."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise ApiError(
+            400, f"{where}.text: expected a string, got {type(text).__name__} {text!r}"[:300]
+        )
+    return text
+
+
 def _text_of(content: Any, where: str) -> str:
     """A content that must be text: a string, or text blocks (joined)."""
     if isinstance(content, str):
@@ -38,14 +48,8 @@ def _text_of(content: Any, where: str) -> str:
     out = []
     for k, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            out.append(block["text"])
-        elif kind == "text":
-            text = block.get("text")
-            raise ApiError(
-                400,
-                f"{where}[{k}].text: expected a string, got {type(text).__name__} {text!r}"[:300],
-            )
+        if kind == "text":
+            out.append(_block_text(block, f"{where}[{k}]"))
         elif kind == "image":
             raise ApiError(400, f"{where}[{k}]: image input is not supported by this model")
         else:
@@ -75,7 +79,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             where = f"messages[{i}].content[{k}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                text.append(_text_of(block.get("text"), f"{where}.text"))
+                text.append(_block_text(block, where))
             elif kind == "thinking":
                 continue  # earlier reasoning: this server's templates do not render it
             elif kind == "tool_use" and role == "assistant":

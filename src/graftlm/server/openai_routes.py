@@ -15,8 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from graftlm.lora.peft import WEIGHTS_FILE
-from graftlm.lora.peft_config import CONFIG_FILE
+from graftlm.lora.peft import peft_files
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import Job
 from graftlm.server.generation import (
@@ -139,11 +138,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     """Continue prompts (text or token ids); echo + logprobs + max_tokens 0 scores a prompt."""
     state = state_of(request)
     svc = state.service
-    if body.max_tokens is not None and body.n_predict is not None:
-        raise ApiError(400, "give max_tokens or n_predict (llama-server's name), not both")
-    max_tokens = next(
-        (v for v in (body.max_tokens, body.n_predict) if v is not None), state.config.n_predict
-    )
+    max_tokens = body.length if body.length is not None else state.config.n_predict
     prompts = _prompts(body)
     ids = [await asyncio.to_thread(prompt_ids, state, p) for p in prompts]  # off the loop
     for x in ids:
@@ -388,7 +383,11 @@ def _confined(state: ServerState, path: str) -> str:
     except (OSError, RuntimeError, ValueError) as exc:  # too long, a symlink loop, a NUL byte
         raise ApiError(400, f"lora_path cannot be used: {exc}"[:300], "invalid_value") from None
     dirs = state.config.lora_dirs
-    if not any(real.is_relative_to(d) for d in dirs):
+
+    def inside(p: Path) -> bool:
+        return any(p.is_relative_to(d) for d in dirs)
+
+    if not inside(real):
         allowed = ", ".join(str(d) for d in dirs) or "none (start the server with --lora-dir)"
         raise ApiError(
             403,
@@ -398,14 +397,14 @@ def _confined(state: ServerState, path: str) -> str:
     try:
         is_other = real.exists() and not (real.is_file() or real.is_dir())
         # a PEFT directory's files are read too: a link in it to elsewhere is outside as well
-        files = [real / n for n in (CONFIG_FILE, WEIGHTS_FILE)] if real.is_dir() else []
+        files = peft_files(real) if real.is_dir() else ()
         inner = [(f.name, f.resolve()) for f in files if f.is_symlink()]
     except (OSError, RuntimeError) as exc:
         raise ApiError(400, f"lora_path cannot be used: {exc}"[:300], "invalid_value") from None
     if is_other:
         raise ApiError(400, f"{path[:200]}: not a regular file or a directory", "invalid_value")
     for name, target in inner:
-        if not any(target.is_relative_to(d) for d in dirs):
+        if not inside(target):
             raise ApiError(
                 403,
                 f"lora_path {path[:200]!r}: {name} links outside the folders runtime loads may "

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
+from graftlm.tokenizer.chat import check_template_kwargs
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N_PROBS = 100  # /completion's n_probs (2**70 made a 187 MB answer of the whole vocabulary)
@@ -293,6 +294,17 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
+    @model_validator(mode="after")
+    def _one_length(self) -> CompletionRequest:
+        if self.max_tokens is not None and self.n_predict is not None:
+            raise ValueError("give max_tokens or n_predict (llama-server's name), not both")
+        return self
+
+    @property
+    def length(self) -> int | None:
+        """max_tokens, or n_predict (None: neither given)."""
+        return self.max_tokens if self.max_tokens is not None else self.n_predict
+
 
 class TextPart(_Body):
     type: Literal["text"]
@@ -367,15 +379,9 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-# a template's own variables, which chat_template_kwargs may not replace
-TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
-
-
-def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    bad = sorted(set(value or ()) & set(TEMPLATE_RESERVED))
-    if bad:
-        raise ValueError(f"{', '.join(bad)}: set by the request itself, not a template variable")
-    return value
+# more variables for the chat template (llama-server's and vLLM's; e.g. enable_thinking), not
+# the template's own (tokenizer/chat.py's rule)
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(check_template_kwargs)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -391,8 +397,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
-    # more variables for the chat template (llama-server's and vLLM's; e.g. enable_thinking)
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # see IGNORED
     # the template's generation prompt (False: none); continue_final_message: the final
@@ -400,11 +405,6 @@ class ChatCompletionRequest(SamplingFields):
     # llama-server's prefill); both true is a 400
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
 
 
 class LlamaCompletionRequest(SamplingFields):
@@ -476,13 +476,11 @@ class TokenizeRequest(_Body):
             raise ValueError(
                 "give 'add_special' (llama-server) or 'add_special_tokens' (vLLM), not both"
             )
-        name, text = (
-            ("content", self.content) if self.content is not None else ("prompt", self.prompt)
-        )
-        if text is not None and len(text) > MAX_TOKENIZE_CHARS:
+        if len(self.text) > MAX_TOKENIZE_CHARS:
+            name = "content" if self.content is not None else "prompt"
             raise ValueError(
-                f"{name}: {len(text)} characters, more than the {MAX_TOKENIZE_CHARS} one request "
-                "may tokenize"
+                f"{name}: {len(self.text)} characters, more than the {MAX_TOKENIZE_CHARS} one "
+                "request may tokenize"
             )
         return self
 
@@ -508,12 +506,7 @@ class ApplyTemplateRequest(_Body):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     tools: list[Tool] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(v)
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class LoadLoraRequest(_Body):

@@ -27,6 +27,20 @@ class TemplateLimitError(ChatTemplateError):
     """The template ran past the renderer's limits (time, output, a string or list's size)."""
 
 
+# the variables render_chat sets itself, which a caller's extra variables (a request's
+# chat_template_kwargs, the server's --chat-template-kwargs) may not replace
+TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`value` (extra template variables) when it names none of TEMPLATE_RESERVED; else a
+    ValueError naming them."""
+    bad = sorted(set(value or ()) & set(TEMPLATE_RESERVED))
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: set by the request itself, not a template variable")
+    return value
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, Any]],

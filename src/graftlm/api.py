@@ -135,9 +135,7 @@ def load(
             draft.to(dev)
         if speculative is None:
             speculative = SpecConfig(method="draft")
-    if dev.type == "cpu":  # whichever thread steps next makes its own pool (release_threads)
-        release_threads()
-    return Model(
+    loaded = Model(
         file,
         model,
         tokenizer,
@@ -149,6 +147,9 @@ def load(
         speculative=speculative,
         draft_model=draft,
     )
+    if dev.type == "cpu":  # last (the engine's cache is made in parallel regions too): whichever
+        release_threads()  # thread steps next makes its own pool (release_threads)
+    return loaded
 
 
 class Model:

@@ -92,7 +92,6 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * merged at the end. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
-#define DECODE_AHEAD 1 /* blocks read ahead of the one being computed */
 
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -141,23 +140,18 @@ static inline __attribute__((always_inline)) void pv_tile(float *O, const float 
     default: pv_tile(Og, al, Pg, Vc, n, Dv, GN, 4); break;                             \
     }
 
-/* The tiles DECODE_AHEAD blocks past position j toward the cache (L2), of a task over [k0, k1)
- * (at its first tile the ones before them too): a whole block of keys where they are transposed,
- * else its rows; the block's rows of values. The blocks lie anywhere in the pool, where no
- * hardware prefetcher follows. */
+/* The tiles of the block after position j's toward the cache (L2), of a task ending at k1: the
+ * whole block of keys where they are transposed, else its rows; the block's rows of values. The
+ * blocks lie anywhere in the pool, where no hardware prefetcher follows. */
 static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, int64_t s, int64_t hk,
-                                                               int64_t j, int64_t k0, int64_t k1,
-                                                               int64_t D, int64_t Dv, const int t) {
-    const int64_t BS = kv->block;
-    for (int64_t ahead = j == k0 ? 1 : DECODE_AHEAD; ahead <= DECODE_AHEAD; ahead++) {
-        const int64_t jn = (j / BS + ahead) * BS, nn = k1 - jn < BS ? k1 - jn : BS;
-        if (jn >= k1) break;
-        const char *kn = t != 3 ? kt_plane(kv, s, hk, jn, D) : kv_at(kv, kv->k, s, hk, jn, D);
-        const char *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
-        const int64_t kb = kv_bytes((t != 3 ? BS : nn) * D, t), vb = kv_bytes(nn * Dv, t);
-        for (int64_t c = 0; c < kb; c += 64) _mm_prefetch(kn + c, _MM_HINT_T1);
-        for (int64_t c = 0; c < vb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T1);
-    }
+                                                               int64_t j, int64_t k1, int64_t D,
+                                                               int64_t Dv, const int t) {
+    const int64_t BS = kv->block, jn = (j / BS + 1) * BS, nn = k1 - jn < BS ? k1 - jn : BS;
+    if (jn >= k1) return;
+    const char *kn = t != 3 ? kt_plane(kv, s, hk, jn, D) : kv_at(kv, kv->k, s, hk, jn, D);
+    const char *vn = kv_at(kv, kv->v, s, hk, jn, Dv);
+    prefetch_l2(kn, kv_bytes((t != 3 ? BS : nn) * D, t));
+    prefetch_l2(vn, kv_bytes(nn * Dv, t));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
@@ -265,6 +259,12 @@ static inline __m512i round_away(__m512 v) {
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
     return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+}
+
+/* The bytes q8_quantize lays out in its room: the codes (G D, to a multiple of 64), then a scale
+ * and a code sum each 32 values. */
+static inline int64_t q8_queries_bytes(int64_t G, int64_t D) {
+    return (G * D + 63) / 64 * 64 + 8 * G * (D / 32);
 }
 
 static inline q8_queries q8_quantize(const float *Q, int64_t G, int64_t D, void *room) {
@@ -389,7 +389,7 @@ static inline __attribute__((always_inline)) void decode_task(
     memset(O, 0, sizeof(float) * (size_t)(G * Dv));
 #if DECODE_Q8_DOTS
     /* q8_0 keys: integer dots where the quantized queries fit in Vf */
-    const int q8 = t == 3 && (G * D + 63) / 64 * 64 + 8 * G * (D / 32) <= DT * Dv * 4;
+    const int q8 = t == 3 && q8_queries_bytes(G, D) <= DT * Dv * 4;
     q8_queries qq = {NULL, NULL, NULL};
     if (q8) qq = q8_quantize(Q, G, D, Vf);
     __m512i kq[16 * 16]; /* a tile's keys, up to 1,024 values (MAX_HEAD_DIM) */
@@ -400,7 +400,7 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t j = k0; j < k1;) {
         int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
         if (n > DT) n = DT;
-        decode_ahead(kv, s, hk, j, k0, k1, D, Dv, t);
+        decode_ahead(kv, s, hk, j, k1, D, Dv, t);
         /* the tile's keys transposed: in the cache (offset to the tile's first position), or
          * q8_0's rows transposed into Kf as float32 */
         const int kt = t != 3 ? t : 0;
@@ -495,7 +495,7 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t j = k0; j < k1;) {
         int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
         if (n > DT) n = DT;
-        decode_ahead(kv, s, hk, j, k0, k1, D, Dv, t);
+        decode_ahead(kv, s, hk, j, k1, D, Dv, t);
         /* the tile's keys transposed (value d of its keys at K + kv_bytes(d * ld), type kt): in
          * the cache when the tile is a whole block of them, else into Kf as float32, zero past n */
         const int kt = t != 3 && n == DT ? t : 0;
@@ -624,7 +624,6 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
     const int64_t G = H / Hkv, rot = a->rot, half = rot / 2;
     const int neox = (int)a->neox;
-    int64_t total = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t p = pos[b], s = slots[b];
         for (int64_t h = 0; h < Hkv; h++) {
@@ -633,15 +632,16 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
             key_store(kv, s, h, p, kr, D);
             kv_store(kv_at(kv, kv->v, s, h, p, Dv), v + b * v_rs + h * Dv, Dv, t);
         }
-        total += (p + 1 - decode_lo(a, p)) * Hkv;
     }
     const int64_t thread = decode_thread_bytes(G, D, Dv), pw = G * (Dv + 2);
     float *parts = (float *)(work + nth * thread);
     int64_t *first = (int64_t *)(parts + B * (4 * nth + Hkv) * pw); /* row b's tasks: first[b] .. */
+    int64_t total = 0; /* the keys every head of every row reads */
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = pos[b] + 1 - decode_lo(a, pos[b]), chunk = decode_chunk(n, Hkv, nth);
         first[b + 1] = first[b] + Hkv * ((n + chunk - 1) / chunk);
+        total += n * Hkv;
     }
     const int64_t ntask = first[B];
 #pragma omp parallel num_threads(nth) if (total * (D + Dv) * G > 100000)
@@ -737,16 +737,10 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
         const int64_t m = run * D;
         if (t == 0) {
             memcpy(o, src, sizeof(float) * (size_t)m);
-        } else if (t == 1) {
+        } else { /* as kt_gather (q8_0: m a multiple of 32, no tail) */
             int64_t i = 0;
-            for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 1));
-            for (; i < m; i++) o[i] = kv_get(src, i, 1);
-        } else if (t == 2) {
-            int64_t i = 0;
-            for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 2));
-            for (; i < m; i++) o[i] = kv_get(src, i, 2);
-        } else { /* q8_0: m a multiple of 32 */
-            for (int64_t i = 0; i < m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, 3));
+            for (; i + 8 <= m; i += 8) _mm256_storeu_ps(o + i, kv_load8(src, i, (int)t));
+            for (; i < m; i++) o[i] = kv_get(src, i, (int)t);
         }
         j += run;
     }

@@ -51,8 +51,7 @@ static inline __attribute__((always_inline)) void f_tile(const char *w, int64_t 
         for (int r = 0; r < FR; r++) acc[o][r] = fv_zero();
     const int64_t step = FO * FW * (h == 2 ? 4 : 2); /* bytes a trip reads */
     for (int64_t i = 0; i < k; i += FW) {
-        if (pf) /* as much of the next tile as a trip reads of this one: all of it by the end */
-            for (int64_t b = 0; b < step; b += 64) _mm_prefetch(pf + (i / FW) * step + b, _MM_HINT_T1);
+        if (pf) prefetch_l2(pf + (i / FW) * step, step); /* the next tile, a trip's share: all by the end */
         fvec xv[FR];
         for (int r = 0; r < R; r++) xv[r] = fx_load(x + r * ldx + i);
         for (int o = 0; o < FO; o++) {

@@ -3,8 +3,6 @@
  * this file; every file of csrc/ is part of its cache key. */
 #include "graftlm.h"
 
-#include <dlfcn.h>
-
 /* The structs' layout as this compiler laid them out, for the loader to compare with ctypes'. A
  * field missing here and in abi.py but present in the struct shows as the struct's size. */
 #define GL_SIZE(S) {#S, (int64_t)sizeof(S)}
@@ -107,10 +105,12 @@ int64_t gl_set_amx_rows(int64_t m) {
  * while they outnumber the CPUs every team waits for work by sleeping instead of spinning: a
  * decode step on a second thread (the server's engine thread) then ran at half the speed while
  * the loading thread's idle pool stood. 0 when given back, -1 where the OpenMP runtime cannot. */
+/* omp_pause_resource_all (OpenMP 5.0; libgomp since GCC 9), weakly: NULL where the runtime the
+ * library binds to lacks it (an asm name, not omp.h's declaration: any compiler's header) */
+extern int gl_omp_pause_all(int) __asm__("omp_pause_resource_all") __attribute__((weak));
+
 int64_t gl_release_threads(void) {
-    /* looked up where the process's OpenMP runtime has it (OpenMP 5.0; libgomp since GCC 9) */
-    int (*pause_all)(int) = (int (*)(int))dlsym(RTLD_DEFAULT, "omp_pause_resource_all");
-    return pause_all != NULL && pause_all(1 /* omp_pause_soft */) == 0 ? 0 : -1;
+    return gl_omp_pause_all != NULL && gl_omp_pause_all(1 /* omp_pause_soft */) == 0 ? 0 : -1;
 }
 
 int64_t gl_set_pair_rows(int64_t m) {

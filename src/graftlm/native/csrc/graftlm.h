@@ -629,6 +629,12 @@ static inline int64_t mm_tasks(int64_t n) { return ((n + 7) / 8 + GT - 1) / GT; 
 static inline __attribute__((always_inline)) void prefetch_block(const void *w, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)w + AHEAD + o, _MM_HINT_T0);
 }
+/* The lines of [p, p + bytes) toward L2: a stream the hardware's prefetchers do not follow (the
+ * decode attention's next block, anywhere in the pool) or should not pull into L1 (float.c's
+ * next tile). */
+static inline __attribute__((always_inline)) void prefetch_l2(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + o, _MM_HINT_T1);
+}
 
 /* F(rows) with rows a compile-time constant 1..MT: the group kernels keep R accumulators in
  * registers only when R is known when they are inlined. */

@@ -4,6 +4,7 @@ tiny model and a tiny adapter finds nothing else (no other exception, no hang)."
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from graftlm.errors import GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 
 F32 = 0  # GGMLQuantizationType.F32
+N_MUTANTS = int(os.environ.get("FUZZ_CASES", "120"))  # offline: FUZZ_CASES=2000
 
 
 def _s(text: str) -> bytes:
@@ -254,25 +256,35 @@ def _mutants(data: bytes, n: int, seed: int) -> list[bytes]:
 @pytest.mark.parametrize("which", ["model", "adapter"])
 def test_mutated_files_load_or_fail_cleanly(tmp_path: Path, which: str) -> None:
     """Every mutant either loads and runs (a model generates; an adapter attaches to the tiny
-    base) or raises a GraftError: no other exception escapes, and none takes long. More cases:
-    raise the count or change the seed (2,000 model and 3,000 adapter mutants found none)."""
+    base and serves a request at scale 1) or raises a GraftError when it is read: no other
+    exception escapes, none takes long, and none loads to fail on use. More cases:
+    FUZZ_CASES=2000, FUZZ_SEED=n."""
     spec = TinySpec()
     base = write_tiny_model(tmp_path / "base.gguf", spec)
     model = graftlm.load(str(base), ctx_size=32)
     src = base if which == "model" else write_tiny_adapter(tmp_path / "src.gguf", spec)
-    cases = _mutants(src.read_bytes(), 120, seed=7)
+    cases = _mutants(src.read_bytes(), N_MUTANTS, seed=int(os.environ.get("FUZZ_SEED", "7")))
     outcomes = {"ok": 0, "refused": 0}
     for i, data in enumerate(cases):
         p = tmp_path / f"m{i}.gguf"
         p.write_bytes(data)
         t0 = time.perf_counter()
+        loaded = False
         try:
             if which == "model":
                 graftlm.load(str(p), ctx_size=32).generate("hi", max_tokens=2, temperature=0)
             else:
-                model.remove_lora(model.add_lora(p))
+                aid = model.add_lora(p)
+                loaded = True
+                try:  # an adapter that loads must serve: a use-time failure is a finding
+                    model.generate(
+                        "hi", max_tokens=2, temperature=0, lora=[{"id": aid, "scale": 1.0}]
+                    )
+                finally:
+                    model.remove_lora(aid)
             outcomes["ok"] += 1
-        except GraftError:
+        except GraftError as e:
+            assert not loaded, f"mutant {i} loaded, then failed on use: {e}"
             outcomes["refused"] += 1
         assert time.perf_counter() - t0 < 10, f"mutant {i} took too long"
         p.unlink()
@@ -359,3 +371,54 @@ def test_fields_of_the_wrong_type_are_named_not_tracebacks(
     arr = _with_meta(adapter, tmp_path / "alpha.gguf", **{"adapter.lora.alpha": [8.0]})
     assert main(["inspect", str(arr)]) == 0
     assert "alpha list [8.0] (not a number" in capsys.readouterr().out
+
+
+def test_an_adapter_that_would_fail_every_use_is_refused_at_load(tmp_path: Path) -> None:
+    """Found by the mutation fuzz: an adapter whose header declares `general.alignment = 1`
+    while its writer padded the data to 32 bytes reads shifted bytes as its factors; it loaded,
+    and every request on it then failed on non-finite logits. A factor with a nan, or one so
+    large that the delta leaves float16's range, is the same."""
+    import gguf
+
+    spec = TinySpec()
+    model = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=32)
+    src = GGUFFile(write_tiny_adapter(tmp_path / "a.gguf", spec))
+
+    def rewrite(
+        dst: Path, alignment: int | None, poison: str | None, value: float = np.nan
+    ) -> Path:
+        w = gguf.GGUFWriter(str(dst), arch="llama")  # pads the data to 32 bytes whatever it says
+        for key, meta in src.metadata.items():
+            if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
+                continue
+            w.add_float32(key, meta) if isinstance(meta, float) else w.add_string(key, meta)
+        if alignment is not None:
+            w.add_uint32("general.alignment", alignment)
+        for name, e in src.tensors.items():
+            arr = np.array(e.data, dtype=np.float32)
+            if name == poison:
+                arr.flat[3] = value
+            w.add_tensor(name, arr, raw_shape=arr.shape, raw_dtype=e.ggml_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return dst
+
+    good = model.add_lora(rewrite(tmp_path / "good.gguf", None, None))
+    model.generate("hi", max_tokens=2, temperature=0, lora=[{"id": good, "scale": 1.0}])
+    model.remove_lora(good)
+    name = next(n for n in src.tensors if n.endswith("lora_b"))
+    for bad, needle in [
+        (rewrite(tmp_path / "aligned1.gguf", 1, None), "values are inf or nan"),
+        (rewrite(tmp_path / "nan.gguf", None, name), "1 value is inf or nan"),
+        # mutant 668 of 2,000: one byte of an A made 1.9e9, which overflowed the float16 cache
+        (
+            rewrite(tmp_path / "big.gguf", None, name.replace("lora_b", "lora_a"), 1.9e9),
+            "past float16",
+        ),
+    ]:
+        with pytest.raises(GraftError, match="every use would overflow") as info:
+            model.add_lora(bad)
+        assert bad.name in str(info.value) and needle in str(info.value), str(info.value)
+        assert model.loras == []

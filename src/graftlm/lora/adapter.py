@@ -85,3 +85,42 @@ class ResolvedAdapter:
     @property
     def nbytes(self) -> int:
         return sum(d.nbytes for d in self.deltas.values())
+
+    def check_values(self) -> None:
+        """Refuse factors that would break every use: inf or nan, or a delta whose output on an
+        input of +-1 values (about the scale of a normalized activation) leaves float16's range,
+        where the KV cache and the activations overflow (alpha / r folded in). A file whose
+        declared alignment does not match where its writer put the data reads as such values."""
+        problems = []
+        for name, d in sorted(self.deltas.items()):
+            bad = int(d.a.numel() - torch.isfinite(d.a).sum()) + int(
+                d.b.numel() - torch.isfinite(d.b).sum()
+            )
+            if bad:
+                problems.append(f"{name}: {bad} value{'s are' if bad > 1 else ' is'} inf or nan")
+                continue
+            reach = _reach(d, name == EMBEDDING)
+            if reach > F16_MAX:
+                problems.append(
+                    f"{name}: its delta reaches {reach:.3g} on an input of +-1 values, past "
+                    f"float16's range ({F16_MAX:g}; A {list(d.a.shape)}, B {list(d.b.shape)} "
+                    "with alpha / r folded in)"
+                )
+        if problems:
+            raise refusal(
+                f"adapter {self.path}: factors with which every use would overflow:", problems
+            )
+
+
+F16_MAX = 65504.0
+
+
+def _reach(d: Delta, embedding: bool) -> float:
+    """The largest output of a delta on a fixed input of +-1 values (a projection), or a bound
+    on any token's row (the embedding: sum over the rank of max |B| times max |A|), in float64."""
+    a, b = d.a.double(), d.b.double()
+    if embedding:
+        return float((b.abs().amax(dim=0) * a.abs().amax(dim=0)).sum())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2, (a.shape[1],), generator=gen, dtype=torch.float64) * 2 - 1
+    return float((b @ (a @ x)).abs().max()) if a.numel() and b.numel() else 0.0

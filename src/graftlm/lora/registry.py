@@ -70,6 +70,7 @@ class AdapterSet:
             from graftlm.lora.gguf_adapter import read_gguf_adapter
 
             resolved = read_gguf_adapter(p, self.model, self.model.base_tensor_names)
+        resolved.check_values()
         self._pack(resolved)
         return resolved
 

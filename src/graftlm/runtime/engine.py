@@ -180,10 +180,18 @@ class Engine:
 
     # -- one-shot scoring --------------------------------------------------------------------------
     @torch.inference_mode()
-    def score(self, ids: list[int], lora: AdapterSettings, hidden: bool = False) -> torch.Tensor:
+    def score(
+        self,
+        ids: list[int],
+        lora: AdapterSettings,
+        hidden: bool = False,
+        each: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Logits (len(ids), n_vocab) on the CPU after each prefix, in chunks, on a borrowed
         cache slot (an activated LoRA's start ends a chunk). hidden: the final-norm hidden
-        states (len(ids), n_embd) instead (embeddings)."""
+        states (len(ids), n_embd) instead (embeddings). each(start, chunk): what to keep of
+        each chunk's rows, concatenated in place of the whole (a long prompt's logits need not
+        all be held at once)."""
         if len(ids) > self.n_ctx:
             what = "input" if hidden else "prompt"
             raise RequestError(
@@ -205,8 +213,9 @@ class Engine:
                     rows = self.lora_rows([settings_at(segments, lora, start)])
                     piece = ids[start:end]
                     batch = Batch.single(piece, slot, start, rows, self.device, exact=True)
-                    out.append(self.model.forward(batch, all_logits=True, hidden=hidden)[0])
-                return torch.cat(out).cpu()
+                    rows_out = self.model.forward(batch, all_logits=True, hidden=hidden)[0].cpu()
+                    out.append(rows_out if each is None else each(start, rows_out))
+                return torch.cat(out)
             finally:
                 self.slots.give_back(slot)
 

@@ -71,11 +71,20 @@ class Scorer:
         ids = list(ids)
         if len(ids) < 2:
             return []
-        lp = torch.log_softmax(self.logits(ids, lora)[:-1].float(), dim=-1)  # (n-1, V)
-        target = torch.tensor(ids[1:])
-        chosen = lp.gather(1, target.unsqueeze(1))[:, 0].tolist()
-        tv, ti = lp.topk(top, dim=-1) if top > 0 else (lp[:, :0], lp[:, :0].long())
-        tv_l, ti_l = tv.tolist(), ti.tolist()
+        self.prompter.check_ids(ids)
+        target = torch.tensor([*ids[1:], 0])  # the last position predicts nothing: dropped
+
+        def keep(start: int, logits: torch.Tensor) -> torch.Tensor:
+            """A chunk's rows reduced to [chosen, top values, top ids] (float64 holds the ids
+            exactly), so a long prompt never holds all its (n, V) logits at once."""
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            chosen = lp.gather(1, target[start : start + len(lp)].unsqueeze(1))
+            tv, ti = lp.topk(top, dim=-1)
+            return torch.cat([chosen.double(), tv.double(), ti.double()], dim=1)
+
+        kept = self.engine.score(ids, lora, each=keep)[:-1]
+        chosen = kept[:, 0].tolist()
+        tv_l, ti_l = kept[:, 1 : 1 + top].tolist(), kept[:, 1 + top :].long().tolist()
         return [
             {
                 "id": ids[i + 1],

@@ -159,23 +159,29 @@ def test_adapters_stay_with_the_replica_that_loaded_them(app: str) -> None:
 
 
 def test_the_ingress_reads_what_its_router_knows(app: str) -> None:
-    # the cold-start order waits for the router to learn where an adapter went; it reads the
-    # router's table through Ray internals, and falls back to a fixed wait if Ray moved them:
-    # this says which one this Ray gets, and that the table is the one Serve routes by
-    from graftlm.scaleout.deployments import _router_table
+    # the cold-start order waits for the router to learn where an adapter went; AdapterRouter
+    # tells what it heard (from Serve's public replica records, no Ray internals): this says
+    # that a handle's router is one that tells, and that what it tells is where adapters are
+    from graftlm.scaleout.known import known_adapters
 
     handle = serve.get_deployment_handle("Replica", app_name="graftlm")
     assert _complete(app, "a1").status_code == 200
     handle.facts.remote().result()  # initialises this handle's router
-    table = _router_table(handle)
-    assert table is not None, "Ray keeps the routing table elsewhere: update _router_table"
-    held = {n for r in _settled(app).values() for n in r["resident"]}
+    assert known_adapters("graftlm") is not None, "this handle's router is no AdapterRouter"
+
+    def table() -> dict[str, frozenset[str]]:
+        return known_adapters("graftlm") or {}
+
+    reports = _settled(app)
+    held = {n for r in reports.values() for n in r["resident"]}
     assert "a1" in held
     for _ in range(100):  # this handle's router hears from the controller
         if set(table()) >= held:
             break
         time.sleep(0.1)
     assert set(table()) == held, (table(), held)
+    for name in held:  # and by the replicas that hold them
+        assert table()[name] == {k for k, r in reports.items() if name in r["resident"]}
 
 
 def test_answers_equal_a_single_server(app: str, single: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -113,6 +114,24 @@ def app_builder(args: dict[str, str]) -> Any:
     return build_app(spec_of(parser.parse_args(shlex.split(args.get("flags", "")))))
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT: stop serving."""
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGINT end the serving wait with `_Stopped`, once; what follows shuts Serve
+    and Ray down. Set after `ray.init`, whose own handlers they replace: on SIGTERM those print
+    a native stack and abort, and the agents of the Ray instance started here live on."""
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one shutdown (a second TERM: ignored)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends it at once
+        raise _Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def ray_serve(args: argparse.Namespace) -> int:
     from graftlm.errors import GraftError
 
@@ -130,6 +149,7 @@ def ray_serve(args: argparse.Namespace) -> int:
     check_llama_flags(args, maps_batch=True)
     spec = spec_of(args)
     ray.init(address=args.address, include_dashboard=False, ignore_reinit_error=True)
+    _stop_on_signals()
     try:
         url = start(spec, args.host, args.port)
         shape = (
@@ -145,11 +165,12 @@ def ray_serve(args: argparse.Namespace) -> int:
         )
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (_Stopped, KeyboardInterrupt) as why:
+        print(f"graftlm on Ray Serve: {why or 'SIGINT'}, shutting down", file=sys.stderr)
         return 0
     finally:
         serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # the Ray instance started here, its agents included
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,8 +2,9 @@
 
 A server (or any multi-threaded client) does not call `Engine.step()` itself. It hands jobs to an
 `EngineService`, whose single thread admits them between steps (continuous batching), drives the
-engine, turns each new token into text (stop strings included) and hands the events back to the
-asyncio loop the job came from (`loop.call_soon_threadsafe` into a per-submission queue).
+engine, and hands each job's events back to the asyncio loop the job came from
+(`loop.call_soon_threadsafe` into a per-submission queue; `runtime.tracking` turns tokens into
+text and events).
 
 Everything that touches the model runs on that thread, in the order it was asked for: requests,
 cancellations, scoring passes, attaching and detaching adapters. A caller that leaves (a client
@@ -15,7 +16,8 @@ pass (`prompt_logprobs`) never waits for a generation to end.
 The queue of requests waiting to start is the engine's scheduler's; this object keeps only the
 thread, its inbox of calls and submissions, and which submission each request's events go to.
 It knows the model through three narrow objects: the engine, the prompter (text) and the
-adapter set.
+adapter set. With `sleep_idle_s` it lets the engine go when idle (`runtime.idle` says when) and
+loads it again through `reload` for the next work.
 """
 
 from __future__ import annotations
@@ -28,220 +30,48 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
-from graftlm.errors import AdapterError, GraftError, RequestError
-from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
+from graftlm.errors import GraftError, RequestError
+from graftlm.lora.prepare import PreparedAdapter, prepare_adapter
+from graftlm.lora.settings import AdapterSettings
 from graftlm.native import release_threads
 from graftlm.runtime.engine import Engine
+from graftlm.runtime.events import (
+    CacheFacts,
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    Job,
+    ProgressEvent,
+    ServiceObserver,
+    TokenEvent,
+)
+from graftlm.runtime.idle import IdleClock
 from graftlm.runtime.prompting import Prompter
-from graftlm.runtime.sampling import Sampler, SamplingParams
-from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
-from graftlm.runtime.speculative import SpecParams
-from graftlm.runtime.textstream import TextStream
+from graftlm.runtime.tracking import Submission, Tracked
 
 if TYPE_CHECKING:
-    from graftlm.lora.adapter import ResolvedAdapter
     from graftlm.lora.registry import AdapterSet
+
+# what a caller of the service meets: the service and what goes through it
+__all__ = [
+    "CacheFacts",
+    "EngineService",
+    "ErrorEvent",
+    "Event",
+    "FinishEvent",
+    "Job",
+    "ProgressEvent",
+    "ServiceObserver",
+    "TokenEvent",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-# -- what goes in and what comes out --
-@dataclass(frozen=True)
-class Job:
-    """One sequence to generate. `lora`: the adapter settings, fixed for the job's whole life.
-    `logprobs`: None for none, k >= 0 for the chosen token's log-probability plus the top k."""
-
-    prompt: list[int]
-    params: SamplingParams
-    lora: AdapterSettings = NO_ADAPTERS
-    logprobs: int | None = None
-    cache: bool = True  # may reuse what the prefix cache holds (llama-server's cache_prompt)
-    # logprobs after the sampler chain (llama-server's post_sampling_probs): over the tokens the
-    # draw chose among, with their probabilities after top-k, top-p, min-p and temperature
-    post_sampling: bool = False
-    # ProgressEvents while the prompt is computed (llama-server's return_progress)
-    progress: bool = False
-    # the request's own speculative bounds (llama-server's speculative.n_max / n_min / p_min)
-    spec: SpecParams | None = None
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A generated token and the text it released ("" while held back or for an end token).
-    logprob and top come from the raw logits (before penalties and temperature)."""
-
-    index: int
-    token: int
-    text: str
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class FinishEvent:
-    """The end of a job. reason: "stop" (end token or stop string), "length" or "cancelled".
-    `text` is whatever the detokenizer still held; `stop_word` the stop string that matched."""
-
-    index: int
-    reason: str
-    text: str
-    n_prompt: int
-    n_generated: int
-    stopped_eos: bool = False
-    n_cached: int = 0  # prompt tokens the prefix cache served (not computed)
-    # activated-LoRA adapters the request named whose invocation its prompt lacks (not applied)
-    alora_inactive: tuple[int, ...] = ()
-    stop_word: str | None = None
-    t_submit: float = 0.0
-    t_first: float | None = None
-    t_prompt_done: float | None = None
-    t_end: float | None = None
-    n_drafts: int = 0  # speculative decoding: drafts verified, tokens drafted, tokens kept
-    n_drafted: int = 0
-    n_draft_accepted: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Seconds from submission to the first token."""
-        return None if self.t_first is None else self.t_first - self.t_submit
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean seconds per output token after the first."""
-        if self.t_first is None or self.t_end is None or self.n_generated < 2:
-            return None
-        return (self.t_end - self.t_first) / (self.n_generated - 1)
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    """The prompt's computation so far: of `total` tokens, `cache` came from the prefix cache
-    and `processed` (the cached ones included) are in the KV cache; `ms` since the first of
-    these events, which comes before any token is computed (processed == cache)."""
-
-    index: int
-    total: int
-    cache: int
-    processed: int
-    ms: float
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    index: int
-    error: BaseException
-
-
-Event = TokenEvent | FinishEvent | ProgressEvent | ErrorEvent
-
-
-@dataclass(frozen=True)
-class CacheFacts:
-    """The paged KV cache after a step: its blocks and the prefix cache's counts so far."""
-
-    blocks_total: int
-    blocks_used: int
-    blocks_cached: int
-    block_tokens: int
-    nbytes: int
-    query_tokens: int
-    hit_tokens: int
-    evicted: int
-
-
-class ServiceObserver(Protocol):
-    """Told after every engine step (from the engine thread): sequences in the step, requests
-    running and waiting, and the cache's facts. rows == 0: no step was run, only the counts
-    changed (the engine idles)."""
-
-    def on_step(self, rows: int, running: int, waiting: int) -> None: ...
-    def on_cache(self, facts: CacheFacts) -> None: ...
-
-
-@dataclass(frozen=True)
-class AdapterFacts:
-    path: str
-    nbytes: int
-    rank: int
-    alpha: float
-    task_name: str
-    prompt_prefix: str
-    n_tensors: int
-    invocation_tokens: tuple[int, ...] = ()  # activated LoRA's; () for a plain LoRA
-
-
-@dataclass(frozen=True)
-class PreparedAdapter:
-    """An adapter read and checked against the base, not attached yet (`EngineService.attach`)."""
-
-    facts: AdapterFacts
-    resolved: ResolvedAdapter
-
-
-class _RecordingSampler(Sampler):
-    """The job's sampler, plus the log-probabilities of the raw logits at each step (or, with
-    `post`, of the candidates the draw chose among)."""
-
-    def __init__(self, params: SamplingParams, top: int, post: bool = False) -> None:
-        super().__init__(params)
-        self.top = top
-        self.post = post
-        self.last: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())
-
-    def draw(self, logits: torch.Tensor) -> int:
-        if not self.post:
-            return super().draw(logits)
-        probs, idx = self.candidates(logits)
-        tok = self.pick(probs, idx)
-        lp = torch.log(probs)
-        n = min(self.top, int((probs > 0).sum()))  # never a token of probability 0
-        top = tuple(zip(idx[:n].tolist(), lp[:n].tolist(), strict=True))
-        self.last = (float(lp[(idx == tok).nonzero()[0, 0]]), top)
-        return tok
-
-    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
-        tok = super().__call__(logits, history)
-        if self.post:
-            return tok
-        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
-        top: tuple[tuple[int, float], ...] = ()
-        if self.top > 0:
-            v, i = lp.topk(min(self.top, lp.shape[-1]))  # at most the vocabulary
-            top = tuple(zip(i.tolist(), v.tolist(), strict=True))
-        self.last = (float(lp[tok]), top)
-        return tok
-
-
-@dataclass
-class _Tracked:
-    sub: _Submission
-    index: int
-    job: Job
-    req: Request
-    text: TextStream
-    recorder: _RecordingSampler | None = None
-
-
-@dataclass
-class _Submission:
-    jobs: Sequence[Job]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[Event]
-    tracked: list[_Tracked] = field(default_factory=list)
-
-    def post(self, ev: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
 
 @dataclass
@@ -286,21 +116,14 @@ class EngineService:
         self._bind(engine)
         self.observer = observer
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._active: list[_Tracked] = []  # given to the engine: queued there or running
+        self._active: list[Tracked] = []  # given to the engine: queued there or running
         self._deferred: list[_Call] = []  # calls waiting for a free cache slot
         self._thread: threading.Thread | None = None
         self.n_running = 0
         self.n_waiting = 0
         self.n_cancelled = 0  # requests ended early because their caller left
-        # sleep (llama-server's --sleep-idle-seconds): after this long with nothing to do the
-        # engine (weights, KV cache) is let go; the next work loads it again through `reload`
         self._reload = reload
-        self.sleep_idle_s = sleep_idle_s
-        self._last_active = time.monotonic()
-        self._holds = 0  # callers (HTTP requests) that keep the engine awake while they run
-        self._holds_lock = threading.Lock()
-        self.n_sleeps = 0
-        self.n_wakes = 0
+        self.idle = IdleClock(sleep_idle_s)
 
     def _bind(self, engine: Engine) -> None:
         self._engine = engine
@@ -323,6 +146,18 @@ class EngineService:
     @property
     def sleeping(self) -> bool:
         return self._engine is None
+
+    @property
+    def sleep_idle_s(self) -> float | None:
+        return self.idle.sleep_idle_s
+
+    @property
+    def n_sleeps(self) -> int:
+        return self.idle.n_sleeps
+
+    @property
+    def n_wakes(self) -> int:
+        return self.idle.n_wakes
 
     # -- lifecycle --
     def start(self) -> EngineService:
@@ -385,47 +220,18 @@ class EngineService:
         """`Scorer.embedding` on the engine thread, awaited from the event loop; pooling "none":
         `Scorer.token_embeddings`, one vector a token."""
         if pooling == "none":
-            fut: Any = self.call(lambda: self.scorer.token_embeddings(ids, lora), needs_slot=True)
-        else:
-            fut = self.call(lambda: self.scorer.embedding(ids, lora, pooling), needs_slot=True)
-        return await asyncio.wrap_future(fut)
+            return await self.acall(lambda: self.scorer.token_embeddings(ids, lora), True)
+        return await self.acall(lambda: self.scorer.embedding(ids, lora, pooling), True)
 
     async def arank_score(self, ids: list[int], lora: AdapterSettings) -> float:
         """`Scorer.rank_score` on the engine thread, awaited from the event loop."""
-        fut = self.call(lambda: self.scorer.rank_score(ids, lora), needs_slot=True)
-        return await asyncio.wrap_future(fut)
+        return await self.acall(lambda: self.scorer.rank_score(ids, lora), needs_slot=True)
 
     # -- adapters --
     def prepare_adapter(self, path: str | Path) -> PreparedAdapter:
-        """Read and check an adapter against the base (blocking; call it off the event loop).
-        Nothing is attached; raises AdapterError when the file cannot be used."""
-        p = Path(path)
-        try:
-            found = p.exists()
-        except OSError as exc:  # a name too long, a path through a file
-            raise AdapterError(f"{str(p)[:200]}: cannot be read ({exc.strerror})") from None
-        if not found:
-            raise AdapterError(f"{p}: no such file or directory")
-        try:
-            resolved = self.adapters.load(p)
-        except ImportError as exc:
-            raise AdapterError(f"{p}: this kind of adapter is not supported yet ({exc})") from None
-        except GraftError:
-            raise
-        except (OSError, ValueError, KeyError) as exc:
-            raise AdapterError(f"{p}: cannot read the adapter ({exc})") from None
-        rank = max((d.rank for d in resolved.deltas.values()), default=0)
-        facts = AdapterFacts(
-            path=str(resolved.path),
-            nbytes=int(resolved.nbytes),
-            rank=rank,
-            alpha=float(resolved.alpha),
-            task_name=resolved.task_name,
-            prompt_prefix=resolved.prompt_prefix,
-            n_tensors=resolved.n_tensors,
-            invocation_tokens=tuple(resolved.invocation_tokens),
-        )
-        return PreparedAdapter(facts, resolved)
+        """`lora.prepare.prepare_adapter` against this service's adapter set (blocking, and on
+        the caller's thread: call it off the event loop). Nothing is attached."""
+        return prepare_adapter(self.adapters, path)
 
     def attach(
         self, prepared: PreparedAdapter, scale: float = 0.0
@@ -457,14 +263,10 @@ class EngineService:
     # -- sleep --
     def hold(self) -> None:
         """A caller's work begins (an HTTP request): the engine does not sleep until `unhold`."""
-        with self._holds_lock:
-            self._holds += 1
-            self._last_active = time.monotonic()
+        self.idle.hold()
 
     def unhold(self) -> None:
-        with self._holds_lock:
-            self._holds -= 1
-            self._last_active = time.monotonic()
+        self.idle.unhold()
 
     async def awake(self) -> None:
         """Wait until the engine is loaded (at once when it is awake). Raises the reload's error
@@ -486,29 +288,16 @@ class EngineService:
             ) from exc
         engine.invocations = self.adapters.invocations
         self._bind(engine)
-        self.n_wakes += 1
-        self._last_active = time.monotonic()
+        self.idle.n_wakes += 1
+        self.idle.touch()
         log.info("awake: model loaded again in %.2f s", time.perf_counter() - t0)
-
-    def _sleep_timeout(self) -> float | None:
-        """How long the idle thread may wait for work before it checks whether to sleep."""
-        if self.sleep_idle_s is None or self._engine is None:
-            return None
-        left = self.sleep_idle_s - (time.monotonic() - self._last_active)
-        return min(max(left, 0.01), 0.5)
 
     def _maybe_sleep(self) -> None:
         """Let the engine go when nothing ran, waited or was held for sleep_idle_s seconds."""
-        if self.sleep_idle_s is None or self._engine is None:
+        if self._engine is None:
             return
-        with self._holds_lock:
-            if (
-                self._holds
-                or self._active
-                or self._deferred
-                or self._engine.busy
-                or time.monotonic() - self._last_active < self.sleep_idle_s
-            ):
+        with self.idle.lock:
+            if self._active or self._deferred or self._engine.busy or not self.idle.due():
                 return
             # nothing but this thread may reach the engine now: callers hold, work goes through
             # the inbox, and the inbox wakes it
@@ -516,7 +305,7 @@ class EngineService:
             self._engine = self._scorer = None
             self.adapters.release()
         gc.collect()
-        self.n_sleeps += 1
+        self.idle.n_sleeps += 1
         log.info("sleeping after %g s idle: model and KV cache released", self.sleep_idle_s)
 
     # -- generation --
@@ -524,7 +313,7 @@ class EngineService:
         """Run jobs (event index = position in `jobs`) and yield their events as they come.
         Leaving the iteration early (a client that disconnected) cancels what is still running;
         use `contextlib.aclosing` so that happens at once."""
-        sub = _Submission(list(jobs), asyncio.get_running_loop(), asyncio.Queue())
+        sub = Submission(list(jobs), asyncio.get_running_loop(), asyncio.Queue())
         remaining = len(sub.jobs)
         if not remaining:
             return
@@ -553,7 +342,8 @@ class EngineService:
                 if not idle:
                     item = self._inbox.get_nowait()
                 else:
-                    item = self._inbox.get(timeout=self._sleep_timeout())
+                    wait = None if self._engine is None else self.idle.wait_s()
+                    item = self._inbox.get(timeout=wait)
             except queue.Empty:
                 if idle:
                     self._maybe_sleep()
@@ -574,24 +364,19 @@ class EngineService:
                 self._run_deferred()
                 if self._engine.busy:
                     self._step()
-                    self._last_active = time.monotonic()
+                    self.idle.touch()
                 self._publish_counts()
             except Exception:  # a bug of ours: log it, keep the thread (and the server) alive
                 log.exception("engine service: unexpected error")
 
     def _handle(self, item: Any) -> None:
-        if isinstance(item, _Call | _Submission):
-            self._last_active = time.monotonic()
+        if isinstance(item, _Call | Submission):
+            self.idle.touch()
             if self._engine is None:
                 try:
                     self._wake()
                 except RequestError as exc:
-                    if isinstance(item, _Call):
-                        if item.future.set_running_or_notify_cancel():
-                            item.future.set_exception(exc)
-                    else:
-                        for index in range(len(item.jobs)):
-                            item.post(ErrorEvent(index, exc))
+                    _refuse(item, exc)
                     return
         elif self._engine is None:  # a cancellation: nothing runs while asleep
             return
@@ -601,16 +386,15 @@ class EngineService:
                     self._deferred.append(item)
                 else:
                     self._run_call(item)
-            elif isinstance(item, _Submission):
+            elif isinstance(item, Submission):
                 self._accept(item)
             elif isinstance(item, tuple) and item[0] == "cancel":
                 self._cancel(item[1])
         except Exception as exc:
             log.exception("engine service: unexpected error")
-            if isinstance(item, _Submission):
+            if isinstance(item, Submission):
                 self._cancel(item)
-                for index in range(len(item.jobs)):
-                    item.post(ErrorEvent(index, exc))
+                _refuse(item, exc)
 
     @staticmethod
     def _run_call(call: _Call) -> None:
@@ -625,59 +409,21 @@ class EngineService:
         while self._deferred and self.engine.slots.n_free:
             self._run_call(self._deferred.pop(0))
 
-    def _accept(self, sub: _Submission) -> None:
+    def _accept(self, sub: Submission) -> None:
         """Each job becomes a request in the engine's queue (its scheduler admits it)."""
-        for index, job in enumerate(sub.jobs):
-            p = job.params
-            req = Request(
-                list(job.prompt), p, job.lora, eog=self.prompter.eog, use_cache=job.cache,
-                spec=job.spec,
-            )  # fmt: skip
-            t = _Tracked(sub, index, job, req, self.prompter.text_stream(p.stop, p.ignore_eos))
-            req.on_token = self._on_token_for(t)
-            if job.progress:
-                req.on_progress = self._on_progress_for(t)
-            sub.tracked.append(t)
-            if p.max_tokens == 0:
-                req.t_end = time.perf_counter()
-                sub.post(self._finish_event(t, "length"))
+        for index in range(len(sub.jobs)):
+            t = Tracked.of(sub, index, self.prompter, lambda req, why: self.engine.stop(req, why))
+            if t.job.params.max_tokens == 0:
+                t.req.t_end = time.perf_counter()
+                sub.post(t.finish_event("length"))
                 continue
-            if job.logprobs is not None:
-                t.recorder = _RecordingSampler(p, job.logprobs, job.post_sampling)
-                req.sampler = t.recorder
             try:
-                self.engine.submit(req)
+                self.engine.submit(t.req)
             except GraftError as exc:
-                req.finish_reason = "error"
+                t.req.finish_reason = "error"
                 sub.post(ErrorEvent(index, exc))
                 continue
             self._active.append(t)
-
-    def _on_token_for(self, t: _Tracked) -> Callable[[Request, int], None]:
-        def on_token(req: Request, token: int) -> None:
-            piece = t.text.push(token)
-            if t.text.stopped:
-                self.engine.stop(req, "stop")
-            if t.recorder is not None:
-                lp, top = t.recorder.last
-                t.sub.post(TokenEvent(t.index, token, piece, lp, top))
-            else:
-                t.sub.post(TokenEvent(t.index, token, piece))
-
-        return on_token
-
-    @staticmethod
-    def _on_progress_for(t: _Tracked) -> Callable[[Request, int], None]:
-        started: float | None = None
-
-        def on_progress(req: Request, processed: int) -> None:
-            nonlocal started
-            now = time.perf_counter()
-            started = now if started is None else started
-            ms = (now - started) * 1e3
-            t.sub.post(ProgressEvent(t.index, len(req.prompt), req.n_cached, processed, ms))
-
-        return on_progress
 
     def _step(self) -> None:
         try:
@@ -696,7 +442,7 @@ class EngineService:
                 if t.req.finish_reason == "error" and t.req.error is not None:
                     t.sub.post(ErrorEvent(t.index, t.req.error))  # this request's alone
                 elif t.req.finish_reason != "cancelled":
-                    t.sub.post(self._finish_event(t, t.req.finish_reason or "stop"))
+                    t.sub.post(t.finish_event(t.req.finish_reason or "stop"))
         if self.observer is not None:
             # sequences in this step: those running, the ones admitted now included
             self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
@@ -708,30 +454,7 @@ class EngineService:
         return CacheFacts(pool.n_usable, pool.n_used, pool.n_cached, cache.block, cache.nbytes,
                           st.query_tokens, st.hit_tokens, st.evicted)  # fmt: skip
 
-    def _finish_event(self, t: _Tracked, reason: str) -> FinishEvent:
-        req = t.req
-        tail = t.text.flush()
-        eos = bool(req.generated) and req.generated[-1] in req.eog and not req.params.ignore_eos
-        return FinishEvent(
-            index=t.index,
-            reason="stop" if reason == "stop" else reason,
-            text=tail,
-            n_prompt=len(req.prompt),
-            n_generated=len(req.generated),
-            n_cached=req.n_cached,
-            alora_inactive=req.inactive,
-            stopped_eos=eos and not t.text.stopped,
-            stop_word=t.text.matched if t.text.stopped else None,
-            t_submit=req.t_submit,
-            t_first=req.t_first,
-            t_prompt_done=req.t_prompt_done,
-            t_end=req.t_end,
-            n_drafts=req.n_drafts,
-            n_drafted=req.n_drafted,
-            n_draft_accepted=req.n_draft_accepted,
-        )
-
-    def _cancel(self, sub: _Submission) -> None:
+    def _cancel(self, sub: Submission) -> None:
         for t in sub.tracked:
             if not t.req.done:
                 self.engine.stop(t.req, "cancelled")
@@ -758,3 +481,13 @@ class EngineService:
         for call in self._deferred:
             call.future.cancel()
         self._deferred.clear()
+
+
+def _refuse(item: _Call | Submission, exc: Exception) -> None:
+    """A call or submission that will not run: its caller gets `exc`."""
+    if isinstance(item, _Call):
+        if item.future.set_running_or_notify_cancel():
+            item.future.set_exception(exc)
+    else:
+        for index in range(len(item.jobs)):
+            item.post(ErrorEvent(index, exc))

@@ -1,6 +1,7 @@
 """What the ingress and the replicas exchange, with no Ray in it: one HTTP request as data, the
 replica's run of it through graftlm's own app (ASGI, in-process), the routing rule that picks a
-request's adapter, and the merge of every replica's Prometheus metrics into one page.
+request's adapter, the merge of every replica's Prometheus metrics into one page, and the
+headers and timings the ingress, the replicas and their directory agree on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from typing import Any
 from starlette.types import ASGIApp, Message
 
 Header = tuple[bytes, bytes]
+
+REPORT_S = 0.5  # how often a replica reports to the directory
+LIVE_S = 3.0  # a replica not heard from for this long is taken for gone
+RUNTIME_PATHS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "unload"}
+VERSION_HEADER = b"x-graftlm-catalog-version"  # replica -> ingress: the catalog it changed
+UNKNOWN_HEADER = b"x-graftlm-unknown-adapter"  # replica -> ingress: the base answered instead
 
 
 @dataclass

@@ -14,24 +14,33 @@ with the fewest adapters.
 only those replicas until Serve's multiplexed matching timeout (1 to 2 s) has passed; then
 the replicas with the fewest adapters, then all, as Serve does. Requests without an adapter
 are routed as Serve routes them.
+
+Each router also says what it knows, for the ingress's cold-start order (`scaleout.known`):
+where each adapter is held, from Serve's public replica records
+(`RunningReplica.multiplexed_model_ids`).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from ray.serve._private.constants import RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S
 from ray.serve.request_router import (
     LocalityMixin,
     MultiplexMixin,
     PendingRequest,
+    ReplicaID,
     RequestRouter,
     RunningReplica,
 )
 
-HOLD_S = RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S  # at least this, as Serve
+from graftlm.scaleout.known import publish
+
+# at least Serve's multiplexed matching timeout: its setting, read as Serve reads it
+HOLD_S = float(os.environ.get("RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", "1.0"))
 
 
 class AdapterRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -52,6 +61,21 @@ class AdapterRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True  # busy: wait for them
             return [random.sample(holders, min(2, len(holders)))]
         return [_two(self.curr_replicas, self.apply_multiplex_routing(pending_request))]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish(replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._publish(self.curr_replicas.values())
+
+    def _publish(self, replicas: Iterable[RunningReplica]) -> None:
+        held: dict[str, set[str]] = {}
+        for r in replicas:
+            for name in r.multiplexed_model_ids:
+                held.setdefault(name, set()).add(r.replica_id.unique_id)
+        publish(self.app_name, {name: frozenset(ids) for name, ids in held.items()})
 
 
 def _two(replicas: dict[Any, RunningReplica], ids: Any) -> list[RunningReplica]:

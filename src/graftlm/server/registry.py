@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
+from graftlm.lora.prepare import AdapterFacts
 from graftlm.lora.settings import AdapterSettings
-from graftlm.runtime.service import AdapterFacts, EngineService
+from graftlm.runtime.service import EngineService
 
 
 class UnknownModelError(RequestError):

@@ -1,0 +1,150 @@
+"""One submission's requests on the engine thread, and the events they post back.
+
+A `Submission` is the jobs one caller handed the service at once, with the asyncio loop and
+queue their events go to. Each job becomes a `Tracked` request: the engine's `Request`, its
+text stream (stop strings held back) and, when log-probabilities are asked for, the sampler
+that records them. The request's callbacks turn each token (and the prompt's progress) into
+events; `finish_event` says how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from graftlm.runtime.events import Event, FinishEvent, Job, ProgressEvent, TokenEvent
+from graftlm.runtime.prompting import Prompter
+from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.scheduler import Request
+from graftlm.runtime.textstream import TextStream
+
+Stop = Callable[[Request, str], None]  # ends a request in the engine, with its reason
+
+
+class RecordingSampler(Sampler):
+    """The job's sampler, plus the log-probabilities of the raw logits at each step (or, with
+    `post`, of the candidates the draw chose among)."""
+
+    def __init__(self, params: SamplingParams, top: int, post: bool = False) -> None:
+        super().__init__(params)
+        self.top = top
+        self.post = post
+        self.last: tuple[float, tuple[tuple[int, float], ...]] = (0.0, ())
+
+    def draw(self, logits: torch.Tensor) -> int:
+        if not self.post:
+            return super().draw(logits)
+        probs, idx = self.candidates(logits)
+        tok = self.pick(probs, idx)
+        lp = torch.log(probs)
+        n = min(self.top, int((probs > 0).sum()))  # never a token of probability 0
+        top = tuple(zip(idx[:n].tolist(), lp[:n].tolist(), strict=True))
+        self.last = (float(lp[(idx == tok).nonzero()[0, 0]]), top)
+        return tok
+
+    def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
+        tok = super().__call__(logits, history)
+        if self.post:
+            return tok
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top > 0:
+            v, i = lp.topk(min(self.top, lp.shape[-1]))  # at most the vocabulary
+            top = tuple(zip(i.tolist(), v.tolist(), strict=True))
+        self.last = (float(lp[tok]), top)
+        return tok
+
+
+@dataclass
+class Submission:
+    jobs: Sequence[Job]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
+    tracked: list[Tracked] = field(default_factory=list)
+
+    def post(self, ev: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class Tracked:
+    sub: Submission
+    index: int
+    job: Job
+    req: Request
+    text: TextStream
+    recorder: RecordingSampler | None = None
+
+    @classmethod
+    def of(cls, sub: Submission, index: int, prompter: Prompter, stop: Stop) -> Tracked:
+        """Job `index` of `sub` as a request whose tokens become events; `stop` ends it when
+        its text meets a stop string."""
+        job = sub.jobs[index]
+        p = job.params
+        req = Request(
+            list(job.prompt), p, job.lora, eog=prompter.eog, use_cache=job.cache, spec=job.spec
+        )
+        t = cls(sub, index, job, req, prompter.text_stream(p.stop, p.ignore_eos))
+        if job.logprobs is not None:
+            t.recorder = RecordingSampler(p, job.logprobs, job.post_sampling)
+            req.sampler = t.recorder
+        req.on_token = t._on_token(stop)
+        if job.progress:
+            req.on_progress = t._on_progress()
+        sub.tracked.append(t)
+        return t
+
+    def _on_token(self, stop: Stop) -> Callable[[Request, int], None]:
+        def on_token(req: Request, token: int) -> None:
+            piece = self.text.push(token)
+            if self.text.stopped:
+                stop(req, "stop")
+            if self.recorder is not None:
+                lp, top = self.recorder.last
+                self.sub.post(TokenEvent(self.index, token, piece, lp, top))
+            else:
+                self.sub.post(TokenEvent(self.index, token, piece))
+
+        return on_token
+
+    def _on_progress(self) -> Callable[[Request, int], None]:
+        started: float | None = None
+
+        def on_progress(req: Request, processed: int) -> None:
+            nonlocal started
+            now = time.perf_counter()
+            started = now if started is None else started
+            ms = (now - started) * 1e3
+            self.sub.post(ProgressEvent(self.index, len(req.prompt), req.n_cached, processed, ms))
+
+        return on_progress
+
+    def finish_event(self, reason: str) -> FinishEvent:
+        req = self.req
+        tail = self.text.flush()
+        eos = bool(req.generated) and req.generated[-1] in req.eog and not req.params.ignore_eos
+        return FinishEvent(
+            index=self.index,
+            reason="stop" if reason == "stop" else reason,
+            text=tail,
+            n_prompt=len(req.prompt),
+            n_generated=len(req.generated),
+            n_cached=req.n_cached,
+            alora_inactive=req.inactive,
+            stopped_eos=eos and not self.text.stopped,
+            stop_word=self.text.matched if self.text.stopped else None,
+            t_submit=req.t_submit,
+            t_first=req.t_first,
+            t_prompt_done=req.t_prompt_done,
+            t_end=req.t_end,
+            n_drafts=req.n_drafts,
+            n_drafted=req.n_drafted,
+            n_draft_accepted=req.n_draft_accepted,
+        )

@@ -45,10 +45,6 @@ class ModelConfig:
     rope_attn_factor: float = 1.0
 
     @property
-    def n_rep(self) -> int:
-        return self.n_head // self.n_head_kv
-
-    @property
     def scale(self) -> float:
         return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 

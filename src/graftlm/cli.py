@@ -50,7 +50,7 @@ def _convert_lora(args: argparse.Namespace) -> int:
 
 
 def _export_lora(args: argparse.Namespace) -> int:
-    from graftlm.lora.cli_args import lora_specs
+    from graftlm.commands.lora_args import lora_specs
     from graftlm.lora.export import export_lora
 
     specs = lora_specs(args.lora, args.lora_scaled)
@@ -76,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from graftlm.commands import add_chat_template_arguments, add_device_argument
     from graftlm.commands.llama_flags import VersionAction, add_llama_flags
-    from graftlm.lora.cli_args import add_lora_arguments
+    from graftlm.commands.lora_args import add_lora_arguments
 
     parser = argparse.ArgumentParser(
         prog="graftlm", description="GGUF language models with LoRA adapters mounted at runtime"

@@ -173,7 +173,7 @@ def _llama_cpp(
 def bench(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands.llama_flags import cache_type
-    from graftlm.lora.cli_args import lora_specs
+    from graftlm.commands.lora_args import lora_specs
 
     threads = args.threads or torch.get_num_threads()
     depths = sorted(set(args.n_depth))

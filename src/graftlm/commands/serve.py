@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
+from graftlm.commands.lora_args import add_lora_arguments
 from graftlm.commands.serve_options import add_http_arguments
 from graftlm.commands.spec_args import add_spec_arguments, spec_config
-from graftlm.lora.cli_args import add_lora_arguments
 
 if TYPE_CHECKING:
     from graftlm.server.state import ServerState
@@ -318,8 +318,8 @@ def serving_state(args: argparse.Namespace) -> ServerState:
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
     from graftlm.commands.llama_server_flags import llama_server_notes
+    from graftlm.commands.lora_args import lora_specs
     from graftlm.commands.serve_options import api_key, http_config, split_list
-    from graftlm.lora.cli_args import lora_specs
     from graftlm.server.app import build_state
     from graftlm.server.state import ServerConfig
     from graftlm.step.kv_cache import BLOCK, DEFAULT_KV_TYPE

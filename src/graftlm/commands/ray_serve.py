@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from graftlm.commands.serve import add_serve_arguments, parse_lora_modules
+from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules
 
 
 def add_ray_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,16 +33,8 @@ from safetensors.torch import save_file
 from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
-from graftlm.lora.peft import (
-    ARCH_RULES,
-    KEY_PREFIX,
-    WEIGHTS_FILE,
-    BaseInfo,
-    LoraPair,
-    gguf_to_hf,
-    read_peft,
-    unpermute_rows,
-)
+from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
+from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, BaseInfo, LoraPair, read_peft
 from graftlm.lora.peft_config import CONFIG_FILE
 from graftlm.quant import dequantize_any
 

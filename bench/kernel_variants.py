@@ -8,14 +8,18 @@ on 2 threads. Run it under each kernel variant to compare them in the same minut
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from graftlm.native import features, isa
 from graftlm.quant import QWeight
-from graftlm.quant.synth import gguf_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
+from synth_tensors import gguf_tensor  # noqa: E402
 
 CASES = [
     (Q.Q4_1, (8192, 2048)),

@@ -10,8 +10,10 @@ M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,7 +21,9 @@ from gguf import GGMLQuantizationType as Q
 
 from graftlm.native import disabled, unavailable_reason
 from graftlm.quant import QWeight
-from graftlm.quant.synth import random_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
+from synth_tensors import random_blocks  # noqa: E402
 
 SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip

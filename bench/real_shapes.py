@@ -5,7 +5,7 @@ LoRA adapter on every projection, to time beside llama.cpp:
     python bench/real_shapes.py DIR --all            # every shape x q4_k_m, q5_k_m, q8_0
     python bench/real_shapes.py --list
 
-The tensors are valid random blocks of each type (`graftlm.quant.synth.random_blocks`: random
+The tensors are valid random blocks of each type (`random_blocks` of tests/synth_tensors.py: random
 codes, small finite scales), written with `gguf.GGUFWriter` under llama.cpp's names and
 metadata, with the real vocabulary size (a byte-level BPE vocabulary padded with tokens no merge
 reaches) so the output head costs what it costs. The mixes follow llama.cpp's
@@ -20,13 +20,15 @@ overrides): decode speed per layer is what is compared.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from graftlm.quant.synth import random_blocks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
+from synth_tensors import random_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 

@@ -1,4 +1,5 @@
-"""`graftlm bench` on a tiny model: the table, the adapter's self-ratio, the reference column."""
+"""`graftlm bench` on a tiny model: the table, the adapter's self-ratio, the llama.cpp columns
+only from a run."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_bench_prints_a_row_per_test(tiny_llama: Path, capsys: pytest.CaptureFix
         assert cells[0] == tiny_llama.name and cells[1] == "0"
         mean, sd = re.fullmatch(r"([\d.]+) ± +([\d.]+)", cells[4]).groups()  # type: ignore[union-attr]
         assert float(mean) > 0 and float(sd) >= 0
-        assert cells[5] == "-" and cells[6] == "-"  # not in the reference file: no ratio
+        assert cells[5] == "-" and cells[6] == "-"  # no llama.cpp in this run: no ratio
     assert re.search(r"resident: \d+ MiB \(file \d+ MiB\)", out)
 
 
@@ -67,15 +68,15 @@ def test_bench_with_an_adapter_prints_its_self_ratio(
 
 
 @pytest.mark.real
-def test_bench_sets_smollm2_beside_the_reference_figures(
+def test_bench_sets_no_llama_cpp_figure_it_did_not_measure(
     smollm2_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The reference file's figures for this model, and the ratio of the mean to them (no
-    llama.cpp in the same run)."""
+    """Without llama.cpp in the same run, its columns stay empty, even for a model whose
+    llama.cpp speed is known elsewhere: a figure beside ours comes from this run or not at all."""
     argv = ["bench", "-m", str(smollm2_file), "-p", "128", "-n", "16", "-r", "1", "--no-llama-cpp"]
     assert main(argv) == 0
     rows = _rows(capsys.readouterr().out)
-    assert rows["pp128"][5] == "398.0 (reference)"
-    ours = float(rows["pp128"][4].split()[0])
-    assert abs(float(rows["pp128"][6]) - ours / 398) <= 0.006  # (the mean printed to 0.1)
-    assert rows["tg16"][5] == "-" and rows["tg16"][6] == "-"  # no reference figure for tg16
+    assert set(rows) == {"pp128", "tg16"}
+    for cells in rows.values():
+        assert float(cells[4].split()[0]) > 0
+        assert cells[5] == "-" and cells[6] == "-"

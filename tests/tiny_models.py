@@ -11,8 +11,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-
-from graftlm.quant.synth import random_blocks
+from synth_tensors import random_blocks
 
 T = gguf.GGMLQuantizationType
 

@@ -97,42 +97,20 @@ def load(
         speculative = SpecConfig(method=speculative)
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise GraftError(f"n_seq must be a whole number of sequences, at least 1; got {n_seq!r}")
-    dev = resolve_device(device)
-    if reference and dev.type != "cpu":
-        raise GraftError(
-            f"reference=True is the float32 CPU oracle; it does not run on device {str(device)!r}"
-        )
-    if threads is not None and threads > 0:
-        torch.set_num_threads(threads)
-    if dev.type == "cpu":  # before the weights are packed (native.heap)
-        hold_freed_memory()  # a step's activations stay in the heap for the next
-        use_huge_pages()  # the weights in transparent huge pages
+    dev = _prepare_device(device, reference, threads)
     file = GGUFFile(default_model_path() if path is None else path)
     n_ctx = context_size(file, ctx_size)
-    model = build_model(file, n_ctx, prefer="reference" if reference else "fast", progress=progress)
+    prefer = "reference" if reference else "fast"
+    model = build_model(file, n_ctx, prefer=prefer, progress=progress)
     if dev.type != "cpu":
         model.to(dev)
     tokenizer = Tokenizer.from_file(file)
     kv_type = cache_type or ("f32" if reference else DEFAULT_KV_TYPE)
     if cache_bytes is not None:
-        per = block_nbytes(model.cfg, kv_dtype(kv_type))
-        if cache_bytes < per:
-            raise GraftError(
-                f"a KV cache of {cache_bytes} bytes holds no block: one block of {BLOCK} "
-                f"positions takes {per} bytes ({kv_type})"
-            )
-        cache_blocks = cache_bytes // per + 1  # (block 0 holds nothing)
+        cache_blocks = _blocks_in(cache_bytes, model.cfg, kv_type)
     draft = None
     if draft_model is not None:
-        draft_file = GGUFFile(draft_model)
-        check_vocabulary(
-            list(file.get("tokenizer.ggml.tokens") or []),
-            list(draft_file.get("tokenizer.ggml.tokens") or []),
-            str(draft_model),
-        )
-        draft = build_model(draft_file, n_ctx, prefer="reference" if reference else "fast")
-        if dev.type != "cpu":
-            draft.to(dev)
+        draft = _load_draft(draft_model, file, n_ctx, prefer, dev)
         if speculative is None:
             speculative = SpecConfig(method="draft")
     loaded = Model(
@@ -150,6 +128,51 @@ def load(
     if dev.type == "cpu":  # last (the engine's cache is made in parallel regions too): whichever
         release_threads()  # thread steps next makes its own pool (release_threads)
     return loaded
+
+
+def _prepare_device(
+    device: str | torch.device, reference: bool, threads: int | None
+) -> torch.device:
+    """The device checked (the reference oracle runs on the CPU alone), torch's threads set, and
+    on the CPU the heap readied before the weights are packed (native.heap)."""
+    dev = resolve_device(device)
+    if reference and dev.type != "cpu":
+        raise GraftError(
+            f"reference=True is the float32 CPU oracle; it does not run on device {str(device)!r}"
+        )
+    if threads is not None and threads > 0:
+        torch.set_num_threads(threads)
+    if dev.type == "cpu":
+        hold_freed_memory()  # a step's activations stay in the heap for the next
+        use_huge_pages()  # the weights in transparent huge pages
+    return dev
+
+
+def _blocks_in(cache_bytes: int, cfg: ModelConfig, kv_type: str) -> int:
+    """The KV cache pool's blocks that `cache_bytes` holds, block 0 (which holds nothing) added."""
+    per = block_nbytes(cfg, kv_dtype(kv_type))
+    if cache_bytes < per:
+        raise GraftError(
+            f"a KV cache of {cache_bytes} bytes holds no block: one block of {BLOCK} "
+            f"positions takes {per} bytes ({kv_type})"
+        )
+    return cache_bytes // per + 1
+
+
+def _load_draft(
+    path: str | os.PathLike[str], file: GGUFFile, n_ctx: int, prefer: str, dev: torch.device
+) -> Transformer:
+    """The draft model of speculative decoding, its vocabulary checked against the target's."""
+    draft_file = GGUFFile(path)
+    check_vocabulary(
+        list(file.get("tokenizer.ggml.tokens") or []),
+        list(draft_file.get("tokenizer.ggml.tokens") or []),
+        str(path),
+    )
+    draft = build_model(draft_file, n_ctx, prefer=prefer)
+    if dev.type != "cpu":
+        draft.to(dev)
+    return draft
 
 
 class Model:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from graftlm.errors import GraftError
+
+if TYPE_CHECKING:  # what add_subparsers returns (argparse's own, private, name for it)
+    _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -50,7 +54,7 @@ def _convert_lora(args: argparse.Namespace) -> int:
 
 
 def _export_lora(args: argparse.Namespace) -> int:
-    from graftlm.lora.cli_args import lora_specs
+    from graftlm.commands.lora_args import lora_specs
     from graftlm.lora.export import export_lora
 
     specs = lora_specs(args.lora, args.lora_scaled)
@@ -74,15 +78,27 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from graftlm.commands import add_chat_template_arguments, add_device_argument
-    from graftlm.commands.llama_flags import VersionAction, add_llama_flags
-    from graftlm.lora.cli_args import add_lora_arguments
+    from graftlm.commands.llama_flags import VersionAction
 
     parser = argparse.ArgumentParser(
         prog="graftlm", description="GGUF language models with LoRA adapters mounted at runtime"
     )
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    _add_inspect(sub)
+    _add_serve(sub)
+    _add_convert_lora(sub)
+    _add_export_lora(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_run(sub: _Subparsers) -> None:
+    from graftlm.commands import add_chat_template_arguments, add_device_argument
+    from graftlm.commands.llama_flags import VersionAction, add_llama_flags
+    from graftlm.commands.lora_args import add_lora_arguments
+    from graftlm.commands.spec_args import add_spec_arguments
 
     r = sub.add_parser("run", help="generate text from a prompt, or chat (-cnv)")
     r.add_argument(
@@ -95,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("-c", "--ctx-size", type=int, default=4096)
     r.add_argument("-t", "--threads", type=int, default=None)
+    _add_run_sampling(r)
+    _add_run_conversation(r)
+    r.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens"
+    )
+    r.add_argument("--version", action=VersionAction)
+    r.add_argument("-sys", "--system-prompt", default=None)
+    r.add_argument("--reference", action="store_true", help="float32 reference path (slow)")
+    add_device_argument(r)
+    add_chat_template_arguments(r)
+    add_lora_arguments(r)
+    add_llama_flags(r)
+    add_spec_arguments(r)
+    r.set_defaults(func=_run)
+
+
+def _add_run_sampling(r: argparse.ArgumentParser) -> None:
+    """llama-cli's sampling flags, with its defaults."""
     r.add_argument("--temp", type=float, default=0.8)
     r.add_argument("--top-k", type=int, default=40)
     r.add_argument("--top-p", type=float, default=0.95)
@@ -104,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--presence-penalty", type=float, default=0.0)
     r.add_argument("--frequency-penalty", type=float, default=0.0)
     r.add_argument("-s", "--seed", type=int, default=-1, help="-1: random")
+
+
+def _add_run_conversation(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "-cnv",
         "--conversation",
@@ -117,21 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="complete the prompt (the default)",
     )
-    r.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens"
-    )
-    r.add_argument("--version", action=VersionAction)
-    r.add_argument("-sys", "--system-prompt", default=None)
-    r.add_argument("--reference", action="store_true", help="float32 reference path (slow)")
-    add_device_argument(r)
-    add_chat_template_arguments(r)
-    add_lora_arguments(r)
-    add_llama_flags(r)
-    from graftlm.commands.spec_args import add_spec_arguments
 
-    add_spec_arguments(r)
-    r.set_defaults(func=_run)
 
+def _add_inspect(sub: _Subparsers) -> None:
     i = sub.add_parser(
         "inspect", help="metadata and tensor table of a GGUF file (model or adapter)"
     )
@@ -139,7 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--all", action="store_true", help="print long arrays in full")
     i.set_defaults(func=_inspect)
 
-    from graftlm.commands.serve import add_serve_arguments
+
+def _add_serve(sub: _Subparsers) -> None:
+    """`serve` and `ray-serve` (the same flags, and Ray's)."""
+    from graftlm.commands.ray_serve import add_ray_serve_arguments
+    from graftlm.commands.serve_args import add_serve_arguments
 
     s = sub.add_parser(
         "serve", help="OpenAI- and llama-server-compatible HTTP server with LoRA adapters"
@@ -147,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(s)
     s.set_defaults(func=_serve)
 
-    from graftlm.commands.ray_serve import add_ray_serve_arguments
-
     rs = sub.add_parser("ray-serve", help="`serve` as replicas on Ray Serve, routed by adapter")
     add_ray_serve_arguments(rs)
     rs.set_defaults(func=_ray_serve)
 
+
+def _add_convert_lora(sub: _Subparsers) -> None:
     c = sub.add_parser("convert-lora", help="PEFT directory <-> llama.cpp GGUF LoRA adapter")
     c.add_argument("input", help="PEFT directory, or with --to-peft a GGUF adapter")
     c.add_argument("--base", help="base model GGUF (needed for PEFT -> GGUF)")
@@ -165,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--to-peft", action="store_true", help="GGUF adapter -> PEFT directory")
     c.set_defaults(func=_convert_lora)
+
+
+def _add_export_lora(sub: _Subparsers) -> None:
+    from graftlm.commands.lora_args import add_lora_arguments
 
     e = sub.add_parser(
         "export-lora", help="merge LoRA adapters into a base GGUF (llama-export-lora)"
@@ -180,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_lora_arguments(e)
     e.set_defaults(func=_export_lora)
+
+
+def _add_bench(sub: _Subparsers) -> None:
+    from graftlm.commands import add_device_argument
+    from graftlm.commands.llama_flags import add_llama_flags
+    from graftlm.commands.lora_args import add_lora_arguments
 
     b = sub.add_parser("bench", help="prompt and generation speed (llama-bench style)")
     b.add_argument("-m", "--model", default=None)
@@ -202,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_arguments(b)
     add_llama_flags(b)  # llama-bench's -ngl, -fa, -b, -ub, -ctk, -ctv: never read as -n or -p
     b.set_defaults(func=_bench)
-    return parser
 
 
 def _unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:

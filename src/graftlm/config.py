@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from graftlm.errors import ModelFileError
 
@@ -43,10 +43,6 @@ class ModelConfig:
     # cos/sin (`rope.scaling.attn_factor`).
     n_ctx_orig: int = 0
     rope_attn_factor: float = 1.0
-
-    @property
-    def n_rep(self) -> int:
-        return self.n_head // self.n_head_kv
 
     @property
     def scale(self) -> float:
@@ -114,6 +110,71 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         _req(meta, p + "block_count", path), p + "block_count", path, 1, MAX_LAYERS
     )
     _check_blocks(n_layer, tensor_names, p + "block_count", path)
+    widths = _widths(meta, p, n_layer, path)
+    rope_base = _number(meta.get(p + "rope.freq_base", 10000.0), p + "rope.freq_base", path)
+    key = p + "attention.layer_norm_rms_epsilon"
+    rms_eps = _number(meta.get(key, 1e-5), key, path)
+    key = p + "attention.sliding_window"
+    window = whole_field(meta.get(key, 0), key, path, 0, 1 << 31)
+    family = _family_attention(arch, meta, n_layer, widths, window, rope_base)
+    head_dim = widths["head_dim"]
+    return ModelConfig(
+        arch=arch,
+        n_layer=n_layer,
+        **widths,
+        n_ctx_train=whole_field(
+            meta.get(p + "context_length", 2048), p + "context_length", path, 1, 1 << 31
+        ),
+        rms_eps=rms_eps,
+        rope_base=rope_base,
+        rope_dim=whole_field(
+            meta.get(p + "rope.dimension_count", head_dim),
+            p + "rope.dimension_count",
+            path,
+            0,
+            head_dim,
+        ),
+        **family,
+        tied_head="output.weight" not in tensor_names,
+        name=str(meta.get("general.name", "")),
+        n_expert_used=whole_field(
+            meta.get(p + "expert_used_count", 0), p + "expert_used_count", path, 0, 1024
+        ),
+        n_ctx_orig=whole_field(
+            meta.get(p + "rope.scaling.original_context_length", 0),
+            p + "rope.scaling.original_context_length",
+            path,
+            0,
+            1 << 31,
+        ),
+        rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
+    )
+
+
+class _Widths(TypedDict):
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    v_head_dim: int
+    n_ff: int
+    n_expert: int
+    n_vocab: int
+
+
+class _FamilyAttention(TypedDict):
+    rope_neox: bool
+    sliding_window: tuple[int, ...]
+    rope_base_layer: tuple[float, ...]
+    attn_scale: float
+    embed_scale: float
+    attn_softcap: float
+    final_softcap: float
+
+
+def _widths(meta: dict[str, Any], p: str, n_layer: int, path: str) -> _Widths:
+    """The model's sizes (ModelConfig's fields of those names): width, heads and their sizes,
+    the feed-forward's (an expert's, with experts), experts, vocabulary."""
     n_embd = whole_field(_req(meta, p + "embedding_length", path), p + "embedding_length", path)
     key = p + "attention.head_count"
     n_head = _per_layer(_req(meta, key, path), n_layer, key, path)
@@ -136,12 +197,30 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
     tokens = meta.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens) if isinstance(tokens, list) else 0
     n_vocab = whole_field(meta.get(p + "vocab_size", n_tokens), p + "vocab_size", path)
-    rope_base = _number(meta.get(p + "rope.freq_base", 10000.0), p + "rope.freq_base", path)
-    key = p + "attention.layer_norm_rms_epsilon"
-    rms_eps = _number(meta.get(key, 1e-5), key, path)
-    key = p + "attention.sliding_window"
-    window = whole_field(meta.get(key, 0), key, path, 0, 1 << 31)
+    return _Widths(
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        n_ff=n_ff,
+        n_expert=n_expert,
+        n_vocab=n_vocab,
+    )
 
+
+def _family_attention(
+    arch: str,
+    meta: dict[str, Any],
+    n_layer: int,
+    widths: _Widths,
+    window: int,
+    rope_base: float,
+) -> _FamilyAttention:
+    """What a family does to attention and embedding as llama.cpp runs it (ModelConfig's fields
+    of those names): RoPE layout, per-layer sliding windows and RoPE bases, scales, soft-caps."""
+    p = arch + "."
+    n_embd, n_head, head_dim = widths["n_embd"], widths["n_head"], widths["head_dim"]
     sliding = [0] * n_layer
     rope_layer = [rope_base] * n_layer
     rope_neox = False
@@ -171,48 +250,12 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
         sliding = [window if i % 2 == 0 else 0 for i in range(n_layer)]
         attn_softcap = float(meta.get(p + "attn_logit_softcapping", 50.0))
         final_softcap = float(meta.get(p + "final_logit_softcapping", 30.0))
-
-    return ModelConfig(
-        arch=arch,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        n_ctx_train=whole_field(
-            meta.get(p + "context_length", 2048), p + "context_length", path, 1, 1 << 31
-        ),
-        rms_eps=rms_eps,
-        rope_base=rope_base,
-        rope_dim=whole_field(
-            meta.get(p + "rope.dimension_count", head_dim),
-            p + "rope.dimension_count",
-            path,
-            0,
-            head_dim,
-        ),
+    return _FamilyAttention(
         rope_neox=rope_neox,
         sliding_window=tuple(sliding),
         rope_base_layer=tuple(rope_layer),
         attn_scale=attn_scale,
         embed_scale=embed_scale,
-        tied_head="output.weight" not in tensor_names,
-        name=str(meta.get("general.name", "")),
         attn_softcap=attn_softcap,
         final_softcap=final_softcap,
-        n_expert=n_expert,
-        n_expert_used=whole_field(
-            meta.get(p + "expert_used_count", 0), p + "expert_used_count", path, 0, 1024
-        ),
-        n_ctx_orig=whole_field(
-            meta.get(p + "rope.scaling.original_context_length", 0),
-            p + "rope.scaling.original_context_length",
-            path,
-            0,
-            1 << 31,
-        ),
-        rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
     )

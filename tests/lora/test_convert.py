@@ -20,9 +20,10 @@ from tiny_models import TinySpec, write_tiny_adapter
 import graftlm
 from graftlm.errors import AdapterError
 from graftlm.gguf import GGUFFile
+from graftlm.lora.arch_rules import gguf_to_hf
 from graftlm.lora.convert import gguf_to_peft, peft_to_gguf
 from graftlm.lora.gguf_adapter import read_gguf_adapter
-from graftlm.lora.peft import gguf_to_hf, read_peft_adapter
+from graftlm.lora.peft import read_peft_adapter
 from graftlm.lora.peft_config import parse_config
 from graftlm.models import build_model
 

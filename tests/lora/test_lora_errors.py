@@ -10,7 +10,7 @@ import torch
 from tiny_models import TinySpec, write_tiny_adapter
 
 import graftlm
-from graftlm.lora.cli_args import lora_specs, parse_lora_scaled
+from graftlm.commands.lora_args import lora_specs, parse_lora_scaled
 
 IDS = [5, 70, 33, 200, 41, 9]
 SPEC = TinySpec()

@@ -14,14 +14,9 @@ from shared_data import FIXTURES, GOLDEN, REAL_ADAPTERS, TINY, TINY_WITH_PEFT
 import graftlm
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import ResolvedAdapter
+from graftlm.lora.arch_rules import gguf_to_hf, hf_to_gguf, permute_rows, unpermute_rows
 from graftlm.lora.gguf_adapter import read_gguf_adapter
-from graftlm.lora.peft import (
-    gguf_to_hf,
-    hf_to_gguf,
-    permute_rows,
-    read_peft_adapter,
-    unpermute_rows,
-)
+from graftlm.lora.peft import read_peft_adapter
 from graftlm.models import Transformer, build_model
 
 REAL = REAL_ADAPTERS

@@ -12,10 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from synth_tensors import gguf_tensor
 
 from graftlm.native import amx, build, library
 from graftlm.quant import QWeight
-from graftlm.quant.synth import gguf_tensor
 
 pytestmark = pytest.mark.skipif(not amx(), reason="no AMX tiles here (CPU, compiler or kernel)")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from synth_tensors import gguf_tensor
 
 from graftlm.native import features, library
 from graftlm.quant import QWeight
-from graftlm.quant.synth import gguf_tensor
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0, Q.IQ4_NL,
          Q.IQ4_XS]  # fmt: skip
@@ -33,7 +33,7 @@ import sys, torch
 from gguf import GGMLQuantizationType as Q
 from graftlm.native import features, isa
 from graftlm.quant import QWeight
-from graftlm.quant.synth import gguf_tensor
+from synth_tensors import gguf_tensor
 torch.set_num_threads(1)
 out = {"isa": isa(), "features": features()}
 for name in sys.argv[2].split(","):
@@ -78,6 +78,10 @@ torch.save(out, sys.argv[1])
 def products(path: Path, isa: str) -> dict[str, object]:
     # the VNNI kernels in every variant: AMX's bfloat16 products have a twin of their own (test_amx)
     env = {**os.environ, "GRAFTLM_NATIVE_ISA": isa, "GRAFTLM_AMX_ROWS": "0"}
+    # synth_tensors is a module of tests/, beside graftlm's own path
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p
+    )
     done = subprocess.run(
         [sys.executable, "-c", PRODUCTS, str(path), ",".join(t.name for t in TYPES)],
         env=env,

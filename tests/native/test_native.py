@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from synth_tensors import random_blocks
 
 import graftlm
 from graftlm.models import seam
@@ -30,7 +31,6 @@ from graftlm.native import (
     unavailable_reason,
 )
 from graftlm.quant import QWeight
-from graftlm.quant.synth import random_blocks
 from graftlm.step.batch import Batch, RowIndex
 from graftlm.step.kv_cache import KVCache, kv_dtype, q8_0_pack, q8_0_unpack
 

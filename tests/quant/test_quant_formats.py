@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import QuantError
+from synth_tensors import gguf_tensor, random_blocks
 
 from graftlm.native import disabled
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.formats import FORMATS
-from graftlm.quant.synth import gguf_tensor, random_blocks
 
 # Types the brief requires; K-quants need n_in % 256 == 0.
 CORE = [

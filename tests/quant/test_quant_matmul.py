@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from synth_tensors import gguf_tensor
 
 from graftlm.native import disabled, library
 from graftlm.quant import QWeight, config, linear
 from graftlm.quant.int4pack import int4pack_layout
-from graftlm.quant.synth import gguf_tensor
 
 # (type, shape, kernel expected with torch's kernels (int4pack usable), with native kernels)
 CASES = [

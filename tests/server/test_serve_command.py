@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from graftlm.commands.serve import add_serve_arguments, parse_lora_modules, parse_size
+from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules, parse_size
 
 
 def test_parse_size() -> None:

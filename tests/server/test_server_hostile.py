@@ -112,7 +112,7 @@ def test_dns_rebinding_is_refused_by_host(server: TinyServer, http: httpx.Client
 def test_allowed_hosts_from_the_flags() -> None:
     import argparse
 
-    from graftlm.commands.serve import add_serve_arguments
+    from graftlm.commands.serve_args import add_serve_arguments
     from graftlm.commands.serve_options import allowed_hosts
     from graftlm.server.guard import Hosts
 

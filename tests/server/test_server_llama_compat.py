@@ -18,7 +18,7 @@ from server_fixtures import SPEC, TinyServer, error_of, serving
 
 import graftlm
 from graftlm.commands.llama_server_flags import llama_server_notes
-from graftlm.commands.serve import add_serve_arguments
+from graftlm.commands.serve_args import add_serve_arguments
 from graftlm.commands.serve_options import http_config
 from graftlm.lora.settings import AdapterSettings
 from graftlm.server.app import build_state

@@ -16,7 +16,7 @@ from spec_helpers import pin_costs
 
 import graftlm
 from graftlm.commands.llama_server_flags import llama_server_notes
-from graftlm.commands.serve import add_serve_arguments
+from graftlm.commands.serve_args import add_serve_arguments
 from graftlm.commands.spec_args import spec_config
 from graftlm.runtime.speculative import SpecConfig
 from graftlm.server.app import build_state

@@ -1,7 +1,7 @@
 """`graftlm bench`: prompt processing and generation speed, in the manner of llama-bench.
 
-Ratios are measured side by side in one run where llama-cpp-python is installed; otherwise the
-table shows llama.cpp's reference figures for this project's machine beside ours.
+The llama.cpp columns come from llama-cpp-python run side by side with graftlm in this same
+run, where it is installed (and not turned off with --no-llama-cpp); otherwise they are empty.
 """
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ from typing import Any
 import torch
 
 from graftlm.errors import GraftError
-
-# ../shared/reference/llama_cpp_figures.md (llama.cpp 0c1e570, 2 threads, this machine kind)
-REFERENCE: dict[str, dict[str, float]] = {
-    "SmolLM2-135M-Instruct.Q4_1.gguf": {"pp128": 398, "pp512": 361, "tg64": 159, "tg128": 138},
-    "gemma-3-270m-q4_k_m.gguf": {"pp128": 825, "tg64": 87},
-}
 
 
 def _stats(xs: list[float]) -> str:
@@ -173,7 +167,7 @@ def _llama_cpp(
 def bench(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands.llama_flags import cache_type
-    from graftlm.lora.cli_args import lora_specs
+    from graftlm.commands.lora_args import lora_specs
 
     threads = args.threads or torch.get_num_threads()
     depths = sorted(set(args.n_depth))
@@ -196,7 +190,6 @@ def bench(args: argparse.Namespace) -> int:
     if model.loras:
         lora = [{"id": a["id"], "scale": a["scale"]} for a in model.loras]
     name = model.path.name
-    ref = REFERENCE.get(name, {}) if on_cpu else {}  # llama.cpp's figures are CPU figures
     if not on_cpu:
         print(f"device: {model.model.device} (bfloat16 weights); llama.cpp is not compared\n")
     tests = [("pp", n) for n in args.n_prompt if n > 0] + [("tg", n) for n in args.n_gen if n > 0]
@@ -218,9 +211,7 @@ def bench(args: argparse.Namespace) -> int:
                 their_s, ratio = _stats(theirs) + " (same run)", f"{_pair_ratio(ours, theirs):.2f}"
             else:
                 ours = _timed(ours_fn, args.repetitions)
-                r = ref.get(f"{test}{n}") if not specs and not depth else None
-                their_s = "-" if r is None else f"{r:8.1f} (reference)"
-                ratio = "-" if r is None else f"{statistics.fmean(ours) / r:.2f}"
+                their_s = ratio = "-"  # no llama.cpp in this run: nothing to set beside ours
             if lora:  # the adapters' cost to graftlm itself: the same test at scale 0, alternated
                 off = [{"id": a["id"], "scale": 0.0} for a in lora]
                 off_fn, off_end = _ours(model, test, n, off, depth)

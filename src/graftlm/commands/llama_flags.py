@@ -24,6 +24,17 @@ def add_llama_flags(
 ) -> None:
     """The flags on `p`; `cache_types`: -ctk/-ctv too (`cache_type` reads them)."""
     g = p.add_argument_group("llama.cpp flags: noted where they have no effect, or refused")
+    _add_placement_flags(g)
+    _add_batch_flags(g, server)
+    _add_download_flags(g)
+    if cache_types:
+        _add_cache_type_flags(g)
+    if server:
+        _add_server_flags(g)
+
+
+def _add_placement_flags(g: argparse._ArgumentGroup) -> None:
+    """Where weights and attention run: graftlm decides (-ngl, -fa, --mlock, --no-mmap)."""
     g.add_argument(
         "-ngl",
         "--n-gpu-layers",
@@ -51,6 +62,10 @@ def add_llama_flags(
         help="no effect: weights are memory-mapped",
     )
     g.add_argument("--mmap", dest="mmap", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_batch_flags(g: argparse._ArgumentGroup, server: bool) -> None:
+    """-b / -ub (serve maps -b), and --numa."""
     g.add_argument(
         "-b",
         "--batch-size",
@@ -72,6 +87,10 @@ def add_llama_flags(
         help="no effect: graftlm chooses its own prompt chunks",
     )
     g.add_argument("--numa", default=None, metavar="TYPE", help="no effect")
+
+
+def _add_download_flags(g: argparse._ArgumentGroup) -> None:
+    """-hf and its kin: refused, graftlm downloads nothing."""
     g.add_argument(
         "-hf",
         "-hfr",
@@ -83,39 +102,45 @@ def add_llama_flags(
     )
     g.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help=argparse.SUPPRESS)
     g.add_argument("-mu", "--model-url", dest="model_url", default=None, help=argparse.SUPPRESS)
-    if cache_types:
-        g.add_argument(
-            "-ctk",
-            "--cache-type-k",
-            dest="cache_type_k",
-            default=None,
-            metavar="TYPE",
-            help="KV cache type, as llama.cpp names it: f16 (default), bf16, f32, q8_0; K and V "
-            "share one type",
-        )
-        g.add_argument(
-            "-ctv",
-            "--cache-type-v",
-            dest="cache_type_v",
-            default=None,
-            metavar="TYPE",
-            help="the same as -ctk (K and V share one type)",
-        )
-    if server:
-        g.add_argument(
-            "-cb",
-            "--cont-batching",
-            dest="cont_batching",
-            action="store_true",
-            help="always on: requests are batched continuously",
-        )
-        g.add_argument(
-            "-nocb",
-            "--no-cont-batching",
-            dest="no_cont_batching",
-            action="store_true",
-            help="refused: continuous batching cannot be turned off",
-        )
+
+
+def _add_cache_type_flags(g: argparse._ArgumentGroup) -> None:
+    """-ctk / -ctv: the KV cache type (`cache_type` reads them)."""
+    g.add_argument(
+        "-ctk",
+        "--cache-type-k",
+        dest="cache_type_k",
+        default=None,
+        metavar="TYPE",
+        help="KV cache type, as llama.cpp names it: f16 (default), bf16, f32, q8_0; K and V "
+        "share one type",
+    )
+    g.add_argument(
+        "-ctv",
+        "--cache-type-v",
+        dest="cache_type_v",
+        default=None,
+        metavar="TYPE",
+        help="the same as -ctk (K and V share one type)",
+    )
+
+
+def _add_server_flags(g: argparse._ArgumentGroup) -> None:
+    """llama-server's continuous batching switches."""
+    g.add_argument(
+        "-cb",
+        "--cont-batching",
+        dest="cont_batching",
+        action="store_true",
+        help="always on: requests are batched continuously",
+    )
+    g.add_argument(
+        "-nocb",
+        "--no-cont-batching",
+        dest="no_cont_batching",
+        action="store_true",
+        help="refused: continuous batching cannot be turned off",
+    )
 
 
 def llama_flag_notes(args: argparse.Namespace, maps_batch: bool = False) -> list[str]:

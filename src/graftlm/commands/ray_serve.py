@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from graftlm.commands.serve import add_serve_arguments, parse_lora_modules
+from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules
 
 
 def add_ray_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def _replica_args(args: argparse.Namespace) -> argparse.Namespace:
     this folder), and --host the proxy's concern: a replica sits behind Serve's proxy, which
     listens on --host (under KubeRay not even that), so its Host check is --allowed-hosts alone
     (without it none), never the loopback names of a server listening on its own."""
-    from graftlm.lora.cli_args import lora_specs
+    from graftlm.commands.lora_args import lora_specs
 
     out = copy.copy(args)
     out.host = "0.0.0.0"  # (serve_options.allowed_hosts: a network address, no check unless given)

@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     import graftlm
     from graftlm.commands import check_adapters_first, warn_if_slow
     from graftlm.commands.llama_flags import cache_type, check_llama_flags
+    from graftlm.commands.lora_args import lora_specs
     from graftlm.commands.spec_args import spec_config
-    from graftlm.lora.cli_args import lora_specs
 
     check_llama_flags(args)
     speculative = spec_config(args)

@@ -33,16 +33,8 @@ from safetensors.torch import save_file
 from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
-from graftlm.lora.peft import (
-    ARCH_RULES,
-    KEY_PREFIX,
-    WEIGHTS_FILE,
-    BaseInfo,
-    LoraPair,
-    gguf_to_hf,
-    read_peft,
-    unpermute_rows,
-)
+from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
+from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, BaseInfo, LoraPair, read_peft
 from graftlm.lora.peft_config import CONFIG_FILE
 from graftlm.quant import dequantize_any
 
@@ -190,15 +182,7 @@ def gguf_to_peft(
     alpha_pattern ones when alpha is 0). Returns notes; raises AdapterError listing every
     problem."""
     check_output_folder(out_dir)
-    f = GGUFFile(adapter_gguf)
-    if f.file_type != "adapter" or f.metadata.get("adapter.type") != "lora":
-        raise AdapterError(f"{f.path}: not a llama.cpp LoRA adapter (general.type / adapter.type)")
-    arch = f.architecture or ""
-    if arch not in ARCH_RULES:
-        raise AdapterError(
-            f"{f.path}: architecture {arch!r} has no PEFT name mapping here "
-            f"(known: {', '.join(sorted(ARCH_RULES))})"
-        )
+    f, arch = _open_lora_gguf(adapter_gguf)
     base = BaseInfo.from_gguf(_open_base(base_gguf_path)) if base_gguf_path is not None else None
     problems: list[str] = []
     if base is not None and base.arch != arch:
@@ -219,46 +203,13 @@ def gguf_to_peft(
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     for gname, pair in halves.items():
-        where = f"tensor {gname}.weight"
-        module = gguf_to_hf(arch, gname)
-        if set(pair) != {"lora_a", "lora_b"}:
-            problems.append(f"{where}: has only {', '.join(pair)}")
+        found = _peft_pair(gname, pair, arch, base, problems)
+        if found is None:
             continue
-        if module is None:
-            problems.append(f"{where}: no Hugging Face module is known for it on {arch}")
-            continue
-        a, b = pair["lora_a"], pair["lora_b"]
-        embd = gname == EMBEDDING
-        if embd:
-            a = a.T  # back to PEFT's lora_embedding_A (r, n_vocab)
-        if a.shape[0] != b.shape[1]:
-            problems.append(
-                f"{where}: ranks differ: lora_a {list(a.shape)}, lora_b {list(b.shape)}"
-            )
-            continue
-        if base is not None:
-            shape = base.lookup(gname)
-            if isinstance(shape, str):
-                problems.append(f"{where}: {shape}")
-                continue
-            if (a.shape[1], b.shape[0]) != shape:
-                problems.append(
-                    f"{where}: (n_in, n_out) = ({a.shape[1]}, {b.shape[0]}) does not fit the "
-                    f"base's {shape}"
-                )
-                continue
-        kind = gname.rsplit(".", 1)[-1]
-        if ARCH_RULES[arch].rope_permuted and kind in ("attn_q", "attn_k"):
-            if base is None:
-                problems.append(
-                    f"{where}: its rows were permuted for RoPE over the base's heads; give "
-                    "the base model file to undo that"
-                )
-                continue
-            b = unpermute_rows(b, base.n_head if kind == "attn_q" else base.n_head_kv)
+        module, a, b = found
         ab = (
             (".lora_embedding_A", ".lora_embedding_B")
-            if embd
+            if gname == EMBEDDING
             else (".lora_A.weight", ".lora_B.weight")
         )
         tensors[KEY_PREFIX + module + ab[0]] = a.contiguous()
@@ -279,6 +230,67 @@ def gguf_to_peft(
     _write_peft(out, tensors, config)
     notes.append(f"wrote {out}: {len(tensors)} tensors ({len(ranks)} modules), r = {config['r']}")
     return notes
+
+
+def _open_lora_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, str]:
+    """A llama.cpp LoRA adapter of an architecture whose PEFT names are known, and that name."""
+    f = GGUFFile(path)
+    if f.file_type != "adapter" or f.metadata.get("adapter.type") != "lora":
+        raise AdapterError(f"{f.path}: not a llama.cpp LoRA adapter (general.type / adapter.type)")
+    arch = f.architecture or ""
+    if arch not in ARCH_RULES:
+        raise AdapterError(
+            f"{f.path}: architecture {arch!r} has no PEFT name mapping here "
+            f"(known: {', '.join(sorted(ARCH_RULES))})"
+        )
+    return f, arch
+
+
+def _peft_pair(
+    gname: str,
+    pair: dict[str, torch.Tensor],
+    arch: str,
+    base: BaseInfo | None,
+    problems: list[str],
+) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """One GGUF pair as PEFT holds it: (Hugging Face module, A, B), A of the embedding back to
+    (r, n_vocab), B's Q/K rows back to Hugging Face's order; None, with the reason in `problems`,
+    where it cannot be."""
+    where = f"tensor {gname}.weight"
+    module = gguf_to_hf(arch, gname)
+    if set(pair) != {"lora_a", "lora_b"}:
+        problems.append(f"{where}: has only {', '.join(pair)}")
+        return None
+    if module is None:
+        problems.append(f"{where}: no Hugging Face module is known for it on {arch}")
+        return None
+    a, b = pair["lora_a"], pair["lora_b"]
+    if gname == EMBEDDING:
+        a = a.T  # back to PEFT's lora_embedding_A (r, n_vocab)
+    if a.shape[0] != b.shape[1]:
+        problems.append(f"{where}: ranks differ: lora_a {list(a.shape)}, lora_b {list(b.shape)}")
+        return None
+    if base is not None:
+        shape = base.lookup(gname)
+        if isinstance(shape, str):
+            problems.append(f"{where}: {shape}")
+            return None
+        if (a.shape[1], b.shape[0]) != shape:
+            problems.append(
+                f"{where}: (n_in, n_out) = ({a.shape[1]}, {b.shape[0]}) does not fit the "
+                f"base's {shape}"
+            )
+            return None
+    kind = gname.rsplit(".", 1)[-1]
+    if ARCH_RULES[arch].rope_permuted and kind in ("attn_q", "attn_k"):
+        if base is None:
+            problems.append(
+                f"{where}: its rows were permuted for RoPE over the base's heads; give "
+                "the base model file to undo that"
+            )
+            return None
+        b = unpermute_rows(b, base.n_head if kind == "attn_q" else base.n_head_kv)
+    return module, a, b
 
 
 def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

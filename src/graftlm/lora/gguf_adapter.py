@@ -75,20 +75,7 @@ def check_base(path: str | Path, base: GGUFFile) -> None:
 
 def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> ResolvedAdapter:
     """Read, check and resolve a GGUF adapter for `model`. Raises AdapterError listing every problem."""
-    try:
-        f = GGUFFile(path)
-    except ModelFileError as exc:
-        raise AdapterError(f"cannot load adapter: {exc}") from None
-    problems: list[str] = []
-    kind = f.metadata.get("general.type")
-    if kind != "adapter":
-        hint = " (a model file, not an adapter)" if kind in (None, "model") else ""
-        raise AdapterError(f"{f.path}: general.type is {kind!r}, expected 'adapter'{hint}")
-    atype = f.metadata.get("adapter.type")
-    if atype != "lora":
-        raise AdapterError(
-            f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported"
-        )
+    f = _open_lora(path)
     arch = f.architecture
     head = f"{f.path}: cannot attach adapter to {model.cfg.arch} base:"
     if arch != model.cfg.arch:
@@ -99,80 +86,18 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
             f"{f.path}: general.architecture is {made_for} but the base model is "
             f"{model.cfg.arch!r} (hidden size {model.cfg.n_embd}); cannot attach:"
         )
-    alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
-    if not math.isfinite(alpha) or abs(alpha) > FLOAT32_MAX:
-        problems.append(f"metadata 'adapter.lora.alpha' is {alpha!r}: not a finite float32")
-        alpha = 0.0
-    task_name = _meta(f, "adapter.lora.task_name", str, problems, "")
-    prompt_prefix = _meta(f, "adapter.lora.prompt_prefix", str, problems, "")
-    invocation = _meta(f, "adapter.alora.invocation_tokens", list, problems, [])
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in invocation):
-        problems.append(
-            f"metadata 'adapter.alora.invocation_tokens' must be a list of token ids, got {invocation!r}"
-        )
-        invocation = []
-
-    pairs: dict[str, dict[str, TensorEntry]] = {}
-    for name, entry in f.tensors.items():
-        stem, _, part = name.rpartition(".")
-        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
-            problems.append(
-                f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')"
-            )
-            continue
-        pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
-
+    problems: list[str] = []
+    alpha, task_name, prompt_prefix, invocation = _lora_metadata(f, problems)
     deltas: dict[str, list[tuple[slice, slice, Delta]]] = {}
-    for base, pair in sorted(pairs.items()):
+    for base, pair in sorted(_pairs(f, problems).items()):
         if set(pair) != {"lora_a", "lora_b"}:
             missing = ({"lora_a", "lora_b"} - set(pair)).pop()
             problems.append(f"tensor {base}.weight: has no {missing}")
             continue
-        a_e, b_e = pair["lora_a"], pair["lora_b"]
-        bad_type = [e for e in (a_e, b_e) if e.ggml_type not in ADAPTER_TYPES]
-        for e in bad_type:
-            problems.append(
-                f"tensor {e.name!r}: type {e.type_name} (adapters must be F32, F16, BF16 or Q8_0)"
-            )
-        if bad_type:
-            continue
-        targets = resolve_target(model, base)
-        if isinstance(targets, str):
-            problems.append(f"tensor {base}.weight: {targets}")
-            continue
-        if base + ".weight" not in base_tensors and base != "output":
-            problems.append(f"tensor {base}.weight: not in the base model")
-            continue
-        if len(a_e.shape) != 2 or len(b_e.shape) != 2:
-            problems.append(
-                f"tensor {base}.weight: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} must both be 2-D"
-            )
-            continue
-        t0 = targets[0]
-        embd = base == EMBEDDING
-        # torch shapes: projection A (r, n_in), B (n_out, r); embedding A (n_vocab, r), B (n_embd, r)
-        ra, n_in = (a_e.shape[1], a_e.shape[0]) if embd else (a_e.shape[0], a_e.shape[1])
-        n_out, rb = b_e.shape
-        shape_problems = []
-        if n_in != t0.n_in:
-            what = "n_vocab" if embd else "input size"
-            shape_problems.append(f"lora_a {_ne(a_e)} does not fit the base's {what} {t0.n_in}")
-        if n_out != t0.n_out:
-            what = "n_embd" if embd else "output size"
-            shape_problems.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
-        if ra != rb:
-            shape_problems.append(
-                f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
-            )
-        if shape_problems:
-            problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
-            continue
-        a = dequantize_any(a_e.data, a_e.ggml_type, a_e.shape)
-        b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
-        factor = alpha / rb if alpha != 0 else 1.0
-        b = b * factor
-        for t in targets:
-            deltas.setdefault(t.projection, []).append((t.rows, t.at, Delta(a, b)))
+        for projection, piece in _resolve_pair(
+            base, pair["lora_a"], pair["lora_b"], alpha, model, base_tensors, problems
+        ):
+            deltas.setdefault(projection, []).append(piece)
 
     if problems or arch != model.cfg.arch:
         raise refusal(head, problems)
@@ -186,6 +111,112 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
         invocation_tokens=list(invocation),
         source="gguf",
     )
+
+
+def _open_lora(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path`, once it is a LoRA adapter (AdapterError otherwise)."""
+    try:
+        f = GGUFFile(path)
+    except ModelFileError as exc:
+        raise AdapterError(f"cannot load adapter: {exc}") from None
+    kind = f.metadata.get("general.type")
+    if kind != "adapter":
+        hint = " (a model file, not an adapter)" if kind in (None, "model") else ""
+        raise AdapterError(f"{f.path}: general.type is {kind!r}, expected 'adapter'{hint}")
+    atype = f.metadata.get("adapter.type")
+    if atype != "lora":
+        raise AdapterError(
+            f"{f.path}: adapter.type is {atype!r}; only 'lora' adapters are supported"
+        )
+    return f
+
+
+def _lora_metadata(f: GGUFFile, problems: list[str]) -> tuple[float, str, str, list[int]]:
+    """alpha, task name, prompt prefix and activated LoRA's invocation tokens, each checked."""
+    alpha = float(_meta(f, "adapter.lora.alpha", (int, float), problems, 0.0))
+    if not math.isfinite(alpha) or abs(alpha) > FLOAT32_MAX:
+        problems.append(f"metadata 'adapter.lora.alpha' is {alpha!r}: not a finite float32")
+        alpha = 0.0
+    task_name = _meta(f, "adapter.lora.task_name", str, problems, "")
+    prompt_prefix = _meta(f, "adapter.lora.prompt_prefix", str, problems, "")
+    invocation = _meta(f, "adapter.alora.invocation_tokens", list, problems, [])
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in invocation):
+        problems.append(
+            f"metadata 'adapter.alora.invocation_tokens' must be a list of token ids, got {invocation!r}"
+        )
+        invocation = []
+    return alpha, task_name, prompt_prefix, invocation
+
+
+def _pairs(f: GGUFFile, problems: list[str]) -> dict[str, dict[str, TensorEntry]]:
+    """The file's tensors by base name: {"lora_a"/"lora_b": entry}; any other tensor is a problem."""
+    pairs: dict[str, dict[str, TensorEntry]] = {}
+    for name, entry in f.tensors.items():
+        stem, _, part = name.rpartition(".")
+        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
+            problems.append(
+                f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')"
+            )
+            continue
+        pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
+    return pairs
+
+
+def _resolve_pair(
+    base: str,
+    a_e: TensorEntry,
+    b_e: TensorEntry,
+    alpha: float,
+    model: Base,
+    base_tensors: set[str],
+    problems: list[str],
+) -> list[tuple[str, tuple[slice, slice, Delta]]]:
+    """One base weight's pair checked (types, target, shapes) and read, scaled by alpha / r: the
+    pieces of the projections it lands in; none, with the reasons in `problems`, when it does not
+    fit."""
+    bad_type = [e for e in (a_e, b_e) if e.ggml_type not in ADAPTER_TYPES]
+    for e in bad_type:
+        problems.append(
+            f"tensor {e.name!r}: type {e.type_name} (adapters must be F32, F16, BF16 or Q8_0)"
+        )
+    if bad_type:
+        return []
+    targets = resolve_target(model, base)
+    if isinstance(targets, str):
+        problems.append(f"tensor {base}.weight: {targets}")
+        return []
+    if base + ".weight" not in base_tensors and base != "output":
+        problems.append(f"tensor {base}.weight: not in the base model")
+        return []
+    if len(a_e.shape) != 2 or len(b_e.shape) != 2:
+        problems.append(
+            f"tensor {base}.weight: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} must both be 2-D"
+        )
+        return []
+    t0 = targets[0]
+    embd = base == EMBEDDING
+    # torch shapes: projection A (r, n_in), B (n_out, r); embedding A (n_vocab, r), B (n_embd, r)
+    ra, n_in = (a_e.shape[1], a_e.shape[0]) if embd else (a_e.shape[0], a_e.shape[1])
+    n_out, rb = b_e.shape
+    shape_problems = []
+    if n_in != t0.n_in:
+        what = "n_vocab" if embd else "input size"
+        shape_problems.append(f"lora_a {_ne(a_e)} does not fit the base's {what} {t0.n_in}")
+    if n_out != t0.n_out:
+        what = "n_embd" if embd else "output size"
+        shape_problems.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
+    if ra != rb:
+        shape_problems.append(
+            f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
+        )
+    if shape_problems:
+        problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
+        return []
+    a = dequantize_any(a_e.data, a_e.ggml_type, a_e.shape)
+    b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
+    factor = alpha / rb if alpha != 0 else 1.0
+    b = b * factor
+    return [(t.projection, (t.rows, t.at, Delta(a, b))) for t in targets]
 
 
 def _ne(e: TensorEntry) -> str:

@@ -8,27 +8,26 @@ embedding `base_model.model.<module>.lora_embedding_A` (r, n_vocab) / `.lora_emb
 (peft_config.py: alpha / r, rsLoRA, rank / alpha patterns).
 
 Reading maps every Hugging Face module name to its GGUF base tensor (gguf's TensorNameMap) and
-applies what llama.cpp's converter did to the base weights: on llama-architecture files the Q and
+applies what llama.cpp's converter did to the base weights (arch_rules.py): on llama-architecture files the Q and
 K rows are permuted for RoPE, so B of q_proj / k_proj is permuted the same way (A is not: it acts
 on the input side). Every problem is collected into one AdapterError; nothing is skipped.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gguf
 import torch
 from safetensors import safe_open
 
 from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
+from graftlm.lora.arch_rules import ARCH_RULES, PERMUTED_KINDS, arch_rules, hf_to_gguf, permute_rows
 from graftlm.lora.gguf_adapter import combine
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
 from graftlm.lora.targets import resolve_target
@@ -48,120 +47,7 @@ _SUFFIXES = {
     ".lora_embedding_A": ("a", True),
     ".lora_embedding_B": ("b", True),
 }
-
-# -- the declarative part: what llama.cpp's converter did per architecture ---------------------
-
-# Hugging Face module for each GGUF tensor kind: the way back from GGUF to PEFT. (The way there is
-# gguf's TensorNameMap; a test checks that each of these maps forward to its own kind.)
-_HF_MODULES: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output": "lm_head",
-    "attn_q": "model.layers.{bid}.self_attn.q_proj",
-    "attn_k": "model.layers.{bid}.self_attn.k_proj",
-    "attn_v": "model.layers.{bid}.self_attn.v_proj",
-    "attn_output": "model.layers.{bid}.self_attn.o_proj",
-    "ffn_gate": "model.layers.{bid}.mlp.gate_proj",
-    "ffn_up": "model.layers.{bid}.mlp.up_proj",
-    "ffn_down": "model.layers.{bid}.mlp.down_proj",
-}
-
-
-@dataclass(frozen=True)
-class ArchRules:
-    """What llama.cpp's `convert_hf_to_gguf.py` did to one architecture's projection weights."""
-
-    model_arch: gguf.MODEL_ARCH
-    # LlamaModel.undo_permute: Q/K rows reordered per head from HF's halves to adjacent pairs
-    rope_permuted: bool
-    hf_modules: Mapping[str, str] = field(default_factory=lambda: _HF_MODULES)
-
-
-ARCH_RULES: dict[str, ArchRules] = {
-    "llama": ArchRules(gguf.MODEL_ARCH.LLAMA, rope_permuted=True),  # also Mistral, SmolLM2
-    "gemma3": ArchRules(gguf.MODEL_ARCH.GEMMA3, rope_permuted=False),
-    "gemma2": ArchRules(gguf.MODEL_ARCH.GEMMA2, rope_permuted=False),
-    "qwen2": ArchRules(gguf.MODEL_ARCH.QWEN2, rope_permuted=False),
-    "qwen3": ArchRules(gguf.MODEL_ARCH.QWEN3, rope_permuted=False),
-    # every layer routed: attention and the router take adapters (the experts are 3-D tensors)
-    "qwen3moe": ArchRules(
-        gguf.MODEL_ARCH.QWEN3MOE,
-        rope_permuted=False,
-        hf_modules={
-            **{k: v for k, v in _HF_MODULES.items() if not k.startswith("ffn_")},
-            "ffn_gate_inp": "model.layers.{bid}.mlp.gate",
-        },
-    ),
-    # phi3 keeps its fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (gate rows first)
-    "phi3": ArchRules(
-        gguf.MODEL_ARCH.PHI3,
-        rope_permuted=False,
-        hf_modules={
-            **{
-                k: v
-                for k, v in _HF_MODULES.items()
-                if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")
-            },
-            "attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
-            "ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
-        },
-    ),
-}
-_PERMUTED_KINDS = {"attn_q": "n_head", "attn_k": "n_head_kv"}
-# Hugging Face checkpoints that nest the text model, as llama.cpp's LoRA converter strips them
-_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def arch_rules(arch: str) -> ArchRules | None:
-    """The conversion rules of a GGUF architecture; None: PEFT names cannot be mapped for it."""
-    return ARCH_RULES.get(arch)
-
-
-def hf_to_gguf(arch: str, n_layer: int, module: str) -> str | None:
-    """GGUF base tensor name ("blk.0.attn_q") of a Hugging Face module name, or None."""
-    rules = ARCH_RULES[arch]
-    for prefix, repl in _LM_PREFIXES:
-        if module.startswith(prefix):
-            module = repl + module[len(prefix) :]
-            break
-    return _name_map(rules.model_arch, n_layer).get_name(module)
-
-
-@functools.cache
-def _name_map(arch: gguf.MODEL_ARCH, n_layer: int) -> gguf.TensorNameMap:
-    return gguf.get_tensor_name_map(arch, n_layer)  # builds a dict over every block: keep it
-
-
-def gguf_to_hf(arch: str, base: str) -> str | None:
-    """Hugging Face module name of a GGUF base tensor name, or None."""
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        template = ARCH_RULES[arch].hf_modules.get(parts[2])
-        return (
-            None if template is None or "{bid}" not in template else template.format(bid=parts[1])
-        )
-    template = ARCH_RULES[arch].hf_modules.get(base)
-    return None if template is None or "{bid}" in template else template
-
-
-def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's LlamaModel.permute over the rows of w (n_out, ...): per head, HF's two halves
-    (x_0..x_{d/2-1}, y_0..y_{d/2-1}) become adjacent pairs (x_0, y_0, x_1, y_1, ...)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """The inverse of `permute_rows`."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
 
 # -- the base an adapter is checked against ------------------------------------------------------
 
@@ -271,29 +157,9 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
     """Read and check a PEFT directory against `base`. Raises AdapterError listing every problem."""
     d = Path(path)
     cfg_path, st_path = peft_files(d)
-    missing = [p.name for p in (cfg_path, st_path) if not p.is_file()]
-    if missing:
-        hint = ""
-        if not st_path.is_file() and (d / "adapter_model.bin").is_file():
-            hint = (
-                " (adapter_model.bin, PyTorch's pickle format, is not read: re-save the adapter "
-                "with PEFT's save_pretrained(..., safe_serialization=True))"
-            )
-        raise AdapterError(
-            f"{d}: not a PEFT adapter directory: missing {' and '.join(missing)}{hint}"
-        )
+    _check_files(d, cfg_path, st_path)
     problems: list[str] = []
-    try:
-        if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
-            raise AdapterError(
-                f"{cfg_path}: {cfg_path.stat().st_size} bytes; a PEFT config is a few KB "
-                f"(at most {MAX_CONFIG_BYTES} read)"
-            )
-        raw = json.loads(cfg_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{cfg_path}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise AdapterError(f"{cfg_path}: JSON nested too deep to be a PEFT config") from None
+    raw = _config_json(cfg_path)
     cfg = parse_config(raw, str(cfg_path), problems)
     if arch_rules(base.arch) is None:
         problems.append(
@@ -308,7 +174,63 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
         keys = list(st.keys())
     except Exception as exc:  # a malformed file is a malformed file, whatever safetensors raises
         raise AdapterError(f"{st_path}: unreadable safetensors file ({exc})") from None
+    halves, base_layers = _sort_keys(keys, problems)
 
+    # ensure_weight_tying on a tied base: PEFT also gives lm_head the embedding's LoRA (saved as
+    # lm_head.lora_A = lora_embedding_B.T, lora_B = lora_embedding_A.T) without listing it
+    tie_head = (
+        cfg.ensure_weight_tying
+        and base.tied_head
+        and any(p.get("a", ("", False))[1] for p in halves.values())
+    )
+    pairs = _read_pairs(st, halves, cfg, base, problems, tie_head)
+    notes = _base_layer_notes(st, base_layers, halves, base, problems)
+    if tie_head and not any(p.base == "output" for p in pairs):
+        table = next((p for p in pairs if p.embedding), None)
+        if table is not None:
+            pairs.append(_tied_head(table, cfg))
+    if tie_head:
+        notes.append("ensure_weight_tying: the embedding's LoRA also applies to the tied head")
+    if problems:
+        raise refusal(_refusal_head(d, raw, st, keys, base), problems)
+    return PeftAdapter(d, cfg, pairs, len(keys), notes)
+
+
+def _check_files(d: Path, cfg_path: Path, st_path: Path) -> None:
+    """AdapterError unless the directory holds both files (naming a pickled .bin's way out)."""
+    missing = [p.name for p in (cfg_path, st_path) if not p.is_file()]
+    if missing:
+        hint = ""
+        if not st_path.is_file() and (d / "adapter_model.bin").is_file():
+            hint = (
+                " (adapter_model.bin, PyTorch's pickle format, is not read: re-save the adapter "
+                "with PEFT's save_pretrained(..., safe_serialization=True))"
+            )
+        raise AdapterError(
+            f"{d}: not a PEFT adapter directory: missing {' and '.join(missing)}{hint}"
+        )
+
+
+def _config_json(cfg_path: Path) -> Any:
+    """adapter_config.json's JSON, of a config's size at most."""
+    try:
+        if cfg_path.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterError(
+                f"{cfg_path}: {cfg_path.stat().st_size} bytes; a PEFT config is a few KB "
+                f"(at most {MAX_CONFIG_BYTES} read)"
+            )
+        return json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{cfg_path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise AdapterError(f"{cfg_path}: JSON nested too deep to be a PEFT config") from None
+
+
+def _sort_keys(
+    keys: list[str], problems: list[str]
+) -> tuple[dict[str, dict[str, tuple[str, bool]]], dict[str, str]]:
+    """The weights file's keys by module: its LoRA halves ({"a"/"b": (key, embedding layout)})
+    and the base layers PEFT saved; any other tensor is a problem."""
     halves: dict[str, dict[str, tuple[str, bool]]] = {}
     base_layers: dict[str, str] = {}
     for key in keys:
@@ -324,14 +246,18 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
             )
     if not halves and not problems:
         problems.append(f"{WEIGHTS_FILE}: holds no LoRA tensors")
+    return halves, base_layers
 
-    # ensure_weight_tying on a tied base: PEFT also gives lm_head the embedding's LoRA (saved as
-    # lm_head.lora_A = lora_embedding_B.T, lora_B = lora_embedding_A.T) without listing it
-    tie_head = (
-        cfg.ensure_weight_tying
-        and base.tied_head
-        and any(p.get("a", ("", False))[1] for p in halves.values())
-    )
+
+def _read_pairs(
+    st: Any,
+    halves: dict[str, dict[str, tuple[str, bool]]],
+    cfg: PeftConfig,
+    base: BaseInfo,
+    problems: list[str],
+    tie_head: bool,
+) -> list[LoraPair]:
+    """Every module's pair that fits the base; what does not is a problem."""
     pairs: list[LoraPair] = []
     for module, parts in halves.items():
         if set(parts) != {"a", "b"}:
@@ -345,17 +271,7 @@ def read_peft(path: str | Path, base: BaseInfo) -> PeftAdapter:
         pair = _read_pair(st, module, parts, cfg, base, problems, tied)
         if pair is not None:
             pairs.append(pair)
-
-    notes = _base_layer_notes(st, base_layers, halves, base, problems)
-    if tie_head and not any(p.base == "output" for p in pairs):
-        table = next((p for p in pairs if p.embedding), None)
-        if table is not None:
-            pairs.append(_tied_head(table, cfg))
-    if tie_head:
-        notes.append("ensure_weight_tying: the embedding's LoRA also applies to the tied head")
-    if problems:
-        raise refusal(_refusal_head(d, raw, st, keys, base), problems)
-    return PeftAdapter(d, cfg, pairs, len(keys), notes)
+    return pairs
 
 
 def _refusal_head(d: Path, raw: Any, st: Any, keys: list[str], base: BaseInfo) -> str:
@@ -447,8 +363,8 @@ def _read_pair(
     b = st.get_tensor(parts["b"][0]).float()
     rules = ARCH_RULES[base.arch]
     kind = gname.rsplit(".", 1)[-1]
-    if not bad and rules.rope_permuted and kind in _PERMUTED_KINDS:
-        n_head = getattr(base, _PERMUTED_KINDS[kind])
+    if not bad and rules.rope_permuted and kind in PERMUTED_KINDS:
+        n_head = getattr(base, PERMUTED_KINDS[kind])
         if n_head <= 0 or n_out % (2 * n_head):
             bad.append(f"{n_out} rows cannot be permuted over {n_head} heads")
         else:

@@ -12,7 +12,7 @@ GEMM, slower for decode but equal to ``x @ w.dequantize().T`` up to float32 summ
 from __future__ import annotations
 
 # Rows M of x at or above which fused weight-only kernels lose to "dequantize a chunk of rows to
-# float32 + float32 GEMM" (measured on an AVX2 core, see graftlm.quant.bench).  Per kernel, since
+# float32 + float32 GEMM" (measured on an AVX2 core, see bench/qweight_matmul.py).  Per kernel, since
 # a two-plane int4pack weight costs twice a one-plane one per row of x.
 # The native int8-activation kernels (graftlm.native) never lose: `python bench/kernels.py` on the
 # 2-core AVX2 machine gives them 45-58 GMAC/s at M=512 against 31-38 for float32 chunks.

@@ -30,7 +30,15 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
+        self._request_metrics(self.registry)
+        self._adapter_metrics(self.registry)
+        self._cache_metrics(self.registry)
+        self._seen = (0, 0, 0)
+        self.llama = LlamaMetrics()
+        self.started = time.time()
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Requests, tokens and errors, the queue, the batch, latencies."""
         self.requests = Counter(
             "graftlm_requests",
             "Finished generation requests, by adapter ('base': none) and endpoint",
@@ -71,6 +79,9 @@ class Metrics:
             buckets=_TPOT,
             registry=r,
         )
+
+    def _adapter_metrics(self, r: CollectorRegistry) -> None:
+        """Adapters attached, their loads on first use and their bytes."""
         self.adapters_resident = Gauge(
             "graftlm_lora_adapters_resident", "LoRA adapters attached", registry=r
         )
@@ -97,6 +108,9 @@ class Metrics:
         self.adapter_bytes = Gauge(
             "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
         )
+
+    def _cache_metrics(self, r: CollectorRegistry) -> None:
+        """The paged KV cache and its prefix cache."""
         self.kv_blocks = Gauge(
             "graftlm_kv_cache_blocks",
             "Blocks of the paged KV cache: total, used (held by requests), cached (found by "
@@ -121,9 +135,6 @@ class Metrics:
         self.prefix_evictions = Counter(
             "graftlm_prefix_cache_evictions", "Cached blocks evicted for new ones", registry=r
         )
-        self._seen = (0, 0, 0)
-        self.llama = LlamaMetrics()
-        self.started = time.time()
 
     # -- ServiceObserver --
     def on_step(self, rows: int, running: int, waiting: int) -> None:
@@ -231,81 +242,81 @@ class LlamaMetrics:
     def render(self) -> bytes:
         """The exposition; the throughput gauges' window starts again (llama-server's buckets)."""
         with self._lock:
-            now = (self.prompt_tokens, self.prompt_seconds, self.predicted, self.predicted_seconds)
-            n_p, t_p, n_g, t_g = (a - b for a, b in zip(now, self._scraped, strict=True))
-            self._scraped = now
-            rate_p = n_p / t_p if t_p else 0.0
-            rate_g = n_g / t_g if t_g else 0.0
-            rows = self.busy_rows / self.n_decode if self.n_decode else 0.0
+            window = self._window()
             rows_of = [
-                (
-                    "counter",
-                    "prompt_tokens_total",
-                    "Number of prompt tokens processed.",
-                    self.prompt_tokens,
-                ),
-                (
-                    "counter",
-                    "prompt_tokens_cached_total",
-                    "Prompt tokens served by the prefix cache.",
-                    self.prompt_cached,
-                ),
-                ("counter", "prompt_seconds_total", "Prompt process time", self.prompt_seconds),
-                (
-                    "counter",
-                    "tokens_predicted_total",
-                    "Number of generation tokens processed.",
-                    self.predicted,
-                ),
-                (
-                    "counter",
-                    "tokens_predicted_seconds_total",
-                    "Predict process time",
-                    self.predicted_seconds,
-                ),
-                ("counter", "n_decode_total", "Total number of engine steps.", self.n_decode),
-                ("counter", "n_tokens_max", "Largest observed n_tokens.", self.n_tokens_max),
-                (
-                    "counter",
-                    "spec_decode_num_draft_tokens_total",
-                    "Tokens drafted by speculative decoding (of finished requests).",
-                    self.drafted,
-                ),
-                (
-                    "counter",
-                    "spec_decode_num_accepted_tokens_total",
-                    "Drafted tokens accepted (of finished requests).",
-                    self.draft_accepted,
-                ),
-                (
-                    "counter",
-                    "spec_decode_num_drafts_total",
-                    "Drafts verified (of finished requests).",
-                    self.drafts,
-                ),
-                (
-                    "gauge",
-                    "prompt_tokens_seconds",
-                    "Average prompt throughput in tokens/s, since the last scrape.",
-                    rate_p,
-                ),
-                (
-                    "gauge",
-                    "predicted_tokens_seconds",
-                    "Average generation throughput in tokens/s, since the last scrape.",
-                    rate_g,
-                ),
-                ("gauge", "requests_processing", "Number of requests processing.", self.running),
-                ("gauge", "requests_deferred", "Number of requests deferred.", self.waiting),
-                (
-                    "gauge",
-                    "n_busy_slots_per_decode",
-                    "Average number of busy slots per engine step.",
-                    rows,
-                ),
+                (kind, name, text, window[key] if key in window else getattr(self, key))
+                for kind, name, text, key in _LLAMA_EXPOSITION
             ]
         out = []
         for kind, name, help_text, value in rows_of:
             out += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}"]
             out.append(f"llamacpp:{name} {float(value):g}")
         return ("\n".join(out) + "\n").encode()
+
+    def _window(self) -> dict[str, float]:
+        """The gauges computed at a scrape (the lock held): throughputs since the last scrape,
+        busy rows per step."""
+        now = (self.prompt_tokens, self.prompt_seconds, self.predicted, self.predicted_seconds)
+        n_p, t_p, n_g, t_g = (a - b for a, b in zip(now, self._scraped, strict=True))
+        self._scraped = now
+        return {
+            "prompt_rate": n_p / t_p if t_p else 0.0,
+            "predicted_rate": n_g / t_g if t_g else 0.0,
+            "busy_per_decode": self.busy_rows / self.n_decode if self.n_decode else 0.0,
+        }
+
+
+# llama-server's metrics in its order: (type, name, help, LlamaMetrics' value: an attribute, or one
+# of `_window`'s)
+_LLAMA_EXPOSITION = (
+    ("counter", "prompt_tokens_total", "Number of prompt tokens processed.", "prompt_tokens"),
+    (
+        "counter",
+        "prompt_tokens_cached_total",
+        "Prompt tokens served by the prefix cache.",
+        "prompt_cached",
+    ),
+    ("counter", "prompt_seconds_total", "Prompt process time", "prompt_seconds"),
+    ("counter", "tokens_predicted_total", "Number of generation tokens processed.", "predicted"),
+    ("counter", "tokens_predicted_seconds_total", "Predict process time", "predicted_seconds"),
+    ("counter", "n_decode_total", "Total number of engine steps.", "n_decode"),
+    ("counter", "n_tokens_max", "Largest observed n_tokens.", "n_tokens_max"),
+    (
+        "counter",
+        "spec_decode_num_draft_tokens_total",
+        "Tokens drafted by speculative decoding (of finished requests).",
+        "drafted",
+    ),
+    (
+        "counter",
+        "spec_decode_num_accepted_tokens_total",
+        "Drafted tokens accepted (of finished requests).",
+        "draft_accepted",
+    ),
+    (
+        "counter",
+        "spec_decode_num_drafts_total",
+        "Drafts verified (of finished requests).",
+        "drafts",
+    ),
+    (
+        "gauge",
+        "prompt_tokens_seconds",
+        "Average prompt throughput in tokens/s, since the last scrape.",
+        "prompt_rate",
+    ),
+    (
+        "gauge",
+        "predicted_tokens_seconds",
+        "Average generation throughput in tokens/s, since the last scrape.",
+        "predicted_rate",
+    ),
+    ("gauge", "requests_processing", "Number of requests processing.", "running"),
+    ("gauge", "requests_deferred", "Number of requests deferred.", "waiting"),
+    (
+        "gauge",
+        "n_busy_slots_per_decode",
+        "Average number of busy slots per engine step.",
+        "busy_per_decode",
+    ),
+)

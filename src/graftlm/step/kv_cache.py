@@ -139,11 +139,6 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    @property
-    def block_bytes(self) -> int:
-        """Bytes one block holds over all layers, keys and values."""
-        return self.nbytes // self.n_blocks
-
     def set_table(self, slot: int, blocks: list[int]) -> None:
         """Slot's table row: its positions [i * block, (i + 1) * block) in pool block blocks[i];
         the rest of the row points at block 0."""

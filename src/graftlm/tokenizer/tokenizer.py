@@ -214,10 +214,6 @@ class Tokenizer:
         """True for control and unknown tokens: those `decode(..., skip_special=True)` hides."""
         return bool(self.vocab.attrs[self._check(id)] & _HIDDEN)
 
-    def is_eog(self, id: int) -> bool:
-        """True for tokens that end generation."""
-        return id in self.eog_ids
-
     def token_text(self, id: int) -> str:
         """The vocabulary entry of `id`, unrendered."""
         return self.vocab.tokens[self._check(id)]

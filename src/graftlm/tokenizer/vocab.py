@@ -164,121 +164,27 @@ class Vocab:
     ) -> Vocab:
         """Build the table; `default_ids` are llama.cpp's (bos, eos, unk) for this model type and
         the flags are its defaults, each overridden by the GGUF keys when present."""
-        raw_tokens = meta.get("tokenizer.ggml.tokens")
-        if not isinstance(raw_tokens, Sequence) or isinstance(raw_tokens, str | bytes):
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens list")
-        n = len(raw_tokens)
-        tokens = list(raw_tokens)
-        if "" in tokens:
-            # llama.cpp renames empty tokens so that every text is a distinct key.
-            tokens = [t if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        token_to_id = dict(zip(tokens, range(n), strict=True))
-        if len(token_to_id) != n:
-            seen: dict[str, int] = {}
-            for i, t in enumerate(tokens):
-                if t in seen:
-                    raise ValueError(
-                        f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}"
-                    )
-                seen[t] = i
-
+        tokens, token_to_id = _token_table(meta)
+        n = len(tokens)
         scores = _number_list(meta.get("tokenizer.ggml.scores"), n, "tokenizer.ggml.scores")
-        types = meta.get("tokenizer.ggml.token_type")
-        if types is None:
-            attrs = [_NORMAL] * n
-        else:
-            if len(types) < n:
-                raise ValueError(
-                    f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens"
-                )
-            table = _TYPE_TO_ATTR
-            attrs = [table.get(t, 0) for t in types[:n]]
-
-        def special_id(key: str, default: int | None) -> int | None:
-            if default is not None and default >= n:
-                default = None
-            value = meta.get(key)
-            if value is None:
-                return default
-            value = int(value)
-            return value if 0 <= value < n else default
-
-        bos_id = special_id("tokenizer.ggml.bos_token_id", default_ids[0])
-        eos_id = special_id("tokenizer.ggml.eos_token_id", default_ids[1])
-        unk_id = special_id("tokenizer.ggml.unknown_token_id", default_ids[2])
-        pad_id = special_id("tokenizer.ggml.padding_token_id", None)
-        eot_id = special_id("tokenizer.ggml.eot_token_id", None)
-        eom_id = special_id("tokenizer.ggml.eom_token_id", None)
-        fim_pre = special_id("tokenizer.ggml.fim_pre_token_id", None)
-        fim_pre = special_id("tokenizer.ggml.prefix_token_id", fim_pre)
-        fim_suf = special_id("tokenizer.ggml.fim_suf_token_id", None)
-        fim_suf = special_id("tokenizer.ggml.suffix_token_id", fim_suf)
-        fim_mid = special_id("tokenizer.ggml.fim_mid_token_id", None)
-        fim_mid = special_id("tokenizer.ggml.middle_token_id", fim_mid)
-        fim_pad = special_id("tokenizer.ggml.fim_pad_token_id", None)
-        fim_rep = special_id("tokenizer.ggml.fim_rep_token_id", None)
-        fim_sep = special_id("tokenizer.ggml.fim_sep_token_id", None)
+        attrs = _token_attrs(meta.get("tokenizer.ggml.token_type"), n)
+        ids = _SpecialIds.from_metadata(meta, n, default_ids)
 
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", add_eos))
         add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
-        if add_bos and bos_id is None:
+        if add_bos and ids.bos is None:
             raise ValueError("tokenizer.ggml.add_bos_token is true, but there is no BOS token")
-        if add_eos and eos_id is None:
+        if add_eos and ids.eos is None:
             raise ValueError("tokenizer.ggml.add_eos_token is true, but there is no EOS token")
 
-        touched: set[int] = set()  # ids whose attributes the text rules below changed
-
-        def mark_control(i: int) -> None:
-            attrs[i] |= _CONTROL
-            touched.add(i)
-
-        def find(texts: tuple[str, ...]) -> int | None:
-            for t in texts:
-                i = token_to_id.get(t)
-                if i is not None:
-                    mark_control(i)
-                    return i
-            return None
-
-        if eot_id is None:
-            eot_id = find(_EOT_TEXTS)
-        if eom_id is None:
-            eom_id = find(_EOM_TEXTS)
-        # The FIM roles matter here only for the control bit the detection sets.
-        for found, texts in (
-            (fim_pre, _FIM_PRE_TEXTS),
-            (fim_suf, _FIM_SUF_TEXTS),
-            (fim_mid, _FIM_MID_TEXTS),
-        ):
-            if found is None:
-                find(texts)
-        if fim_pad is None:
-            fim_pad = find(_FIM_PAD_TEXTS)
-        if fim_rep is None:
-            fim_rep = find(_FIM_REP_TEXTS)
-        if fim_sep is None:
-            fim_sep = find(_FIM_SEP_TEXTS)
-
+        touched = ids.find_by_text(token_to_id, attrs)  # ids whose attributes the rules changed
         wanted = _CONTROL | _USER_DEFINED | _UNKNOWN
         special = [i for i, a in enumerate(attrs) if a & wanted]
         for i in special:
             if attrs[i] & _CONTROL and "unused" in tokens[i]:
                 attrs[i] |= _UNUSED
-
-        eog = {i for i in (fim_pad, fim_rep, fim_sep) if i is not None}
-        for t in _EOG_TEXTS:
-            eog_id = token_to_id.get(t)
-            if eog_id is not None:
-                eog.add(eog_id)
-                mark_control(eog_id)
-        for t in _ALWAYS_RENDERED:
-            shown = token_to_id.get(t)
-            if shown is not None:
-                attrs[shown] = _USER_DEFINED
-                touched.add(shown)
-        eog.update(i for i in (eos_id, eot_id, eom_id) if i is not None)
-        touched |= _apply_eog_workarounds(tokens, attrs, eog)
+        eog = _eog_ids(ids, tokens, token_to_id, attrs, touched)
 
         special = sorted(i for i in set(special) | touched if attrs[i] & wanted)
         # llama.cpp compares byte lengths; ties keep id order (std::sort leaves them unspecified).
@@ -289,11 +195,11 @@ class Vocab:
             scores=scores,
             attrs=attrs,
             token_to_id=token_to_id,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            eot_id=eot_id,
-            unk_id=unk_id,
-            pad_id=pad_id,
+            bos_id=ids.bos,
+            eos_id=ids.eos,
+            eot_id=ids.eot,
+            unk_id=ids.unk,
+            pad_id=ids.pad,
             eog_ids=frozenset(eog),
             add_bos=add_bos,
             add_eos=add_eos,
@@ -330,6 +236,153 @@ class Vocab:
                         out.append(part)
             fragments = out
         return fragments
+
+
+def _token_table(meta: Mapping[str, Any]) -> tuple[list[str], dict[str, int]]:
+    """The token texts (an empty one renamed, as llama.cpp does, so every text is a distinct
+    key) and each text's id; ValueError for a missing list or a duplicate text."""
+    raw_tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(raw_tokens, Sequence) or isinstance(raw_tokens, str | bytes):
+        raise ValueError("GGUF metadata has no tokenizer.ggml.tokens list")
+    n = len(raw_tokens)
+    tokens = list(raw_tokens)
+    if "" in tokens:
+        tokens = [t if t != "" else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+    token_to_id = dict(zip(tokens, range(n), strict=True))
+    if len(token_to_id) != n:
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t in seen:
+                raise ValueError(f"duplicate token in vocabulary: {t!r} has ids {seen[t]} and {i}")
+            seen[t] = i
+    return tokens, token_to_id
+
+
+def _token_attrs(types: Any, n: int) -> list[int]:
+    """TokenAttr bits of each token from `tokenizer.ggml.token_type` (all normal without it)."""
+    if types is None:
+        return [_NORMAL] * n
+    if len(types) < n:
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+    table = _TYPE_TO_ATTR
+    return [table.get(t, 0) for t in types[:n]]
+
+
+@dataclass
+class _SpecialIds:
+    """The special roles' ids (None: no such token), from the metadata, then from the texts
+    llama.cpp recognises where the metadata is silent."""
+
+    bos: int | None
+    eos: int | None
+    unk: int | None
+    pad: int | None
+    eot: int | None
+    eom: int | None
+    fim_pre: int | None
+    fim_suf: int | None
+    fim_mid: int | None
+    fim_pad: int | None
+    fim_rep: int | None
+    fim_sep: int | None
+
+    @classmethod
+    def from_metadata(
+        cls,
+        meta: Mapping[str, Any],
+        n: int,
+        default_ids: tuple[int | None, int | None, int | None],
+    ) -> _SpecialIds:
+        """Each role's `tokenizer.ggml.*_token_id` (an id outside the vocabulary: the default)."""
+
+        def special_id(key: str, default: int | None) -> int | None:
+            if default is not None and default >= n:
+                default = None
+            value = meta.get(key)
+            if value is None:
+                return default
+            value = int(value)
+            return value if 0 <= value < n else default
+
+        bos = special_id("tokenizer.ggml.bos_token_id", default_ids[0])
+        eos = special_id("tokenizer.ggml.eos_token_id", default_ids[1])
+        unk = special_id("tokenizer.ggml.unknown_token_id", default_ids[2])
+        pad = special_id("tokenizer.ggml.padding_token_id", None)
+        eot = special_id("tokenizer.ggml.eot_token_id", None)
+        eom = special_id("tokenizer.ggml.eom_token_id", None)
+        fim_pre = special_id("tokenizer.ggml.fim_pre_token_id", None)
+        fim_pre = special_id("tokenizer.ggml.prefix_token_id", fim_pre)
+        fim_suf = special_id("tokenizer.ggml.fim_suf_token_id", None)
+        fim_suf = special_id("tokenizer.ggml.suffix_token_id", fim_suf)
+        fim_mid = special_id("tokenizer.ggml.fim_mid_token_id", None)
+        fim_mid = special_id("tokenizer.ggml.middle_token_id", fim_mid)
+        fim_pad = special_id("tokenizer.ggml.fim_pad_token_id", None)
+        fim_rep = special_id("tokenizer.ggml.fim_rep_token_id", None)
+        fim_sep = special_id("tokenizer.ggml.fim_sep_token_id", None)
+        return cls(
+            bos, eos, unk, pad, eot, eom, fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep
+        )
+
+    def find_by_text(self, token_to_id: dict[str, int], attrs: list[int]) -> set[int]:
+        """The roles the metadata left empty, found by their usual texts; each found token
+        becomes a control token. Returns the ids whose attributes changed."""
+        touched: set[int] = set()
+
+        def find(texts: tuple[str, ...]) -> int | None:
+            for t in texts:
+                i = token_to_id.get(t)
+                if i is not None:
+                    attrs[i] |= _CONTROL
+                    touched.add(i)
+                    return i
+            return None
+
+        if self.eot is None:
+            self.eot = find(_EOT_TEXTS)
+        if self.eom is None:
+            self.eom = find(_EOM_TEXTS)
+        # The FIM roles matter here only for the control bit the detection sets.
+        for found, texts in (
+            (self.fim_pre, _FIM_PRE_TEXTS),
+            (self.fim_suf, _FIM_SUF_TEXTS),
+            (self.fim_mid, _FIM_MID_TEXTS),
+        ):
+            if found is None:
+                find(texts)
+        if self.fim_pad is None:
+            self.fim_pad = find(_FIM_PAD_TEXTS)
+        if self.fim_rep is None:
+            self.fim_rep = find(_FIM_REP_TEXTS)
+        if self.fim_sep is None:
+            self.fim_sep = find(_FIM_SEP_TEXTS)
+        return touched
+
+
+def _eog_ids(
+    ids: _SpecialIds,
+    tokens: list[str],
+    token_to_id: dict[str, int],
+    attrs: list[int],
+    touched: set[int],
+) -> set[int]:
+    """The end-of-generation set: the FIM pad / repo / separator, every token of an EOG text
+    (made control), EOS, EOT and EOM, less llama.cpp's exceptions; gpt-oss's always-rendered
+    tokens made user-defined. Adds the ids whose attributes changed to `touched`."""
+    eog = {i for i in (ids.fim_pad, ids.fim_rep, ids.fim_sep) if i is not None}
+    for t in _EOG_TEXTS:
+        eog_id = token_to_id.get(t)
+        if eog_id is not None:
+            eog.add(eog_id)
+            attrs[eog_id] |= _CONTROL
+            touched.add(eog_id)
+    for t in _ALWAYS_RENDERED:
+        shown = token_to_id.get(t)
+        if shown is not None:
+            attrs[shown] = _USER_DEFINED
+            touched.add(shown)
+    eog.update(i for i in (ids.eos, ids.eot, ids.eom) if i is not None)
+    touched |= _apply_eog_workarounds(tokens, attrs, eog)
+    return eog
 
 
 def _apply_eog_workarounds(tokens: list[str], attrs: list[int], eog: set[int]) -> set[int]:

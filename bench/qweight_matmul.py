@@ -1,4 +1,4 @@
-"""Microbenchmark of QWeight.matmul on the real models' shapes: ``python -m graftlm.quant.bench``.
+"""Microbenchmark of QWeight.matmul on the real models' shapes: ``python bench/qweight_matmul.py``.
 
 For each weight shape of SmolLM2-135M (Q4_1 + Q8_0 head) and gemma-3-270m (Q5_0, Q8_0, Q4_K,
 Q6_K, Q8_0 head) it builds a random GGUF tensor, loads it as a QWeight, and times ``matmul`` for
@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -22,7 +24,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from graftlm.quant.qweight import QWeight
-from graftlm.quant.synth import gguf_tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
+from synth_tensors import gguf_tensor  # noqa: E402
 
 Q = GGMLQuantizationType
 V = TypeVar("V")

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 lm_eval = pytest.importorskip(
-    "lm_eval", reason="lm-eval is not installed (the `test` extra pins lm-eval==0.4.13)"
+    "lm_eval", reason="lm-eval is not installed (the `test` extra pins lm-eval[api]==0.4.13)"
 )
 
 import graftlm  # noqa: E402

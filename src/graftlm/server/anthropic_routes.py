@@ -19,49 +19,24 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
-from graftlm.server.chat_routes import chat_ids, chat_messages, chat_text, start_chat
-from graftlm.server.generation import collect, served_name
-from graftlm.server.openai_routes import SSE_HEADERS, state_of
-from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError, json_body
-from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls
+from graftlm.server.chat import chat_ids, chat_messages, chat_text, start_chat, template_tools
+from graftlm.server.chat_schemas import ChatCompletionRequest
+from graftlm.server.framing import SSE_HEADERS, served_name
+from graftlm.server.inputs import ANTHROPIC_PARTS, block_text, content_text, problems
+from graftlm.server.pipeline import collect
+from graftlm.server.state import ApiError, json_body, state_of
+from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls, stream_calls
 
 router = APIRouter()
-
-
-def _block_text(block: dict[str, Any], where: str) -> str:
-    """A text block's text (the block at `where`)."""
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise ApiError(
-            400, f"{where}.text: expected a string, got {type(text).__name__} {text!r}"[:300]
-        )
-    return text
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A content that must be text: a string, or text blocks (joined)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: expected a string or a list of content blocks")
-    out = []
-    for k, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            out.append(_block_text(block, f"{where}[{k}]"))
-        elif kind == "image":
-            raise ApiError(400, f"{where}[{k}]: image input is not supported by this model")
-        else:
-            raise ApiError(400, f"{where}[{k}]: expected a text block, got {kind!r}")
-    return "".join(out)
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Anthropic's system + messages as OpenAI chat messages."""
     out: list[dict[str, Any]] = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+        out.append(
+            {"role": "system", "content": content_text(body["system"], "system", ANTHROPIC_PARTS)}
+        )
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ApiError(400, "messages: field required (a list of messages)")
@@ -79,7 +54,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             where = f"messages[{i}].content[{k}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                text.append(_block_text(block, where))
+                text.append(block_text(block, where))
             elif kind == "thinking":
                 continue  # earlier reasoning: this server's templates do not render it
             elif kind == "tool_use" and role == "assistant":
@@ -87,7 +62,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 fn = {"name": str(block.get("name", "")), "arguments": json.dumps(args)}
                 calls.append({"id": str(block.get("id", "")), "type": "function", "function": fn})
             elif kind == "tool_result" and role == "user":
-                result = _text_of(block.get("content", ""), f"{where}.content")
+                result = content_text(block.get("content", ""), f"{where}.content", ANTHROPIC_PARTS)
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 results.append(
@@ -172,10 +147,7 @@ def chat_request(body: Any, count_only: bool = False) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
-        )
-        raise ApiError(400, f"invalid request: {problems}") from None
+        raise ApiError(400, f"invalid request: {problems(exc)}") from None
 
 
 def _stop_reason(f: FinishEvent | None, n_calls: int) -> str:
@@ -211,7 +183,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     """The prompt tokens the messages (with system and tools) come to."""
     state = state_of(request)
     body = chat_request(await json_body(request), count_only=True)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = template_tools(body)
     text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
     return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}
 
@@ -228,10 +200,10 @@ async def messages(request: Request) -> Any:
     fmt = state.prompter.tool_format
     if not raw.get("stream"):
         (c,) = await collect(request, run.pieces, 1)
-        content_text, calls = (c.text, []) if not run.tools else parse_tool_calls(c.text, fmt)
+        answer, calls = (c.text, []) if not run.tools else parse_tool_calls(c.text, fmt)
         blocks: list[dict[str, Any]] = []
-        if content_text or not calls:
-            blocks.append({"type": "text", "text": content_text})
+        if answer or not calls:
+            blocks.append({"type": "text", "text": answer})
         blocks += [_tool_block(x) for x in calls]
         return {
             "id": mid,
@@ -279,12 +251,7 @@ async def _stream(
     async with aclosing(pieces) as it:
         try:
             async for d in it:
-                text, calls = d.text, list[ToolCall]()
-                if parser is not None:
-                    text, calls = parser.feed(d.text)
-                    if d.finish is not None:
-                        tail, more = parser.finish()
-                        text, calls = text + tail, calls + more
+                text, calls = stream_calls(parser, d.text, d.finish is not None)
                 if text:
                     if not text_open:
                         block = {"type": "text", "text": ""}
@@ -317,9 +284,9 @@ async def _stream(
         text_open = True
     if text_open:
         yield _event("content_block_stop", {"index": index})
-    delta = {
+    end = {
         "stop_reason": _stop_reason(finish, n_calls),
         "stop_sequence": finish.stop_word if finish else None,
     }
-    yield _event("message_delta", {"delta": delta, "usage": _usage(len(ids), finish)})
+    yield _event("message_delta", {"delta": end, "usage": _usage(len(ids), finish)})
     yield _event("message_stop", {})

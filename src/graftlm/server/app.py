@@ -24,11 +24,13 @@ from graftlm.runtime.service import EngineService
 from graftlm.server import (
     anthropic_routes,
     chat_routes,
+    embedding_routes,
     gcp_routes,
     llama_routes,
     openai_routes,
     responses_routes,
     ui,
+    vllm_routes,
 )
 from graftlm.server.guard import Cors, Guard, Hosts
 from graftlm.server.metrics import Metrics
@@ -167,6 +169,8 @@ def create_app(state: ServerState) -> FastAPI:
     if state.config.ui:
         app.include_router(ui.router)  # the chat page at / (public: it holds no secret)
     app.include_router(openai_routes.router, dependencies=guarded)
+    app.include_router(embedding_routes.router, dependencies=guarded)
+    app.include_router(vllm_routes.router, dependencies=guarded)
     app.include_router(chat_routes.router, dependencies=guarded)
     app.include_router(anthropic_routes.router, dependencies=guarded)
     app.include_router(responses_routes.router, dependencies=guarded)

@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from graftlm.server.chat_routes import chat_completions
-from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError, json_body
+from graftlm.server.chat import chat_completion
+from graftlm.server.chat_schemas import ChatCompletionRequest
+from graftlm.server.inputs import problems
+from graftlm.server.state import ApiError, json_body, state_of
 
 router = APIRouter()
 
@@ -35,9 +36,6 @@ async def predict(request: Request) -> dict[str, Any]:
         try:
             chat = ChatCompletionRequest.model_validate(fields)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
-            )
-            raise ApiError(400, f"instances[{k}]: {problems}") from None
-        out.append(await chat_completions(chat, request))
+            raise ApiError(400, f"instances[{k}]: {problems(exc)}") from None
+        out.append(await chat_completion(state_of(request), chat, request))
     return {"predictions": out}

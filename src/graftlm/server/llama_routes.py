@@ -11,38 +11,28 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from graftlm.runtime.service import FinishEvent, Job
-from graftlm.server.chat_routes import chat_messages, chat_text
-from graftlm.server.generation import (
-    Choice,
-    Delta,
-    LlamaPrompt,
+from graftlm.runtime.service import FinishEvent
+from graftlm.server.chat import chat_messages, chat_text, template_tools
+from graftlm.server.chat_schemas import ApplyTemplateRequest
+from graftlm.server.framing import (
+    SSE_HEADERS,
     StreamClock,
-    admit,
-    check_context,
-    collect,
-    compile_constraint,
-    deltas,
-    llama_prompt_ids,
-    llama_prompts,
     progress_fields,
-    request_constraint,
-    sampling_params,
-    score_each,
     served_name,
     sse,
     timings,
+    token_logprobs,
 )
-from graftlm.server.openai_routes import SSE_HEADERS, state_of, token_logprobs
+from graftlm.server.inputs import LlamaPrompt, llama_prompt_ids, llama_prompts
+from graftlm.server.pipeline import Choice, Delta, Generation, Run, collect, score_each, start
 from graftlm.server.schemas import (
-    ApplyTemplateRequest,
     DetokenizeRequest,
     LlamaCompletionRequest,
     LoraItem,
     RerankRequest,
     TokenizeRequest,
 )
-from graftlm.server.state import ApiError, ServerState, json_body
+from graftlm.server.state import ApiError, ServerState, json_body, state_of
 
 router = APIRouter()
 public = APIRouter()  # no API key needed (llama-server's public endpoints)
@@ -92,62 +82,63 @@ async def _complete(
 ) -> Any:
     n_predict = state.config.n_predict if body.n_predict is None else max(body.n_predict, -1)
     ids = await asyncio.to_thread(llama_prompt_ids, state, prompt)  # off the event loop
-    check_context(state, ids, n_predict)
-    grammar = await compile_constraint(state, request_constraint(body))
-    params = sampling_params(state, body, n_predict, grammar=grammar)
-    lease = await admit(state, body.model, body.lora)
-    job = Job(
-        ids,
-        params,
-        lease.lora,
-        body.n_probs if body.n_probs > 0 else None,
-        body.cache_prompt,
+    top = body.n_probs if body.n_probs > 0 else None
+    gen = Generation(
+        body,
+        [ids],
+        n_predict,
+        "completion",
+        body.model,
+        stream=body.stream,
+        logprobs=top,
         post_sampling=body.post_sampling_probs,
-        progress=body.stream and body.return_progress,
-        spec=body.spec(),
     )
-    pieces = deltas(state, [job], lease, "completion")
-    model = served_name(state, body.model)
+    run = await start(state, gen)
     prompt_text = prompt if isinstance(prompt, str) else state.prompter.detokenize(ids)
+    answer = _Answer(state, body, run, n_predict, prompt_text)
+    if body.stream:
+        return StreamingResponse(
+            sse(run.pieces, answer.frame, done_marker=False),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    (choice,) = await collect(request, run.pieces, 1)
+    out = answer.final(choice, stream=False)
+    return _fields(out, body.response_fields) if body.response_fields else out
 
-    def final(c: Choice, stream: bool) -> dict[str, Any]:
-        f = c.finish
-        p = params
+
+class _Answer:
+    """A /completion answer: the final object (whole, or closing a stream) and the stream's
+    partial pieces before it."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: LlamaCompletionRequest,
+        run: Run,
+        n_predict: int,
+        prompt_text: str,
+    ) -> None:
+        self.state, self.body, self.run = state, body, run
+        self.n_predict, self.prompt_text = n_predict, prompt_text
+        self.model = served_name(state, body.model)
+        self.n_prompt = len(run.prompts[0])
+        self.whole = Choice(0)  # a stream's pieces so far
+        self.clock = StreamClock(self.n_prompt) if body.timings_per_token else None
+
+    def final(self, c: Choice, stream: bool) -> dict[str, Any]:
+        f, body, n_prompt = c.finish, self.body, self.n_prompt
         out: dict[str, Any] = {
             "index": 0,
             "content": "" if stream else c.text,
             "tokens": [] if stream or not body.return_tokens else c.tokens,
             "id_slot": -1,
             "stop": True,
-            "model": model,
+            "model": self.model,
             "tokens_predicted": f.n_generated if f else 0,
-            "tokens_evaluated": len(ids),
-            "generation_settings": {
-                "n_predict": n_predict,
-                "temperature": p.temperature,
-                "top_k": p.top_k,
-                "top_p": p.top_p,
-                "min_p": p.min_p,
-                "seed": -1 if p.seed is None else p.seed,
-                "stop": list(p.stop),
-                "ignore_eos": p.ignore_eos,
-                "repeat_penalty": p.repeat_penalty,
-                "repeat_last_n": p.repeat_last_n,
-                "presence_penalty": p.presence_penalty,
-                "frequency_penalty": p.frequency_penalty,
-                "stream": body.stream,
-                "n_probs": body.n_probs,
-                # as llama-server: ignore_eos is the end tokens' bias of -inf (JSON null)
-                "logit_bias": [
-                    {"token": t, "bias": None if b == float("-inf") else b}
-                    for t, b in (
-                        *p.logit_bias,
-                        *((e, float("-inf")) for e in sorted(state.prompter.eog) if p.ignore_eos),
-                    )
-                ],
-                "lora": [{"id": i, "scale": s} for i, s in sorted(lease.lora.items())],
-            },
-            "prompt": prompt_text,
+            "tokens_evaluated": n_prompt,
+            "generation_settings": self._settings(),
+            "prompt": self.prompt_text,
             "has_new_line": "\n" in c.text,
             "truncated": False,
             "stop_type": _stop_type(f),
@@ -157,59 +148,73 @@ async def _complete(
             "stopping_word": (f.stop_word or "") if f else "",
             # as llama-server: the sequence's tokens in the cache when it ended (the reuse is
             # timings.cache_n)
-            "tokens_cached": len(ids) + max(0, f.n_generated - 1) if f else 0,
+            "tokens_cached": n_prompt + max(0, f.n_generated - 1) if f else 0,
             "timings": timings(f) if f else {},
         }
         if f and f.alora_inactive:  # as llama-server: an aLoRA without its invocation is off
             out["alora_inactive"] = list(f.alora_inactive)
         if body.n_probs > 0 and not stream:
             out["completion_probabilities"] = token_logprobs(
-                state, c.logprobs, with_id=True, post=body.post_sampling_probs
+                self.state, c.logprobs, with_id=True, post=body.post_sampling_probs
             )
         return out
 
-    if body.stream:
-        whole = Choice(0)
-        clock = StreamClock(len(ids)) if body.timings_per_token else None
+    def _settings(self) -> dict[str, Any]:
+        """llama-server's generation_settings: the sampling settings the request ran with."""
+        p, body = self.run.params[0], self.body
+        eog = sorted(self.state.prompter.eog) if p.ignore_eos else []
+        return {
+            "n_predict": self.n_predict,
+            "temperature": p.temperature,
+            "top_k": p.top_k,
+            "top_p": p.top_p,
+            "min_p": p.min_p,
+            "seed": -1 if p.seed is None else p.seed,
+            "stop": list(p.stop),
+            "ignore_eos": p.ignore_eos,
+            "repeat_penalty": p.repeat_penalty,
+            "repeat_last_n": p.repeat_last_n,
+            "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "stream": body.stream,
+            "n_probs": body.n_probs,
+            # as llama-server: ignore_eos is the end tokens' bias of -inf (JSON null)
+            "logit_bias": [
+                {"token": t, "bias": None if b == float("-inf") else b}
+                for t, b in (*p.logit_bias, *((e, float("-inf")) for e in eog))
+            ],
+            "lora": [{"id": i, "scale": s} for i, s in sorted(self.run.lease.lora.items())],
+        }
 
-        def partial(text: str, tokens: list[int]) -> dict[str, Any]:
-            return {
-                "index": 0,
-                "content": text,
-                "tokens": tokens,
-                "stop": False,
-                "id_slot": -1,
-                "tokens_predicted": len(whole.tokens),
-                "tokens_evaluated": len(ids),
-            }
+    def _partial(self, text: str, tokens: list[int]) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "content": text,
+            "tokens": tokens,
+            "stop": False,
+            "id_slot": -1,
+            "tokens_predicted": len(self.whole.tokens),
+            "tokens_evaluated": self.n_prompt,
+        }
 
-        def frame(d: Delta) -> list[dict[str, Any]]:
-            if d.progress is not None:  # as llama-server: on an empty piece
-                return [partial("", []) | progress_fields(d.progress, clock is not None)]
-            whole.add(d)
-            out = []
-            if d.text or d.tokens:
-                ev = partial(d.text, d.tokens)
-                if clock is not None:
-                    ev["timings"] = clock.tick(len(d.tokens))
-                if body.n_probs > 0:
-                    ev["completion_probabilities"] = token_logprobs(
-                        state, d.logprobs, with_id=True, post=body.post_sampling_probs
-                    )
-                out.append(ev)
-            if d.finish is not None:
-                out.append(final(whole, stream=True))
-            return out
-
-        return StreamingResponse(
-            sse(pieces, frame, done_marker=False),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-
-    (choice,) = await collect(request, pieces, 1)
-    out = final(choice, stream=False)
-    return _fields(out, body.response_fields) if body.response_fields else out
+    def frame(self, d: Delta) -> list[dict[str, Any]]:
+        clock, body = self.clock, self.body
+        if d.progress is not None:  # as llama-server: on an empty piece
+            return [self._partial("", []) | progress_fields(d.progress, clock is not None)]
+        self.whole.add(d)
+        out = []
+        if d.text or d.tokens:
+            ev = self._partial(d.text, d.tokens)
+            if clock is not None:
+                ev["timings"] = clock.tick(len(d.tokens))
+            if body.n_probs > 0:
+                ev["completion_probabilities"] = token_logprobs(
+                    self.state, d.logprobs, with_id=True, post=body.post_sampling_probs
+                )
+            out.append(ev)
+        if d.finish is not None:
+            out.append(self.final(self.whole, stream=True))
+        return out
 
 
 # -- tokens and templates --
@@ -251,7 +256,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str
 async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, str]:
     """The prompt a chat would be given (the same rules as /v1/chat/completions)."""
     state = state_of(request)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    tools = template_tools(body)
     messages = chat_messages(body)
     return {"prompt": await asyncio.to_thread(chat_text, state, body, messages, tools)}
 

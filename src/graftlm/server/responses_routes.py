@@ -18,36 +18,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
-from graftlm.server.chat_routes import count_chat_tokens, start_chat
-from graftlm.server.generation import (
-    StreamClock,
-    collect,
-    progress_fields,
-    served_name,
-    timings,
-)
-from graftlm.server.openai_routes import SSE_HEADERS, state_of
-from graftlm.server.schemas import ChatCompletionRequest
-from graftlm.server.state import ApiError, json_body
+from graftlm.server.chat import count_chat_tokens, start_chat
+from graftlm.server.chat_schemas import ChatCompletionRequest
+from graftlm.server.framing import SSE_HEADERS, StreamClock, progress_fields, served_name, timings
+from graftlm.server.inputs import RESPONSES_PARTS, content_text, problems
+from graftlm.server.pipeline import collect
+from graftlm.server.state import ApiError, json_body, state_of
 
 router = APIRouter()
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}: expected a string or a list of content parts")
-    out = []
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind in ("input_image", "input_file"):
-            raise ApiError(400, f"{where}[{k}]: {kind} is not supported by this model")
-        else:
-            raise ApiError(400, f"{where}[{k}]: expected a text part, got {kind!r}")
-    return "".join(out)
 
 
 def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
@@ -59,7 +37,10 @@ def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
     messages: list[dict[str, Any]] = []
     if body.get("instructions") is not None:
         messages.append(
-            {"role": "system", "content": _content(body["instructions"], "instructions")}
+            {
+                "role": "system",
+                "content": content_text(body["instructions"], "instructions", RESPONSES_PARTS),
+            }
         )
     given = body.get("input")
     if isinstance(given, str):
@@ -72,7 +53,12 @@ def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
             if role not in ("system", "developer", "user", "assistant"):
                 raise ApiError(400, f"input[{i}].role: {role!r} is not a message role")
             messages.append(
-                {"role": role, "content": _content(item.get("content"), f"input[{i}].content")}
+                {
+                    "role": role,
+                    "content": content_text(
+                        item.get("content"), f"input[{i}].content", RESPONSES_PARTS
+                    ),
+                }
             )
     else:
         raise ApiError(400, "input: field required (a string or a list of messages)")
@@ -94,10 +80,7 @@ def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
     try:
         return ChatCompletionRequest.model_validate(chat), bool(body.get("stream"))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()[:3]
-        )
-        raise ApiError(400, f"invalid request: {problems}") from None
+        raise ApiError(400, f"invalid request: {problems(exc)}") from None
 
 
 def _usage(n_prompt: int, f: FinishEvent | None) -> dict[str, Any]:

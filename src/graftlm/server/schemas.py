@@ -1,4 +1,5 @@
-"""Request bodies of every endpoint, as pydantic models.
+"""Request bodies of every endpoint, as pydantic models (the chat's messages, tools and their
+bodies are in `chat_schemas.py`).
 
 Strict: a string where a number belongs is an error (400), not a coercion. No field is silently
 ignored: a field no body declares is a 400 naming it. The few fields that are declared and then
@@ -11,11 +12,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
-from graftlm.tokenizer.chat import check_template_kwargs
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N_PROBS = 100  # /completion's n_probs (2**70 made a 187 MB answer of the whole vocabulary)
@@ -25,7 +25,9 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0)]
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """The base of every request body: strict types, no field it does not declare."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
@@ -76,14 +78,14 @@ _OFF: dict[str, tuple[Any, ...]] = {
 }
 
 
-class LoraItem(_Body):
+class LoraItem(Body):
     """One adapter's scale for one request (llama-server's `lora` field, POST /lora-adapters)."""
 
     id: int
     scale: float  # its range is checked with the id, by the adapter set (AdapterSet.settings)
 
 
-class RequestLoraItem(_Body):
+class RequestLoraItem(Body):
     """One adapter's scale for one request: by `id` (llama-server's) or by `name` (a
     `--lora-modules` or runtime-loaded adapter, attached on first use)."""
 
@@ -98,7 +100,69 @@ class RequestLoraItem(_Body):
         return self
 
 
-class SamplingFields(_Body):
+def _json_constraint(schema: dict[str, Any] | str, field: str) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ConstraintError(f"{field}: not valid JSON ({exc})") from None
+    return Constraint.json_schema(schema, field)
+
+
+class JsonSchemaFormat(Body):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI's response_format (llama-server also takes a `schema` beside json_object)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def constraint(self) -> Constraint:
+        if self.type == "json_schema":
+            js = self.json_schema
+            schema = js.schema_ if js is not None else self.schema_
+            if schema is None:
+                raise ConstraintError("response_format.json_schema.schema is required")
+            strict = bool(js is not None and js.strict)
+            return Constraint.json_schema(schema, "response_format.json_schema", strict)
+        if self.schema_ is not None:
+            return Constraint.json_schema(self.schema_, "response_format.schema")
+        return Constraint("json_object", "", "response_format")
+
+
+class StructuredOutputs(Body):
+    """vLLM's structured_outputs: one of json, regex, choice, grammar (or json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraints(self) -> list[Constraint]:
+        out = []
+        if self.json_ is not None:
+            out.append(_json_constraint(self.json_, "structured_outputs.json"))
+        if self.regex is not None:
+            out.append(Constraint("regex", self.regex, "structured_outputs.regex"))
+        if self.choice is not None:
+            out.append(Constraint.choice(self.choice, "structured_outputs.choice"))
+        if self.grammar is not None:
+            out.append(Constraint("gbnf", self.grammar, "structured_outputs.grammar"))
+        if self.json_object:
+            out.append(Constraint("json_object", "", "structured_outputs.json_object"))
+        return out
+
+
+class SamplingFields(Body):
     """Sampling fields shared by every generating endpoint (None: the server's default)."""
 
     temperature: Temperature | None = None
@@ -214,69 +278,7 @@ class SamplingFields(_Body):
         return found[0] if found else None
 
 
-def _json_constraint(schema: dict[str, Any] | str, field: str) -> Constraint:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise ConstraintError(f"{field}: not valid JSON ({exc})") from None
-    return Constraint.json_schema(schema, field)
-
-
-class JsonSchemaFormat(_Body):
-    """OpenAI's response_format.json_schema."""
-
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Body):
-    """OpenAI's response_format (llama-server also takes a `schema` beside json_object)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-
-    def constraint(self) -> Constraint:
-        if self.type == "json_schema":
-            js = self.json_schema
-            schema = js.schema_ if js is not None else self.schema_
-            if schema is None:
-                raise ConstraintError("response_format.json_schema.schema is required")
-            strict = bool(js is not None and js.strict)
-            return Constraint.json_schema(schema, "response_format.json_schema", strict)
-        if self.schema_ is not None:
-            return Constraint.json_schema(self.schema_, "response_format.schema")
-        return Constraint("json_object", "", "response_format")
-
-
-class StructuredOutputs(_Body):
-    """vLLM's structured_outputs: one of json, regex, choice, grammar (or json_object)."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def constraints(self) -> list[Constraint]:
-        out = []
-        if self.json_ is not None:
-            out.append(_json_constraint(self.json_, "structured_outputs.json"))
-        if self.regex is not None:
-            out.append(Constraint("regex", self.regex, "structured_outputs.regex"))
-        if self.choice is not None:
-            out.append(Constraint.choice(self.choice, "structured_outputs.choice"))
-        if self.grammar is not None:
-            out.append(Constraint("gbnf", self.grammar, "structured_outputs.grammar"))
-        if self.json_object:
-            out.append(Constraint("json_object", "", "structured_outputs.json_object"))
-        return out
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
@@ -306,107 +308,6 @@ class CompletionRequest(SamplingFields):
         return self.max_tokens if self.max_tokens is not None else self.n_predict
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Body):
-    name: str
-    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
-
-
-class ToolCallItem(_Body):
-    """An assistant message's tool call, in a chat's history."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallItem] | None = None
-    tool_call_id: str | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string, tool-call arguments
-        as objects (templates write them with `tojson`)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            calls = []
-            for c in self.tool_calls:
-                args: Any = c.function.arguments
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except json.JSONDecodeError:
-                        pass  # kept as text: the template writes it as a string
-                fn = {"name": c.function.name, "arguments": args}
-                calls.append({"id": c.id, "type": "function", "function": fn})
-            out["tool_calls"] = calls
-        return out
-
-
-class FunctionDef(_Body):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-# more variables for the chat template (llama-server's and vLLM's; e.g. enable_thinking), not
-# the template's own (tokenizer/chat.py's rule)
-TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(check_template_kwargs)]
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
-
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: NonNegInt | None = None
-    max_completion_tokens: NonNegInt | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Tool] | None = None
-    chat_template_kwargs: TemplateKwargs = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # see IGNORED
-    # the template's generation prompt (False: none); continue_final_message: the final
-    # assistant message is continued rather than closed (the default where it is last, as
-    # llama-server's prefill); both true is a 400
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-
-
 class LlamaCompletionRequest(SamplingFields):
     """POST /completion (llama-server's native endpoint)."""
 
@@ -421,7 +322,7 @@ class LlamaCompletionRequest(SamplingFields):
     model: str | None = None
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(Body):
     """POST /v1/embeddings (OpenAI): one text or token list, or several."""
 
     # also llama-server's shapes: texts and ids mixed, {"prompt_string"} / {"content"} objects
@@ -432,7 +333,7 @@ class EmbeddingRequest(_Body):
     lora: list[RequestLoraItem] | None = None
 
 
-class RerankRequest(_Body):
+class RerankRequest(Body):
     """POST /rerank (llama-server; Jina/Cohere's `documents`, or TEI's `texts`)."""
 
     query: str
@@ -444,7 +345,7 @@ class RerankRequest(_Body):
     lora: list[RequestLoraItem] | None = None
 
 
-class LlamaEmbeddingRequest(_Body):
+class LlamaEmbeddingRequest(Body):
     """POST /embedding (llama-server)."""
 
     content: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
@@ -452,7 +353,7 @@ class LlamaEmbeddingRequest(_Body):
     lora: list[RequestLoraItem] | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """llama-server's body (`content`, `add_special`, ...) or vLLM's (`prompt`,
     `add_special_tokens`, `model`, `return_token_strs`): the text in exactly one of the two."""
 
@@ -496,27 +397,19 @@ class TokenizeRequest(_Body):
         return given if given is not None else self.prompt is not None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     tokens: list[int]
     model: str | None = None  # vLLM's; any value
 
 
-class ApplyTemplateRequest(_Body):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    tools: list[Tool] | None = None
-    chat_template_kwargs: TemplateKwargs = None
-
-
-class LoadLoraRequest(_Body):
+class LoadLoraRequest(Body):
     """POST /v1/load_lora_adapter (vLLM)."""
 
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]
 
 
-class UnloadLoraRequest(_Body):
+class UnloadLoraRequest(Body):
     """POST /v1/unload_lora_adapter (vLLM)."""
 
     lora_name: Annotated[str, Field(min_length=1)]

@@ -150,3 +150,9 @@ async def json_body(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+def state_of(request: Request) -> ServerState:
+    """The server's state, as the app holds it for every route."""
+    state: ServerState = request.app.state.graft
+    return state

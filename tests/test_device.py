@@ -29,7 +29,7 @@ from graftlm.errors import GraftError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.settings import AdapterSettings
 from graftlm.quant import QWeight
-from graftlm.quant.kernels import DeviceDenseKernel
+from graftlm.quant.torch_kernels import DeviceDenseKernel
 from graftlm.runtime.device import resolve_device
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request

@@ -14,7 +14,7 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.errors import GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
-from graftlm.lora.registry import AdapterSet
+from graftlm.lora.adapter_set import AdapterSet
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
 from graftlm.native import release_threads

@@ -16,7 +16,7 @@ from made_families import tiny_dir
 from shared_data import TINY
 
 from graftlm.gguf import GGUFFile
-from graftlm.lora.registry import AdapterSet
+from graftlm.lora.adapter_set import AdapterSet
 from graftlm.models import Transformer, build_model
 from graftlm.step.batch import Batch, LoraRows
 

@@ -626,7 +626,7 @@ def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
 
     from graftlm.models.base import Transformer
     from graftlm.native import abi
-    from graftlm.native import layer as native_layer
+    from graftlm.native import layer_calls as native_layer
 
     cc = build._compiler()
     assert cc is not None
@@ -943,7 +943,7 @@ def test_adapters_at_scale_zero_leave_a_batch_as_the_base(tmp_path: Path) -> Non
 def test_native_rope_equals_the_pytorch_rotation(neox: bool, rot: int) -> None:
     """Prompt RoPE natively: two rows at their own starts, heads split out of a stacked
     projection's output (a strided view), full or partial rotation, either pair order."""
-    from graftlm.models.layers import Rope
+    from graftlm.models.primitives import Rope
 
     rope = Rope(rot, 10000.0, 64, neox)
     g = torch.Generator().manual_seed(3)

@@ -216,7 +216,7 @@ def test_to_same_device_is_identity_and_repr() -> None:
 
 def test_device_dense_kernel_semantics() -> None:
     """QWeight.to('cuda') builds this kernel; its arithmetic is checked here on CPU."""
-    from graftlm.quant.kernels import DeviceDenseKernel
+    from graftlm.quant.torch_kernels import DeviceDenseKernel
 
     w, dense = load(Q.Q4_1, (192, 576))
     k = DeviceDenseKernel(dense.to(torch.bfloat16))
@@ -258,7 +258,7 @@ def test_matmul_is_pure_under_concurrent_calls(mode: str) -> None:
 
 def test_register_kernel_takes_precedence() -> None:
     from graftlm.quant import FAST_KERNELS, register_kernel
-    from graftlm.quant.kernels import ReferenceKernel
+    from graftlm.quant.torch_kernels import ReferenceKernel
 
     class Only4x(ReferenceKernel):
         name = "custom"

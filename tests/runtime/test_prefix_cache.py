@@ -12,7 +12,7 @@ import torch
 import graftlm
 from graftlm.errors import RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
-from graftlm.runtime.blocks import BlockPool, PagedAllocator
+from graftlm.runtime.kv_allocator import BlockPool, PagedAllocator
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 

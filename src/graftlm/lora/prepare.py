@@ -12,7 +12,7 @@ from pathlib import Path
 
 from graftlm.errors import AdapterError, GraftError
 from graftlm.lora.adapter import ResolvedAdapter
-from graftlm.lora.registry import AdapterSet
+from graftlm.lora.adapter_set import AdapterSet
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import SeamTable
 from graftlm.models.fused import FusedLayer, FusedStack, LayerSpec, ScaleBoard
-from graftlm.models.layers import Rope, attention, rms_norm
+from graftlm.models.primitives import Rope, attention, rms_norm
 from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
@@ -276,7 +276,7 @@ class Transformer:
 
     # -- the native decode step of a layer ------------------------------------------------------
     def layer_spec(self, i: int) -> LayerSpec | None:
-        """Layer i's pieces for the one-call native decode step (graftlm.native.layer), or None
+        """Layer i's pieces for the one-call native decode step (graftlm.native.layer_calls), or None
         for a family (or a layer) it does not serve."""
         return None
 

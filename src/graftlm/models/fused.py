@@ -21,11 +21,11 @@ import torch
 from graftlm.lora.packed import SlotTable
 from graftlm.lora.site import Generation
 from graftlm.models.seam import Projection, ProjectionGroup
-from graftlm.native import layer as native_layer
+from graftlm.native import layer_calls as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, GlWeight, Scratch
 from graftlm.native.build import loaded_library
-from graftlm.native.layer import ACTS
+from graftlm.native.layer_calls import ACTS
 from graftlm.native.ops import gl_kv
 from graftlm.quant import QWeight
 
@@ -33,7 +33,7 @@ from graftlm.quant import QWeight
 MAX_EXPERTS_USED = 16
 
 if TYPE_CHECKING:
-    from graftlm.models.layers import Rope
+    from graftlm.models.primitives import Rope
     from graftlm.step.batch import Batch, LoraRows, RowIndex
     from graftlm.step.kv_cache import KVCache
 

@@ -12,7 +12,7 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
-from graftlm.models.layers import attention, rms_norm, softcap
+from graftlm.models.primitives import attention, rms_norm, softcap
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 

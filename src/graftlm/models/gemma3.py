@@ -11,7 +11,7 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
-from graftlm.models.layers import rms_norm
+from graftlm.models.primitives import rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 

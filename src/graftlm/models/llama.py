@@ -16,8 +16,8 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec, MoeSpec
-from graftlm.models.layers import Rope, rms_norm
 from graftlm.models.moe import Experts, GatedExperts, moe_ffn
+from graftlm.models.primitives import Rope, rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 

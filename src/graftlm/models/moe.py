@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from graftlm.errors import ModelFileError
 from graftlm.gguf import TensorEntry
 from graftlm.models.base import Weights
-from graftlm.models.layers import gated
+from graftlm.models.primitives import gated
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 

@@ -15,7 +15,7 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec
-from graftlm.models.layers import Rope, attention, gated, rms_norm
+from graftlm.models.primitives import Rope, attention, gated, rms_norm
 from graftlm.models.seam import Projection
 from graftlm.step.batch import Batch
 

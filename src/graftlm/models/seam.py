@@ -25,8 +25,8 @@ import torch
 
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
-from graftlm.models.layers import activation, gated
-from graftlm.native import layer as native_layer
+from graftlm.models.primitives import activation, gated
+from graftlm.native import layer_calls as native_layer
 from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, config, linear
 from graftlm.step.batch import Batch, LoraRows

@@ -28,7 +28,7 @@ from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
-from graftlm.quant.kernels import DenseKernel
+from graftlm.quant.torch_kernels import DenseKernel
 
 T = GGMLQuantizationType
 

@@ -13,19 +13,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from graftlm.quant import config
 from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows, release_pages
 from graftlm.quant.int4pack import Int4PackKernel
-from graftlm.quant.kernels import (
-    BlockKernel,
-    DenseKernel,
-    DeviceDenseKernel,
-    Int8GroupKernel,
-    ReferenceKernel,
-)
 from graftlm.quant.native_kernels import (
     NativeFloatKernel,
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,
     NativeU4Kernel,
+)
+from graftlm.quant.torch_kernels import (
+    BlockKernel,
+    DenseKernel,
+    DeviceDenseKernel,
+    Int8GroupKernel,
+    ReferenceKernel,
 )
 
 # Tried in order; the first kernel that accepts (type, shape) holds the weight.  The model never

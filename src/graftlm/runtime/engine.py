@@ -19,8 +19,8 @@ import torch
 from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
-from graftlm.runtime.blocks import PagedAllocator
 from graftlm.runtime.draft_model import ModelDrafter
+from graftlm.runtime.kv_allocator import PagedAllocator
 from graftlm.runtime.sampling import Sampler
 from graftlm.runtime.scheduler import (
     Chunk,

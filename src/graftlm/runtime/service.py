@@ -55,7 +55,7 @@ from graftlm.runtime.scoring import Scorer
 from graftlm.runtime.tracking import Submission, Tracked
 
 if TYPE_CHECKING:
-    from graftlm.lora.registry import AdapterSet
+    from graftlm.lora.adapter_set import AdapterSet
 
 # what a caller of the service meets: the service and what goes through it
 __all__ = [

@@ -10,7 +10,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from server_fixtures import serving
@@ -34,7 +33,7 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
-TRIES = 10
+TRIES = 20  # issue 40: a complete, valid call in at least 19 of 20 sampled tries; here all 20
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -80,15 +79,15 @@ def test_langchain_bind_tools_any(url: str) -> None:
 
 
 def test_anthropic_tool_choice_any(url: str) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
     tool = {"name": "get_weather", "description": "the weather in a city",
             "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]  # fmt: skip
     for seed in range(TRIES):
-        r = httpx.post(url + "/v1/messages", json={
-            "model": "m", "max_tokens": 200, "messages": ASK, "tools": [tool],
-            "tool_choice": {"type": "any"}, "temperature": 0.7, "seed": seed,
-        }, timeout=120)  # fmt: skip
-        assert r.status_code == 200, r.text
-        body = r.json()
-        uses = [b for b in body["content"] if b["type"] == "tool_use"]
-        assert body["stop_reason"] == "tool_use" and len(uses) == 1, body
-        assert uses[0]["name"] == "get_weather" and _city(uses[0]["input"])
+        msg = client.messages.create(
+            model="m", max_tokens=200, messages=ASK, tools=[tool],  # type: ignore[arg-type, list-item]
+            tool_choice={"type": "any"}, extra_body={"seed": seed, "temperature": 0.7},
+        )  # fmt: skip
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        assert msg.stop_reason == "tool_use" and len(uses) == 1, msg
+        assert uses[0].name == "get_weather" and _city(uses[0].input)  # type: ignore[union-attr, arg-type]

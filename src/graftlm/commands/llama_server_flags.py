@@ -114,7 +114,6 @@ _TABLE = """
 --rerank --reranking|0|/rerank is always served
 --api-key-file|1|mapped
 --ssl-key-file --ssl-cert-file|1|no TLS: put a TLS proxy in front
--to --timeout|1|no read/write timeout
 --sse-ping-interval --threads-http|1|no effect
 --cache-prompt|0|mapped
 --cache-reuse|1|prefixes are reused in whole blocks

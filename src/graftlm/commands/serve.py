@@ -267,6 +267,7 @@ def _server_config(args: argparse.Namespace, model: Model, flags: _Flags) -> Ser
         if aliases
         else (model.path.stem,),
         max_body_bytes=args.max_body_size,
+        write_timeout=args.timeout,
         lora_dirs=tuple(Path(d).resolve() for d in (args.lora_dir or ["."])),
         n_ctx_pool=(cache.n_blocks - 1) * cache.block,
         **http_config(args),

@@ -219,6 +219,15 @@ def _add_body_and_log_arguments(p: argparse.ArgumentParser) -> None:
         help="largest request body accepted (default 8M; larger: 413)",
     )
     p.add_argument(
+        "-to",
+        "--timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="a stream whose client reads nothing for this long is ended and its slot freed "
+        "(default 60; llama-server's read/write timeout, 600 there)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.add_argument(
@@ -230,6 +239,16 @@ def _add_body_and_log_arguments(p: argparse.ArgumentParser) -> None:
         const="debug",
         help="the same as --log-level debug",
     )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return value
 
 
 def _add_template_variable_arguments(p: argparse.ArgumentParser) -> None:

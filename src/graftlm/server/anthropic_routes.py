@@ -15,13 +15,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
 from graftlm.server.chat import chat_ids, chat_messages, chat_text, start_chat, template_tools
 from graftlm.server.chat_schemas import ChatCompletionRequest
-from graftlm.server.framing import SSE_HEADERS, served_name
+from graftlm.server.framing import EventStream, served_name
 from graftlm.server.inputs import ANTHROPIC_PARTS, block_text, content_text, problems
 from graftlm.server.pipeline import collect
 from graftlm.server.state import ApiError, json_body, state_of
@@ -215,11 +214,7 @@ async def messages(request: Request) -> Any:
             "stop_sequence": c.finish.stop_word if c.finish else None,
             "usage": _usage(len(run.ids), c.finish),
         }
-    return StreamingResponse(
-        _stream(run.pieces, run.ids, run.tools is not None, fmt, mid, model),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return EventStream(state, _stream(run.pieces, run.ids, run.tools is not None, fmt, mid, model))
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:

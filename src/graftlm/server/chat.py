@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.service import FinishEvent
 from graftlm.server.chat_schemas import ApplyTemplateRequest, ChatCompletionRequest
 from graftlm.server.framing import (
-    SSE_HEADERS,
+    EventStream,
     StreamClock,
     chat_logprobs,
     finish_reason,
@@ -200,11 +199,7 @@ async def chat_completion(state: ServerState, body: ChatCompletionRequest, reque
     )
     if body.stream:
         frames = _ChatStream(state, body, run, head)
-        return StreamingResponse(
-            sse(run.pieces, frames.frame, frames.tail),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        return EventStream(state, sse(run.pieces, frames.frame, frames.tail))
     return await _whole(state, body, run, head, request)
 
 

@@ -4,12 +4,17 @@ log-probability shapes, the model name an answer shows. Nothing here touches ten
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from graftlm.runtime.service import FinishEvent, ProgressEvent
 from graftlm.server.pipeline import Choice, Delta, TokenLogprob
@@ -37,6 +42,43 @@ async def sse(
             yield _event(ApiError.of(exc).body())
     if done_marker:
         yield b"data: [DONE]\n\n"
+
+
+class _NotReading(Exception):
+    pass
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that a client must keep reading: a write that waits longer
+    than the server's write timeout (the client accepts nothing while its socket's buffers are
+    full) ends the stream, cancels its sequences, so their slots go to the requests waiting, and
+    closes the connection. Without it, a client that never reads holds its slot for as long as
+    its answer runs."""
+
+    def __init__(self, state: ServerState, frames: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.frames = frames
+        self.state = state
+
+    async def stream_response(self, send: Send) -> None:
+        limit = self.state.config.write_timeout
+
+        async def timed(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), limit)
+            except TimeoutError:
+                raise _NotReading from None
+
+        try:
+            await super().stream_response(timed)
+        except _NotReading:
+            await self.frames.aclose()  # its sequences are cancelled on the engine's thread
+            self.state.metrics.slow_clients.inc()
+            logging.getLogger("graftlm.server").warning(
+                "a client read nothing of its stream for %g s (-to): its sequences were "
+                "cancelled and the connection is closed",
+                limit,
+            )  # (the server then notes the answer as incomplete, and closes the connection)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

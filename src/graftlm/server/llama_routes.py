@@ -8,14 +8,14 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
 from graftlm.server.chat import chat_messages, chat_text, template_tools
 from graftlm.server.chat_schemas import ApplyTemplateRequest
 from graftlm.server.framing import (
-    SSE_HEADERS,
+    EventStream,
     StreamClock,
     progress_fields,
     served_name,
@@ -97,11 +97,7 @@ async def _complete(
     prompt_text = prompt if isinstance(prompt, str) else state.prompter.detokenize(ids)
     answer = _Answer(state, body, run, n_predict, prompt_text)
     if body.stream:
-        return StreamingResponse(
-            sse(run.pieces, answer.frame, done_marker=False),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        return EventStream(state, sse(run.pieces, answer.frame, done_marker=False))
     (choice,) = await collect(request, run.pieces, 1)
     out = answer.final(choice, stream=False)
     return _fields(out, body.response_fields) if body.response_fields else out

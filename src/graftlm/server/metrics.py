@@ -57,6 +57,11 @@ class Metrics:
             ["status"],
             registry=r,
         )
+        self.slow_clients = Counter(
+            "graftlm_slow_clients",
+            "Streams ended because the client read nothing for the write timeout (-to)",
+            registry=r,
+        )
         self.running = Gauge("graftlm_requests_running", "Requests generating now", registry=r)
         self.waiting = Gauge(
             "graftlm_requests_waiting", "Requests queued for a generation slot", registry=r

@@ -8,10 +8,9 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from graftlm.server.framing import (
-    SSE_HEADERS,
+    EventStream,
     completion_logprobs,
     finish_reason,
     generated_and_cached,
@@ -67,11 +66,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     run = await start(state, gen)
     answer = _Answer(state, body, run)
     if body.stream:
-        return StreamingResponse(
-            sse(run.pieces, answer.frame, answer.tail),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
+        return EventStream(state, sse(run.pieces, answer.frame, answer.tail))
     choices = await collect(request, run.pieces, run.n_choices)
     return answer.chunk(
         [_completion_choice(state, c, body.logprobs is not None) for c in choices]

@@ -14,13 +14,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
 from graftlm.server.chat import count_chat_tokens, start_chat
 from graftlm.server.chat_schemas import ChatCompletionRequest
-from graftlm.server.framing import SSE_HEADERS, StreamClock, progress_fields, served_name, timings
+from graftlm.server.framing import EventStream, StreamClock, progress_fields, served_name, timings
 from graftlm.server.inputs import RESPONSES_PARTS, content_text, problems
 from graftlm.server.pipeline import collect
 from graftlm.server.state import ApiError, json_body, state_of
@@ -137,11 +136,7 @@ async def responses(request: Request) -> Any:
         out = _response(rid, model, created, "completed", [_message(mid, c.text, "completed")])
         return out | {"usage": _usage(len(run.ids), c.finish)}
     clock = StreamClock(len(run.ids)) if body.timings_per_token else None
-    return StreamingResponse(
-        _stream(run.pieces, len(run.ids), rid, mid, model, created, clock),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return EventStream(state, _stream(run.pieces, len(run.ids), rid, mid, model, created, clock))
 
 
 @router.post("/v1/responses/input_tokens")

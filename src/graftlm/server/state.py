@@ -35,6 +35,9 @@ class ServerConfig:
     n_predict: int = -1  # -1: until an end token or the context is full
     extra_model_names: tuple[str, ...] = ()  # other names accepted for the base (its file name)
     max_body_bytes: int = 8 << 20  # larger request bodies are refused with a 413
+    # a stream whose client accepts nothing for this long is ended and its sequences cancelled
+    # (their slots freed); llama-server's -to/--timeout
+    write_timeout: float = 60.0
     # where /v1/load_lora_adapter may read (resolved, symlinks followed); () = nowhere
     lora_dirs: tuple[Path, ...] = ()
     n_ctx_pool: int | None = None  # the KV pool's tokens over all sequences (-c), for /props

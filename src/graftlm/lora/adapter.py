@@ -51,6 +51,8 @@ class Delta:
     # the native form, packed with the read, off the engine's thread (AdapterSet.load); None:
     # packed when attached, or never (the PyTorch twin serves it)
     packed: PackedSlot | None = None
+    # the file's names of what it holds (GGUF tensors, PEFT modules), for messages
+    sources: tuple[str, ...] = ()
 
     @property
     def width(self) -> int:
@@ -90,35 +92,50 @@ class ResolvedAdapter:
         """Refuse factors that would break every use: inf or nan, or a delta whose output on an
         input of +-1 values (about the scale of a normalized activation) leaves float16's range,
         where the KV cache and the activations overflow (alpha / r folded in). A file whose
-        declared alignment does not match where its writer put the data reads as such values."""
+        declared alignment does not match where its writer put the data reads as such values.
+        Each file tensor (a part of a stacked delta) is checked and named on its own."""
         problems = []
         for name, d in sorted(self.deltas.items()):
-            bad = int(d.a.numel() - torch.isfinite(d.a).sum()) + int(
-                d.b.numel() - torch.isfinite(d.b).sum()
-            )
-            if bad:
-                problems.append(f"{name}: {bad} value{'s are' if bad > 1 else ' is'} inf or nan")
-                continue
-            reach = _reach(d, name == EMBEDDING)
-            if reach > F16_MAX:
-                problems.append(
-                    f"{name}: its delta reaches {reach:.3g} on an input of +-1 values, past "
-                    f"float16's range ({F16_MAX:g}; A {list(d.a.shape)}, B {list(d.b.shape)} "
-                    "with alpha / r folded in)"
-                )
+            for where, a, b in _pieces(name, d):
+                bad = int(a.numel() - torch.isfinite(a).sum() + b.numel() - torch.isfinite(b).sum())
+                if bad:
+                    s = "s are" if bad > 1 else " is"
+                    problems.append(f"{where}: {bad} value{s} inf or nan")
+                    continue
+                reach = _reach(a, b, name == EMBEDDING)
+                if reach > F16_MAX:
+                    problems.append(
+                        f"{where}: its delta reaches {reach:.3g} on an input of +-1 values, past "
+                        f"float16's range ({F16_MAX:g}; A {list(a.shape)}, B {list(b.shape)} "
+                        "with alpha / r folded in)"
+                    )
         if problems:
             raise refusal(
                 f"adapter {self.path}: factors with which every use would overflow:", problems
             )
 
 
+def _pieces(name: str, d: Delta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A delta's parts as the file held them: (its name, A rows, B columns)."""
+    ranks = d.parts or (d.width,)
+    if len(d.sources) != len(ranks):
+        return [(name, d.a, d.b)]
+    out, at = [], 0
+    embedding = name == EMBEDDING
+    for source, r in zip(d.sources, ranks, strict=True):
+        a = d.a[:, at : at + r] if embedding else d.a[at : at + r]
+        out.append((f"{source} (in {name})" if source != name else name, a, d.b[:, at : at + r]))
+        at += r
+    return out
+
+
 F16_MAX = 65504.0
 
 
-def _reach(d: Delta, embedding: bool) -> float:
+def _reach(a: torch.Tensor, b: torch.Tensor, embedding: bool) -> float:
     """The largest output of a delta on a fixed input of +-1 values (a projection), or a bound
     on any token's row (the embedding: sum over the rank of max |B| times max |A|), in float64."""
-    a, b = d.a.double(), d.b.double()
+    a, b = a.double(), b.double()
     if embedding:
         return float((b.abs().amax(dim=0) * a.abs().amax(dim=0)).sum())
     gen = torch.Generator().manual_seed(0)

@@ -216,7 +216,8 @@ def _resolve_pair(
     b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
     factor = alpha / rb if alpha != 0 else 1.0
     b = b * factor
-    return [(t.projection, (t.rows, t.at, Delta(a, b))) for t in targets]
+    delta = Delta(a, b, sources=(f"{base}.weight",))
+    return [(t.projection, (t.rows, t.at, delta)) for t in targets]
 
 
 def _ne(e: TensorEntry) -> str:
@@ -243,5 +244,8 @@ def combine(parts: list[tuple[slice, slice, Delta]], n_out: int) -> Delta:
         b[at] = d.b[rows]
         bs.append(b)
     return Delta(
-        a, torch.cat(bs, dim=1), tuple(r for _, _, d in parts for r in (d.parts or (d.width,)))
+        a,
+        torch.cat(bs, dim=1),
+        tuple(r for _, _, d in parts for r in (d.parts or (d.width,))),
+        sources=tuple(s for _, _, d in parts for s in d.sources),
     )

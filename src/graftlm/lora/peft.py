@@ -433,9 +433,9 @@ def read_peft_adapter(path: str | Path, model: Base) -> ResolvedAdapter:
     for p in adapter.pairs:
         if p.embedding:
             # graftlm's gather layout: a (n_vocab, r) looked up per token, b (n_embd, r)
-            delta = Delta(p.a.T.contiguous(), p.b * p.scaling)
+            delta = Delta(p.a.T.contiguous(), p.b * p.scaling, sources=(p.module,))
         else:
-            delta = Delta(p.a, p.b * p.scaling)  # a (r, n_in), b (n_out, r)
+            delta = Delta(p.a, p.b * p.scaling, sources=(p.module,))  # a (r, n_in), b (n_out, r)
         targets = resolve_target(model, p.base)
         assert not isinstance(targets, str), targets  # BaseInfo.lookup refused these already
         for t in targets:

@@ -69,7 +69,6 @@ _TABLE = """
 --spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|the draft model runs on the engine's threads and device
 -cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|the draft model runs on the engine's threads and device
 -ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|the draft model runs on the engine's threads and device
---spec-synth-len --spec-synth-rates|1|no synthetic acceptance (llama.cpp's benchmarking aid)
 --spec-draft-p-split --draft-p-split|1|drafts are greedy, from the draft model's top token
 --spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|drafts are greedy, from the draft model's top token
 --spec-draft-sampling|1|drafts are greedy, from the draft model's top token

@@ -30,7 +30,7 @@ from graftlm.runtime.scheduler import (
     activation,
     settings_at,
 )
-from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig
+from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig, SynthDraws
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -323,16 +323,20 @@ class Engine:
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         if self.drafter is not None:  # what a step of this many rows costs, for the next drafts
             self.drafter.costs.observe(len(tokens), time.perf_counter() - t0)
+        synth = self.speculative.synth_probs if self.speculative is not None else ()
         for i, r in enumerate(reqs):  # (in the requests' own order)
             at = first[i]
-            self._emit(r, logits[at])
             draft = drafts.get(r.id, ())
-            kept = 0
-            for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
-                if r.done or r.generated[-1] != tok:
-                    break
-                kept += 1
-                self._emit(r, logits[at + kept])
+            if draft and synth:
+                kept = self._keep_synthetic(r, logits[at : at + len(draft) + 1], draft, synth)
+            else:
+                self._emit(r, logits[at])
+                kept = 0
+                for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
+                    if r.done or r.generated[-1] != tok:
+                        break
+                    kept += 1
+                    self._emit(r, logits[at + kept])
             if draft:
                 r.n_drafts += 1
                 r.n_drafted += len(draft)
@@ -340,10 +344,34 @@ class Engine:
                 if self.drafter is not None:
                     self.drafter.verified(r, len(draft), kept)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+    def _keep_synthetic(
+        self, req: Request, logits: torch.Tensor, draft: Sequence[int], probs: Sequence[float]
+    ) -> int:
+        """Synthetic acceptance (runtime/speculative.py): each drafted token kept by chance, the
+        target's token drawn at every place and taken at the first place not kept (after the
+        whole draft, the next one); how many drafted tokens were kept. logits: (len(draft) + 1,
+        n_vocab), the rows the draft's places computed."""
+        if req.synth is None:
+            req.synth = SynthDraws(req.params.seed)
+        for i, tok in enumerate(draft):
+            keep = req.synth.keep(probs[i] if i < len(probs) else 0.0) and tok not in req.eog
+            self._emit(req, logits[i], tok if keep else None)
+            if not keep or req.done:
+                return i + int(keep)
+        self._emit(req, logits[len(draft)])
+        return len(draft)
+
+    def _emit(self, req: Request, logits: torch.Tensor, kept: int | None = None) -> None:
+        """Sample the request's next token from its logits and append it; `kept`: a drafted
+        token synthetic acceptance keeps instead (drawn past, as llama-server's own draw is, its
+        grammar not advanced)."""
         assert req.sampler is not None
         try:
-            tok = req.sampler(logits, req.prompt + req.generated)
+            if kept is None:
+                tok = req.sampler(logits, req.prompt + req.generated)
+            else:
+                req.sampler.draw(logits.float())  # (the generator moves as it would have)
+                tok = kept
             if not math.isfinite(float(logits[tok])):  # argmax picks a nan or an inf, if any
                 raise FloatingPointError(f"the chosen token's logit is {float(logits[tok])}")
         except Exception as exc:  # noqa: BLE001 - this row's failure ends this request alone

@@ -36,7 +36,7 @@ from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 
 if TYPE_CHECKING:
     from graftlm.runtime.sampling import Sampler, SamplingParams
-    from graftlm.runtime.speculative import Drafter, DraftState, SpecParams
+    from graftlm.runtime.speculative import Drafter, DraftState, SpecParams, SynthDraws
 
 _ids = itertools.count()
 
@@ -87,6 +87,7 @@ class Request:
     n_drafts: int = 0
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    synth: SynthDraws | None = None  # synthetic acceptance's draws (llama.cpp's benchmarking aid)
 
     @property
     def done(self) -> bool:

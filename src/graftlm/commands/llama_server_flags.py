@@ -87,7 +87,6 @@ _TABLE = """
 -cram --cache-ram|1|cached prefixes live in the KV pool (--kv-memory sizes it)
 -kvu --kv-unified -no-kvu --no-kv-unified|0|the KV pool is shared by all sequences
 --cache-idle-slots --no-cache-idle-slots|0|cached prefixes stay until their room is needed
---context-shift --no-context-shift|0|no context shift: a request past the context is refused, or stops at the context's end
 -r --reverse-prompt|1|set stop in the request
 -sp --special|0|no effect
 --warmup --no-warmup --spm-infill|0|no effect

@@ -117,6 +117,16 @@ class Engine:
         return min(self.model.n_ctx, self.slots.capacity)
 
     @property
+    def context_shift(self) -> bool:
+        """llama-server's --context-shift: a sequence that fills the context drops half of it
+        and goes on (runtime/scheduler.py: Scheduler.shift); off, it ends there."""
+        return self.scheduler.context_shift
+
+    @context_shift.setter
+    def context_shift(self, on: bool) -> None:
+        self.scheduler.context_shift = on
+
+    @property
     def prefix_cache(self) -> bool:
         return self.slots.prefix
 
@@ -390,7 +400,7 @@ class Engine:
             self.scheduler.finish(req, "stop")
         elif 0 <= p.max_tokens <= len(req.generated):
             self.scheduler.finish(req, "length")
-        elif len(req.prompt) + len(req.generated) >= self.n_ctx:
+        elif req.n_past + 1 >= self.n_ctx and not (self.context_shift and not req.segments):
             self.scheduler.finish(req, "length")
 
     def stop(self, req: Request, reason: str = "stop") -> None:

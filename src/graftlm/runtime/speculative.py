@@ -249,6 +249,11 @@ class Request(Protocol):
     generated: list[int]
     spec: SpecParams | None
     draft: DraftState | None
+    dropped: int  # tokens a context shift dropped (the context is `context()`)
+
+    @property
+    def n_past(self) -> int: ...
+    def context(self) -> list[int]: ...
 
 
 class Drafter(Protocol):

@@ -91,13 +91,6 @@ EXPLAINED: dict[str, str] = {
     "UI's CORS proxy to arbitrary URLs is not served (out of scope, as test_proxy.py)",
     "unit/test_slot_save.py::": "slot save and restore (KV state to files, --slot-save-path) "
     "is not implemented",
-    "unit/test_speculative.py::test_with_and_without_draft": "its second half needs "
-    "--spec-synth-rates (llama.cpp's benchmarking aid that accepts drafted tokens by a given "
-    "rate, whatever the model chose), which is not implemented; drafting itself is",
-    "unit/test_speculative.py::test_synth_ignores_target_tokens": "--spec-synth-rates "
-    "(accepting drafted tokens the model did not choose) is not implemented",
-    "unit/test_speculative.py::test_with_ctx_shift": "no context shift: a request past the "
-    "context is refused, or stops at the context's end",
 }
 
 

@@ -24,6 +24,8 @@ from graftlm.runtime.speculative import (
     SpecConfig,
     SpecParams,
     StepCosts,
+    SynthDraws,
+    synth_rates_of_length,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -144,6 +146,39 @@ def test_bad_settings_are_named(kwargs: dict, field: str) -> None:
         SpecConfig(**kwargs)
 
 
+def test_synthetic_rates_as_llama_cpp_resolves_them() -> None:
+    # llama.cpp's tests/test-speculative (common_speculative_synth_rates_resolve)
+    rates = synth_rates_of_length(3.4, 4)
+    assert rates == pytest.approx((0.80581, 0.64933, 0.52323, 0.42163), abs=1e-5)
+    assert 1.0 + sum(rates) == pytest.approx(3.4, abs=1e-8)
+    assert synth_rates_of_length(1.0, 4) == (0.0,) * 4
+    assert synth_rates_of_length(5.0, 4) == (1.0,) * 4
+    for bad in (5.1, float("nan"), 0.5):
+        with pytest.raises(RequestError, match=r"length must be finite and within \[1, 5\]"):
+            synth_rates_of_length(bad, 4)
+    # the chance of keeping place i once the places before it are kept: rate_i / rate_(i-1)
+    cfg = SpecConfig(n_max=4, synth_rates=(0.8, 0.4, 0.0, 0.0))
+    assert cfg.synth_probs == (0.8, 0.5, 0.0, 0.0)
+    # no longer a draft than the rates, whatever the request asks
+    assert cfg.bounds(SpecParams(n_max=10))[0] == 4
+    for rates, words in (
+        ((1.0,) * 3, "must contain 4 values, got 3"),
+        ((1.0, 1.0, 1.5, 1.0), "finite and within"),
+        ((0.5, 0.6, 0.1, 0.0), "non-increasing"),
+    ):
+        with pytest.raises(RequestError, match=words):
+            SpecConfig(n_max=4, synth_rates=rates)
+
+
+def test_synthetic_draws_are_llama_servers() -> None:
+    """std::mt19937 seeded with 4242, read by std::uniform_real_distribution<double>(0, 1)
+    (libstdc++)."""
+    draws = SynthDraws(4242)
+    want = [0.80856906956176955, 0.24104133666036989, 0.45280400731461307, 0.33380064770730894]
+    assert [draws.uniform() for _ in want] == want
+    assert SynthDraws(None).uniform() != SynthDraws(None).uniform()  # unseeded: its own draws
+
+
 def test_bad_request_bounds_are_named() -> None:
     with pytest.raises(RequestError, match="speculative.n_max"):
         SpecParams(n_max=-1)
@@ -185,6 +220,7 @@ class ScriptedDrafter:
         self.n = n
         self.verdicts: list[tuple[int, int]] = []
         self.costs = StepCosts()
+        self.cfg = SpecConfig()
 
     def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
         out = {}
@@ -437,3 +473,85 @@ def test_a_draft_of_another_vocabulary_is_refused(draft_files: tuple[Path, Path,
         graftlm.load(target, ctx_size=64, draft_model=other)
     with pytest.raises(GraftError, match="needs a draft model"):
         graftlm.load(target, ctx_size=64, speculative=SpecConfig(method="draft"))
+
+
+# -- synthetic acceptance (llama.cpp's --spec-synth-rates) ------------------------------------------
+
+
+def test_synthetic_acceptance_keeps_drafts_by_chance_alone(
+    draft_files: tuple[Path, Path, Path],
+) -> None:
+    target, draft, _ = draft_files
+    prompts = [_ids(7 + 3 * i, seed=30 + i) for i in range(3)]
+    m = graftlm.load(target, ctx_size=128, n_seq=2, draft_model=draft)
+    seeded = SamplingParams(temperature=0.7, seed=3, max_tokens=30, ignore_eos=True)
+    wants = {}
+    for params in (GREEDY, seeded):
+        m.engine.speculative = SpecConfig(method="draft")
+        want = wants[params] = _generate(m, prompts, params)
+        # rates 0: every draft is verified and none kept, the output is the model's own
+        m.engine.speculative = SpecConfig(method="draft", n_max=4, synth_rates=(0.0,) * 4)
+        got = _generate(m, prompts, params)
+        assert [r.generated for r in got] == [r.generated for r in want]
+        assert all(r.n_drafted > 0 and r.n_draft_accepted == 0 for r in got)
+    # rates 1: every drafted token is kept, though the model would not have said it
+    m.engine.speculative = SpecConfig(method="draft", n_max=4, synth_rates=(1.0,) * 4)
+    got = _generate(m, prompts)
+    assert all(r.n_draft_accepted == r.n_drafted > 0 for r in got)
+    assert [r.generated for r in got] != [r.generated for r in wants[GREEDY]]
+    assert all(len(r.generated) == 40 and r.finish_reason == "length" for r in got)
+    # a seed gives the same verdicts
+    m.engine.speculative = SpecConfig(method="draft", n_max=4, synth_rates=(0.9, 0.6, 0.4, 0.2))
+    runs = [_generate(m, prompts, seeded) for _ in range(2)]
+    assert [(r.n_drafted, r.n_draft_accepted) for r in runs[0]] == [
+        (r.n_drafted, r.n_draft_accepted) for r in runs[1]
+    ]
+    assert 0 < sum(r.n_draft_accepted for r in runs[0]) < sum(r.n_drafted for r in runs[0])
+
+
+class FixedDrafter:
+    """Drafts the same tokens every step (as many as the row's room takes)."""
+
+    def __init__(self, draft: list[int], cfg: SpecConfig) -> None:
+        self.draft = draft
+        self.cfg = cfg
+        self.costs = StepCosts()
+
+    def propose(self, reqs: Sequence[Request], room: Sequence[int]) -> dict[int, list[int]]:
+        return {r.id: self.draft[:n] for r, n in zip(reqs, room, strict=True) if n > 0}
+
+    def verified(self, req: Request, n_drafted: int, n_accepted: int) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        pass
+
+
+def _run_with(m: graftlm.Model, drafter: FixedDrafter, req: Request) -> None:
+    _with(m, drafter)
+    try:
+        m.engine.submit(req)
+        m.engine.run(req)
+    finally:
+        _with(m, None)
+
+
+def test_synthetic_acceptance_never_keeps_a_drafted_end(tiny: graftlm.Model) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    req = Request(_ids(10, seed=4), params, eog=frozenset({9}))
+    _run_with(tiny, FixedDrafter([5, 9, 6], SpecConfig(n_max=3, synth_rates=(1.0,) * 3)), req)
+    assert req.n_drafts > 0 and req.n_draft_accepted == req.n_drafts  # the 5 of each draft
+    assert len(req.generated) == 20
+
+
+def test_synthetic_tokens_do_not_advance_a_grammar(tiny: graftlm.Model) -> None:
+    """As llama-server: a kept drafted token is outside the grammar's account (the output is
+    not valid), the model's own tokens still follow it, and nothing fails."""
+    from graftlm.runtime.constraints import Constraint
+
+    grammar = tiny.prompter.compile(Constraint("regex", "(ab|ba)+c", "regex"))
+    params = SamplingParams(temperature=0.0, max_tokens=12, grammar=grammar)
+    req = Request(_repeating(12, seed=3), params)
+    _run_with(tiny, FixedDrafter([7] * 3, SpecConfig(n_max=3, synth_rates=(1.0,) * 3)), req)
+    assert req.error is None and req.n_drafted > 0 and req.n_draft_accepted == req.n_drafted
+    assert 7 in req.generated

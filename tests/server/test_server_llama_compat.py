@@ -442,13 +442,21 @@ def test_a_llama_server_command_line_parses() -> None:
     assert a.n_gpu_layers == "99" and a.batch_size == 32 and a.n_predict == 64 and a.ctx_size == 512
     assert a.host == "127.0.0.1,::1" and a.alias == "tiny,tiny-2" and a.log_level == "debug"
     assert a.api_key_file == "k.txt" and not a.ui and a.sleep_idle_seconds == 5
+    assert a.context_shift  # (read by graftlm: llama-server's context shift)
     cfg = http_config(a)
     assert cfg["cors_origins"] == ("localhost",) and cfg["tags"] == ("a", "b")
     assert cfg["metrics"] and cfg["slots"]
     notes = llama_server_notes(a)
-    for flag in ("--offline", "--jinja", "--embedding", "--context-shift", "--reranking", "-dev"):
+    for flag in ("--offline", "--jinja", "--embedding", "--reranking", "-dev"):
         assert sum(n.startswith(flag) for n in notes) == 1, (flag, notes)
-    mapped = ("--metrics", "--slots", "--tags", "--no-ui", "--sleep-idle-seconds")
+    mapped = (
+        "--metrics",
+        "--slots",
+        "--tags",
+        "--no-ui",
+        "--sleep-idle-seconds",
+        "--context-shift",
+    )
     assert not any(n.startswith(mapped) for n in notes)
     b = p.parse_args("--no-metrics --no-slots -ngl 99".split())
     assert not b.metrics and not b.slots and b.n_predict == -1  # -ngl is not `-n gl`

@@ -152,9 +152,18 @@ def test_flags() -> None:
     args = _vllm('{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 3}')
     cfg = spec_config(args)
     assert cfg == SpecConfig(method="draft", n_max=3) and args.model_draft == "d.gguf"
+    # llama.cpp's synthetic acceptance: rates, or a mean length as geometric rates
+    cfg = spec_config(_args("-md d.gguf --spec-draft-n-max 3 --spec-synth-rates 1,0.5,0.25"))
+    assert cfg is not None and cfg.synth_rates == (1.0, 0.5, 0.25)
+    assert cfg.synth_probs == (1.0, 0.5, 0.5)
+    cfg = spec_config(_args("--spec-type ngram-simple --spec-draft-n-max 4 --spec-synth-len 5"))
+    assert cfg is not None and cfg.synth_rates == (1.0,) * 4
     # the flags graftlm reads are no longer noted as having no effect
-    notes = llama_server_notes(_args("--spec-type ngram-simple --spec-draft-n-max 4"))
-    assert not any(n.startswith(("--spec-type", "--spec-draft-n-max")) for n in notes)
+    line = "--spec-type ngram-simple --spec-draft-n-max 4 --spec-synth-rates 1,1,1,1"
+    notes = llama_server_notes(_args(line))
+    assert not any(
+        n.startswith(("--spec-type", "--spec-draft-n-max", "--spec-synth")) for n in notes
+    )
 
 
 def _vllm(text: str) -> argparse.Namespace:
@@ -181,6 +190,21 @@ def _vllm(text: str) -> argparse.Namespace:
         ),
         (["--speculative-config", '{"num_speculative_tokens": "5"}'], ["whole number"]),
         (["--speculative-config", '{"gamma": 1}'], ["gamma"]),
+        (["--spec-synth-rates", "0"], ["synthetic acceptance", "needs speculative decoding"]),
+        (
+            ["-md", "d.gguf", "--spec-draft-n-max", "2", "--spec-synth-rates", "1"],
+            ["--spec-synth-rates (1.0,)", "must contain 2 values, got 1"],
+        ),
+        (
+            ["-md", "d.gguf", "--spec-draft-n-max", "2", "--spec-synth-rates", "0.5,0.7"],
+            ["non-increasing"],
+        ),
+        (["-md", "d.gguf", "--spec-synth-rates", "a,b"], ["--spec-synth-rates a,b", "numbers"]),
+        (
+            ["-md", "d.gguf", "--spec-synth-rates", "1", "--spec-synth-len", "2"],
+            ["mutually exclusive"],
+        ),
+        (["-md", "d.gguf", "--spec-draft-n-max", "4", "--spec-synth-len", "6"], ["[1, 5]"]),
     ],
 )
 def test_bad_flags_are_named(argv: list[str], words: list[str]) -> None:

@@ -69,7 +69,6 @@ _TABLE = """
 --spec-draft-poll-batch --poll-batch-draft -otd --override-tensor-draft --spec-draft-override-tensor|1|the draft model runs on the engine's threads and device
 -cmoed --cpu-moe-draft --spec-draft-cpu-moe|0|the draft model runs on the engine's threads and device
 -ncmoed --n-cpu-moe-draft --spec-draft-ncmoe --spec-draft-n-cpu-moe|1|the draft model runs on the engine's threads and device
---spec-synth-len --spec-synth-rates|1|no synthetic acceptance (llama.cpp's benchmarking aid)
 --spec-draft-p-split --draft-p-split|1|drafts are greedy, from the draft model's top token
 --spec-draft-backend-sampling --no-spec-draft-backend-sampling|0|drafts are greedy, from the draft model's top token
 --spec-draft-sampling|1|drafts are greedy, from the draft model's top token
@@ -88,7 +87,6 @@ _TABLE = """
 -cram --cache-ram|1|cached prefixes live in the KV pool (--kv-memory sizes it)
 -kvu --kv-unified -no-kvu --no-kv-unified|0|the KV pool is shared by all sequences
 --cache-idle-slots --no-cache-idle-slots|0|cached prefixes stay until their room is needed
---context-shift --no-context-shift|0|no context shift: a request past the context is refused, or stops at the context's end
 -r --reverse-prompt|1|set stop in the request
 -sp --special|0|no effect
 --warmup --no-warmup --spm-infill|0|no effect

@@ -218,6 +218,7 @@ def _load(args: argparse.Namespace, flags: _Flags, progress: bool) -> Model:
         draft_model=args.model_draft,
     )
     m.prompter.template_kwargs = flags.template_kwargs
+    m.engine.context_shift = args.context_shift
     if args.batch_size is not None:  # llama-server's -b: the prompt tokens a step computes
         m.engine.chunk = args.batch_size
     return m

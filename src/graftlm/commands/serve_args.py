@@ -120,6 +120,13 @@ def _add_model_and_address(p: argparse.ArgumentParser) -> None:
         help="tokens the KV cache holds, over all sequences (as llama-server); one sequence may "
         "use all of it, up to the model's context (0: the model's context)",
     )
+    p.add_argument(
+        "--context-shift",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a sequence that fills its context drops half of it and goes on (llama-server's "
+        "context shift, the dropped half recomputed away); off (the default), it ends there",
+    )
 
 
 def _add_kv_cache_arguments(p: argparse.ArgumentParser) -> None:

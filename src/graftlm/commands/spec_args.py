@@ -64,6 +64,22 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         help="the same as --spec-draft-n-max",
     )
     g.add_argument(
+        "--spec-synth-rates",
+        default=None,
+        metavar="P0,P1,...",
+        help="llama.cpp's benchmarking aid: drafted tokens are kept by chance, not by the "
+        "model (the output is not the model's): the unconditional chance that the first i + 1 "
+        "are kept, one per draft place (--spec-draft-n-max of them, non-increasing)",
+    )
+    g.add_argument(
+        "--spec-synth-len",
+        type=float,
+        default=None,
+        metavar="L",
+        help="llama.cpp's benchmarking aid: as --spec-synth-rates, with geometric rates whose "
+        "mean accepted length, the model's own token included, is L",
+    )
+    g.add_argument(
         "-md",
         "--model-draft",
         "--spec-draft-model",
@@ -105,6 +121,11 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     elif kind is None and draft is not None:
         fields["method"] = "draft"  # -md alone: llama-server's draft-simple
     elif kind is None or kind == "none":
+        if args.spec_synth_rates is not None or args.spec_synth_len is not None:
+            raise ValueError(
+                "synthetic acceptance (--spec-synth-rates, --spec-synth-len) needs speculative "
+                "decoding (--spec-type, -md)"
+            )
         return None
     else:
         kinds = [k.strip() for k in kind.split(",") if k.strip()]
@@ -142,10 +163,37 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     if "lookup_min" in fields and "lookup_max" not in fields:
         fields["lookup_max"] = max(5, fields["lookup_min"])
     try:
+        synth = _synth_rates(args, fields.get("n_max", SpecConfig.n_max))
+        if synth:
+            fields["synth_rates"] = synth
+            names["synth_rates"] = (
+                "--spec-synth-len" if args.spec_synth_len is not None else "--spec-synth-rates"
+            )
         return SpecConfig(**fields)
     except RequestError as exc:
         named = ", ".join(f"{names.get(k, k)} {v}" for k, v in fields.items())
         raise ValueError(f"speculative decoding ({named}): {exc}") from None
+
+
+def _synth_rates(args: argparse.Namespace, n_max: int) -> tuple[float, ...]:
+    """--spec-synth-rates or --spec-synth-len as rates (RequestError with llama.cpp's message
+    for a bad one)."""
+    from graftlm.errors import RequestError
+    from graftlm.runtime.speculative import synth_rates_of_length
+
+    rates, length = args.spec_synth_rates, args.spec_synth_len
+    if rates is not None and length is not None:
+        raise RequestError("synthetic acceptance length and rates are mutually exclusive")
+    if length is not None:
+        return synth_rates_of_length(length, n_max)
+    if rates is None:
+        return ()
+    try:
+        return tuple(float(x) for x in rates.split(","))
+    except ValueError:
+        raise RequestError(
+            f"--spec-synth-rates {rates}: expected numbers separated by commas"
+        ) from None
 
 
 # vLLM's speculative_config keys -> SpecConfig's fields

@@ -110,11 +110,19 @@ class ModelDrafter:
             todo = []  # (request id, its row, the tokens it lacks (at most CATCH_UP), its length)
             for req in reqs:
                 h = self.held[req.id]
-                n_tok = len(req.prompt) + len(req.generated)
+                n_tok = req.n_past + 1  # (the context's tokens: a shift drops some)
                 if h.cached < n_tok:
                     todo.append((req.id, h, _tokens(req, h.cached, CATCH_UP), n_tok))
             if not todo:
                 break
+            # (padded to the longest, a row's positions run to its start + the width: they must
+            # stay within the context; the rows left out go in the next pass)
+            width = last = 0
+            for k, (_, h, t, _) in enumerate(todo):
+                if k and max(last, h.cached) + max(width, len(t)) > self.model.n_ctx:
+                    todo = todo[:k]
+                    break
+                width, last = max(width, len(t)), max(last, h.cached)
             batch = Batch.padded([t for _, _, t, _ in todo], [h.slot for _, h, _, _ in todo],
                                  [h.cached for _, h, _, _ in todo], device=self.model.device)  # fmt: skip
             probs, bests = _top(self.model.forward(batch))
@@ -134,7 +142,10 @@ class ModelDrafter:
 
 
 def _tokens(req: Request, start: int, n: int) -> list[int]:
-    """At most n of the row's tokens (its prompt, then its generated ones) from `start`."""
+    """At most n of the row's context tokens (its prompt, then its generated ones) from
+    `start`."""
+    if req.dropped:  # (a context shift dropped some: the context's own list)
+        return req.context()[start : start + n]
     p = len(req.prompt)
     head = req.prompt[start : start + n] if start < p else []
     return head + req.generated[max(0, start - p) : max(0, start - p) + n - len(head)]

@@ -30,7 +30,7 @@ from graftlm.runtime.scheduler import (
     activation,
     settings_at,
 )
-from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig
+from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig, SynthDraws
 from graftlm.step.batch import Batch, LoraRows
 
 
@@ -115,6 +115,16 @@ class Engine:
     def n_ctx(self) -> int:
         """The most tokens one sequence holds: the model's context, or the pool's when smaller."""
         return min(self.model.n_ctx, self.slots.capacity)
+
+    @property
+    def context_shift(self) -> bool:
+        """llama-server's --context-shift: a sequence that fills the context drops half of it
+        and goes on (runtime/scheduler.py: Scheduler.shift); off, it ends there."""
+        return self.scheduler.context_shift
+
+    @context_shift.setter
+    def context_shift(self, on: bool) -> None:
+        self.scheduler.context_shift = on
 
     @property
     def prefix_cache(self) -> bool:
@@ -323,16 +333,20 @@ class Engine:
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         if self.drafter is not None:  # what a step of this many rows costs, for the next drafts
             self.drafter.costs.observe(len(tokens), time.perf_counter() - t0)
+        synth = self.speculative.synth_probs if self.speculative is not None else ()
         for i, r in enumerate(reqs):  # (in the requests' own order)
             at = first[i]
-            self._emit(r, logits[at])
             draft = drafts.get(r.id, ())
-            kept = 0
-            for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
-                if r.done or r.generated[-1] != tok:
-                    break
-                kept += 1
-                self._emit(r, logits[at + kept])
+            if draft and synth:
+                kept = self._keep_synthetic(r, logits[at : at + len(draft) + 1], draft, synth)
+            else:
+                self._emit(r, logits[at])
+                kept = 0
+                for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
+                    if r.done or r.generated[-1] != tok:
+                        break
+                    kept += 1
+                    self._emit(r, logits[at + kept])
             if draft:
                 r.n_drafts += 1
                 r.n_drafted += len(draft)
@@ -340,10 +354,34 @@ class Engine:
                 if self.drafter is not None:
                     self.drafter.verified(r, len(draft), kept)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+    def _keep_synthetic(
+        self, req: Request, logits: torch.Tensor, draft: Sequence[int], probs: Sequence[float]
+    ) -> int:
+        """Synthetic acceptance (runtime/speculative.py): each drafted token kept by chance, the
+        target's token drawn at every place and taken at the first place not kept (after the
+        whole draft, the next one); how many drafted tokens were kept. logits: (len(draft) + 1,
+        n_vocab), the rows the draft's places computed."""
+        if req.synth is None:
+            req.synth = SynthDraws(req.params.seed)
+        for i, tok in enumerate(draft):
+            keep = req.synth.keep(probs[i] if i < len(probs) else 0.0) and tok not in req.eog
+            self._emit(req, logits[i], tok if keep else None)
+            if not keep or req.done:
+                return i + int(keep)
+        self._emit(req, logits[len(draft)])
+        return len(draft)
+
+    def _emit(self, req: Request, logits: torch.Tensor, kept: int | None = None) -> None:
+        """Sample the request's next token from its logits and append it; `kept`: a drafted
+        token synthetic acceptance keeps instead (drawn past, as llama-server's own draw is, its
+        grammar not advanced)."""
         assert req.sampler is not None
         try:
-            tok = req.sampler(logits, req.prompt + req.generated)
+            if kept is None:
+                tok = req.sampler(logits, req.prompt + req.generated)
+            else:
+                req.sampler.draw(logits.float())  # (the generator moves as it would have)
+                tok = kept
             if not math.isfinite(float(logits[tok])):  # argmax picks a nan or an inf, if any
                 raise FloatingPointError(f"the chosen token's logit is {float(logits[tok])}")
         except Exception as exc:  # noqa: BLE001 - this row's failure ends this request alone
@@ -362,7 +400,7 @@ class Engine:
             self.scheduler.finish(req, "stop")
         elif 0 <= p.max_tokens <= len(req.generated):
             self.scheduler.finish(req, "length")
-        elif len(req.prompt) + len(req.generated) >= self.n_ctx:
+        elif req.n_past + 1 >= self.n_ctx and not (self.context_shift and not req.segments):
             self.scheduler.finish(req, "length")
 
     def stop(self, req: Request, reason: str = "stop") -> None:

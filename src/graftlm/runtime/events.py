@@ -68,6 +68,7 @@ class FinishEvent:
     n_drafts: int = 0  # speculative decoding: drafts verified, tokens drafted, tokens kept
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    truncated: bool = False  # a context shift dropped some of the sequence's tokens
 
     @property
     def ttft(self) -> float | None:

@@ -36,7 +36,7 @@ from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 
 if TYPE_CHECKING:
     from graftlm.runtime.sampling import Sampler, SamplingParams
-    from graftlm.runtime.speculative import Drafter, DraftState, SpecParams
+    from graftlm.runtime.speculative import Drafter, DraftState, SpecParams, SynthDraws
 
 _ids = itertools.count()
 
@@ -87,6 +87,11 @@ class Request:
     n_drafts: int = 0
     n_drafted: int = 0
     n_draft_accepted: int = 0
+    synth: SynthDraws | None = None  # synthetic acceptance's draws (llama.cpp's benchmarking aid)
+    # llama-server's context shift: the context (what the cache holds, what positions count) is
+    # the sequence's tokens less the `dropped` ones after its first n_keep
+    n_keep: int = 0
+    dropped: int = 0
 
     @property
     def done(self) -> bool:
@@ -101,7 +106,14 @@ class Request:
     @property
     def n_past(self) -> int:
         """The position of the token a decode step feeds (the last generated)."""
-        return len(self.prompt) + max(0, len(self.generated) - 1)
+        return len(self.prompt) + max(0, len(self.generated) - 1) - self.dropped
+
+    def context(self) -> list[int]:
+        """The tokens the context holds: prompt, then generated, less those shifted out."""
+        tokens = self.prompt + self.generated
+        if self.dropped:
+            del tokens[self.n_keep : self.n_keep + self.dropped]
+        return tokens
 
     def settings_at(self, pos: int) -> AdapterSettings:
         """The adapter settings that compute position pos."""
@@ -112,7 +124,9 @@ class Request:
         return next((start for start, _ in self.segments if start > pos), None)
 
     def tokens_upto(self, n: int) -> list[int]:
-        """The sequence's first n tokens (prompt, then generated)."""
+        """The context's first n tokens (prompt, then generated)."""
+        if self.dropped:
+            return self.context()[:n]
         if n <= len(self.prompt):
             return self.prompt[:n]
         return self.prompt + self.generated[: n - len(self.prompt)]
@@ -289,6 +303,9 @@ class Scheduler:
         # the drafter is told when a sequence ends, as the allocator is
         self.drafter: Drafter | None = None
         self.n_ctx = n_ctx
+        # llama-server's --context-shift: a sequence that fills its context drops half of it
+        # (after its n_keep first tokens) and goes on, else it ends there
+        self.context_shift = False
 
     @property
     def busy(self) -> bool:
@@ -300,6 +317,10 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """Admit what fits, then plan this step's prefill chunks and decode rows, every planned
         sequence's blocks taken (preempting the last admitted where the pool runs short)."""
+        if self.context_shift:
+            for r in list(self.running):
+                if self.must_shift(r):
+                    self.shift(r)
         admitted: list[Request] = []
         while (
             self.waiting
@@ -327,13 +348,15 @@ class Scheduler:
 
     def draft_room(self, plan: StepPlan) -> tuple[list[Request], list[int]]:
         """The decode rows of `plan` that may draft (not those whose prompt ends in its
-        prefill) and each one's room: the context's last position, and the tokens max_tokens
-        still allows (the last kept token is the model's own, never a draft)."""
+        prefill) and each one's room: the positions before the context's last (a sequence
+        that reaches it ends or shifts before feeding it, so a token drafted there is never
+        kept), and the tokens max_tokens still allows (the last kept token is the model's own,
+        never a draft)."""
         completing = {c.seq.id for c in plan.prefill if c.end == len(c.seq.fill)}
         rows = [r for r in plan.decode if r.id not in completing]
         room = []
         for r in rows:
-            n = self.n_ctx - 1 - r.n_past
+            n = self.n_ctx - 2 - r.n_past
             if r.params.max_tokens >= 0:
                 n = min(n, r.params.max_tokens - len(r.generated) - 1)
             room.append(n)
@@ -368,9 +391,33 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.release(req)
         if req.generated:
-            req.resume = req.prompt + req.generated[:-1]
+            req.resume = req.context()[:-1]
         req.n_prefilled = 0
         self.waiting.appendleft(req)
+
+    def must_shift(self, req: Request) -> bool:
+        """req is decoding and its context is full: the token to feed has no position left (an
+        activated LoRA's starts are positions: such a sequence ends there instead)."""
+        return (
+            bool(req.generated)
+            and req.n_prefilled == len(req.fill)
+            and req.n_past + 1 >= self.n_ctx
+            and not req.segments
+        )
+
+    def shift(self, req: Request) -> None:
+        """llama-server's context shift (server-context.cpp): keep the first n_keep tokens
+        (at most n_ctx - 4), drop half of the rest, and go on. llama-server moves the kept keys'
+        RoPE positions down in place; here the shortened context is computed again, as after a
+        preemption (the keys and values are then exactly those of a prompt of these tokens)."""
+        req.n_keep = max(0, min(req.n_keep, self.n_ctx - 4))
+        n_left = req.n_past - req.n_keep
+        n_discard = min(n_left // 2, max(0, n_left - 1))
+        self.preempt(req)  # (its blocks enter the prefix cache under the context they held)
+        req.dropped += n_discard
+        req.block_digests.clear()
+        req.digest_epoch = -1
+        req.resume = req.context()[:-1]
 
     @staticmethod
     def _written(req: Request) -> int:
@@ -384,7 +431,7 @@ class Scheduler:
         `chunk` tokens counted with padding (rows are padded to the longest piece), so that
         requests arriving together start decoding together."""
         group: list[Chunk] = []
-        width = 0
+        width = last = 0  # the rows' width, and the latest start among them
         for req in self.running:
             if req.n_prefilled >= len(req.fill):
                 continue
@@ -392,10 +439,15 @@ class Scheduler:
             edge = req.boundary_after(req.n_prefilled)  # an aLoRA start: the chunk ends there
             if edge is not None:
                 n = min(n, edge - req.n_prefilled)
-            if group and (len(group) + 1) * max(width, n) > self.chunk:
+            w = max(width, n)
+            # (a padded row's positions run to its start + the width: within the context, where
+            # RoPE has angles; a row starting past cached blocks may not take a long one's width)
+            if group and (
+                (len(group) + 1) * w > self.chunk or max(last, req.n_prefilled) + w > self.n_ctx
+            ):
                 break
             group.append(Chunk(req, req.n_prefilled, n))
-            width = max(width, n)
+            width, last = w, max(last, req.n_prefilled)
         return tuple(group)
 
     def commit(self, plan: StepPlan) -> None:

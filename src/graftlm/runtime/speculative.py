@@ -28,10 +28,20 @@ rows are dear, drafts only where acceptance is high; a row whose drafts keep fai
 drafting (its own evidence decays, so it probes again now and then). A row's acceptance rate
 starts from what drafts from n-grams of the same length did for every row (the prior: a match of
 n tokens keeps n of n + 1 drafted tokens) and moves with its own verdicts.
+
+Synthetic acceptance (llama.cpp's `--spec-synth-rates` / `--spec-synth-len`, a benchmarking aid:
+the output is not the model's) replaces the verdict: drafted token i is kept with probability
+rate_i / rate_(i-1) given that the ones before it were (`SpecConfig.synth_probs`, so rate_i is
+the unconditional chance that i + 1 tokens are kept), by a generator of the request's own seeded
+by its seed; a drafted end-of-generation token is never kept. The target's token is still drawn
+at every verified position (its sampler's generator moves as without), and taken at the first
+place not kept; a grammar only advances by the target's tokens.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -106,6 +116,9 @@ class SpecConfig:
     lookup_min: int = 2
     lookup_max: int = 5
     p_min: float = 0.0
+    # llama.cpp's --spec-synth-rates: the unconditional chance that the first i + 1 drafted
+    # tokens are kept, one per draft place (n_max of them, non-increasing); () verifies for real
+    synth_rates: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft"):
@@ -127,16 +140,105 @@ class SpecConfig:
             )
         if not 0.0 <= self.p_min <= 1.0:
             raise RequestError(f"the draft's p_min must be in [0, 1], got {self.p_min}")
+        check_synth_rates(self.synth_rates, self.n_max)
+
+    @property
+    def synth_probs(self) -> tuple[float, ...]:
+        """Synthetic acceptance's chance of keeping drafted token i once the ones before it are
+        kept: rate_i / rate_(i-1) (0 after a rate of 0), as llama.cpp's
+        common_speculative_init."""
+        out, prev = [], 1.0
+        for rate in self.synth_rates:
+            out.append(rate / prev if prev > 0.0 else 0.0)
+            prev = rate
+        return tuple(out)
 
     def bounds(self, own: SpecParams | None) -> tuple[int, int, float]:
-        """(n_max, n_min, p_min) for a request: its own where it set them, else these."""
+        """(n_max, n_min, p_min) for a request: its own where it set them, else these (with
+        synthetic acceptance, no longer a draft than its rates)."""
         if own is None:
             return self.n_max, self.n_min, self.p_min
+        n_max = self.n_max if own.n_max is None else min(own.n_max, MAX_STEP_DRAFT)
+        if self.synth_rates:
+            n_max = min(n_max, len(self.synth_rates))
         return (
-            self.n_max if own.n_max is None else min(own.n_max, MAX_STEP_DRAFT),
+            n_max,
             self.n_min if own.n_min is None else own.n_min,
             self.p_min if own.p_min is None else own.p_min,
         )
+
+
+def check_synth_rates(rates: Sequence[float], n_max: int) -> None:
+    """llama.cpp's rules for --spec-synth-rates (common_speculative_synth_rates_resolve), with
+    its messages."""
+    if not rates:
+        return
+    if len(rates) != n_max:
+        raise RequestError(
+            f"synthetic acceptance rates must contain {n_max} values, got {len(rates)}"
+        )
+    for i, rate in enumerate(rates):
+        if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
+            raise RequestError("synthetic acceptance rates must be finite and within [0, 1]")
+        if i > 0 and rate > rates[i - 1]:
+            raise RequestError("synthetic acceptance rates must be monotonically non-increasing")
+
+
+def synth_rates_of_length(length: float, n_max: int) -> tuple[float, ...]:
+    """llama.cpp's --spec-synth-len: the rates p, p^2, .. p^n_max whose mean accepted length,
+    the target's token included (1 + their sum), is `length` (p found by bisection, as
+    common_speculative_synth_rates_resolve)."""
+    top = n_max + 1.0
+    if not (math.isfinite(length) and 1.0 <= length <= top):
+        raise RequestError(f"synthetic acceptance length must be finite and within [1, {top:.0f}]")
+    p = 0.0
+    if length == top:
+        p = 1.0
+    elif length > 1.0:
+        lo, hi = 0.0, 1.0
+        for _ in range(32):
+            mid = 0.5 * (lo + hi)
+            total, term = 0.0, mid
+            for _ in range(n_max):
+                total += term
+                term *= mid
+            if total < length - 1.0:
+                lo = mid
+            else:
+                hi = mid
+        p = 0.5 * (lo + hi)
+    rates, rate = [], p
+    for _ in range(n_max):
+        rates.append(rate)
+        rate *= p
+    return tuple(rates)
+
+
+class SynthDraws:
+    """A request's draws for synthetic acceptance: llama-server's per-slot std::mt19937 seeded
+    with the request's seed (a random one without), read as std::uniform_real_distribution
+    <double> reads it (two 32-bit outputs, (a + b 2^32) / 2^64), so a seed gives llama-server's
+    verdicts for the same drafts."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.rng = random.Random()
+        if seed is None or seed < 0:
+            seed = random.SystemRandom().getrandbits(32)
+        # std::mt19937::seed(s), Knuth's initialization (Python seeds its MT19937 otherwise)
+        mt = [seed & 0xFFFFFFFF]
+        for i in range(1, 624):
+            prev = mt[-1]
+            mt.append((1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF)
+        self.rng.setstate((3, (*mt, 624), None))
+
+    def uniform(self) -> float:
+        """The next draw in [0, 1)."""
+        a = self.rng.getrandbits(32)
+        b = self.rng.getrandbits(32)
+        return min((a + b * 2.0**32) / 2.0**64, 1.0 - 2.0**-53)  # (libstdc++ keeps it below 1)
+
+    def keep(self, prob: float) -> bool:
+        return self.uniform() < prob
 
 
 class Request(Protocol):
@@ -147,6 +249,11 @@ class Request(Protocol):
     generated: list[int]
     spec: SpecParams | None
     draft: DraftState | None
+    dropped: int  # tokens a context shift dropped (the context is `context()`)
+
+    @property
+    def n_past(self) -> int: ...
+    def context(self) -> list[int]: ...
 
 
 class Drafter(Protocol):

@@ -147,4 +147,5 @@ class Tracked:
             n_drafts=req.n_drafts,
             n_drafted=req.n_drafted,
             n_draft_accepted=req.n_draft_accepted,
+            truncated=req.dropped > 0,
         )

@@ -136,7 +136,7 @@ class _Answer:
             "generation_settings": self._settings(),
             "prompt": self.prompt_text,
             "has_new_line": "\n" in c.text,
-            "truncated": False,
+            "truncated": bool(f and f.truncated),  # as llama-server: a context shift happened
             "stop_type": _stop_type(f),
             "stopped_eos": bool(f and f.stopped_eos),
             "stopped_word": _stop_type(f) == "word",

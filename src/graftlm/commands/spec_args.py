@@ -63,22 +63,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         metavar="M",
         help="the same as --spec-draft-n-max",
     )
-    g.add_argument(
-        "--spec-synth-rates",
-        default=None,
-        metavar="P0,P1,...",
-        help="llama.cpp's benchmarking aid: drafted tokens are kept by chance, not by the "
-        "model (the output is not the model's): the unconditional chance that the first i + 1 "
-        "are kept, one per draft place (--spec-draft-n-max of them, non-increasing)",
-    )
-    g.add_argument(
-        "--spec-synth-len",
-        type=float,
-        default=None,
-        metavar="L",
-        help="llama.cpp's benchmarking aid: as --spec-synth-rates, with geometric rates whose "
-        "mean accepted length, the model's own token included, is L",
-    )
+    _add_synthetic_arguments(g)
     g.add_argument(
         "-md",
         "--model-draft",
@@ -96,6 +81,26 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
         help='vLLM\'s: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
         '"prompt_lookup_min": M}, or {"method": "draft_model", "model": "draft.gguf", '
         '"num_speculative_tokens": K}',
+    )
+
+
+def _add_synthetic_arguments(g: argparse._ArgumentGroup) -> None:
+    """llama.cpp's benchmarking aid: drafts kept by chance."""
+    g.add_argument(
+        "--spec-synth-rates",
+        default=None,
+        metavar="P0,P1,...",
+        help="llama.cpp's benchmarking aid: drafted tokens are kept by chance, not by the "
+        "model (the output is not the model's): the unconditional chance that the first i + 1 "
+        "are kept, one per draft place (--spec-draft-n-max of them, non-increasing)",
+    )
+    g.add_argument(
+        "--spec-synth-len",
+        type=float,
+        default=None,
+        metavar="L",
+        help="llama.cpp's benchmarking aid: as --spec-synth-rates, with geometric rates whose "
+        "mean accepted length, the model's own token included, is L",
     )
 
 

@@ -115,7 +115,8 @@ def _round_trip(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
 
 
-# transformers' (n_expert, n_in, n_out) expert tensors, which GGUF holds as (n_expert, n_out, n_in)
+# gpt-oss's (n_expert, n_in, n_out) expert tensors, which GGUF holds as (n_expert, n_out, n_in)
+# (Mixtral's and Qwen3-MoE's are (n_expert, n_out, n_in) in transformers already)
 _TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -124,11 +125,12 @@ def round_trip(model: Any, qtype: gguf.GGMLQuantizationType) -> None:
     type: every matrix but the MoE router is quantized (blocks along the input dimension, so the
     llama Q/K row permutation and phi3's row fusion commute with it); norms and biases (gpt-oss's
     experts' are 2-D) stay float32."""
+    transposed = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim < 2 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "_bias")):
                 continue
-            if name.endswith(_TRANSPOSED):  # blocks along GGUF's rows: n_in is the middle dim
+            if transposed and name.endswith(_TRANSPOSED):  # blocks along GGUF's rows (n_in)
                 a = p.detach().transpose(-1, -2).contiguous().numpy()
                 p.copy_(torch.from_numpy(_round_trip(a, qtype)).transpose(-1, -2))
             else:

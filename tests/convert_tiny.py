@@ -44,9 +44,12 @@ def main() -> None:
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
 
-    # every family's set_vocab ends in TextModel's (through super()); the LoRA converter's own
-    # set_vocab writes nothing and stays as it is
+    # every family's set_vocab ends in TextModel's (through super()) but gpt-oss's, which reads
+    # a GPT-2 BPE tokenizer; the LoRA converter's own set_vocab writes nothing and stays as it is
+    from conversion import gpt_oss
+
     base.TextModel.set_vocab = set_vocab  # type: ignore[method-assign]
+    gpt_oss.GptOssModel.set_vocab = set_vocab  # type: ignore[method-assign]
     script = {"model": "convert_hf_to_gguf.py", "lora": "convert_lora_to_gguf.py"}[which]
     sys.argv = [script, *args]
     runpy.run_path(str(CONVERT / script), run_name="__main__")

@@ -40,9 +40,42 @@ def _qwen3moe(transformers: Any) -> Any:
     )  # fmt: skip
 
 
-# family -> (its config, the modules of its PEFT adapter)
-MADE: dict[str, tuple[Callable[[Any], Any], list[str]]] = {
-    "qwen3moe": (_qwen3moe, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+def _gpt_oss(transformers: Any) -> Any:
+    """gpt-oss-20b's block at a tiny size: attention sinks, biases on q/k/v/o, a sliding window
+    (16, so the 40 test tokens pass it) on even layers, YaRN (factor 32 over 4096, its betas 32
+    and 1), 16 experts with biases, 4 a token, the clamped SwiGLU; head_dim 48 != hidden / heads.
+    YaRN's correction range is truncated to whole dimensions, as llama.cpp computes it (the
+    released config sets `truncate: false`, which ggml has no way to express)."""
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 4096,
+    }
+    return transformers.GptOssConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=48, num_local_experts=16,
+        num_experts_per_tok=4, sliding_window=16, rope_parameters=yarn, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    )  # fmt: skip
+
+
+def _gpt_oss_weights(model: Any) -> None:
+    """Expert gate/up weights wide enough that the SwiGLU's clamps (+-7) bite on many rows, and
+    sinks large enough to take a share of the softmax beside scores of ~7 (as trained ones do)."""
+    for layer in model.model.layers:
+        layer.mlp.experts.gate_up_proj.normal_(0.0, 0.4)
+        layer.self_attn.sinks.uniform_(4.0, 10.0)
+
+
+# family -> (its config, the modules of its PEFT adapter, a change to the random weights)
+MADE: dict[str, tuple[Callable[[Any], Any], list[str], Callable[[Any], None] | None]] = {
+    "qwen3moe": (_qwen3moe, ["q_proj", "k_proj", "v_proj", "o_proj"], None),
+    "gpt-oss": (_gpt_oss, ["q_proj", "k_proj", "v_proj", "o_proj"], _gpt_oss_weights),
 }
 
 
@@ -94,7 +127,7 @@ def made_dir(family: str) -> Path | None:
 
 
 def _make(family: str, out: Path, vocab: Path, transformers: Any, peft: Any) -> None:
-    config, targets = MADE[family]
+    config, targets, edit = MADE[family]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config(transformers))
     with torch.no_grad():  # weights large enough that the logits are far from uniform
@@ -103,6 +136,8 @@ def _make(family: str, out: Path, vocab: Path, transformers: Any, peft: Any) -> 
                 p.normal_(0.0, 0.08)
             else:
                 p.uniform_(0.5, 1.5)
+        if edit is not None:
+            edit(model)
     hf = out / "hf"
     model.save_pretrained(hf)
     for name in TOKENIZER_FILES:

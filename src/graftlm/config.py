@@ -43,6 +43,14 @@ class ModelConfig:
     # cos/sin (`rope.scaling.attn_factor`).
     n_ctx_orig: int = 0
     rope_attn_factor: float = 1.0
+    # YaRN (gpt-oss; other families ignore `rope.scaling.type = yarn` as before): the context's
+    # stretch `rope.scaling.factor` over n_ctx_orig (0 = no YaRN), the ramp's rotation counts, its
+    # extrapolation mix, and the cos/sin multiplier (0: llama.cpp's default 1 + 0.1 ln(factor)).
+    yarn_factor: float = 0.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = 1.0
+    yarn_attn_factor: float = 0.0
 
     @property
     def scale(self) -> float:
@@ -148,7 +156,30 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
             1 << 31,
         ),
         rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
+        **(_yarn(meta, p, path) if arch == "gpt-oss" else {}),
     )
+
+
+def _yarn(meta: dict[str, Any], p: str, path: str) -> dict[str, float]:
+    """ModelConfig's yarn_* fields from `rope.scaling.*` where the type is yarn, else none."""
+    if meta.get(p + "rope.scaling.type") != "yarn":
+        return {}
+    out: dict[str, float] = {}
+    for field_name, key, default in (
+        ("yarn_factor", "rope.scaling.factor", None),
+        ("yarn_beta_fast", "rope.scaling.yarn_beta_fast", 32.0),
+        ("yarn_beta_slow", "rope.scaling.yarn_beta_slow", 1.0),
+        ("yarn_ext_factor", "rope.scaling.yarn_ext_factor", 1.0),
+        ("yarn_attn_factor", "rope.scaling.yarn_attn_factor", 0.0),
+    ):
+        value = _req(meta, p + key, path) if default is None else meta.get(p + key, default)
+        out[field_name] = _number(value, p + key, path)
+    if not out["yarn_factor"] >= 1.0:
+        raise ModelFileError(
+            f"{path}: metadata field {p + 'rope.scaling.factor'!r} is {out['yarn_factor']}; "
+            "YaRN stretches the context by a factor of at least 1"
+        )
+    return out
 
 
 class _Widths(TypedDict):
@@ -240,6 +271,11 @@ def _family_attention(
         # their GGUF Q/K rows keep Hugging Face order (no permutation), so RoPE rotates halves.
         # phi3's `attention.sliding_window` is ignored as llama.cpp does (it disables Phi SWA).
         rope_neox = True
+    elif arch == "gpt-oss":
+        # llama.cpp: even layers slide (`attention.sliding_window`, 128 in the released models),
+        # odd layers attend to the whole context; RoPE over halves
+        rope_neox = True
+        sliding = [window if i % 2 == 0 else 0 for i in range(n_layer)]
     elif arch == "gemma2":
         # llama.cpp: even layers slide (window defaults to 4096), soft-caps default to 50 and 30;
         # the 27B (46 layers) scales q by 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim).

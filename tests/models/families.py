@@ -20,9 +20,12 @@ from graftlm.lora.adapter_set import AdapterSet
 from graftlm.models import Transformer, build_model
 from graftlm.step.batch import Batch, LoraRows
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen3moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen3moe",
+            "gpt-oss"]  # fmt: skip
 WITH_PEFT = [f for f in FAMILIES if f != "mixtral"]
-ROUTED = ("mixtral", "qwen3moe")  # routing flips on near ties when the weights move
+ROUTED = ("mixtral", "qwen3moe", "gpt-oss")  # routing flips on near ties when the weights move
+# the families the native attention and decoder layer serve (gpt-oss's attention sinks are not)
+NATIVE = [f for f in FAMILIES if f != "gpt-oss"]
 N_CTX = 64
 # 40 tokens: past gemma2's sliding window of 16, and enough to route every mixtral expert
 IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -112,22 +115,36 @@ def _round_trip(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
 
 
+# gpt-oss's (n_expert, n_in, n_out) expert tensors, which GGUF holds as (n_expert, n_out, n_in)
+# (Mixtral's and Qwen3-MoE's are (n_expert, n_out, n_in) in transformers already)
+_TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
 def round_trip(model: Any, qtype: gguf.GGMLQuantizationType) -> None:
     """What llama.cpp's converter does to a checkpoint at --outtype q8_0, done in place for any
     type: every matrix but the MoE router is quantized (blocks along the input dimension, so the
-    llama Q/K row permutation and phi3's row fusion commute with it); norms stay float32."""
+    llama Q/K row permutation and phi3's row fusion commute with it); norms and biases (gpt-oss's
+    experts' are 2-D) stay float32."""
+    transposed = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+            if p.ndim < 2 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "_bias")):
+                continue
+            if transposed and name.endswith(_TRANSPOSED):  # blocks along GGUF's rows (n_in)
+                a = p.detach().transpose(-1, -2).contiguous().numpy()
+                p.copy_(torch.from_numpy(_round_trip(a, qtype)).transpose(-1, -2))
+            else:
                 p.copy_(torch.from_numpy(_round_trip(p.detach().numpy(), qtype)))
 
 
 # -- GGUF files made from the fixtures ----------------------------------------------------------
 def requantize(family: str, qtype: gguf.GGMLQuantizationType, dst: Path) -> Path:
     """The fixture's f32 GGUF with the tensors llama.cpp would quantize (matrices but the MoE
-    router; token_embd included) stored as `qtype`, quantized by gguf's own quantizer."""
+    router and biases; token_embd included) stored as `qtype`, quantized by gguf's own
+    quantizer."""
     reader = gguf.GGUFReader(family_dir(family) / "model-f32.gguf")
-    keep = {t.name for t in reader.tensors if len(t.shape) < 2 or "ffn_gate_inp" in t.name}
+    keep = {t.name for t in reader.tensors
+            if len(t.shape) < 2 or "ffn_gate_inp" in t.name or not t.name.endswith(".weight")}  # fmt: skip
     replace = {t.name: np.asarray(t.data) for t in reader.tensors if t.name not in keep}
     return rewrite_gguf(reader, dst, replace_as=(qtype, replace))
 

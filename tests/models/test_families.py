@@ -11,6 +11,7 @@ import torch
 from families import (
     FAMILIES,
     IDS,
+    NATIVE,
     ROUTED,
     WITH_PEFT,
     family_dir,
@@ -83,7 +84,7 @@ def test_cached_steps_match_one_pass(family: str) -> None:
     assert rel_err(steps, full) < 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NATIVE)
 def test_prompts_take_the_native_attention_and_gates(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,7 +113,8 @@ def test_prompts_take_the_native_attention_and_gates(
 
 
 def test_registry_has_every_family() -> None:
-    assert {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3"} <= set(ARCHITECTURES)
+    families = {"llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss"}
+    assert families <= set(ARCHITECTURES)
 
 
 def _config(family: str) -> ModelConfig:
@@ -136,6 +138,11 @@ def test_family_configs() -> None:
     qwen3moe = _config("qwen3moe")  # the experts' width, not the dense feed_forward_length
     assert (qwen3moe.n_expert, qwen3moe.n_expert_used, qwen3moe.n_ff) == (16, 4, 64)
     assert qwen3moe.rope_neox and qwen3moe.head_dim == 48
+    gpt_oss = _config("gpt-oss")  # even layers slide; YaRN over 4096 tokens
+    assert gpt_oss.sliding_window == (16, 0) and gpt_oss.rope_neox and gpt_oss.head_dim == 48
+    assert (gpt_oss.n_expert, gpt_oss.n_expert_used, gpt_oss.n_ff) == (16, 4, 64)
+    assert (gpt_oss.yarn_factor, gpt_oss.n_ctx_orig) == (32.0, 4096)
+    assert (gpt_oss.yarn_beta_fast, gpt_oss.yarn_beta_slow) == (32.0, 1.0)
 
 
 def test_phi3_adapter_lands_on_the_fused_projections() -> None:

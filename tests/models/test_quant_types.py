@@ -13,6 +13,7 @@ import torch
 from families import (
     FAMILIES,
     IDS,
+    NATIVE,
     WITH_PEFT,
     family_dir,
     forward,
@@ -45,7 +46,7 @@ def test_type_matches_transformers_on_the_same_weights(
 
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", NATIVE)
 def test_float_files_on_the_native_layers_match_transformers(
     family: str, qtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

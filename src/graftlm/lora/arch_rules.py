@@ -53,6 +53,13 @@ ARCH_RULES: dict[str, ArchRules] = {
             "ffn_gate_inp": "model.layers.{bid}.mlp.gate",
         },
     ),
+    # attention only: the router (GptOssTopKRouter) is no nn.Linear PEFT wraps, and the experts
+    # are 3-D parameters
+    "gpt-oss": ArchRules(
+        gguf.MODEL_ARCH.GPT_OSS,
+        rope_permuted=False,
+        hf_modules={k: v for k, v in _HF_MODULES.items() if not k.startswith("ffn_")},
+    ),
     # phi3 keeps its fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (gate rows first)
     "phi3": ArchRules(
         gguf.MODEL_ARCH.PHI3,

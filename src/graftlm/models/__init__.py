@@ -8,13 +8,14 @@ from graftlm.gguf import GGUFFile
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.gemma2 import Gemma2
 from graftlm.models.gemma3 import Gemma3
+from graftlm.models.gpt_oss import GptOss
 from graftlm.models.llama import Llama
 from graftlm.models.phi3 import Phi3
 from graftlm.models.qwen2 import Qwen2
 from graftlm.models.qwen3 import Qwen3, Qwen3Moe
 
 ARCHITECTURES: dict[str, type[Transformer]] = {
-    cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Qwen3Moe, Phi3, Gemma2, Gemma3)
+    cls.arch: cls for cls in (Llama, Qwen2, Qwen3, Qwen3Moe, Phi3, Gemma2, Gemma3, GptOss)
 }
 
 

@@ -3,6 +3,8 @@ over the cache."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -84,6 +86,37 @@ class Rope:
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
+def yarn(
+    dim: int,
+    base: float,
+    factor: float,
+    n_ctx_orig: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    ext_factor: float = 1.0,
+    attn_factor: float = 0.0,
+) -> tuple[torch.Tensor, float]:
+    """YaRN as ggml's rope computes it, as Rope's (factors (dim/2,), mscale).
+
+    Semantics (ggml_rope_yarn_corr_dims, rope_yarn): with corr(n) = dim ln(n_ctx_orig / (2 pi n))
+    / (2 ln base), the ramp runs from lo = max(0, floor(corr(beta_fast))) to hi = min(dim - 1,
+    ceil(corr(beta_slow))); pair j keeps mix_j = (1 - clamp((j - lo) / max(0.001, hi - lo), 0, 1))
+    * ext_factor of its own frequency and 1 - mix_j of it divided by `factor`; cos and sin are
+    multiplied by attn_factor, by default 1 + 0.1 ln(factor). (transformers' `truncate: false`,
+    gpt-oss's own config, skips the floor and ceil; llama.cpp has no such switch.)"""
+
+    def corr(n_rot: float) -> float:
+        return dim * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(0.0, math.floor(corr(beta_fast)))
+    hi = min(dim - 1.0, math.ceil(corr(beta_slow)))
+    j = torch.arange(dim // 2, dtype=torch.float64)
+    mix = (1 - ((j - lo) / max(0.001, hi - lo)).clamp(0, 1)) * ext_factor
+    kept = (1 - mix) / factor + mix  # the share of each pair's frequency kept
+    mscale = attn_factor or 1.0 + 0.1 * math.log(factor)
+    return 1 / kept, mscale
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,21 +127,25 @@ def attention(
     scale: float,
     window: int = 0,
     cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
-    scores soft-capped (softcap) before the mask and the softmax (gemma-2)."""
+    scores soft-capped (softcap) before the mask and the softmax (gemma-2); sinks (H,): one more
+    logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks), which
+    only the PyTorch path computes."""
     rows = batch.index()
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
-    if batch.n_tokens > 1 and rows is not None:  # prompt chunks: causal blocks, rows at own starts
+    if sinks is None and batch.n_tokens > 1 and rows is not None:
+        # prompt chunks: causal blocks, rows at own starts
         # float32 products for exact steps and short contexts, bfloat16 pairs past them
         exact = batch.exact or rows.max_start + q.shape[1] < native_ops.BF16_ATTN_MIN_KEYS
         out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap, exact)
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)
-    if cap > 0:
-        return _softcapped(q, keys, values, batch, scale, cap, window)
+    if cap > 0 or sinks is not None:
+        return _scores_written_out(q, keys, values, batch, scale, cap, window, sinks)
     # one sequence's first chunk inside its window: plain causal attention, which SDPA computes
     # without the masked half (an explicit mask makes it compute every score)
     causal = batch.n_rows == 1 and batch.starts[0] == 0 and batch.n_tokens > 1
@@ -131,7 +168,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return x if cap <= 0 else torch.tanh(x / cap) * cap
 
 
-def _softcapped(
+def _scores_written_out(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -139,9 +176,11 @@ def _softcapped(
     scale: float,
     cap: float,
     window: int,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """attention's soft-capped scores, written out: scaled_dot_product_attention has no hook
-    between the scores and the mask. q (B, T, H, D), keys/values (B, Hkv, L, D)."""
+    """attention's soft-capped scores or its sinks, written out: scaled_dot_product_attention has
+    no hook between the scores and the mask, nor a logit without a value. q (B, T, H, D),
+    keys/values (B, Hkv, L, D), sinks (H,)."""
     B, T, H, D = q.shape
     Hkv = keys.shape[1]
     q = q.transpose(1, 2).reshape(B, Hkv, H // Hkv * T, D)  # heads sharing a kv head, stacked
@@ -150,7 +189,12 @@ def _softcapped(
     mask = batch.mask(window)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1).view(B, Hkv, H // Hkv * T, -1)
+    else:  # Semantics: p = softmax([scores | sink_h])[..., :L], the sink's share dropped
+        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+        p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        p = p.reshape(B, Hkv, H // Hkv * T, -1)
     out = (p @ values).view(B, H, T, -1)  # (B, H, T, Dv)
     return out.transpose(1, 2).flatten(2)
 

@@ -1,0 +1,170 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with sinks and biases, a sliding window on even
+layers, YaRN RoPE over halves, and in every layer a routed FFN of experts with biases and a
+clamped SwiGLU, mixed with the softmax of the chosen experts' router logits.
+
+As llama.cpp's `openai-moe-iswa` graph computes it (and transformers' GptOssForCausalLM):
+
+    h = rms_norm(x, attn_norm);  q, k, v = W h + b;  q, k = rope_yarn(q), rope_yarn(k)
+    x = x + attn_output(attention(q, k, v) with sinks) + attn_output.bias
+    h = rms_norm(x, post_attention_norm)
+    l = ffn_gate_inp(h) + ffn_gate_inp.bias;  top = the n_used largest l;  w = softmax(l[top])
+    x = x + sum_{e in top} w_e * (down_e(swiglu_oai(gate_e(h) + bg_e, up_e(h) + bu_e)) + bd_e)
+
+The native decoder layer and the native attention have no sinks: every step runs these blocks in
+PyTorch (`layer_spec` is None), the attention through primitives.attention's written-out scores.
+Expert weights in MXFP4 (the released files) go through the exact blocks kernel (quant/).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graftlm.config import ModelConfig
+from graftlm.errors import ModelFileError
+from graftlm.models.base import Transformer, Weights
+from graftlm.models.moe import Experts, GatedExperts
+from graftlm.models.primitives import Rope, attention, rms_norm, yarn
+from graftlm.models.seam import Projection
+from graftlm.quant import linear
+from graftlm.step.batch import Batch
+
+# the clamped SwiGLU's constants: fixed in llama.cpp's graph (the GGUF carries none) and the
+# released config's swiglu_alpha and swiglu_limit
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def swiglu_oai(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT
+) -> torch.Tensor:
+    """Semantics (ggml_swiglu_oai; transformers' GptOssExperts._apply_gate):
+    g = min(gate, limit); u = clamp(up, -limit, limit); g * sigmoid(alpha * g) * (u + 1)."""
+    g = gate.clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (up.clamp(-limit, limit) + 1)
+
+
+def _tensor(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A small float tensor (a bias, the sinks) of exactly this shape (torch order), float32."""
+    entry = w.file.tensors.get(name)
+    if entry is None:
+        raise ModelFileError(f"{w.file.path}: missing tensor {name!r}")
+    if tuple(entry.shape) != shape:
+        raise ModelFileError(
+            f"{w.file.path}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}"
+        )
+    return w.vector(name).view(shape)
+
+
+class GptOssBlock:
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int) -> None:
+        p = f"blk.{i}."
+        d, n_q, n_kv = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        n_expert, n_ff = cfg.n_expert, cfg.n_ff
+        self.attn_norm = _tensor(w, p + "attn_norm.weight", (d,))
+        self.attn_qkv = w.attn_qkv(cfg, i)
+        self.attn_q_bias = _tensor(w, p + "attn_q.bias", (n_q,))
+        self.attn_k_bias = _tensor(w, p + "attn_k.bias", (n_kv,))
+        self.attn_v_bias = _tensor(w, p + "attn_v.bias", (cfg.n_head_kv * cfg.v_head_dim,))
+        self.attn_output: Projection = w.proj(p + "attn_output", cfg.n_head * cfg.v_head_dim, d)
+        self.attn_output_bias = _tensor(w, p + "attn_output.bias", (d,))
+        self.attn_sinks = _tensor(w, p + "attn_sinks.weight", (cfg.n_head,))  # a logit a head
+        self.post_attention_norm = _tensor(w, p + "post_attention_norm.weight", (d,))
+        self.ffn_gate_inp: Projection = w.proj(p + "ffn_gate_inp", d, n_expert)
+        self.ffn_gate_inp_bias = _tensor(w, p + "ffn_gate_inp.bias", (n_expert,))
+        self.ffn_gate_up_exps = GatedExperts(
+            w, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", (n_expert, n_ff, d)
+        )
+        self.ffn_down_exps = Experts(w, p + "ffn_down_exps.weight", (n_expert, d, n_ff))
+        self.ffn_gate_exps_bias = _tensor(w, p + "ffn_gate_exps.bias", (n_expert, n_ff))
+        self.ffn_up_exps_bias = _tensor(w, p + "ffn_up_exps.bias", (n_expert, n_ff))
+        self.ffn_down_exps_bias = _tensor(w, p + "ffn_down_exps.bias", (n_expert, d))
+
+
+def routed_ffn(
+    h: torch.Tensor, router_logits: torch.Tensor, b: GptOssBlock, n_used: int
+) -> torch.Tensor:
+    """h (B, T, n_embd), router_logits (B, T, n_expert) with the router's bias -> (B, T, n_embd).
+
+    Semantics (llama.cpp's SOFTMAX_WEIGHT gating; transformers' GptOssTopKRouter):
+        top = the n_used largest logits; w = softmax(logits[top])
+        out = sum_{e in top} w_e * (down_e(swiglu_oai(gate_e(h) + bg_e, up_e(h) + bu_e)) + bd_e)
+    Tokens are grouped by expert, and a row's experts added in ascending order (as moe.moe_ffn).
+    """
+    x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
+    top, chosen = router_logits.reshape(x.shape[0], -1).float().topk(n_used, dim=-1)  # (N, k)
+    weight = torch.softmax(top, dim=-1).to(x.dtype).reshape(-1)
+    groups: dict[int, list[int]] = {}  # expert -> flat (token * k + rank) indices
+    for flat, e in enumerate(chosen.reshape(-1).tolist()):
+        groups.setdefault(e, []).append(flat)
+    experts, n_ff = b.ffn_gate_up_exps, b.ffn_gate_exps_bias.shape[1]
+    out = torch.zeros_like(x)
+    for e, picks in sorted(groups.items()):
+        idx = torch.tensor(picks, device=x.device)
+        token = idx // n_used
+        xe = x.index_select(0, token)  # (n_e, n_embd)
+        if experts.stacked is not None:  # rows [gate_e; up_e]
+            gate, up = linear(xe, experts.stacked[e]).split(n_ff, dim=-1)
+        else:
+            assert experts.parts is not None
+            gate, up = linear(xe, experts.parts[0][e]), linear(xe, experts.parts[1][e])
+        act = swiglu_oai(gate + b.ffn_gate_exps_bias[e], up + b.ffn_up_exps_bias[e])
+        ye = linear(act, b.ffn_down_exps[e]) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
+        out.index_add_(0, token, ye * weight.index_select(0, idx).unsqueeze(1))
+    return out.view_as(h)
+
+
+class GptOss(Transformer):
+    arch = "gpt-oss"
+    blocks: list[GptOssBlock]
+
+    def __init__(self, cfg: ModelConfig, w: Weights, n_ctx: int) -> None:
+        path = w.file.path
+        if not cfg.n_expert or not cfg.n_expert_used:
+            raise ModelFileError(
+                f"{path}: a gpt-oss file needs gpt-oss.expert_count and gpt-oss.expert_used_count "
+                f"(got {cfg.n_expert} and {cfg.n_expert_used})"
+            )
+        if cfg.n_expert_used > cfg.n_expert:
+            raise ModelFileError(
+                f"{path}: gpt-oss.expert_used_count = {cfg.n_expert_used} is more than "
+                f"gpt-oss.expert_count = {cfg.n_expert}"
+            )
+        if not cfg.sliding_window[0]:
+            raise ModelFileError(
+                f"{path}: a gpt-oss file needs gpt-oss.attention.sliding_window (its even layers "
+                "attend to that many tokens)"
+            )
+        super().__init__(cfg, w, n_ctx)
+        if cfg.yarn_factor:
+            factors, mscale = yarn(
+                cfg.rope_dim, cfg.rope_base, cfg.yarn_factor, cfg.n_ctx_orig or cfg.n_ctx_train,
+                cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.yarn_ext_factor, cfg.yarn_attn_factor,
+            )  # fmt: skip
+            rope = Rope(cfg.rope_dim, cfg.rope_base, n_ctx, cfg.rope_neox, factors, mscale)
+            self.rope_of_layer = [rope] * cfg.n_layer
+        self.blocks = [GptOssBlock(cfg, w, i) for i in range(cfg.n_layer)]
+
+    def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        cfg, b = self.cfg, self.blocks[i]
+        B, T, _ = x.shape
+        h = rms_norm(x, b.attn_norm, cfg.rms_eps)
+        q, k, v = b.attn_qkv(h, batch)
+        q = (q + b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
+        k = (k + b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = (v + b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
+        rope = self.rope_of_layer[i]
+        q, k = rope(q, batch.positions), rope(k, batch.positions)
+        assert self.cache is not None
+        a = attention(
+            q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i], sinks=b.attn_sinks
+        )
+        x = x + (b.attn_output(a, batch) + b.attn_output_bias)
+        h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
+        logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)
+        return x + routed_ffn(h, logits, b, cfg.n_expert_used)
+
+    @property
+    def nbytes(self) -> int:
+        # the base counts projections and tensors; routed experts are neither
+        experts = [(b.ffn_gate_up_exps, b.ffn_down_exps) for b in self.blocks]
+        return super().nbytes + sum(g.nbytes + d.nbytes for g, d in experts)

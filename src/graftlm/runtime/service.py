@@ -365,6 +365,9 @@ class EngineService:
                 if self._engine.busy:
                     self._step()
                     self.idle.touch()
+                    # a step that ended sequences freed slots that calls put aside wait for: run
+                    # them now, before the loop, the engine perhaps idle, sleeps on the inbox
+                    self._run_deferred()
                 self._publish_counts()
             except Exception:  # a bug of ours: log it, keep the thread (and the server) alive
                 log.exception("engine service: unexpected error")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import threading
 import time
@@ -13,8 +14,16 @@ from collections.abc import Iterator
 
 import httpx
 
-# what a traceback, a repr or a library's internals leave in a message
-INTERNALS = ("Traceback", 'File "', "object has no attribute", "NoneType", "<built-in", "0x7f")
+# what a traceback, a repr or a library's internals leave in a message (0x7f...: an address)
+INTERNALS = ("Traceback", 'File "', "object has no attribute", "NoneType", "<built-in")
+_ADDRESS = re.compile(r"0x7f[0-9a-f]{6,}")
+
+
+def leaks(text: str) -> list[str]:
+    """The marks of internals in `text`."""
+    return [w for w in INTERNALS if w in text] + _ADDRESS.findall(text)
+
+
 CASES = int(os.environ.get("FUZZ_CASES", "0"))  # 0: each fuzzer's own CI count
 SEED = int(os.environ.get("FUZZ_SEED", "1"))
 
@@ -28,14 +37,14 @@ def clean(r: httpx.Response, what: object = "") -> None:
     """An answer below 500; an error answer carries a message and no internals."""
     assert r.status_code < 500, (what, r.status_code, r.text[:500])
     if r.status_code >= 400:
-        leaked = [w for w in INTERNALS if w in r.text]
+        leaked = leaks(r.text)
         assert not leaked, (what, leaked, r.text[:500])
         if r.headers.get("content-type", "").startswith("application/json"):
             assert r.json()["error"]["message"], (what, r.text[:500])
 
 
 def clean_message(msg: str, what: object = "") -> None:
-    leaked = [w for w in INTERNALS if w in msg]
+    leaked = leaks(msg)
     assert not leaked, (what, leaked, msg[:500])
 
 
@@ -53,15 +62,20 @@ class HealthPoller:
 
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=10) as http:
+            self._poll(http)  # at once, every `every` s, and once more as the block ends
             while not self._stop.wait(self.every):
-                t0 = time.perf_counter()
-                try:
-                    r = http.get("/health")
-                    if r.status_code != 200:
-                        self.failures.append(f"{r.status_code} {r.text[:200]}")
-                except httpx.HTTPError as exc:
-                    self.failures.append(repr(exc))
-                self.latencies.append(time.perf_counter() - t0)
+                self._poll(http)
+            self._poll(http)
+
+    def _poll(self, http: httpx.Client) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = http.get("/health")
+            if r.status_code != 200:
+                self.failures.append(f"{r.status_code} {r.text[:200]}")
+        except httpx.HTTPError as exc:
+            self.failures.append(repr(exc))
+        self.latencies.append(time.perf_counter() - t0)
 
     def __enter__(self) -> HealthPoller:
         self._thread.start()

@@ -162,7 +162,10 @@ def _filter_check(name: str, budget: Callable[[], int]) -> Callable[..., Any]:
         elif name == "format":
             check_printf(str(value), kwargs or args, limit)
         elif name == "replace":
-            _replaced_size(str(value), *(list(args) + [None] * 3)[:3], limit)
+            old, new, count = (list(args) + [kwargs.get("old"), kwargs.get("new"), None])[:3]
+            _replaced_size(
+                str(value), old, new, count if count is not None else kwargs.get("count"), limit
+            )
         elif name == "join":
             sep = args[0] if args else kwargs.get("d", "")
             return _joined(value, sep, limit)

@@ -238,7 +238,7 @@ def check_value_types(meta: Mapping[str, Any]) -> None:
     (found by a fuzzer: a token id stored as an array, the tokens as numbers, the pre-tokenizer
     as an array ended in Python's own words, naming no key)."""
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        if key in meta and not isinstance(meta[key], str):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
             raise ValueError(f"{key} is a {type(meta[key]).__name__}, not a string")
     for key, kind in (
         ("tokenizer.ggml.tokens", str),

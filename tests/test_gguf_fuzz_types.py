@@ -285,3 +285,17 @@ def test_millions_of_strings_in_a_sparse_header_are_refused_at_once(
     from graftlm.gguf.parse import MAX_ITEMS
 
     assert "general.name" in str(info.value) and f"limit of {MAX_ITEMS}" in str(info.value)
+
+
+def test_a_per_layer_array_of_arrays_is_refused_by_name(
+    files: dict[str, Any], tmp_path: Path
+) -> None:
+    """Found by the fuzzer (2,000 cases): `llama.feed_forward_length` as an array of arrays
+    raised TypeError (unhashable list) out of `graftlm.load`, no GraftError."""
+    inner = struct.pack("<IQ", V.INT32, 2) + struct.pack("<ii", 127, 1)
+    value = struct.pack("<IIQ", V.ARRAY, V.ARRAY, 2) + inner + inner
+    p = files["headers"]["model"].write(
+        tmp_path / "nested.gguf", "llama.feed_forward_length", value
+    )
+    with pytest.raises(GraftError, match="llama.feed_forward_length"):
+        graftlm.load(str(p), ctx_size=32)

@@ -88,3 +88,13 @@ def test_templates_within_the_bounds_render_as_before() -> None:
         'user: hia-3a:    b[\n  {\n    "role": "user",\n    "content": "hi"\n  }\n]a, ba\n'
         "    b[1, 2]axxc  x  1024x  {'role': 'user', 'content': 'hi'}a|b"
     )
+
+
+def test_raise_exception_with_an_object_shows_no_address() -> None:
+    """Found by the template fuzzer: `raise_exception(cycler(1, 2))` answered 400 with
+    `<jinja2.utils.Cycler object at 0x7f...>`."""
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat("{{ raise_exception(cycler(1, 2)) }}", CHAT)
+    assert "0x" not in str(info.value) and "Cycler" in str(info.value)
+    with pytest.raises(ChatTemplateError, match="^no tools here$"):
+        render_chat("{{ raise_exception('no tools here') }}", CHAT)

@@ -139,6 +139,8 @@ def _content_text(content: Any) -> str:
 
 
 def _raise_exception(message: str) -> NoReturn:
+    if not isinstance(message, str):  # (a repr would show an address: `<... at 0x7f...>`)
+        message = f"the chat template raised an error (with a {type(message).__name__})"
     raise ChatTemplateError(message)
 
 

@@ -189,8 +189,8 @@ def _kind(stored: bytes) -> str:
     (vtype,) = struct.unpack_from("<I", stored)
     if vtype == V.ARRAY:
         itype, n = struct.unpack_from("<IQ", stored, 4)
-        if itype == V.ARRAY and n:  # (an element array has no type of its own before it)
-            return "array of " + _kind(struct.pack("<I", V.ARRAY) + stored[16:])
+        if itype == V.ARRAY:  # (an element array has no type of its own before it)
+            return "array of " + (_kind(struct.pack("<I", V.ARRAY) + stored[16:]) if n else "array")
         return "array of " + _kind(struct.pack("<I", itype))
     if vtype in (V.BOOL, V.STRING):
         return V(vtype).name.lower()

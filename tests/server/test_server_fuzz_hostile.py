@@ -447,7 +447,9 @@ def limited(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_huge_fields_are_refused_or_served_below_500(limited: str) -> None:
     rng = random.Random(SEED)
-    http = httpx.Client(base_url=limited, timeout=WALL)
+    # (twice in 2,000-case runs on a loaded machine a small request waited past 30 s and did
+    # not on replay: the bound for a hang here is a minute)
+    http = httpx.Client(base_url=limited, timeout=2 * WALL)
     seen: dict[str, int] = {}
     with HealthPoller(limited) as health:
         for i in range(cases(120)):
@@ -460,7 +462,7 @@ def test_huge_fields_are_refused_or_served_below_500(limited: str) -> None:
             except httpx.TimeoutException:
                 raise AssertionError(("no answer", info)) from None
             took = time.perf_counter() - t0
-            assert took < WALL, (info, took)
+            assert took < 2 * WALL, (info, took)
             clean(r, info)
             if len(raw) > LIMIT:
                 assert r.status_code == 413, (info, r.status_code, r.text[:300])
@@ -501,14 +503,16 @@ def test_a_number_past_4300_digits_is_a_400(limited: str) -> None:
 
 
 def test_thousands_of_prompts_in_one_request_are_a_400(limited: str) -> None:
-    """Found by the huge-fields fuzzer: 14,563 two-letter prompts to /completion held the
-    server's one slot past 30 s (each is its own answer; a body limit allows a million)."""
+    """Found by the huge-fields fuzzer: 14,563 two-letter prompts to /completion (or documents
+    to /rerank) held the server's one slot past 30 s (each is its own answer; a body limit
+    allows a million)."""
     from graftlm.server.inputs import MAX_PROMPTS
 
     for path, body in (
         ("/completion", {"prompt": ["ab"] * (MAX_PROMPTS + 1), "n_predict": 1}),
         ("/v1/completions", {"prompt": ["ab"] * (MAX_PROMPTS + 1), "max_tokens": 1}),
         ("/v1/embeddings", {"input": ["ab"] * (MAX_PROMPTS + 1)}),
+        ("/rerank", {"query": "a", "documents": ["ab"] * (MAX_PROMPTS + 1)}),
     ):
         t0 = time.perf_counter()
         r = httpx.post(limited + path, json=body, timeout=WALL)

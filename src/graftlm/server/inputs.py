@@ -28,10 +28,10 @@ LlamaPrompt = str | list[int | str] | dict[str, Any]
 MAX_PROMPTS = 2048
 
 
-def check_prompt_count(n: int) -> None:
+def check_prompt_count(n: int, what: str = "prompts") -> None:
     if n > MAX_PROMPTS:
         raise ApiError(
-            400, f"{n} prompts in one request, past the limit of {MAX_PROMPTS}", "invalid_prompt"
+            400, f"{n} {what} in one request, past the limit of {MAX_PROMPTS}", "invalid_prompt"
         )
 
 

@@ -182,13 +182,16 @@ def test_the_header_round_trips(files: dict[str, Any], tmp_path: Path) -> None:
 
 def _kind(stored: bytes) -> str:
     """A stored value's class in the GGUF spec's terms: a number (any width, integer or float),
-    a bool, a string, or an array of one of these (nested arrays: "array of array"). A mutant
+    a bool, a string, or an array of one of these (nested arrays: "array of array"; an array
+    of numbers is a number per layer, as GGUF allows for head counts). A mutant
     of the same class as the original is another value (a different model: its refusal may name
     what does not fit, a tensor); one of another class is a field of the wrong type, and its
     refusal must name the field."""
     (vtype,) = struct.unpack_from("<I", stored)
     if vtype == V.ARRAY:
         itype, n = struct.unpack_from("<IQ", stored, 4)
+        if itype in _SCALAR and itype != V.BOOL:  # (a number per layer: GGUF's head counts)
+            return "number"
         if itype == V.ARRAY:  # (an element array has no type of its own before it)
             return "array of " + (_kind(struct.pack("<I", V.ARRAY) + stored[16:]) if n else "array")
         return "array of " + _kind(struct.pack("<I", itype))
@@ -255,15 +258,17 @@ def _array_of(itype: V, items: list[Any]) -> bytes:
         ("tokenizer.ggml.pre", _array_of(V.STRING, ["smollm"]), "is a list, not a string"),
         ("tokenizer.ggml.tokens", _array_of(V.INT32, list(range(262))), "[0] is a int"),
         ("tokenizer.ggml.merges", _array_of(V.FLOAT32, [1.0]), "[0] is a float"),
+        ("tokenizer.ggml.tokens", struct.pack("<IIQ", V.ARRAY, V.ARRAY, 0), "is empty"),
     ],
-    ids=["eos-array", "bos-string", "pre-array", "tokens-ints", "merges-floats"],
+    ids=["eos-array", "bos-string", "pre-array", "tokens-ints", "merges-floats", "no-tokens"],
 )
 def test_tokenizer_fields_of_the_wrong_type_are_named(
     files: dict[str, Any], tmp_path: Path, key: str, value: bytes, words: str
 ) -> None:
     """Found by the fuzzer: a token id stored as an array or a string, the pre-tokenizer as an
     array, the tokens as numbers were refused in Python's words (`int() argument must be ...`,
-    `unhashable type: 'list'`, a duplicate token `32`), naming no key."""
+    `unhashable type: 'list'`, a duplicate token `32`), naming no key; an empty token list
+    loaded, and every request failed on an empty prompt."""
     p = files["headers"]["model"].write(tmp_path / "bad.gguf", key, value)
     with pytest.raises(GraftError) as info:
         graftlm.load(str(p), ctx_size=32)

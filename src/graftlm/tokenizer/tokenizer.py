@@ -250,6 +250,8 @@ def check_value_types(meta: Mapping[str, Any]) -> None:
             continue
         if not isinstance(value, list):
             raise ValueError(f"{key} is a {type(value).__name__}, not an array")
+        if key == "tokenizer.ggml.tokens" and not value:  # (it loaded, to tokenize nothing)
+            raise ValueError(f"{key} is empty")
         bad = next(
             (i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, kind)),
             None,

@@ -89,8 +89,8 @@ def _number(value: Any, key: str, path: str) -> float:
 
 def _per_layer(value: Any, n_layer: int, key: str, path: str, lo: int = 1) -> int:
     """GGUF allows a per-layer array for head counts; we need them uniform."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
+    if isinstance(value, list):  # (an array of arrays: found by the field-type fuzzer)
+        if any(isinstance(v, list) for v in value) or len(set(value)) != 1:
             raise ModelFileError(f"{path}: per-layer {key} {value[:8]} is not supported"[:300])
         value = value[0]
     return whole_field(value, key, path, lo)

@@ -66,6 +66,10 @@ MAX_DEPTH = 8  # arrays of arrays: deeper nesting is refused (llama.cpp reads no
 # a sparse file can hold any declared size, and 9e9 entries made a list that never finished.
 MAX_ARRAY = 1 << 24  # entries of one metadata array
 MAX_STRING = 1 << 26  # bytes of one metadata string
+# strings and arrays in all of the header's arrays, each a Python object made one at a time
+# (16M empty strings, their lengths a hole in a sparse file, took 12 s to read): a tokenizer's
+# tokens and merges are under a million
+MAX_ITEMS = 1 << 21
 _MIN_SIZE = {**{t: size for t, (_, size) in _SCALAR.items()}, V.STRING: 8, V.ARRAY: 12}
 
 
@@ -77,6 +81,7 @@ class _Cursor:
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf
         self.pos = 0
+        self.items = 0  # strings and arrays read from arrays so far (MAX_ITEMS)
 
     @property
     def left(self) -> int:
@@ -137,6 +142,12 @@ class _Cursor:
         if etype in _NP:
             dt = np.dtype(_NP[etype]).newbyteorder("<")
             return np.frombuffer(self.take(n * dt.itemsize), dtype=dt).tolist()
+        self.items += n
+        if self.items > MAX_ITEMS:
+            raise GGUFFormatError(
+                f"{what}: {n} strings or arrays, past the limit of {MAX_ITEMS} in all of the "
+                "metadata's arrays (no model has as many)"
+            )
         if etype == V.STRING:
             out = []
             buf, pos, end = self.buf, self.pos, len(self.buf)

@@ -60,7 +60,10 @@ class Hosts:
     def allows(self, host: str | None) -> bool:
         if self.any or host is None:
             return True
-        name = urlsplit(f"//{host}").hostname or ""
+        try:
+            name = urlsplit(f"//{host}").hostname or ""
+        except ValueError:  # `[::1` (an unclosed bracket): no host; it was a 500
+            return False
         name = name.rstrip(".")
         if name in self.names or name.endswith(".localhost"):
             return True
@@ -85,8 +88,8 @@ class Cors:
         if origin.rstrip("/").lower() in self.exact:
             return True
         if self.loopback:
-            parts = urlsplit(origin)
             try:
+                parts = urlsplit(origin)
                 parts.port  # noqa: B018 (a malformed port raises)
             except ValueError:
                 return False
@@ -118,8 +121,11 @@ def cross_site(scope: Scope) -> str | None:
     if origin is None:
         return None
     host = _header(scope, b"host") or ""
-    parts = urlsplit(origin)
-    if origin == "null" or parts.netloc.lower() != host.lower():
+    try:
+        netloc = urlsplit(origin).netloc
+    except ValueError:  # `http://[::1/`: no origin this server has; it was a 500
+        netloc = None
+    if origin == "null" or netloc is None or netloc.lower() != host.lower():
         return f"Origin {origin[:100]!r} is not this server ({host[:100]!r})"
     return None
 

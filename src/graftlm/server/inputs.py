@@ -23,6 +23,16 @@ def prompt_ids(state: ServerState, prompt: str | Sequence[int]) -> list[int]:
 
 
 LlamaPrompt = str | list[int | str] | dict[str, Any]
+# prompts in one request, each its own answer (OpenAI's limit on an embeddings input array):
+# 14,563 two-letter prompts held one slot past 30 s, and a body limit allows a million
+MAX_PROMPTS = 2048
+
+
+def check_prompt_count(n: int, what: str = "prompts") -> None:
+    if n > MAX_PROMPTS:
+        raise ApiError(
+            400, f"{n} {what} in one request, past the limit of {MAX_PROMPTS}", "invalid_prompt"
+        )
 
 
 def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
@@ -34,6 +44,7 @@ def llama_prompts(prompt: Any) -> list[LlamaPrompt]:
         raise ApiError(400, "the prompt is empty", "invalid_prompt")
     if any(isinstance(x, int) for x in prompt):
         return [prompt]  # one sequence of ids (and texts)
+    check_prompt_count(len(prompt))
     return list(prompt)
 
 

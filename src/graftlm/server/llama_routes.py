@@ -23,7 +23,12 @@ from graftlm.server.framing import (
     timings,
     token_logprobs,
 )
-from graftlm.server.inputs import LlamaPrompt, llama_prompt_ids, llama_prompts
+from graftlm.server.inputs import (
+    LlamaPrompt,
+    check_prompt_count,
+    llama_prompt_ids,
+    llama_prompts,
+)
 from graftlm.server.pipeline import Choice, Delta, Generation, Run, collect, score_each, start
 from graftlm.server.schemas import (
     DetokenizeRequest,
@@ -380,6 +385,7 @@ async def rerank(body: RerankRequest, request: Request) -> Any:
     docs = body.documents if body.documents is not None else body.texts
     if not docs:
         raise ApiError(400, '"documents" must be a non-empty string array', "invalid_value")
+    check_prompt_count(len(docs), "documents")  # (14,563 held the slot past 30 s)
     ids = [await asyncio.to_thread(_rerank_ids, state, body.query, d) for d in docs]
     scores = await score_each(state, ids, body.model, body.lora, state.service.arank_score)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[: body.top_n]

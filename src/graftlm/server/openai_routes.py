@@ -19,7 +19,7 @@ from graftlm.server.framing import (
     sse,
     usage,
 )
-from graftlm.server.inputs import prompt_ids
+from graftlm.server.inputs import check_prompt_count, prompt_ids
 from graftlm.server.pipeline import Choice, Delta, Generation, Run, collect, start
 from graftlm.server.schemas import CompletionRequest
 from graftlm.server.state import ApiError, ServerState, state_of
@@ -36,6 +36,7 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
         raise ApiError(400, "the prompt is empty", "invalid_prompt")
     if all(isinstance(x, int) for x in p):
         return [list(p)]  # type: ignore[arg-type]
+    check_prompt_count(len(p))
     return list(p)  # type: ignore[arg-type]
 
 

@@ -153,6 +153,10 @@ async def json_body(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    except ValueError:  # a number of more digits than Python converts (it was a 500)
+        raise ApiError(
+            400, "the request body holds a number of more than 4300 digits", "invalid_json"
+        ) from None
 
 
 def state_of(request: Request) -> ServerState:

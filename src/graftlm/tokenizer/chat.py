@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from datetime import datetime
 from functools import lru_cache
@@ -17,6 +18,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from graftlm.errors import GraftError
+from graftlm.tokenizer import template_bounds as bounds
 
 
 class ChatTemplateError(GraftError, ValueError):
@@ -73,13 +75,19 @@ def render_chat(
     out: list[str] = []
     size = 0
     deadline = time.monotonic() + MAX_SECONDS
+    memory, every = bounds.MemoryWatch(), [time.monotonic()]
 
     def clock(frame: Any, event: str, arg: Any) -> Any:  # a loop that never ends, ended
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TemplateLimitError(f"chat template ran past {MAX_SECONDS:g} s: refused")
+        if now > every[0]:  # (and one that grows memory step by step)
+            every[0] = now + 0.004
+            memory.check()
         return clock
 
     before = sys.gettrace()
+    _render.limit = limit
     sys.settrace(clock)
     try:
         for piece in compiled.generate(**variables):
@@ -92,10 +100,17 @@ def render_chat(
             out.append(piece)
     except ChatTemplateError:
         raise
+    except bounds.Bounded as exc:
+        raise TemplateLimitError(f"chat template: {exc}: refused") from None
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
     except (OverflowError, MemoryError, RecursionError, TypeError, ValueError) as exc:
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # (an untrusted program: whatever its filters and methods raise)
+        # Python's own words name its internals ('float' object has no attribute 'items')
+        raise ChatTemplateError(
+            f"chat template failed on this chat: {type(exc).__name__} in the template's code"
+        ) from None
     finally:
         sys.settrace(before)
     return "".join(out)
@@ -124,6 +139,8 @@ def _content_text(content: Any) -> str:
 
 
 def _raise_exception(message: str) -> NoReturn:
+    if not isinstance(message, str):  # (a repr would show an address: `<... at 0x7f...>`)
+        message = f"the chat template raised an error (with a {type(message).__name__})"
     raise ChatTemplateError(message)
 
 
@@ -161,6 +178,11 @@ def _tojson(
 MAX_OUTPUT = 1 << 20  # characters a template may add to the messages' own
 MAX_SECONDS = 2.0  # a render's time (a chat template renders in milliseconds)
 MAX_PRODUCT = 1 << 20  # items a `*` (string or list repetition) or `**` may make
+_render = threading.local()  # .limit: the render's bound on a text (its output's)
+
+
+def _text_limit() -> int:
+    return int(getattr(_render, "limit", MAX_OUTPUT))
 
 
 class _BoundedCode(CodeGenerator):
@@ -180,17 +202,50 @@ class _Bounded(ImmutableSandboxedEnvironment):
     took a server past 4 GiB in seconds."""
 
     code_generator_class = _BoundedCode
-    intercepted_binops = frozenset(["*", "**", "+"])
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(finalize=self._finalize, **options)
+        self.filters["tojson"] = _tojson
+        bounds.bounded_filters(self.filters, _text_limit)
+
+    @staticmethod
+    def _finalize(value: Any) -> Any:  # every {{ value }}, before it becomes text
+        bounds.check_text(value, _text_limit(), "a {{ value }}")
+        return value
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        bounds.check_call(__obj, args, _text_limit())
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        inner = super().wrap_str_format(value)
+        if inner is None:
+            return None
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            if is_map and len(args) == 1 and isinstance(args[0], dict):
+                bounds.check_format(fmt, (), args[0], _text_limit())
+            else:
+                bounds.check_format(fmt, args, kwargs, _text_limit())
+            return str(inner(*args, **kwargs))
+
+        return checked
 
     @staticmethod
     def bounded_join(parts: tuple[Any, ...]) -> str:
+        for p in parts:
+            bounds.check_text(p, MAX_PRODUCT, "~")
         texts = [str(p) for p in parts]
         if sum(map(len, texts)) > MAX_PRODUCT:
             raise TemplateLimitError(f"chat template: a string of more than {MAX_PRODUCT}: refused")
         return "".join(texts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "+":
+        if operator == "%" and isinstance(left, str):
+            bounds.check_printf(left, right, _text_limit())
+        elif operator == "+":
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 if len(left) + len(right) > MAX_PRODUCT:
                     raise TemplateLimitError(
@@ -207,13 +262,14 @@ class _Bounded(ImmutableSandboxedEnvironment):
         elif operator == "**" and isinstance(left, int) and isinstance(right, int):
             if abs(left) > 1 and right > 64:
                 raise TemplateLimitError(f"chat template: {left} ** {right} is too large: refused")
+        if operator in ("*", "**"):
+            bounds.check_ints(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
 
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = _Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:

@@ -74,6 +74,7 @@ class Tokenizer:
         """Build from GGUF metadata (key -> python value, e.g. `{"tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.tokens": [...], ...}`). Raises ValueError for tokenizer types other than
         "gpt2" and "llama", for unknown GPT-2 pre-tokenizers and for malformed vocabularies."""
+        check_value_types(meta)
         model = meta.get("tokenizer.ggml.model")
         if model == "gpt2":
             return cls._from_bpe_metadata(meta)
@@ -230,6 +231,39 @@ class Tokenizer:
 _CLEAN_1 = re.compile(rb" (?=[?!.,])")
 _CLEAN_2 = re.compile(rb" ' ")
 _CLEAN_3 = re.compile(rb" '(?=[sm]|re|ve)")
+
+
+def check_value_types(meta: Mapping[str, Any]) -> None:
+    """ValueError naming the first tokenizer key whose value is not of the GGUF spec's type
+    (found by a fuzzer: a token id stored as an array, the tokens as numbers, the pre-tokenizer
+    as an array ended in Python's own words, naming no key)."""
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ValueError(f"{key} is a {type(meta[key]).__name__}, not a string")
+    for key, kind in (
+        ("tokenizer.ggml.tokens", str),
+        ("tokenizer.ggml.merges", str),
+        ("tokenizer.ggml.token_type", int),
+    ):
+        value = meta.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise ValueError(f"{key} is a {type(value).__name__}, not an array")
+        if key == "tokenizer.ggml.tokens" and not value:  # (it loaded, to tokenize nothing)
+            raise ValueError(f"{key} is empty")
+        bad = next(
+            (i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, kind)),
+            None,
+        )
+        if bad is not None:
+            raise ValueError(
+                f"{key}[{bad}] is a {type(value[bad]).__name__}, not a {kind.__name__}"
+            )
+    for key, value in meta.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{key} is a {type(value).__name__}, not a token id")
 
 
 def clean_spaces(data: bytes) -> bytes:

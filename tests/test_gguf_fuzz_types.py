@@ -1,0 +1,306 @@
+"""A seeded fuzzer over the types of a GGUF header's fields: every metadata key of the tiny
+model and of the tiny adapter, in turn, re-typed (each integer width, float32/64, bool, string,
+arrays of each of those, nested arrays, arrays that declare more entries than any model uses,
+their bytes a hole in a sparse file). Each mutant either loads and serves (a model generates;
+an adapter attaches and serves a request at scale 1) or is refused with a GraftError that names
+the key; no other exception, none takes long. More cases: FUZZ_CASES=2000 (FUZZ_SEED=n)."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf import GGUFValueType as V
+from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+import graftlm
+from graftlm.errors import GraftError
+from graftlm.gguf.parse import MAX_ARRAY
+
+N = int(os.environ.get("FUZZ_CASES", "0")) or 90  # model and adapter together
+SEED = int(os.environ.get("FUZZ_SEED", "1"))
+WALL = 10.0
+
+_SCALAR = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I",
+           V.INT32: "<i", V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q",
+           V.FLOAT64: "<d"}  # fmt: skip
+_INTS = [0, 1, 2, 3, 7, 32, 64, 255, 2**15, 2**31 - 1, 2**32 - 1, 2**63 - 1]
+
+
+def _string(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+@dataclass
+class Header:
+    """A GGUF file cut where its metadata is: the entries as raw bytes by key, the tensor
+    infos after them, and the data (offsets relative to its start, so any header length that
+    keeps the alignment keeps them right)."""
+
+    version: bytes
+    n_tensors: int
+    entries: list[tuple[str, bytes]]  # key -> its type and value, as stored
+    infos: bytes
+    data: bytes
+
+    @classmethod
+    def read(cls, raw: bytes) -> Header:
+        at = 24
+        n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
+
+        def skip_value(vtype: int) -> None:
+            nonlocal at
+            if vtype == V.STRING:
+                (n,) = struct.unpack_from("<Q", raw, at)
+                at += 8 + n
+            elif vtype == V.ARRAY:
+                itype, n = struct.unpack_from("<IQ", raw, at)
+                at += 12
+                for _ in range(n):
+                    skip_value(itype)
+            else:
+                at += struct.calcsize(_SCALAR[V(vtype)])
+
+        entries = []
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from("<Q", raw, at)
+            key = raw[at + 8 : at + 8 + n].decode()
+            at += 8 + n
+            start = at
+            (vtype,) = struct.unpack_from("<I", raw, at)
+            at += 4
+            skip_value(vtype)
+            entries.append((key, raw[start:at]))
+        start = at
+        for _ in range(n_tensors):
+            (n,) = struct.unpack_from("<Q", raw, at)
+            at += 8 + n
+            (dims,) = struct.unpack_from("<I", raw, at)
+            at += 4 + 8 * dims + 4 + 8
+        infos = raw[start:at]
+        data_at = at + (-at % 32)
+        return cls(raw[4:8], n_tensors, entries, infos, raw[data_at:])
+
+    def write(self, path: Path, key: str, value: bytes, hole: int = 0) -> Path:
+        """The file with `key`'s stored type and value replaced by `value`, followed by `hole`
+        bytes that the file does not store (a sparse file)."""
+        head = b"GGUF" + self.version + struct.pack("<QQ", self.n_tensors, len(self.entries))
+        with open(path, "wb") as f:
+            f.write(head)
+            for k, v in self.entries:
+                f.write(_string(k.encode()))
+                if k != key:
+                    f.write(v)
+                    continue
+                f.write(value)
+                if hole:
+                    f.seek(hole, os.SEEK_CUR)
+            f.write(self.infos)
+            f.write(b"\0" * (-f.tell() % 32))
+            f.write(self.data)
+        return path
+
+
+def _scalar(rng: random.Random, vtype: V) -> bytes:
+    fmt = _SCALAR[vtype]
+    if vtype in (V.FLOAT32, V.FLOAT64):
+        v: Any = rng.choice([0.0, 1.0, -1.0, 0.5, 1e30, float("nan"), float("inf"), 64.0])
+    elif vtype == V.BOOL:
+        v = rng.random() < 0.5
+    else:
+        bits = struct.calcsize(fmt) * 8
+        lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if fmt.islower() else (0, 2**bits - 1)
+        v = max(lo, min(hi, rng.choice(_INTS + [-1, lo, hi])))
+    return struct.pack(fmt, v)
+
+
+def _text(rng: random.Random) -> bytes:
+    return rng.choice([b"", b"x", b"4096", b"llama", b"9" * 100, b"\xff\xfe", "é".encode(),
+                       b"a" * 5000, b"1e309", b"-1"])  # fmt: skip
+
+
+def _element(rng: random.Random, itype: V, depth: int) -> bytes:
+    if itype == V.STRING:
+        return _string(_text(rng))
+    if itype == V.ARRAY:
+        return _array(rng, depth + 1)
+    return _scalar(rng, itype)
+
+
+def _array(rng: random.Random, depth: int = 0) -> bytes:
+    itype = rng.choice([*_SCALAR, V.STRING] + ([V.ARRAY] if depth < 3 else []))
+    n = rng.choice([0, 1, 2, 3, 8, 262])
+    items = b"".join(_element(rng, V(itype), depth) for _ in range(n))
+    return struct.pack("<IQ", itype, n) + items
+
+
+def _retyped(rng: random.Random) -> tuple[bytes, int, str]:
+    """A stored type and value, the bytes of a hole after it, and what it is."""
+    r = rng.random()
+    if r < 0.08:  # more entries than any model uses, or than the file holds
+        itype, n = rng.choice(
+            [(V.UINT8, MAX_ARRAY + 1), (V.UINT8, 9 * 10**9), (V.STRING, MAX_ARRAY),
+             (V.UINT64, 2**40), (V.INT32, 2**63), (V.STRING, 2**62), (V.FLOAT32, MAX_ARRAY)]
+        )  # fmt: skip
+        size = {V.UINT8: 1, V.STRING: 8, V.FLOAT32: 4}.get(itype, 0) * n
+        hole = size if size <= 64 << 30 else 0
+        return struct.pack("<IIQ", V.ARRAY, itype, n), hole, f"array of {n} {itype.name}"
+    if r < 0.5:
+        vtype = rng.choice(list(_SCALAR))
+        return struct.pack("<I", vtype) + _scalar(rng, vtype), 0, vtype.name
+    if r < 0.65:
+        return struct.pack("<I", V.STRING) + _string(_text(rng)), 0, "STRING"
+    if r < 0.7:  # a string that declares more than the file holds
+        return struct.pack("<IQ", V.STRING, rng.choice([2**26 + 1, 2**40, 2**64 - 1])), 0, "long"
+    value = _array(rng)
+    return struct.pack("<I", V.ARRAY) + value, 0, "ARRAY"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("types")
+    spec = TinySpec()
+    base = write_tiny_model(d / "base.gguf", spec)
+    adapter = write_tiny_adapter(d / "adapter.gguf", spec)
+    return {"dir": d, "base": base, "model": graftlm.load(str(base), ctx_size=32),
+            "headers": {"model": Header.read(base.read_bytes()),
+                        "adapter": Header.read(adapter.read_bytes())}}  # fmt: skip
+
+
+def test_the_header_round_trips(files: dict[str, Any], tmp_path: Path) -> None:
+    h: Header = files["headers"]["model"]
+    key, value = h.entries[3]
+    p = h.write(tmp_path / "same.gguf", key, value)
+    assert p.read_bytes() == files["base"].read_bytes()
+
+
+def _kind(stored: bytes) -> str:
+    """A stored value's class in the GGUF spec's terms: a number (any width, integer or float),
+    a bool, a string, or an array of one of these (nested arrays: "array of array"; an array
+    of numbers is a number per layer, as GGUF allows for head counts). A mutant
+    of the same class as the original is another value (a different model: its refusal may name
+    what does not fit, a tensor); one of another class is a field of the wrong type, and its
+    refusal must name the field."""
+    (vtype,) = struct.unpack_from("<I", stored)
+    if vtype == V.ARRAY:
+        itype, n = struct.unpack_from("<IQ", stored, 4)
+        if itype in _SCALAR and itype != V.BOOL:  # (a number per layer: GGUF's head counts)
+            return "number"
+        if itype == V.ARRAY:  # (an element array has no type of its own before it)
+            return "array of " + (_kind(struct.pack("<I", V.ARRAY) + stored[16:]) if n else "array")
+        return "array of " + _kind(struct.pack("<I", itype))
+    if vtype in (V.BOOL, V.STRING):
+        return V(vtype).name.lower()
+    return "number"
+
+
+def _serve(model: graftlm.Model, which: str, p: Path) -> None:
+    if which == "model":
+        graftlm.load(str(p), ctx_size=32).generate("hi the", max_tokens=2, temperature=0)
+        return
+    aid = model.add_lora(p)
+    try:
+        model.generate("hi", max_tokens=2, temperature=0, lora=[{"id": aid, "scale": 1.0}])
+    finally:
+        model.remove_lora(aid)
+
+
+def test_retyped_fields_load_and_serve_or_are_refused_by_name(
+    files: dict[str, Any], tmp_path: Path
+) -> None:
+    rng = random.Random(SEED)
+    model: graftlm.Model = files["model"]
+    outcomes: dict[str, int] = {}
+    unnamed: list[str] = []
+    original = {w: dict(h.entries) for w, h in files["headers"].items()}
+    for i in range(N):
+        which = "adapter" if i % 3 == 2 else "model"
+        h: Header = files["headers"][which]
+        key = h.entries[(i // 3 if which == "adapter" else i) % len(h.entries)][0]
+        value, hole, kind = _retyped(rng)
+        p = h.write(tmp_path / f"{which}{i}.gguf", key, value, hole)
+        what = f"case {i}: {which} {key} as {kind}"
+        t0 = time.perf_counter()
+        try:
+            _serve(model, which, p)
+            outcome = "served"
+        except GraftError as exc:
+            outcome = "refused"
+            if _kind(value) != _kind(original[which][key]) and key not in str(exc):
+                unnamed.append(f"{what}: {str(exc)[:300]}")
+        assert time.perf_counter() - t0 < WALL, (what, time.perf_counter() - t0)
+        assert model.loras == [], what
+        outcomes[f"{which} {outcome}"] = outcomes.get(f"{which} {outcome}", 0) + 1
+        p.unlink()
+    print(f"\n{N} mutants: {dict(sorted(outcomes.items()))}")
+    assert not unnamed, "\n".join(unnamed[:20])
+    assert outcomes.get("model refused", 0) > 5 and outcomes.get("model served", 0) > 5
+    assert outcomes.get("adapter refused", 0) > 5
+
+
+def _array_of(itype: V, items: list[Any]) -> bytes:
+    body = b"".join(_string(str(v).encode()) if itype == V.STRING else
+                    struct.pack(_SCALAR[itype], v) for v in items)  # fmt: skip
+    return struct.pack("<IIQ", V.ARRAY, itype, len(items)) + body
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("tokenizer.ggml.eos_token_id", _array_of(V.UINT32, [2]), "is a list, not a token id"),
+        ("tokenizer.ggml.bos_token_id", struct.pack("<I", V.STRING) + _string(b""), "is a str"),
+        ("tokenizer.ggml.pre", _array_of(V.STRING, ["smollm"]), "is a list, not a string"),
+        ("tokenizer.ggml.tokens", _array_of(V.INT32, list(range(262))), "[0] is a int"),
+        ("tokenizer.ggml.merges", _array_of(V.FLOAT32, [1.0]), "[0] is a float"),
+        ("tokenizer.ggml.tokens", struct.pack("<IIQ", V.ARRAY, V.ARRAY, 0), "is empty"),
+    ],
+    ids=["eos-array", "bos-string", "pre-array", "tokens-ints", "merges-floats", "no-tokens"],
+)
+def test_tokenizer_fields_of_the_wrong_type_are_named(
+    files: dict[str, Any], tmp_path: Path, key: str, value: bytes, words: str
+) -> None:
+    """Found by the fuzzer: a token id stored as an array or a string, the pre-tokenizer as an
+    array, the tokens as numbers were refused in Python's words (`int() argument must be ...`,
+    `unhashable type: 'list'`, a duplicate token `32`), naming no key; an empty token list
+    loaded, and every request failed on an empty prompt."""
+    p = files["headers"]["model"].write(tmp_path / "bad.gguf", key, value)
+    with pytest.raises(GraftError) as info:
+        graftlm.load(str(p), ctx_size=32)
+    assert key in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_millions_of_strings_in_a_sparse_header_are_refused_at_once(
+    files: dict[str, Any], tmp_path: Path
+) -> None:
+    """Found by the fuzzer: 16M empty strings (their lengths a hole in a sparse file, within
+    the limit on one array's entries) took 12 s to read, a Python string each."""
+    n = MAX_ARRAY
+    value = struct.pack("<IIQ", V.ARRAY, V.STRING, n)
+    p = files["headers"]["model"].write(tmp_path / "many.gguf", "general.name", value, 8 * n)
+    t0 = time.perf_counter()
+    with pytest.raises(GraftError) as info:
+        graftlm.load(str(p), ctx_size=32)
+    assert time.perf_counter() - t0 < 3
+    from graftlm.gguf.parse import MAX_ITEMS
+
+    assert "general.name" in str(info.value) and f"limit of {MAX_ITEMS}" in str(info.value)
+
+
+def test_a_per_layer_array_of_arrays_is_refused_by_name(
+    files: dict[str, Any], tmp_path: Path
+) -> None:
+    """Found by the fuzzer (2,000 cases): `llama.feed_forward_length` as an array of arrays
+    raised TypeError (unhashable list) out of `graftlm.load`, no GraftError."""
+    inner = struct.pack("<IQ", V.INT32, 2) + struct.pack("<ii", 127, 1)
+    value = struct.pack("<IIQ", V.ARRAY, V.ARRAY, 2) + inner + inner
+    p = files["headers"]["model"].write(
+        tmp_path / "nested.gguf", "llama.feed_forward_length", value
+    )
+    with pytest.raises(GraftError, match="llama.feed_forward_length"):
+        graftlm.load(str(p), ctx_size=32)

@@ -39,8 +39,8 @@ def test_unknown_model_type_is_rejected(spm_meta: MakeMeta, model: str | None) -
 
 
 def test_unknown_pre_tokenizer_is_rejected(gpt2_meta: MakeMeta) -> None:
-    with pytest.raises(ValueError, match="'qwen2'.*smollm"):
-        Tokenizer.from_metadata(gpt2_meta([], pre="qwen2"))
+    with pytest.raises(ValueError, match="'deepseek-llm'.*smollm"):
+        Tokenizer.from_metadata(gpt2_meta([], pre="deepseek-llm"))
 
 
 def test_malformed_vocabularies_are_rejected(spm_meta: MakeMeta, gpt2_meta: MakeMeta) -> None:

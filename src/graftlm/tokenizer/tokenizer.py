@@ -8,14 +8,8 @@ from typing import Any
 
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
-from graftlm.tokenizer.bpe import (
-    PRE_TOKENIZERS,
-    byte_decode,
-    byte_encode,
-    make_merger,
-    parse_merges,
-    pre_tokenize,
-)
+from graftlm.tokenizer.bpe import byte_decode, byte_encode, make_merger, parse_merges
+from graftlm.tokenizer.pretok import PRE_TOKENIZERS
 from graftlm.tokenizer.spm import ESCAPED_SPACE, SPMEncoder
 from graftlm.tokenizer.vocab import TokenAttr, Vocab
 
@@ -93,19 +87,26 @@ class Tokenizer:
                 f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for the gpt2 tokenizer; "
                 f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
             )
-        split_numbers, clean_spaces = PRE_TOKENIZERS[pre]
+        spec = PRE_TOKENIZERS[pre]
         merges_raw = meta.get("tokenizer.ggml.merges")
         if merges_raw is None:
             raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
         vocab = Vocab.from_metadata(
-            meta, default_ids=(11, 11, None), add_bos=False, add_eos=False, add_space_prefix=False
+            meta,
+            default_ids=(spec.bos_default, 11, None),
+            add_bos=spec.add_bos,
+            add_eos=False,
+            add_space_prefix=False,
         )
         merge_words, backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
+        split = spec.split
+        if spec.ignore_merges:
+            merge_words = _whole_words_first(vocab.token_to_id, merge_words)
 
         def encode_text(text: str) -> list[int]:
-            return merge_words([byte_encode(w) for w in pre_tokenize(text, split_numbers)])
+            return merge_words([byte_encode(w) for w in split(text)])
 
-        return cls(vocab, "gpt2", encode_text, clean_spaces=clean_spaces, backend=backend)
+        return cls(vocab, "gpt2", encode_text, clean_spaces=spec.clean_spaces, backend=backend)
 
     @classmethod
     def _from_spm_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -272,6 +273,31 @@ def clean_spaces(data: bytes) -> bytes:
     data = _CLEAN_1.sub(b"", data)
     data = _CLEAN_2.sub(b"'", data)
     return _CLEAN_3.sub(b"'", data)
+
+
+def _whole_words_first(
+    token_to_id: Mapping[str, int], merge_words: Callable[[list[str]], list[int]]
+) -> Callable[[list[str]], list[int]]:
+    """llama.cpp's `ignore_merges`: a word that is itself a vocabulary entry becomes that token
+    without running the merges (which need not rebuild it); the other words merge as usual."""
+
+    def merge(words: list[str]) -> list[int]:
+        out: list[int] = []
+        pending: list[str] = []
+        for w in words:
+            tid = token_to_id.get(w)
+            if tid is None:
+                pending.append(w)
+                continue
+            if pending:
+                out += merge_words(pending)
+                pending = []
+            out.append(tid)
+        if pending:
+            out += merge_words(pending)
+        return out
+
+    return merge
 
 
 def _valid_text(text: str) -> str:

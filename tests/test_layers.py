@@ -18,7 +18,7 @@ PKG = SRC / "graftlm"
 FLOORS: list[list[str]] = [
     ["errors", "config", "resources", "__init__"],  # the root: errors and the version
     ["gguf"],
-    ["step"],  # the batch and the KV cache: torch only
+    ["step"],  # the batch, the KV cache and its allocator
     ["native"],  # bindings of the C kernels
     ["quant"],  # weights and their products
     ["lora"],  # adapter files, slots and their PyTorch delta

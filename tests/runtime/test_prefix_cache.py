@@ -12,9 +12,9 @@ import torch
 import graftlm
 from graftlm.errors import RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
-from graftlm.runtime.kv_allocator import BlockPool, PagedAllocator
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
+from graftlm.step.kv_allocator import BlockPool, PagedAllocator
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -20,7 +20,6 @@ from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.draft_model import ModelDrafter
-from graftlm.runtime.kv_allocator import PagedAllocator
 from graftlm.runtime.sampling import Sampler
 from graftlm.runtime.scheduler import (
     Chunk,
@@ -32,6 +31,7 @@ from graftlm.runtime.scheduler import (
 )
 from graftlm.runtime.speculative import Drafter, NgramDrafter, SpecConfig, SynthDraws
 from graftlm.step.batch import Batch, LoraRows
+from graftlm.step.kv_allocator import PagedAllocator
 
 
 def lora_rows(settings: Sequence[Mapping[int, float]], device: torch.device) -> LoraRows | None:

@@ -7,7 +7,7 @@ turns the plan into a batch, runs the model, samples, and reports back (`finish`
 
 The plan names sequences and token ranges, never cache places: a `CacheAllocator` maps a
 sequence to where its keys and values live. The engine's is the paged cache's
-(`runtime/kv_allocator.py: PagedAllocator`); `SlotAllocator` here, one slot of the full context per
+(`step/kv_allocator.py: PagedAllocator`); `SlotAllocator` here, one slot of the full context per
 sequence, serves tests of the scheduler alone.
 
 - `can_admit(seq)` asks for the blocks of the sequence's first chunk (after looking its prompt

@@ -2,7 +2,7 @@
 one pool; each sequence slot has a row of the block table naming the pool block that holds its
 positions [i * block, (i + 1) * block).
 
-Which blocks a slot holds is decided above (runtime/kv_allocator.py: the allocator, with the prefix
+Which blocks a slot holds is decided above (step/kv_allocator.py: the allocator, with the prefix
 cache that lets several slots' tables name the same full block); here is only where they are and
 how a step writes and reads them. Pool block 0 is never handed out: a table entry no sequence
 owns points at it, so padding rows write there and nothing reads it.

@@ -1,7 +1,9 @@
 """The paged cache's allocator: which pool blocks each sequence holds, and the prefix cache.
 
-Plain Python, like the scheduler it serves (a `CacheAllocator`); it names blocks, and a callback
-(the engine's: `KVCache.set_table`) writes a slot's block table where the kernels read it.
+Plain Python, beside the pool's tensors (`step/kv_cache.py`): the KV cache's two halves in one
+place. It serves the scheduler (a `CacheAllocator`) and knows a sequence only through the
+`Request` protocol below; it names blocks, and a callback (the engine's: `KVCache.set_table`)
+writes a slot's block table where the kernels read it.
 
 A full block is known by a digest of every token up to its end and of the adapter settings that
 computed it (base is its own setting): the digest of block i hashes block i - 1's digest, the
@@ -23,16 +25,39 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from graftlm.errors import RequestError
-from graftlm.lora.settings import AdapterSettings
-
-if TYPE_CHECKING:
-    from graftlm.runtime.scheduler import Request
 
 
-def settings_key(lora: AdapterSettings, epoch: int = 0) -> bytes:
+class Settings(Protocol):
+    """Adapter settings as a block digest sees them (lora.settings.AdapterSettings): the
+    (adapter id, scale) pairs, empty for the base."""
+
+    @property
+    def pairs(self) -> tuple[Any, ...]: ...
+
+
+class Request(Protocol):
+    """What the allocator reads and keeps on a sequence (runtime.scheduler.Request)."""
+
+    id: int
+    n_prefilled: int
+    n_cached: int
+    resume: list[int] | None  # after a preemption: the tokens to compute again
+    use_cache: bool
+    block_digests: list[bytes]
+    digest_epoch: int
+
+    @property
+    def fill(self) -> list[int]: ...
+
+    def tokens_upto(self, n: int) -> list[int]: ...
+
+    def settings_at(self, pos: int) -> Settings: ...
+
+
+def settings_key(lora: Settings, epoch: int = 0) -> bytes:
     """The bytes of adapter settings in a block digest; epoch: the adapters' load epoch (a slot
     reloaded with other weights must not match what the old ones computed)."""
     if not lora.pairs:

@@ -52,9 +52,10 @@ class Weights:
             entry = self.file.tensors[name]
         except KeyError:
             raise ModelFileError(f"{self.file.path}: missing tensor {name!r}") from None
-        self.used.add(name)
-        if self.bar is not None:
-            self.bar.update(1)
+        if name not in self.used:  # (the bar counts each tensor once)
+            self.used.add(name)
+            if self.bar is not None:
+                self.bar.update(1)
         return entry
 
     def vector(self, name: str, n: int | None = None) -> torch.Tensor:
@@ -71,12 +72,19 @@ class Weights:
             )
         return v
 
-    def matrix(self, name: str, shape: tuple[int, int]) -> QWeight:
+    def entry(self, name: str, shape: tuple[int, ...], order: str = "") -> TensorEntry:
+        """Tensor `name`, which must have this shape (torch order; `order` names its axes in
+        the message), marked used."""
         e = self._entry(name)
         if tuple(e.shape) != shape:
             raise ModelFileError(
-                f"{self.file.path}: tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}"
+                f"{self.file.path}: tensor {name!r} has shape {list(e.shape)}, expected "
+                f"{list(shape)}" + (f" {order}" if order else "")
             )
+        return e
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> QWeight:
+        e = self.entry(name, shape)
         return self.qweight(e, e.data, shape, name)
 
     def qweight(self, e: TensorEntry, data: Any, shape: tuple[int, int], name: str) -> QWeight:

@@ -45,13 +45,7 @@ def swiglu_oai(
 
 def _tensor(w: Weights, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A small float tensor (a bias, the sinks) of exactly this shape (torch order), float32."""
-    entry = w.file.tensors.get(name)
-    if entry is None:
-        raise ModelFileError(f"{w.file.path}: missing tensor {name!r}")
-    if tuple(entry.shape) != shape:
-        raise ModelFileError(
-            f"{w.file.path}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}"
-        )
+    w.entry(name, shape)
     return w.vector(name).view(shape)
 
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from graftlm.errors import ModelFileError
 from graftlm.gguf import TensorEntry
 from graftlm.models.base import Weights
 from graftlm.models.primitives import gated
@@ -25,16 +24,7 @@ from graftlm.quant.base import release_pages
 
 def _entry(w: Weights, name: str, shape: tuple[int, int, int]) -> TensorEntry:
     """The 3-D expert tensor `name` of this shape (n_expert, n_out, n_in), marked used."""
-    entry = w.file.tensors.get(name)
-    if entry is None:
-        raise ModelFileError(f"{w.file.path}: missing tensor {name!r}")
-    if tuple(entry.shape) != shape:
-        raise ModelFileError(
-            f"{w.file.path}: tensor {name!r} has shape {list(entry.shape)}, "
-            f"expected {list(shape)} (n_expert, n_out, n_in)"
-        )
-    w.used.add(name)
-    return entry
+    return w.entry(name, shape, "(n_expert, n_out, n_in)")
 
 
 class Experts:

@@ -112,7 +112,7 @@ class ModelDrafter:
                 h = self.held[req.id]
                 n_tok = req.n_past + 1  # (the context's tokens: a shift drops some)
                 if h.cached < n_tok:
-                    todo.append((req.id, h, _tokens(req, h.cached, CATCH_UP), n_tok))
+                    todo.append((req.id, h, req.tokens_from(h.cached, CATCH_UP), n_tok))
             if not todo:
                 break
             # (padded to the longest, a row's positions run to its start + the width: they must
@@ -139,16 +139,6 @@ class ModelDrafter:
         h = self.held.get(req.id)
         if h is not None:
             h.cached = h.drafted_at + min(n_accepted, n_drafted - 1)
-
-
-def _tokens(req: Request, start: int, n: int) -> list[int]:
-    """At most n of the row's context tokens (its prompt, then its generated ones) from
-    `start`."""
-    if req.dropped:  # (a context shift dropped some: the context's own list)
-        return req.context()[start : start + n]
-    p = len(req.prompt)
-    head = req.prompt[start : start + n] if start < p else []
-    return head + req.generated[max(0, start - p) : max(0, start - p) + n - len(head)]
 
 
 def _top(logits: torch.Tensor) -> tuple[list[float], list[int]]:

@@ -400,7 +400,7 @@ class Engine:
             self.scheduler.finish(req, "stop")
         elif 0 <= p.max_tokens <= len(req.generated):
             self.scheduler.finish(req, "length")
-        elif req.n_past + 1 >= self.n_ctx and not (self.context_shift and not req.segments):
+        elif req.n_past + 1 >= self.n_ctx and not self.scheduler.can_shift(req):
             self.scheduler.finish(req, "length")
 
     def stop(self, req: Request, reason: str = "stop") -> None:

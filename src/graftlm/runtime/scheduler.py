@@ -123,6 +123,14 @@ class Request:
         """The first position past pos where the settings change, or None."""
         return next((start for start, _ in self.segments if start > pos), None)
 
+    def tokens_from(self, start: int, n: int) -> list[int]:
+        """At most n of the context's tokens from `start`, without copying the rest."""
+        if self.dropped:
+            return self.context()[start : start + n]
+        p = len(self.prompt)
+        head = self.prompt[start : start + n] if start < p else []
+        return head + self.generated[max(0, start - p) : max(0, start - p) + n - len(head)]
+
     def tokens_upto(self, n: int) -> list[int]:
         """The context's first n tokens (prompt, then generated)."""
         if self.dropped:
@@ -318,9 +326,8 @@ class Scheduler:
         """Admit what fits, then plan this step's prefill chunks and decode rows, every planned
         sequence's blocks taken (preempting the last admitted where the pool runs short)."""
         if self.context_shift:
-            for r in list(self.running):
-                if self.must_shift(r):
-                    self.shift(r)
+            for r in [r for r in self.running if self.must_shift(r)]:
+                self.shift(r)
         admitted: list[Request] = []
         while (
             self.waiting
@@ -395,14 +402,19 @@ class Scheduler:
         req.n_prefilled = 0
         self.waiting.appendleft(req)
 
+    def can_shift(self, req: Request) -> bool:
+        """Whether req goes on past a full context (--context-shift) rather than ending there
+        (an activated LoRA's starts are positions: such a sequence always ends)."""
+        return self.context_shift and not req.segments
+
     def must_shift(self, req: Request) -> bool:
-        """req is decoding and its context is full: the token to feed has no position left (an
-        activated LoRA's starts are positions: such a sequence ends there instead)."""
+        """req is decoding, may shift, and its context is full: the token to feed has no
+        position left."""
         return (
-            bool(req.generated)
+            self.can_shift(req)
+            and bool(req.generated)
             and req.n_prefilled == len(req.fill)
             and req.n_past + 1 >= self.n_ctx
-            and not req.segments
         )
 
     def shift(self, req: Request) -> None:
@@ -415,8 +427,7 @@ class Scheduler:
         n_discard = min(n_left // 2, max(0, n_left - 1))
         self.preempt(req)  # (its blocks enter the prefix cache under the context they held)
         req.dropped += n_discard
-        req.block_digests.clear()
-        req.digest_epoch = -1
+        req.block_digests.clear()  # (its blocks' digests were of the old context's tokens)
         req.resume = req.context()[:-1]
 
     @staticmethod

@@ -268,6 +268,24 @@ def _token_attrs(types: Any, n: int) -> list[int]:
     return [table.get(t, 0) for t in types[:n]]
 
 
+# each role's `tokenizer.ggml.<key>_token_id` keys; a later one (the newer name) goes over an
+# earlier one
+_ROLE_KEYS = {
+    "bos": ("bos",),
+    "eos": ("eos",),
+    "unk": ("unknown",),
+    "pad": ("padding",),
+    "eot": ("eot",),
+    "eom": ("eom",),
+    "fim_pre": ("fim_pre", "prefix"),
+    "fim_suf": ("fim_suf", "suffix"),
+    "fim_mid": ("fim_mid", "middle"),
+    "fim_pad": ("fim_pad",),
+    "fim_rep": ("fim_rep",),
+    "fim_sep": ("fim_sep",),
+}
+
+
 @dataclass
 class _SpecialIds:
     """The special roles' ids (None: no such token), from the metadata, then from the texts
@@ -304,24 +322,11 @@ class _SpecialIds:
             value = int(value)
             return value if 0 <= value < n else default
 
-        bos = special_id("tokenizer.ggml.bos_token_id", default_ids[0])
-        eos = special_id("tokenizer.ggml.eos_token_id", default_ids[1])
-        unk = special_id("tokenizer.ggml.unknown_token_id", default_ids[2])
-        pad = special_id("tokenizer.ggml.padding_token_id", None)
-        eot = special_id("tokenizer.ggml.eot_token_id", None)
-        eom = special_id("tokenizer.ggml.eom_token_id", None)
-        fim_pre = special_id("tokenizer.ggml.fim_pre_token_id", None)
-        fim_pre = special_id("tokenizer.ggml.prefix_token_id", fim_pre)
-        fim_suf = special_id("tokenizer.ggml.fim_suf_token_id", None)
-        fim_suf = special_id("tokenizer.ggml.suffix_token_id", fim_suf)
-        fim_mid = special_id("tokenizer.ggml.fim_mid_token_id", None)
-        fim_mid = special_id("tokenizer.ggml.middle_token_id", fim_mid)
-        fim_pad = special_id("tokenizer.ggml.fim_pad_token_id", None)
-        fim_rep = special_id("tokenizer.ggml.fim_rep_token_id", None)
-        fim_sep = special_id("tokenizer.ggml.fim_sep_token_id", None)
-        return cls(
-            bos, eos, unk, pad, eot, eom, fim_pre, fim_suf, fim_mid, fim_pad, fim_rep, fim_sep
-        )
+        found = dict(zip(("bos", "eos", "unk"), default_ids, strict=True))
+        for role, keys in _ROLE_KEYS.items():
+            for key in keys:
+                found[role] = special_id(f"tokenizer.ggml.{key}_token_id", found.get(role))
+        return cls(**found)
 
     def find_by_text(self, token_to_id: dict[str, int], attrs: list[int]) -> set[int]:
         """The roles the metadata left empty, found by their usual texts; each found token

@@ -22,7 +22,7 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
-from graftlm.models.moe import Experts, GatedExperts
+from graftlm.models.moe import Experts, GatedExperts, mix_experts
 from graftlm.models.primitives import Rope, attention, rms_norm, yarn
 from graftlm.models.seam import Projection
 from graftlm.quant import linear
@@ -82,28 +82,18 @@ def routed_ffn(
     Semantics (llama.cpp's SOFTMAX_WEIGHT gating; transformers' GptOssTopKRouter):
         top = the n_used largest logits; w = softmax(logits[top])
         out = sum_{e in top} w_e * (down_e(swiglu_oai(gate_e(h) + bg_e, up_e(h) + bu_e)) + bd_e)
-    Tokens are grouped by expert, and a row's experts added in ascending order (as moe.moe_ffn).
+    Tokens are grouped by expert, a row's experts added in ascending order (moe.mix_experts).
     """
     x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
     top, chosen = router_logits.reshape(x.shape[0], -1).float().topk(n_used, dim=-1)  # (N, k)
-    weight = torch.softmax(top, dim=-1).to(x.dtype).reshape(-1)
-    groups: dict[int, list[int]] = {}  # expert -> flat (token * k + rank) indices
-    for flat, e in enumerate(chosen.reshape(-1).tolist()):
-        groups.setdefault(e, []).append(flat)
-    experts, n_ff = b.ffn_gate_up_exps, b.ffn_gate_exps_bias.shape[1]
-    out = torch.zeros_like(x)
-    for e, picks in sorted(groups.items()):
-        idx = torch.tensor(picks, device=x.device)
-        token = idx // n_used
-        xe = x.index_select(0, token)  # (n_e, n_embd)
-        if experts.stacked is not None:  # rows [gate_e; up_e]
-            gate, up = linear(xe, experts.stacked[e]).split(n_ff, dim=-1)
-        else:
-            assert experts.parts is not None
-            gate, up = linear(xe, experts.parts[0][e]), linear(xe, experts.parts[1][e])
+    weight = torch.softmax(top, dim=-1).to(x.dtype)
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        gate, up = b.ffn_gate_up_exps.halves(e, xe)
         act = swiglu_oai(gate + b.ffn_gate_exps_bias[e], up + b.ffn_up_exps_bias[e])
-        ye = linear(act, b.ffn_down_exps[e]) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
-        out.index_add_(0, token, ye * weight.index_select(0, idx).unsqueeze(1))
+        return linear(act, b.ffn_down_exps[e]) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
+
+    out = mix_experts(x, chosen, weight, expert)
     return out.view_as(h)
 
 

@@ -11,6 +11,8 @@ name); the router `ffn_gate_inp` is an ordinary projection and does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -85,12 +87,19 @@ class GatedExperts:
             self.stacked = [q.to(device) for q in self.stacked]
         return self
 
+    def halves(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_e(x), up_e(x) for x (n, n_in), each (n, n_ff)."""
+        if self.stacked is None:
+            assert self.parts is not None
+            return linear(x, self.parts[0][e]), linear(x, self.parts[1][e])
+        gate, up = linear(x, self.stacked[e]).chunk(2, dim=-1)
+        return gate, up
+
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """silu(gate_e(x)) * up_e(x) for x (n, n_in) -> (n, n_ff)."""
         if self.stacked is None:
-            assert self.parts is not None
-            gate, up = self.parts
-            return F.silu(linear(x, gate[e])) * linear(x, up[e])
+            gate, up = self.halves(e, x)
+            return F.silu(gate) * up
         return gated(linear(x, self.stacked[e]), "silu")
 
     @property
@@ -113,13 +122,26 @@ def moe_ffn(
     Semantics (llama.cpp's softmax gating with normalized weights, = Mixtral):
         p = softmax(router_logits); top = the n_used largest p; w = p[top] / sum(p[top])
         out = sum_{e in top} w_e * down_e(silu(gate_e(h)) * up_e(h))
-    Tokens are grouped by expert, so each expert runs once per step on its own tokens; the
-    grouping reads the choices on the host once a layer (one small copy, no search).
+    Tokens are grouped by expert (mix_experts).
     """
     x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
     weight, chosen = probs.topk(n_used, dim=-1)  # (N, k)
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
+    out = mix_experts(x, chosen, weight, lambda e, xe: linear(gate_up(e, xe), down[e]))
+    return out.view_as(h)
+
+
+def mix_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weight: torch.Tensor,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """x (N, n_embd), chosen and weight (N, k) -> sum_r weight[:, r] * expert(chosen[:, r], x),
+    (N, n_embd). Tokens are grouped by expert, so each expert runs once on its own tokens; the
+    grouping reads the choices on the host (one small copy, no search)."""
+    n_used = chosen.shape[-1]
     groups: dict[int, list[int]] = {}  # expert -> flat (token * k + rank) indices
     for flat, e in enumerate(chosen.reshape(-1).tolist()):
         groups.setdefault(e, []).append(flat)
@@ -129,6 +151,6 @@ def moe_ffn(
         # sum then does not depend on which experts the other rows picked first
         idx = torch.tensor(picks, device=x.device)
         token = idx // n_used
-        ye = linear(gate_up(e, x.index_select(0, token)), down[e])  # (n_e, n_embd)
+        ye = expert(e, x.index_select(0, token))  # (n_e, n_embd)
         out.index_add_(0, token, ye * flat_weight.index_select(0, idx).unsqueeze(1))
-    return out.view_as(h)
+    return out

@@ -33,13 +33,17 @@ GEN = [("The capital of France is", "Paris"), ("1, 2, 3, 4,", "5")]
 UNTIL = ["\n", ".", ","]  # lm-eval adds the model's end-of-sequence text: four stops, OpenAI's most
 MAX_GEN = 6
 
-MC_YAML = """\
-task: graftlm_mc
+_DATASET = """\
 dataset_path: json
 dataset_kwargs:
   data_files: {{test: {data}}}
   cache_dir: {cache}
 test_split: test
+"""  # both tasks' data: a JSON-lines file
+MC_YAML = (
+    "task: graftlm_mc\n"
+    + _DATASET
+    + """\
 output_type: multiple_choice
 doc_to_text: "{{{{question}}}}"
 doc_to_choice: choices
@@ -47,13 +51,11 @@ doc_to_target: answer
 metric_list:
   - metric: acc
 """
-GEN_YAML = """\
-task: graftlm_gen
-dataset_path: json
-dataset_kwargs:
-  data_files: {{test: {data}}}
-  cache_dir: {cache}
-test_split: test
+)
+GEN_YAML = (
+    "task: graftlm_gen\n"
+    + _DATASET
+    + """\
 output_type: generate_until
 doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
@@ -66,6 +68,7 @@ metric_list:
   - metric: exact_match
     regexes_to_ignore: [" "]
 """
+)
 
 
 @pytest.fixture(scope="module")

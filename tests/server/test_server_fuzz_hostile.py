@@ -31,11 +31,11 @@ from typing import Any
 import httpx
 import pytest
 from fuzz_helpers import SEED, HealthPoller, cases, clean, leaks
-from server_fixtures import SPEC
+from server_fixtures import SPEC, serving
 from tiny_models import write_tiny_adapter
 
 import graftlm
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig, ServerState
 
 WALL = 30.0  # seconds one request may take
@@ -51,12 +51,8 @@ def _serve(
 ) -> Iterator[tuple[str, ServerState]]:
     model = graftlm.load(model_file, ctx_size=ctx, n_seq=2)
     state = build_state(model, config, parallel=1)
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url, state
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url, state
 
 
 # -- Host and Origin -----------------------------------------------------------------------------

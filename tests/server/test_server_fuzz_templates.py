@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 from fuzz_helpers import SEED, HealthPoller, cases, clean, clean_message, memory_fence
-from server_fixtures import SPEC
+from server_fixtures import SPEC, serving
 
 import graftlm
 from graftlm.errors import GraftError
-from graftlm.server.app import ServerThread, build_state, create_app
+from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig, ServerState
 from graftlm.tokenizer import chat as chat_module
 from graftlm.tokenizer.templates import CHATML
@@ -197,12 +197,8 @@ def test_with_template_writes_a_model_that_serves(
 def served(tiny_files: dict[str, Path]) -> Iterator[tuple[str, ServerState]]:
     model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=2)
     state = build_state(model, ServerConfig(model_name="tiny"), parallel=1)
-    srv = ServerThread(create_app(state)).start()
-    try:
-        yield srv.url, state
-    finally:
-        srv.stop()
-        state.service.close()
+    with serving(state) as url:
+        yield url, state
 
 
 def _timed(fn: Callable[[], object], what: object) -> object:

@@ -244,7 +244,6 @@ class _ChatStream:
         fmt = state.prompter.tool_format
         self.started = [False] * body.n
         self.parsers = [ToolCallParser(fmt) if run.tools else None for _ in range(body.n)]
-        self.n_gen = [0, 0]  # tokens generated, prompt tokens the cache served
         self.finished: list[FinishEvent] = []
         self.clock = StreamClock(len(run.ids)) if body.timings_per_token else None
 
@@ -261,8 +260,6 @@ class _ChatStream:
         parser = self.parsers[i]
         text, calls = stream_calls(parser, d.text, d.finish is not None)
         if d.finish is not None:
-            self.n_gen[0] += d.finish.n_generated
-            self.n_gen[1] += d.finish.n_cached
             self.finished.append(d.finish)
         lps = None
         if self.run.top is not None and d.logprobs:
@@ -289,8 +286,10 @@ class _ChatStream:
         if options is not None and not options.include_usage:
             return []
         last = {"timings": timings(self.finished[-1])} if self.finished else {}
-        n_prompt = [len(self.run.ids)]
-        return [self.head.chunk([]) | {"usage": usage(n_prompt, *self.n_gen)} | last]
+        n_gen = sum(f.n_generated for f in self.finished)
+        n_cached = sum(f.n_cached for f in self.finished)
+        usage_ = usage([len(self.run.ids)], n_gen, n_cached)
+        return [self.head.chunk([]) | {"usage": usage_} | last]
 
 
 def _message(c: Choice, tools: bool, fmt: str) -> tuple[dict[str, Any], int]:

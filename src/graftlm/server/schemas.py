@@ -109,6 +109,27 @@ def _json_constraint(schema: dict[str, Any] | str, field: str) -> Constraint:
     return Constraint.json_schema(schema, field)
 
 
+def _vllm_constraints(
+    json_: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+    field: str,
+) -> list[Constraint]:
+    """vLLM's four constraints, spelled both as structured_outputs.{json,regex,choice,grammar}
+    and as guided_{json,regex,choice,grammar}: `field` names them with "{}" for the kind."""
+    out = []
+    if json_ is not None:
+        out.append(_json_constraint(json_, field.format("json")))
+    if regex is not None:
+        out.append(Constraint("regex", regex, field.format("regex")))
+    if choice is not None:
+        out.append(Constraint.choice(choice, field.format("choice")))
+    if grammar is not None:
+        out.append(Constraint("gbnf", grammar, field.format("grammar")))
+    return out
+
+
 class JsonSchemaFormat(Body):
     """OpenAI's response_format.json_schema."""
 
@@ -148,15 +169,9 @@ class StructuredOutputs(Body):
     json_object: bool | None = None
 
     def constraints(self) -> list[Constraint]:
-        out = []
-        if self.json_ is not None:
-            out.append(_json_constraint(self.json_, "structured_outputs.json"))
-        if self.regex is not None:
-            out.append(Constraint("regex", self.regex, "structured_outputs.regex"))
-        if self.choice is not None:
-            out.append(Constraint.choice(self.choice, "structured_outputs.choice"))
-        if self.grammar is not None:
-            out.append(Constraint("gbnf", self.grammar, "structured_outputs.grammar"))
+        out = _vllm_constraints(
+            self.json_, self.regex, self.choice, self.grammar, "structured_outputs.{}"
+        )
         if self.json_object:
             out.append(Constraint("json_object", "", "structured_outputs.json_object"))
         return out
@@ -264,14 +279,13 @@ class SamplingFields(Body):
             found.append(Constraint.json_schema(self.json_schema, "json_schema"))
         if self.structured_outputs is not None:
             found += self.structured_outputs.constraints()
-        if self.guided_json is not None:
-            found.append(_json_constraint(self.guided_json, "guided_json"))
-        if self.guided_regex is not None:
-            found.append(Constraint("regex", self.guided_regex, "guided_regex"))
-        if self.guided_choice is not None:
-            found.append(Constraint.choice(self.guided_choice, "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append(Constraint("gbnf", self.guided_grammar, "guided_grammar"))
+        found += _vllm_constraints(
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+            "guided_{}",
+        )
         if len(found) > 1:
             names = ", ".join(c.field for c in found)
             raise ConstraintError(f"give at most one output constraint; got {names}")

@@ -124,8 +124,8 @@ _TABLE = """
 --models-dir --models-preset --models-max|1|no router mode: one base model, adapters by name
 --models-autoload --no-models-autoload|0|no router mode: one base model, adapters by name
 --jinja --no-jinja|0|chat templates are always rendered with Jinja
---reasoning-format|1|reasoning text stays in the content
---reasoning-effort --reasoning-budget --reasoning-budget-message|1|no reasoning control
+--reasoning-format --reasoning-effort|1|mapped
+--reasoning-budget --reasoning-budget-message|1|no reasoning control
 --reasoning-preserve --no-reasoning-preserve|0|no reasoning control
 --skip-chat-parsing --no-skip-chat-parsing|0|no effect
 --prefill-assistant --no-prefill-assistant|0|a final assistant message is always continued

@@ -83,7 +83,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """--chat-template-kwargs and --reasoning as the template variables every chat gets."""
+    """--chat-template-kwargs, --reasoning and --reasoning-effort as the template variables
+    every chat gets."""
     from graftlm.tokenizer.chat import check_template_kwargs
 
     out: dict[str, Any] = {}
@@ -102,6 +103,8 @@ def chat_template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--chat-template-kwargs: {exc}") from None
     if args.reasoning is not None:
         out["enable_thinking"] = args.reasoning != "off"
+    if args.reasoning_effort is not None:
+        out["reasoning_effort"] = args.reasoning_effort
     return out
 
 
@@ -271,6 +274,7 @@ def _server_config(args: argparse.Namespace, model: Model, flags: _Flags) -> Ser
         write_timeout=args.timeout,
         lora_dirs=tuple(Path(d).resolve() for d in (args.lora_dir or ["."])),
         n_ctx_pool=(cache.n_blocks - 1) * cache.block,
+        reasoning_format=args.reasoning_format,
         **http_config(args),
     )
 

@@ -258,6 +258,11 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+# llama-server's --reasoning-format values (server/reasoning.py's REASONING_FORMATS; not imported:
+# the server's modules are not loaded to read a command line)
+REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")
+
+
 def _add_template_variable_arguments(p: argparse.ArgumentParser) -> None:
     """The chat template's variables every chat gets (`chat_template_kwargs` reads them)."""
     g = p.add_argument_group("chat templates")
@@ -275,4 +280,20 @@ def _add_template_variable_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="off renders chats with enable_thinking false (the model answers without thinking); "
         "on and auto (the default) with it true",
+    )
+    g.add_argument(
+        "--reasoning-format",
+        choices=REASONING_FORMATS,
+        default="auto",
+        help="where a chat answer's reasoning goes (llama-server's): auto and deepseek put it "
+        "in reasoning_content, deepseek-legacy in the content too between <think> tags, none "
+        "leaves it in the content as the model wrote it; a request's reasoning_format goes over "
+        "it",
+    )
+    g.add_argument(
+        "--reasoning-effort",
+        default=None,
+        metavar="LEVEL",
+        help="the template's reasoning_effort (gpt-oss: low, medium, high); a request's "
+        "reasoning_effort or chat_template_kwargs go over it",
     )

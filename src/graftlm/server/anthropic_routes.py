@@ -1,7 +1,10 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), as llama-server serves it:
 a translation onto the same chat path as /v1/chat/completions. `model` selects an adapter there
 too. Text, tool use and tool results are translated; images are refused (no vision here);
-`thinking`, `metadata` and other fields with no counterpart here are accepted and change nothing.
+A model's reasoning comes back as `thinking` blocks (split as for the chat answer's
+`reasoning_content`, `server/reasoning.py`), and thinking blocks of the history go back to the
+template as the assistant message's reasoning; the `thinking` field (a budget), `metadata` and
+other fields with no counterpart here are accepted and change nothing.
 Unlike llama-server, an empty `messages` list is a 400 (as Anthropic's own API answers it).
 """
 
@@ -18,13 +21,20 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
-from graftlm.server.chat import chat_ids, chat_messages, chat_text, start_chat, template_tools
+from graftlm.server.chat import (
+    ChatRun,
+    chat_ids,
+    chat_messages,
+    chat_text,
+    start_chat,
+    template_tools,
+)
 from graftlm.server.chat_schemas import ChatCompletionRequest
 from graftlm.server.framing import EventStream, served_name
 from graftlm.server.inputs import ANTHROPIC_PARTS, block_text, content_text, problems
 from graftlm.server.pipeline import collect
 from graftlm.server.state import ApiError, json_body, state_of
-from graftlm.server.tools import ToolCall, ToolCallParser, parse_tool_calls, stream_calls
+from graftlm.server.tools import ToolCall
 
 router = APIRouter()
 
@@ -48,14 +58,17 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise ApiError(400, f"messages[{i}].content: expected a string or content blocks")
-        text, calls, results = [], [], []
+        text, calls, results, thoughts = [], [], [], []
         for k, block in enumerate(content):
             where = f"messages[{i}].content[{k}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
                 text.append(block_text(block, where))
             elif kind == "thinking":
-                continue  # earlier reasoning: this server's templates do not render it
+                if role == "assistant":  # earlier reasoning: the template's to render or drop
+                    thoughts.append(str(block.get("thinking", "")))
+            elif kind == "redacted_thinking":
+                continue
             elif kind == "tool_use" and role == "assistant":
                 args = block.get("input", {})
                 fn = {"name": str(block.get("name", "")), "arguments": json.dumps(args)}
@@ -79,6 +92,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
             if calls:
                 msg["tool_calls"] = calls
+            if thoughts:
+                msg["reasoning_content"] = "".join(thoughts)
             out.append(msg)
         else:
             if text:
@@ -196,11 +211,13 @@ async def messages(request: Request) -> Any:
     run = await start_chat(state, body)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     model = served_name(state, body.model)
-    fmt = state.prompter.tool_format
     if not raw.get("stream"):
         (c,) = await collect(request, run.pieces, 1)
-        answer, calls = (c.text, []) if not run.tools else parse_tool_calls(c.text, fmt)
+        parts = run.parse(c.text)
+        answer, calls = parts.content, parts.calls
         blocks: list[dict[str, Any]] = []
+        if parts.reasoning:
+            blocks.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
         if answer or not calls:
             blocks.append({"type": "text", "text": answer})
         blocks += [_tool_block(x) for x in calls]
@@ -214,7 +231,17 @@ async def messages(request: Request) -> Any:
             "stop_sequence": c.finish.stop_word if c.finish else None,
             "usage": _usage(len(run.ids), c.finish),
         }
-    return EventStream(state, _stream(run.pieces, run.ids, run.tools is not None, fmt, mid, model))
+    return EventStream(state, _stream(run, mid, model))
+
+
+def _end_thinking(index: int) -> list[bytes]:
+    """A thinking block closed, with the signature delta Anthropic's clients wait for (empty:
+    this server signs nothing)."""
+    delta = {"type": "signature_delta", "signature": ""}
+    return [
+        _event("content_block_delta", {"index": index, "delta": delta}),
+        _event("content_block_stop", {"index": index}),
+    ]
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
@@ -222,11 +249,10 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
-async def _stream(
-    pieces: AsyncGenerator[Any, None], ids: list[int], tools: bool, fmt: str, mid: str, model: str
-) -> AsyncGenerator[bytes, None]:
-    """Anthropic's event stream: message_start, content blocks (text, then each tool use),
-    message_delta with the stop reason and usage, message_stop."""
+async def _stream(run: ChatRun, mid: str, model: str) -> AsyncGenerator[bytes, None]:
+    """Anthropic's event stream: message_start, content blocks (thinking, text, then each tool
+    use), message_delta with the stop reason and usage, message_stop."""
+    pieces, ids = run.pieces, run.ids
     message: dict[str, Any] = {
         "id": mid,
         "type": "message",
@@ -238,15 +264,35 @@ async def _stream(
         "usage": {"input_tokens": len(ids), "output_tokens": 0},
     }
     yield _event("message_start", {"message": message})
-    parser = ToolCallParser(fmt) if tools else None
+    parser = run.parser(stream=True)
     index = 0
     text_open = False
+    thinking_open = False
     n_calls = 0
     finish: FinishEvent | None = None
     async with aclosing(pieces) as it:
         try:
             async for d in it:
-                text, calls = stream_calls(parser, d.text, d.finish is not None)
+                parts = parser.feed(d.text)
+                if d.finish is not None:
+                    parts += parser.finish()
+                text, calls = parts.content, parts.calls
+                if parts.reasoning:
+                    if text_open:  # (reasoning after text: a block of its own)
+                        yield _event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    if not thinking_open:
+                        block = {"type": "thinking", "thinking": ""}
+                        yield _event(
+                            "content_block_start", {"index": index, "content_block": block}
+                        )
+                        thinking_open = True
+                    delta = {"type": "thinking_delta", "thinking": parts.reasoning}
+                    yield _event("content_block_delta", {"index": index, "delta": delta})
+                if thinking_open and (text or calls or d.finish is not None):
+                    for ev in _end_thinking(index):
+                        yield ev
+                    index, thinking_open = index + 1, False
                 if text:
                     if not text_open:
                         block = {"type": "text", "text": ""}

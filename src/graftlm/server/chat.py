@@ -40,8 +40,15 @@ from graftlm.server.pipeline import (
     request_constraint,
     start,
 )
+from graftlm.server.reasoning import (
+    AnswerParser,
+    Parts,
+    answer_syntax,
+    parse_answer,
+    thinking_forced_open,
+)
 from graftlm.server.state import ApiError, ServerState
-from graftlm.server.tools import ToolCallParser, parse_tool_calls, stream_calls, tool_constraint
+from graftlm.server.tools import tool_constraint
 
 
 # -- the chat body -> the pipeline's request --
@@ -79,13 +86,33 @@ def _tool_setup(
 @dataclass
 class ChatRun:
     """A chat request on its way through the engine: its prompt, tools and pieces (every front
-    end that chats, OpenAI's, Anthropic's and the Responses API, frames these)."""
+    end that chats, OpenAI's, Anthropic's and the Responses API, frames these), and how its
+    answers are split into reasoning, content and calls (`parser`, `parse`)."""
 
     ids: list[int]
     text: str  # the rendered chat
     tools: list[dict[str, Any]] | None
     pieces: AsyncGenerator[Delta, None]
     top: int | None  # top log-probabilities asked for (None: none)
+    syntax: str | None = None  # how the model writes reasoning (reasoning.answer_syntax)
+    reasoning_format: str = "auto"
+    tool_format: str = "hermes"
+
+    @property
+    def forced_open(self) -> bool:
+        return self.syntax == "think" and thinking_forced_open(self.text)
+
+    def parser(self, stream: bool) -> AnswerParser:
+        """A choice's parser, for its streamed pieces."""
+        tools = self.tool_format if self.tools else None
+        return AnswerParser(
+            self.syntax, self.reasoning_format, tools, self.forced_open, stream=stream
+        )
+
+    def parse(self, text: str) -> Parts:
+        """A whole choice's text split."""
+        tools = self.tool_format if self.tools else None
+        return parse_answer(text, self.syntax, self.reasoning_format, tools, self.forced_open)
 
 
 def chat_messages(body: ChatCompletionRequest | ApplyTemplateRequest) -> list[dict[str, Any]]:
@@ -118,12 +145,37 @@ def chat_text(
         raise ApiError(400, "continue_final_message: the last message is not the assistant's")
     apply = state.prompter.apply_chat_template
     kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:  # (as llama-server: the template's variable)
+        kwargs = {"reasoning_effort": body.reasoning_effort} | (kwargs or {})
+    if answer_syntax(state.prompter.chat_template) == "harmony":
+        messages = harmony_messages(messages)
     if cont:
         return str(
             apply(messages[:-1], add_generation_prompt=True, tools=tools, kwargs=kwargs)
-        ) + str(messages[-1]["content"])
+        ) + str(messages[-1].get("content") or "")
     gen = body.add_generation_prompt is not False
-    return str(apply(messages, add_generation_prompt=gen, tools=tools, kwargs=kwargs))
+    text = str(apply(messages, add_generation_prompt=gen, tools=tools, kwargs=kwargs))
+    if not gen and answer_syntax(state.prompter.chat_template) == "harmony":
+        # as llama.cpp: a chat that the model goes on from ends its last message with <|end|>,
+        # not the <|return|> that ends a generation (its training form)
+        at = text.rfind("<|return|>")
+        if at >= 0:
+            text = text[:at] + "<|end|>" + text[at + len("<|return|>") :]
+    return text
+
+
+def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat as gpt-oss's template reads it (llama.cpp's adjustment): an assistant message's
+    reasoning as `thinking`, and a message with calls and reasoning without its content (the
+    template refuses both)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and isinstance(m.get("reasoning_content"), str):
+            m = dict(m, thinking=m["reasoning_content"])
+            if m.get("tool_calls"):
+                m.pop("content", None)
+        out.append(m)
+    return out
 
 
 def chat_ids(state: ServerState, text: str) -> list[int]:
@@ -157,7 +209,10 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
         body, [ids], max_tokens, "chat", body.model, body.n, body.stream, top, imposed=tool_grammar
     )
     run = await start(state, gen)
-    return ChatRun(ids, text, tools, run.pieces, top)
+    p = state.prompter
+    fmt = body.reasoning_format or state.config.reasoning_format
+    syntax = answer_syntax(p.chat_template)
+    return ChatRun(ids, text, tools, run.pieces, top, syntax, fmt, p.tool_format)
 
 
 def _one_constraint(
@@ -241,9 +296,8 @@ class _ChatStream:
         self, state: ServerState, body: ChatCompletionRequest, run: ChatRun, head: _Head
     ) -> None:
         self.state, self.body, self.run, self.head = state, body, run, head
-        fmt = state.prompter.tool_format
         self.started = [False] * body.n
-        self.parsers = [ToolCallParser(fmt) if run.tools else None for _ in range(body.n)]
+        self.parsers = [run.parser(stream=True) for _ in range(body.n)]
         self.finished: list[FinishEvent] = []
         self.clock = StreamClock(len(run.ids)) if body.timings_per_token else None
 
@@ -258,16 +312,20 @@ class _ChatStream:
             self.started[i] = True
             out.append(chunk([_piece(i, {"role": "assistant", "content": None})]))
         parser = self.parsers[i]
-        text, calls = stream_calls(parser, d.text, d.finish is not None)
+        parts = parser.feed(d.text)
         if d.finish is not None:
+            parts += parser.finish()
             self.finished.append(d.finish)
+        text, calls = parts.content, parts.calls
         lps = None
         if self.run.top is not None and d.logprobs:
             lps = chat_logprobs(self.state, d.logprobs)
+        if parts.reasoning:  # as llama-server: a delta of its own
+            out.append(chunk([_piece(i, {"reasoning_content": parts.reasoning})]))
         if text or lps is not None:
             out.append(chunk([_piece(i, {"content": text or None}, logprobs=lps)]))
         if calls:
-            k0 = len(parser.calls) - len(calls) if parser is not None else 0
+            k0 = len(parser.calls) - len(calls)
             delta = {"tool_calls": [c.as_openai(k0 + k) for k, c in enumerate(calls)]}
             out.append(chunk([_piece(i, delta)]))
         if clock is not None and d.tokens:  # on the pieces, not on the role chunk
@@ -276,7 +334,7 @@ class _ChatStream:
                 if "role" not in ev["choices"][0]["delta"]:
                     ev["timings"] = tick
         if d.finish is not None:  # the finish in a chunk of its own, its delta empty
-            n_calls = len(parser.calls) if parser is not None else 0
+            n_calls = len(parser.calls)
             out.append(chunk([_piece(i, {}, finish_reason=_reason(d.finish, n_calls))]))
         return out
 
@@ -292,25 +350,28 @@ class _ChatStream:
         return [self.head.chunk([]) | {"usage": usage_} | last]
 
 
-def _message(c: Choice, tools: bool, fmt: str) -> tuple[dict[str, Any], int]:
-    """A whole choice's message, its text split into content and calls where tools are given."""
-    if not tools:
-        return {"role": "assistant", "content": c.text}, 0
-    content, calls = parse_tool_calls(c.text, fmt)
-    msg: dict[str, Any] = {"role": "assistant", "content": content or None}
-    if calls:
-        msg["tool_calls"] = [call.as_openai() for call in calls]
-    return msg, len(calls)
+def _message(c: Choice, run: ChatRun) -> tuple[dict[str, Any], int]:
+    """A whole choice's message: its text split into reasoning, content and calls (where tools
+    are given); `reasoning_content` only where there is reasoning, as llama-server answers."""
+    parts = run.parse(c.text)
+    content: str | None = parts.content
+    if run.tools:
+        content = content or None
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if parts.reasoning:
+        msg["reasoning_content"] = parts.reasoning
+    if parts.calls:
+        msg["tool_calls"] = [call.as_openai() for call in parts.calls]
+    return msg, len(parts.calls)
 
 
 async def _whole(
     state: ServerState, body: ChatCompletionRequest, run: ChatRun, head: _Head, request: Request
 ) -> dict[str, Any]:
     choices = await collect(request, run.pieces, body.n)
-    fmt = state.prompter.tool_format
     out = []
     for c in choices:
-        msg, n_calls = _message(c, bool(run.tools), fmt)
+        msg, n_calls = _message(c, run)
         out.append(
             {
                 "index": c.index,

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
+from graftlm.server.reasoning import ReasoningFormat
 from graftlm.server.schemas import Body, NonNegInt, SamplingFields, StreamOptions
 from graftlm.tokenizer.chat import check_template_kwargs
 
@@ -36,10 +37,13 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+    # an assistant message's reasoning, given back (as llama-server reads it; templates that
+    # render it read `reasoning_content`, gpt-oss's `thinking`: server/chat.py gives both)
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string, tool-call arguments
-        as objects (templates write them with `tojson`)."""
+        as objects (templates write them with `tojson`), the reasoning where it is given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
@@ -49,6 +53,8 @@ class ChatMessage(Body):
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             calls = []
             for c in self.tool_calls:
@@ -111,6 +117,10 @@ class ChatCompletionRequest(SamplingFields):
     # llama-server's prefill); both true is a 400
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # llama-server's: where the answer's reasoning goes (None: the server's --reasoning-format),
+    # and the effort a template reads (gpt-oss's "low", "medium", "high")
+    reasoning_format: ReasoningFormat | None = None
+    reasoning_effort: Annotated[str, Field(max_length=64)] | None = None
 
 
 class ApplyTemplateRequest(Body):
@@ -119,3 +129,4 @@ class ApplyTemplateRequest(Body):
     continue_final_message: bool | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: TemplateKwargs = None
+    reasoning_effort: Annotated[str, Field(max_length=64)] | None = None

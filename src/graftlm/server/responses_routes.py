@@ -1,7 +1,10 @@
 """OpenAI's Responses API (/v1/responses), as llama-server serves it: a translation onto the same
 chat path as /v1/chat/completions, without stored state (`previous_response_id` is refused).
 Text input and output; `model` selects an adapter there too; `timings_per_token` adds llama-server's
-timings to the text deltas and the completed event.
+timings to the text deltas and the completed event. A model's reasoning (split as for the chat
+answer's `reasoning_content`, `server/reasoning.py`) is a `reasoning` output item before the
+message, streamed as `response.reasoning_text.delta` events; `reasoning.effort` is the
+template's `reasoning_effort`, as the chat body's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
-from graftlm.server.chat import count_chat_tokens, start_chat
+from graftlm.server.chat import ChatRun, count_chat_tokens, start_chat
 from graftlm.server.chat_schemas import ChatCompletionRequest
 from graftlm.server.framing import EventStream, StreamClock, progress_fields, served_name, timings
 from graftlm.server.inputs import RESPONSES_PARTS, content_text, problems
@@ -73,9 +76,13 @@ def chat_request(body: Any) -> tuple[ChatCompletionRequest, bool]:
         ("timings_per_token", "timings_per_token"),
         ("return_progress", "return_progress"),
         ("stream", "stream"),
+        ("reasoning_format", "reasoning_format"),
     ):
         if body.get(theirs) is not None:
             chat[ours] = body[theirs]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     try:
         return ChatCompletionRequest.model_validate(chat), bool(body.get("stream"))
     except ValidationError as exc:
@@ -111,6 +118,17 @@ def _response(
     }
 
 
+def _reasoning(rid: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "status": status,
+        "summary": [],
+        "content": [part] if status == "completed" else [],
+    }
+
+
 def _message(mid: str, text: str, status: str) -> dict[str, Any]:
     part = {"type": "output_text", "text": text, "annotations": []}
     return {
@@ -133,10 +151,17 @@ async def responses(request: Request) -> Any:
     model = served_name(state, body.model)
     if not stream:
         (c,) = await collect(request, run.pieces, 1)
-        out = _response(rid, model, created, "completed", [_message(mid, c.text, "completed")])
+        parts = run.parse(c.text)
+        items = [_reasoning(_rs_id(), parts.reasoning, "completed")] if parts.reasoning else []
+        items.append(_message(mid, parts.content, "completed"))
+        out = _response(rid, model, created, "completed", items)
         return out | {"usage": _usage(len(run.ids), c.finish)}
     clock = StreamClock(len(run.ids)) if body.timings_per_token else None
-    return EventStream(state, _stream(run.pieces, len(run.ids), rid, mid, model, created, clock))
+    return EventStream(state, _stream(run, rid, mid, model, created, clock))
+
+
+def _rs_id() -> str:
+    return f"rs_{uuid.uuid4().hex}"
 
 
 @router.post("/v1/responses/input_tokens")
@@ -150,13 +175,7 @@ async def input_tokens(request: Request) -> dict[str, Any]:
 
 
 async def _stream(
-    pieces: AsyncGenerator[Any, None],
-    n_prompt: int,
-    rid: str,
-    mid: str,
-    model: str,
-    created: int,
-    clock: StreamClock | None,
+    run: ChatRun, rid: str, mid: str, model: str, created: int, clock: StreamClock | None
 ) -> AsyncGenerator[bytes, None]:
     seq = [0]
 
@@ -165,18 +184,56 @@ async def _stream(
         payload = json.dumps({"type": kind, "sequence_number": seq[0], **data}, ensure_ascii=False)
         return f"event: {kind}\ndata: {payload}\n\n".encode()
 
-    at = {"item_id": mid, "output_index": 0, "content_index": 0}
+    parser = run.parser(stream=True)
+    items: list[dict[str, Any]] = []  # the output items done
+    thought: str | None = None  # the open reasoning item's text (None: none open)
+    rsid = _rs_id()
+    text: str | None = None  # the message's text (None: its item not yet opened)
+    finish = None
+
+    def think(delta: str) -> list[bytes]:
+        nonlocal thought
+        out = []
+        if thought is None:
+            thought = ""
+            item = _reasoning(rsid, "", "in_progress")
+            out.append(event("response.output_item.added", {"output_index": 0, "item": item}))
+        thought += delta
+        at = {"item_id": rsid, "output_index": 0, "content_index": 0}
+        out.append(event("response.reasoning_text.delta", at | {"delta": delta}))
+        return out
+
+    def end_thinking() -> list[bytes]:
+        nonlocal thought
+        if thought is None or items:
+            return []
+        at = {"item_id": rsid, "output_index": 0, "content_index": 0}
+        item = _reasoning(rsid, thought, "completed")
+        items.append(item)
+        return [
+            event("response.reasoning_text.done", at | {"text": thought}),
+            event("response.output_item.done", {"output_index": 0, "item": item}),
+        ]
+
+    def open_message() -> list[bytes]:
+        nonlocal text
+        if text is not None:
+            return []
+        text = ""
+        out = end_thinking()
+        k = len(items)
+        item = _message(mid, "", "in_progress")
+        out.append(event("response.output_item.added", {"output_index": k, "item": item}))
+        empty = {"type": "output_text", "text": "", "annotations": []}
+        at = {"item_id": mid, "output_index": k, "content_index": 0}
+        out.append(event("response.content_part.added", at | {"part": empty}))
+        return out
+
     yield event("response.created", {"response": _response(rid, model, created, "in_progress", [])})
     yield event(
         "response.in_progress", {"response": _response(rid, model, created, "in_progress", [])}
     )
-    yield event(
-        "response.output_item.added", {"output_index": 0, "item": _message(mid, "", "in_progress")}
-    )
-    empty = {"type": "output_text", "text": "", "annotations": []}
-    yield event("response.content_part.added", at | {"part": empty})
-    text, finish = "", None
-    async with aclosing(pieces) as it:
+    async with aclosing(run.pieces) as it:
         try:
             async for d in it:
                 if d.progress is not None:  # as llama-server: an in_progress event carries it
@@ -185,23 +242,38 @@ async def _stream(
                         "response.in_progress",
                         busy | progress_fields(d.progress, clock is not None),
                     )
-                if d.text:
-                    text += d.text
-                    ev: dict[str, Any] = at | {"delta": d.text}
-                    if clock is not None:
-                        ev["timings"] = clock.tick(len(d.tokens))
-                    yield event("response.output_text.delta", ev)
+                parts = parser.feed(d.text)
                 if d.finish is not None:
+                    parts += parser.finish()
                     finish = d.finish
+                if parts.reasoning and text is None:
+                    for ev in think(parts.reasoning):
+                        yield ev
+                elif parts.reasoning:  # (reasoning after the message's text: kept with it)
+                    parts.content = parts.reasoning + parts.content
+                if parts.content:
+                    for ev in open_message():
+                        yield ev
+                    text = (text or "") + parts.content
+                    at = {"item_id": mid, "output_index": len(items), "content_index": 0}
+                    ev_: dict[str, Any] = at | {"delta": parts.content}
+                    if clock is not None:
+                        ev_["timings"] = clock.tick(len(d.tokens))
+                    yield event("response.output_text.delta", ev_)
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
             err = ApiError.of(exc)
             yield event("error", {"code": err.code, "message": err.message})
             return
+    for ev in open_message():  # (an empty answer is still a message)
+        yield ev
+    at = {"item_id": mid, "output_index": len(items), "content_index": 0}
     yield event("response.output_text.done", at | {"text": text})
-    part = {"type": "output_text", "text": text, "annotations": []}
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
     yield event("response.content_part.done", at | {"part": part})
-    item = _message(mid, text, "completed")
-    yield event("response.output_item.done", {"output_index": 0, "item": item})
-    done = _response(rid, model, created, "completed", [item]) | {"usage": _usage(n_prompt, finish)}
+    item = _message(mid, text or "", "completed")
+    yield event("response.output_item.done", {"output_index": len(items), "item": item})
+    items.append(item)
+    done = _response(rid, model, created, "completed", items)
+    done |= {"usage": _usage(len(run.ids), finish)}
     extra = {"timings": timings(finish)} if finish is not None else {}
     yield event("response.completed", {"response": done} | extra)

@@ -58,6 +58,9 @@ class ServerConfig:
     strict_model_names: bool = False
     # llama-server's --pooling of embeddings: mean, cls, last, or none (/embedding only)
     pooling: str = "mean"
+    # llama-server's --reasoning-format: where a chat answer's reasoning goes (a request's
+    # reasoning_format goes over it; server/reasoning.py)
+    reasoning_format: str = "auto"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Tool calls in chat completions: the grammar that enforces `tool_choice`, and the parser that
 finds calls in the model's text (as it streams, or whole).
 
-Three formats, chosen by the chat template (`Prompter.tool_format`):
+Four formats, chosen by the chat template (`Prompter.tool_format`):
 
 - "hermes" (Hermes, Qwen 2.5, the built-in `chatml`): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; text around calls is content.
@@ -10,6 +10,9 @@ Three formats, chosen by the chat template (`Prompter.tool_format`):
 - "generic" (llama.cpp's, for a template that renders no tools): the whole answer is one JSON
   object, `{"tool_call": {"name": ..., "arguments": {...}}}` (or `"tool_calls": [...]`) or
   `{"response": "..."}`; a grammar holds every answer to that, whatever `tool_choice` says.
+- "harmony" (gpt-oss): a call is a message to the function,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`; its answers are
+  parsed by `server/reasoning.py`, which keeps their reasoning apart too.
 
 `tool_choice` "required" or a named function becomes a grammar (exactly one call, to one of the
 tools or to the named one, its arguments following the tool's JSON schema); "auto" leaves the
@@ -46,7 +49,7 @@ class ToolCall:
         return out
 
 
-def _call_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -61,11 +64,13 @@ def tool_constraint(
     `answer` (the generic format's tool_choice auto): or a `{"response": text}` instead."""
     args_key = "parameters" if fmt == "llama3" else "arguments"
     options = []
+    harmony_options: list[tuple[str, dict[str, Any]]] = []  # (name, its arguments' schema)
     for t in tools:
         fn = t["function"]
         if only is not None and fn["name"] != only:
             continue
         params = closed(fn.get("parameters") or {"type": "object"})
+        harmony_options.append((fn["name"], params))
         options.append(
             {
                 "type": "object",
@@ -85,7 +90,16 @@ def tool_constraint(
         schema = {"anyOf": [call, reply]} if answer else call
     # no free whitespace (as for response_format): a sampled call cannot wander into newlines
     schema = schema | {"x-guidance": {"whitespace_flexible": False, "lenient": True}}
-    if fmt in ("llama3", "generic"):
+    if fmt == "harmony":  # gpt-oss: a message to the function on the commentary channel
+        guidance = schema["x-guidance"]
+        calls = [
+            f'"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>" '
+            f"%json {json.dumps(args | {'x-guidance': guidance})}"
+            for name, args in harmony_options
+        ]
+        lark = "start: " + " | ".join(f"call{k}" for k in range(len(calls))) + "\n"
+        lark += "".join(f"call{k}: {c}\n" for k, c in enumerate(calls))
+    elif fmt in ("llama3", "generic"):
         lark = f"start: call\ncall: %json {json.dumps(schema)}"
     else:
         lark = f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
@@ -139,7 +153,7 @@ def _call_of(obj: Any) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), _call_id())
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
 
 
 class ToolCallParser:
@@ -181,7 +195,7 @@ class ToolCallParser:
                 self._buf = self._buf[start + len(OPEN) :]
                 self._in_call = True
                 continue
-            keep = _partial_suffix(self._buf, OPEN)  # may be the start of a tag
+            keep = partial_suffix(self._buf, OPEN)  # may be the start of a tag
             content += self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(self._buf) - keep :]
             break
@@ -238,7 +252,7 @@ class ToolCallParser:
         return "", [c for c in calls if c is not None]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -252,12 +252,15 @@ def supports_tools(template: str | None) -> bool:
 
 def tool_format(template: str | None) -> str:
     """How the model writes a call: "hermes" (`<tool_call>{...}</tool_call>`), "llama3" (a bare
-    JSON object with "name" and "parameters"), or "generic" for a template that renders no tools
+    JSON object with "name" and "parameters"), "harmony" (gpt-oss's message to a function), or
+    "generic" for a template that renders no tools
     (llama.cpp's generic format: the tools in a system message, and the answer one JSON object,
     `{"tool_call": {...}}` or `{"response": "..."}`, held to that by a grammar)."""
     if not supports_tools(template):
         return "generic"
     assert template is not None
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "harmony"  # gpt-oss: a call is a message to `functions.NAME` (server/reasoning.py)
     if "<tool_call>" not in template and "ipython" in template:
         return "llama3"
     return "hermes"

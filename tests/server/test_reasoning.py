@@ -247,3 +247,20 @@ def test_harmony_tool_grammar_compiles() -> None:
         assert ("to=functions.f" in c.text) == (only is None)
         err = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", c.text))
         assert not err, err
+
+
+def test_serve_flags() -> None:
+    """llama-server's --reasoning-format and --reasoning-effort are taken (no "no effect"
+    note), the effort a template variable every chat gets."""
+    from graftlm.cli import build_parser
+    from graftlm.commands.llama_server_flags import llama_server_notes
+    from graftlm.commands.serve import chat_template_kwargs
+
+    p = build_parser()
+    a = p.parse_args(["serve"])
+    assert a.reasoning_format == "auto" and chat_template_kwargs(a) == {}
+    a = p.parse_args("serve --reasoning-format none --reasoning-effort high -rea off".split())
+    assert a.reasoning_format == "none" and llama_server_notes(a) == []
+    assert chat_template_kwargs(a) == {"enable_thinking": False, "reasoning_effort": "high"}
+    with pytest.raises(SystemExit):
+        p.parse_args("serve --reasoning-format think".split())

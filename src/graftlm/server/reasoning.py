@@ -140,7 +140,6 @@ class AnswerParser:
                 self.sink.open(THINK_OPEN)
         else:
             self._state = "header"
-            self._header = ""
             self._channel = ""
             self._recipient: str | None = None
             self._seen_message = False
@@ -281,10 +280,10 @@ class AnswerParser:
         return True
 
     def _begin_body(self, header: str, channel: str, recipient: str | None) -> None:
-        self._state, self._header = "body", header
+        self._state = "body"
         self._channel, self._recipient = channel, recipient
         self._seen_message = True
-        self._args = ""
+        self._args = ""  # a call's arguments, gathered to its end
         if channel == "analysis" and recipient is None:
             self.sink.open(header.lstrip().removeprefix(START).removeprefix("assistant") + MESSAGE)
 

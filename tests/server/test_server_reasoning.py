@@ -264,6 +264,10 @@ def test_history_reasoning_and_effort_reach_the_template(url: str) -> None:
     kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
     r = httpx.post(url + "/apply-template", json=body | kwargs, timeout=60)
     assert "Reasoning: high" in r.json()["prompt"]  # (the kwargs go over the field)
+    bare = [{"type": "function", "function": {"name": "f"}}]  # no description, no parameters
+    r = httpx.post(url + "/apply-template", json=body | {"tools": bare}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "type f = () => any;" in r.json()["prompt"]
     thinking = [{"type": "thinking", "thinking": "Think first.", "signature": ""},
                 {"type": "text", "text": "Hi."}]  # fmt: skip
     anthropic = {"messages": [*CHAT, {"role": "assistant", "content": thinking}, *CHAT]}

@@ -149,6 +149,9 @@ def chat_text(
         kwargs = {"reasoning_effort": body.reasoning_effort} | (kwargs or {})
     if answer_syntax(state.prompter.chat_template) == "harmony":
         messages = harmony_messages(messages)
+        # gpt-oss's template writes every tool's description unguarded: one left out (as
+        # clients often leave it) would fail the render
+        tools = [_described(t) for t in tools] if tools else tools
     if cont:
         return str(
             apply(messages[:-1], add_generation_prompt=True, tools=tools, kwargs=kwargs)
@@ -162,6 +165,13 @@ def chat_text(
         if at >= 0:
             text = text[:at] + "<|end|>" + text[at + len("<|return|>") :]
     return text
+
+
+def _described(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function")
+    if isinstance(fn, dict) and fn.get("description") is None:
+        return tool | {"function": fn | {"description": ""}}
+    return tool
 
 
 def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -137,6 +137,19 @@ def test_tiny_model_follows_regex_choice_and_gbnf(tiny: graftlm.Model) -> None:
     assert re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", str(out)), out
 
 
+def test_forced_text_on_a_vocabulary_with_a_space_prefix(tiny_gemma3: Path) -> None:
+    """SentencePiece vocabularies that prefix a space (Llama 2, Mistral, gpt-oss's tiny reference):
+    the grammar's literal text is encoded as text that continues the answer, without the prefix,
+    or llguidance refuses its own forced tokens ("token ' ' doesn't satisfy the grammar")."""
+    m = graftlm.load(tiny_gemma3, ctx_size=256)
+    m.tokenizer.add_space_prefix = True
+    for seed in range(3):
+        out = m.generate("the", max_tokens=20, temperature=1.0, seed=seed, choice=["yes", "a.b"])
+        assert out in ("yes", "a.b")
+    out = m.generate("the", max_tokens=20, temperature=1.0, seed=0, regex=r"the [0-9]{2}")
+    assert re.fullmatch(r"the [0-9]{2}", str(out)), out
+
+
 def test_unconstrained_text_is_unchanged_by_the_machinery(tiny: graftlm.Model) -> None:
     a = tiny.generate("the", max_tokens=12, temperature=0, ignore_eos=True)
     b = tiny.generate("the", max_tokens=12, temperature=0, ignore_eos=True, logit_bias={})

@@ -66,10 +66,6 @@ def url() -> Iterator[str]:
     if folder is None:
         pytest.skip("the tiny gpt-oss reference cannot be made here (transformers, converter)")
     model = graftlm.load(folder / "model-f32.gguf", ctx_size=2048, n_seq=3, chat_template=TEMPLATE)
-    # The tiny reference's SentencePiece vocabulary adds a space before text; graftlm's grammar
-    # engine tokenizes the bytes a grammar forces with it (a "▁" it then cannot match), so it
-    # is off here, where only forced text is read (the prompt's tokens do not matter).
-    model.tokenizer.add_space_prefix = False
     state = build_state(model, ServerConfig(model_name="gpt-oss"), parallel=2)
     with serving(state) as u:
         yield u

@@ -132,8 +132,12 @@ class _Vocabulary:
         self._tokenizer = tokenizer
 
     def __call__(self, text: bytes) -> list[int]:
+        # the grammar forces text in the middle of an answer: no SentencePiece space prefix
         return self._tokenizer.encode(
-            text.decode("utf-8", errors="replace"), add_special=False, parse_special=False
+            text.decode("utf-8", errors="replace"),
+            add_special=False,
+            parse_special=False,
+            space_prefix=False,
         )
 
 

@@ -122,12 +122,19 @@ class Tokenizer:
 
     # -- encoding ---------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(
+        self,
+        text: str,
+        add_special: bool = True,
+        parse_special: bool = False,
+        space_prefix: bool = True,
+    ) -> list[int]:
         """Token ids of `text`, as `llama_tokenize(text, add_special, parse_special)` returns them.
 
         `add_special` adds BOS/EOS where the model asks for them; `parse_special` lets control
         tokens written in the text (e.g. "<|im_start|>") become their ids. User-defined tokens
-        are always matched."""
+        are always matched. `space_prefix=False` encodes text that continues other text: no
+        SentencePiece space prefix even where the vocabulary asks for one."""
         text = _valid_text(text)
         fragments = self.vocab.partition(text, parse_special)
         out: list[int] = []
@@ -140,7 +147,7 @@ class Tokenizer:
                 out.append(frag)
                 prev_special = True
                 continue
-            if spm and self.add_space_prefix and prev_special:
+            if spm and space_prefix and self.add_space_prefix and prev_special:
                 frag = " " + frag
             out += self._encode_text(frag)
             prev_special = False

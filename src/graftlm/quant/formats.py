@@ -280,5 +280,5 @@ class MXFP4(BlockFormat):
     def dequantize(self, u: torch.Tensor, f: Fields) -> torch.Tensor:
         rows, n_in = u.shape
         s, _ = self.group_params(f)
-        w = _MXFP4_VALUES[u.long()].view(rows, -1, self.group_size)  # (rows, G, 32)
+        w = _MXFP4_VALUES.take(u.long()).view(rows, -1, self.group_size)  # (rows, G, 32)
         return w.mul_(s.unsqueeze(-1)).reshape(rows, n_in)

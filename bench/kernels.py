@@ -1,10 +1,10 @@
 """Quantized matmul throughput per kernel and rows of x, side by side in one run.
 
 For each weight type and shape: GMAC/s of the native int8-activation kernel, of the exact float32
-path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled), for
-M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
+path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled; the
+blocks fallback for the types torch has none for, MXFP4's among them), for M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
 
-    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2]
+    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from synth_tensors import random_blocks  # noqa: E402
 
 SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
+SHAPES += [(Q.MXFP4, 5760, 2880), (Q.MXFP4, 2880, 2880)]  # gpt-oss-20b's experts: [gate; up], down
 
 
 def gmacs(fn: Callable[[], object], macs: int) -> float:
@@ -42,6 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", nargs="*", help="only these GGUF types (e.g. MXFP4)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -50,6 +52,8 @@ def main() -> None:
     print("| type | n_out x n_in | M | native | float32 chunks | torch fused | (GMAC/s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for qtype, n, k in SHAPES:
+        if args.types and qtype.name not in args.types:
+            continue
         raw = random_blocks(qtype, (n, k), rng)
         w = QWeight.from_gguf(raw, qtype, (n, k))
         with disabled():

@@ -60,6 +60,9 @@ SHAPES = {
     "mixtral-small": Shape("llama", 1024, 16, 4, 64, 2048, 8, 32000, False, 8, 2, 1e6),
     # Qwen3-30B-A3B with 6 of its 48 layers: 128 experts of width 768, 8 a token
     "qwen3-30b-a3b-6l": Shape("qwen3moe", 2048, 32, 4, 128, 768, 6, 151936, False, 128, 8, 1e6),
+    # gpt-oss-20b: 64 heads of 64 (q 4096 wide, d 2880), 32 experts of width 2880, 4 a token,
+    # a sliding window of 128 on even layers, sinks and biases; its mix is "mxfp4" (`--layers 4`)
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 64, 8, 64, 2880, 24, 201088, False, 32, 4, 150000.0),
 }
 
 # (default type, the "more bits" type); llama.cpp's fallback where n_in % 256 != 0
@@ -75,7 +78,12 @@ MIXES = {
     "iq4_nl": (Q.IQ4_NL, Q.Q6_K),
     "f16": (Q.F16, Q.F16),  # what export-lora writes by default
     "bf16": (Q.BF16, Q.BF16),
+    # gpt-oss as released (llama-quantize's MXFP4_MOE): routed experts MXFP4, the rest Q8_0
+    "mxfp4": (Q.Q8_0, Q.Q8_0),
 }
+EXPERT_TYPE = {"mxfp4": Q.MXFP4}  # the routed experts' type where a mix sets one
+EXPERT_ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+E8M0_RANGE = (116, 121)  # MXFP4 block exponents: weights of about 0.002-0.1 with random codes
 FALLBACK = {
     Q.Q4_K: Q.Q5_0,
     Q.Q5_K: Q.Q5_1,
@@ -97,6 +105,8 @@ def more_bits(i: int, n: int) -> bool:
 
 def tensor_type(mix: str, role: str, layer: int, n_layer: int, n_in: int) -> Q:
     base, more = MIXES[mix]
+    if role in EXPERT_ROLES and mix in EXPERT_TYPE:
+        return EXPERT_TYPE[mix]
     if role == "output":
         t = more
     elif role in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits(layer, n_layer):
@@ -155,6 +165,9 @@ def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
         out.append(("output.weight", "output", -1, (s.vocab, s.d)))
     for i in range(s.n_layer):
         p = f"blk.{i}."
+        if s.arch == "gpt-oss":
+            out += _gpt_oss_layer(s, i)
+            continue
         norms = ["attn_norm", "ffn_norm"]
         if s.arch == "gemma2":
             norms += ["post_attention_norm", "post_ffw_norm"]
@@ -190,6 +203,31 @@ def tensors(s: Shape) -> list[tuple[str, str, int, tuple[int, ...]]]:
     return out
 
 
+def _gpt_oss_layer(s: Shape, i: int) -> list[tuple[str, str, int, tuple[int, ...]]]:
+    """gpt-oss's layer i as llama.cpp's converter names it (gguf's MODEL_TENSORS[GPT_OSS]): the
+    attention with biases and sinks, post_attention_norm before the router, the router's bias
+    and the experts' biases beside their weights."""
+    p, q, kv, e = f"blk.{i}.", s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_expert
+    return [
+        (p + "attn_norm.weight", "norm", i, (s.d,)),
+        (p + "post_attention_norm.weight", "norm", i, (s.d,)),
+        (p + "attn_q.weight", "attn_q", i, (q, s.d)), (p + "attn_q.bias", "bias", i, (q,)),
+        (p + "attn_k.weight", "attn_k", i, (kv, s.d)), (p + "attn_k.bias", "bias", i, (kv,)),
+        (p + "attn_v.weight", "attn_v", i, (kv, s.d)), (p + "attn_v.bias", "bias", i, (kv,)),
+        (p + "attn_output.weight", "attn_output", i, (s.d, q)),
+        (p + "attn_output.bias", "bias", i, (s.d,)),
+        (p + "attn_sinks.weight", "bias", i, (s.n_head,)),
+        (p + "ffn_gate_inp.weight", "router", i, (e, s.d)),  # float32: llama.cpp never quantizes it
+        (p + "ffn_gate_inp.bias", "bias", i, (e,)),
+        (p + "ffn_gate_exps.weight", "ffn_gate_exps", i, (e, s.ff, s.d)),
+        (p + "ffn_gate_exps.bias", "bias", i, (e, s.ff)),
+        (p + "ffn_up_exps.weight", "ffn_up_exps", i, (e, s.ff, s.d)),
+        (p + "ffn_up_exps.bias", "bias", i, (e, s.ff)),
+        (p + "ffn_down_exps.weight", "ffn_down_exps", i, (e, s.d, s.ff)),
+        (p + "ffn_down_exps.bias", "bias", i, (e, s.d)),
+    ]  # fmt: skip
+
+
 def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str, ctx: int = 4096) -> None:
     w.add_type("model")
     w.add_name(f"random-{name}-{mix}")
@@ -201,7 +239,7 @@ def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str, ctx: int = 4096
     w.add_head_count_kv(s.n_head_kv)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if s.arch == "gpt-oss" else 1e-6)
     w.add_rope_freq_base(s.rope_base)
     w.add_vocab_size(s.vocab)
     if s.arch != "gemma2":
@@ -215,8 +253,13 @@ def _metadata(w: gguf.GGUFWriter, name: str, s: Shape, mix: str, ctx: int = 4096
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
-    if s.arch == "qwen3moe":
+    if s.arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_feed_forward_length(s.ff)  # (feed_forward_length is the dense width)
+    if s.arch == "gpt-oss":  # as the converter writes gpt-oss-20b's config
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
 
 
 def write_model(
@@ -246,6 +289,9 @@ def write_model(
                 continue
             rows = int(np.prod(shape[:-1]))
             raw = random_blocks(qt, (rows, shape[-1]), rng, SCALE.get(qt, 1e-3))
+            if qt == Q.MXFP4:  # each block's E8M0 exponent (byte 0 of its 17)
+                blocks = raw.reshape(-1, 17)
+                blocks[:, 0] = rng.integers(*E8M0_RANGE, blocks.shape[0], dtype=np.uint8)
             w.add_tensor(tname, raw.reshape(*shape[:-1], -1), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -80,3 +80,47 @@ def test_bench_sets_no_llama_cpp_figure_it_did_not_measure(
     for cells in rows.values():
         assert float(cells[4].split()[0]) > 0
         assert cells[5] == "-" and cells[6] == "-"
+
+
+def test_real_shapes_gpt_oss_is_what_llama_cpp_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/real_shapes.py's gpt-oss-20b layout at a small width: every tensor one of gguf's
+    MODEL_TENSORS for gpt-oss, the experts MXFP4 (the rest Q8_0, the router float32), and a file
+    graftlm serves with its experts on native-mx4 where the native kernels built."""
+    import sys
+    from dataclasses import replace
+
+    import gguf
+    import torch
+
+    from graftlm.gguf import GGUFFile
+    from graftlm.models import build_model
+    from graftlm.native import library
+    from graftlm.step.batch import Batch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import real_shapes
+
+    small = replace(real_shapes.SHAPES["gpt-oss-20b"], d=128, n_head=4, n_head_kv=2, ff=64,
+                    n_expert=8, n_expert_used=2, vocab=1024)  # fmt: skip
+    monkeypatch.setitem(real_shapes.SHAPES, "gpt-oss-20b", small)
+    path = real_shapes.write_model(tmp_path, "gpt-oss-20b", "mxfp4", layers=2)
+    arch = gguf.MODEL_ARCH.GPT_OSS
+    names = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    types = {}
+    for t in gguf.GGUFReader(path).tensors:
+        base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", t.name).rsplit(".", 1)[0]
+        assert base in names, t.name
+        types[t.name] = t.tensor_type
+    assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    assert types["blk.1.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.1.ffn_gate_inp.weight"] == gguf.GGMLQuantizationType.F32
+    model = build_model(GGUFFile(path), 64)
+    assert model.blocks[1].ffn_down_exps[0].kernel == (
+        "native-mx4" if library() is not None else "blocks"
+    )
+    model.allocate_cache(1, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model.forward(Batch.single([5, 6, 7, 8]))
+    assert torch.isfinite(logits).all()

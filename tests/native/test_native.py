@@ -51,7 +51,9 @@ def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS], ids=str
+    "qtype",
+    [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4],
+    ids=str,
 )
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
@@ -288,6 +290,7 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("qwen2", Q.Q4_0),
         ("llama", Q.IQ4_NL),
         ("llama", Q.IQ4_XS),
+        ("llama", Q.MXFP4),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])

@@ -42,6 +42,8 @@ CASES = [
     (Q.IQ4_NL, (100, 896), "blocks", "native-s8"),  # a padded row group
     (Q.IQ4_XS, (64, 512), "blocks", "native-s8"),
     (Q.IQ4_XS, (100, 768), "blocks", "native-s8"),
+    (Q.MXFP4, (64, 256), "blocks", "native-mx4"),
+    (Q.MXFP4, (100, 864), "blocks", "native-mx4"),  # a padded row group, 27 blocks a row
     (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
 ]
 MODES = ["torch", "native"]

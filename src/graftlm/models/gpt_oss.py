@@ -12,7 +12,8 @@ As llama.cpp's `openai-moe-iswa` graph computes it (and transformers' GptOssForC
 
 The native decoder layer and the native attention have no sinks: every step runs these blocks in
 PyTorch (`layer_spec` is None), the attention through primitives.attention's written-out scores.
-Expert weights in MXFP4 (the released files) go through the exact blocks kernel (quant/).
+Expert weights in MXFP4 (the released files) go through quant/'s native-mx4 kernel where the native
+library built (csrc/mxfp4.c), the exact blocks kernel otherwise.
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ class GptOssBlock:
 
 
 def routed_ffn(
-    h: torch.Tensor, router_logits: torch.Tensor, b: GptOssBlock, n_used: int
+    h: torch.Tensor, router_logits: torch.Tensor, b: GptOssBlock, n_used: int, exact: bool = False
 ) -> torch.Tensor:
-    """h (B, T, n_embd), router_logits (B, T, n_expert) with the router's bias -> (B, T, n_embd).
+    """h (B, T, n_embd), router_logits (B, T, n_expert) with the router's bias -> (B, T, n_embd);
+    exact: the experts' products in float32 (the step's Batch.exact, as quant.linear takes it).
 
     Semantics (llama.cpp's SOFTMAX_WEIGHT gating; transformers' GptOssTopKRouter):
         top = the n_used largest logits; w = softmax(logits[top])
@@ -89,9 +91,9 @@ def routed_ffn(
     weight = torch.softmax(top, dim=-1).to(x.dtype)
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate, up = b.ffn_gate_up_exps.halves(e, xe)
+        gate, up = b.ffn_gate_up_exps.halves(e, xe, exact)
         act = swiglu_oai(gate + b.ffn_gate_exps_bias[e], up + b.ffn_up_exps_bias[e])
-        return linear(act, b.ffn_down_exps[e]) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
+        return linear(act, b.ffn_down_exps[e], exact) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
 
     out = mix_experts(x, chosen, weight, expert)
     return out.view_as(h)
@@ -145,7 +147,7 @@ class GptOss(Transformer):
         x = x + (b.attn_output(a, batch) + b.attn_output_bias)
         h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
         logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)
-        return x + routed_ffn(h, logits, b, cfg.n_expert_used)
+        return x + routed_ffn(h, logits, b, cfg.n_expert_used, batch.exact)
 
     @property
     def nbytes(self) -> int:

@@ -87,12 +87,14 @@ class GatedExperts:
             self.stacked = [q.to(device) for q in self.stacked]
         return self
 
-    def halves(self, e: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate_e(x), up_e(x) for x (n, n_in), each (n, n_ff)."""
+    def halves(
+        self, e: int, x: torch.Tensor, exact: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_e(x), up_e(x) for x (n, n_in), each (n, n_ff); exact as in quant.linear."""
         if self.stacked is None:
             assert self.parts is not None
-            return linear(x, self.parts[0][e]), linear(x, self.parts[1][e])
-        gate, up = linear(x, self.stacked[e]).chunk(2, dim=-1)
+            return linear(x, self.parts[0][e], exact), linear(x, self.parts[1][e], exact)
+        gate, up = linear(x, self.stacked[e], exact).chunk(2, dim=-1)
         return gate, up
 
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:

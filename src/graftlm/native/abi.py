@@ -114,6 +114,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_mm_u4": (None, [_P, _I64, _I64, _P, _P, _P, _INT, _INT, _I64, _P, _INT]),
     "gl_mm_s8": (None, [_P, _I64, _I64, _P, _P, _INT, _INT, _INT, _I64, _P, _INT]),
     "gl_mm_f": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
+    "gl_pack_mx4": (_INT, [_P, _I64, _I64, _I64, _P, _INT]),  # raw, rowbytes, n, k, q, threads
+    "gl_deq_mx4": (None, [_P, _I64, _P, _I64, _I64, _P, _INT]),  # q, k, ids, row0, nrows, out
+    "gl_mm_mx4": (None, [_P, _I64, _I64, _P, _I64, _P, _INT]),  # x, M, k, q, n, y, threads
     "gl_pack_k4": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]),
     "gl_deq_k4": (None, [_P, _P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_k4": (None, [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT]),

@@ -62,6 +62,9 @@ class BlockFormat(ABC):
     c_min: ClassVar[int]  # signed code = u + c_min
     group_size: ClassVar[int]  # values sharing one S (and B)
     offset: ClassVar[bool] = False  # whether B exists
+    # whether w is affine in the code (the formula above); MXFP4's is a table of values instead
+    # (its own dequantize), which int4pack's planes cannot hold
+    affine: ClassVar[bool] = True
     block_size: ClassVar[int]
     type_size: ClassVar[int]
 
@@ -246,3 +249,36 @@ class Q6_K(BlockFormat):
 
     def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _rep(f["d"], 16) * f["sc"].float(), None
+
+
+# ---- MXFP4: a table of values, not affine in the code ----------------------------------------
+_MXFP4_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
+
+
+class MXFP4(BlockFormat):
+    """block: e (E8M0) | qs[16];  w = VALUES[u] * e8m0_half(e), gguf's one float32 product.
+
+    VALUES are the e2m1 values doubled (ggml's kvalues_mxfp4, integers) and e8m0_half(e) =
+    2^(e - 128) the scale halved to match (ggml_e8m0_to_fp32_half: e 0 and 1 give the float32
+    subnormals 2^-128 and 2^-127, e 255 gives 2^126).  The PyTorch twin of csrc/mxfp4.c's
+    dequantization, and the fallback's decoder.
+    """
+
+    qtype, bits, c_min, group_size = T.MXFP4, 4, 0, 32
+    affine = False
+
+    def split(self, blocks: torch.Tensor) -> tuple[torch.Tensor, Fields]:
+        return _nibbles(blocks[:, 1:], 1), {"e": blocks[:, :1].contiguous()}
+
+    def group_params(self, f: Fields) -> tuple[torch.Tensor, torch.Tensor | None]:
+        e = f["e"].to(torch.int32)
+        bits = torch.where(e < 2, 0x00200000 << e.clamp(max=1), (e - 1) << 23)
+        return bits.view(torch.float32), None
+
+    def dequantize(self, u: torch.Tensor, f: Fields) -> torch.Tensor:
+        rows, n_in = u.shape
+        s, _ = self.group_params(f)
+        w = _MXFP4_VALUES.take(u.long()).view(rows, -1, self.group_size)  # (rows, G, 32)
+        return w.mul_(s.unsqueeze(-1)).reshape(rows, n_in)

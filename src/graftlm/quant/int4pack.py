@@ -223,6 +223,8 @@ class PairedPlanes(Planes):
 
 def planes_for(fmt: BlockFormat) -> Planes | None:
     """The plane layout that fits a GGUF format exactly, if any."""
+    if not fmt.affine:
+        return None
     if fmt.group_size == GROUP:
         return OnePlane(fmt) if fmt.bits <= 4 else SplitPlanes(fmt)
     paired_ok = not fmt.offset and 5 <= fmt.bits <= 6 and (fmt.c_min + 40) % 4 == 0

@@ -17,6 +17,7 @@ from graftlm.quant.native_kernels import (
     NativeFloatKernel,
     NativeK4Kernel,
     NativeK16Kernel,
+    NativeMX4Kernel,
     NativeS8Kernel,
     NativeU4Kernel,
 )
@@ -37,6 +38,7 @@ FAST_KERNELS: list[type[Kernel]] = [
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,
+    NativeMX4Kernel,
     Int8GroupKernel,
     Int4PackKernel,
     BlockKernel,

@@ -143,6 +143,7 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 
 #include "quant.c"
 #include "kquant.c"
+#include "mxfp4.c"
 #include "amx.c"
 #include "attn.c"
 #include "lora.c"

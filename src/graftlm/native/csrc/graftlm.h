@@ -4,6 +4,7 @@
  * as it saw the one file they were:
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
+ *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size, the same three
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
@@ -177,6 +178,12 @@ GL_API void gl_mm_u4(const float *x, int64_t M, int64_t k, const uint8_t *qs, co
                      const void *m, int h, int h5, int64_t n, float *y, int nth);
 GL_API void gl_mm_s8(const float *x, int64_t M, int64_t k, const int8_t *q, const void *s, int h,
                      int v, int sblk, int64_t n, float *y, int nth);
+/* mxfp4.c */
+GL_API int gl_pack_mx4(const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k, uint8_t *q, int nth);
+GL_API void gl_deq_mx4(const uint8_t *q, int64_t k, const int64_t *ids, int64_t row0, int64_t nrows,
+                       float *out, int nth);
+GL_API void gl_mm_mx4(const float *x, int64_t M, int64_t k, const uint8_t *q, int64_t n, float *y,
+                      int nth);
 /* float.c (k a multiple of 32, as every product's) */
 GL_API void gl_mm_f(const float *x, int64_t M, int64_t k, const void *w, int h, int64_t n, float *y,
                     int nth);
@@ -675,6 +682,9 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
                     float *y);
 static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y);
+/* mxfp4.c: mm_task for the weights of kind 5 */
+static void mx4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                     float *y);
 /* float.c: mm_task for the weights of kind 4 */
 static void f_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                    float *y);

@@ -135,3 +135,13 @@ def test_combine_all_is_each_combined_alone() -> None:
         assert torch.equal(got.a, alone.a) and torch.equal(got.b, alone.b)
         assert got.parts == alone.parts and got.sources == alone.sources
         assert got.a.is_contiguous() and got.b.is_contiguous()
+
+
+def test_a_s8_many_of_several_ranks_is_each_alone() -> None:
+    g = torch.Generator().manual_seed(3)
+    factors = [torch.randn(r, 64, generator=g) for r in (4, 12, 8, 1, 4)]
+    factors[1][3] = 0  # a zero row among the real ones
+    for a, got in zip(factors, packed.a_s8_many(factors), strict=True):
+        assert got is not None
+        for x, y in zip(got, _alone_a_s8(a), strict=True):
+            _same(x, y)

@@ -106,25 +106,30 @@ def a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def a_s8_many(factors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """a_s8 of several A of one n_in in one quantization and one packing call: each A padded
-    with zero rows to whole groups of 8 (as the packer pads a lone one), so each one's codes and
+    """a_s8 of several A of one n_in in one quantization and one packing call: each A's rows
+    then zero rows to whole groups of 8 (as the packer pads a lone one), so each one's codes and
     scales are a contiguous view of the shared result, byte for byte what a_s8 gives it alone."""
     n_in = int(factors[0].shape[1])
     if n_in % 32 or library() is None:
         return [None] * len(factors)
     rows = [int(a.shape[0]) for a in factors]
     padded = [-(-r // 8) * 8 for r in rows]
-    if len(set(rows)) == 1:  # (the usual adapter: one rank everywhere) one stack
-        stack = torch.zeros(len(factors), padded[0], n_in)
-        stack[:, : rows[0]] = torch.stack(factors)
-    else:
-        stack = torch.cat([torch.nn.functional.pad(a, (0, 0, 0, p - r))
-                           for a, r, p in zip(factors, rows, padded, strict=True)])  # fmt: skip
     total = sum(padded)
-    raw = quants.quantize(stack.reshape(total, n_in).numpy(), GGMLQuantizationType.Q8_0)
-    k = NativeS8Kernel.build(
-        torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (total, n_in)
-    )
+    # the rows themselves quantized (a zero row's Q8_0 bytes are all zero: d 0, codes 0), then
+    # laid out with zero rows to whole groups
+    flat = factors[0] if len(factors) == 1 else torch.cat(factors)
+    raw = quants.quantize(flat.contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    codes = np.zeros((total, raw.shape[1]), dtype=np.uint8)
+    if len(set(rows)) == 1:  # (the usual adapter: one rank everywhere)
+        codes.reshape(len(factors), padded[0], -1)[:, : rows[0]] = raw.reshape(
+            len(factors), rows[0], -1
+        )
+    else:
+        at, src = 0, 0
+        for r, p in zip(rows, padded, strict=True):
+            codes[at : at + r] = raw[src : src + r]
+            at, src = at + p, src + r
+    k = NativeS8Kernel.build(torch.from_numpy(codes), GGMLQuantizationType.Q8_0, (total, n_in))
     assert isinstance(k, NativeS8Kernel)
     q = k.q.view(total // 8, -1)  # (groups of 8 rows, their codes)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []

@@ -11,9 +11,12 @@ traffic twice, in turn each round: U requests, C at a time, each N greedy tokens
             thread), evicted when the room is needed
 
 then asks again, one request at a time, for the answers of some churn requests: each must equal
-what it was in the batch. Printed: each round's seconds and churn / base, the cold-load time of
-an attach from the server's /metrics (graftlm_lora_adapter_load_seconds: median and 95th
-percentile, interpolated within its buckets) apart from the time it waited for room
+what it was in the batch, and last, one request at a time on an idle server, for adapters the
+traffic never named (cold attaches alone). Printed: each round's seconds and churn / base (each
+churn round over the base round before it, and their median: the machine's load drifts less
+within a pair), the cold-load time of an attach from the server's /metrics
+(graftlm_lora_adapter_load_seconds: median and 95th percentile, interpolated within its
+buckets) under the churn traffic and alone, apart from the time it waited for room
 (graftlm_lora_adapter_wait_seconds), how many loads, and the server's resident memory.
 
     .venv/bin/python bench/churn_bench.py                       # 1,000 registered, 64 used, 16 slots
@@ -108,6 +111,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--check", type=int, default=8, help="churn answers asked again, alone")
+    p.add_argument("--alone", type=int, default=16, help="cold attaches alone, on an idle server")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18700)
     args = p.parse_args()
@@ -141,7 +145,8 @@ def main() -> int:
         with running(cmd, args.port, folder / "server.log", pid_file=pid_file) as url:
             pid = int(pid_file.read_text())
             print(f"server up: {rss_mib(pid):.0f} MiB resident")
-            asyncio.run(traffic(url, base[:2], 2))  # warm
+            # warm: a whole batch (the first one at full width is several times slower)
+            asyncio.run(traffic(url, base[: args.clients], args.clients))
             times: dict[str, list[float]] = {"base": [], "churn": []}
             texts: list[str] = []
             for rnd in range(args.rounds):
@@ -152,18 +157,29 @@ def main() -> int:
                     if name == "churn" and rnd == 0:
                         texts = got
                     print(f"  round {rnd + 1} {name:5s} {times[name][-1]:6.1f} s", flush=True)
-            alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
-            same = sum(a == b for a, b in zip(alone, texts, strict=False))
             buckets = histogram(url, "graftlm_lora_adapter_load_seconds")
             waits = histogram(url, "graftlm_lora_adapter_wait_seconds")
-            count = buckets[-1][1]
+            alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
+            same = sum(a == b for a, b in zip(alone, texts, strict=False))
+            before = histogram(url, "graftlm_lora_adapter_load_seconds")
+            fresh = range(args.used, min(args.used + args.alone, args.registered))
+            for i in fresh:
+                asyncio.run(traffic(url, [dict(base[0], model=f"a{i}", n_predict=1)], 1))
+            after = histogram(url, "graftlm_lora_adapter_load_seconds")
+            idle = [(le, n - m) for (le, n), (_, m) in zip(after, before, strict=True)]
             rss = rss_mib(pid)
         b, c = min(times["base"]), min(times["churn"])
-        print(f"base {b:.1f} s, churn {c:.1f} s: churn / base {c / b:.2f} (best round each)")
-        print(f"cold loads: {count:.0f}, each read, packed and attached in a median "
-              f"{quantile(buckets, 0.5) * 1000:.0f} ms (p95 {quantile(buckets, 0.95) * 1000:.0f}), "
-              f"after waiting for room a median {quantile(waits, 0.5) * 1000:.0f} ms "
-              f"(p95 {quantile(waits, 0.95) * 1000:.0f}); resident memory {rss:.0f} MiB")  # fmt: skip
+        pairs = [c / b for b, c in zip(times["base"], times["churn"], strict=True)]
+        print(f"base {b:.1f} s, churn {c:.1f} s: churn / base {c / b:.2f} (best round each); "
+              f"per pair {', '.join(f'{r:.2f}' for r in pairs)}: median "
+              f"{float(np.median(pairs)):.2f}")  # fmt: skip
+        print(f"cold loads under the churn traffic: {buckets[-1][1]:.0f}, each read, packed and "
+              f"attached in a median {quantile(buckets, 0.5) * 1000:.0f} ms "
+              f"(p95 {quantile(buckets, 0.95) * 1000:.0f}), after waiting for room a median "
+              f"{quantile(waits, 0.5) * 1000:.0f} ms (p95 {quantile(waits, 0.95) * 1000:.0f})")  # fmt: skip
+        print(f"cold loads alone (idle server): {idle[-1][1]:.0f}, a median "
+              f"{quantile(idle, 0.5) * 1000:.0f} ms (p95 {quantile(idle, 0.95) * 1000:.0f}); "
+              f"resident memory {rss:.0f} MiB")  # fmt: skip
         print(f"answers asked again alone: {same} of {len(alone)} equal to the batch's")
     return 0
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
-from graftlm.lora.packed import pack
+from graftlm.lora.packed import pack_many
 from graftlm.lora.scales import scale_problem
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
@@ -79,10 +79,20 @@ class AdapterSet:
         server reads in a worker thread): attaching then only points the tables at them."""
         if self.model.device.type != "cpu":
             return
+        for d in adapter.deltas.values():  # (as LoraSite.put keeps them: then it copies nothing)
+            if not (d.a.is_contiguous() and d.b.is_contiguous()):
+                d.a, d.b = d.a.contiguous(), d.b.contiguous()
         table = self.model.seams
-        for name, d in adapter.deltas.items():
+        by_kind: dict[bool, list[str]] = {}  # compact or not: the projections of each kind
+        for name in adapter.deltas:
             if name != EMBEDDING:
-                d.packed = pack(d.a, d.b, table.projections[name].approximate)
+                by_kind.setdefault(table.projections[name].approximate, []).append(name)
+        for compact, names in by_kind.items():
+            deltas = [adapter.deltas[name] for name in names]
+            for d, packed in zip(
+                deltas, pack_many([(d.a, d.b) for d in deltas], compact), strict=True
+            ):
+                d.packed = packed
 
     def attach(self, adapter: ResolvedAdapter, scale: float = 1.0) -> int:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
@@ -108,7 +118,12 @@ class AdapterSet:
 
     def _place(self, slot: int, adapter: ResolvedAdapter) -> None:
         dev = self.model.device
-        factors = {name: (d.a.to(dev), d.b.to(dev)) for name, d in adapter.deltas.items()}
+        factors = {
+            name: (d.a, d.b)
+            if d.a.device == dev and d.b.device == dev
+            else (d.a.to(dev), d.b.to(dev))
+            for name, d in adapter.deltas.items()
+        }  # (no tensor call on the engine's thread when the factors are there already)
         table = self.model.seams
         for name, (a, b) in factors.items():
             if name == EMBEDDING:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 import torch
 
 from graftlm.errors import AdapterError, ModelFileError
@@ -104,7 +105,7 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
     return ResolvedAdapter(
         path=str(f.path),
         alpha=alpha,
-        deltas={name: combine(parts, _n_out(model, name)) for name, parts in deltas.items()},
+        deltas=combine_all(deltas, model),
         n_tensors=len(f.tensors),
         task_name=task_name,
         prompt_prefix=prompt_prefix,
@@ -212,12 +213,25 @@ def _resolve_pair(
     if shape_problems:
         problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
         return []
-    a = dequantize_any(a_e.data, a_e.ggml_type, a_e.shape)
-    b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
+    a, b = _values(a_e), _values(b_e)
     factor = alpha / rb if alpha != 0 else 1.0
-    b = b * factor
+    if factor != 1.0:  # (b * 1.0 is b, bit for bit)
+        b = b * factor
     delta = Delta(a, b, sources=(f"{base}.weight",))
     return [(t.projection, (t.rows, t.at, delta)) for t in targets]
+
+
+_FLOATS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
+
+
+def _values(e: TensorEntry) -> torch.Tensor:
+    """A factor as float32, a fresh tensor: dequantize_any's values, F32 and F16 read in one copy
+    out of the memory map (an adapter is read off the engine's thread, where every call waits
+    for the interpreter's lock under traffic)."""
+    kind = _FLOATS.get(e.ggml_type)
+    if kind is not None and e.data.dtype == kind and e.data.size == math.prod(e.shape):
+        return torch.from_numpy(np.array(e.data, dtype=np.float32)).view(e.shape)
+    return dequantize_any(e.data, e.ggml_type, e.shape)
 
 
 def _ne(e: TensorEntry) -> str:
@@ -249,3 +263,45 @@ def combine(parts: list[tuple[slice, slice, Delta]], n_out: int) -> Delta:
         tuple(r for _, _, d in parts for r in (d.parts or (d.width,))),
         sources=tuple(s for _, _, d in parts for s in d.sources),
     )
+
+
+def combine_all(
+    pieces: dict[str, list[tuple[slice, slice, Delta]]], model: Base
+) -> dict[str, Delta]:
+    """combine of every projection's pieces, the same values: the projections whose pieces are
+    laid out alike (Q and V of every layer stacked into its QKV) combined as one stack, a few
+    tensor operations for all of them rather than a few each (an adapter is read off the engine's
+    thread, where each waits for the interpreter's lock under traffic)."""
+    out: dict[str, Delta] = {}
+    groups: dict[tuple[int, tuple[object, ...]], list[str]] = {}
+    for name, parts in pieces.items():
+        n_out = _n_out(model, name)
+        if name == EMBEDDING or (len(parts) == 1 and parts[0][0] == parts[0][1] == slice(0, n_out)):
+            out[name] = combine(parts, n_out)
+            continue
+        layout = tuple(
+            (rows.start, rows.stop, rows.step, at.start, at.stop, at.step,
+             *d.a.shape, *d.b.shape, d.parts or (d.width,))
+            for rows, at, d in parts
+        )  # fmt: skip
+        groups.setdefault((n_out, layout), []).append(name)
+    for (n_out, _), names in groups.items():
+        if len(names) == 1:
+            out[names[0]] = combine(pieces[names[0]], n_out)
+            continue
+        stacked = [pieces[n] for n in names]
+        first = stacked[0]
+        a = torch.cat([torch.stack([p[i][2].a for p in stacked]) for i in range(len(first))], dim=1)
+        b = torch.zeros(len(names), n_out, a.shape[1])
+        col = 0
+        for i, (rows, at, d) in enumerate(first):
+            b[:, at, col : col + d.width] = torch.stack([p[i][2].b for p in stacked])[:, rows]
+            col += d.width
+        for g, (name, parts) in enumerate(zip(names, stacked, strict=True)):
+            out[name] = Delta(
+                a[g],
+                b[g],
+                tuple(r for _, _, d in parts for r in (d.parts or (d.width,))),
+                sources=tuple(s for _, _, d in parts for s in d.sources),
+            )
+    return {name: out[name] for name in pieces}

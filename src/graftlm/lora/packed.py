@@ -41,38 +41,51 @@ BLOCK = 32  # outputs a product task covers: one block of every part it reaches
 def part_ranges(bt: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(c0, r, lo, hi) of each part of B (bt: (R, n_out), B transposed): the runs of consecutive
     columns that reach the same blocks [lo, hi) of 32 outputs; zero columns are in none."""
-    r, n_out = bt.shape
+    return part_ranges_many(bt.unsqueeze(0))[0]
+
+
+def part_ranges_many(bts: torch.Tensor) -> list[list[tuple[int, int, int, int]]]:
+    """part_ranges of each of G factors of one shape at once (bts: (G, R, n_out)): a few tensor
+    operations for all of them, then plain Python on the (G, R) summary."""
+    g, r, n_out = bts.shape
     blocks = -(-n_out // BLOCK)
-    padded = torch.zeros(r, blocks * BLOCK, dtype=torch.bool)
-    padded[:, :n_out] = bt != 0
-    nz = padded.view(r, blocks, BLOCK).any(dim=2)  # (R, blocks): where each column reaches
-    first = nz.int().argmax(dim=1)
-    last = blocks - nz.flip(1).int().argmax(dim=1)
-    out: list[tuple[int, int, int, int]] = []
-    for c, (any_nz, blo, bhi) in enumerate(
-        zip(nz.any(dim=1).tolist(), first.tolist(), last.tolist(), strict=True)
-    ):
-        if not any_nz:
-            continue
-        if out and out[-1][0] + out[-1][1] == c and out[-1][2:] == (blo, bhi):
-            c0, n, _, _ = out[-1]
-            out[-1] = (c0, n + 1, blo, bhi)
-        else:
-            out.append((c, 1, blo, bhi))
+    padded = torch.zeros(g, r, blocks * BLOCK, dtype=torch.bool)
+    padded[:, :, :n_out] = bts != 0
+    nz = padded.view(g, r, blocks, BLOCK).any(dim=3)  # (G, R, blocks): where each column reaches
+    first = nz.int().argmax(dim=2)
+    last = blocks - nz.flip(2).int().argmax(dim=2)
+    summary = torch.stack([nz.any(dim=2).int(), first, last], dim=2).tolist()  # (G, R, 3)
+    out: list[list[tuple[int, int, int, int]]] = []
+    for cols in summary:
+        ranges: list[tuple[int, int, int, int]] = []
+        for c, (any_nz, blo, bhi) in enumerate(cols):
+            if not any_nz:
+                continue
+            if ranges and ranges[-1][0] + ranges[-1][1] == c and ranges[-1][2:] == (blo, bhi):
+                c0, n, _, _ = ranges[-1]
+                ranges[-1] = (c0, n + 1, blo, bhi)
+            else:
+                ranges.append((c, 1, blo, bhi))
+        out.append(ranges)
     return out
 
 
 def pack_part(bt: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
     """Columns bt (r, n_out) over blocks [lo, hi) as the kernels read them: (hi - lo, r, 32),
     block by block, zero past n_out; in bfloat16 each 16 outputs as the pairs (o + u, o + 8 + u)."""
-    r, n_out = bt.shape
-    cut = bt[:, lo * BLOCK : min(hi * BLOCK, n_out)]
-    padded = torch.zeros(r, (hi - lo) * BLOCK, dtype=dtype)
-    padded[:, : cut.shape[1]] = cut
-    blocks = padded.view(r, hi - lo, BLOCK).transpose(0, 1)  # (blocks, r, 32)
+    return pack_parts(bt.unsqueeze(0), lo, hi, dtype)[0]
+
+
+def pack_parts(bts: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """pack_part of G factors of one shape at once: bts (G, r, n_out) -> (G, hi - lo, r, 32)."""
+    g, r, n_out = bts.shape
+    cut = bts[:, :, lo * BLOCK : min(hi * BLOCK, n_out)]
+    padded = torch.zeros(g, r, (hi - lo) * BLOCK, dtype=dtype)
+    padded[:, :, : cut.shape[2]] = cut
+    blocks = padded.view(g, r, hi - lo, BLOCK).transpose(1, 2)  # (G, blocks, r, 32)
     if dtype == torch.bfloat16:
-        blocks = blocks.reshape(hi - lo, r, 2, 2, 8).transpose(3, 4)
-    return blocks.reshape(hi - lo, r, BLOCK).contiguous()
+        blocks = blocks.reshape(g, hi - lo, r, 2, 2, 8).transpose(4, 5)
+    return blocks.reshape(g, hi - lo, r, BLOCK).contiguous()
 
 
 def unpack_part(data: torch.Tensor, n_out: int, lo: int) -> torch.Tensor:
@@ -89,15 +102,42 @@ def a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A (r, n_in) float32 as an s8 weight for the products' integer dots: Q8_0 codes and scales
     (per 32 values, |error| <= max|block| / 254), packed as a Q8_0 weight is. None when n_in is
     not a whole number of blocks, or without the library."""
-    r, n_in = a.shape
+    return a_s8_many([a])[0]
+
+
+def a_s8_many(factors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """a_s8 of several A of one n_in in one quantization and one packing call: each A's rows
+    then zero rows to whole groups of 8 (as the packer pads a lone one), so each one's codes and
+    scales are a contiguous view of the shared result, byte for byte what a_s8 gives it alone."""
+    n_in = int(factors[0].shape[1])
     if n_in % 32 or library() is None:
-        return None
-    raw = quants.quantize(a.contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    k = NativeS8Kernel.build(
-        torch.from_numpy(np.ascontiguousarray(raw)), GGMLQuantizationType.Q8_0, (r, n_in)
-    )
+        return [None] * len(factors)
+    rows = [int(a.shape[0]) for a in factors]
+    padded = [-(-r // 8) * 8 for r in rows]
+    total = sum(padded)
+    # the rows themselves quantized (a zero row's Q8_0 bytes are all zero: d 0, codes 0), then
+    # laid out with zero rows to whole groups
+    flat = factors[0] if len(factors) == 1 else torch.cat(factors)
+    raw = quants.quantize(flat.contiguous().numpy(), GGMLQuantizationType.Q8_0)
+    codes = np.zeros((total, raw.shape[1]), dtype=np.uint8)
+    if len(set(rows)) == 1:  # (the usual adapter: one rank everywhere)
+        codes.reshape(len(factors), padded[0], -1)[:, : rows[0]] = raw.reshape(
+            len(factors), rows[0], -1
+        )
+    else:
+        at, src = 0, 0
+        for r, p in zip(rows, padded, strict=True):
+            codes[at : at + r] = raw[src : src + r]
+            at, src = at + p, src + r
+    k = NativeS8Kernel.build(torch.from_numpy(codes), GGMLQuantizationType.Q8_0, (total, n_in))
     assert isinstance(k, NativeS8Kernel)
-    return k.q, k.s
+    q = k.q.view(total // 8, -1)  # (groups of 8 rows, their codes)
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    at = 0
+    for p in padded:
+        out.append((q[at // 8 : (at + p) // 8].view(-1), k.s[at : at + p]))
+        at += p
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,18 +152,29 @@ class Part:
 class PackedSlot:
     """One adapter's factors on one projection, packed (see the module's docstring)."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, compact: bool) -> None:
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        compact: bool,
+        ahead: tuple[tuple[torch.Tensor, torch.Tensor] | None, list[Part]] | None = None,
+    ) -> None:
+        """ahead: A's s8 form (None: none) and B's parts, made already (pack_many)."""
         dtype = torch.bfloat16 if compact else torch.float32
         self.r, self.n_out = int(a.shape[0]), int(b.shape[0])
         self.half = compact
-        self.aq = a_s8(a) if compact else None
+        if ahead is None:
+            bt = b.T
+            ahead = (
+                a_s8(a) if compact else None,
+                [
+                    Part(c0, r, lo, hi, pack_part(bt[c0 : c0 + r], lo, hi, dtype))
+                    for c0, r, lo, hi in part_ranges(bt)
+                ],
+            )
+        self.aq, self.parts = ahead
         # A itself only where the integer dots cannot serve
         self.a = None if self.aq is not None else a.to(dtype).contiguous()
-        bt = b.T
-        self.parts = [
-            Part(c0, r, lo, hi, pack_part(bt[c0 : c0 + r], lo, hi, dtype))
-            for c0, r, lo, hi in part_ranges(bt)
-        ]
         self._parts = (GlLoraPart * max(len(self.parts), 1))()
         for i, p in enumerate(self.parts):
             self._parts[i] = GlLoraPart(p.data.data_ptr(), p.c0, p.r, p.lo, p.hi)
@@ -158,6 +209,49 @@ def pack(a: torch.Tensor, b: torch.Tensor, compact: bool) -> PackedSlot | None:
     if library() is None or a.device.type != "cpu" or b.device.type != "cpu":
         return None
     return PackedSlot(a.float(), b.float(), compact)
+
+
+def pack_many(
+    factors: list[tuple[torch.Tensor, torch.Tensor]], compact: bool
+) -> list[PackedSlot | None]:
+    """pack of each (A, B) in turn, the same bytes, made together: the factors of one shape (an
+    adapter's q of every layer, its v of every layer) go through each step of the packing as
+    one stack (A's Q8_0 form in one quantization and one packing call, B's part ranges and their
+    blocks in a few tensor operations), so an adapter costs a few dozen tensor operations, not
+    a few dozen a projection (a reader thread under traffic waits for the interpreter's lock at
+    each of them)."""
+    out: list[PackedSlot | None] = [None] * len(factors)
+    if library() is None or any(
+        a.device.type != "cpu" or b.device.type != "cpu" for a, b in factors
+    ):
+        return out
+    dtype = torch.bfloat16 if compact else torch.float32
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (a, b) in enumerate(factors):
+        groups.setdefault((*a.shape, *b.shape), []).append(i)
+    for idx in groups.values():
+        a_list = [factors[i][0].float() for i in idx]
+        aqs: list[tuple[torch.Tensor, torch.Tensor] | None] = (
+            a_s8_many(a_list) if compact else [None] * len(idx)
+        )
+        bts = torch.stack([factors[i][1] for i in idx]).float().transpose(1, 2)  # (G, r, n_out)
+        ranges = part_ranges_many(bts)
+        if all(rs == ranges[0] for rs in ranges):
+            # (the usual adapter: each projection's columns reach the same blocks) each part
+            # packed for all of them at once
+            stacks = [(c0, w, lo, hi, pack_parts(bts[:, c0 : c0 + w], lo, hi, dtype))
+                      for c0, w, lo, hi in ranges[0]]  # fmt: skip
+            parts = [[Part(c0, w, lo, hi, data[g]) for c0, w, lo, hi, data in stacks]
+                     for g in range(len(idx))]  # fmt: skip
+        else:
+            parts = [
+                [Part(c0, w, lo, hi, pack_part(bts[g, c0 : c0 + w], lo, hi, dtype))
+                 for c0, w, lo, hi in rs]
+                for g, rs in enumerate(ranges)
+            ]  # fmt: skip
+        for g, i in enumerate(idx):
+            out[i] = PackedSlot(a_list[g], factors[i][1], compact, (aqs[g], parts[g]))
+    return out
 
 
 class SlotTable:

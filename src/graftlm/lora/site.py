@@ -84,13 +84,20 @@ class LoraSite:
         """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r).
         Both are moved to the site's device (no copy on the CPU). `packed`: their native form,
         packed ahead for a site of this kind (AdapterSet.load); else it is packed here."""
-        dev = self.device
-        a, b = a.to(dev).contiguous(), b.to(dev).contiguous()
+        a, b = self._here(a), self._here(b)
         self._slots[slot] = (a, b)
         if packed is None and not self.gather:
             packed = pack(a, b, self.compact)
         self._packed[slot] = packed
         self._changed()
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        # factors read, checked and packed off the engine's thread arrive ready: a put on that
+        # thread then makes no tensor call (each would let the reader threads take the
+        # interpreter's lock, the engine waiting to get it back)
+        if t.device == self.device and t.is_contiguous():
+            return t
+        return t.to(self.device).contiguous()
 
     def to(self, device: torch.device | str) -> LoraSite:
         """Every slot's factors on `device`, and later ones put there (in place; returns self)."""

@@ -404,7 +404,9 @@ class AdapterRegistry:
                 if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
             ]
             if idle:
-                await self._drop(min(idle, key=lambda e: e.last_used))
+                # unlinked now, detached on the engine's thread before the attach this room is
+                # for (its calls run in order): nobody waits for a step to end here
+                self._drop_later(min(idle, key=lambda e: e.last_used))
                 continue
             left = deadline - loop.time()
             if left <= 0:  # queued as long as we wait: then the client hears why
@@ -437,11 +439,6 @@ class AdapterRegistry:
         del self.by_id[adapter_id]
         self._changed()
         return adapter_id
-
-    async def _drop(self, entry: AdapterEntry) -> None:
-        adapter_id = self._unlink(entry)
-        if adapter_id is not None:
-            await asyncio.wrap_future(self.service.detach(adapter_id))
 
     def _drop_later(self, entry: AdapterEntry) -> None:
         # unlinked now, not when the task first runs: a lease in between would take it

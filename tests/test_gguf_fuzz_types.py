@@ -11,7 +11,7 @@ import os
 import random
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +140,23 @@ def _array(rng: random.Random, depth: int = 0) -> bytes:
     return struct.pack("<IQ", itype, n) + items
 
 
-def _retyped(rng: random.Random) -> tuple[bytes, int, str]:
-    """A stored type and value, the bytes of a hole after it, and what it is."""
+def _retyped(rng: random.Random, stored: bytes) -> tuple[bytes, int, str]:
+    """A stored type and value, the bytes of a hole after it, and what it is: a third of them
+    another value of the key's own stored type where that is a number or a string (often near
+    its own, so that some serve: a number of another type is refused, as llama.cpp refuses it)."""
+    (own,) = struct.unpack_from("<I", stored)
+    if rng.random() < 1 / 3 and (own in _SCALAR or own == V.STRING):
+        if own == V.STRING:
+            return struct.pack("<I", V.STRING) + _string(_text(rng)), 0, "STRING"
+        fmt = _SCALAR[V(own)]
+        (v,) = struct.unpack_from(fmt, stored, 4)
+        if rng.random() < 0.5 or own == V.BOOL:
+            return struct.pack("<I", own) + _scalar(rng, V(own)), 0, V(own).name
+        try:
+            near = struct.pack(fmt, rng.choice([v * 2, v + 1, v - 1]))
+        except struct.error:  # (out of the type's range)
+            near = struct.pack(fmt, v)
+        return struct.pack("<I", own) + near, 0, f"{V(own).name} near {v}"
     r = rng.random()
     if r < 0.08:  # more entries than any model uses, or than the file holds
         itype, n = rng.choice(
@@ -223,7 +238,7 @@ def test_retyped_fields_load_and_serve_or_are_refused_by_name(
         which = "adapter" if i % 3 == 2 else "model"
         h: Header = files["headers"][which]
         key = h.entries[(i // 3 if which == "adapter" else i) % len(h.entries)][0]
-        value, hole, kind = _retyped(rng)
+        value, hole, kind = _retyped(rng, original[which][key])
         p = h.write(tmp_path / f"{which}{i}.gguf", key, value, hole)
         what = f"case {i}: {which} {key} as {kind}"
         t0 = time.perf_counter()
@@ -304,3 +319,87 @@ def test_a_per_layer_array_of_arrays_is_refused_by_name(
     )
     with pytest.raises(GraftError, match="llama.feed_forward_length"):
         graftlm.load(str(p), ctx_size=32)
+
+
+def _typed(vtype: V, value: Any) -> bytes:
+    return struct.pack("<I", vtype) + struct.pack(_SCALAR[vtype], value)
+
+
+_WRONG_TYPES = [
+    # (a float for a whole number was refused before, by its value: named in those words)
+    ("model", "llama.context_length", _typed(V.FLOAT32, 256.0), None, None),
+    ("model", "llama.context_length", _typed(V.INT64, 256), "INT64", "UINT32"),
+    ("model", "llama.block_count", _typed(V.UINT8, 2), "UINT8", "UINT32"),
+    ("model", "llama.rope.freq_base", _typed(V.UINT32, 10000), "UINT32", "FLOAT32"),
+    ("model", "llama.attention.layer_norm_rms_epsilon", _typed(V.FLOAT64, 1e-6), "FLOAT64",
+     "FLOAT32"),
+    ("model", "llama.attention.head_count", _array_of(V.FLOAT32, [4.0, 4.0]), None, None),
+    ("model", "llama.attention.head_count", _array_of(V.INT64, [4, 4]), "array of INT64",
+     "UINT32 or array of UINT32 or array of INT32"),
+    ("model", "tokenizer.ggml.add_bos_token", _typed(V.UINT8, 0), "UINT8", "BOOL"),
+    ("model", "tokenizer.ggml.bos_token_id", _typed(V.INT32, 1), "INT32", "UINT32"),
+    ("model", "tokenizer.ggml.token_type", _array_of(V.UINT8, [1] * 262), "array of UINT8",
+     "array of INT32"),
+    ("model", "tokenizer.ggml.add_bos_token", struct.pack("<I", V.STRING) + _string(b"no"),
+     "STRING", "BOOL"),
+    ("model", "llama.rope.scaling.attn_factor", struct.pack("<I", V.STRING) + _string(b"x"),
+     None, None),
+    ("model", "general.alignment", _typed(V.INT32, 32), "INT32", "UINT32"),
+    ("adapter", "adapter.lora.alpha", _typed(V.FLOAT64, 8.0), "FLOAT64", "FLOAT32"),
+    ("adapter", "adapter.lora.alpha", _typed(V.INT32, 8), "INT32", "FLOAT32"),
+    ("adapter", "adapter.alora.invocation_tokens", _array_of(V.INT64, [5, 6]),
+     "array of INT64", "array of UINT32 or array of INT32"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("which", "key", "value", "stored", "expected"),
+    _WRONG_TYPES,
+    ids=[f"{k}-{s or 'value'}" for _, k, _, s, _ in _WRONG_TYPES],
+)
+def test_numbers_stored_as_another_type_are_refused_as_llama_cpp_refuses_them(
+    files: dict[str, Any],
+    tmp_path: Path,
+    which: str,
+    key: str,
+    value: bytes,
+    stored: str | None,
+    expected: str | None,
+) -> None:
+    """A key stored as another type than the spec's (llama.cpp's loader: "key %s has wrong type
+    %s but expected type %s") loaded and served: a context length as FLOAT32 or INT64, a RoPE
+    base as UINT32, a flag as UINT8, a token id as INT32, an adapter's alpha as FLOAT64 (a
+    Python value hides the difference); a flag stored as a string read as true, and a YaRN
+    attention factor as a string raised ValueError from float()."""
+    h: Header = files["headers"][which]
+    if key not in dict(h.entries):  # (a key the tiny files do not write)
+        h = replace(h, entries=[*h.entries, (key, value)])
+    p = h.write(tmp_path / "typed.gguf", key, value)
+    with pytest.raises(GraftError) as info:
+        _serve(files["model"], which, p)
+    message = str(info.value)
+    assert key in message and "typed.gguf" in message, message
+    if stored is not None:
+        assert f"has wrong type {stored} but expected type {expected}" in message, message
+    assert files["model"].loras == []
+
+
+@pytest.mark.parametrize(
+    ("which", "key", "value"),
+    [
+        ("model", "llama.attention.head_count", _array_of(V.INT32, [4, 4])),
+        ("model", "llama.feed_forward_length", _array_of(V.UINT32, [96, 96])),
+        ("adapter", "adapter.alora.invocation_tokens", _array_of(V.UINT32, [5, 6])),
+        ("adapter", "adapter.alora.invocation_tokens", _array_of(V.INT32, [5, 6])),
+    ],
+)
+def test_what_llama_cpp_reads_in_more_than_one_type_serves(
+    files: dict[str, Any], tmp_path: Path, which: str, key: str, value: bytes
+) -> None:
+    """llama.cpp's `get_key_or_arr` reads a head count or a feed-forward width as a UINT32 or
+    as an INT32 or UINT32 array, one entry a layer (gguf-py writes a list of ints as INT32);
+    invocation tokens written by gguf-py's `add_array` are INT32."""
+    h: Header = files["headers"][which]
+    if key not in dict(h.entries):
+        h = replace(h, entries=[*h.entries, (key, value)])
+    _serve(files["model"], which, h.write(tmp_path / "ok.gguf", key, value))

@@ -177,7 +177,10 @@ def _with_meta(src: Path, dst: Path, **changes: object) -> Path:
     for key, value in f.metadata.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
             continue
-        value = changes.pop(key, value)
+        if key not in changes:  # as stored (a key written as another type is refused at load)
+            w.add_key_value(key, value, *f.value_types[key])
+            continue
+        value = changes.pop(key)
         if value is None:
             continue
         if isinstance(value, str):

@@ -124,9 +124,10 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
     rms_eps = _number(meta.get(key, 1e-5), key, path)
     key = p + "attention.sliding_window"
     window = whole_field(meta.get(key, 0), key, path, 0, 1 << 31)
-    family = _family_attention(arch, meta, n_layer, widths, window, rope_base)
+    family = _family_attention(arch, meta, n_layer, widths, window, rope_base, path)
     head_dim = widths["head_dim"]
-    return ModelConfig(
+    key = p + "rope.scaling.attn_factor"
+    cfg = ModelConfig(
         arch=arch,
         n_layer=n_layer,
         **widths,
@@ -155,9 +156,23 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], path: str = "<ggu
             0,
             1 << 31,
         ),
-        rope_attn_factor=float(meta.get(p + "rope.scaling.attn_factor", 1.0)),
+        rope_attn_factor=_number(meta.get(key, 1.0), key, path),
         **(_yarn(meta, p, path) if arch == "gpt-oss" else {}),
     )
+    # last, so that a value out of range is named as such: the stored types, as llama.cpp
+    # checks them (a context length stored as INT64 or FLOAT32, a RoPE base as UINT32)
+    refusal = _type_refusal(meta, [k for k in meta if k.startswith((p, "general."))])
+    if refusal:
+        raise ModelFileError(f"{path}: {refusal}")
+    return cfg
+
+
+def _type_refusal(meta: dict[str, Any], keys: list[str]) -> str | None:
+    """The keys stored as another type than llama.cpp reads them as, in its words: metadata read
+    from a file (graftlm.gguf's Metadata, a floor above this one) compares them with the spec;
+    a plain dict has no stored types."""
+    check = getattr(meta, "type_refusal", None)
+    return check(keys) if check is not None else None
 
 
 def _yarn(meta: dict[str, Any], p: str, path: str) -> dict[str, float]:
@@ -247,6 +262,7 @@ def _family_attention(
     widths: _Widths,
     window: int,
     rope_base: float,
+    path: str,
 ) -> _FamilyAttention:
     """What a family does to attention and embedding as llama.cpp runs it (ModelConfig's fields
     of those names): RoPE layout, per-layer sliding windows and RoPE bases, scales, soft-caps."""
@@ -263,10 +279,12 @@ def _family_attention(
         rope_neox = True
         embed_scale = math.sqrt(n_embd)
         attn_scale = 1.0 / math.sqrt(head_dim)
+        key = p + "rope.freq_base_swa"
+        local_base = _number(meta.get(key, 10000.0), key, path)
         for i in range(n_layer):
             if i % 6 < 5:
                 sliding[i] = window
-                rope_layer[i] = float(meta.get(p + "rope.freq_base_swa", 10000.0))
+                rope_layer[i] = local_base
     elif arch in ("qwen2", "qwen3", "qwen3moe", "phi3"):
         # their GGUF Q/K rows keep Hugging Face order (no permutation), so RoPE rotates halves.
         # phi3's `attention.sliding_window` is ignored as llama.cpp does (it disables Phi SWA).
@@ -284,8 +302,10 @@ def _family_attention(
         attn_scale = 1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim)
         window = window or 4096
         sliding = [window if i % 2 == 0 else 0 for i in range(n_layer)]
-        attn_softcap = float(meta.get(p + "attn_logit_softcapping", 50.0))
-        final_softcap = float(meta.get(p + "final_logit_softcapping", 30.0))
+        key = p + "attn_logit_softcapping"
+        attn_softcap = _number(meta.get(key, 50.0), key, path)
+        key = p + "final_logit_softcapping"
+        final_softcap = _number(meta.get(key, 30.0), key, path)
     return _FamilyAttention(
         rope_neox=rope_neox,
         sliding_window=tuple(sliding),

@@ -444,7 +444,11 @@ def limited(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_huge_fields_are_refused_or_served_below_500(limited: str) -> None:
     rng = random.Random(SEED)
     # (twice in 2,000-case runs on a loaded machine a small request waited past 30 s and did
-    # not on replay: the bound for a hang here is a minute)
+    # not on replay: the bound for a hang here is a minute. Traced with a watchdog that dumped
+    # the engine's state: a small body can ask for a whole context (max_output_tokens as a
+    # 1,000-digit number: 107 tokens here), and at nice 10 on two cores shared at load 14 the
+    # dump at 8 s found the engine decoding it (27 tokens so far), nothing else running,
+    # waiting or deferred: 0.3 s a token, where a quiet machine takes 0.1 s for all 107)
     http = httpx.Client(base_url=limited, timeout=2 * WALL)
     seen: dict[str, int] = {}
     slowest: tuple[float, tuple[object, ...]] = (0.0, ())

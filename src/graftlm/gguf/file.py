@@ -16,6 +16,7 @@ import numpy as np
 
 from graftlm.errors import ModelFileError
 from graftlm.gguf.parse import GGUFFormatError, parse_gguf
+from graftlm.gguf.spec import ADAPTER, Metadata
 
 GGUF_MAGIC = b"GGUF"
 
@@ -43,9 +44,17 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.metadata, tensors = _parse(self.path)
         # each key's GGUF value type (and an array's element type): what copying needs
-        self.value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
-        self.metadata, tensors = _parse(self.path, self.value_types)
+        self.value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]] = (
+            self.metadata.types
+        )
+        if self.file_type == "adapter":
+            # (a model's keys are checked where they are read, after their values: config,
+            # vocab; an adapter's reader names a string or an array where a number belongs)
+            refusal = self.metadata.type_refusal(ADAPTER, numbers_only=True)
+            if refusal:
+                raise ModelFileError(f"{self.path}: {refusal}")
         self.tensors: dict[str, TensorEntry] = {}
         for name, qtype, ne, data in tensors:
             self.tensors[name] = TensorEntry(name, qtype, tuple(int(d) for d in reversed(ne)), data)
@@ -69,9 +78,7 @@ class GGUFFile:
         return self.metadata.get(key, default)
 
 
-def _parse(
-    path: Path, value_types: dict[str, tuple[gguf.GGUFValueType, gguf.GGUFValueType | None]]
-) -> tuple[dict[str, Any], list[Any]]:
+def _parse(path: Path) -> tuple[Metadata, list[Any]]:
     if not path.exists():
         raise ModelFileError(f"{path}: no such file")
     if path.is_dir():
@@ -83,7 +90,7 @@ def _parse(
     if magic != GGUF_MAGIC:  # (the bytes it has are not quoted: they may be a secret's)
         raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic at its start)")
     try:
-        return parse_gguf(path, value_types)
+        return parse_gguf(path)
     except (GGUFFormatError, ValueError, OSError, UnicodeDecodeError) as exc:
         size = path.stat().st_size
         raise ModelFileError(

@@ -22,6 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from graftlm.gguf.spec import GENERAL, Metadata, type_problem
+
 V = gguf.GGUFValueType
 _SCALAR = {
     V.UINT8: ("<B", 1),
@@ -174,14 +176,11 @@ class _Cursor:
 
 def parse_gguf(
     path: Path,
-    value_types: dict[str, tuple[V, V | None]] | None = None,
-) -> tuple[
-    dict[str, Any], list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]]
-]:
+) -> tuple[Metadata, list[tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]]]:
     """Metadata and (name, type, ne, data) per tensor; data is a read-only view of a memory map.
-    `value_types`, when given, receives each key's GGUF value type (and an array's element type),
+    The metadata keeps each key's GGUF value type (and an array's element type) in `.types`,
     which Python values lose (an int may have been UINT32 or INT64): what a writer needs to copy
-    the metadata as it was."""
+    the metadata as it was, and what the loaders check against the spec (graftlm.gguf.spec)."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     buf = memoryview(mm)
@@ -197,7 +196,7 @@ def parse_gguf(
         raise GGUFFormatError(
             f"the header declares {n_tensors} tensors; {c.left} bytes cannot describe them"
         )
-    meta: dict[str, Any] = {}
+    meta = Metadata()
     for _ in range(n_kv):
         key = c.string("a metadata key")
         if key in meta:
@@ -207,8 +206,7 @@ def parse_gguf(
             struct.unpack_from("<I", c.buf, c.pos)[0] if vtype == V.ARRAY and c.left >= 4 else None
         )
         meta[key] = c.value(vtype, f"metadata {key!r}")
-        if value_types is not None:
-            value_types[key] = (V(vtype), None if element is None else V(element))
+        meta.types[key] = (V(vtype), None if element is None else V(element))
     infos = [_tensor_info(c) for _ in range(n_tensors)]
     names = [i[0] for i in infos]
     if len(set(names)) != len(names):
@@ -269,12 +267,15 @@ def _tensor_info(c: _Cursor) -> tuple[str, gguf.GGMLQuantizationType, tuple[int,
     return name, qtype, ne, int(c.unpack("<Q", 8))
 
 
-def _alignment(meta: dict[str, Any]) -> int:
-    align = meta.get("general.alignment", 32)
+def _alignment(meta: Metadata) -> int:
+    key = "general.alignment"
+    align = meta.get(key, 32)
     if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
-        raise GGUFFormatError(
-            f"metadata 'general.alignment' is {align!r}; it must be a power of two"
-        )
+        raise GGUFFormatError(f"metadata {key!r} is {align!r}; it must be a power of two")
+    # (gguf.cpp reads it with gguf_get_val_u32, which asserts the type)
+    problem = type_problem(key, meta.types[key], GENERAL[key]) if key in meta else None
+    if problem:
+        raise GGUFFormatError(problem)
     return align
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,6 +42,18 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def _split(url: str, port: bool = False) -> SplitResult | None:
+    """urlsplit(url), or None where it is malformed (an unclosed bracket, `[::1`; with `port`,
+    a port that is not a number): each was a 500."""
+    try:
+        parts = urlsplit(url)
+        if port:
+            parts.port  # noqa: B018 (a malformed port raises)
+    except ValueError:
+        return None
+    return parts
+
+
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
@@ -60,11 +72,10 @@ class Hosts:
     def allows(self, host: str | None) -> bool:
         if self.any or host is None:
             return True
-        try:
-            name = urlsplit(f"//{host}").hostname or ""
-        except ValueError:  # `[::1` (an unclosed bracket): no host; it was a 500
+        parts = _split(f"//{host}")
+        if parts is None:
             return False
-        name = name.rstrip(".")
+        name = (parts.hostname or "").rstrip(".")
         if name in self.names or name.endswith(".localhost"):
             return True
         try:
@@ -88,12 +99,12 @@ class Cors:
         if origin.rstrip("/").lower() in self.exact:
             return True
         if self.loopback:
-            try:
-                parts = urlsplit(origin)
-                parts.port  # noqa: B018 (a malformed port raises)
-            except ValueError:
-                return False
-            return parts.scheme in ("http", "https") and parts.hostname in _LOOPBACK
+            parts = _split(origin, port=True)
+            return (
+                parts is not None
+                and parts.scheme in ("http", "https")
+                and parts.hostname in _LOOPBACK
+            )
         return False
 
     @staticmethod
@@ -121,11 +132,8 @@ def cross_site(scope: Scope) -> str | None:
     if origin is None:
         return None
     host = _header(scope, b"host") or ""
-    try:
-        netloc = urlsplit(origin).netloc
-    except ValueError:  # `http://[::1/`: no origin this server has; it was a 500
-        netloc = None
-    if origin == "null" or netloc is None or netloc.lower() != host.lower():
+    parts = _split(origin)  # (None: `http://[::1/`, no origin this server has)
+    if origin == "null" or parts is None or parts.netloc.lower() != host.lower():
         return f"Origin {origin[:100]!r} is not this server ({host[:100]!r})"
     return None
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import IntFlag
 from typing import Any
 
+from graftlm.gguf.spec import type_refusal
+
 # GGUF `tokenizer.ggml.token_type` values.
 _TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL = 1, 2, 3
 _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 4, 5, 6
@@ -189,6 +191,11 @@ class Vocab:
         special = sorted(i for i in set(special) | touched if attrs[i] & wanted)
         # llama.cpp compares byte lengths; ties keep id order (std::sort leaves them unspecified).
         special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
+        # last, after the values (a list of strings for the scores is named as such): the
+        # stored types, as llama.cpp checks them (a token id stored as INT32, a flag as UINT8)
+        refusal = type_refusal(meta, [k for k in meta if k.startswith("tokenizer.")])
+        if refusal:
+            raise ValueError(refusal)
 
         return cls(
             tokens=tokens,

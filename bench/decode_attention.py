@@ -5,7 +5,11 @@ rate's share of the machine's read bandwidth (`bench/read_bandwidth.c`, probed b
 the cases; the higher probe counts), so the kernel's distance from the memory is read directly.
 
 The keys and values are random; the blocks of every row are scattered over the pool (a row's
-table names blocks in a shuffled order) as a served cache's are.
+table names blocks in a shuffled order) as a served cache's are. Successive calls go to successive
+layers of a cache of several, together at least --working-set MiB (default 256: several times a
+server CPU's last-level cache), as a model's step reads each layer's cache once between the other
+layers' weights: one layer called again and again would be read from the cache (Llama-1B's layer at
+4,096 positions in f16 is 8 MiB).
 
     .venv/bin/python bench/decode_attention.py [--threads 2] [--depths 4096 16384] [--rows 1 16]
 """
@@ -46,18 +50,23 @@ def build_probe(folder: Path) -> Path:
     return exe
 
 
-def case(shape: str, kv: str, depth: int, rows: int, reps: int) -> tuple[float, int]:
+def case(
+    shape: str, kv: str, depth: int, rows: int, reps: int, working_set: int
+) -> tuple[float, int]:
     """Seconds per call (the best of reps: the VM's noise only slows calls down) and the cache
     bytes one call reads."""
     h, hkv, d = SHAPES[shape]
     dtype = KV_TYPES[kv][0]
     n_ctx = depth + 16
-    cache = KVCache(1, rows, hkv, n_ctx, d, d, dtype)
+    width = row_width(d, dtype) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = rows * (depth + 1) * hkv * 2 * width
+    n_layer = max(1, min(64, -(-working_set // nbytes)))
+    cache = KVCache(n_layer, rows, hkv, n_ctx, d, d, dtype)
     g = torch.Generator().manual_seed(0)
     # scatter: every slot's table names a shuffled run of pool blocks
     perm = torch.randperm(cache.n_blocks - 1, generator=g).to(torch.int32) + 1
     cache.tables.copy_(perm[: rows * cache.max_blocks].view(rows, cache.max_blocks))
-    for pool in (cache.k[0], cache.v[0]):
+    for pool in (*cache.k, *cache.v):  # every page written: calloc's zero pages are one page
         if dtype is torch.uint8:
             from graftlm.step.kv_cache import q8_0_pack
 
@@ -72,18 +81,18 @@ def case(shape: str, kv: str, depth: int, rows: int, reps: int) -> tuple[float, 
     slots = torch.arange(rows)
     pos = torch.full((rows,), depth)
 
-    def call() -> None:
-        out = attn_decode(q, k, v, cache, 0, slots, pos, cos, sin, False, d**-0.5, 0)
+    def call(layer: int) -> None:
+        out = attn_decode(q, k, v, cache, layer, slots, pos, cos, sin, False, d**-0.5, 0)
         assert out is not None
 
-    call()
+    for layer in range(n_layer):
+        call(layer)
     times = []
-    for _ in range(reps):
+    for i in range(max(reps, n_layer)):  # every layer once at least, each call the next layer
         t0 = time.perf_counter()
-        call()
+        call(i % n_layer)
         times.append(time.perf_counter() - t0)
-    width = row_width(d, dtype) * torch.empty(0, dtype=dtype).element_size()
-    return min(times), rows * (depth + 1) * hkv * 2 * width
+    return min(times), nbytes
 
 
 def main() -> None:
@@ -94,6 +103,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--types", nargs="+", default=["f16", "q8_0"])
+    ap.add_argument(
+        "--working-set", type=int, default=256, help="MiB of cache the calls cycle over"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -107,7 +119,9 @@ def main() -> None:
             for kv in args.types:
                 for rows in args.rows:
                     for depth in args.depths:
-                        sec, nbytes = case(shape, kv, depth, rows, args.reps)
+                        sec, nbytes = case(
+                            shape, kv, depth, rows, args.reps, args.working_set << 20
+                        )
                         results.append((shape, kv, rows, depth, sec, nbytes))
         probes.append(probe_bandwidth(exe))
     bw = max(probes)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from graftlm.errors import RequestError
-from graftlm.runtime.sampling import Sampler, SamplingParams
+from graftlm.runtime.sampling import Sampler, SamplingParams, penalty_window
 
 
 def test_greedy_is_argmax() -> None:
@@ -70,3 +70,25 @@ def test_a_tiny_temperature_is_greedy() -> None:
     assert s(logits) == 1
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
     Sampler(SamplingParams(seed=2**64 - 1))  # the largest seed torch takes
+
+
+@pytest.mark.parametrize("last_n", [-1, 0, 1, 3, 64])
+def test_the_penalty_window_is_the_tail_of_the_whole_sequence(last_n: int) -> None:
+    """The engine hands the sampler only the tokens the penalties read, never a copy of the
+    whole sequence: the same penalized logits as the whole history gives."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g)
+    for n_prompt, n_gen in [(0, 0), (0, 5), (7, 0), (2, 2), (40, 30), (100, 70)]:
+        prompt = torch.randint(0, 50, (n_prompt,), generator=g).tolist()
+        generated = torch.randint(0, 50, (n_gen,), generator=g).tolist()
+        for p in (
+            SamplingParams(repeat_last_n=last_n, repeat_penalty=1.3, frequency_penalty=0.2),
+            SamplingParams(repeat_last_n=last_n),  # no penalty: nothing to read
+        ):
+            window = penalty_window(p, prompt, generated)
+            whole = Sampler(p).penalize(logits, prompt + generated)
+            assert torch.equal(Sampler(p).penalize(logits, window), whole)
+            if p.repeat_penalty == 1.0 or last_n == 0:
+                assert list(window) == []
+            else:
+                assert list(window) == (prompt + generated)[-last_n if last_n > 0 else 0 :]

@@ -20,7 +20,7 @@ from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.draft_model import ModelDrafter
-from graftlm.runtime.sampling import Sampler
+from graftlm.runtime.sampling import Sampler, penalty_window
 from graftlm.runtime.scheduler import (
     Chunk,
     Request,
@@ -378,7 +378,7 @@ class Engine:
         assert req.sampler is not None
         try:
             if kept is None:
-                tok = req.sampler(logits, req.prompt + req.generated)
+                tok = req.sampler(logits, penalty_window(req.params, req.prompt, req.generated))
             else:
                 req.sampler.draw(logits.float())  # (the generator moves as it would have)
                 tok = kept

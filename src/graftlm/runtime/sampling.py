@@ -83,6 +83,29 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+def penalizes(p: SamplingParams) -> bool:
+    """Whether a penalty reads the history at all."""
+    return p.repeat_last_n != 0 and (
+        p.repeat_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    )
+
+
+def penalty_window(
+    p: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
+) -> Sequence[int]:
+    """The tokens of the sequence prompt + generated that `Sampler.penalize` reads: its last
+    repeat_last_n (all at -1), none without a penalty; the rest is not copied (the engine asks
+    every token, at any depth)."""
+    n = p.repeat_last_n
+    if not penalizes(p):
+        return ()
+    if n < 0:
+        return [*prompt, *generated]
+    if len(generated) >= n:
+        return generated[len(generated) - n :]
+    return [*prompt[max(0, len(prompt) - (n - len(generated))) :], *generated]
+
+
 class Sampler:
     """Samples one sequence's tokens; its own seeded generator makes runs repeatable.
 
@@ -108,13 +131,7 @@ class Sampler:
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
-        if (
-            p.repeat_last_n == 0
-            or not history
-            or (
-                p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            )
-        ):
+        if not penalizes(p) or not history:
             return logits
         window = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
         ids, counts = torch.tensor(window, dtype=torch.long).unique(return_counts=True)

@@ -58,14 +58,23 @@ class Choice:
     """A whole choice, folded from its deltas."""
 
     index: int
-    text: str = ""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: FinishEvent | None = None
     n_echo_tokens: int = 0
+    # the text's pieces, joined when read: `text += piece` copied the whole answer a piece
+    _pieces: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def text(self) -> str:
+        """The text of the pieces so far."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def add(self, d: Delta) -> None:
-        self.text += d.text
+        if d.text:
+            self._pieces.append(d.text)
         if d.echo:
             self.n_echo_tokens += len(d.tokens)
         else:

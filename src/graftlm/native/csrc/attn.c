@@ -154,6 +154,22 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
     prefetch_l2(vn, kv_bytes(nn * Dv, t));
 }
 
+#define DECODE_STEP 2 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
+/* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads:
+ * 1 to 4 measured alike; every other line, or toward L1, or none: 1.5x to 2x slower at 16,384 */
+#define DECODE_AHEAD 2
+
+/* The tile of keys and the rows of values of the block holding position p (of a task ending at
+ * k1) toward the cache (L2): the whole transposed block, else its rows from p. */
+static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *kv, int64_t s, int64_t hk,
+                                                                  int64_t p, int64_t k1, int64_t D,
+                                                                  int64_t Dv, const int t) {
+    const int64_t BS = kv->block, end = (p / BS + 1) * BS, n = (k1 < end ? k1 : end) - p;
+    const char *kn = t != 3 ? kt_plane(kv, s, hk, p, D) : kv_at(kv, kv->k, s, hk, p, D);
+    prefetch_l2(kn, kv_bytes((t != 3 ? BS : n) * D, t));
+    prefetch_l2(kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
 /* The 512-bit task: a tile's 16 keys are one vector of scores a head (the ymm variant and AVX2
  * CPUs take the 256-bit one below, two vectors a head). */
@@ -335,11 +351,13 @@ static inline __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D, const
 #endif
 
 /* O (GN heads x 16 NU values from value c0, rows Dv apart; the last vector's lanes: last) =
- * alpha O + sum_i P[g][i] V[i] over the tile's n keys, each row of V read once from the cache
- * (rows rb bytes apart, values of type t) for all GN heads. */
-static inline __attribute__((always_inline)) void pv_tile16(float *O, const float *alpha, const float *P,
-                                                            const char *V, int64_t rb, int64_t c0,
-                                                            int64_t n, int64_t Dv, __mmask16 last,
+ * alpha O + sum_i P[g][i] V[i] over the keys of a step's nts tiles (tile u: n[u] keys, its
+ * values' rows at V[u], rb bytes apart, type t; its weights at P + u DT, rows pw apart), each row
+ * of V read once from the cache for all GN heads, the accumulators in registers over the step. */
+static inline __attribute__((always_inline)) void pv_step16(float *O, const float *alpha, const float *P,
+                                                            int64_t pw, const char *const *V,
+                                                            const int64_t *n, int nts, int64_t rb,
+                                                            int64_t c0, int64_t Dv, __mmask16 last,
                                                             const int t, const int GN, const int NU) {
     __m512 acc[4][4];
     for (int g = 0; g < GN; g++) {
@@ -347,14 +365,18 @@ static inline __attribute__((always_inline)) void pv_tile16(float *O, const floa
         for (int u = 0; u < NU; u++)
             acc[g][u] = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(u == NU - 1 ? last : 0xFFFF, O + g * Dv + 16 * u));
     }
-    for (int64_t i = 0; i < n; i++) {
-        __m512 v[4];
-        for (int u = 0; u < NU; u++)
-            v[u] = u == NU - 1 && last != 0xFFFF ? _mm512_zextps256_ps512(kv_load8(V + i * rb, c0 + 16 * u, t))
-                                                 : kv_load16(V + i * rb, c0 + 16 * u, t);
-        for (int g = 0; g < GN; g++) {
-            const __m512 p = _mm512_set1_ps(P[g * DT + i]);
-            for (int u = 0; u < NU; u++) acc[g][u] = _mm512_fmadd_ps(p, v[u], acc[g][u]);
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x];
+        const float *Px = P + x * DT;
+        for (int64_t i = 0; i < n[x]; i++) {
+            __m512 v[4];
+            for (int u = 0; u < NU; u++)
+                v[u] = u == NU - 1 && last != 0xFFFF ? _mm512_zextps256_ps512(kv_load8(Vx + i * rb, c0 + 16 * u, t))
+                                                     : kv_load16(Vx + i * rb, c0 + 16 * u, t);
+            for (int g = 0; g < GN; g++) {
+                const __m512 p = _mm512_set1_ps(Px[g * pw + i]);
+                for (int u = 0; u < NU; u++) acc[g][u] = _mm512_fmadd_ps(p, v[u], acc[g][u]);
+            }
         }
     }
     for (int g = 0; g < GN; g++)
@@ -364,24 +386,27 @@ static inline __attribute__((always_inline)) void pv_tile16(float *O, const floa
 
 #define PV16_NU(GN)                                                                    \
     switch (nu) {                                                                      \
-    case 1: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 1); break;                      \
-    case 2: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 2); break;                      \
-    case 3: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 3); break;                      \
-    default: pv_tile16(Og, al, Pg, Vc, vrb, c0, n, Dv, last, t, GN, 4); break;                     \
+    case 1: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 1); break;            \
+    case 2: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 2); break;            \
+    case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 3); break;            \
+    default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
     }
 
 /* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
  * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
- * exp(score - max) and the unnormalized output. Each tile: the heads' scores from the keys as the
- * cache holds them (q8_0's: integer dots with VNNI, else transposed into Kf as float32), the
- * online softmax (alpha: the heads' rescales, then their new maxima and the tile's sums), and
- * the weighted values, read once for up to 4 heads. P: G x DT weights; Vf: room for a q8_0
- * cache's quantized queries (the values are read in place). */
+ * exp(score - max) and the unnormalized output. A step takes up to DECODE_STEP tiles (one cache block
+ * each): their scores from the keys as the cache holds them (q8_0's: integer dots with VNNI, else
+ * transposed into Kf as float32) into P, one online-softmax update over all of them (alpha: the
+ * heads' rescales, then their new maxima and the step's sums; the horizontal reductions and the
+ * outputs' rescale paid once a step, not once a tile), and the weighted values, read once for up
+ * to 4 heads. P: G x DECODE_STEP DT scores, then weights; Vf: room for a q8_0 cache's quantized queries
+ * (the values are read in place). The blocks of the next DECODE_AHEAD steps are prefetched. */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {
     const gl_kv *kv = &a->kv;
     const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = kv->block;
+    const int64_t PW = DECODE_STEP * DT; /* P's rows */
     const float softcap = a->softcap;
     const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
     float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
@@ -397,53 +422,74 @@ static inline __attribute__((always_inline)) void decode_task(
 #else
     const int q8 = 0;
 #endif
+    const int kt = t != 3 ? t : 0;
+    const int64_t vrb = kv_bytes(Dv, t);
+    int64_t ahead = k0; /* the first position whose block is not prefetched */
     for (int64_t j = k0; j < k1;) {
-        int64_t n = BS - j % BS < k1 - j ? BS - j % BS : k1 - j;
-        if (n > DT) n = DT;
-        decode_ahead(kv, s, hk, j, k1, D, Dv, t);
-        /* the tile's keys transposed: in the cache (offset to the tile's first position), or
-         * q8_0's rows transposed into Kf as float32 */
-        const int kt = t != 3 ? t : 0;
-        const char *K = (const char *)Kf;
-        int64_t ld = DT;
-        if (t != 3) {
-            K = kt_plane(kv, s, hk, j, D) + kv_bytes(j % BS, t);
-            ld = BS;
-        } else if (!q8) {
-            tile_keys_t(kv_at(kv, kv->k, s, hk, j, D), n, D, Kf, t);
+        /* the step's tiles: up to DECODE_STEP, each inside one block */
+        int64_t jt[DECODE_STEP], nt[DECODE_STEP];
+        const char *Vt[DECODE_STEP];
+        __mmask16 vis[DECODE_STEP];
+        int nts = 0;
+        for (int64_t p = j; nts < DECODE_STEP && p < k1; nts++) {
+            int64_t n = BS - p % BS < k1 - p ? BS - p % BS : k1 - p;
+            if (n > DT) n = DT;
+            jt[nts] = p, nt[nts] = n, vis[nts] = (__mmask16)((1u << n) - 1u);
+            Vt[nts] = kv_at(kv, kv->v, s, hk, p, Dv);
+            p += n;
         }
-#if DECODE_Q8_DOTS
-        if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, j, D), kv_bytes(D, 3), n, D, kq, ks);
-#endif
-        const char *Vc = kv_at(kv, kv->v, s, hk, j, Dv);
-        const int64_t vrb = kv_bytes(Dv, t);
-        const __mmask16 vis = (__mmask16)((1u << n) - 1u);
-        for (int64_t g0 = 0; g0 < G;) {
-            const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
-            __m512 S[8];
-#if DECODE_Q8_DOTS
-            if (q8)
-                for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks);
-            else
-#endif
-            switch (gn) {
-            case 8: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 8); break;
-            case 4: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 4); break;
-            case 2: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 2); break;
-            default: scores_tile(Q + g0 * D, K, ld, vis, D, S, kt, 1); break;
+        const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_STEP * BS; ahead = (ahead / BS + 1) * BS)
+            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, t);
+        /* raw scores into P: tile by tile, its keys transposed once for all the heads */
+        for (int x = 0; x < nts; x++) {
+            const char *K = (const char *)Kf;
+            int64_t ld = DT;
+            if (t != 3) {
+                K = kt_plane(kv, s, hk, jt[x], D) + kv_bytes(jt[x] % BS, t);
+                ld = BS;
+            } else if (!q8) {
+                tile_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), nt[x], D, Kf, t);
             }
-            for (int64_t gi = 0; gi < gn; gi++) {
-                const int64_t g = g0 + gi;
-                __m512 x = _mm512_mul_ps(S[gi], _mm512_set1_ps(a->scale)); /* as llama.cpp: after the dot */
-                if (softcap > 0.0f) x = _mm512_mul_ps(tanh512(_mm512_div_ps(x, cap)), cap);
-                x = _mm512_mask_blend_ps(vis, ninf, x);
-                const float mx = _mm512_reduce_max_ps(x), mn = mx > m[g] ? mx : m[g];
-                const __m512 e = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
-                _mm512_storeu_ps(P + g * DT, e);
-                psum[g] = _mm512_reduce_add_ps(e);
-                mnew[g] = mn;
+#if DECODE_Q8_DOTS
+            if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), kv_bytes(D, 3), nt[x], D, kq, ks);
+#endif
+            for (int64_t g0 = 0; g0 < G;) {
+                const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+                __m512 S[8];
+#if DECODE_Q8_DOTS
+                if (q8)
+                    for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks);
+                else
+#endif
+                switch (gn) {
+                case 8: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 8); break;
+                case 4: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 4); break;
+                case 2: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 2); break;
+                default: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 1); break;
+                }
+                for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
+                g0 += gn;
             }
-            g0 += gn;
+        }
+        /* each head's weights over the step: P = exp(scale S - m_new), masked */
+        for (int64_t g = 0; g < G; g++) {
+            __m512 xs[DECODE_STEP], mxv = ninf;
+            for (int x = 0; x < nts; x++) {
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(P + g * PW + x * DT), _mm512_set1_ps(a->scale)); /* as llama.cpp: after the dot */
+                if (softcap > 0.0f) v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, cap)), cap);
+                xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
+                mxv = _mm512_max_ps(mxv, xs[x]);
+            }
+            const float mx = _mm512_reduce_max_ps(mxv), mn = mx > m[g] ? mx : m[g];
+            __m512 sum = _mm512_setzero_ps();
+            for (int x = 0; x < nts; x++) {
+                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp512(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
+                _mm512_storeu_ps(P + g * PW + x * DT, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            psum[g] = _mm512_reduce_add_ps(sum);
+            mnew[g] = mn;
         }
         /* alpha = exp(m_old - m_new) of every head at once (0 where nothing was seen yet) */
         for (int64_t g = 0; g < G; g += 16) {
@@ -458,7 +504,7 @@ static inline __attribute__((always_inline)) void decode_task(
         /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers */
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t gn = G - g0 < 4 ? G - g0 : 4;
-            const float *al = alpha + g0, *Pg = P + g0 * DT;
+            const float *al = alpha + g0, *Pg = P + g0 * PW;
             for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
                 const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64, nu = (w + 15) / 16;
                 const __mmask16 last = (__mmask16)(w % 16 ? (1u << (w % 16)) - 1u : 0xFFFF);
@@ -471,7 +517,7 @@ static inline __attribute__((always_inline)) void decode_task(
                 }
             }
         }
-        j += n;
+        j = jend;
     }
 }
 #else
@@ -602,7 +648,7 @@ static inline int64_t decode_lo(const gl_attn *a, int64_t p) {
 /* A decode thread's part of the work buffer: a tile's K and V as float32, the group's rotated
  * queries, the tile's weights, and the heads' rescales, maxima and sums (G each); 64-byte whole. */
 static inline int64_t decode_thread_bytes(int64_t G, int64_t D, int64_t Dv) {
-    return ((DT * (D + Dv) + G * D + G * DT + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
+    return ((DT * (D + Dv) + G * D + G * DECODE_STEP * DT + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
 }
 
 /* The work buffer of a decode step of B rows on nth threads: each thread's part, the tasks'
@@ -648,7 +694,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
     {
         const unsigned csr = ftz_begin();
         char *mine = work + omp_get_thread_num() * thread;
-        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DT;
+        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DECODE_STEP * DT;
         int64_t b = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {

@@ -15,6 +15,7 @@ from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows, release_p
 from graftlm.quant.int4pack import Int4PackKernel
 from graftlm.quant.native_kernels import (
     NativeFloatKernel,
+    NativeIQKernel,
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,
@@ -37,6 +38,7 @@ FAST_KERNELS: list[type[Kernel]] = [
     NativeK4Kernel,
     NativeK16Kernel,
     NativeS8Kernel,
+    NativeIQKernel,
     Int8GroupKernel,
     Int4PackKernel,
     BlockKernel,

@@ -56,7 +56,7 @@ static uint16_t *amx_buf(int which, int64_t bytes) {
 
 /* Whether the tiles serve this task of this product (outputs [32 t, 32 t + 32) of M rows). */
 static inline int amx_serves(const gl_weight *w, int64_t M) {
-    return gl_amx_rows > 0 && M >= gl_amx_rows && w->q != NULL && w->kind != 4 &&
+    return gl_amx_rows > 0 && M >= gl_amx_rows && w->q != NULL && w->kind != 4 && w->kind != 5 &&
            (w->kind != 1 || w->sblk == 32);
 }
 

@@ -42,7 +42,11 @@ CASES = [
     (Q.IQ4_NL, (100, 896), "blocks", "native-s8"),  # a padded row group
     (Q.IQ4_XS, (64, 512), "blocks", "native-s8"),
     (Q.IQ4_XS, (100, 768), "blocks", "native-s8"),
-    (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
+    (Q.IQ2_XXS, (32, 256), "blocks", "native-iq"),
+    (Q.IQ2_XS, (100, 768), "blocks", "native-iq"),  # a last task of 4 outputs
+    (Q.IQ2_S, (37, 512), "blocks", "native-iq"),
+    (Q.IQ3_XXS, (64, 512), "blocks", "native-iq"),
+    (Q.IQ3_S, (45, 256), "blocks", "native-iq"),
 ]
 MODES = ["torch", "native"]
 # fused paths: bf16 x and scales (torch, observed ~3e-3), or int8 x per 32 values (native, ~5e-3)

@@ -2,9 +2,11 @@
 
 For each weight type and shape: GMAC/s of the native int8-activation kernel, of the exact float32
 path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled), for
-M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
+M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.  For the grid
+quants (IQ2_*, IQ3_*: Qwen3-30B-A3B's expert and attention shapes) the torch column is the
+fallback (``blocks``: their PyTorch twin's dequantization, chunk by chunk).
 
-    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2]
+    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types IQ3_XXS]
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from synth_tensors import random_blocks  # noqa: E402
 
 SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
+# an expert's stacked gate and up, its down, and the attention's Q (Qwen3-30B-A3B)
+GRID_SHAPES = [(t, n, k) for t in (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+               for n, k in ((1536, 2048), (2048, 768), (4096, 2048))]  # fmt: skip
 
 
 def gmacs(fn: Callable[[], object], macs: int) -> float:
@@ -42,6 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", nargs="*", help="only these types (the grid quants' shapes too)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -49,7 +55,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print("| type | n_out x n_in | M | native | float32 chunks | torch fused | (GMAC/s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for qtype, n, k in SHAPES:
+    shapes = SHAPES + GRID_SHAPES if args.types else SHAPES
+    for qtype, n, k in shapes:
+        if args.types and qtype.name not in args.types:
+            continue
         raw = random_blocks(qtype, (n, k), rng)
         w = QWeight.from_gguf(raw, qtype, (n, k))
         with disabled():

@@ -4,6 +4,7 @@
  * as it saw the one file they were:
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
+ *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place: exact dequantization, the products
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass

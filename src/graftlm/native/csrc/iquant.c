@@ -15,12 +15,13 @@
  * u8 x s8 dots where the CPU has them, else maddubs + madd (pairs at most 2 * 62 * 127, no
  * saturation): the same int32 sums either way, so every variant gives the same bits. Each sum is
  * scaled in float by (the weight's scale * x's scale) of its 32 values (16: the half of the lanes
- * that sum them) and accumulated in 8 lanes per row of x, summed across every IQ_CHUNK
- * super-blocks. A row of the weight is unpacked (grid bytes, vpsignb operands, scales) once for
+ * that sum them) and accumulated in 8 lanes per row of x for the even sub-blocks and 8 for the
+ * odd ones (the 512-bit kernels' two halves), summed across every IQ_CHUNK super-blocks. A row of the weight is unpacked (grid bytes, vpsignb operands, scales) once for
  * all the rows of x, which its tiles of MT rows then read from L1: a prompt pays the lookups once
- * an output, not once a tile (Zen 4, one core, 2048 x 2048 IQ3_XXS at 64 rows: 18.5 GMAC/s
- * against 8.9 unpacking per tile). The lookups bound a decode step: one row of x takes ~8
- * GMAC/s a core where Q4_K takes ~45 (vpgatherdd for IQ3's eight entries: 20% slower on Zen 4).
+ * an output, not once a tile (Zen 4, one core, 2048 x 2048 IQ3_XXS at 64 rows, 256 bits: 18.5
+ * GMAC/s against 8.9 unpacking per tile). The lookups bound a decode step: one row of x takes
+ * ~9-11 GMAC/s a core where Q4_K takes ~45-60 (vpgatherdd for IQ3's eight entries: 20% slower
+ * on Zen 4).
  */
 #include "graftlm.h"
 #include "iq_grids.h"

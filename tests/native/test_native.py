@@ -52,9 +52,10 @@ def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4],
+    [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS,
+     Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S],
     ids=str,
-)
+)  # fmt: skip
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
     rng = np.random.default_rng(m)
@@ -291,6 +292,8 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("llama", Q.IQ4_NL),
         ("llama", Q.IQ4_XS),
         ("llama", Q.MXFP4),
+        ("llama", Q.IQ3_XXS),
+        ("qwen3", Q.IQ2_S),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])
@@ -306,9 +309,9 @@ def test_fused_layer_equals_the_pytorch_block(
     from graftlm.models.base import Transformer
 
     extra = {"n_head": 2, "n_head_kv": 1, "head_dim": 32} if arch == "gemma3" else {}
-    # IQ4_XS's super-blocks need rows of 256 values
+    # IQ4_XS's (the grid types') super-blocks need rows of 256 values
     dims = {"n_embd": 64, "n_ff": 96}
-    if qtype == Q.IQ4_XS:
+    if qtype in (Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_S):
         dims = {"n_embd": 256, "n_ff": 512, "head_dim": 64}
     spec = TinySpec(arch=arch, qtype=qtype, embd_type=Q.Q8_0, n_layer=3, **dims,
                     **extra)  # type: ignore[arg-type]  # fmt: skip

@@ -123,6 +123,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_pack_k6": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]),
     "gl_deq_k6": (None, [_P, _P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_k6": (None, [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT]),
+    "gl_deq_iq": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
+    "gl_mm_iq": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
     "gl_rms_norm": (None, [_P, _I64, _I64, _P, _F, _P, _INT]),
     # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
     "gl_rope": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT]),

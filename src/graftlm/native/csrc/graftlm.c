@@ -148,4 +148,5 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 #include "attn.c"
 #include "lora.c"
 #include "float.c"
+#include "iquant.c"
 #include "layer.c"

@@ -5,6 +5,7 @@
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
  *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size, the same three
+ *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place: exact dequantization, the products
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
@@ -46,7 +47,8 @@ static int64_t gl_allocs;
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
     int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
-                   * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c) */
+                   * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c),
+                   * 5: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
@@ -201,6 +203,12 @@ GL_API void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, con
                       int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
                      int v, int64_t n, float *y, int nth);
+
+/* iquant.c (k a multiple of 256; v: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S) */
+GL_API void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0,
+                      int64_t nrows, float *out, int nth);
+GL_API void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
+                     float *y, int nth);
 
 /* attn.c */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
@@ -685,6 +693,9 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 /* mxfp4.c: mm_task for the weights of kind 5 */
 static void mx4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                      float *y);
+/* iquant.c: mm_task for the weights of kind 6 */
+static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y);
 /* float.c: mm_task for the weights of kind 4 */
 static void f_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                    float *y);

@@ -103,7 +103,8 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            return x + moe_ffn(h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, cfg.n_expert_used)
+            experts = b.ffn_gate_up_exps, b.ffn_down_exps
+            return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.exact)
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property

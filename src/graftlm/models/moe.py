@@ -118,8 +118,10 @@ def moe_ffn(
     gate_up: GatedExperts,
     down: Experts,
     n_used: int,
+    exact: bool = False,
 ) -> torch.Tensor:
-    """h (B, T, n_embd), router_logits (B, T, n_expert) -> (B, T, n_embd).
+    """h (B, T, n_embd), router_logits (B, T, n_expert) -> (B, T, n_embd); exact: the experts'
+    products in float32 (the step's Batch.exact, as quant.linear takes it).
 
     Semantics (llama.cpp's softmax gating with normalized weights, = Mixtral):
         p = softmax(router_logits); top = the n_used largest p; w = p[top] / sum(p[top])
@@ -130,7 +132,14 @@ def moe_ffn(
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
     weight, chosen = probs.topk(n_used, dim=-1)  # (N, k)
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
-    out = mix_experts(x, chosen, weight, lambda e, xe: linear(gate_up(e, xe), down[e]))
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        if not exact:
+            return linear(gate_up(e, xe), down[e])
+        gate, up = gate_up.halves(e, xe, exact)
+        return linear(F.silu(gate) * up, down[e], exact)  # (n_e, n_embd)
+
+    out = mix_experts(x, chosen, weight, expert)
     return out.view_as(h)
 
 

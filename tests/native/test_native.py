@@ -1091,7 +1091,8 @@ def test_fused_layer_serves_the_converted_families(
 
 
 # family -> (architecture, q rows, experts) of the tiny routed models
-ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16)}
+ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16),
+          "gpt-oss": ("gpt-oss", 4 * 48, 16)}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(ROUTED))

@@ -6,8 +6,8 @@
  * attention's work (attn_decode_bytes). A routed FFN's (else NULL; K = n_expert_used): the
  * router's logits (B, n_expert), each row's experts and their weights (B, K), then every chosen
  * (row, expert) pair's row of h gathered in the experts' order (gath, (B K, n_embd)), its row,
- * expert and weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act, (B K, n_ff)) and
- * outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
+ * expert and weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act,
+ * (B K, n_ff)) and outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
  * both products (xg, xd). */
 typedef struct {
     float *h, *big, *att, *o;
@@ -101,13 +101,13 @@ static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
  * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
  * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
- * experts in ascending order. gpt-oss's (models/gpt_oss.py's routed_ffn; gating 1, biases): l =
- * router(h) + bias, its n_expert_used largest, w = softmax(l at them); o = the sum of
- * w_e * (down_e(act(gate_e + bg_e, up_e + bu_e)) + bd_e). Each chosen expert runs once, over the rows that chose it, so a
- * batch reads an expert's weights once, whatever number of rows chose it; and all the experts'
- * products run in one parallel region, their tasks one list split over the threads (an
- * expert's products alone are too small to share: a region each, Qwen3-30B-A3B's 8 experts of
- * a token made 24 regions a layer, each starting its stream of weights cold). */
+ * experts in ascending order. gpt-oss's (models/gpt_oss.py's routed_ffn; gating 1, biases):
+ * l = router(h) + bias, its n_expert_used largest, w = softmax(l at them); o = the sum of
+ * w_e * (down_e(act(gate_e + bg_e, up_e + bu_e)) + bd_e). Each chosen expert runs once, over the
+ * rows that chose it, so a batch reads an expert's weights once, whatever number of rows chose
+ * it; and all the experts' products run in one parallel region, their tasks one list split over
+ * the threads (an expert's products alone are too small to share: a region each, Qwen3-30B-A3B's
+ * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold). */
 static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
                     float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
@@ -192,7 +192,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
 }
 
 /* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
- *   x += [post-norm] (O(attention(RoPE([QK-norm] (QKV(norm(x)) [+ biases])))) [+ bias])
+ *   x += [post-norm] (O(attention(RoPE([QK-norm] (QKV(norm(x)) [+ biases])) [, sinks])) [+ bias])
  *   x += [post-norm] down(act(gate) * up)(norm(x))
  * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels.
  * Its buffers come from sc, which holds layer_bytes(L, B, nth) past sc->used. */

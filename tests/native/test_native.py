@@ -529,15 +529,21 @@ def test_out_of_range_slots_and_positions_never_reach_the_c_code(tiny_llama: Pat
         model.forward(Batch(torch.tensor([[5]]), [2], [3], [1]))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "swiglu_oai"])
 def test_native_gate_matches_torch(act: str) -> None:
     """Against torch in float64: torch's own float32 GELU-tanh rounds 1 + tanh(z) to 0 below
-    g = -5 or so, where the kernel's g / (1 + e^-2z) keeps the tiny value."""
+    g = -5 or so, where the kernel's g / (1 + e^-2z) keeps the tiny value. gpt-oss's clamped
+    gate: gate and up past both clamps (+-7)."""
+    from graftlm.models.gpt_oss import swiglu_oai
+
     g = torch.Generator().manual_seed(0)
     gu = torch.randn(3, 7, 2 * 100, generator=g) * 4  # a tail past the 8-wide vectors; large |g|
     gu[0, 0, :6] = torch.tensor([0.0, -30.0, 30.0, 1e-3, -90.0, -5.07])
     gate, up = gu.double().split(100, dim=-1)
-    want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    if act == "swiglu_oai":
+        want = swiglu_oai(gate, up)
+    else:
+        want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
     got = ops.gated(gu, act)
     assert got is not None and got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
@@ -1097,7 +1103,8 @@ def test_fused_layer_serves_the_converted_families(
 
 
 # family -> (architecture, q rows, experts) of the tiny routed models
-ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16)}
+ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16),
+          "gpt-oss": ("gpt-oss", 4 * 48, 16)}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(ROUTED))

@@ -107,7 +107,7 @@ typedef struct {
     gl_kv kv;
     const float *cos_t, *sin_t;
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
-    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
+    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation), 2: gpt-oss's clamped SwiGLU */
     float eps, scale, softcap; /* softcap: cap * tanh(score / cap) on attention scores, 0: none */
     /* A routed FFN in place of gate_up / down where n_expert > 0 (Mixtral, qwen3moe): the router
      * (n_expert rows; GGUF files keep it float32: kind 4) with its adapter site, the same product
@@ -117,6 +117,13 @@ typedef struct {
     gl_lora_site l_router;
     const gl_weight *exp_gate_up, *exp_down;
     int64_t n_expert, n_expert_used;
+    /* gpt-oss: the attention's sinks (gl_attn's), the router's bias (n_expert), each expert's
+     * bias of [gate; up] (n_expert, 2 n_ff) and of down (n_expert, n_embd); NULL: none. gating 0:
+     * w = the softmax of all the router's logits at the chosen, over their sum (Mixtral,
+     * qwen3moe); 1: the softmax of the chosen logits alone (gpt-oss: the same weights, rounded
+     * as its composed block rounds them). */
+    const float *sinks, *router_bias, *exp_gate_up_bias, *exp_down_bias;
+    int64_t gating;
 } gl_layer;
 
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
@@ -126,6 +133,9 @@ typedef struct {
     const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
     int64_t n_head, n_head_kv, head_dim, v_dim, n_ctx, rot, neox, window; /* window 0: all */
     float scale, softcap; /* softcap 0: none */
+    /* (n_head,) or NULL: one more logit a head in each softmax's denominator, with no value
+     * (gpt-oss's attention sinks), folded in where a row's sums are finished */
+    const float *sinks;
 } gl_attn;
 
 /* Memory the decode layers carve their buffers from, kept between calls so that a step allocates

@@ -110,6 +110,9 @@ class MoeSpec:
     gate_up: list[QWeight]
     down: list[QWeight]
     n_used: int
+    # the experts' adapter seams (moe.ExpertSeam): while any holds an adapter the PyTorch block
+    # serves the layer (the native layer adds no expert delta yet)
+    seams: tuple[Any, ...] = ()
 
     def servable(self) -> bool:
         return (
@@ -266,6 +269,9 @@ class FusedLayer:
                 if table is not None:
                     self._tables.append(table)
                     table.point(site, buf.data_ptr(), buf.shape[1])
+            moe = self.spec.moe
+            if moe is not None and any(s.lora is not None for s in moe.seams):
+                self._servable = False  # an expert adapter: the PyTorch block adds its delta
             self._bound = board.key
         return self._servable
 

@@ -87,7 +87,8 @@ class Llama(Transformer):
             if experts.stacked is None:  # gate and up of two types: the composed block
                 return None
             moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights,
-                          cfg.n_expert_used)  # fmt: skip
+                          cfg.n_expert_used,
+                          tuple(experts.seams + b.ffn_down_exps.seams))  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                              b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,
@@ -103,7 +104,9 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            return x + moe_ffn(h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, cfg.n_expert_used)
+            return x + moe_ffn(
+                h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, cfg.n_expert_used, batch.lora
+            )
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property

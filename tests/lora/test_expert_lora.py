@@ -38,9 +38,18 @@ def _peft_logprobs(pm: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def _per_expert(pm: Any, src: Path, out: Path, n_expert: int) -> None:
-    """The target_parameters adapter as per-expert nn.Linear modules (gate_proj, up_proj,
-    down_proj of mlp.experts.N): the same deltas, in the layout llama.cpp's converter reads."""
+# family -> the per-expert modules' layout before transformers 5: (stem, gate, up, down)
+LINEAR = {
+    "qwen3moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
+}
+
+
+def _per_expert(pm: Any, src: Path, out: Path, n_expert: int, family: str) -> None:
+    """The target_parameters adapter as per-expert nn.Linear modules (Qwen3-MoE's
+    mlp.experts.N.gate_proj, Mixtral's block_sparse_moe.experts.N.w1): the same deltas, in the
+    layout llama.cpp's converter reads."""
+    where, gate, up, down = LINEAR[family]
     out.mkdir()
     tensors: dict[str, torch.Tensor] = {}
     for name, module in pm.named_modules():
@@ -50,13 +59,13 @@ def _per_expert(pm: Any, src: Path, out: Path, n_expert: int) -> None:
         a = module.lora_A["default"].weight.detach().reshape(n_expert, R, -1)
         b = module.lora_B["default"].weight.detach()
         b = b.reshape(b.shape[0], R, n_expert).permute(2, 0, 1)  # (n_expert, n_out, r)
-        stem = f"base_model.model.model.layers.{layer}.mlp.experts"
+        stem = f"base_model.model.model.layers.{layer}.{where}"
         for e in range(n_expert):
             if module.parameter_name == "down_proj":
-                halves = {"down_proj": b[e]}
+                halves = {down: b[e]}
             else:
                 n_ff = b.shape[1] // 2
-                halves = {"gate_proj": b[e][:n_ff], "up_proj": b[e][n_ff:]}
+                halves = {gate: b[e][:n_ff], up: b[e][n_ff:]}
             for proj, be in halves.items():
                 tensors[f"{stem}.{e}.{proj}.lora_A.weight"] = a[e].clone()
                 tensors[f"{stem}.{e}.{proj}.lora_B.weight"] = be.clone()
@@ -66,22 +75,25 @@ def _per_expert(pm: Any, src: Path, out: Path, n_expert: int) -> None:
             tensors[key] = p.detach().contiguous()
     save_file(tensors, str(out / "adapter_model.safetensors"))
     cfg = json.loads((src / "adapter_config.json").read_text())
-    cfg["target_modules"] = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg["target_modules"] = ["q_proj", gate, up, down]
     cfg["target_parameters"] = None
     (out / "adapter_config.json").write_text(json.dumps(cfg))
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = made_dir("qwen3moe")
-    if folder is None:
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+def made(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    family = request.param
+    folder = made_dir(family) if family == "qwen3moe" else TINY / family
+    if folder is None or not (folder / "hf").is_dir():
         pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    import peft
-    import transformers
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
 
     tmp = tmp_path_factory.mktemp("expert_lora")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
-    n_expert = model.config.num_experts
+    n_expert = getattr(model.config, "num_experts", None) or model.config.num_local_experts
     torch.manual_seed(1)
     cfg = peft.LoraConfig(
         r=R, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
@@ -93,13 +105,15 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             if "lora_B" in name:
                 p.normal_(0.0, 0.1)
     pm.save_pretrained(tmp / "params")
-    _per_expert(pm, tmp / "params", tmp / "linear", n_expert)
+    _per_expert(pm, tmp / "params", tmp / "linear", n_expert, family)
     cmd = [sys.executable, str(HERE / "convert_tiny.py"), str(TINY / "qwen3" / "model-f32.gguf"),
            "lora", str(tmp / "linear"), "--base", str(folder / "hf"), "--outtype", "f32",
            "--outfile", str(tmp / "lora.gguf")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {"pm": pm, "base": folder / "model-f32.gguf", "tmp": tmp, "n_expert": n_expert}
+    return {"pm": pm, "base": folder / "model-f32.gguf", "tmp": tmp, "n_expert": n_expert,
+            "n_ff": model.config.moe_intermediate_size if family == "qwen3moe"
+            else model.config.intermediate_size}  # fmt: skip
 
 
 def test_converted_gguf_stacks_the_experts(made: dict[str, Any]) -> None:
@@ -107,8 +121,8 @@ def test_converted_gguf_stacks_the_experts(made: dict[str, Any]) -> None:
     shapes = {t.name: [int(d) for d in t.shape] for t in r.tensors}
     # ggml order: A ne=[n_in, r, n_expert], B ne=[r, n_out, n_expert]
     assert shapes["blk.0.ffn_gate_exps.weight.lora_a"] == [128, R, made["n_expert"]]
-    assert shapes["blk.0.ffn_gate_exps.weight.lora_b"] == [R, 64, made["n_expert"]]
-    assert shapes["blk.1.ffn_down_exps.weight.lora_a"] == [64, R, made["n_expert"]]
+    assert shapes["blk.0.ffn_gate_exps.weight.lora_b"] == [R, made["n_ff"], made["n_expert"]]
+    assert shapes["blk.1.ffn_down_exps.weight.lora_a"] == [made["n_ff"], R, made["n_expert"]]
 
 
 @pytest.mark.parametrize("kind", ["params", "linear", "gguf"])
@@ -194,7 +208,8 @@ def test_native_decode_layer_hands_an_expert_adapter_to_pytorch(made: dict[str, 
 def test_refusals_name_the_tensor_and_dimensions(made: dict[str, Any], tmp_path: Path) -> None:
     ours = graftlm.load(made["base"], ctx_size=64, reference=True)
     src = gguf.GGUFReader(made["tmp"] / "lora.gguf")
-    w = gguf.GGUFWriter(tmp_path / "bad.gguf", "qwen3moe")
+    arch = ours.config.arch  # (the adapter's own: llama for Mixtral)
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")
     w.add_float32("adapter.lora.alpha", 8.0)
@@ -207,11 +222,59 @@ def test_refusals_name_the_tensor_and_dimensions(made: dict[str, Any], tmp_path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    before = ours.loras
+    before, logits = ours.loras, ours.logits(IDS)
     with pytest.raises(AdapterError) as exc:
         ours.add_lora(tmp_path / "bad.gguf")
     msg = str(exc.value)
+    assert "general.architecture" not in msg  # only the one tensor is wrong
     assert "blk.0.ffn_down_exps.weight" in msg and str(made["n_expert"] - 1) in msg
-    assert f"ne=[64, {R}, {made['n_expert'] - 1}]" in msg
+    assert f"ne=[{made['n_ff']}, {R}, {made['n_expert'] - 1}]" in msg
     assert ours.loras == before
-    torch.testing.assert_close(_logprobs(ours, IDS, []), _logprobs(ours, IDS, []), rtol=0, atol=0)
+    assert not any(p.lora for p in ours.model.projections().values())  # nothing attached
+    assert torch.equal(ours.logits(IDS), logits)
+
+
+def test_peft_refusals_name_the_module_and_dimensions(made: dict[str, Any], tmp_path: Path) -> None:
+    """A target_parameters adapter made for fewer experts, and a per-expert module past the
+    base's experts: one error naming each module and every dimension; nothing attached."""
+    from safetensors.torch import load_file
+
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    logits = ours.logits(IDS)
+    n = made["n_expert"]
+    for kind in ("params", "linear"):
+        src = made["tmp"] / kind
+        bad = tmp_path / kind
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+        tensors = load_file(str(src / "adapter_model.safetensors"))
+        if kind == "params":  # layer 1's down_proj as if for n - 1 experts
+            key = "base_model.model.model.layers.1.mlp.experts.lora_A.weight"
+            tensors[key] = tensors[key][:-R].clone()
+            tensors[key.replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")][
+                :, :-R
+            ].clone()
+        else:  # one expert past the base's
+            for k in [k for k in tensors if ".experts.0." in k and "layers.0." in k]:
+                tensors[k.replace(".experts.0.", f".experts.{n}.")] = tensors[k].clone()
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(AdapterError) as exc:
+            ours.add_lora(bad)
+        msg = str(exc.value)
+        if kind == "params":
+            assert "model.layers.1.mlp.experts" in msg
+            assert f"{R} * {n} = {R * n}" in msg and f"[{R * (n - 1)}, " in msg
+        else:
+            assert f"experts.{n}." in msg and f"expert {n}, but the base has {n} experts" in msg
+        assert ours.loras == []
+        assert not any(p.lora for p in ours.model.projections().values())
+        assert torch.equal(ours.logits(IDS), logits)
+
+
+def test_expert_adapter_on_a_dense_base_is_refused(made: dict[str, Any]) -> None:
+    ours = graftlm.load(TINY / "qwen3" / "model-f32.gguf", ctx_size=64, reference=True)
+    with pytest.raises(AdapterError) as exc:
+        ours.add_lora(made["tmp"] / "params")
+    assert "model.layers.0.mlp.experts': the base has no routed experts in layer 0" in str(
+        exc.value
+    )

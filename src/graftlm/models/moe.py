@@ -79,17 +79,35 @@ def _enter(w: Weights, file_name: str, seams: list[ExpertSeam], rows: slice) -> 
     ]
 
 
-def _lora_rows(rows: LoraRows | None, seams: list[ExpertSeam]) -> LoraRows | None:
+class _Adapted:
+    """The adapter slots attached to any of a tensor's experts, found again only when the
+    model's adapters change (its Generation): a step asks once a layer, not once an expert."""
+
+    def __init__(self, w: Weights) -> None:
+        self.generation = w.seams.generation if w.seams is not None else None
+        self.seams: list[ExpertSeam] = []
+        self._seen: tuple[int, frozenset[int]] = (-1, frozenset())
+
+    def slots(self) -> frozenset[int]:
+        g = self.generation.value if self.generation is not None else 0
+        if self._seen[0] != g:
+            found = frozenset(s for x in self.seams if x.lora is not None for s in x.lora.slot_ids)
+            self._seen = (g, found)
+        return self._seen[1]
+
+
+def _lora_rows(rows: LoraRows | None, *experts: _Adapted) -> LoraRows | None:
     """The step's rows when some adapter active in it is attached to one of these experts."""
     if rows is None or not rows.active:
         return None
-    return rows if any(s.lora is not None and s.lora.present(rows.active) for s in seams) else None
+    return rows if any(s in x.slots() for x in experts for s in rows.active) else None
 
 
-class Experts:
+class Experts(_Adapted):
     """One 3-D expert tensor of a layer, as n_expert 2-D weights of shape (n_out, n_in)."""
 
     def __init__(self, w: Weights, name: str, shape: tuple[int, int, int]) -> None:
+        super().__init__(w)
         entry = _entry(w, name, shape)
         n_expert, n_out, n_in = shape
         # entry.data is (n_expert, n_out, n_in) floats or (n_expert, n_out, row bytes) blocks
@@ -123,15 +141,15 @@ class Experts:
         return sum(q.nbytes for q in self.weights)
 
 
-class GatedExperts:
+class GatedExperts(_Adapted):
     """A layer's gate and up expert tensors: expert e as one stacked (2 n_ff, n_in) weight, rows
     [gate_e; up_e], when the two tensors share a type (`stacked`), else as the two Experts
     (`parts`)."""
 
     def __init__(self, w: Weights, gate: str, up: str, shape: tuple[int, int, int]) -> None:
+        super().__init__(w)
         self.stacked: list[QWeight] | None = None
         self.parts: tuple[Experts, Experts] | None = None
-        self.seams: list[ExpertSeam] = []
         g, u = _entry(w, gate, shape), _entry(w, up, shape)
         if g.ggml_type != u.ggml_type:
             self.parts = (Experts(w, gate, shape), Experts(w, up, shape))
@@ -222,7 +240,7 @@ def moe_ffn(
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
     weight, chosen = probs.topk(n_used, dim=-1)  # (N, k)
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
-    rows = _lora_rows(lora, gate_up.seams + down.seams)
+    rows = _lora_rows(lora, gate_up, down)
     if rows is None:
         out = mix_experts(x, chosen, weight, lambda e, xe: linear(gate_up(e, xe), down[e]))
         return out.view_as(h)

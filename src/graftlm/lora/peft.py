@@ -446,7 +446,8 @@ def _read_experts(
     n = base.n_expert
     up, down = base.lookup(f"blk.{layer}.ffn_up_exps"), base.lookup(f"blk.{layer}.ffn_down_exps")
     if isinstance(up, str) or isinstance(down, str) or not n:
-        problems.append(f"{where}: the base has no routed experts in layer {layer}")
+        why = up if isinstance(up, str) else down if isinstance(down, str) else "no experts"
+        problems.append(f"{where}: the base has no routed experts in layer {layer} ({why})")
         return []
     n_embd, n_ff = up[0], up[1]
     params = {"gate_up_proj": (n_embd, 2 * n_ff), "down_proj": (n_ff, n_embd)}

@@ -175,9 +175,11 @@ def test_zero_scale_and_mixed_rows(made: dict[str, Any]) -> None:
 
 
 def test_native_decode_layer_hands_an_expert_adapter_to_pytorch(made: dict[str, Any]) -> None:
-    """The fused decode layer adds no expert delta yet: while an expert adapter is attached its
-    layers run the PyTorch block, and greedy decoding with the adapter follows the adapter."""
+    """The fused decode layer adds no expert delta yet: a step with an expert adapter active runs
+    the PyTorch blocks, and greedy decoding with it follows the adapter; a step without one (the
+    adapter attached, at scale 0) stays native."""
     from graftlm.lora.settings import AdapterSettings
+    from graftlm.runtime.engine import lora_rows
     from graftlm.runtime.sampling import SamplingParams
     from graftlm.runtime.scheduler import Request
 
@@ -192,9 +194,12 @@ def test_native_decode_layer_hands_an_expert_adapter_to_pytorch(made: dict[str, 
     plain = run({})
     a = ours.add_lora(made["tmp"] / "lora.gguf")
     fused = [ours.model.fused_layer(i) for i in range(ours.config.n_layer)]
-    if all(f is None for f in fused):
+    if any(f is None for f in fused):
         pytest.skip("no native decode layer here")
-    assert not any(f.bind_lora() for f in fused if f is not None)
+    on = lora_rows([{a: 1.0}, {}], ours.model.device)
+    assert all(f.experts_adapted(on) for f in fused if f is not None)
+    assert all(f.bind_lora() for f in fused if f is not None)  # native otherwise
+    assert not any(f.experts_adapted(None) for f in fused if f is not None)
     assert run({a: 0.0}) == plain
     ref = graftlm.load(made["base"], ctx_size=64, reference=True)
     ra = ref.add_lora(made["tmp"] / "lora.gguf")
@@ -202,7 +207,7 @@ def test_native_decode_layer_hands_an_expert_adapter_to_pytorch(made: dict[str, 
     want = ref.generate(IDS[:8], max_tokens=6, temperature=0, lora=[{"id": ra, "scale": 1.0}])
     assert got == want
     ours.remove_lora(a)
-    assert all(f.bind_lora() for f in fused if f is not None)  # native again
+    assert not any(f.experts_adapted(on) for f in fused if f is not None)
 
 
 def test_refusals_name_the_tensor_and_dimensions(made: dict[str, Any], tmp_path: Path) -> None:

@@ -86,9 +86,9 @@ class Llama(Transformer):
             experts = b.ffn_gate_up_exps
             if experts.stacked is None:  # gate and up of two types: the composed block
                 return None
-            moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights,
-                          cfg.n_expert_used,
-                          tuple(experts.seams + b.ffn_down_exps.seams))  # fmt: skip
+            down = b.ffn_down_exps
+            moe = MoeSpec(b.ffn_gate_inp, experts.stacked, down.weights, cfg.n_expert_used,
+                          lambda: experts.slots() | down.slots())  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                              b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,

@@ -29,7 +29,7 @@ from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.constraints import Constraint, ConstraintCompiler
 from graftlm.runtime.sampling import Sampler, SamplingParams
 from graftlm.runtime.scheduler import Request
-from graftlm.server.tools import tool_constraint
+from graftlm.runtime.tools import tool_constraint
 
 SCHEMAS: list[dict[str, Any]] = [
     {

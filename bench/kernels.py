@@ -2,9 +2,11 @@
 
 For each weight type and shape: GMAC/s of the native int8-activation kernel, of the exact float32
 path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled; the
-blocks fallback for the types torch has none for, MXFP4's among them), for M = 1 .. 512 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.
+blocks fallback for the types torch has none for: MXFP4 and the grid quants), for M = 1 .. 512
+rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.  The grid quants (IQ2_*,
+IQ3_*) run on Qwen3-30B-A3B's expert and attention shapes, when --types names them.
 
-    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4]
+    .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4 IQ3_XXS]
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from synth_tensors import random_blocks  # noqa: E402
 SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
 SHAPES += [(Q.MXFP4, 5760, 2880), (Q.MXFP4, 2880, 2880)]  # gpt-oss-20b's experts: [gate; up], down
+# an expert's stacked gate and up, its down, and the attention's Q (Qwen3-30B-A3B)
+GRID_SHAPES = [(t, n, k) for t in (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+               for n, k in ((1536, 2048), (2048, 768), (4096, 2048))]  # fmt: skip
 
 
 def gmacs(fn: Callable[[], object], macs: int) -> float:
@@ -51,7 +56,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print("| type | n_out x n_in | M | native | float32 chunks | torch fused | (GMAC/s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for qtype, n, k in SHAPES:
+    shapes = SHAPES + GRID_SHAPES if args.types else SHAPES
+    for qtype, n, k in shapes:
         if args.types and qtype.name not in args.types:
             continue
         raw = random_blocks(qtype, (n, k), rng)

@@ -13,8 +13,12 @@ reaches) so the output head costs what it costs. The mixes follow llama.cpp's
 embedding) and on attn_v and ffn_down of the layers llama.cpp gives more bits (the first and last
 eighth and every third between), and fall back to Q5_0 / Q5_1 / Q8_0 where a row is not a
 multiple of 256 (Qwen2.5-0.5B's 896). iq4_xs / iq4_nl are IQ4_XS / IQ4_NL with Q6_K in those
-places (llama.cpp's own IQ4 mixes differ in detail: Q5_K on some attn_v / ffn_down). Layer counts are cut for the 4B-7B shapes (`--layers`
-overrides): decode speed per layer is what is compared.
+places (llama.cpp's own IQ4 mixes differ in detail: Q5_K on some attn_v / ffn_down). The
+small-memory mixes iq3_xxs / iq2_xxs / iq2_xs put IQ3_XXS / IQ2_XXS / IQ2_XS everywhere else, IQ3_S /
+IQ2_S / IQ3_XXS in the more-bits places and Q5_K on the output, as llama.cpp does without an
+importance matrix in the common cases (its attn_v takes Q4_K where a model has 4+ query heads a
+KV head or 8+ experts; here the more-bits type). Layer counts are cut for the 4B-7B shapes
+(`--layers` overrides): decode speed per layer is what is compared.
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ MIXES = {
     "q2_k": (Q.Q2_K, Q.Q4_K),
     "iq4_xs": (Q.IQ4_XS, Q.Q6_K),
     "iq4_nl": (Q.IQ4_NL, Q.Q6_K),
+    "iq3_xxs": (Q.IQ3_XXS, Q.IQ3_S),
+    "iq2_xxs": (Q.IQ2_XXS, Q.IQ2_S),
+    "iq2_xs": (Q.IQ2_XS, Q.IQ3_XXS),
     "f16": (Q.F16, Q.F16),  # what export-lora writes by default
     "bf16": (Q.BF16, Q.BF16),
     # gpt-oss as released (llama-quantize's MXFP4_MOE): routed experts MXFP4, the rest Q8_0
@@ -91,11 +98,16 @@ FALLBACK = {
     Q.Q3_K: Q.Q4_0,
     Q.Q2_K: Q.Q4_0,
     Q.IQ4_XS: Q.IQ4_NL,
+    **dict.fromkeys((Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S), Q.IQ4_NL),
 }
+OUTPUT = dict.fromkeys(
+    ("iq3_xxs", "iq2_xxs", "iq2_xs"), Q.Q5_K
+)  # the output's type, where not `more`
 # a block scale that gives weights of about 0.01-0.03 with random codes
 SCALE = {Q.Q4_0: 2e-3, Q.Q4_1: 2e-3, Q.Q5_0: 1e-3, Q.Q5_1: 1e-3, Q.Q8_0: 2e-4,
          Q.Q2_K: 2e-4, Q.Q3_K: 1e-4, Q.Q4_K: 3e-5, Q.Q5_K: 2e-5, Q.Q6_K: 3e-5,
-         Q.IQ4_NL: 1.5e-4, Q.IQ4_XS: 6e-6}  # fmt: skip
+         Q.IQ4_NL: 1.5e-4, Q.IQ4_XS: 6e-6, Q.IQ2_XXS: 4e-4, Q.IQ2_XS: 4e-4, Q.IQ2_S: 4e-4,
+         Q.IQ3_XXS: 1.5e-4, Q.IQ3_S: 1.5e-4}  # fmt: skip
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -108,7 +120,7 @@ def tensor_type(mix: str, role: str, layer: int, n_layer: int, n_in: int) -> Q:
     if role in EXPERT_ROLES and mix in EXPERT_TYPE:
         return EXPERT_TYPE[mix]
     if role == "output":
-        t = more
+        t = OUTPUT.get(mix, more)
     elif role in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits(layer, n_layer):
         t = more
     else:

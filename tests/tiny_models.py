@@ -84,7 +84,8 @@ def _tokenizer(w: gguf.GGUFWriter, spec: TinySpec) -> int:
 
 
 # types gguf.quants cannot write, with the block scale (times std) that gives weights of about std
-RANDOM_CODES = {T.IQ4_NL: 1 / 60, T.IQ4_XS: 1 / 960}
+RANDOM_CODES = {T.IQ4_NL: 1 / 60, T.IQ4_XS: 1 / 960, T.IQ2_XXS: 1 / 50, T.IQ2_XS: 1 / 50,
+                T.IQ2_S: 1 / 50, T.IQ3_XXS: 1 / 130, T.IQ3_S: 1 / 128}  # fmt: skip
 
 
 def _matrix(

@@ -25,6 +25,12 @@ from graftlm.runtime.device import resolve_device
 from graftlm.runtime.draft_model import check_vocabulary
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.prompting import Prompter
+from graftlm.runtime.reasoning import (
+    REASONING_FORMATS,
+    AnswerParser,
+    answer_syntax,
+    thinking_forced_open,
+)
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.scoring import Scorer
@@ -54,6 +60,23 @@ class Timings:
         # the first token comes from the prompt's logits; decode steps made the rest
         steps = self.n_generated - 1
         return steps / self.generate_s if self.generate_s > 0 and steps > 0 else 0.0
+
+
+class ChatReply(str):
+    """A chat answer: the string is its content; `reasoning` what the model reasoned apart from it
+    (gpt-oss's analysis channel, a `<think>` block; "" where it wrote none, or where the
+    reasoning format keeps it in the content). Streamed, each piece is one of these: its content
+    and its reasoning since the last piece, either of them possibly empty."""
+
+    reasoning: str
+
+    def __new__(cls, content: str = "", reasoning: str = "") -> ChatReply:
+        reply = super().__new__(cls, content)
+        reply.reasoning = reasoning
+        return reply
+
+    def __reduce__(self) -> tuple[type[ChatReply], tuple[str, str]]:
+        return ChatReply, (str(self), self.reasoning)
 
 
 def load(
@@ -346,9 +369,35 @@ class Model:
         pieces = self._run(ids, params, self.adapters.settings(lora))
         return pieces if stream else "".join(pieces)
 
-    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str | Iterator[str]:
-        """`generate` on the messages rendered through the model's chat template."""
-        return self.generate(self.prompter.chat_prompt(messages), **kwargs)
+    def chat(
+        self, messages: list[dict[str, Any]], reasoning_format: str = "auto", **kwargs: Any
+    ) -> ChatReply | Iterator[ChatReply]:
+        """`generate` on the messages rendered through the model's chat template, its answer
+        split as llama-server and llama-cli split it: a `ChatReply`, the content, with the
+        reasoning apart in `.reasoning` (or with stream=True an iterator of them, piece by piece).
+
+        `reasoning_format` (llama-server's --reasoning-format): "auto" and "deepseek" keep the
+        reasoning apart; "deepseek-legacy" keeps it in the content too, between `<think>` tags
+        (streamed: only there); "none" parses nothing: a `<think>` answer is content as written,
+        and a harmony answer's analysis stays in the content with its own tags (llama-server's
+        output)."""
+        if reasoning_format not in REASONING_FORMATS:
+            raise GraftError(
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}; "
+                f"got {reasoning_format!r}"
+            )
+        syntax = answer_syntax(self.chat_template)
+        # (R1's templates open the <think> block in the prompt: the answer starts inside it)
+        forced_open = syntax == "think" and thinking_forced_open(self.apply_chat_template(messages))
+        stream = bool(kwargs.pop("stream", False))
+        parser = AnswerParser(syntax, reasoning_format, None, forced_open, stream=stream)
+        pieces = self.generate(self.prompter.chat_prompt(messages), stream=True, **kwargs)
+        assert not isinstance(pieces, str)
+        replies = _split(pieces, parser)
+        if stream:
+            return replies
+        parts = list(replies)
+        return ChatReply("".join(parts), "".join(p.reasoning for p in parts))
 
     def _run(self, ids: list[int], params: SamplingParams, lora: AdapterSettings) -> Iterator[str]:
         text = self.prompter.text_stream(params.stop, params.ignore_eos)
@@ -385,6 +434,23 @@ class Model:
                 t_end - (req.t_prompt_done or t_end),
                 req.n_cached,
             )
+
+
+def _split(pieces: Iterator[str], parser: AnswerParser) -> Iterator[ChatReply]:
+    """A generation's text pieces as the parser splits them; closed early, it closes the
+    generation (which releases its sequence)."""
+    try:
+        for piece in pieces:
+            parts = parser.feed(piece)
+            if parts.content or parts.reasoning:
+                yield ChatReply(parts.content, parts.reasoning)
+        parts = parser.finish()
+        if parts.content or parts.reasoning:
+            yield ChatReply(parts.content, parts.reasoning)
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
 
 
 def check_template_limits(template: str | None, path: str | os.PathLike[str]) -> None:

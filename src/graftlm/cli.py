@@ -154,6 +154,15 @@ def _add_run_conversation(r: argparse.ArgumentParser) -> None:
         action="store_false",
         help="complete the prompt (the default)",
     )
+    r.add_argument(
+        "--reasoning-format",
+        choices=("none", "deepseek", "deepseek-legacy", "auto"),  # runtime/reasoning.py's
+        default="auto",
+        help="-cnv: how a reply's reasoning (gpt-oss's analysis, a <think> block) is shown, as "
+        "llama-cli shows it: auto and deepseek apart, between [Start thinking] and [End "
+        "thinking], and not kept in the conversation; deepseek-legacy in the reply between "
+        "<think> tags; none unparsed, as llama-server's none (gpt-oss's analysis with its tags)",
+    )
 
 
 def _add_inspect(sub: _Subparsers) -> None:

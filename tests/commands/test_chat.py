@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
-from graftlm.commands.chat import ChatSession, join_continued
+from graftlm.api import ChatReply
+from graftlm.commands.chat import GREY, RESET, ChatSession, chat_loop, join_continued
 
 SPEC = TinySpec(n_ctx=16384)  # replies long enough to be stopped part way on any CPU
 PROMPT = r"\x1b\[\?2004h"  # prompt_toolkit turns bracketed paste on as each prompt starts
@@ -149,6 +150,7 @@ class _FakeModel:
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
         self.seen: list[list[dict[str, str]]] = []
+        self.kwargs: list[dict[str, Any]] = []
         self.scales = {0: 1.0, 1: 0.0}
         self.closed = False
 
@@ -161,6 +163,7 @@ class _FakeModel:
 
     def chat(self, messages: list[dict[str, str]], stream: bool, **kw: Any) -> Iterator[str]:
         self.seen.append([dict(m) for m in messages])
+        self.kwargs.append(kw)
 
         def gen() -> Iterator[str]:
             try:
@@ -213,6 +216,42 @@ def test_session_lora_commands() -> None:
     assert s.command("/frobnicate") is True
     assert "unknown command /frobnicate" in err.getvalue()
     assert s.command("/exit") is False and s.command("/quit") is False
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_session_shows_reasoning_apart_as_llama_cli() -> None:
+    """Model.chat's pieces with reasoning: between [Start thinking] and [End thinking], grey on a
+    terminal; the conversation keeps the answer alone."""
+    model = _FakeModel([ChatReply("", "Let"), ChatReply("", " me."), ChatReply("Hi", ""),
+                        ChatReply("!", "")])  # fmt: skip
+    out = io.StringIO()
+    s = ChatSession(model, {}, out=out, err=io.StringIO())
+    assert s.reply("hi") == "Hi!"
+    assert out.getvalue() == "[Start thinking]\nLet me.\n[End thinking]\n\nHi!\n"
+    assert s.messages[-1] == {"role": "assistant", "content": "Hi!"}
+    assert model.kwargs[-1]["reasoning_format"] == "auto"
+    s.out = _Terminal()
+    s.reply("again")
+    assert s.out.getvalue() == f"{GREY}[Start thinking]\nLet me.\n[End thinking]\n\n{RESET}Hi!\n"
+    model.pieces = [ChatReply("", "cut off")]  # max_tokens while thinking: the grey ends
+    s.out = _Terminal()
+    assert s.reply("more") == ""
+    assert s.out.getvalue() == f"{GREY}[Start thinking]\ncut off{RESET}\n"
+
+
+def test_reasoning_format_reaches_model_chat() -> None:
+    from graftlm.cli import build_parser
+
+    assert build_parser().parse_args(["run", "-cnv"]).reasoning_format == "auto"
+    args = build_parser().parse_args(["run", "-cnv", "--reasoning-format", "none"])
+    assert args.reasoning_format == "none"
+    model = _FakeModel(["raw"])
+    chat_loop(model, {}, stdin=io.StringIO("hi\n"), reasoning_format=args.reasoning_format)
+    assert model.kwargs == [{"reasoning_format": "none"}]
 
 
 def test_join_continued() -> None:

@@ -24,8 +24,8 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "
             "gpt-oss"]  # fmt: skip
 WITH_PEFT = [f for f in FAMILIES if f != "mixtral"]
 ROUTED = ("mixtral", "qwen3moe", "gpt-oss")  # routing flips on near ties when the weights move
-# the families the native attention and decoder layer serve (gpt-oss's attention sinks are not)
-NATIVE = [f for f in FAMILIES if f != "gpt-oss"]
+# the families the native attention and decoder layer serve (gpt-oss's sinks included)
+NATIVE = list(FAMILIES)
 N_CTX = 64
 # 40 tokens: past gemma2's sliding window of 16, and enough to route every mixtral expert
 IDS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()

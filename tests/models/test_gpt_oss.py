@@ -1,6 +1,6 @@
 """gpt-oss beyond the family tests (test_families.py holds it against transformers, PEFT and
-q8_0): its pieces against transformers' own (the clamped SwiGLU, YaRN, the sinks), the PyTorch
-path it takes where the native one has no sinks, MXFP4 experts, llama.cpp on the same file, and
+q8_0): its pieces against transformers' own (the clamped SwiGLU, YaRN, the sinks), the native
+attention with sinks that its steps take, MXFP4 experts, llama.cpp on the same file, and
 the errors of a malformed file."""
 
 from __future__ import annotations
@@ -152,22 +152,36 @@ def test_sinks_through_the_paged_cache(window: int) -> None:
 
 
 # -- the path it takes -----------------------------------------------------------------------------
-def test_every_step_runs_the_pytorch_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No native decoder layer and no native attention (they have no sinks) in prompts or decode
-    steps, through a float16 cache as served; the steps agree with one pass."""
-    calls: list[str] = []
-    for name in ("attn_prefill", "attn_decode"):
-        monkeypatch.setattr(native_ops, name, lambda *a, _n=name, **k: calls.append(_n))
+def test_every_step_takes_the_native_attention_with_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts and decode steps compute every layer's attention (its sinks, the window of the
+    even layers) natively, through a float16 cache as served: spies count the calls served. The
+    steps agree with one pass, and the one pass with the PyTorch twins (primitives.attention's
+    written-out scores) where the native ops are refused."""
+    served: dict[str, list[bool]] = {"attn_prefill": [], "attn_decode": []}
+    for name, got in served.items():
+
+        def spy(*args: object, _real: object = getattr(native_ops, name), _got: list[bool] = got,
+                **kwargs: object) -> object:  # fmt: skip
+            out = _real(*args, **kwargs)  # type: ignore[operator]
+            _got.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native_ops, name, spy)
     model = load(FAMILY)
     full = forward(model, IDS)
+    n_layer = model.cfg.n_layer
+    assert served["attn_prefill"] == [True] * n_layer
     model.allocate_cache(1, dtype=torch.float16)
-    assert model.fused_stack() is None and model.fused_layer(0) is None
     with torch.no_grad():
         steps = [model.forward(Batch.single(IDS[:30]), all_logits=True)]
         steps += [model.forward(Batch.single([IDS[i]], start=i)).unsqueeze(1)
                   for i in range(30, 40)]  # fmt: skip
-    assert calls == []
+    assert served["attn_prefill"] == [True] * 2 * n_layer
+    assert served["attn_decode"] == [True] * 10 * n_layer
     assert rel_err(torch.cat(steps, dim=1), full) < 1e-3  # (keys and values in float16)
+    for name in served:
+        monkeypatch.setattr(native_ops, name, lambda *args, **kwargs: None)
+    assert rel_err(full, forward(model, IDS)) < 1e-4  # float32 sums in another order
 
 
 def test_batched_decode_steps_match_single_rows() -> None:
@@ -185,6 +199,38 @@ def test_batched_decode_steps_match_single_rows() -> None:
             got = model.forward(Batch(rows, [0, 1], [len(s) - j for s in seqs], [1, 1]))
             for r, s in enumerate(seqs):
                 assert rel_err(got[r], want[r][0, len(s) - j]) < 1e-5
+
+
+def test_decode_steps_past_the_window_in_one_native_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On q8_0 (a native kernel for every weight) each decode step is one native call over every
+    layer (sinks, the window of the even layers, q/k/v/o biases, experts with biases chosen and
+    weighted by the softmax of their logits, the clamped SwiGLU): two sequences decoded together
+    past the window (16), within 1e-4 of the composed blocks."""
+    from spies import stack_calls
+
+    from graftlm.models.base import Transformer
+
+    model = load(FAMILY, "q8_0", prefer="fast")
+    seqs = [IDS, IDS[3:27]]
+
+    def run() -> list[torch.Tensor]:
+        model.allocate_cache(2, dtype=torch.float32)
+        out = []
+        with torch.no_grad():
+            for slot, s in enumerate(seqs):
+                model.forward(Batch(torch.tensor([s[:-5]]), [slot], [0], [len(s) - 5]))
+            for j in range(5, 0, -1):
+                rows = torch.tensor([[s[-j]] for s in seqs])
+                out.append(model.forward(Batch(rows, [0, 1], [len(s) - j for s in seqs], [1, 1])))
+        return out
+
+    served = stack_calls(monkeypatch)
+    fused = run()
+    assert served == [False, False] + [True] * 5  # (the prompts: not decode steps)
+    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    for ours, composed in zip(fused, run(), strict=True):
+        torch.testing.assert_close(ours, composed, rtol=1e-4, atol=1e-4)
 
 
 def test_peft_names_are_its_attention() -> None:

@@ -1,5 +1,6 @@
 """Mixture of experts (Mixtral-style `llama`): adapters on attention work, routed-expert adapters
-are refused by name, and each expert's 2-D weight is exactly its slice of the 3-D file tensor."""
+are refused by name, each expert's 2-D weight is exactly its slice of the 3-D file tensor, and
+an exact batch's experts take the exact products."""
 
 from __future__ import annotations
 
@@ -143,3 +144,62 @@ def test_gated_experts_compute_silu_gate_times_up(mixed: bool) -> None:
     for e in range(8):
         want = F.silu(ref_gate[e].matmul(x)) * ref_up[e].matmul(x)
         torch.testing.assert_close(pair(e, x), want, rtol=1e-5, atol=1e-6)
+
+
+# -- exact batches (scoring) ---------------------------------------------------------------------
+F32_TOL = 1e-5  # the exact products' bound against float32 dequantization (test_quant_matmul)
+
+
+def _dequantized(file: GGUFFile, name: str) -> torch.Tensor:
+    """A 3-D expert tensor dequantized as gguf does, in float64 (n_expert, n_out, n_in)."""
+    entry = file.tensors[name]
+    whole = gguf.quants.dequantize(np.asarray(entry.data), entry.ggml_type).reshape(entry.shape)
+    return torch.from_numpy(np.ascontiguousarray(whole)).double()
+
+
+def test_exact_moe_ffn_is_the_dequantized_product() -> None:
+    """moe_ffn with exact (Batch.exact: scoring) takes the experts' exact products, as the dense
+    projections do: the float64 product of the dequantized q8_0 experts within the exact bound;
+    the fast one rounds the experts' x (to int8 per 32 values on the native kernels)."""
+    import torch.nn.functional as F
+
+    from graftlm.models.moe import moe_ffn
+
+    file = GGUFFile(family_dir("mixtral") / "model-q8_0.gguf")
+    w = Weights(file, "fast")
+    n_expert, n_ff, n_embd, n_used = 8, 64, 128, 2
+    gate_up = GatedExperts(
+        w, "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", (n_expert, n_ff, n_embd)
+    )
+    down = Experts(w, "blk.0.ffn_down_exps.weight", (n_expert, n_embd, n_ff))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 5, n_embd, generator=g)
+    logits = torch.randn(1, 5, n_expert, generator=g)
+    gate, up, dn = (
+        _dequantized(file, f"blk.0.ffn_{n}_exps.weight") for n in ("gate", "up", "down")
+    )
+    x, probs = h.double().view(5, n_embd), torch.softmax(logits.double().view(5, n_expert), -1)
+    want = torch.zeros(5, n_embd, dtype=torch.float64)
+    for t in range(5):
+        p, chosen = probs[t].topk(n_used)
+        for pe, e in zip((p / p.sum()).tolist(), chosen.tolist(), strict=True):
+            want[t] += pe * (dn[e] @ (F.silu(gate[e] @ x[t]) * (up[e] @ x[t])))
+    exact = moe_ffn(h, logits, gate_up, down, n_used, exact=True).view(5, n_embd)
+    assert rel_err(exact.double(), want) < F32_TOL
+    fast = moe_ffn(h, logits, gate_up, down, n_used).view(5, n_embd)
+    if down[0].kernel.startswith("native"):  # (the rounding the exact step leaves out)
+        assert rel_err(fast.double(), want) > 10 * F32_TOL
+
+
+def test_exact_step_of_a_moe_model_is_the_reference_step() -> None:
+    """An exact batch through Mixtral's q8_0 file on the fast kernels gives the logits of the
+    reference oracle (every weight dequantized to float32) within the exact bound, experts
+    included."""
+    from graftlm.step.batch import Batch
+
+    logits = []
+    for prefer in ("fast", "reference"):
+        model = load("mixtral", "q8_0", prefer=prefer)
+        with torch.no_grad():
+            logits.append(model.forward(Batch.single(IDS, exact=True), all_logits=True))
+    assert rel_err(*logits) < F32_TOL

@@ -69,9 +69,11 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return q8_0_unpack(q8_0_pack(x)) if dtype is torch.uint8 else x.to(dtype).float()
 
 
-def run_case(case: Case, kv: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def run_case(
+    case: Case, kv: str, seed: int = 0, sinks: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The kernel's output for one case, and what the twin needs: the cache's rounded values,
-    the inputs. Made the same way in every process (seeded)."""
+    the inputs. Made the same way in every process (seeded). sinks: gpt-oss's (heads,)."""
     _, lengths, h, hkv, d, window, cap, neox = case
     dtype = KV_TYPES[kv][0]
     if dtype is torch.uint8 and d % 32:
@@ -96,17 +98,22 @@ def run_case(case: Case, kv: str, seed: int = 0) -> dict[str, torch.Tensor]:
     cos, sin = _tables(n_ctx, d, 10000.0)
     slots = torch.arange(rows - 1, -1, -1)  # slots out of the rows' order
     pos = torch.tensor([lengths[int(s)] for s in slots])
-    out = ops.attn_decode(q, k, v, cache, 0, slots, pos, cos, sin, neox, d**-0.5, window, cap)
+    out = ops.attn_decode(
+        q, k, v, cache, 0, slots, pos, cos, sin, neox, d**-0.5, window, cap, sinks=sinks
+    )
     assert out is not None
-    return {"out": out, "keys": _rounded(keys, dtype), "values": _rounded(values, dtype),
-            "q": q, "k": k, "v": v, "slots": slots, "pos": pos, "d": torch.tensor(d)}  # fmt: skip
+    got = {"out": out, "keys": _rounded(keys, dtype), "values": _rounded(values, dtype),
+           "q": q, "k": k, "v": v, "slots": slots, "pos": pos, "d": torch.tensor(d)}  # fmt: skip
+    if sinks is not None:
+        got["sinks"] = sinks
+    return got
 
 
 def twin(
     case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS
 ) -> torch.Tensor:
     """SDPA in float64 over the cache's values and the new token's (rotated and rounded as the
-    cache holds them)."""
+    cache holds them); with got["sinks"], primitives.attention's written-out softmax with them."""
     _, _, h, hkv, _, window, cap, neox = case
     dtype = KV_TYPES[kv][0]
     d = int(got["d"])
@@ -127,7 +134,12 @@ def twin(
         scores = (q.unsqueeze(1) @ keys.transpose(1, 2)) * d**-0.5  # (h, 1, L)
         if cap:
             scores = torch.tanh(scores / cap) * cap
-        outs.append((torch.softmax(scores, -1) @ values).flatten())
+        if "sinks" in got:  # one more logit a head, its share dropped
+            sink = got["sinks"].double().view(h, 1, 1)
+            p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(scores, -1)
+        outs.append((p @ values).flatten())
     return torch.stack(outs).view(len(outs), 1, -1)
 
 

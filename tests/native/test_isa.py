@@ -22,7 +22,7 @@ from graftlm.native import features, library
 from graftlm.quant import QWeight
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0, Q.IQ4_NL,
-         Q.IQ4_XS, Q.MXFP4]  # fmt: skip
+         Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]  # fmt: skip
 SHAPE = (40, 512)
 # a decode row, a batch, the tiles' remainders, a prompt, one whose pairs are unpacked once for
 # 48 rows (k16_pair_rows) with a remainder, one in two passes over the tasks (proj_run's rows)

@@ -52,9 +52,10 @@ def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "qtype",
-    [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4],
+    [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS,
+     Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S],
     ids=str,
-)
+)  # fmt: skip
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
     rng = np.random.default_rng(m)
@@ -291,6 +292,8 @@ def _compose(mp: pytest.MonkeyPatch) -> None:
         ("llama", Q.IQ4_NL),
         ("llama", Q.IQ4_XS),
         ("llama", Q.MXFP4),
+        ("llama", Q.IQ3_XXS),
+        ("qwen3", Q.IQ2_S),
     ],
 )
 @pytest.mark.parametrize("n_rows", [3, 1])
@@ -306,9 +309,9 @@ def test_fused_layer_equals_the_pytorch_block(
     from graftlm.models.base import Transformer
 
     extra = {"n_head": 2, "n_head_kv": 1, "head_dim": 32} if arch == "gemma3" else {}
-    # IQ4_XS's super-blocks need rows of 256 values
+    # IQ4_XS's (the grid types') super-blocks need rows of 256 values
     dims = {"n_embd": 64, "n_ff": 96}
-    if qtype == Q.IQ4_XS:
+    if qtype in (Q.IQ4_XS, Q.IQ3_XXS, Q.IQ2_S):
         dims = {"n_embd": 256, "n_ff": 512, "head_dim": 64}
     spec = TinySpec(arch=arch, qtype=qtype, embd_type=Q.Q8_0, n_layer=3, **dims,
                     **extra)  # type: ignore[arg-type]  # fmt: skip
@@ -526,15 +529,21 @@ def test_out_of_range_slots_and_positions_never_reach_the_c_code(tiny_llama: Pat
         model.forward(Batch(torch.tensor([[5]]), [2], [3], [1]))
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "swiglu_oai"])
 def test_native_gate_matches_torch(act: str) -> None:
     """Against torch in float64: torch's own float32 GELU-tanh rounds 1 + tanh(z) to 0 below
-    g = -5 or so, where the kernel's g / (1 + e^-2z) keeps the tiny value."""
+    g = -5 or so, where the kernel's g / (1 + e^-2z) keeps the tiny value. gpt-oss's clamped
+    gate: gate and up past both clamps (+-7)."""
+    from graftlm.models.gpt_oss import swiglu_oai
+
     g = torch.Generator().manual_seed(0)
     gu = torch.randn(3, 7, 2 * 100, generator=g) * 4  # a tail past the 8-wide vectors; large |g|
     gu[0, 0, :6] = torch.tensor([0.0, -30.0, 30.0, 1e-3, -90.0, -5.07])
     gate, up = gu.double().split(100, dim=-1)
-    want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    if act == "swiglu_oai":
+        want = swiglu_oai(gate, up)
+    else:
+        want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
     got = ops.gated(gu, act)
     assert got is not None and got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
@@ -1094,7 +1103,8 @@ def test_fused_layer_serves_the_converted_families(
 
 
 # family -> (architecture, q rows, experts) of the tiny routed models
-ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16)}
+ROUTED = {"mixtral": ("llama", 128, 8), "qwen3moe": ("qwen3moe", 4 * 48, 16),
+          "gpt-oss": ("gpt-oss", 4 * 48, 16)}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(ROUTED))

@@ -30,7 +30,8 @@ CORE = [
     Q.Q5_K,
     Q.Q6_K,
 ]
-EXOTIC = [Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0, Q.MXFP4]
+EXOTIC = [Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0,
+          Q.MXFP4]  # fmt: skip
 SHAPE = (100, 512)  # n_out not a multiple of 16/64: exercises int4pack padding
 
 

@@ -44,7 +44,11 @@ CASES = [
     (Q.IQ4_XS, (100, 768), "blocks", "native-s8"),
     (Q.MXFP4, (64, 256), "blocks", "native-mx4"),
     (Q.MXFP4, (100, 864), "blocks", "native-mx4"),  # a padded row group, 27 blocks a row
-    (Q.IQ2_XXS, (32, 256), "blocks", "blocks"),
+    (Q.IQ2_XXS, (32, 256), "blocks", "native-iq"),
+    (Q.IQ2_XS, (100, 768), "blocks", "native-iq"),  # a last task of 4 outputs
+    (Q.IQ2_S, (37, 512), "blocks", "native-iq"),
+    (Q.IQ3_XXS, (64, 512), "blocks", "native-iq"),
+    (Q.IQ3_S, (45, 256), "blocks", "native-iq"),
 ]
 MODES = ["torch", "native"]
 # fused paths: bf16 x and scales (torch, observed ~3e-3), or int8 x per 32 values (native, ~5e-3)

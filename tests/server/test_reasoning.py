@@ -1,4 +1,4 @@
-"""The answer parser of server/reasoning.py on hand-written answers: gpt-oss's harmony messages
+"""The answer parser of runtime/reasoning.py on hand-written answers: gpt-oss's harmony messages
 (analysis to reasoning, final to content, messages to functions to calls), `<think>` blocks,
 each reasoning format, every split of a streamed answer (tags cut across pieces), and malformed
 answers (missing ends, unknown channels, arguments that are not JSON, plain text), which all
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from graftlm.server.chat import harmony_messages
-from graftlm.server.reasoning import (
+from graftlm.runtime.reasoning import (
     AnswerParser,
     Parts,
     answer_syntax,
     parse_answer,
     thinking_forced_open,
 )
-from graftlm.server.tools import tool_constraint
+from graftlm.runtime.tools import tool_constraint
+from graftlm.server.chat import harmony_messages
 from graftlm.tokenizer.chat import render_chat
 from graftlm.tokenizer.templates import BUILTIN, tool_format
 

@@ -22,9 +22,9 @@ from server_fixtures import PARALLEL, SPEC, TinyServer, error_of, serving
 from tiny_models import write_tiny_model
 
 import graftlm
+from graftlm.runtime.tools import ToolCallParser, parse_tool_calls
 from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
-from graftlm.server.tools import ToolCallParser, parse_tool_calls
 
 WEATHER = {
     "type": "object",
@@ -377,7 +377,7 @@ def test_a_forced_call_ends_with_its_object_and_closes_the_tools_objects(
     """After a forced call the generic format's object must end (it was open: SmolLM2 went on
     writing keys until max_tokens), and a tool schema's objects take no keys of their own
     unless the schema says so (llama.cpp's reading)."""
-    from graftlm.server.tools import closed, tool_constraint
+    from graftlm.runtime.tools import closed, tool_constraint
 
     c = tool_constraint(TOOLS, None, "generic")
     call = '{"tool_call":{"name":"add","arguments":{"a":1,"b":2}}}'

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from graftlm.errors import RequestError
 from graftlm.tokenizer import SUPPORTED_MODELS, Tokenizer
 from graftlm.tokenizer.bpe import (
     PythonBPE,
@@ -19,6 +20,7 @@ from graftlm.tokenizer.bpe import (
     split_digits,
     split_gpt2,
 )
+from graftlm.tokenizer.spm import SPMEncoder
 from graftlm.tokenizer.tokenizer import clean_spaces
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -304,3 +306,12 @@ def test_build_and_encode_speed(
     # Generous bounds for a loaded 2-core machine; typical figures are 5-10x lower.
     assert built < 3.0, f"building took {built:.2f}s"
     assert encoded < 1.0, f"encoding {len(ids)} tokens took {encoded:.2f}s"
+
+
+def test_spm_without_a_byte_token_refuses_the_text_in_the_users_terms() -> None:
+    """A SentencePiece vocabulary without byte tokens (llama.cpp aborts on `token_to_id.at`): text
+    it cannot spell is a request error naming the character and the byte, not a ValueError."""
+    enc = SPMEncoder({"a": 0, "▁": 1}, [0.0, 0.0])
+    assert enc.encode("a▁a") == [0, 1, 0]
+    with pytest.raises(RequestError, match=r"'€' needs byte 0xE2.*no <0xE2> token"):
+        enc.encode("a€")

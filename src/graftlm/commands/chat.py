@@ -7,6 +7,13 @@ and from plain lines otherwise; in both, a line ending in `\\` continues on the 
 
 Ctrl-C during a reply stops the reply (what was generated stays in the conversation); Ctrl-C at an
 empty prompt, Ctrl-D, `/exit` or `/quit` leave. Commands: see HELP.
+
+A model that reasons apart from its answer (gpt-oss's analysis channel, Qwen3's or R1's `<think>`
+block) is shown as llama-cli shows it: the reasoning between `[Start thinking]` and
+`[End thinking]` (grey on a terminal), then the answer; the conversation keeps the answer alone.
+`--reasoning-format none` shows the reply unparsed (llama-server's `none`: a `<think>` block as
+written, gpt-oss's analysis with its own tags), and keeps it so; `deepseek-legacy` shows the
+reasoning inside the answer between `<think>` tags.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from types import FrameType
 from typing import Any, TextIO
 
 _COMMAND = re.compile(r"^/[A-Za-z]+(\s|$)")  # "/lora ..."; "/usr/bin is ..." is a message
+# llama-cli's frame around a reply's reasoning, and its grey (on a terminal)
+START_THINKING, END_THINKING = "[Start thinking]\n", "\n[End thinking]\n\n"
+GREY, RESET = "\033[90m", "\033[0m"
 
 HELP = """\
 commands:
@@ -45,9 +55,11 @@ class ChatSession:
         system_prompt: str | None = None,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        reasoning_format: str = "auto",
     ) -> None:
         self.model = model
         self.sampling = sampling
+        self.reasoning_format = reasoning_format
         self.system_prompt = system_prompt
         self.out = out or sys.stdout
         self.err = err or sys.stderr
@@ -131,16 +143,29 @@ class ChatSession:
 
     # -- turns -----------------------------------------------------------------------------------
     def reply(self, text: str) -> str:
-        """One turn: the user's `text`, the reply streamed to `out` and kept in the conversation.
+        """One turn: the user's `text`, the reply streamed to `out` and kept in the conversation
+        (its content: reasoning shown apart is not kept, as llama-cli keeps it).
         `stop_requested` (set by Ctrl-C) ends the reply early; what came before stays."""
         self.messages.append({"role": "user", "content": text})
         self.stop_requested = False
         pieces: list[str] = []
-        stream: Iterator[str] = self.model.chat(self.messages, stream=True, **self.sampling)
+        stream: Iterator[str] = self.model.chat(
+            self.messages, stream=True, reasoning_format=self.reasoning_format, **self.sampling
+        )
+        grey, reset = (GREY, RESET) if self.out.isatty() else ("", "")
+        thinking = False
         try:
             for piece in stream:
-                pieces.append(piece)
-                self.out.write(piece)
+                reasoning = getattr(piece, "reasoning", "")  # (Model.chat's ChatReply)
+                if reasoning:
+                    self.out.write(reasoning if thinking else grey + START_THINKING + reasoning)
+                    thinking = True
+                if piece:
+                    if thinking:
+                        self.out.write(END_THINKING + reset)
+                        thinking = False
+                    pieces.append(str(piece))
+                    self.out.write(str(piece))
                 self.out.flush()
                 if self.stop_requested:
                     break
@@ -148,7 +173,7 @@ class ChatSession:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()  # a generator stopped early releases its sequence
-        self.out.write("\n")
+        self.out.write(reset + "\n" if thinking else "\n")
         self.out.flush()
         if self.stop_requested:
             self._note("[reply stopped; the conversation keeps it]")
@@ -247,10 +272,11 @@ def chat_loop(
     system_prompt: str | None = None,
     first: str | None = None,
     stdin: TextIO | None = None,
+    reasoning_format: str = "auto",
 ) -> int:
     """Run the interactive chat until the user leaves; 0."""
     stdin = stdin or sys.stdin
-    session = ChatSession(model, sampling, system_prompt)
+    session = ChatSession(model, sampling, system_prompt, reasoning_format=reasoning_format)
     tty = stdin.isatty() and sys.stdout.isatty()
     read = (_terminal_reader() if tty else None) or _plain_reader(stdin, echo_prompt=tty)
     if tty:

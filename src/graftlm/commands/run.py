@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.conversation:
         from graftlm.commands.chat import chat_loop
 
-        code = chat_loop(model, sampling, args.system_prompt, prompt)
+        code = chat_loop(
+            model, sampling, args.system_prompt, prompt, reasoning_format=args.reasoning_format
+        )
         _timings(model)
         return code
     for piece in model.generate(prompt, stream=True, **sampling):

@@ -258,7 +258,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-# llama-server's --reasoning-format values (server/reasoning.py's REASONING_FORMATS; not imported:
+# llama-server's --reasoning-format values (runtime/reasoning.py's REASONING_FORMATS; not imported:
 # the server's modules are not loaded to read a command line)
 REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")
 

@@ -352,9 +352,11 @@ class Transformer:
         batch: Batch,
         q_norm: torch.Tensor | None = None,
         k_norm: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Layer i's attention from its projected q, k, v (B, T, n * head_dim): heads split,
-        optional per-head RMS norm (QK-norm), RoPE, the cache. -> (B, T, n_head * v_head_dim)."""
+        optional per-head RMS norm (QK-norm), RoPE, the cache, optional sinks (n_head,: see
+        primitives.attention). -> (B, T, n_head * v_head_dim)."""
         cfg = self.cfg
         B, T, _ = q.shape
         q = q.view(B, T, cfg.n_head, cfg.head_dim)
@@ -370,12 +372,13 @@ class Transformer:
                 q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1),
                 self.cache, i, rows.slots, rows.starts, rope.cos, rope.sin,
                 rope.neox, cfg.scale, cfg.sliding_window[i],
-                bounds=(rows.max_slot, rows.max_start),
+                bounds=(rows.max_slot, rows.max_start), sinks=sinks,
             )  # fmt: skip
             if out is not None:
                 return out
         q, k = rope(q, batch.positions), rope(k, batch.positions)
-        return attention(q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i])
+        window = cfg.sliding_window[i]
+        return attention(q, k, v, i, batch, self.cache, cfg.scale, window, sinks=sinks)
 
     def forward(self, batch: Batch, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token.

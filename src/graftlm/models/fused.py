@@ -26,7 +26,7 @@ from graftlm.native import layer_calls as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, GlWeight, Scratch
 from graftlm.native.build import loaded_library
-from graftlm.native.layer_calls import ACTS
+from graftlm.native.layer_calls import ACTS, GATINGS
 from graftlm.native.ops import gl_kv
 from graftlm.quant import QWeight
 
@@ -60,6 +60,7 @@ class LayerSpec:
     o_bias: torch.Tensor | None = None
     softcap: float = 0.0  # gemma-2: cap * tanh(score / cap) on the attention scores
     moe: MoeSpec | None = None  # a routed FFN in place of gate_up / down
+    sinks: torch.Tensor | None = None  # gpt-oss: (n_head,) logits in the softmax, no value
 
     @classmethod
     def of(
@@ -88,7 +89,9 @@ class LayerSpec:
     def servable(self) -> bool:
         vectors = [self.attn_norm, self.ffn_norm, self.q_norm, self.k_norm,
                    self.post_attn_norm, self.post_ffw_norm,
-                   self.q_bias, self.k_bias, self.v_bias, self.o_bias]  # fmt: skip
+                   self.q_bias, self.k_bias, self.v_bias, self.o_bias, self.sinks]  # fmt: skip
+        if self.moe is not None:
+            vectors += [self.moe.router_bias, self.moe.gate_up_bias, self.moe.down_bias]
         return (
             len(self.qkv) in (1, 3)
             and self.act in ACTS
@@ -105,19 +108,31 @@ class LayerSpec:
 @dataclass
 class MoeSpec:
     """A routed FFN for the native layer: the router projection and every expert's stacked
-    [gate; up] and down weights (moe.py's GatedExperts and Experts)."""
+    [gate; up] and down weights (moe.py's GatedExperts and Experts); gpt-oss's biases (added to
+    the router's logits, to each expert's [gate; up] and down products) and gating
+    ("softmax_norm": the softmax of every logit at the chosen, over their sum; "softmax_chosen":
+    the softmax of the chosen logits)."""
 
     router: Projection
     gate_up: list[QWeight]
     down: list[QWeight]
     n_used: int
+    router_bias: torch.Tensor | None = None  # (n_expert,)
+    gate_up_bias: torch.Tensor | None = None  # (n_expert, 2 n_ff)
+    down_bias: torch.Tensor | None = None  # (n_expert, n_embd)
+    gating: str = "softmax_norm"
     # the adapter slots on its experts (moe's): a step with one of them active runs the PyTorch
     # block (the native layer adds no expert delta yet)
     adapted: Callable[[], frozenset[int]] | None = None
 
     def servable(self) -> bool:
+        n = len(self.gate_up)
+        shapes = [(self.router_bias, n), (self.gate_up_bias, n * self.gate_up[0].shape[0]),
+                  (self.down_bias, n * self.down[0].shape[0])] if n else []  # fmt: skip
         return (
-            0 < self.n_used <= min(len(self.gate_up), MAX_EXPERTS_USED)
+            0 < self.n_used <= min(n, MAX_EXPERTS_USED)
+            and self.gating in GATINGS
+            and all(b is None or b.numel() == size for b, size in shapes)
             # the composed block's own product (GGUF routers are F32: csrc/float.c's), so both
             # route every row to the same experts, near ties included
             and self.router.weight.native() is not None
@@ -242,6 +257,12 @@ class FusedLayer:
         layer.rot, layer.neox = rope.cos.shape[-1] * 2, int(rope.neox)
         layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
         layer.softcap = spec.softcap
+        layer.sinks = _ptr(spec.sinks)
+        if spec.moe is not None:
+            moe = spec.moe
+            layer.router_bias, layer.gating = _ptr(moe.router_bias), GATINGS[moe.gating]
+            layer.exp_gate_up_bias = _ptr(moe.gate_up_bias)
+            layer.exp_down_bias = _ptr(moe.down_bias)
         self.layer = layer
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         tail = [layer.l_router] if spec.moe is not None else [layer.l_gate_up, layer.l_down]

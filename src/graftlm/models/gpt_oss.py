@@ -10,8 +10,11 @@ As llama.cpp's `openai-moe-iswa` graph computes it (and transformers' GptOssForC
     l = ffn_gate_inp(h) + ffn_gate_inp.bias;  top = the n_used largest l;  w = softmax(l[top])
     x = x + sum_{e in top} w_e * (down_e(swiglu_oai(gate_e(h) + bg_e, up_e(h) + bu_e)) + bd_e)
 
-The native decoder layer and the native attention have no sinks: every step runs these blocks in
-PyTorch (`layer_spec` is None), the attention through primitives.attention's written-out scores.
+A decode step runs the whole layer in one native call (`layer_spec`: the sinks folded into the
+attention's softmax sums, the router's and the experts' biases, gating 1 and the clamped SwiGLU
+of csrc/layer.c) where every weight has a native kernel; else, and in prompts, these blocks,
+their attention through the native kernels with sinks (primitives.attention's written-out scores
+are the twin) and the experts' gate through the native one.
 Expert weights in MXFP4 (the released files) go through quant/'s native-mx4 kernel where the native
 library built (csrc/mxfp4.c), the exact blocks kernel otherwise.
 """
@@ -23,9 +26,11 @@ import torch
 from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
+from graftlm.models.fused import LayerSpec, MoeSpec
 from graftlm.models.moe import Experts, GatedExperts, mix_experts
-from graftlm.models.primitives import Rope, attention, rms_norm, yarn
+from graftlm.models.primitives import Rope, rms_norm, yarn
 from graftlm.models.seam import Projection
+from graftlm.native import ops as native_ops
 from graftlm.quant import linear
 from graftlm.step.batch import Batch
 
@@ -70,8 +75,10 @@ class GptOssBlock:
             w, p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight", (n_expert, n_ff, d)
         )
         self.ffn_down_exps = Experts(w, p + "ffn_down_exps.weight", (n_expert, d, n_ff))
-        self.ffn_gate_exps_bias = _tensor(w, p + "ffn_gate_exps.bias", (n_expert, n_ff))
-        self.ffn_up_exps_bias = _tensor(w, p + "ffn_up_exps.bias", (n_expert, n_ff))
+        gate_bias = _tensor(w, p + "ffn_gate_exps.bias", (n_expert, n_ff))
+        up_bias = _tensor(w, p + "ffn_up_exps.bias", (n_expert, n_ff))
+        # expert e's [gate; up] bias, as its stacked weight's rows: (n_expert, 2 n_ff)
+        self.ffn_gate_up_exps_bias = torch.cat([gate_bias, up_bias], dim=1)
         self.ffn_down_exps_bias = _tensor(w, p + "ffn_down_exps.bias", (n_expert, d))
 
 
@@ -90,9 +97,18 @@ def routed_ffn(
     top, chosen = router_logits.reshape(x.shape[0], -1).float().topk(n_used, dim=-1)  # (N, k)
     weight = torch.softmax(top, dim=-1).to(x.dtype)
 
+    experts, bias = b.ffn_gate_up_exps, b.ffn_gate_up_exps_bias
+
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        gate, up = b.ffn_gate_up_exps.halves(e, xe, exact)
-        act = swiglu_oai(gate + b.ffn_gate_exps_bias[e], up + b.ffn_up_exps_bias[e])
+        if experts.stacked is not None:
+            gate_up = linear(xe, experts.stacked[e], exact) + bias[e]  # (n_e, 2 n_ff)
+            act = None if exact else native_ops.gated(gate_up, "swiglu_oai")
+        else:
+            gate, up = experts.halves(e, xe, exact)
+            gate_up, act = torch.cat([gate, up], dim=-1) + bias[e], None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = swiglu_oai(gate, up)
         return linear(act, b.ffn_down_exps[e], exact) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
 
     out = mix_experts(x, chosen, weight, expert)
@@ -130,20 +146,25 @@ class GptOss(Transformer):
             self.rope_of_layer = [rope] * cfg.n_layer
         self.blocks = [GptOssBlock(cfg, w, i) for i in range(cfg.n_layer)]
 
+    def layer_spec(self, i: int) -> LayerSpec | None:
+        cfg, b = self.cfg, self.blocks[i]
+        experts = b.ffn_gate_up_exps
+        if experts.stacked is None:  # gate and up of two types: the composed block
+            return None
+        moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights, cfg.n_expert_used,
+                      router_bias=b.ffn_gate_inp_bias, gate_up_bias=b.ffn_gate_up_exps_bias,
+                      down_bias=b.ffn_down_exps_bias, gating="softmax_chosen")  # fmt: skip
+        return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
+                         b.post_attention_norm, act="swiglu_oai", q_bias=b.attn_q_bias,
+                         k_bias=b.attn_k_bias, v_bias=b.attn_v_bias, o_bias=b.attn_output_bias,
+                         sinks=b.attn_sinks, moe=moe)  # fmt: skip
+
     def block(self, i: int, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         cfg, b = self.cfg, self.blocks[i]
-        B, T, _ = x.shape
         h = rms_norm(x, b.attn_norm, cfg.rms_eps)
         q, k, v = b.attn_qkv(h, batch)
-        q = (q + b.attn_q_bias).view(B, T, cfg.n_head, cfg.head_dim)
-        k = (k + b.attn_k_bias).view(B, T, cfg.n_head_kv, cfg.head_dim)
-        v = (v + b.attn_v_bias).view(B, T, cfg.n_head_kv, cfg.v_head_dim)
-        rope = self.rope_of_layer[i]
-        q, k = rope(q, batch.positions), rope(k, batch.positions)
-        assert self.cache is not None
-        a = attention(
-            q, k, v, i, batch, self.cache, cfg.scale, cfg.sliding_window[i], sinks=b.attn_sinks
-        )
+        q, k, v = q + b.attn_q_bias, k + b.attn_k_bias, v + b.attn_v_bias
+        a = self.attend(i, q, k, v, batch, sinks=b.attn_sinks)
         x = x + (b.attn_output(a, batch) + b.attn_output_bias)
         h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
         logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)

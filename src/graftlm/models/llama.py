@@ -88,7 +88,7 @@ class Llama(Transformer):
                 return None
             down = b.ffn_down_exps
             moe = MoeSpec(b.ffn_gate_inp, experts.stacked, down.weights, cfg.n_expert_used,
-                          lambda: experts.slots() | down.slots())  # fmt: skip
+                          adapted=lambda: experts.slots() | down.slots())  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                              b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,
@@ -104,9 +104,8 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            return x + moe_ffn(
-                h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, cfg.n_expert_used, batch.lora
-            )
+            experts = b.ffn_gate_up_exps, b.ffn_down_exps
+            return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.lora, batch.exact)
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property

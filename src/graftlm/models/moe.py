@@ -199,18 +199,26 @@ class GatedExperts(_Adapted):
             return F.silu(gate) * up
         return gated(linear(x, self.stacked[e]), "silu")
 
-    def gated(self, e: int, x: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    def gated(
+        self, e: int, x: torch.Tensor, scales: torch.Tensor | None, exact: bool = False
+    ) -> torch.Tensor:
         """__call__ plus the adapters' deltas on gate and up at the tokens' scales (n, n_slots):
-        the base products are the same calls, so a delta of 0 leaves the output as it was."""
-        if scales is None:
+        the base products are the same calls, so a delta of 0 leaves the output as it was.
+        exact: the products in float32 and the activation in PyTorch (quant.linear's exact)."""
+        if scales is None and not exact:
             return self(e, x)
         if self.stacked is None:
             assert self.parts is not None
-            gate = self.parts[0].product(e, x, scales)
-            return F.silu(gate) * self.parts[1].product(e, x, scales)
-        gu = linear(x, self.stacked[e])  # (n, 2 n_ff)
+            gate = self.parts[0].product(e, x, scales, exact)
+            return F.silu(gate) * self.parts[1].product(e, x, scales, exact)
+        gu = linear(x, self.stacked[e], exact)  # (n, 2 n_ff)
         site = self.seams[e].lora
-        return gated(gu if site is None else site.add_token_delta(gu, x, scales), "silu")
+        if scales is not None and site is not None:
+            gu = site.add_token_delta(gu, x, scales)
+        if exact:
+            gate, up = gu.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return gated(gu, "silu")
 
     @property
     def nbytes(self) -> int:
@@ -227,8 +235,10 @@ def moe_ffn(
     down: Experts,
     n_used: int,
     lora: LoraRows | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
-    """h (B, T, n_embd), router_logits (B, T, n_expert) -> (B, T, n_embd).
+    """h (B, T, n_embd), router_logits (B, T, n_expert) -> (B, T, n_embd); exact: the experts'
+    products in float32 (the step's Batch.exact, as quant.linear takes it).
 
     Semantics (llama.cpp's softmax gating with normalized weights, = Mixtral):
         p = softmax(router_logits); top = the n_used largest p; w = p[top] / sum(p[top])
@@ -242,13 +252,16 @@ def moe_ffn(
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
     rows = _lora_rows(lora, gate_up, down)
     if rows is None:
-        out = mix_experts(x, chosen, weight, lambda e, xe: linear(gate_up(e, xe), down[e]))
-        return out.view_as(h)
+
+        def plain(e: int, xe: torch.Tensor) -> torch.Tensor:
+            return down.product(e, gate_up.gated(e, xe, None, exact), None, exact)
+
+        return mix_experts(x, chosen, weight, plain).view_as(h)
     token_scales = rows.scales.repeat_interleave(h.shape[1], dim=0)  # (N, n_slots)
 
     def expert(e: int, xe: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         s = token_scales.index_select(0, token)  # (n_e, n_slots)
-        return down.product(e, gate_up.gated(e, xe, s), s)
+        return down.product(e, gate_up.gated(e, xe, s, exact), s, exact)
 
     return mix_experts(x, chosen, weight, expert, with_tokens=True).view_as(h)
 

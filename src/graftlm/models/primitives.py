@@ -131,16 +131,17 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
     scores soft-capped (softcap) before the mask and the softmax (gemma-2); sinks (H,): one more
-    logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks), which
-    only the PyTorch path computes."""
+    logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks)."""
     rows = batch.index()
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
-    if sinks is None and batch.n_tokens > 1 and rows is not None:
+    if batch.n_tokens > 1 and rows is not None:
         # prompt chunks: causal blocks, rows at own starts
         # float32 products for exact steps and short contexts, bfloat16 pairs past them
         exact = batch.exact or rows.max_start + q.shape[1] < native_ops.BF16_ATTN_MIN_KEYS
-        out = native_ops.attn_prefill(q.contiguous(), cache, layer, rows, scale, window, cap, exact)
+        out = native_ops.attn_prefill(
+            q.contiguous(), cache, layer, rows, scale, window, cap, exact, sinks
+        )
         if out is not None:  # read straight from the cache: no gathered copy of the rows
             return out.view(*q.shape[:2], -1)
     keys, values = cache.read(layer, batch)  # (B, Hkv, L, D)

@@ -70,7 +70,8 @@ class GlLayer(Mirror):
         ("head_dim", _I64), ("n_ff", _I64), ("n_ctx", _I64), ("rot", _I64), ("neox", _I64),
         ("window", _I64), ("act", _I64), ("eps", _F), ("scale", _F), ("softcap", _F),
         ("router", GlWeight), ("l_router", GlLoraSite), ("exp_gate_up", _P), ("exp_down", _P),
-        ("n_expert", _I64), ("n_expert_used", _I64),
+        ("n_expert", _I64), ("n_expert_used", _I64), ("sinks", _P), ("router_bias", _P),
+        ("exp_gate_up_bias", _P), ("exp_down_bias", _P), ("gating", _I64),
     ]  # fmt: skip
 
 
@@ -79,7 +80,7 @@ class GlAttn(Mirror):
     _fields_ = [("kv", GlKv), ("cos_t", _P), ("sin_t", _P), ("n_head", _I64),
                 ("n_head_kv", _I64), ("head_dim", _I64), ("v_dim", _I64), ("n_ctx", _I64),
                 ("rot", _I64), ("neox", _I64), ("window", _I64), ("scale", _F),
-                ("softcap", _F)]  # fmt: skip
+                ("softcap", _F), ("sinks", _P)]  # fmt: skip
 
 
 class GlScratch(Mirror):
@@ -123,6 +124,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_pack_k6": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _INT]),
     "gl_deq_k6": (None, [_P, _P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_k6": (None, [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT]),
+    "gl_deq_iq": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
+    "gl_mm_iq": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
     "gl_rms_norm": (None, [_P, _I64, _I64, _P, _F, _P, _INT]),
     # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
     "gl_rope": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT]),

@@ -14,7 +14,8 @@ import torch
 from graftlm.native.abi import GlLayer, GlLoraSite, GlWeight, Scratch
 from graftlm.native.build import library, threads
 
-ACTS = {"silu": 0, "gelu_tanh": 1}  # gl_layer.act
+ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}  # gl_layer.act
+GATINGS = {"softmax_norm": 0, "softmax_chosen": 1}  # gl_layer.gating
 
 
 def proj(weight: GlWeight, site: GlLoraSite, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -82,14 +82,16 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, site: GlLoraSite) -> bool:
     return True
 
 
-GATES = {"silu": 0, "gelu_tanh": 1}
+GATES = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 
 def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     """(..., 2 ff) = [gate | up] -> act(gate) * up (..., ff), or None.
 
     Semantics: silu(g) = g / (1 + e^-g); gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-    as PyTorch's F.gelu(approximate="tanh"), with a vectorized exp (~2 ulp)."""
+    as PyTorch's F.gelu(approximate="tanh"), with a vectorized exp (~2 ulp). "swiglu_oai" is
+    gpt-oss's clamped gate, the whole product: c = min(g, 7); c sigmoid(1.702 c) (clamp(up, -7, 7)
+    + 1) (models.gpt_oss.swiglu_oai)."""
     lib = library()
     if (
         lib is None
@@ -104,6 +106,20 @@ def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
     rows = gate_up.numel() // (2 * ff)
     lib.gl_gated(gate_up.data_ptr(), rows, ff, GATES[act], out.data_ptr(), threads())
     return out
+
+
+def _sinks_ok(sinks: torch.Tensor, n_head: int) -> bool:
+    """Whether the C attention reads these sinks as they are: (n_head,) float32, contiguous, CPU."""
+    return (
+        sinks.dtype is torch.float32
+        and sinks.device.type == "cpu"
+        and sinks.is_contiguous()
+        and tuple(sinks.shape) == (n_head,)
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _row_stride(t: torch.Tensor) -> int | None:
@@ -205,6 +221,7 @@ def attn_decode(
     window: int,
     softcap: float = 0.0,
     bounds: tuple[int, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Attention for B rows of one new token each (see gl_attn_decode), or None.
 
@@ -212,11 +229,14 @@ def attn_decode(
     layer's blocks are read and written; slots/positions (B,) int64; cos/sin (n_ctx, rot/2)
     float32. Writes the rotated k and v into the cache; returns (B, 1, H*Dv). bounds: (max slot,
     max position) when the caller knows them to be non-negative (Batch.index), else they are
-    read from the tensors.
+    read from the tensors. sinks (H,) float32: one more logit a head in each softmax's
+    denominator, with no value (gpt-oss; primitives.attention's written-out twin).
     """
     lib = library()
     kv = gl_kv(cache, layer)
     if lib is None or kv is None or q.dtype is not torch.float32:
+        return None
+    if sinks is not None and not _sinks_ok(sinks, q.shape[-1] // cache.head_dim):
         return None
     d, dv = cache.head_dim, cache.v_head_dim
     hkv = int(kv.n_head_kv)
@@ -239,7 +259,7 @@ def attn_decode(
     out = q.new_empty(b, 1, h * dv)
     n_pos = cache.max_blocks * cache.block
     attn = GlAttn(kv, cos.data_ptr(), sin.data_ptr(), h, hkv, d, dv, n_pos, rot, int(neox), window,
-                  scale, softcap)  # fmt: skip
+                  scale, softcap, _ptr(sinks))  # fmt: skip
     lib.gl_attn_decode(
         ctypes.byref(attn), q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
         slots.data_ptr(), positions.data_ptr(), b, out.data_ptr(), threads(),
@@ -256,6 +276,7 @@ def attn_prefill(
     window: int,
     softcap: float = 0.0,
     exact: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
@@ -266,6 +287,8 @@ def attn_prefill(
     softcap * tanh(score / softcap) before the softmax (gemma-2). Padding queries past a row's
     real tokens get values that nothing reads. exact: float32 products even where the CPU's
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
+    sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
+    (gpt-oss).
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -284,11 +307,12 @@ def attn_prefill(
         or rows.slots.numel() != b
         or rows.max_slot >= cache.n_slots
         or rows.max_start + t > cache.n_ctx
+        or (sinks is not None and not _sinks_ok(sinks, h))
     ):
         return None
     out = q.new_empty(b, t, h * d)
     n_pos = cache.max_blocks * cache.block
-    attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap)  # fmt: skip
+    attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
         out.data_ptr(), int(exact), threads(),

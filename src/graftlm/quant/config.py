@@ -19,7 +19,7 @@ from __future__ import annotations
 NEVER = 1 << 30
 PREFILL_M = {"int4pack": 96, "int4pack2": 48, "int8g": 16, "native-u4": NEVER, "native-k4": NEVER,
              "native-k16": NEVER, "native-s8": NEVER, "native-float": NEVER,
-             "native-mx4": NEVER}  # fmt: skip
+             "native-mx4": NEVER, "native-iq": NEVER}  # fmt: skip
 
 # Elements of weight dequantized per chunk in the float32 paths: bounds the temporary memory of a
 # matmul to a few CHUNK_ELEMS * 4 bytes whatever the weight's size, and keeps the temporaries in

@@ -17,8 +17,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 Fields = dict[str, torch.Tensor]
 
@@ -282,3 +284,133 @@ class MXFP4(BlockFormat):
         s, _ = self.group_params(f)
         w = _MXFP4_VALUES.take(u.long()).view(rows, -1, self.group_size)  # (rows, G, 32)
         return w.mul_(s.unsqueeze(-1)).reshape(rows, n_in)
+
+
+# ---- the grid quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) -------------------------------
+# Not of the u + c_min shape: every 8 (IQ2) or 4 (IQ3) values are one entry of a table of small
+# magnitudes, each value with a sign bit.  Semantics (gguf's float32 order):
+#     w = (db[g] * grid[idx[e]][j]) * sign[i]
+# with db per 32 values (IQ2_XS, IQ2_S: per 16) from the super-block's float16 d and 4-bit ls.
+# The PyTorch twin of csrc/iquant.c, over gguf-py's own tables.
+
+
+class GridFormat(ABC):
+    """One grid-quant type: raw super-blocks -> float32 values, as gguf.quants decodes them."""
+
+    qtype: ClassVar[GGMLQuantizationType]
+    group_size: ClassVar[int] = 32  # values sharing one db
+    type_size: ClassVar[int]
+    _grid: torch.Tensor | None = None
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls.type_size = GGML_QUANT_SIZES[cls.qtype][1]
+        GRID_FORMATS[cls.qtype] = cls()
+
+    def grid(self) -> torch.Tensor:
+        """(entries, 8 or 4) float32: gguf-py's table of this type."""
+        if self._grid is None:
+            cls = gguf_quants._type_traits[self.qtype]
+            cls.init_grid()
+            grid = np.array(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+            type(self)._grid = torch.from_numpy(grid)
+        assert self._grid is not None
+        return self._grid
+
+    @abstractmethod
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(nb, type_size) uint8 -> db (nb, 256 / group_size) float32, grid indices (nb,
+        entries) int64, sign bytes (nb, 32) uint8 (bit j of byte i: value 8 i + j negative)."""
+
+    def dequantize(self, blocks: torch.Tensor) -> torch.Tensor:
+        """(nb, type_size) uint8 -> (nb, 256) float32, bit-exact with gguf.quants.dequantize."""
+        nb = blocks.shape[0]
+        db, idx, sb = self.parts(blocks)
+        g = self.grid()[idx].reshape(nb, -1, self.group_size)  # (nb, groups, group_size)
+        w = (db.unsqueeze(-1) * g).reshape(nb, 256)
+        neg = ((sb.unsqueeze(-1) >> _SHIFT_BITS) & 1).reshape(nb, 256).bool()
+        return w * torch.where(neg, -1.0, 1.0)
+
+    def dequantize_rows(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw (rows, row_bytes) uint8 -> (rows, n_in) float32."""
+        rows = raw.shape[0]
+        return self.dequantize(raw.reshape(-1, self.type_size)).reshape(rows, -1)
+
+
+GRID_FORMATS: dict[GGMLQuantizationType, GridFormat] = {}
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """(nb, 4 x) bytes -> (nb, x) int64: the little-endian uint32 they spell."""
+    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _ksigns(i: torch.Tensor) -> torch.Tensor:
+    """7-bit sign indices -> their sign bytes (bit 7 the parity of the other seven)."""
+    return _KSIGNS[i]
+
+
+def _ls(b: torch.Tensor) -> torch.Tensor:
+    """(nb, x) bytes of two 4-bit scales each -> (nb, 2 x) float32, low nibble first."""
+    return _nibbles(b, b.shape[1]).float()
+
+
+_SHIFT_SIGNS = torch.tensor([0, 7, 14, 21], dtype=torch.int64)
+_KSIGNS = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+
+
+class IQ2_XXS(GridFormat):
+    # block: d | 8 x (4 grid bytes, u32: four 7-bit sign indices and ls in bits 28-31)
+    qtype = T.IQ2_XXS
+
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nb = b.shape[0]
+        aux = _u32(b[:, 2:66]).reshape(nb, 8, 2)[..., 1]
+        db = _f16(b, 0, 2).float() * (0.5 + (aux >> 28).float()) * 0.25
+        idx = b[:, 2:66].reshape(nb, 8, 8)[..., :4].reshape(nb, 32).long()
+        sb = _ksigns((aux.unsqueeze(-1) >> _SHIFT_SIGNS) & 127).reshape(nb, 32)
+        return db, idx, sb
+
+
+class IQ2_XS(GridFormat):
+    # block: d | 32 x u16 (9-bit grid index, 7-bit sign index) | 16 x 4-bit ls (per 16 values)
+    qtype, group_size = T.IQ2_XS, 16
+
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = b[:, 2:66].contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+        db = _f16(b, 0, 2).float() * (0.5 + _ls(b[:, 66:74])) * 0.25
+        return db, q & 511, _ksigns(q >> 9)
+
+
+class IQ2_S(GridFormat):
+    # block: d | 32 grid bytes | 32 sign bytes | 8 bytes of 2 high index bits | 16 x 4-bit ls
+    qtype, group_size = T.IQ2_S, 16
+
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nb = b.shape[0]
+        qh = ((b[:, 66:74].reshape(nb, 8, 1) >> _SHIFT_CRUMBS) & 3).reshape(nb, 32)
+        idx = b[:, 2:34].long() | (qh.long() << 8)
+        db = _f16(b, 0, 2).float() * (0.5 + _ls(b[:, 74:82])) * 0.25
+        return db, idx, b[:, 34:66]
+
+
+class IQ3_XXS(GridFormat):
+    # block: d | 64 grid bytes | 8 x u32 (four 7-bit sign indices, ls in bits 28-31)
+    qtype = T.IQ3_XXS
+
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nb = b.shape[0]
+        aux = _u32(b[:, 66:98])
+        db = _f16(b, 0, 2).float() * (0.5 + (aux >> 28).float()) * 0.5
+        sb = _ksigns((aux.unsqueeze(-1) >> _SHIFT_SIGNS) & 127).reshape(nb, 32)
+        return db, b[:, 2:66].long(), sb
+
+
+class IQ3_S(GridFormat):
+    # block: d | 64 grid bytes | 8 bytes of high index bits | 32 sign bytes | 8 x 4-bit ls
+    qtype = T.IQ3_S
+
+    def parts(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = b[:, 2:66].long() | (_bits(b[:, 66:74]).long() << 8)
+        db = _f16(b, 0, 2).float() * (1 + 2 * _nibbles(b[:, 106:110], 4)).float()
+        return db, idx, b[:, 74:106]

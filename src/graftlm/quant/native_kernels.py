@@ -453,3 +453,53 @@ class NativeMX4Kernel(NativeKernel):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.q,)
+
+
+# ---- IQ2_XXS .. IQ3_S (csrc/iquant.c) -------------------------------------------------------
+class NativeIQKernel(NativeKernel):
+    """Semantics: w[n, i] = s[n, i // 32] * grid[n, i] * sign[n, i] (IQ2_XS, IQ2_S: s per 16),
+    grid a magnitude from the type's table of 8 (IQ2) or 4 (IQ3) values an entry, s from the
+    super-block's float16 d and a 4-bit ls: d (0.5 + ls) / 4 (IQ2_*), d (0.5 + ls) / 2 (IQ3_XXS),
+    d (1 + 2 ls) (IQ3_S).
+
+    IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S read in place from the file (csrc/iquant.c): its
+    super-blocks of 256 values as they are, 2.06 to 3.44 bits a weight, no copy. Its grid
+    entries and sign bits are expanded in the products, per 32 values, into bytes for the integer
+    dots with x quantized to int8 (llama.cpp's arithmetic).
+    """
+
+    name = "native-iq"
+    TYPES = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)
+    VARIANT = {t: i for i, t in enumerate(TYPES)}  # csrc/iquant.c's IQ2_XXS .. IQ3_S
+    keeps_source = True
+
+    def __init__(self, q: torch.Tensor, shape: Shape, variant: int) -> None:
+        super().__init__(shape)
+        self.q, self.variant = q, variant  # (n_out, row bytes), the file's bytes
+        n, k = shape
+        self._view = GlWeight(6, 0, 256, variant, n, k, q.data_ptr(), None, None)
+        lib = loaded_library()
+        assert lib is not None
+        self._fn = lib.gl_mm_iq
+        self._args = (k, q.data_ptr(), variant, n)
+
+    @classmethod
+    def accepts(cls, qtype: QType, shape: Shape) -> bool:
+        return qtype in cls.TYPES and shape[1] % 256 == 0 and library() is not None
+
+    @classmethod
+    def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
+        return cls(raw.contiguous(), shape, cls.VARIANT[T(qtype)])
+
+    def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
+        lib = loaded_library()
+        assert lib is not None
+        k = self.shape[1]
+        out = torch.empty(count, k, dtype=torch.float32)
+        lib.gl_deq_iq(
+            self.q.data_ptr(), self.variant, k, _ptr(ids), row0, count, out.data_ptr(), threads()
+        )
+        return out
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q,)

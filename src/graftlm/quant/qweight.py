@@ -15,6 +15,7 @@ from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows, release_p
 from graftlm.quant.int4pack import Int4PackKernel
 from graftlm.quant.native_kernels import (
     NativeFloatKernel,
+    NativeIQKernel,
     NativeK4Kernel,
     NativeK16Kernel,
     NativeMX4Kernel,
@@ -39,6 +40,7 @@ FAST_KERNELS: list[type[Kernel]] = [
     NativeK16Kernel,
     NativeS8Kernel,
     NativeMX4Kernel,
+    NativeIQKernel,
     Int8GroupKernel,
     Int4PackKernel,
     BlockKernel,

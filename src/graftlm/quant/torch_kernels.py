@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from graftlm.quant import config
 from graftlm.quant.base import Kernel, QType, Shape
-from graftlm.quant.formats import FORMATS
+from graftlm.quant.formats import FORMATS, GRID_FORMATS
 
 T = GGMLQuantizationType
 
@@ -131,8 +131,9 @@ class BlockKernel(Kernel):
     """Fallback: the GGUF blocks as they are, dequantized chunk by chunk for every matmul.
 
     Semantics: y[:, r0:r1] = x @ decode(blocks[r0:r1]).T in float32, where decode is the torch
-    port in ``formats`` when the type has one (Q2_K, Q3_K, ...) and gguf's numpy code otherwise
-    (IQ*, TQ*, MXFP4, ...).  Compact (exactly the file's bytes) and exact, but slow for decode.
+    port in ``formats`` when the type has one (Q2_K, Q3_K, ..., the IQ2 / IQ3 grid types) and
+    gguf's numpy code otherwise (IQ1_*, TQ*, MXFP4, ...).  Compact (exactly the file's bytes) and
+    exact, but slow for decode.
     """
 
     name = "blocks"
@@ -143,10 +144,11 @@ class BlockKernel(Kernel):
         self.qtype = qtype
         self.raw = raw  # (n_out, row_bytes) uint8
         self.fmt = FORMATS.get(qtype)
+        self.grid = GRID_FORMATS.get(qtype)
 
     @classmethod
     def accepts(cls, qtype: QType, shape: Shape) -> bool:
-        return qtype in FORMATS or gguf_can_dequantize(qtype)
+        return qtype in FORMATS or qtype in GRID_FORMATS or gguf_can_dequantize(qtype)
 
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
@@ -155,6 +157,8 @@ class BlockKernel(Kernel):
     def _decode(self, raw: torch.Tensor) -> torch.Tensor:
         if self.fmt is not None:
             return self.fmt.dequantize(*self.fmt.split_rows(raw, self.shape[1]))
+        if self.grid is not None:
+            return self.grid.dequantize_rows(raw)
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), self.qtype).copy())
 
     def matmul(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:

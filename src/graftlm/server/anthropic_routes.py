@@ -2,7 +2,7 @@
 a translation onto the same chat path as /v1/chat/completions. `model` selects an adapter there
 too. Text, tool use and tool results are translated; images are refused (no vision here);
 A model's reasoning comes back as `thinking` blocks (split as for the chat answer's
-`reasoning_content`, `server/reasoning.py`), and thinking blocks of the history go back to the
+`reasoning_content`, `runtime/reasoning.py`), and thinking blocks of the history go back to the
 template as the assistant message's reasoning; the `thinking` field (a budget), `metadata` and
 other fields with no counterpart here are accepted and change nothing.
 Unlike llama-server, an empty `messages` list is a 400 (as Anthropic's own API answers it).
@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from graftlm.runtime.service import FinishEvent
+from graftlm.runtime.tools import ToolCall
 from graftlm.server.chat import (
     ChatRun,
     chat_ids,
@@ -34,7 +35,6 @@ from graftlm.server.framing import EventStream, served_name
 from graftlm.server.inputs import ANTHROPIC_PARTS, block_text, content_text, problems
 from graftlm.server.pipeline import collect
 from graftlm.server.state import ApiError, json_body, state_of
-from graftlm.server.tools import ToolCall
 
 router = APIRouter()
 

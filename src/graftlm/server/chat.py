@@ -17,7 +17,15 @@ from typing import Any
 from fastapi import Request
 
 from graftlm.runtime.constraints import Constraint
+from graftlm.runtime.reasoning import (
+    AnswerParser,
+    Parts,
+    answer_syntax,
+    parse_answer,
+    thinking_forced_open,
+)
 from graftlm.runtime.service import FinishEvent
+from graftlm.runtime.tools import tool_constraint
 from graftlm.server.chat_schemas import ApplyTemplateRequest, ChatCompletionRequest
 from graftlm.server.framing import (
     EventStream,
@@ -40,15 +48,7 @@ from graftlm.server.pipeline import (
     request_constraint,
     start,
 )
-from graftlm.server.reasoning import (
-    AnswerParser,
-    Parts,
-    answer_syntax,
-    parse_answer,
-    thinking_forced_open,
-)
 from graftlm.server.state import ApiError, ServerState
-from graftlm.server.tools import tool_constraint
 
 
 # -- the chat body -> the pipeline's request --

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from graftlm.server.reasoning import ReasoningFormat
+from graftlm.runtime.reasoning import ReasoningFormat
 from graftlm.server.schemas import Body, NonNegInt, SamplingFields, StreamOptions
 from graftlm.tokenizer.chat import check_template_kwargs
 

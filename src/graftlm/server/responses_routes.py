@@ -2,7 +2,7 @@
 chat path as /v1/chat/completions, without stored state (`previous_response_id` is refused).
 Text input and output; `model` selects an adapter there too; `timings_per_token` adds llama-server's
 timings to the text deltas and the completed event. A model's reasoning (split as for the chat
-answer's `reasoning_content`, `server/reasoning.py`) is a `reasoning` output item before the
+answer's `reasoning_content`, `runtime/reasoning.py`) is a `reasoning` output item before the
 message, streamed as `response.reasoning_text.delta` events; `reasoning.effort` is the
 template's `reasoning_effort`, as the chat body's.
 """

@@ -59,7 +59,7 @@ class ServerConfig:
     # llama-server's --pooling of embeddings: mean, cls, last, or none (/embedding only)
     pooling: str = "mean"
     # llama-server's --reasoning-format: where a chat answer's reasoning goes (a request's
-    # reasoning_format goes over it; server/reasoning.py)
+    # reasoning_format goes over it; runtime/reasoning.py)
     reasoning_format: str = "auto"
 
 

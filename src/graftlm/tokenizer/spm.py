@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from graftlm.errors import RequestError
+
 ESCAPED_SPACE = "\u2581"  # "▁", SentencePiece's stand-in for " "
 
 
@@ -85,7 +87,11 @@ class SPMEncoder:
                 for b in sym.encode("utf-8"):
                     bid = byte_ids[b]
                     if bid is None:
-                        raise ValueError(f"vocabulary has no byte token for 0x{b:02X}")
+                        raise RequestError(
+                            f"the text has a character this model's vocabulary cannot encode: "
+                            f"{sym[:1]!r} needs byte 0x{b:02X}, and the vocabulary has no "
+                            f"<0x{b:02X}> token"
+                        )
                     out.append(bid)
             i = nxt[i]
         return out

@@ -260,7 +260,7 @@ def tool_format(template: str | None) -> str:
         return "generic"
     assert template is not None
     if "<|channel|>" in template and "<|message|>" in template:
-        return "harmony"  # gpt-oss: a call is a message to `functions.NAME` (server/reasoning.py)
+        return "harmony"  # gpt-oss: a call is a message to `functions.NAME` (runtime/reasoning.py)
     if "<tool_call>" not in template and "ipython" in template:
         return "llama3"
     return "hermes"

@@ -724,6 +724,8 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
             const float *p0 = parts + (first[rb] + hk * ns) * pw;
             float mx = -INFINITY;
             for (int64_t c = 0; c < ns; c++) mx = p0[c * pw + g] > mx ? p0[c * pw + g] : mx;
+            const float sink = a->sinks ? a->sinks[h] : -INFINITY; /* a logit with no value */
+            mx = sink > mx ? sink : mx;
             float wsum = 0.0f;
             float *o = out + (rb * H + h) * Dv;
             for (int64_t d = 0; d < Dv; d++) o[d] = 0.0f;
@@ -733,6 +735,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
                 wsum += wc * pc[G + g];
                 scale_axpy(o, 1.0f, wc, pc + 2 * G + g * Dv, Dv);
             }
+            if (a->sinks) wsum += expf(sink - mx);
             const float il = 1.0f / wsum;
             for (int64_t d = 0; d < Dv; d++) o[d] *= il;
         }
@@ -1160,7 +1163,12 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t t = t0 + r / group, h = g * group + r % group;
                 float *dst = out + ((b * T + t) * H + h) * D;
-                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                if (a->sinks) { /* the sink's logit joins the sum, no value: both at max(m, sink) */
+                    const float sk = a->sinks[h], mm = m[r] > sk ? m[r] : sk;
+                    const float c = m[r] == -INFINITY ? 0.0f : expf(m[r] - mm), den = l[r] * c + expf(sk - mm);
+                    inv = den > 0.0f ? c / den : 0.0f;
+                }
                 for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
             }
         }
@@ -1199,6 +1207,12 @@ static void gated_rows(const float *gu, int64_t b0, int64_t b1, int64_t ff, int6
             __m256 v;
             if (act == 0) { /* g / (1 + e^-g) */
                 v = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            } else if (act == 2) { /* gpt-oss: g = min(g, 7) / (1 + e^(-1.702 g)), times clamp(u) + 1 */
+                const __m256 gc = _mm256_min_ps(gv, _mm256_set1_ps(7.0f));
+                const __m256 uc = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(u + j), _mm256_set1_ps(-7.0f)), _mm256_set1_ps(7.0f));
+                v = _mm256_div_ps(gc, _mm256_add_ps(one, exp256(_mm256_mul_ps(_mm256_set1_ps(-1.702f), gc))));
+                _mm256_storeu_ps(a + j, _mm256_mul_ps(v, _mm256_add_ps(uc, one)));
+                continue;
             } else { /* g/2 (1 + tanh(z)) = g / (1 + e^-2z), z = c0 (g + c1 g^3): no cancellation */
                 const __m256 z = _mm256_mul_ps(c0, _mm256_add_ps(gv, _mm256_mul_ps(c1, _mm256_mul_ps(gv, _mm256_mul_ps(gv, gv)))));
                 const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), z));
@@ -1207,6 +1221,11 @@ static void gated_rows(const float *gu, int64_t b0, int64_t b1, int64_t ff, int6
             _mm256_storeu_ps(a + j, _mm256_mul_ps(v, _mm256_loadu_ps(u + j)));
         }
         for (; j < ff; j++) {
+            if (act == 2) {
+                const float gc = g[j] < 7.0f ? g[j] : 7.0f, uc = u[j] < -7.0f ? -7.0f : u[j] > 7.0f ? 7.0f : u[j];
+                a[j] = gc / (1.0f + expf(-1.702f * gc)) * (uc + 1.0f);
+                continue;
+            }
             const float x = g[j];
             const float v = act == 0 ? x / (1.0f + expf(-x))
                                      : x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x)));
@@ -1215,7 +1234,8 @@ static void gated_rows(const float *gu, int64_t b0, int64_t b1, int64_t ff, int6
     }
 }
 
-/* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh. */
+/* Rows of [gate | up] (2 ff values each) -> act(gate) * up, (B, ff). act 0: SiLU, 1: GELU-tanh,
+ * 2: gpt-oss's clamped SwiGLU (min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)). */
 void gl_gated(const float *gu, int64_t B, int64_t ff, int64_t act, float *out, int nth) {
     if (B * ff <= 65536) {
         gated_rows(gu, 0, B, ff, act, out);

@@ -37,7 +37,9 @@ static const struct {
     GL_AT(gl_layer, neox), GL_AT(gl_layer, window), GL_AT(gl_layer, act), GL_AT(gl_layer, eps),
     GL_AT(gl_layer, scale), GL_AT(gl_layer, softcap), GL_AT(gl_layer, router),
     GL_AT(gl_layer, l_router), GL_AT(gl_layer, exp_gate_up), GL_AT(gl_layer, exp_down),
-    GL_AT(gl_layer, n_expert), GL_AT(gl_layer, n_expert_used),
+    GL_AT(gl_layer, n_expert), GL_AT(gl_layer, n_expert_used), GL_AT(gl_layer, sinks),
+    GL_AT(gl_layer, router_bias), GL_AT(gl_layer, exp_gate_up_bias), GL_AT(gl_layer, exp_down_bias),
+    GL_AT(gl_layer, gating),
 
     GL_SIZE(gl_kv), GL_AT(gl_kv, k), GL_AT(gl_kv, v), GL_AT(gl_kv, tables), GL_AT(gl_kv, n_blocks),
     GL_AT(gl_kv, n_slots), GL_AT(gl_kv, max_blocks), GL_AT(gl_kv, block), GL_AT(gl_kv, n_head_kv),
@@ -47,6 +49,7 @@ static const struct {
     GL_AT(gl_attn, sin_t), GL_AT(gl_attn, n_head), GL_AT(gl_attn, n_head_kv),
     GL_AT(gl_attn, head_dim), GL_AT(gl_attn, v_dim), GL_AT(gl_attn, n_ctx), GL_AT(gl_attn, rot),
     GL_AT(gl_attn, neox), GL_AT(gl_attn, window), GL_AT(gl_attn, scale), GL_AT(gl_attn, softcap),
+    GL_AT(gl_attn, sinks),
 
     GL_SIZE(gl_scratch), GL_AT(gl_scratch, base), GL_AT(gl_scratch, cap), GL_AT(gl_scratch, used),
     GL_AT(gl_scratch, busy),
@@ -148,4 +151,5 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 #include "attn.c"
 #include "lora.c"
 #include "float.c"
+#include "iquant.c"
 #include "layer.c"

@@ -5,6 +5,7 @@
  *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
  *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size, the same three
+ *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place: exact dequantization, the products
  *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
  *            gated activation
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
@@ -46,7 +47,8 @@ static int64_t gl_allocs;
 /* A quantized weight of n rows of k values, as the packers lay it out. */
 typedef struct {
     int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
-                   * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c) */
+                   * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c),
+                   * 5: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
@@ -105,7 +107,7 @@ typedef struct {
     gl_kv kv;
     const float *cos_t, *sin_t;
     int64_t n_qkv, n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx, rot, neox, window;
-    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation) */
+    int64_t act; /* 0: SiLU, 1: GELU (tanh approximation), 2: gpt-oss's clamped SwiGLU */
     float eps, scale, softcap; /* softcap: cap * tanh(score / cap) on attention scores, 0: none */
     /* A routed FFN in place of gate_up / down where n_expert > 0 (Mixtral, qwen3moe): the router
      * (n_expert rows; GGUF files keep it float32: kind 4) with its adapter site, the same product
@@ -115,6 +117,13 @@ typedef struct {
     gl_lora_site l_router;
     const gl_weight *exp_gate_up, *exp_down;
     int64_t n_expert, n_expert_used;
+    /* gpt-oss: the attention's sinks (gl_attn's), the router's bias (n_expert), each expert's
+     * bias of [gate; up] (n_expert, 2 n_ff) and of down (n_expert, n_embd); NULL: none. gating 0:
+     * w = the softmax of all the router's logits at the chosen, over their sum (Mixtral,
+     * qwen3moe); 1: the softmax of the chosen logits alone (gpt-oss: the same weights, rounded
+     * as its composed block rounds them). */
+    const float *sinks, *router_bias, *exp_gate_up_bias, *exp_down_bias;
+    int64_t gating;
 } gl_layer;
 
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
@@ -124,6 +133,9 @@ typedef struct {
     const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
     int64_t n_head, n_head_kv, head_dim, v_dim, n_ctx, rot, neox, window; /* window 0: all */
     float scale, softcap; /* softcap 0: none */
+    /* (n_head,) or NULL: one more logit a head in each softmax's denominator, with no value
+     * (gpt-oss's attention sinks), folded in where a row's sums are finished */
+    const float *sinks;
 } gl_attn;
 
 /* Memory the decode layers carve their buffers from, kept between calls so that a step allocates
@@ -201,6 +213,12 @@ GL_API void gl_deq_k6(const uint8_t *q, const uint16_t *d, int v, int64_t k, con
                       int64_t row0, int64_t nrows, float *out, int nth);
 GL_API void gl_mm_k6(const float *x, int64_t M, int64_t k, const uint8_t *q, const uint16_t *d,
                      int v, int64_t n, float *y, int nth);
+
+/* iquant.c (k a multiple of 256; v: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S) */
+GL_API void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0,
+                      int64_t nrows, float *out, int nth);
+GL_API void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
+                     float *y, int nth);
 
 /* attn.c */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
@@ -685,6 +703,9 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
 /* mxfp4.c: mm_task for the weights of kind 5 */
 static void mx4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                      float *y);
+/* iquant.c: mm_task for the weights of kind 6 */
+static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y);
 /* float.c: mm_task for the weights of kind 4 */
 static void f_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                    float *y);

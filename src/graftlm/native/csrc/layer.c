@@ -5,15 +5,15 @@
  * gate/up outputs (big), the attention output (att), each block's output (o), and the
  * attention's work (attn_decode_bytes). A routed FFN's (else NULL; K = n_expert_used): the
  * router's logits (B, n_expert), each row's experts and their weights (B, K), then every chosen
- * (row, expert) pair's row of h gathered in the experts' order (gath, (B K, n_embd)), its row and
- * weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act, (B K, n_ff)) and
- * outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
+ * (row, expert) pair's row of h gathered in the experts' order (gath, (B K, n_embd)), its row,
+ * expert and weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act,
+ * (B K, n_ff)) and outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
  * both products (xg, xd). */
 typedef struct {
     float *h, *big, *att, *o;
     void *work;
     float *logits, *weight, *row_w, *gath, *gu, *act, *y;
-    int64_t *chosen, *rows, *jobs;
+    int64_t *chosen, *rows, *row_e, *jobs;
     xbuf xg, xd;
 } layer_bufs;
 
@@ -33,6 +33,7 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
         b.weight = scratch_take(s, f * R);
         b.chosen = scratch_take(s, i * R);
         b.rows = scratch_take(s, i * R);
+        b.row_e = scratch_take(s, i * R);
         b.row_w = scratch_take(s, f * R);
         b.jobs = scratch_take(s, i * 3 * L->n_expert);
         b.gath = scratch_take(s, f * R * d);
@@ -80,6 +81,11 @@ static inline xbuf xbuf_rows(const xbuf *x, int64_t r0, int64_t k) {
     return o;
 }
 
+static inline void add_bias(float *y, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) y[i] += bias[i];
+}
+
 /* Tasks [t0, t1) of the experts' products: the runs' tasks one after another, each run one
  * expert's weight (ws[e]) over its gathered rows (x's rows r0.., into y's). */
 static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks, const xbuf *x,
@@ -95,23 +101,28 @@ static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
  * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
  * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
- * experts in ascending order. Each chosen expert runs once, over the rows that chose it, so a
- * batch reads an expert's weights once, whatever number of rows chose it; and all the experts'
- * products run in one parallel region, their tasks one list split over the threads (an
- * expert's products alone are too small to share: a region each, Qwen3-30B-A3B's 8 experts of
- * a token made 24 regions a layer, each starting its stream of weights cold). */
+ * experts in ascending order. gpt-oss's (models/gpt_oss.py's routed_ffn; gating 1, biases):
+ * l = router(h) + bias, its n_expert_used largest, w = softmax(l at them); o = the sum of
+ * w_e * (down_e(act(gate_e + bg_e, up_e + bu_e)) + bd_e). Each chosen expert runs once, over the
+ * rows that chose it, so a batch reads an expert's weights once, whatever number of rows chose
+ * it; and all the experts' products run in one parallel region, their tasks one list split over
+ * the threads (an expert's products alone are too small to share: a region each, Qwen3-30B-A3B's
+ * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold). */
 static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
                     float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
     float *logits = bufs->logits;
     proj_run(&L->router, h, B, 1, &L->l_router, logits, sc, nth); /* with its adapters' delta */
+    for (int64_t b = 0; b < B; b++) add_bias(logits + b * E, L->router_bias, E);
     for (int64_t b = 0; b < B; b++) { /* softmax, the K largest by selection (E is small), w */
         float *p = logits + b * E, top = p[0], sum = 0.0f, total = 0.0f;
         int64_t *chosen = bufs->chosen + b * K;
         float *w = bufs->weight + b * K;
         for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
-        for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        if (L->gating == 0) { /* (gating 1 selects on the logits themselves) */
+            for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        }
         for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
@@ -120,7 +131,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
                 if (!taken && (best < 0 || p[e] > p[best])) best = e;
             }
             chosen[j] = best;
-            w[j] = p[best];
+            w[j] = L->gating == 0 ? p[best] : expf(p[best] - top);
             total += w[j];
         }
         for (int64_t j = 0; j < K; j++) w[j] /= total;
@@ -132,6 +143,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
             for (int64_t j = 0; j < K; j++)
                 if (bufs->chosen[b * K + j] == e) {
                     bufs->rows[R] = b;
+                    bufs->row_e[R] = e;
                     bufs->row_w[R] = bufs->weight[b * K + j];
                     memcpy(bufs->gath + R * d, h + b * d, sizeof(float) * (size_t)d);
                     R++;
@@ -153,7 +165,10 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         static_chunk(nj * tgu, me, nt, &a0, &a1);
         expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, a0, a1, bufs->gu);
 #pragma omp barrier
-        static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: gated, quantized */
+        static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: biased, gated, quantized */
+        if (L->exp_gate_up_bias)
+            for (int64_t r = a0; r < a1; r++)
+                add_bias(bufs->gu + r * 2 * ff, L->exp_gate_up_bias + bufs->row_e[r] * 2 * ff, 2 * ff);
         gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
         if (xd.xq) quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
 #pragma omp barrier
@@ -166,18 +181,18 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         for (int64_t r = 0; r < R; r++) {
             float *ob = o + bufs->rows[r] * d;
             const float *yr = bufs->y + r * d, we = bufs->row_w[r];
-            for (int64_t i = a0; i < a1; i++) ob[i] += yr[i] * we;
+            if (L->exp_down_bias) {
+                const float *bd = L->exp_down_bias + bufs->row_e[r] * d;
+                for (int64_t i = a0; i < a1; i++) ob[i] += (yr[i] + bd[i]) * we;
+            } else {
+                for (int64_t i = a0; i < a1; i++) ob[i] += yr[i] * we;
+            }
         }
     }
 }
 
-static inline void add_bias(float *y, const float *bias, int64_t n) {
-    if (bias)
-        for (int64_t i = 0; i < n; i++) y[i] += bias[i];
-}
-
 /* x (B, n_embd), the residual stream of B rows each decoding one token, updated in place:
- *   x += [post-norm] (O(attention(RoPE([QK-norm] (QKV(norm(x)) [+ biases])))) [+ bias])
+ *   x += [post-norm] (O(attention(RoPE([QK-norm] (QKV(norm(x)) [+ biases])) [, sinks])) [+ bias])
  *   x += [post-norm] down(act(gate) * up)(norm(x))
  * with every projection's LoRA delta, exactly as the PyTorch blocks compose the same kernels.
  * Its buffers come from sc, which holds layer_bytes(L, B, nth) past sc->used. */
@@ -209,7 +224,7 @@ static void layer_run(const gl_layer *L, float *x, int64_t B, const int64_t *slo
         if (L->k_norm) gl_rms_norm(kb + b * ks, Hkv, D, L->k_norm, L->eps, kb + b * ks, nth);
     }
     const gl_attn a = {L->kv, L->cos_t, L->sin_t, H, Hkv, D, D, L->n_ctx, L->rot, L->neox,
-                       L->window, L->scale, L->softcap};
+                       L->window, L->scale, L->softcap, L->sinks};
     attn_decode_run(&a, qb, qs, kb, ks, vb, vs, slots, pos, B, att, bufs.work, nth);
     proj_run(&L->o, att, B, 1, &L->l_o, o, sc, nth);
     for (int64_t b = 0; b < B; b++) add_bias(o + b * d, L->o_bias, d);

@@ -679,6 +679,10 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         mx4_task(w, xb, M, ra, rb, t, y);
         return;
     }
+    if (w->kind == 6) {
+        iq_task(w, xb, M, ra, rb, t, y);
+        return;
+    }
     if (w->kind == 0) {
         const uint8_t *qs = (const uint8_t *)w->q;
         const int h5 = (int)w->small;

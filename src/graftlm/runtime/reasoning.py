@@ -6,7 +6,7 @@ Two ways models keep their reasoning apart, chosen by the chat template (`answer
 
 - "think" (Qwen3, QwQ, DeepSeek-R1, ...): the answer starts with `<think>...</think>`; a template
   whose generation prompt ends in `<think>` (R1's) leaves the answer inside it from the start.
-  What follows is content, split into content and calls by `server/tools.py`'s parser.
+  What follows is content, split into content and calls by `runtime/tools.py`'s parser.
 - "harmony" (gpt-oss): messages `<|channel|>NAME<|message|>TEXT<|end|>`, each after
   `<|start|>assistant` but the first. The `analysis` channel is reasoning; `final`, and
   `commentary` without a recipient (a preamble), are content; a message to
@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from graftlm.server.tools import ToolCall, ToolCallParser, new_call_id, partial_suffix
+from graftlm.runtime.tools import ToolCall, ToolCallParser, new_call_id, partial_suffix
 
 ReasoningFormat = Literal["none", "deepseek", "deepseek-legacy", "auto"]
 REASONING_FORMATS: tuple[str, ...] = ("none", "deepseek", "deepseek-legacy", "auto")

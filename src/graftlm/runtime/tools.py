@@ -12,7 +12,7 @@ Four formats, chosen by the chat template (`Prompter.tool_format`):
   `{"response": "..."}`; a grammar holds every answer to that, whatever `tool_choice` says.
 - "harmony" (gpt-oss): a call is a message to the function,
   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`; its answers are
-  parsed by `server/reasoning.py`, which keeps their reasoning apart too.
+  parsed by `runtime/reasoning.py`, which keeps their reasoning apart too.
 
 `tool_choice` "required" or a named function becomes a grammar (exactly one call, to one of the
 tools or to the named one, its arguments following the tool's JSON schema); "auto" leaves the

@@ -1,0 +1,133 @@
+"""The grid quants' native kernel (csrc/iquant.c: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) against
+its PyTorch twin (quant/formats.py's GridFormat: the dequantization, bit for bit, and llama.cpp's
+int8-activation arithmetic over it), on odd shapes and every tile of rows; its tables against
+gguf-py's; and a routed-expert model of these types served by the one-call native layers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from synth_tensors import random_blocks
+
+import graftlm
+from graftlm.native import library, unavailable_reason
+from graftlm.native.build import CSRC
+from graftlm.quant import QWeight
+from graftlm.quant.formats import GRID_FORMATS
+
+pytestmark = pytest.mark.skipif(library() is None, reason=f"native: {unavailable_reason()}")
+
+TYPES = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module(path: Path) -> object:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def int8_twin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T with x rounded to int8 per 32 values as the kernels round it, in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1), 0)
+    xq = torch.round(xb * inv)  # half to even, as the kernel's rounding
+    return ((xq * (amax / 127)).reshape(m, k).double()) @ w.double().T
+
+
+def test_the_grids_header_is_gguf_pys_tables() -> None:
+    gen = _module(ROOT / "scripts" / "gen_iq_grids.py")
+    assert (CSRC / "iq_grids.h").read_text() == gen.header(), "rerun scripts/gen_iq_grids.py"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 768), (8, 256), (1, 512)], ids=str)
+def test_native_dequantization_is_the_twins_bit_for_bit(qtype: Q, shape: tuple[int, int]) -> None:
+    raw = random_blocks(qtype, shape, np.random.default_rng(shape[0]))
+    w = QWeight.from_gguf(raw, qtype, shape, name="w")
+    assert w.kernel == "native-iq"
+    twin = GRID_FORMATS[qtype].dequantize_rows(torch.from_numpy(raw))
+    got = w.dequantize()
+    assert torch.equal(got.view(torch.int32), twin.view(torch.int32))
+    ids = torch.tensor([shape[0] - 1, 0, shape[0] // 2, shape[0] - 1])
+    assert torch.equal(w.rows(ids).view(torch.int32), twin[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_native_products_are_the_int8_twin_for_every_row_count(qtype: Q) -> None:
+    """Rows 1..13 (every tile of MT = 6 rows and its remainders), an output count that leaves a
+    last task of 5, a zero and an all-zero block of x."""
+    n, k = 37, 768
+    g = torch.Generator().manual_seed(int(qtype))
+    raw = random_blocks(qtype, (n, k), np.random.default_rng(int(qtype)))
+    w = QWeight.from_gguf(raw, qtype, (n, k), name="w")
+    dense = GRID_FORMATS[qtype].dequantize_rows(torch.from_numpy(raw))
+    for m in range(1, 14):
+        x = torch.randn(m, k, generator=g)
+        x[:, 5] = 0
+        x[0, 64:96] = 0
+        want = int8_twin(x, dense)
+        got = w.matmul(x)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5 * scale)
+        exact = x.double() @ dense.double().T  # the rounding of x is what separates them
+        assert float((got - exact).abs().max()) < 0.02 * scale
+        torch.testing.assert_close(w.matmul(x, exact=True), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mix", ["iq2_xxs", "iq2_xs", "iq3_xxs"])
+def test_routed_experts_of_grid_types_run_in_the_native_layers(
+    mix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small Qwen3-MoE of one of bench/real_shapes.py's grid mixes (the five types between
+    them; Q5_K output): every decode step in one native call, bit-identical to one call a layer
+    and within 1e-4 of the composed blocks."""
+    from dataclasses import replace
+
+    from spies import stack_calls
+
+    from graftlm.models.base import Transformer
+    from graftlm.step.batch import Batch
+
+    rs = _module(ROOT / "bench" / "real_shapes.py")
+    small = replace(rs.SHAPES["qwen3-30b-a3b-6l"], d=256, n_head=4, n_head_kv=2, head_dim=64,  # type: ignore[attr-defined]
+                    ff=256, n_layer=2, vocab=512, n_expert=8, n_expert_used=2)  # fmt: skip
+    monkeypatch.setitem(rs.SHAPES, "tiny-moe", small)  # type: ignore[attr-defined]
+    path = rs.write_model(tmp_path, "tiny-moe", mix)  # type: ignore[attr-defined]
+    model = graftlm.load(path, ctx_size=64, n_seq=2, cache_type="f32").model
+    assert model.fused_stack() is not None
+    for blk in model.blocks:
+        experts = [*blk.ffn_gate_up_exps.stacked, *blk.ffn_down_exps.weights]
+        assert {w.kernel for w in experts} == {"native-iq"}
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for s, n in enumerate((9, 4)):
+                model.forward(Batch.single([(7 * s + j) % 50 + 3 for j in range(n)], s, 0))
+            for step in range(3):
+                tokens = torch.tensor([[20 + step], [31 + step]])
+                out.append(model.forward(Batch(tokens, [0, 1], [9 + step, 4 + step], [1, 1])))
+        return out
+
+    served = stack_calls(monkeypatch)
+    fused = run()
+    assert served[-3:] == [True] * 3
+    monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
+    one_by_one = run()
+    monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    composed = run()
+    for a, b, c in zip(fused, one_by_one, composed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)

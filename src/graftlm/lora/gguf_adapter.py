@@ -20,7 +20,7 @@ from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.scales import FLOAT32_MAX
-from graftlm.lora.targets import Base, resolve_target
+from graftlm.lora.targets import Base, Target, resolve_target
 from graftlm.quant import dequantize_any
 
 ADAPTER_TYPES = {
@@ -189,6 +189,8 @@ def _resolve_pair(
     if base + ".weight" not in base_tensors and base != "output":
         problems.append(f"tensor {base}.weight: not in the base model")
         return []
+    if targets[0].expert is not None:
+        return _resolve_experts(base, a_e, b_e, alpha, targets, problems)
     if len(a_e.shape) != 2 or len(b_e.shape) != 2:
         problems.append(
             f"tensor {base}.weight: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} must both be 2-D"
@@ -219,6 +221,54 @@ def _resolve_pair(
         b = b * factor
     delta = Delta(a, b, sources=(f"{base}.weight",))
     return [(t.projection, (t.rows, t.at, delta)) for t in targets]
+
+
+def _resolve_experts(
+    base: str,
+    a_e: TensorEntry,
+    b_e: TensorEntry,
+    alpha: float,
+    targets: list[Target],
+    problems: list[str],
+) -> list[tuple[str, tuple[slice, slice, Delta]]]:
+    """A routed-expert pair (convert_lora_to_gguf.py stacks the experts' factors, as the base's
+    weights): A ne=[n_in, r, n_expert], B ne=[r, n_out, n_expert]; each expert's (A[e], B[e])
+    lands in that expert's projection (llama.cpp's build_lora_mm_id)."""
+    t0, n_expert = targets[0], len(targets)
+    if len(a_e.shape) != 3 or len(b_e.shape) != 3:
+        problems.append(
+            f"tensor {base}.weight: routed-expert tensor: lora_a {_ne(a_e)} and lora_b "
+            f"{_ne(b_e)} must both be 3-D "
+            f"(ne=[n_in, r, n_expert] and ne=[r, n_out, n_expert]) for a routed-expert tensor "
+            f"of {n_expert} experts"
+        )
+        return []
+    ea, ra, n_in = a_e.shape  # torch order
+    eb, n_out, rb = b_e.shape
+    bad = []
+    if ea != n_expert or eb != n_expert:
+        bad.append(
+            f"lora_a {_ne(a_e)} has {ea} experts and lora_b {_ne(b_e)} has {eb}; the base has "
+            f"{n_expert}"
+        )
+    if n_in != t0.n_in:
+        bad.append(f"lora_a {_ne(a_e)} does not fit the base's input size {t0.n_in}")
+    if n_out != t0.n_out:
+        bad.append(f"lora_b {_ne(b_e)} does not fit the base's output size {t0.n_out}")
+    if ra != rb:
+        bad.append(
+            f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
+        )
+    if bad:
+        problems.append(f"tensor {base}.weight: routed-expert tensor: " + "; ".join(bad))
+        return []
+    a, b = _values(a_e), _values(b_e)  # (n_expert, r, n_in), (n_expert, n_out, r)
+    if alpha != 0 and alpha / rb != 1.0:
+        b = b * (alpha / rb)
+    return [
+        (t.projection, (t.rows, t.at, Delta(a[e], b[e], sources=(f"{base}.weight[{e}]",))))
+        for e, t in enumerate(targets)
+    ]
 
 
 _FLOATS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}

@@ -48,6 +48,17 @@ _SUFFIXES = {
     ".lora_embedding_B": ("b", True),
 }
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# a routed expert as its own nn.Linear (transformers before 5: Qwen3-MoE's mlp.experts.N.gate_proj,
+# Mixtral's block_sparse_moe.experts.N.w1), which llama.cpp's converter stacks per layer
+_EXPERT_LINEAR = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)"
+)
+_EXPERT_KIND = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
+# the experts' 3-D parameters as PEFT's target_parameters wraps them (transformers 5): one
+# ParamWrapper a parameter, nested (".base_layer") when a module has several
+_EXPERT_PARAMS = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)")
 
 # -- the base an adapter is checked against ------------------------------------------------------
 
@@ -64,6 +75,7 @@ class BaseInfo:
     n_head_kv: int
     tied_head: bool
     lookup: Callable[[str], tuple[int, int] | str]
+    n_expert: int = 0  # routed experts a layer (0: a dense model)
 
     @classmethod
     def from_model(cls, model: Base, path: str = "") -> BaseInfo:
@@ -77,7 +89,8 @@ class BaseInfo:
                 return "not in the base model"
             return targets[0].n_in, targets[0].n_out
 
-        return cls(path, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.tied_head, lookup)
+        return cls(path, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.tied_head, lookup,
+                   cfg.n_expert or 0)  # fmt: skip
 
     @classmethod
     def from_gguf(cls, f: GGUFFile, tied_output: bool = False) -> BaseInfo:
@@ -131,6 +144,7 @@ class LoraPair:
     scaling: float  # PEFT's factor for this module
     rank: int
     alpha: float
+    expert: int | None = None  # a routed expert's index in `base` ("blk.0.ffn_gate_exps")
 
     @property
     def embedding(self) -> bool:
@@ -267,6 +281,10 @@ def _read_pairs(
                 f"but no lora_{'B' if have == 'A' else 'A'}"
             )
             continue
+        experts = _read_experts(st, module, parts, cfg, base, problems)
+        if experts is not None:
+            pairs += experts
+            continue
         tied = tie_head and module.rsplit(".", 1)[-1] == "lm_head"
         pair = _read_pair(st, module, parts, cfg, base, problems, tied)
         if pair is not None:
@@ -375,6 +393,110 @@ def _read_pair(
     return LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha)
 
 
+def _read_experts(
+    st: Any,
+    module: str,
+    parts: dict[str, tuple[str, bool]],
+    cfg: PeftConfig,
+    base: BaseInfo,
+    problems: list[str],
+) -> list[LoraPair] | None:
+    """A routed expert's LoRA, one pair an expert and file tensor; None when `module` is no
+    expert. Per-expert nn.Linear: A (r, n_in), B (n_out, r). target_parameters (PEFT's
+    ParamWrapper on a (n_expert, n_out, n_in) parameter): A (r * n_expert, n_in) whose rows are
+    expert-major, B (n_out, r * n_expert) whose columns are rank-major (expert e's: e::n_expert);
+    gate_up_proj's rows are [gate; up]."""
+    where = f"{WEIGHTS_FILE}: module {module!r}"
+    lin, par = _EXPERT_LINEAR.fullmatch(module), _EXPERT_PARAMS.fullmatch(module)
+    if lin is None and par is None:
+        return None
+    layer = int((lin or par).group(1))  # type: ignore[union-attr]
+    if layer >= base.n_layer:
+        problems.append(f"{where}: layer {layer}, but the base has {base.n_layer} layers")
+        return []
+    if parts["a"][1] or parts["b"][1]:
+        problems.append(f"{where}: expected lora_A/B.weight tensors for an expert")
+        return []
+    sa = list(st.get_slice(parts["a"][0]).get_shape())
+    sb = list(st.get_slice(parts["b"][0]).get_shape())
+    if len(sa) != 2 or len(sb) != 2:
+        problems.append(f"{where}: lora_A {sa} and lora_B {sb} must both be 2-D")
+        return []
+    r_cfg, alpha = cfg.rank_alpha(module)
+    if lin is not None:
+        e, kind = int(lin.group(2)), _EXPERT_KIND[lin.group(3)]
+        gname = f"blk.{layer}.{kind}"
+        if not cfg.targets(module):
+            problems.append(f"{where}: not selected by target_modules in {CONFIG_FILE}")
+            return []
+        shape = base.lookup(gname)
+        if isinstance(shape, str):
+            problems.append(f"{where} -> {gname}.weight: {shape}")
+            return []
+        bad = _expert_shapes(sa, sb, shape, r_cfg)
+        if e >= base.n_expert:
+            bad.append(f"expert {e}, but the base has {base.n_expert} experts")
+        if bad:
+            problems.append(f"{where} -> {gname}.weight[{e}]: " + "; ".join(bad))
+            return []
+        a, b = st.get_tensor(parts["a"][0]).float(), st.get_tensor(parts["b"][0]).float()
+        return [LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha, e)]
+    # target_parameters: which parameter is told by its shape (the nesting follows the order
+    # of the module's parameters, not the config's)
+    n = base.n_expert
+    up, down = base.lookup(f"blk.{layer}.ffn_up_exps"), base.lookup(f"blk.{layer}.ffn_down_exps")
+    if isinstance(up, str) or isinstance(down, str) or not n:
+        why = up if isinstance(up, str) else down if isinstance(down, str) else "no experts"
+        problems.append(f"{where}: the base has no routed experts in layer {layer} ({why})")
+        return []
+    n_embd, n_ff = up[0], up[1]
+    params = {"gate_up_proj": (n_embd, 2 * n_ff), "down_proj": (n_ff, n_embd)}
+    param = next((k for k, (i, o) in params.items() if [sa[1], sb[0]] == [i, o]), None)
+    if param is None:
+        problems.append(
+            f"{where}: lora_A {sa} and lora_B {sb} fit neither experts.gate_up_proj "
+            f"(n_in {n_embd}, n_out {2 * n_ff}) nor experts.down_proj (n_in {n_ff}, n_out "
+            f"{n_embd}) of the base"
+        )
+        return []
+    if not any(t == param or t.endswith("." + param) for t in cfg.target_parameters):
+        problems.append(f"{where}: experts.{param} is not in target_parameters in {CONFIG_FILE}")
+        return []
+    if sa[0] != sb[1] or sa[0] != r_cfg * n:
+        problems.append(
+            f"{where} (experts.{param}): lora_A {sa} and lora_B {sb} must have r * n_expert = "
+            f"{r_cfg} * {n} = {r_cfg * n} rank rows (r = {r_cfg} in {CONFIG_FILE}, {n} experts "
+            "in the base)"
+        )
+        return []
+    a = st.get_tensor(parts["a"][0]).float().reshape(n, r_cfg, sa[1])  # (n_expert, r, n_in)
+    b = st.get_tensor(parts["b"][0]).float().reshape(sb[0], r_cfg, n).permute(2, 0, 1)
+    s = cfg.scaling(module)
+    out = []
+    for e in range(n):
+        be = b[e].contiguous()  # (n_out, r)
+        if param == "down_proj":
+            out.append(LoraPair(module, f"blk.{layer}.ffn_down_exps", a[e], be, s, r_cfg, alpha, e))
+            continue
+        for kind, rows in (("ffn_gate_exps", slice(0, n_ff)), ("ffn_up_exps", slice(n_ff, None))):
+            out.append(LoraPair(module, f"blk.{layer}.{kind}", a[e], be[rows], s, r_cfg, alpha, e))
+    return out
+
+
+def _expert_shapes(sa: list[int], sb: list[int], shape: tuple[int, int], r_cfg: int) -> list[str]:
+    n_in, n_out = shape
+    bad = []
+    if sa[1] != n_in:
+        bad.append(f"lora_A {sa} (r, input size) does not fit the base's input size {n_in}")
+    if sb[0] != n_out:
+        bad.append(f"lora_B {sb} (output size, r) does not fit the base's output size {n_out}")
+    if sa[0] != sb[1]:
+        bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
+    elif sa[0] != r_cfg:
+        bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+    return bad
+
+
 def _base_layer_notes(
     st: Any,
     base_layers: dict[str, str],
@@ -438,6 +560,8 @@ def read_peft_adapter(path: str | Path, model: Base) -> ResolvedAdapter:
             delta = Delta(p.a, p.b * p.scaling, sources=(p.module,))  # a (r, n_in), b (n_out, r)
         targets = resolve_target(model, p.base)
         assert not isinstance(targets, str), targets  # BaseInfo.lookup refused these already
+        if p.expert is not None:
+            targets = [targets[p.expert]]
         for t in targets:
             pieces.setdefault(t.projection, []).append((t.rows, t.at, delta))
     n_out = {name: p.n_out for name, p in model.projections().items()}

@@ -70,7 +70,6 @@ _UNSUPPORTED: dict[str, str] = {
     "lora_bias": "lora_bias: LoRA B biases are not supported",
     "modules_to_save": "modules_to_save: fully saved layers are not supported (only LoRA deltas)",
     "trainable_token_indices": "trainable_token_indices: trainable token rows are not supported",
-    "target_parameters": "target_parameters: LoRA on bare parameters (experts) is not supported",
     "layer_replication": "layer_replication: replicated layers are not supported",
     "use_qalora": "use_qalora: QA-LoRA is not supported",
     "use_bdlora": "use_bdlora: block-diagonal LoRA is not supported",
@@ -97,6 +96,8 @@ class PeftConfig:
     layers_pattern: tuple[Pattern, ...] = ()
     ensure_weight_tying: bool = False
     invocation_tokens: tuple[int, ...] = ()  # aLoRA
+    # bare parameters with a LoRA (ParamWrapper): only routed experts' are read (lora.peft)
+    target_parameters: tuple[str, ...] = ()
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
         """(r, alpha) of one module, after rank_pattern / alpha_pattern (PEFT's first match)."""
@@ -204,6 +205,10 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
     if not _ints(invocation) or any(t < 0 for t in invocation):
         problems.append(f"{where}: alora_invocation_tokens must be a list of token ids")
         invocation = []
+    tp: Any = raw.get("target_parameters") or []
+    if not isinstance(tp, list) or not all(isinstance(x, str) for x in tp):
+        problems.append(f"{where}: target_parameters must be a list of parameter names")
+        tp = []
     if r is None or alpha is None:
         return None
     return PeftConfig(
@@ -218,6 +223,7 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
         layers_pattern=tuple(layer_patterns),
         ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
         invocation_tokens=tuple(invocation),
+        target_parameters=tuple(tp),
     )
 
 

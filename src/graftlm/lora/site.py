@@ -149,3 +149,20 @@ class LoraSite:
             xa = xa * rows.scales[:, s].to(xa.dtype).view(-1, 1, 1)
             flat.addmm_(xa.reshape(-1, xa.shape[-1]), b.T.to(flat.dtype))
         return flat.view(y.shape)
+
+    def add_token_delta(
+        self, y: torch.Tensor, x: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor:
+        """y (n, n_out) plus the delta of x (n, n_in), token i at scales[i, s] (n, n_slots): a
+        routed expert's tokens, gathered from the batch's rows (models.moe). Every attached slot
+        with any nonzero scale among these tokens; y is the caller's own fresh output, added into
+        in place when contiguous."""
+        slots = [s for s in self.slot_ids if s < scales.shape[1] and bool(scales[:, s].any())]
+        if not slots:
+            return y
+        out = y if y.is_contiguous() else y.clone()
+        for s in slots:
+            a, b = self._slots[s]
+            xa = (x @ a.T.to(x.dtype)) * scales[:, s : s + 1].to(x.dtype)  # (n, r)
+            out.addmm_(xa, b.T.to(out.dtype))
+        return out

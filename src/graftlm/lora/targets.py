@@ -19,7 +19,12 @@ from graftlm.config import ModelConfig
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.site import Generation, LoraSite
 
-_EXPERT = re.compile(r"_exps$|_exps\.|_shexp_gate")
+_EXPERT = re.compile(r"_exps|_shexp_gate")
+# a routed-expert file tensor that takes a per-expert adapter (llama.cpp's build_lora_mm_id)
+ROUTED = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps")
+# the families whose routed FFN adds per-expert deltas (models.moe.moe_ffn); gpt-oss's own
+# expert function does not yet
+EXPERT_ADAPTER_ARCHS = {"llama", "qwen3moe"}
 _NORM_OR_BIAS = re.compile(r"(norm|\.bias$|_b$)")
 
 
@@ -35,6 +40,7 @@ class Target:
     n_out: int  # output rows of the whole file tensor
     rows: slice
     at: slice
+    expert: int | None = None  # a routed expert's index: its own (n_out, n_in) weight
 
 
 class Seam(Protocol):
@@ -63,12 +69,15 @@ class SeamTable:
     projections: by GGUF base name ("blk.0.attn_q", "output"), each the engine's projection;
     parts: file tensors the engine stacked into one projection (Q/K/V, gate/up), with their rows;
     embedding: the slots on the token embedding (made on the first adapter that has one);
+    experts: routed-expert file tensors ("blk.0.ffn_gate_exps"), each expert e's Target in a
+        projection of its own (the expert's own weight, `models.moe`), in expert order;
     generation: changes whenever any slot of the model changes."""
 
     n_vocab: int
     n_embd: int
     projections: dict[str, Seam] = field(default_factory=dict)
     parts: dict[str, Target] = field(default_factory=dict)
+    experts: dict[str, list[Target]] = field(default_factory=dict)
     embedding: LoraSite | None = None
     generation: Generation = field(default_factory=Generation)
 
@@ -93,12 +102,16 @@ class Base(Protocol):
 
 def resolve_target(model: Base, base: str) -> list[Target] | str:
     """The targets of base tensor `base` ("blk.0.attn_q"), or the reason it cannot take an adapter."""
-    if _EXPERT.search(base):
-        return (
-            "routed-expert tensor: per-expert adapters are not served (only attention and shared "
-            "projections of mixture-of-experts models take adapters)"
-        )
     table = model.seams
+    if _EXPERT.search(base):
+        experts = table.experts.get(base) if ROUTED.fullmatch(base) else None
+        if experts and model.cfg.arch in EXPERT_ADAPTER_ARCHS:
+            return experts
+        return (
+            "routed-expert tensor, but this model has no such routed experts that take adapters "
+            "(per-expert adapters apply to ffn_gate_exps, ffn_up_exps and ffn_down_exps of "
+            f"{', '.join(sorted(EXPERT_ADAPTER_ARCHS))} models)"
+        )
     if base == EMBEDDING:
         d = table.n_embd
         return [Target(EMBEDDING, table.n_vocab, d, slice(0, d), slice(0, d))]

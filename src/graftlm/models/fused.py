@@ -13,6 +13,7 @@ PyTorch blocks.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,9 @@ class MoeSpec:
     gate_up_bias: torch.Tensor | None = None  # (n_expert, 2 n_ff)
     down_bias: torch.Tensor | None = None  # (n_expert, n_embd)
     gating: str = "softmax_norm"
+    # the adapter slots on its experts (moe's): a step with one of them active runs the PyTorch
+    # block (the native layer adds no expert delta yet)
+    adapted: Callable[[], frozenset[int]] | None = None
 
     def servable(self) -> bool:
         n = len(self.gate_up)
@@ -290,11 +294,21 @@ class FusedLayer:
             self._bound = board.key
         return self._servable
 
+    def experts_adapted(self, lora: LoraRows | None) -> bool:
+        """Whether an adapter active in the step is on this layer's routed experts."""
+        moe = self.spec.moe
+        if lora is None or moe is None or moe.adapted is None:
+            return False
+        slots = moe.adapted()
+        return any(s in slots for s in lora.active)
+
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
+        if self.experts_adapted(batch.lora):
+            return None  # (an expert adapter in the step: the PyTorch block adds its delta)
         self.board.fill(batch.lora, batch.n_rows)
         if not self.bind_lora():
             return None  # (an adapter the native delta cannot read: the PyTorch block runs)
@@ -342,7 +356,7 @@ class FusedStack:
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if rows is None:
+        if rows is None or any(f.experts_adapted(batch.lora) for f in self.layers):
             return None
         self.board.fill(batch.lora, batch.n_rows)  # once for all the layers
         if self.board.key != self._bound:  # the adapters or the board changed: every layer binds

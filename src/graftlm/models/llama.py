@@ -86,8 +86,9 @@ class Llama(Transformer):
             experts = b.ffn_gate_up_exps
             if experts.stacked is None:  # gate and up of two types: the composed block
                 return None
-            moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights,
-                          cfg.n_expert_used)  # fmt: skip
+            down = b.ffn_down_exps
+            moe = MoeSpec(b.ffn_gate_inp, experts.stacked, down.weights, cfg.n_expert_used,
+                          adapted=lambda: experts.slots() | down.slots())  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                              b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,
@@ -104,7 +105,7 @@ class Llama(Transformer):
         if cfg.n_expert:
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
             experts = b.ffn_gate_up_exps, b.ffn_down_exps
-            return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.exact)
+            return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.lora, batch.exact)
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
 
     @property

@@ -1,0 +1,305 @@
+"""LoRA on routed experts (llama.cpp's build_lora_mm_id, vLLM's MoE LoRA): a tiny Qwen3-MoE from
+transformers with a PEFT adapter on its experts' 3-D parameters (`target_parameters`), the same
+adapter written as per-expert nn.Linear modules (the layout before transformers 5) and that
+converted by llama.cpp's own `convert_lora_to_gguf.py` (3-D expert tensors). PEFT is the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import pytest
+import torch
+from made_families import HERE, made_dir
+from safetensors.torch import save_file
+from shared_data import TINY
+
+import graftlm
+from graftlm.errors import AdapterError
+
+IDS = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+R = 4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _logprobs(model: graftlm.Model, ids: list[int], lora: list[dict[str, Any]]) -> torch.Tensor:
+    return torch.tensor([t["logprob"] for t in model.logprobs(ids, top=0, lora=lora)])
+
+
+def _peft_logprobs(pm: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = pm(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+# family -> the per-expert modules' layout before transformers 5: (stem, gate, up, down)
+LINEAR = {
+    "qwen3moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
+}
+
+
+def _per_expert(pm: Any, src: Path, out: Path, n_expert: int, family: str) -> None:
+    """The target_parameters adapter as per-expert nn.Linear modules (Qwen3-MoE's
+    mlp.experts.N.gate_proj, Mixtral's block_sparse_moe.experts.N.w1): the same deltas, in the
+    layout llama.cpp's converter reads."""
+    where, gate, up, down = LINEAR[family]
+    out.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in pm.named_modules():
+        if not hasattr(module, "parameter_name") or "default" not in module.lora_A:
+            continue
+        layer = name.split("layers.")[1].split(".")[0]
+        a = module.lora_A["default"].weight.detach().reshape(n_expert, R, -1)
+        b = module.lora_B["default"].weight.detach()
+        b = b.reshape(b.shape[0], R, n_expert).permute(2, 0, 1)  # (n_expert, n_out, r)
+        stem = f"base_model.model.model.layers.{layer}.{where}"
+        for e in range(n_expert):
+            if module.parameter_name == "down_proj":
+                halves = {down: b[e]}
+            else:
+                n_ff = b.shape[1] // 2
+                halves = {gate: b[e][:n_ff], up: b[e][n_ff:]}
+            for proj, be in halves.items():
+                tensors[f"{stem}.{e}.{proj}.lora_A.weight"] = a[e].clone()
+                tensors[f"{stem}.{e}.{proj}.lora_B.weight"] = be.clone()
+    for name, p in pm.named_parameters():
+        if "q_proj.lora_" in name:
+            key = name.replace(".default", "")
+            tensors[key] = p.detach().contiguous()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", gate, up, down]
+    cfg["target_parameters"] = None
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+def made(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    family = request.param
+    folder = made_dir(family) if family == "qwen3moe" else TINY / family
+    if folder is None or not (folder / "hf").is_dir():
+        pytest.skip("no transformers, PEFT or llama.cpp converter here")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+
+    tmp = tmp_path_factory.mktemp("expert_lora")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
+    n_expert = getattr(model.config, "num_experts", None) or model.config.num_local_experts
+    torch.manual_seed(1)
+    cfg = peft.LoraConfig(
+        r=R, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    pm.save_pretrained(tmp / "params")
+    _per_expert(pm, tmp / "params", tmp / "linear", n_expert, family)
+    cmd = [sys.executable, str(HERE / "convert_tiny.py"), str(TINY / "qwen3" / "model-f32.gguf"),
+           "lora", str(tmp / "linear"), "--base", str(folder / "hf"), "--outtype", "f32",
+           "--outfile", str(tmp / "lora.gguf")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"pm": pm, "base": folder / "model-f32.gguf", "tmp": tmp, "n_expert": n_expert,
+            "n_ff": model.config.moe_intermediate_size if family == "qwen3moe"
+            else model.config.intermediate_size}  # fmt: skip
+
+
+def test_converted_gguf_stacks_the_experts(made: dict[str, Any]) -> None:
+    r = gguf.GGUFReader(made["tmp"] / "lora.gguf")
+    shapes = {t.name: [int(d) for d in t.shape] for t in r.tensors}
+    # ggml order: A ne=[n_in, r, n_expert], B ne=[r, n_out, n_expert]
+    assert shapes["blk.0.ffn_gate_exps.weight.lora_a"] == [128, R, made["n_expert"]]
+    assert shapes["blk.0.ffn_gate_exps.weight.lora_b"] == [R, made["n_ff"], made["n_expert"]]
+    assert shapes["blk.1.ffn_down_exps.weight.lora_a"] == [made["n_ff"], R, made["n_expert"]]
+
+
+@pytest.mark.parametrize("kind", ["params", "linear", "gguf"])
+def test_matches_peft(made: dict[str, Any], kind: str) -> None:
+    path = made["tmp"] / ("lora.gguf" if kind == "gguf" else kind)
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    i = ours.add_lora(path)
+    got = _logprobs(ours, IDS, [{"id": i, "scale": 1.0}])
+    base = _logprobs(ours, IDS, [])
+    pm = made["pm"]
+    ref = _peft_logprobs(pm, IDS)
+    with pm.disable_adapter():
+        ref_base = _peft_logprobs(pm, IDS)
+    assert (base - ref_base).abs().max() < 1e-3
+    assert (ref - ref_base).abs().mean() > 0.05, "the adapter should change PEFT's model"
+    assert (got - ref).abs().max() < 1e-3
+
+
+def test_zero_scale_and_mixed_rows(made: dict[str, Any]) -> None:
+    """A zero scale is bit-identical to no adapter; rows of one batch on different adapters (and
+    at different scales) that pick the same experts equal each row served alone (to the base's
+    own rounding between batch sizes)."""
+    from graftlm.runtime.engine import lora_rows
+    from graftlm.step.batch import Batch
+
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    a = ours.add_lora(made["tmp"] / "params")
+    b = ours.add_lora(made["tmp"] / "lora.gguf")
+    base = _logprobs(ours, IDS, [])
+    assert torch.equal(_logprobs(ours, IDS, [{"id": a, "scale": 0.0}]), base)
+    assert (_logprobs(ours, IDS, [{"id": a, "scale": 1.0}]) - base).abs().mean() > 0.05
+    settings = [{}, {a: 1.0}, {b: -0.5}, {a: 0.5, b: 0.25}, {a: 0.0}]
+    ours.engine = type(ours.engine)(ours.model, n_slots=len(settings))
+    m, dev = ours.model, ours.model.device
+    with torch.inference_mode():
+        alone = [
+            m.forward(Batch.single(IDS, 0, 0, lora_rows([s], dev), dev, exact=True), True)[0]
+            for s in settings
+        ]
+        n = len(settings)
+        batch = Batch(torch.tensor([IDS] * n), list(range(n)), [0] * n, [len(IDS)] * n,
+                      lora_rows(settings, dev), exact=True)  # fmt: skip
+        together = m.forward(batch, True)
+    # a batch's expert groups differ in size from a row's alone, and the base's own products
+    # round differently with the size (the base alone: ~1.4e-6 here); an adapter on the wrong
+    # row would move the logits by ~1
+    for row, want in zip(together, alone, strict=True):
+        torch.testing.assert_close(row, want, rtol=0, atol=2e-5)
+    assert not torch.equal(alone[0], alone[1]) and torch.equal(alone[0], alone[4])
+
+
+def test_native_decode_layer_hands_an_expert_adapter_to_pytorch(made: dict[str, Any]) -> None:
+    """The fused decode layer adds no expert delta yet: a step with an expert adapter active runs
+    the PyTorch blocks, and greedy decoding with it follows the adapter; a step without one (the
+    adapter attached, at scale 0) stays native."""
+    from graftlm.lora.settings import AdapterSettings
+    from graftlm.runtime.engine import lora_rows
+    from graftlm.runtime.sampling import SamplingParams
+    from graftlm.runtime.scheduler import Request
+
+    ours = graftlm.load(made["base"], ctx_size=64)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(settings: dict[int, float]) -> list[int]:
+        r = ours.engine.submit(Request(IDS[:8], greedy, AdapterSettings(settings)))
+        ours.engine.run(r)
+        return list(r.generated)
+
+    plain = run({})
+    a = ours.add_lora(made["tmp"] / "lora.gguf")
+    fused = [ours.model.fused_layer(i) for i in range(ours.config.n_layer)]
+    if any(f is None for f in fused):
+        pytest.skip("no native decode layer here")
+    on = lora_rows([{a: 1.0}, {}], ours.model.device)
+    assert all(f.experts_adapted(on) for f in fused if f is not None)
+    assert all(f.bind_lora() for f in fused if f is not None)  # native otherwise
+    assert not any(f.experts_adapted(None) for f in fused if f is not None)
+    assert run({a: 0.0}) == plain
+    ref = graftlm.load(made["base"], ctx_size=64, reference=True)
+    ra = ref.add_lora(made["tmp"] / "lora.gguf")
+    got = ours.generate(IDS[:8], max_tokens=6, temperature=0, lora=[{"id": a, "scale": 1.0}])
+    want = ref.generate(IDS[:8], max_tokens=6, temperature=0, lora=[{"id": ra, "scale": 1.0}])
+    assert got == want
+    ours.remove_lora(a)
+    assert not any(f.experts_adapted(on) for f in fused if f is not None)
+
+
+def test_refusals_name_the_tensor_and_dimensions(made: dict[str, Any], tmp_path: Path) -> None:
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    src = gguf.GGUFReader(made["tmp"] / "lora.gguf")
+    arch = ours.config.arch  # (the adapter's own: llama for Mixtral)
+    w = gguf.GGUFWriter(tmp_path / "bad.gguf", arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", 8.0)
+    for t in src.tensors:
+        data = t.data.reshape([int(d) for d in reversed(t.shape)])
+        if t.name == "blk.0.ffn_down_exps.weight.lora_a":
+            data = data[:-1]  # one expert short
+        w.add_tensor(t.name, data.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    before, logits = ours.loras, ours.logits(IDS)
+    with pytest.raises(AdapterError) as exc:
+        ours.add_lora(tmp_path / "bad.gguf")
+    msg = str(exc.value)
+    assert "general.architecture" not in msg  # only the one tensor is wrong
+    assert "blk.0.ffn_down_exps.weight" in msg and str(made["n_expert"] - 1) in msg
+    assert f"ne=[{made['n_ff']}, {R}, {made['n_expert'] - 1}]" in msg
+    assert ours.loras == before
+    assert not any(p.lora for p in ours.model.projections().values())  # nothing attached
+    assert torch.equal(ours.logits(IDS), logits)
+
+
+def test_peft_refusals_name_the_module_and_dimensions(made: dict[str, Any], tmp_path: Path) -> None:
+    """A target_parameters adapter made for fewer experts, and a per-expert module past the
+    base's experts: one error naming each module and every dimension; nothing attached."""
+    from safetensors.torch import load_file
+
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    logits = ours.logits(IDS)
+    n = made["n_expert"]
+    for kind in ("params", "linear"):
+        src = made["tmp"] / kind
+        bad = tmp_path / kind
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+        tensors = load_file(str(src / "adapter_model.safetensors"))
+        if kind == "params":  # layer 1's down_proj as if for n - 1 experts
+            key = "base_model.model.model.layers.1.mlp.experts.lora_A.weight"
+            tensors[key] = tensors[key][:-R].clone()
+            tensors[key.replace("lora_A", "lora_B")] = tensors[key.replace("lora_A", "lora_B")][
+                :, :-R
+            ].clone()
+        else:  # one expert past the base's
+            for k in [k for k in tensors if ".experts.0." in k and "layers.0." in k]:
+                tensors[k.replace(".experts.0.", f".experts.{n}.")] = tensors[k].clone()
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(AdapterError) as exc:
+            ours.add_lora(bad)
+        msg = str(exc.value)
+        if kind == "params":
+            assert "model.layers.1.mlp.experts" in msg
+            assert f"{R} * {n} = {R * n}" in msg and f"[{R * (n - 1)}, " in msg
+        else:
+            assert f"experts.{n}." in msg and f"expert {n}, but the base has {n} experts" in msg
+        assert ours.loras == []
+        assert not any(p.lora for p in ours.model.projections().values())
+        assert torch.equal(ours.logits(IDS), logits)
+
+
+def test_expert_adapter_on_a_dense_base_is_refused(made: dict[str, Any]) -> None:
+    ours = graftlm.load(TINY / "qwen3" / "model-f32.gguf", ctx_size=64, reference=True)
+    with pytest.raises(AdapterError) as exc:
+        ours.add_lora(made["tmp"] / "params")
+    assert "model.layers.0.mlp.experts': the base has no routed experts in layer 0" in str(
+        exc.value
+    )
+
+
+def test_gpt_oss_expert_adapter_is_refused(tmp_path: Path) -> None:
+    """gpt-oss's expert function adds no delta yet: an adapter on its experts is refused, naming
+    why, rather than attached and silently not applied."""
+    folder = made_dir("gpt-oss")
+    if folder is None:
+        pytest.skip("no transformers, PEFT or llama.cpp converter here")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
+    cfg = peft.LoraConfig(r=R, lora_alpha=8, target_parameters=["mlp.experts.down_proj"])
+    peft.get_peft_model(model, cfg).save_pretrained(tmp_path / "p")
+    ours = graftlm.load(folder / "model-f32.gguf", ctx_size=64, reference=True)
+    with pytest.raises(AdapterError) as exc:
+        ours.add_lora(tmp_path / "p")
+    msg = str(exc.value)
+    assert "model.layers.0.mlp.experts" in msg and "routed-expert tensor" in msg, msg
+    assert "of llama, qwen3moe models" in msg  # the families that take them
+    assert ours.loras == []

@@ -18,10 +18,10 @@ import pytest
 from made_families import made_dir
 
 import graftlm
-from graftlm.api import ChatReply, Model, _split
+from graftlm.api import ChatReply, Model
 from graftlm.commands.chat import ChatSession
 from graftlm.errors import GraftError
-from graftlm.runtime.reasoning import AnswerParser
+from graftlm.runtime.reasoning import AnswerParser, split_pieces
 
 TEMPLATE = (Path(__file__).parent / "server" / "gpt_oss_chat_template.jinja").read_text()
 CHAT = [{"role": "user", "content": "hi"}]
@@ -158,7 +158,7 @@ def test_split_on_hand_written_texts(
     for pieces in _cuts(text):
         closed: list[bool] = []
         parser = AnswerParser(syntax, fmt, None, forced_open, stream=True)
-        replies = list(_split(_closing(pieces, closed), parser))
+        replies = list(split_pieces(_closing(pieces, closed), parser))
         assert all(isinstance(r, ChatReply) and (r or r.reasoning) for r in replies)
         assert "".join(replies) == content, pieces
         assert "".join(r.reasoning for r in replies) == reasoning, pieces
@@ -167,7 +167,7 @@ def test_split_on_hand_written_texts(
 
 def test_split_closed_early_closes_the_generation() -> None:
     closed: list[bool] = []
-    replies = _split(_closing(list(THINK), closed), AnswerParser("think", stream=True))
+    replies = split_pieces(_closing(list(THINK), closed), AnswerParser("think", stream=True))
     assert next(replies).reasoning
     replies.close()
     assert closed == [True]

@@ -28,7 +28,9 @@ from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.reasoning import (
     REASONING_FORMATS,
     AnswerParser,
+    ChatReply,
     answer_syntax,
+    split_pieces,
     thinking_forced_open,
 )
 from graftlm.runtime.sampling import SamplingParams
@@ -60,23 +62,6 @@ class Timings:
         # the first token comes from the prompt's logits; decode steps made the rest
         steps = self.n_generated - 1
         return steps / self.generate_s if self.generate_s > 0 and steps > 0 else 0.0
-
-
-class ChatReply(str):
-    """A chat answer: the string is its content; `reasoning` what the model reasoned apart from it
-    (gpt-oss's analysis channel, a `<think>` block; "" where it wrote none, or where the
-    reasoning format keeps it in the content). Streamed, each piece is one of these: its content
-    and its reasoning since the last piece, either of them possibly empty."""
-
-    reasoning: str
-
-    def __new__(cls, content: str = "", reasoning: str = "") -> ChatReply:
-        reply = super().__new__(cls, content)
-        reply.reasoning = reasoning
-        return reply
-
-    def __reduce__(self) -> tuple[type[ChatReply], tuple[str, str]]:
-        return ChatReply, (str(self), self.reasoning)
 
 
 def load(
@@ -393,7 +378,7 @@ class Model:
         parser = AnswerParser(syntax, reasoning_format, None, forced_open, stream=stream)
         pieces = self.generate(self.prompter.chat_prompt(messages), stream=True, **kwargs)
         assert not isinstance(pieces, str)
-        replies = _split(pieces, parser)
+        replies = split_pieces(pieces, parser)
         if stream:
             return replies
         parts = list(replies)
@@ -434,23 +419,6 @@ class Model:
                 t_end - (req.t_prompt_done or t_end),
                 req.n_cached,
             )
-
-
-def _split(pieces: Iterator[str], parser: AnswerParser) -> Iterator[ChatReply]:
-    """A generation's text pieces as the parser splits them; closed early, it closes the
-    generation (which releases its sequence)."""
-    try:
-        for piece in pieces:
-            parts = parser.feed(piece)
-            if parts.content or parts.reasoning:
-                yield ChatReply(parts.content, parts.reasoning)
-        parts = parser.finish()
-        if parts.content or parts.reasoning:
-            yield ChatReply(parts.content, parts.reasoning)
-    finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()
 
 
 def check_template_limits(template: str | None, path: str | os.PathLike[str]) -> None:

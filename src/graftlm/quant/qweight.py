@@ -15,13 +15,12 @@ from graftlm.quant.base import ArrayLike, Kernel, as_bytes, byte_rows, release_p
 from graftlm.quant.int4pack import Int4PackKernel
 from graftlm.quant.native_kernels import (
     NativeFloatKernel,
-    NativeIQKernel,
     NativeK4Kernel,
     NativeK16Kernel,
-    NativeMX4Kernel,
     NativeS8Kernel,
     NativeU4Kernel,
 )
+from graftlm.quant.native_tables import NativeIQKernel, NativeMX4Kernel
 from graftlm.quant.torch_kernels import (
     BlockKernel,
     DenseKernel,

@@ -26,6 +26,7 @@ content as written, and a harmony answer's analysis stays in the content with it
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -341,3 +342,37 @@ def parse_answer(
     out = p.feed(text)
     out += p.finish()
     return out
+
+
+class ChatReply(str):
+    """A chat answer: the string is its content; `reasoning` what the model reasoned apart from it
+    (gpt-oss's analysis channel, a `<think>` block; "" where it wrote none, or where the
+    reasoning format keeps it in the content). Streamed, each piece is one of these: its content
+    and its reasoning since the last piece, either of them possibly empty."""
+
+    reasoning: str
+
+    def __new__(cls, content: str = "", reasoning: str = "") -> ChatReply:
+        reply = super().__new__(cls, content)
+        reply.reasoning = reasoning
+        return reply
+
+    def __reduce__(self) -> tuple[type[ChatReply], tuple[str, str]]:
+        return ChatReply, (str(self), self.reasoning)
+
+
+def split_pieces(pieces: Iterator[str], parser: AnswerParser) -> Iterator[ChatReply]:
+    """A generation's text pieces as the parser splits them; closed early, it closes the
+    generation (which releases its sequence)."""
+    try:
+        for piece in pieces:
+            parts = parser.feed(piece)
+            if parts.content or parts.reasoning:
+                yield ChatReply(parts.content, parts.reasoning)
+        parts = parser.finish()
+        if parts.content or parts.reasoning:
+            yield ChatReply(parts.content, parts.reasoning)
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()

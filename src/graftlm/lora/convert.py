@@ -34,7 +34,8 @@ from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
-from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, BaseInfo, LoraPair, read_peft
+from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
+from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
 from graftlm.quant import dequantize_any
 

@@ -26,7 +26,8 @@ from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
-from graftlm.lora.peft import BaseInfo, read_peft
+from graftlm.lora.peft import read_peft
+from graftlm.lora.peft_base import BaseInfo
 from graftlm.quant import dequantize_any
 
 T = gguf.GGMLQuantizationType

@@ -10,30 +10,31 @@ embedding `base_model.model.<module>.lora_embedding_A` (r, n_vocab) / `.lora_emb
 Reading maps every Hugging Face module name to its GGUF base tensor (gguf's TensorNameMap) and
 applies what llama.cpp's converter did to the base weights (arch_rules.py): on llama-architecture files the Q and
 K rows are permuted for RoPE, so B of q_proj / k_proj is permuted the same way (A is not: it acts
-on the input side). Every problem is collected into one AdapterError; nothing is skipped.
+on the input side). Routed experts' LoRA, per-expert linears or target_parameters, is read by
+peft_experts.py; the base an adapter is checked against and the pairs it gives are peft_base.py's.
+Every problem is collected into one AdapterError; nothing is skipped.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.arch_rules import ARCH_RULES, PERMUTED_KINDS, arch_rules, hf_to_gguf, permute_rows
 from graftlm.lora.gguf_adapter import combine
+from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
+from graftlm.lora.peft_experts import read_experts
 from graftlm.lora.targets import resolve_target
 
 if TYPE_CHECKING:
-    from graftlm.gguf import GGUFFile
     from graftlm.lora.targets import Base
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -48,107 +49,8 @@ _SUFFIXES = {
     ".lora_embedding_B": ("b", True),
 }
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# a routed expert as its own nn.Linear (transformers before 5: Qwen3-MoE's mlp.experts.N.gate_proj,
-# Mixtral's block_sparse_moe.experts.N.w1), which llama.cpp's converter stacks per layer
-_EXPERT_LINEAR = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)"
-)
-_EXPERT_KIND = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
-                "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
-# the experts' 3-D parameters as PEFT's target_parameters wraps them (transformers 5): one
-# ParamWrapper a parameter, nested (".base_layer") when a module has several
-_EXPERT_PARAMS = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)")
-
-# -- the base an adapter is checked against ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BaseInfo:
-    """A GGUF base seen from an adapter: architecture, head counts, and for each base tensor name
-    its (n_in, n_out), or the reason it cannot take a LoRA. The embedding is (n_vocab, n_embd)."""
-
-    path: str
-    arch: str
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    tied_head: bool
-    lookup: Callable[[str], tuple[int, int] | str]
-    n_expert: int = 0  # routed experts a layer (0: a dense model)
-
-    @classmethod
-    def from_model(cls, model: Base, path: str = "") -> BaseInfo:
-        cfg = model.cfg
-
-        def lookup(base: str) -> tuple[int, int] | str:
-            targets = resolve_target(model, base)
-            if isinstance(targets, str):
-                return targets
-            if base + ".weight" not in model.base_tensor_names and base != "output":
-                return "not in the base model"
-            return targets[0].n_in, targets[0].n_out
-
-        return cls(path, cfg.arch, cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.tied_head, lookup,
-                   cfg.n_expert or 0)  # fmt: skip
-
-    @classmethod
-    def from_gguf(cls, f: GGUFFile, tied_output: bool = False) -> BaseInfo:
-        """From a base model file alone (no weights read): what `convert-lora` checks against.
-
-        tied_output: a tied base's head takes an adapter (as (n_embd, n_vocab)); only a merge,
-        which can write the head out, can honour that."""
-        arch = f.architecture or ""
-        n_head = _int_meta(f.metadata.get(f"{arch}.attention.head_count", 0))
-        n_head_kv = _int_meta(f.metadata.get(f"{arch}.attention.head_count_kv", n_head))
-        tied = "output.weight" not in f.tensors
-
-        def lookup(base: str) -> tuple[int, int] | str:
-            if base == "output" and tied and tied_output and EMBEDDING + ".weight" in f.tensors:
-                n_vocab, n_embd = f.tensors[EMBEDDING + ".weight"].shape
-                return n_embd, n_vocab
-            if base == "output" and tied:
-                return (
-                    "the base has a tied head (no output.weight), and llama.cpp attaches adapters "
-                    "only to tensors the file holds; graftlm can load the PEFT directory itself"
-                )
-            e = f.tensors.get(base + ".weight")
-            if e is None:
-                return "not in the base model"
-            if len(e.shape) != 2 or "norm" in base:
-                return f"not a matrix (shape {list(e.shape)}): LoRA applies to projections only"
-            return (e.shape[1], e.shape[0]) if base != EMBEDDING else (e.shape[0], e.shape[1])
-
-        n_layer = _int_meta(f.metadata.get(f"{arch}.block_count", 0))
-        return cls(str(f.path), arch, n_layer, n_head, n_head_kv, tied, lookup)
-
-
-def _int_meta(v: Any) -> int:
-    # head counts may be per-layer arrays; the permutation needs one number
-    return int(v[0]) if isinstance(v, list) else int(v)
-
 
 # -- reading -------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoraPair:
-    """One module's LoRA, named and laid out for the GGUF base (Q/K rows of B permuted where the
-    base's were), factor not folded. PEFT layout: a (r, n_in), b (n_out, r); for the embedding
-    a (r, n_vocab), b (n_embd, r)."""
-
-    module: str  # PEFT module name, e.g. "model.layers.0.self_attn.q_proj"
-    base: str  # GGUF base tensor name without ".weight", e.g. "blk.0.attn_q"
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float  # PEFT's factor for this module
-    rank: int
-    alpha: float
-    expert: int | None = None  # a routed expert's index in `base` ("blk.0.ffn_gate_exps")
-
-    @property
-    def embedding(self) -> bool:
-        return self.base == EMBEDDING
 
 
 @dataclass
@@ -281,7 +183,8 @@ def _read_pairs(
                 f"but no lora_{'B' if have == 'A' else 'A'}"
             )
             continue
-        experts = _read_experts(st, module, parts, cfg, base, problems)
+        where = f"{WEIGHTS_FILE}: module {module!r}"
+        experts = read_experts(st, module, parts, cfg, base, problems, where)
         if experts is not None:
             pairs += experts
             continue
@@ -391,110 +294,6 @@ def _read_pair(
         problems.append(f"{where} -> {gname}.weight: " + "; ".join(bad))
         return None
     return LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha)
-
-
-def _read_experts(
-    st: Any,
-    module: str,
-    parts: dict[str, tuple[str, bool]],
-    cfg: PeftConfig,
-    base: BaseInfo,
-    problems: list[str],
-) -> list[LoraPair] | None:
-    """A routed expert's LoRA, one pair an expert and file tensor; None when `module` is no
-    expert. Per-expert nn.Linear: A (r, n_in), B (n_out, r). target_parameters (PEFT's
-    ParamWrapper on a (n_expert, n_out, n_in) parameter): A (r * n_expert, n_in) whose rows are
-    expert-major, B (n_out, r * n_expert) whose columns are rank-major (expert e's: e::n_expert);
-    gate_up_proj's rows are [gate; up]."""
-    where = f"{WEIGHTS_FILE}: module {module!r}"
-    lin, par = _EXPERT_LINEAR.fullmatch(module), _EXPERT_PARAMS.fullmatch(module)
-    if lin is None and par is None:
-        return None
-    layer = int((lin or par).group(1))  # type: ignore[union-attr]
-    if layer >= base.n_layer:
-        problems.append(f"{where}: layer {layer}, but the base has {base.n_layer} layers")
-        return []
-    if parts["a"][1] or parts["b"][1]:
-        problems.append(f"{where}: expected lora_A/B.weight tensors for an expert")
-        return []
-    sa = list(st.get_slice(parts["a"][0]).get_shape())
-    sb = list(st.get_slice(parts["b"][0]).get_shape())
-    if len(sa) != 2 or len(sb) != 2:
-        problems.append(f"{where}: lora_A {sa} and lora_B {sb} must both be 2-D")
-        return []
-    r_cfg, alpha = cfg.rank_alpha(module)
-    if lin is not None:
-        e, kind = int(lin.group(2)), _EXPERT_KIND[lin.group(3)]
-        gname = f"blk.{layer}.{kind}"
-        if not cfg.targets(module):
-            problems.append(f"{where}: not selected by target_modules in {CONFIG_FILE}")
-            return []
-        shape = base.lookup(gname)
-        if isinstance(shape, str):
-            problems.append(f"{where} -> {gname}.weight: {shape}")
-            return []
-        bad = _expert_shapes(sa, sb, shape, r_cfg)
-        if e >= base.n_expert:
-            bad.append(f"expert {e}, but the base has {base.n_expert} experts")
-        if bad:
-            problems.append(f"{where} -> {gname}.weight[{e}]: " + "; ".join(bad))
-            return []
-        a, b = st.get_tensor(parts["a"][0]).float(), st.get_tensor(parts["b"][0]).float()
-        return [LoraPair(module, gname, a, b, cfg.scaling(module), r_cfg, alpha, e)]
-    # target_parameters: which parameter is told by its shape (the nesting follows the order
-    # of the module's parameters, not the config's)
-    n = base.n_expert
-    up, down = base.lookup(f"blk.{layer}.ffn_up_exps"), base.lookup(f"blk.{layer}.ffn_down_exps")
-    if isinstance(up, str) or isinstance(down, str) or not n:
-        why = up if isinstance(up, str) else down if isinstance(down, str) else "no experts"
-        problems.append(f"{where}: the base has no routed experts in layer {layer} ({why})")
-        return []
-    n_embd, n_ff = up[0], up[1]
-    params = {"gate_up_proj": (n_embd, 2 * n_ff), "down_proj": (n_ff, n_embd)}
-    param = next((k for k, (i, o) in params.items() if [sa[1], sb[0]] == [i, o]), None)
-    if param is None:
-        problems.append(
-            f"{where}: lora_A {sa} and lora_B {sb} fit neither experts.gate_up_proj "
-            f"(n_in {n_embd}, n_out {2 * n_ff}) nor experts.down_proj (n_in {n_ff}, n_out "
-            f"{n_embd}) of the base"
-        )
-        return []
-    if not any(t == param or t.endswith("." + param) for t in cfg.target_parameters):
-        problems.append(f"{where}: experts.{param} is not in target_parameters in {CONFIG_FILE}")
-        return []
-    if sa[0] != sb[1] or sa[0] != r_cfg * n:
-        problems.append(
-            f"{where} (experts.{param}): lora_A {sa} and lora_B {sb} must have r * n_expert = "
-            f"{r_cfg} * {n} = {r_cfg * n} rank rows (r = {r_cfg} in {CONFIG_FILE}, {n} experts "
-            "in the base)"
-        )
-        return []
-    a = st.get_tensor(parts["a"][0]).float().reshape(n, r_cfg, sa[1])  # (n_expert, r, n_in)
-    b = st.get_tensor(parts["b"][0]).float().reshape(sb[0], r_cfg, n).permute(2, 0, 1)
-    s = cfg.scaling(module)
-    out = []
-    for e in range(n):
-        be = b[e].contiguous()  # (n_out, r)
-        if param == "down_proj":
-            out.append(LoraPair(module, f"blk.{layer}.ffn_down_exps", a[e], be, s, r_cfg, alpha, e))
-            continue
-        for kind, rows in (("ffn_gate_exps", slice(0, n_ff)), ("ffn_up_exps", slice(n_ff, None))):
-            out.append(LoraPair(module, f"blk.{layer}.{kind}", a[e], be[rows], s, r_cfg, alpha, e))
-    return out
-
-
-def _expert_shapes(sa: list[int], sb: list[int], shape: tuple[int, int], r_cfg: int) -> list[str]:
-    n_in, n_out = shape
-    bad = []
-    if sa[1] != n_in:
-        bad.append(f"lora_A {sa} (r, input size) does not fit the base's input size {n_in}")
-    if sb[0] != n_out:
-        bad.append(f"lora_B {sb} (output size, r) does not fit the base's output size {n_out}")
-    if sa[0] != sb[1]:
-        bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
-    elif sa[0] != r_cfg:
-        bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
-    return bad
 
 
 def _base_layer_notes(

@@ -96,7 +96,7 @@ class PeftConfig:
     layers_pattern: tuple[Pattern, ...] = ()
     ensure_weight_tying: bool = False
     invocation_tokens: tuple[int, ...] = ()  # aLoRA
-    # bare parameters with a LoRA (ParamWrapper): only routed experts' are read (lora.peft)
+    # bare parameters with a LoRA (ParamWrapper): only routed experts' are read (lora.peft_experts)
     target_parameters: tuple[str, ...] = ()
 
     def rank_alpha(self, module: str) -> tuple[int, float]:
@@ -152,15 +152,7 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
     if ptype != "LORA":
         problems.append(f"{where}: peft_type is {ptype!r}; only LORA adapters are supported")
         return None
-    for key, why in _UNSUPPORTED.items():
-        if raw.get(key):
-            problems.append(f"{where}: {why} ({key} = {json.dumps(raw[key])})")
-    if str(raw.get("init_lora_weights", "")).lower() == "mica":
-        problems.append(
-            f"{where}: init_lora_weights 'mica' selects the MiCA variant, which is not supported"
-        )
-    if raw.get("bias", "none") != "none":
-        problems.append(f"{where}: bias = {raw['bias']!r}: trained base biases are not supported")
+    _refuse_variants(raw, where, problems)
 
     def num(key: str, default: Any, kind: type | tuple[type, ...]) -> Any:
         v = raw.get(key, default)
@@ -183,32 +175,10 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
     )
     tm = _modules(raw.get("target_modules"), "target_modules", where, problems)
     ex = _modules(raw.get("exclude_modules"), "exclude_modules", where, problems)
-    ltt_raw: Any = raw.get("layers_to_transform")
-    if isinstance(ltt_raw, int) and not isinstance(ltt_raw, bool):
-        ltt_raw = [ltt_raw]
-    ltt: tuple[int, ...] | None = None
-    if ltt_raw is not None and not _ints(ltt_raw):
-        problems.append(f"{where}: layers_to_transform must be a layer index or a list of them")
-    elif ltt_raw:
-        ltt = tuple(ltt_raw)
-    lp = raw.get("layers_pattern")
-    lp = [lp] if isinstance(lp, str) and lp else lp or []
-    layer_patterns = []
-    if not isinstance(lp, list) or not all(isinstance(x, str) for x in lp):
-        problems.append(f"{where}: layers_pattern must be a string or a list of strings")
-    else:
-        for x in lp:
-            pat = _compile(x, "layers_pattern", where, problems, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
-            if pat is not None:
-                layer_patterns.append(pat)
-    invocation: list[int] = raw.get("alora_invocation_tokens") or []
-    if not _ints(invocation) or any(t < 0 for t in invocation):
-        problems.append(f"{where}: alora_invocation_tokens must be a list of token ids")
-        invocation = []
-    tp: Any = raw.get("target_parameters") or []
-    if not isinstance(tp, list) or not all(isinstance(x, str) for x in tp):
-        problems.append(f"{where}: target_parameters must be a list of parameter names")
-        tp = []
+    ltt = _layers_to_transform(raw, where, problems)
+    layer_patterns = _layers_pattern(raw, where, problems)
+    invocation = _invocation_tokens(raw, where, problems)
+    tp = _target_parameters(raw, where, problems)
     if r is None or alpha is None:
         return None
     return PeftConfig(
@@ -220,11 +190,71 @@ def parse_config(raw: Any, where: str, problems: list[str]) -> PeftConfig | None
         target_modules=tm,
         exclude_modules=ex if not isinstance(ex, str) else None,
         layers_to_transform=ltt,
-        layers_pattern=tuple(layer_patterns),
+        layers_pattern=layer_patterns,
         ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)),
-        invocation_tokens=tuple(invocation),
-        target_parameters=tuple(tp),
+        invocation_tokens=invocation,
+        target_parameters=tp,
     )
+
+
+def _refuse_variants(raw: dict[str, Any], where: str, problems: list[str]) -> None:
+    """The fields that select a LoRA variant graftlm does not compute, each named."""
+    for key, why in _UNSUPPORTED.items():
+        if raw.get(key):
+            problems.append(f"{where}: {why} ({key} = {json.dumps(raw[key])})")
+    if str(raw.get("init_lora_weights", "")).lower() == "mica":
+        problems.append(
+            f"{where}: init_lora_weights 'mica' selects the MiCA variant, which is not supported"
+        )
+    if raw.get("bias", "none") != "none":
+        problems.append(f"{where}: bias = {raw['bias']!r}: trained base biases are not supported")
+
+
+def _layers_to_transform(
+    raw: dict[str, Any], where: str, problems: list[str]
+) -> tuple[int, ...] | None:
+    ltt_raw: Any = raw.get("layers_to_transform")
+    if isinstance(ltt_raw, int) and not isinstance(ltt_raw, bool):
+        ltt_raw = [ltt_raw]
+    ltt: tuple[int, ...] | None = None
+    if ltt_raw is not None and not _ints(ltt_raw):
+        problems.append(f"{where}: layers_to_transform must be a layer index or a list of them")
+    elif ltt_raw:
+        ltt = tuple(ltt_raw)
+    return ltt
+
+
+def _layers_pattern(raw: dict[str, Any], where: str, problems: list[str]) -> tuple[Pattern, ...]:
+    lp = raw.get("layers_pattern")
+    lp = [lp] if isinstance(lp, str) and lp else lp or []
+    layer_patterns = []
+    if not isinstance(lp, list) or not all(isinstance(x, str) for x in lp):
+        problems.append(f"{where}: layers_pattern must be a string or a list of strings")
+    else:
+        for x in lp:
+            pat = _compile(x, "layers_pattern", where, problems, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
+            if pat is not None:
+                layer_patterns.append(pat)
+    return tuple(layer_patterns)
+
+
+def _invocation_tokens(raw: dict[str, Any], where: str, problems: list[str]) -> tuple[int, ...]:
+    """aLoRA's alora_invocation_tokens: token ids."""
+    invocation: list[int] = raw.get("alora_invocation_tokens") or []
+    if not _ints(invocation) or any(t < 0 for t in invocation):
+        problems.append(f"{where}: alora_invocation_tokens must be a list of token ids")
+        invocation = []
+    return tuple(invocation)
+
+
+def _target_parameters(raw: dict[str, Any], where: str, problems: list[str]) -> tuple[str, ...]:
+    """target_parameters: names of bare parameters with a LoRA (only routed experts' are read,
+    by lora.peft_experts)."""
+    tp: Any = raw.get("target_parameters") or []
+    if not isinstance(tp, list) or not all(isinstance(x, str) for x in tp):
+        problems.append(f"{where}: target_parameters must be a list of parameter names")
+        tp = []
+    return tuple(tp)
 
 
 def _ints(v: Any) -> bool:

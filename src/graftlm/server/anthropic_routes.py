@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
+from graftlm.runtime.reasoning import Parts
 from graftlm.runtime.service import FinishEvent
 from graftlm.runtime.tools import ToolCall
 from graftlm.server.chat import (
@@ -249,6 +250,70 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {payload}\n\n".encode()
 
 
+class _Blocks:
+    """The content blocks of one streamed message, one method per kind: the index of the open
+    (or next) block, whether a text or a thinking block is open, and the tool uses sent."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.text_open = False
+        self.thinking_open = False
+        self.n_calls = 0
+
+    def piece(self, parts: Parts, last: bool) -> Iterator[bytes]:
+        """A piece's reasoning, text and tool calls (`last`: the run's final piece)."""
+        text, calls = parts.content, parts.calls
+        if parts.reasoning:
+            yield from self.thinking(parts.reasoning)
+        if self.thinking_open and (text or calls or last):
+            yield from _end_thinking(self.index)
+            self.index, self.thinking_open = self.index + 1, False
+        if text:
+            yield from self.text(text)
+        for c in calls:
+            yield from self.tool_use(c)
+
+    def start(self, block: dict[str, Any]) -> bytes:
+        return _event("content_block_start", {"index": self.index, "content_block": block})
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def close_text(self) -> Iterator[bytes]:
+        if self.text_open:
+            yield _event("content_block_stop", {"index": self.index})
+            self.index, self.text_open = self.index + 1, False
+
+    def thinking(self, reasoning: str) -> Iterator[bytes]:
+        yield from self.close_text()  # (reasoning after text: a block of its own)
+        if not self.thinking_open:
+            yield self.start({"type": "thinking", "thinking": ""})
+            self.thinking_open = True
+        yield self.delta({"type": "thinking_delta", "thinking": reasoning})
+
+    def text(self, text: str) -> Iterator[bytes]:
+        if not self.text_open:
+            yield self.start({"type": "text", "text": ""})
+            self.text_open = True
+        yield self.delta({"type": "text_delta", "text": text})
+
+    def tool_use(self, c: ToolCall) -> Iterator[bytes]:
+        yield from self.close_text()
+        yield self.start(_tool_block(c) | {"input": {}})
+        yield self.delta({"type": "input_json_delta", "partial_json": c.arguments})
+        yield _event("content_block_stop", {"index": self.index})
+        self.index += 1
+        self.n_calls += 1
+
+    def closing(self) -> Iterator[bytes]:
+        """The open text block closed; an empty answer is still one (empty) text block."""
+        if not self.text_open and self.n_calls == 0:
+            yield self.start({"type": "text", "text": ""})
+            self.text_open = True
+        if self.text_open:
+            yield _event("content_block_stop", {"index": self.index})
+
+
 async def _stream(run: ChatRun, mid: str, model: str) -> AsyncGenerator[bytes, None]:
     """Anthropic's event stream: message_start, content blocks (thinking, text, then each tool
     use), message_delta with the stop reason and usage, message_stop."""
@@ -265,10 +330,7 @@ async def _stream(run: ChatRun, mid: str, model: str) -> AsyncGenerator[bytes, N
     }
     yield _event("message_start", {"message": message})
     parser = run.parser(stream=True)
-    index = 0
-    text_open = False
-    thinking_open = False
-    n_calls = 0
+    blocks = _Blocks()
     finish: FinishEvent | None = None
     async with aclosing(pieces) as it:
         try:
@@ -276,57 +338,18 @@ async def _stream(run: ChatRun, mid: str, model: str) -> AsyncGenerator[bytes, N
                 parts = parser.feed(d.text)
                 if d.finish is not None:
                     parts += parser.finish()
-                text, calls = parts.content, parts.calls
-                if parts.reasoning:
-                    if text_open:  # (reasoning after text: a block of its own)
-                        yield _event("content_block_stop", {"index": index})
-                        index, text_open = index + 1, False
-                    if not thinking_open:
-                        block = {"type": "thinking", "thinking": ""}
-                        yield _event(
-                            "content_block_start", {"index": index, "content_block": block}
-                        )
-                        thinking_open = True
-                    delta = {"type": "thinking_delta", "thinking": parts.reasoning}
-                    yield _event("content_block_delta", {"index": index, "delta": delta})
-                if thinking_open and (text or calls or d.finish is not None):
-                    for ev in _end_thinking(index):
-                        yield ev
-                    index, thinking_open = index + 1, False
-                if text:
-                    if not text_open:
-                        block = {"type": "text", "text": ""}
-                        yield _event(
-                            "content_block_start", {"index": index, "content_block": block}
-                        )
-                        text_open = True
-                    delta = {"type": "text_delta", "text": text}
-                    yield _event("content_block_delta", {"index": index, "delta": delta})
-                for c in calls:
-                    if text_open:
-                        yield _event("content_block_stop", {"index": index})
-                        index, text_open = index + 1, False
-                    block = _tool_block(c) | {"input": {}}
-                    yield _event("content_block_start", {"index": index, "content_block": block})
-                    delta = {"type": "input_json_delta", "partial_json": c.arguments}
-                    yield _event("content_block_delta", {"index": index, "delta": delta})
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
-                    n_calls += 1
+                for ev in blocks.piece(parts, d.finish is not None):
+                    yield ev
                 if d.finish is not None:
                     finish = d.finish
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
             err = ApiError.of(exc)
             yield _event("error", {"error": {"type": err.type, "message": err.message}})
             return
-    if not text_open and n_calls == 0:  # an empty answer is still one (empty) text block
-        block = {"type": "text", "text": ""}
-        yield _event("content_block_start", {"index": index, "content_block": block})
-        text_open = True
-    if text_open:
-        yield _event("content_block_stop", {"index": index})
+    for ev in blocks.closing():
+        yield ev
     end = {
-        "stop_reason": _stop_reason(finish, n_calls),
+        "stop_reason": _stop_reason(finish, blocks.n_calls),
         "stop_sequence": finish.stop_word if finish else None,
     }
     yield _event("message_delta", {"delta": end, "usage": _usage(len(ids), finish)})

@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from graftlm.runtime.service import FinishEvent
+from graftlm.runtime.reasoning import Parts
+from graftlm.runtime.service import FinishEvent, ProgressEvent
 from graftlm.server.chat import ChatRun, count_chat_tokens, start_chat
 from graftlm.server.chat_schemas import ChatCompletionRequest
 from graftlm.server.framing import EventStream, StreamClock, progress_fields, served_name, timings
@@ -174,106 +175,137 @@ async def input_tokens(request: Request) -> dict[str, Any]:
     return {"object": "response.input_tokens", "input_tokens": n}
 
 
+class _ResponseStream:
+    """The state of one streamed response and its events, one method per kind: the event
+    sequence number, the output items done, the open reasoning item's text and the message's,
+    and the run's finish."""
+
+    def __init__(
+        self, rid: str, mid: str, model: str, created: int, clock: StreamClock | None
+    ) -> None:
+        self.rid, self.mid, self.model, self.created, self.clock = rid, mid, model, created, clock
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # the output items done
+        self.thought: str | None = None  # the open reasoning item's text (None: none open)
+        self.rsid = _rs_id()
+        self.text: str | None = None  # the message's text (None: its item not yet opened)
+        self.finish: FinishEvent | None = None
+
+    def event(self, kind: str, data: dict[str, Any]) -> bytes:
+        self.seq += 1
+        payload = json.dumps(
+            {"type": kind, "sequence_number": self.seq, **data}, ensure_ascii=False
+        )
+        return f"event: {kind}\ndata: {payload}\n\n".encode()
+
+    def busy(self) -> dict[str, Any]:
+        """The `response` field of the events before completion."""
+        return {"response": _response(self.rid, self.model, self.created, "in_progress", [])}
+
+    def opening(self) -> Iterator[bytes]:
+        yield self.event("response.created", self.busy())
+        yield self.event("response.in_progress", self.busy())
+
+    def progress(self, p: ProgressEvent) -> bytes:
+        """As llama-server: an in_progress event carries the prompt's progress."""
+        fields = progress_fields(p, self.clock is not None)
+        return self.event("response.in_progress", self.busy() | fields)
+
+    def piece(self, parts: Parts, n_tokens: int) -> Iterator[bytes]:
+        """A piece's reasoning and text, as their items' deltas."""
+        if parts.reasoning and self.text is None:
+            yield from self.think(parts.reasoning)
+        elif parts.reasoning:  # (reasoning after the message's text: kept with it)
+            parts.content = parts.reasoning + parts.content
+        if parts.content:
+            yield from self.answer(parts.content, n_tokens)
+
+    def think(self, delta: str) -> list[bytes]:
+        out = []
+        if self.thought is None:
+            self.thought = ""
+            item = _reasoning(self.rsid, "", "in_progress")
+            out.append(self.event("response.output_item.added", {"output_index": 0, "item": item}))
+        self.thought += delta
+        at = {"item_id": self.rsid, "output_index": 0, "content_index": 0}
+        out.append(self.event("response.reasoning_text.delta", at | {"delta": delta}))
+        return out
+
+    def end_thinking(self) -> list[bytes]:
+        if self.thought is None or self.items:
+            return []
+        at = {"item_id": self.rsid, "output_index": 0, "content_index": 0}
+        item = _reasoning(self.rsid, self.thought, "completed")
+        self.items.append(item)
+        return [
+            self.event("response.reasoning_text.done", at | {"text": self.thought}),
+            self.event("response.output_item.done", {"output_index": 0, "item": item}),
+        ]
+
+    def open_message(self) -> list[bytes]:
+        if self.text is not None:
+            return []
+        self.text = ""
+        out = self.end_thinking()
+        k = len(self.items)
+        item = _message(self.mid, "", "in_progress")
+        out.append(self.event("response.output_item.added", {"output_index": k, "item": item}))
+        empty = {"type": "output_text", "text": "", "annotations": []}
+        at = {"item_id": self.mid, "output_index": k, "content_index": 0}
+        out.append(self.event("response.content_part.added", at | {"part": empty}))
+        return out
+
+    def answer(self, delta: str, n_tokens: int) -> Iterator[bytes]:
+        yield from self.open_message()
+        self.text = (self.text or "") + delta
+        at = {"item_id": self.mid, "output_index": len(self.items), "content_index": 0}
+        ev: dict[str, Any] = at | {"delta": delta}
+        if self.clock is not None:
+            ev["timings"] = self.clock.tick(n_tokens)
+        yield self.event("response.output_text.delta", ev)
+
+    def error(self, exc: Exception) -> bytes:
+        err = ApiError.of(exc)
+        return self.event("error", {"code": err.code, "message": err.message})
+
+    def closing(self, n_prompt: int) -> Iterator[bytes]:
+        """The message item closed (an empty answer is still a message), then the response."""
+        yield from self.open_message()
+        text, items = self.text, self.items
+        at = {"item_id": self.mid, "output_index": len(items), "content_index": 0}
+        yield self.event("response.output_text.done", at | {"text": text})
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        yield self.event("response.content_part.done", at | {"part": part})
+        item = _message(self.mid, text or "", "completed")
+        yield self.event("response.output_item.done", {"output_index": len(items), "item": item})
+        items.append(item)
+        done = _response(self.rid, self.model, self.created, "completed", items)
+        done |= {"usage": _usage(n_prompt, self.finish)}
+        finish = self.finish
+        extra = {"timings": timings(finish)} if finish is not None else {}
+        yield self.event("response.completed", {"response": done} | extra)
+
+
 async def _stream(
     run: ChatRun, rid: str, mid: str, model: str, created: int, clock: StreamClock | None
 ) -> AsyncGenerator[bytes, None]:
-    seq = [0]
-
-    def event(kind: str, data: dict[str, Any]) -> bytes:
-        seq[0] += 1
-        payload = json.dumps({"type": kind, "sequence_number": seq[0], **data}, ensure_ascii=False)
-        return f"event: {kind}\ndata: {payload}\n\n".encode()
-
     parser = run.parser(stream=True)
-    items: list[dict[str, Any]] = []  # the output items done
-    thought: str | None = None  # the open reasoning item's text (None: none open)
-    rsid = _rs_id()
-    text: str | None = None  # the message's text (None: its item not yet opened)
-    finish = None
-
-    def think(delta: str) -> list[bytes]:
-        nonlocal thought
-        out = []
-        if thought is None:
-            thought = ""
-            item = _reasoning(rsid, "", "in_progress")
-            out.append(event("response.output_item.added", {"output_index": 0, "item": item}))
-        thought += delta
-        at = {"item_id": rsid, "output_index": 0, "content_index": 0}
-        out.append(event("response.reasoning_text.delta", at | {"delta": delta}))
-        return out
-
-    def end_thinking() -> list[bytes]:
-        nonlocal thought
-        if thought is None or items:
-            return []
-        at = {"item_id": rsid, "output_index": 0, "content_index": 0}
-        item = _reasoning(rsid, thought, "completed")
-        items.append(item)
-        return [
-            event("response.reasoning_text.done", at | {"text": thought}),
-            event("response.output_item.done", {"output_index": 0, "item": item}),
-        ]
-
-    def open_message() -> list[bytes]:
-        nonlocal text
-        if text is not None:
-            return []
-        text = ""
-        out = end_thinking()
-        k = len(items)
-        item = _message(mid, "", "in_progress")
-        out.append(event("response.output_item.added", {"output_index": k, "item": item}))
-        empty = {"type": "output_text", "text": "", "annotations": []}
-        at = {"item_id": mid, "output_index": k, "content_index": 0}
-        out.append(event("response.content_part.added", at | {"part": empty}))
-        return out
-
-    yield event("response.created", {"response": _response(rid, model, created, "in_progress", [])})
-    yield event(
-        "response.in_progress", {"response": _response(rid, model, created, "in_progress", [])}
-    )
+    s = _ResponseStream(rid, mid, model, created, clock)
+    for ev in s.opening():
+        yield ev
     async with aclosing(run.pieces) as it:
         try:
             async for d in it:
-                if d.progress is not None:  # as llama-server: an in_progress event carries it
-                    busy = {"response": _response(rid, model, created, "in_progress", [])}
-                    yield event(
-                        "response.in_progress",
-                        busy | progress_fields(d.progress, clock is not None),
-                    )
+                if d.progress is not None:
+                    yield s.progress(d.progress)
                 parts = parser.feed(d.text)
                 if d.finish is not None:
                     parts += parser.finish()
-                    finish = d.finish
-                if parts.reasoning and text is None:
-                    for ev in think(parts.reasoning):
-                        yield ev
-                elif parts.reasoning:  # (reasoning after the message's text: kept with it)
-                    parts.content = parts.reasoning + parts.content
-                if parts.content:
-                    for ev in open_message():
-                        yield ev
-                    text = (text or "") + parts.content
-                    at = {"item_id": mid, "output_index": len(items), "content_index": 0}
-                    ev_: dict[str, Any] = at | {"delta": parts.content}
-                    if clock is not None:
-                        ev_["timings"] = clock.tick(len(d.tokens))
-                    yield event("response.output_text.delta", ev_)
+                    s.finish = d.finish
+                for ev in s.piece(parts, len(d.tokens)):
+                    yield ev
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
-            err = ApiError.of(exc)
-            yield event("error", {"code": err.code, "message": err.message})
+            yield s.error(exc)
             return
-    for ev in open_message():  # (an empty answer is still a message)
+    for ev in s.closing(len(run.ids)):
         yield ev
-    at = {"item_id": mid, "output_index": len(items), "content_index": 0}
-    yield event("response.output_text.done", at | {"text": text})
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    yield event("response.content_part.done", at | {"part": part})
-    item = _message(mid, text or "", "completed")
-    yield event("response.output_item.done", {"output_index": len(items), "item": item})
-    items.append(item)
-    done = _response(rid, model, created, "completed", items)
-    done |= {"usage": _usage(len(run.ids), finish)}
-    extra = {"timings": timings(finish)} if finish is not None else {}
-    yield event("response.completed", {"response": done} | extra)

@@ -318,3 +318,27 @@ def test_api_key(keyed: str) -> None:
         openai.OpenAI(base_url=keyed + "/v1", api_key="bad", max_retries=0).models.list()
     good = openai.OpenAI(base_url=keyed + "/v1", api_key="sekret", max_retries=0)
     assert good.completions.create(model="tiny", prompt="the", max_tokens=2).choices
+
+
+@pytest.mark.parametrize(
+    "path,field,nested",
+    [
+        ("/v1/embeddings", "input", False),
+        ("/embedding", "content", False),
+        ("/v1/completions", "prompt", True),
+        ("/completion", "prompt", False),
+        ("/detokenize", "tokens", False),
+    ],
+)
+def test_a_long_list_of_stray_numbers_is_one_named_error(
+    http: httpx.Client, path: str, field: str, nested: bool
+) -> None:
+    """32,743 floats where token ids go made 130,974 validation errors (one an item and a shape of
+    the union), a second of the event loop that /health waited behind, and a 400 listing them
+    all: now the first stray item is the one error, named."""
+    items: list = [7] * 32_000 + [0.5] * 743
+    r = http.post(path, json={field: [items] if nested else items})
+    err = _check(r, 400, "is 0.5, not a text or a token id")
+    assert f"item [{'0][' if nested else ''}32000]" in err["message"]
+    assert len(r.content) < 2_000
+    assert _check(http.post(path, json={field: [None] * 40_000}), 400, "item [0] is None")

@@ -57,9 +57,10 @@ def _check_key(request: Request) -> None:
         raise ApiError(401, "invalid API key", "invalid_api_key")
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(exc: RequestValidationError, most: int = 5) -> str:
     problems = []
-    for e in exc.errors():
+    errors = exc.errors()
+    for e in errors[:most]:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         if e.get("type") == "json_invalid":
             detail = (e.get("ctx") or {}).get("error", "")
@@ -73,7 +74,8 @@ def _validation_message(exc: RequestValidationError) -> str:
             problems.append(f"{where}: field required")
         else:
             problems.append(f"{where}: {e.get('msg', 'invalid')} (got {shown[:60]})")
-    return "invalid request: " + "; ".join(problems)
+    more = f" (and {len(errors) - most} more)" if len(errors) > most else ""
+    return "invalid request: " + "; ".join(problems) + more
 
 
 def _error(request: Request, err: ApiError) -> JSONResponse:

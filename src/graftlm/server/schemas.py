@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
@@ -23,6 +23,33 @@ MAX_TOKENIZE_CHARS = 1 << 20  # /tokenize's text (a model's context is far short
 PositiveInt = Annotated[int, Field(ge=1)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0)]
+
+
+def _stray_items(value: Any) -> Any:
+    """Texts and token ids (a list, or a list of lists): the first null, boolean or float in them
+    (never a token id in these strict fields) is one error, named. Pydantic would make an error for
+    every such item and every shape of the union: 32,743 floats made 130,974 errors and held the
+    event loop for a second."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            inner = isinstance(item, list)
+            for j, x in enumerate(item if inner else (item,)):
+                if x is None or isinstance(x, bool | float):
+                    where = f"[{i}][{j}]" if inner else f"[{i}]"
+                    raise ValueError(f"item {where} is {x!r}, not a text or a token id")
+    return value
+
+
+# a prompt as texts and token ids: OpenAI's shapes, and llama-server's (texts and ids mixed,
+# {"prompt_string"} / {"content"} objects)
+OpenAIPromptField = Annotated[
+    str | list[str] | list[int] | list[list[int]], BeforeValidator(_stray_items)
+]
+LlamaPromptField = Annotated[
+    str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]],
+    BeforeValidator(_stray_items),
+]
+TokenIds = Annotated[list[int], BeforeValidator(_stray_items)]
 
 
 class Body(BaseModel):
@@ -300,7 +327,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions (OpenAI's legacy completions)."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: OpenAIPromptField
     max_tokens: NonNegInt | None = None
     # llama-server's name for max_tokens, which its OpenAI endpoint takes too (-1: no limit)
     n_predict: Annotated[int, Field(ge=-1)] | None = None
@@ -326,7 +353,7 @@ class LlamaCompletionRequest(SamplingFields):
     """POST /completion (llama-server's native endpoint)."""
 
     # one text, token ids (texts may be mixed in), {"prompt_string": ...}, or a list of these
-    prompt: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
+    prompt: LlamaPromptField
     n_predict: int | None = None
     response_fields: list[str] | None = None  # only these fields in the answer
     stream: bool = False
@@ -340,7 +367,7 @@ class EmbeddingRequest(Body):
     """POST /v1/embeddings (OpenAI): one text or token list, or several."""
 
     # also llama-server's shapes: texts and ids mixed, {"prompt_string"} / {"content"} objects
-    input: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
+    input: LlamaPromptField
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None  # see IGNORED
@@ -362,7 +389,7 @@ class RerankRequest(Body):
 class LlamaEmbeddingRequest(Body):
     """POST /embedding (llama-server)."""
 
-    content: str | dict[str, Any] | list[int | str | list[int | str] | dict[str, Any]]
+    content: LlamaPromptField
     model: str | None = None
     lora: list[RequestLoraItem] | None = None
 
@@ -412,7 +439,7 @@ class TokenizeRequest(Body):
 
 
 class DetokenizeRequest(Body):
-    tokens: list[int]
+    tokens: TokenIds
     model: str | None = None  # vLLM's; any value
 
 

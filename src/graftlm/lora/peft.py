@@ -29,7 +29,7 @@ from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.arch_rules import ARCH_RULES, PERMUTED_KINDS, arch_rules, hf_to_gguf, permute_rows
 from graftlm.lora.gguf_adapter import combine
-from graftlm.lora.peft_base import BaseInfo, LoraPair
+from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
 from graftlm.lora.peft_experts import read_experts
 from graftlm.lora.targets import resolve_target
@@ -268,15 +268,8 @@ def _read_pair(
     if len(sa) != 2 or len(sb) != 2:
         bad.append(f"lora_A {sa} and lora_B {sb} must both be 2-D")
     else:
-        in_name, out_name = ("n_vocab", "n_embd") if embd else ("input size", "output size")
-        if sa[1] != n_in:
-            bad.append(f"lora_A {sa} (r, {in_name}) does not fit the base's {in_name} {n_in}")
-        if sb[0] != n_out:
-            bad.append(f"lora_B {sb} ({out_name}, r) does not fit the base's {out_name} {n_out}")
-        if sa[0] != sb[1]:
-            bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
-        elif sa[0] != r_cfg:
-            bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+        names = ("n_vocab", "n_embd") if embd else ("input size", "output size")
+        bad += fit_problems(sa, sb, n_in, n_out, r_cfg, names)
     if bad:
         problems.append(f"{where} -> {gname}.weight: " + "; ".join(bad))
         return None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graftlm.lora.adapter import EMBEDDING
+from graftlm.lora.peft_config import CONFIG_FILE
 from graftlm.lora.targets import resolve_target
 
 if TYPE_CHECKING:
@@ -106,3 +107,27 @@ class LoraPair:
     @property
     def embedding(self) -> bool:
         return self.base == EMBEDDING
+
+
+def fit_problems(
+    sa: list[int],
+    sb: list[int],
+    n_in: int,
+    n_out: int,
+    r_cfg: int,
+    names: tuple[str, str] = ("input size", "output size"),
+) -> list[str]:
+    """How 2-D factors lora_A (r, n_in) and lora_B (n_out, r) fail to fit a base projection of
+    n_in -> n_out at the config's rank r_cfg ([] where they fit); `names` what n_in and n_out
+    are called (an embedding's: n_vocab, n_embd)."""
+    in_name, out_name = names
+    bad = []
+    if sa[1] != n_in:
+        bad.append(f"lora_A {sa} (r, {in_name}) does not fit the base's {in_name} {n_in}")
+    if sb[0] != n_out:
+        bad.append(f"lora_B {sb} ({out_name}, r) does not fit the base's {out_name} {n_out}")
+    if sa[0] != sb[1]:
+        bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
+    elif sa[0] != r_cfg:
+        bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
+    return bad

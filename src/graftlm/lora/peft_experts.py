@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from graftlm.lora.peft_base import BaseInfo, LoraPair
+from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig
 
 # a routed expert as its own nn.Linear
@@ -109,7 +109,7 @@ def _read_linear(
     if isinstance(shape, str):
         problems.append(f"{f.where} -> {gname}.weight: {shape}")
         return []
-    bad = _expert_shapes(f.sa, f.sb, shape, f.rank)
+    bad = fit_problems(f.sa, f.sb, *shape, f.rank)
     if e >= base.n_expert:
         bad.append(f"expert {e}, but the base has {base.n_expert} experts")
     if bad:
@@ -117,20 +117,6 @@ def _read_linear(
         return []
     a, b = st.get_tensor(f.a_key).float(), st.get_tensor(f.b_key).float()
     return [LoraPair(f.module, gname, a, b, cfg.scaling(f.module), f.rank, f.alpha, e)]
-
-
-def _expert_shapes(sa: list[int], sb: list[int], shape: tuple[int, int], r_cfg: int) -> list[str]:
-    n_in, n_out = shape
-    bad = []
-    if sa[1] != n_in:
-        bad.append(f"lora_A {sa} (r, input size) does not fit the base's input size {n_in}")
-    if sb[0] != n_out:
-        bad.append(f"lora_B {sb} (output size, r) does not fit the base's output size {n_out}")
-    if sa[0] != sb[1]:
-        bad.append(f"ranks differ: lora_A {sa} has {sa[0]}, lora_B {sb} has {sb[1]}")
-    elif sa[0] != r_cfg:
-        bad.append(f"rank {sa[0]}, but {CONFIG_FILE} gives r = {r_cfg} for this module")
-    return bad
 
 
 def _read_parameter(

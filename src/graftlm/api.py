@@ -372,11 +372,12 @@ class Model:
                 f"got {reasoning_format!r}"
             )
         syntax = answer_syntax(self.chat_template)
+        text = self.apply_chat_template(messages)
         # (R1's templates open the <think> block in the prompt: the answer starts inside it)
-        forced_open = syntax == "think" and thinking_forced_open(self.apply_chat_template(messages))
+        forced_open = syntax == "think" and thinking_forced_open(text)
         stream = bool(kwargs.pop("stream", False))
         parser = AnswerParser(syntax, reasoning_format, None, forced_open, stream=stream)
-        pieces = self.generate(self.prompter.chat_prompt(messages), stream=True, **kwargs)
+        pieces = self.generate(self.prompter.chat_ids(text), stream=True, **kwargs)
         assert not isinstance(pieces, str)
         replies = split_pieces(pieces, parser)
         if stream:

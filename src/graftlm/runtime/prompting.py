@@ -173,7 +173,10 @@ class Prompter:
     ) -> list[int]:
         """The prompt ids of a chat: the rendered template, with a BOS only where the template
         has none of its own."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return self.chat_ids(self.apply_chat_template(messages, True, tools=tools))
+
+    def chat_ids(self, text: str) -> list[int]:
+        """The prompt ids of a rendered chat: a BOS only where the template has none of its own."""
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
         add_special = bos is None or not text.startswith(bos)

@@ -25,7 +25,6 @@ from graftlm.runtime.service import FinishEvent
 from graftlm.runtime.tools import ToolCall
 from graftlm.server.chat import (
     ChatRun,
-    chat_ids,
     chat_messages,
     chat_text,
     start_chat,
@@ -200,7 +199,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     body = chat_request(await json_body(request), count_only=True)
     tools = template_tools(body)
     text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
-    return {"input_tokens": len(await asyncio.to_thread(chat_ids, state, text))}
+    return {"input_tokens": len(await asyncio.to_thread(state.prompter.chat_ids, text))}
 
 
 @router.post("/v1/messages")

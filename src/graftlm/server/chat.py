@@ -188,14 +188,6 @@ def harmony_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_ids(state: ServerState, text: str) -> list[int]:
-    """The prompt ids of a rendered chat: a BOS only where the template has none of its own."""
-    p = state.prompter
-    tok = p.tokenizer
-    bos = tok.decode([tok.bos_id]) if tok.bos_id is not None and tok.add_bos else None
-    return p.tokenize(text, add_special=bos is None or not text.startswith(bos), parse_special=True)
-
-
 def template_tools(
     body: ChatCompletionRequest | ApplyTemplateRequest,
 ) -> list[dict[str, Any]] | None:
@@ -213,7 +205,7 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest) -> ChatRun
     tools, tool_grammar = _tool_setup(state, body)
     _one_constraint(state, body, tool_grammar)
     text = await asyncio.to_thread(chat_text, state, body, messages, tools)  # off the loop
-    ids = await asyncio.to_thread(chat_ids, state, text)
+    ids = await asyncio.to_thread(state.prompter.chat_ids, text)
     top = (body.top_logprobs or 0) if body.logprobs else None
     gen = Generation(
         body, [ids], max_tokens, "chat", body.model, body.n, body.stream, top, imposed=tool_grammar
@@ -249,7 +241,7 @@ async def count_chat_tokens(state: ServerState, body: ChatCompletionRequest) -> 
     """How many prompt tokens the chat `body` comes to, its tools included."""
     tools, _ = _tool_setup(state, body)
     text = await asyncio.to_thread(chat_text, state, body, chat_messages(body), tools)
-    return len(await asyncio.to_thread(chat_ids, state, text))
+    return len(await asyncio.to_thread(state.prompter.chat_ids, text))
 
 
 # -- the pieces -> OpenAI's chat answer --

@@ -266,18 +266,3 @@ def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
     content, calls = p.feed(text)
     tail, more = p.finish()
     return content + tail, calls + more
-
-
-def stream_calls(
-    parser: ToolCallParser | None, text: str, last: bool
-) -> tuple[str, list[ToolCall]]:
-    """A streamed piece split into the content it releases and the calls it completes (`last`:
-    the answer's final piece, after which nothing is held back); no parser, no tools: the
-    piece's text is all content."""
-    if parser is None:
-        return text, []
-    content, calls = parser.feed(text)
-    if last:
-        tail, more = parser.finish()
-        content, calls = content + tail, calls + more
-    return content, calls

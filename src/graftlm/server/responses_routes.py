@@ -186,9 +186,11 @@ class _ResponseStream:
         self.rid, self.mid, self.model, self.created, self.clock = rid, mid, model, created, clock
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # the output items done
-        self.thought: str | None = None  # the open reasoning item's text (None: none open)
+        # the open reasoning item's text and the message's, as pieces joined when done (an
+        # attribute's `+=` copied the whole text a piece); None: that item not yet opened
+        self.thought: list[str] | None = None
         self.rsid = _rs_id()
-        self.text: str | None = None  # the message's text (None: its item not yet opened)
+        self.text: list[str] | None = None
         self.finish: FinishEvent | None = None
 
     def event(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -223,10 +225,10 @@ class _ResponseStream:
     def think(self, delta: str) -> list[bytes]:
         out = []
         if self.thought is None:
-            self.thought = ""
+            self.thought = []
             item = _reasoning(self.rsid, "", "in_progress")
             out.append(self.event("response.output_item.added", {"output_index": 0, "item": item}))
-        self.thought += delta
+        self.thought.append(delta)
         at = {"item_id": self.rsid, "output_index": 0, "content_index": 0}
         out.append(self.event("response.reasoning_text.delta", at | {"delta": delta}))
         return out
@@ -235,17 +237,18 @@ class _ResponseStream:
         if self.thought is None or self.items:
             return []
         at = {"item_id": self.rsid, "output_index": 0, "content_index": 0}
-        item = _reasoning(self.rsid, self.thought, "completed")
+        thought = "".join(self.thought)
+        item = _reasoning(self.rsid, thought, "completed")
         self.items.append(item)
         return [
-            self.event("response.reasoning_text.done", at | {"text": self.thought}),
+            self.event("response.reasoning_text.done", at | {"text": thought}),
             self.event("response.output_item.done", {"output_index": 0, "item": item}),
         ]
 
     def open_message(self) -> list[bytes]:
         if self.text is not None:
             return []
-        self.text = ""
+        self.text = []
         out = self.end_thinking()
         k = len(self.items)
         item = _message(self.mid, "", "in_progress")
@@ -257,7 +260,8 @@ class _ResponseStream:
 
     def answer(self, delta: str, n_tokens: int) -> Iterator[bytes]:
         yield from self.open_message()
-        self.text = (self.text or "") + delta
+        assert self.text is not None  # (opened above)
+        self.text.append(delta)
         at = {"item_id": self.mid, "output_index": len(self.items), "content_index": 0}
         ev: dict[str, Any] = at | {"delta": delta}
         if self.clock is not None:
@@ -271,7 +275,7 @@ class _ResponseStream:
     def closing(self, n_prompt: int) -> Iterator[bytes]:
         """The message item closed (an empty answer is still a message), then the response."""
         yield from self.open_message()
-        text, items = self.text, self.items
+        text, items = "".join(self.text or ()), self.items
         at = {"item_id": self.mid, "output_index": len(items), "content_index": 0}
         yield self.event("response.output_text.done", at | {"text": text})
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}

@@ -28,12 +28,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from graftlm.runtime.tools import ToolCall, ToolCallParser, new_call_id, partial_suffix
 
 ReasoningFormat = Literal["none", "deepseek", "deepseek-legacy", "auto"]
-REASONING_FORMATS: tuple[str, ...] = ("none", "deepseek", "deepseek-legacy", "auto")
+REASONING_FORMATS: tuple[str, ...] = get_args(ReasoningFormat)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"

@@ -146,7 +146,8 @@ class AnswerParser:
             self._seen_message = False
 
     # -- the one interface --
-    def feed(self, text: str) -> Parts:
+    def feed(self, text: str, last: bool = False) -> Parts:
+        """What `text` releases; `last`: the answer's final piece, then `finish`'s rest too."""
         self._buf += text
         if self.syntax == "think":
             self._think(final=False)
@@ -155,7 +156,10 @@ class AnswerParser:
         else:
             self._content(self._buf)
             self._buf = ""
-        return self._take()
+        out = self._take()
+        if last:
+            out += self.finish()
+        return out
 
     def finish(self) -> Parts:
         if self.syntax == "think":
@@ -338,10 +342,7 @@ def parse_answer(
     forced_open: bool = False,
 ) -> Parts:
     """A whole answer split (not streamed)."""
-    p = AnswerParser(syntax, reasoning_format, tools, forced_open)
-    out = p.feed(text)
-    out += p.finish()
-    return out
+    return AnswerParser(syntax, reasoning_format, tools, forced_open).feed(text, last=True)
 
 
 class ChatReply(str):

@@ -334,9 +334,7 @@ async def _stream(run: ChatRun, mid: str, model: str) -> AsyncGenerator[bytes, N
     async with aclosing(pieces) as it:
         try:
             async for d in it:
-                parts = parser.feed(d.text)
-                if d.finish is not None:
-                    parts += parser.finish()
+                parts = parser.feed(d.text, last=d.finish is not None)
                 for ev in blocks.piece(parts, d.finish is not None):
                     yield ev
                 if d.finish is not None:

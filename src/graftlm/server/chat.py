@@ -314,9 +314,8 @@ class _ChatStream:
             self.started[i] = True
             out.append(chunk([_piece(i, {"role": "assistant", "content": None})]))
         parser = self.parsers[i]
-        parts = parser.feed(d.text)
+        parts = parser.feed(d.text, last=d.finish is not None)
         if d.finish is not None:
-            parts += parser.finish()
             self.finished.append(d.finish)
         text, calls = parts.content, parts.calls
         lps = None

@@ -302,9 +302,8 @@ async def _stream(
             async for d in it:
                 if d.progress is not None:
                     yield s.progress(d.progress)
-                parts = parser.feed(d.text)
+                parts = parser.feed(d.text, last=d.finish is not None)
                 if d.finish is not None:
-                    parts += parser.finish()
                     s.finish = d.finish
                 for ev in s.piece(parts, len(d.tokens)):
                     yield ev

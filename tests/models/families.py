@@ -18,6 +18,7 @@ from shared_data import TINY
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter_set import AdapterSet
 from graftlm.models import Transformer, build_model
+from graftlm.native import ops as native_ops
 from graftlm.step.batch import Batch, LoraRows
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "mixtral", "qwen3moe",
@@ -184,3 +185,19 @@ def rewrite_gguf(
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def spy_served(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, list[bool]]:
+    """Spies on these native ops: each call's entry in served[name], whether it was served
+    (returned something, not None)."""
+    served: dict[str, list[bool]] = {name: [] for name in names}
+    for name, got in served.items():
+
+        def spy(*args: object, _real: object = getattr(native_ops, name), _got: list[bool] = got,
+                **kwargs: object) -> object:  # fmt: skip
+            out = _real(*args, **kwargs)  # type: ignore[operator]
+            _got.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native_ops, name, spy)
+    return served

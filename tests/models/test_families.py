@@ -20,6 +20,7 @@ from families import (
     one_thread,  # noqa: F401 (an autouse fixture: tiny models run on one thread)
     reference,
     rel_err,
+    spy_served,
     with_adapter,
 )
 
@@ -91,16 +92,7 @@ def test_prompts_take_the_native_attention_and_gates(
     """Every family's prompt computes each layer's attention (gemma2's soft-capped scores
     included) and its gated FFN natively: spies count the calls that were served. The logits
     are those of the PyTorch twins, which run when the native ops are refused."""
-    served: dict[str, list[bool]] = {"attn_prefill": [], "gated": []}
-    for name, got in served.items():
-
-        def spy(*args: object, _real: object = getattr(native_ops, name), _got: list[bool] = got,
-                **kwargs: object) -> object:  # fmt: skip
-            out = _real(*args, **kwargs)  # type: ignore[operator]
-            _got.append(out is not None)
-            return out
-
-        monkeypatch.setattr(native_ops, name, spy)
+    served = spy_served(monkeypatch, "attn_prefill", "gated")
     model = load(family)
     ours = forward(model, IDS)
     n_layer = model.cfg.n_layer

@@ -29,6 +29,7 @@ from families import (
     one_thread,  # noqa: F401 (an autouse fixture: tiny models run on one thread)
     rel_err,
     rewrite_gguf,
+    spy_served,
 )
 from shared_data import SHARED
 
@@ -157,16 +158,7 @@ def test_every_step_takes_the_native_attention_with_sinks(monkeypatch: pytest.Mo
     even layers) natively, through a float16 cache as served: spies count the calls served. The
     steps agree with one pass, and the one pass with the PyTorch twins (primitives.attention's
     written-out scores) where the native ops are refused."""
-    served: dict[str, list[bool]] = {"attn_prefill": [], "attn_decode": []}
-    for name, got in served.items():
-
-        def spy(*args: object, _real: object = getattr(native_ops, name), _got: list[bool] = got,
-                **kwargs: object) -> object:  # fmt: skip
-            out = _real(*args, **kwargs)  # type: ignore[operator]
-            _got.append(out is not None)
-            return out
-
-        monkeypatch.setattr(native_ops, name, spy)
+    served = spy_served(monkeypatch, "attn_prefill", "attn_decode")
     model = load(FAMILY)
     full = forward(model, IDS)
     n_layer = model.cfg.n_layer

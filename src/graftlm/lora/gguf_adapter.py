@@ -201,24 +201,11 @@ def _resolve_pair(
     # torch shapes: projection A (r, n_in), B (n_out, r); embedding A (n_vocab, r), B (n_embd, r)
     ra, n_in = (a_e.shape[1], a_e.shape[0]) if embd else (a_e.shape[0], a_e.shape[1])
     n_out, rb = b_e.shape
-    shape_problems = []
-    if n_in != t0.n_in:
-        what = "n_vocab" if embd else "input size"
-        shape_problems.append(f"lora_a {_ne(a_e)} does not fit the base's {what} {t0.n_in}")
-    if n_out != t0.n_out:
-        what = "n_embd" if embd else "output size"
-        shape_problems.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
-    if ra != rb:
-        shape_problems.append(
-            f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
-        )
+    shape_problems = _fit(a_e, b_e, t0, (n_in, n_out, ra, rb), embd)
     if shape_problems:
         problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
         return []
-    a, b = _values(a_e), _values(b_e)
-    factor = alpha / rb if alpha != 0 else 1.0
-    if factor != 1.0:  # (b * 1.0 is b, bit for bit)
-        b = b * factor
+    a, b = _values(a_e), _scaled(_values(b_e), alpha, rb)
     delta = Delta(a, b, sources=(f"{base}.weight",))
     return [(t.projection, (t.rows, t.at, delta)) for t in targets]
 
@@ -251,24 +238,47 @@ def _resolve_experts(
             f"lora_a {_ne(a_e)} has {ea} experts and lora_b {_ne(b_e)} has {eb}; the base has "
             f"{n_expert}"
         )
-    if n_in != t0.n_in:
-        bad.append(f"lora_a {_ne(a_e)} does not fit the base's input size {t0.n_in}")
-    if n_out != t0.n_out:
-        bad.append(f"lora_b {_ne(b_e)} does not fit the base's output size {t0.n_out}")
-    if ra != rb:
-        bad.append(
-            f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
-        )
+    bad += _fit(a_e, b_e, t0, (n_in, n_out, ra, rb))
     if bad:
         problems.append(f"tensor {base}.weight: routed-expert tensor: " + "; ".join(bad))
         return []
-    a, b = _values(a_e), _values(b_e)  # (n_expert, r, n_in), (n_expert, n_out, r)
-    if alpha != 0 and alpha / rb != 1.0:
-        b = b * (alpha / rb)
+    # (n_expert, r, n_in), (n_expert, n_out, r)
+    a, b = _values(a_e), _scaled(_values(b_e), alpha, rb)
     return [
         (t.projection, (t.rows, t.at, Delta(a[e], b[e], sources=(f"{base}.weight[{e}]",))))
         for e, t in enumerate(targets)
     ]
+
+
+def _fit(
+    a_e: TensorEntry,
+    b_e: TensorEntry,
+    t0: Target,
+    sizes: tuple[int, int, int, int],
+    embd: bool = False,
+) -> list[str]:
+    """How a pair of sizes (n_in, n_out, rank of A, rank of B) does not fit its target: a
+    dense projection's or embedding's pair, or one expert's of a routed-expert pair."""
+    n_in, n_out, ra, rb = sizes
+    bad = []
+    if n_in != t0.n_in:
+        what = "n_vocab" if embd else "input size"
+        bad.append(f"lora_a {_ne(a_e)} does not fit the base's {what} {t0.n_in}")
+    if n_out != t0.n_out:
+        what = "n_embd" if embd else "output size"
+        bad.append(f"lora_b {_ne(b_e)} does not fit the base's {what} {t0.n_out}")
+    if ra != rb:
+        bad.append(
+            f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
+        )
+    return bad
+
+
+def _scaled(b: torch.Tensor, alpha: float, r: int) -> torch.Tensor:
+    """B scaled by alpha / r (alpha 0: unscaled); b itself when that is 1 (b * 1.0 is b, bit
+    for bit)."""
+    factor = alpha / r if alpha != 0 else 1.0
+    return b if factor == 1.0 else b * factor
 
 
 _FLOATS = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}

@@ -264,6 +264,7 @@ class FusedLayer:
             layer.exp_gate_up_bias = _ptr(moe.gate_up_bias)
             layer.exp_down_bias = _ptr(moe.down_bias)
         self.layer = layer
+        self._expert_slots: tuple[int, frozenset[int]] = (-1, frozenset())  # expert_slots'
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         tail = [layer.l_router] if spec.moe is not None else [layer.l_gate_up, layer.l_down]
         self.lora_fields += [layer.l_o, *tail]
@@ -294,13 +295,19 @@ class FusedLayer:
             self._bound = board.key
         return self._servable
 
+    def expert_slots(self) -> frozenset[int]:
+        """The adapter slots on this layer's routed experts, found again only when the model's
+        adapters change (the board's generation), not every step."""
+        g = self.board.adapters.value
+        if self._expert_slots[0] != g:
+            moe = self.spec.moe
+            found = moe.adapted() if moe is not None and moe.adapted is not None else frozenset()
+            self._expert_slots = (g, found)
+        return self._expert_slots[1]
+
     def experts_adapted(self, lora: LoraRows | None) -> bool:
         """Whether an adapter active in the step is on this layer's routed experts."""
-        moe = self.spec.moe
-        if lora is None or moe is None or moe.adapted is None:
-            return False
-        slots = moe.adapted()
-        return any(s in slots for s in lora.active)
+        return lora is not None and _any_in(lora.active, self.expert_slots())
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
@@ -315,6 +322,10 @@ class FusedLayer:
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layer_decode(self.layer, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)
+
+
+def _any_in(active: tuple[int, ...], slots: frozenset[int]) -> bool:
+    return bool(slots) and any(s in slots for s in active)
 
 
 def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:
@@ -352,11 +363,23 @@ class FusedStack:
         # the board's key when every layer last bound its adapters, and whether all could
         self._bound: tuple[int, int] | None = None
         self._servable = True
+        self._expert_slots: tuple[int, frozenset[int]] = (-1, frozenset())  # experts_adapted's
+
+    def experts_adapted(self, lora: LoraRows | None) -> bool:
+        """Whether an adapter active in the step is on any layer's routed experts: one check a
+        step against every layer's slots, gathered when the model's adapters change."""
+        if lora is None:
+            return False
+        g = self.board.adapters.value
+        if self._expert_slots[0] != g:
+            found = frozenset().union(*[f.expert_slots() for f in self.layers])
+            self._expert_slots = (g, found)
+        return _any_in(lora.active, self._expert_slots[1])
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if rows is None or any(f.experts_adapted(batch.lora) for f in self.layers):
+        if rows is None or self.experts_adapted(batch.lora):
             return None
         self.board.fill(batch.lora, batch.n_rows)  # once for all the layers
         if self.board.key != self._bound:  # the adapters or the board changed: every layer binds

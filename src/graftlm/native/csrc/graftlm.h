@@ -48,7 +48,8 @@ static int64_t gl_allocs;
 typedef struct {
     int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
                    * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c),
-                   * 5: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
+                   * 5: MXFP4 regrouped by 8 rows (q: mxfp4.c),
+                   * 6: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */

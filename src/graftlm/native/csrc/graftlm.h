@@ -611,14 +611,21 @@ static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, co
 }
 
 /* s32[r] = the int32 dots of block b of two 4- (h5: 5-) bit groups wa, wb with row r's block of x
- * (kb blocks a row): 16 outputs' sums, 4 a lane, as the 256-bit kernels sum them. */
-static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa, const uint8_t *wb,
-                                                               int h5, const int8_t *xq, int64_t kb,
-                                                               int64_t b, int R, __m512i *s32) {
+ * (kb blocks a row): 16 outputs' sums, 4 a lane, as the 256-bit kernels sum them. tbl: NULL, the
+ * codes themselves, else each 4-bit code's byte in it (16 bytes a lane: mxfp4.c's values); a
+ * constant at every call, so the u4 kernels' loop has no lookup. */
+static inline __attribute__((always_inline)) void nibble_dots2_lut(const uint8_t *wa, const uint8_t *wb,
+                                                                   int h5, const __m512i *tbl,
+                                                                   const int8_t *xq, int64_t kb,
+                                                                   int64_t b, int R, __m512i *s32) {
     for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         __m512i lo, hi;
         nibbles2(wa, wb, c, h5, &lo, &hi);
+        if (tbl) {
+            lo = _mm512_shuffle_epi8(*tbl, lo);
+            hi = _mm512_shuffle_epi8(*tbl, hi);
+        }
         for (int r = 0; r < R; r++) {
             const int8_t *xb = xq + (r * kb + b) * 32;
             int32_t x0, x1;
@@ -627,6 +634,12 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
             s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
         }
     }
+}
+
+static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa, const uint8_t *wb,
+                                                               int h5, const int8_t *xq, int64_t kb,
+                                                               int64_t b, int R, __m512i *s32) {
+    nibble_dots2_lut(wa, wb, h5, NULL, xq, kb, b, R, s32);
 }
 
 /* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */

@@ -189,22 +189,29 @@ torch.save(out, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("other", ["avx2", "ymm"])
-def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
-    """The other variants' kernels (built in a subprocess) against the twin, case by case."""
+def variant_outputs(tmp_path: Path, other: str, script: str) -> dict:
+    """What script (run with the output's path and this folder) saved, run in a subprocess whose
+    kernels are the variant other (skipped where this CPU's own variant is that one)."""
     if not features():
-        pytest.skip("this CPU's variant is the AVX2 one: the test above is its test")
+        pytest.skip("this CPU's variant is the AVX2 one: the tests above are its tests")
     if other == "ymm" and "avx512f" not in features():
         pytest.skip("no 512-bit kernels on this CPU: the ymm variant is this one")
     env = {**os.environ, "GRAFTLM_NATIVE_ISA": other, "GRAFTLM_AMX_ROWS": "0"}
     path = tmp_path / "out.pt"
     done = subprocess.run(
-        [sys.executable, "-c", VARIANT, str(path), str(Path(__file__).parent)],
+        [sys.executable, "-c", script, str(path), str(Path(__file__).parent)],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = torch.load(path)
     assert theirs["isa"] == other
+    return theirs
+
+
+@pytest.mark.parametrize("other", ["avx2", "ymm"])
+def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
+    """The other variants' kernels (built in a subprocess) against the twin, case by case."""
+    theirs = variant_outputs(tmp_path, other, VARIANT)
     for i, case in enumerate(CASES):
         for kv in TYPES:
             got = run_case(case, kv)

@@ -8,17 +8,14 @@ without them."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_decode_attention import TYPES, Case, _check, run_case
+from test_decode_attention import TYPES, Case, _check, run_case, variant_outputs
 from test_native import BF16_ATTN, PREFILL_ATOL, PREFILL_RTOL, _paged, _rounded, _rows
 
-from graftlm.native import features, library, ops
+from graftlm.native import library, ops
 from graftlm.step.kv_cache import KV_TYPES
 
 pytestmark = pytest.mark.skipif(library() is None, reason="native kernels unavailable here")
@@ -146,19 +143,7 @@ torch.save(out, sys.argv[1])
 def test_other_variants_with_sinks_equal_the_twin(tmp_path: Path, other: str) -> None:
     """The other variants' kernels (built in a subprocess: float32 products, q8_0 keys in
     float32) against the twins, case by case."""
-    if not features():
-        pytest.skip("this CPU's variant is the AVX2 one: the tests above are its tests")
-    if other == "ymm" and "avx512f" not in features():
-        pytest.skip("no 512-bit kernels on this CPU: the ymm variant is this one")
-    env = {**os.environ, "GRAFTLM_NATIVE_ISA": other, "GRAFTLM_AMX_ROWS": "0"}
-    path = tmp_path / "out.pt"
-    done = subprocess.run(
-        [sys.executable, "-c", VARIANT, str(path), str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(path)
-    assert theirs["isa"] == other
+    theirs = variant_outputs(tmp_path, other, VARIANT)
     for kv in TYPES:
         for i, case in enumerate(DECODE):
             got = run_case(case, kv, sinks=sinks_of(case[2]))

@@ -19,13 +19,9 @@ from graftlm.native import library, threads
 from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
 from graftlm.quant.base import Kernel, QType, Shape, row_bytes
-from graftlm.quant.native_kernels import NativeKernel
+from graftlm.quant.native_kernels import NativeKernel, _ptr
 
 T = GGMLQuantizationType
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 # ---- MXFP4 (csrc/mxfp4.c) ---------------------------------------------------------------------

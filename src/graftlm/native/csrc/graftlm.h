@@ -48,7 +48,8 @@ static int64_t gl_allocs;
 typedef struct {
     int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
                    * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c),
-                   * 5: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
+                   * 5: MXFP4 regrouped by 8 rows (q: mxfp4.c),
+                   * 6: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
@@ -610,14 +611,21 @@ static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, co
 }
 
 /* s32[r] = the int32 dots of block b of two 4- (h5: 5-) bit groups wa, wb with row r's block of x
- * (kb blocks a row): 16 outputs' sums, 4 a lane, as the 256-bit kernels sum them. */
-static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa, const uint8_t *wb,
-                                                               int h5, const int8_t *xq, int64_t kb,
-                                                               int64_t b, int R, __m512i *s32) {
+ * (kb blocks a row): 16 outputs' sums, 4 a lane, as the 256-bit kernels sum them. tbl: NULL, the
+ * codes themselves, else each 4-bit code's byte in it (16 bytes a lane: mxfp4.c's values); a
+ * constant at every call, so the u4 kernels' loop has no lookup. */
+static inline __attribute__((always_inline)) void nibble_dots2_lut(const uint8_t *wa, const uint8_t *wb,
+                                                                   int h5, const __m512i *tbl,
+                                                                   const int8_t *xq, int64_t kb,
+                                                                   int64_t b, int R, __m512i *s32) {
     for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         __m512i lo, hi;
         nibbles2(wa, wb, c, h5, &lo, &hi);
+        if (tbl) {
+            lo = _mm512_shuffle_epi8(*tbl, lo);
+            hi = _mm512_shuffle_epi8(*tbl, hi);
+        }
         for (int r = 0; r < R; r++) {
             const int8_t *xb = xq + (r * kb + b) * 32;
             int32_t x0, x1;
@@ -626,6 +634,12 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
             s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
         }
     }
+}
+
+static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa, const uint8_t *wb,
+                                                               int h5, const int8_t *xq, int64_t kb,
+                                                               int64_t b, int R, __m512i *s32) {
+    nibble_dots2_lut(wa, wb, h5, NULL, xq, kb, b, R, s32);
 }
 
 /* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */

@@ -152,20 +152,7 @@ static inline __attribute__((always_inline)) void mx4_pair(const uint8_t *qa, co
         prefetch_block(wa, MX4_BYTES);
         prefetch_block(wb, MX4_BYTES);
         __m512i s32[MT];
-        for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            __m512i lo, hi;
-            nibbles2(wa, wb, c, 0, &lo, &hi);
-            lo = _mm512_shuffle_epi8(tbl, lo);
-            hi = _mm512_shuffle_epi8(tbl, hi);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xb = xq + (r * kb + b) * 32;
-                int32_t x0, x1;
-                memcpy(&x0, xb + 4 * c, 4);
-                memcpy(&x1, xb + 16 + 4 * c, 4);
-                s32[r] = DPBUSD512(DPBUSD512(s32[r], lo, _mm512_set1_epi32(x0)), hi, _mm512_set1_epi32(x1));
-            }
-        }
+        nibble_dots2_lut(wa, wb, 0, &tbl, xq, kb, b, R, s32);
         const __m512 sv = cat_ps(mx4_scales8(wa + 128), mx4_scales8(wb + 128));
         for (int r = 0; r < R; r++) {
             const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_set1_ps(xd[r * kb + b]),

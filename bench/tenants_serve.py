@@ -53,7 +53,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 from kv_capacity import rss_mib
+from prometheus_client.parser import text_string_to_metric_families
 from real_shapes import SHAPES, write_adapter
 from serve_bench import SHARED, body, llama_bin_copy, one_round, running, server_cmd
 from tiny_models import write_tiny_adapter  # real_shapes put tests/ on the path
@@ -96,6 +98,14 @@ def idle_adapters(folder: Path, shape: str, n: int) -> list[Path]:
 def steps(reply: dict[str, Any]) -> list[tuple[int, float]]:
     """The tokens of a /completion answer asked with n_probs, each with its log-probability."""
     return [(int(p["id"]), float(p["logprob"])) for p in reply["completion_probabilities"]]
+
+
+def gauge(url: str, name: str) -> float:
+    """A gauge of the server's /metrics."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        if family.name == name:
+            return float(family.samples[0].value)
+    return float("nan")
 
 
 def cpu_flags() -> str:
@@ -158,8 +168,10 @@ class Matrix:
                 t0 = time.perf_counter()
                 attach = [dict(body(i, 1), model=f"t{i}") for i in range(k)]
                 asyncio.run(one_round(g, attach, max(a.clients)))
+                held = gauge(g, "graftlm_lora_adapter_bytes") / 2**20
                 print(f"distinct {k}: t0..t{k - 1} attached (graftlm, {time.perf_counter() - t0:.1f} s "
-                      f"for the new ones), {rss_mib(pid):.0f} MiB resident", flush=True)  # fmt: skip
+                      f"for the new ones), {rss_mib(pid):.0f} MiB resident, {held:.0f} MiB of "
+                      f"them the adapters' (/metrics)", flush=True)  # fmt: skip
                 if a.no_llama_server:
                     self.rounds(k, {"graftlm": g})
                     continue
@@ -294,7 +306,12 @@ def main() -> int:
         for j, s in enumerate(shapes):
             print(f"\n## {models[s].name}", flush=True)
             m = Matrix(args, models[s], *adapters[s], port=args.port + 200 * j)
-            m.run(server, work)
+            try:
+                m.run(server, work)
+            except (RuntimeError, httpx.HTTPError):
+                for log in sorted(work.glob("*.log")):  # the servers' last words
+                    print(f"--- {log.name}", *log.read_text().splitlines()[-15:], sep="\n")
+                raise
             tables.append((models[s].name, m))
     for name, m in tables:
         print(f"\n### {name}: {args.registered} registered, tok/s ({args.stat} of {args.rounds} "

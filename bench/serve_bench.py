@@ -37,7 +37,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -115,28 +117,52 @@ def running(
                 proc.kill()
 
 
+def body(i: int, tokens: int) -> dict[str, object]:
+    """Request i's body on the base: its own prompt (no two share a whole prompt), `tokens`
+    greedy tokens, the end token ignored (both servers generate the same count)."""
+    prompt = f"{PROMPTS[i % len(PROMPTS)]} (request {i})"
+    return {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": False}  # fmt: skip
+
+
 def bodies(args: argparse.Namespace, scenario: str) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for i in range(args.clients):
         lora = {"base": [], "same": [{"id": 0, "scale": 1.0}]}.get(
             scenario, [{"id": i % len(args.lora), "scale": 1.0}]
         )
-        prompt = f"{PROMPTS[i % len(PROMPTS)]} (request {i})"  # no two share a whole prompt
-        out.append({"prompt": prompt, "n_predict": args.tokens, "temperature": 0,
-                    "ignore_eos": True, "cache_prompt": False, "lora": lora})  # fmt: skip
+        out.append(dict(body(i, args.tokens), lora=lora))
     return out
 
 
-async def one_round(url: str, batch: list[dict[str, object]]) -> tuple[float, int]:
-    """All requests at once; (wall seconds, tokens generated)."""
+@dataclass(frozen=True)
+class Round:
+    wall: float  # seconds, first request sent to last answer
+    tokens: int  # generated, all requests together
+    replies: list[dict[str, Any]]  # each request's answer (the JSON), in the order sent
+
+    @property
+    def texts(self) -> list[str]:
+        return [str(r["content"]) for r in self.replies]
+
+
+async def one_round(url: str, batch: list[dict[str, object]], clients: int = 0) -> Round:
+    """The requests to /completion, `clients` at a time (0: all at once)."""
+    room = asyncio.Semaphore(clients or len(batch))
     async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
+
+        async def one(b: dict[str, object]) -> httpx.Response:
+            async with room:
+                return await c.post("/completion", json=b)
+
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(c.post("/completion", json=b) for b in batch))
+        rs = await asyncio.gather(*(one(b) for b in batch))
         wall = time.perf_counter() - t0
     for r in rs:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
-    return wall, sum(int(r.json()["tokens_predicted"]) for r in rs)
+    replies = [r.json() for r in rs]
+    return Round(wall, sum(int(j["tokens_predicted"]) for j in replies), replies)
 
 
 def run_server(kind: str, args: argparse.Namespace, server: Path, port: int) -> dict[str, float]:
@@ -147,7 +173,8 @@ def run_server(kind: str, args: argparse.Namespace, server: Path, port: int) -> 
         asyncio.run(one_round(url, [dict(b, n_predict=4) for b in warm]))
         out = {}
         for scenario in SCENARIOS:
-            wall, n = asyncio.run(one_round(url, bodies(args, scenario)))
+            r = asyncio.run(one_round(url, bodies(args, scenario)))
+            wall, n = r.wall, r.tokens
             out[scenario] = n / wall
             print(f"  {kind:12s} {scenario:5s} {n / wall:8.1f} tok/s ({n} tokens, {wall:.1f} s)",
                   flush=True)  # fmt: skip

@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void iq_tile(const iq_unpacked *buf
 typedef struct {
     __m512i g2[4];   /* sub-blocks 2 i and 2 i + 1, each stored whole (its load forwards) */
     uint64_t sg2[4]; /* their sign bits */
-    __m256 a, b;
+    __m512 s16;      /* the scales per 16 values (iq_scales' a, then b) */
 } iq_unpacked2;
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
@@ -295,7 +295,9 @@ static inline __attribute__((always_inline)) void iq_unpack2_vbmi(const uint8_t 
     }
     for (int j = 0; j < 4; j++) u->g2[j] = iq_expand(lo, hi, iq3, j, mag);
     _mm256_storeu_si256((__m256i *)u->sg2, sg);
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &u->a, &u->b);
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    u->s16 = cat_ps(a, b);
 }
 #else
 #define IQ_VBMI 0
@@ -306,7 +308,9 @@ static inline __attribute__((always_inline)) void iq_unpack2(const uint8_t *p, c
     iq_unpack2_vbmi(p, v, u);
     return;
 #endif
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &u->a, &u->b);
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    u->s16 = cat_ps(a, b);
     for (int i = 0; i < 4; i++) {
         uint32_t s0, s1;
         const __m256i g0 = iq_sub(p, v, 2 * i, &s0), g1 = iq_sub(p, v, 2 * i + 1, &s1);
@@ -319,12 +323,11 @@ static inline __attribute__((always_inline)) void iq_dots2(const iq_unpacked2 *u
                                                            const int8_t *xq, const float *xd, int64_t k,
                                                            const int R, __m512 *acc) {
     const int64_t kb = k / 32;
-    const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m512 s16[MT]; /* lanes 2 j, 2 j + 1: the scales of sub-block j's halves times x's */
     for (int r = 0; r < R; r++) {
-        const __m256 xv = _mm256_loadu_ps(xd + r * kb + sb * 8);
-        s16[r] = cat_ps(_mm256_mul_ps(u->a, _mm256_permutevar8x32_ps(xv, lo)),
-                        _mm256_mul_ps(u->b, _mm256_permutevar8x32_ps(xv, hi)));
+        const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(xd + r * kb + sb * 8));
+        s16[r] = _mm512_mul_ps(u->s16, _mm512_permutexvar_ps(dup, xv));
     }
     for (int i = 0; i < 4; i++) {
         const __m512i lane = _mm512_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1,
@@ -350,6 +353,31 @@ static inline __attribute__((always_inline)) void iq_tile2(const iq_unpacked2 *b
     for (int r = 0; r < R; r++) {
         const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
         y[r * ldy] = (c ? y[r * ldy] : 0.0f) + hsum8(s);
+    }
+}
+#endif
+
+#if IQ_VBMI
+/* iq_tile2 for one row of x (xq, xd), its outputs [o0, o1) each unpacked a super-block at a time
+ * into registers and used at once (no buffer): the same sums in the same order. */
+static inline __attribute__((always_inline)) void iq_row1(const uint8_t *q, const int v, int64_t o0, int64_t o1,
+                                                          int64_t k, const int8_t *xq, const float *xd, float *y) {
+    const int64_t nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *wr = q + o * rowbytes;
+        for (int64_t c = 0; c < nsb; c += IQ_CHUNK) {
+            const int64_t c1 = nsb - c < IQ_CHUNK ? nsb : c + IQ_CHUNK;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = c; i < c1; i++) {
+                const uint8_t *p = wr + i * bytes;
+                prefetch_block(p, bytes);
+                iq_unpacked2 u;
+                iq_unpack2(p, v, &u);
+                iq_dots2(&u, i, xq, xd, k, 1, &acc);
+            }
+            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+            y[o] = (c ? y[o] : 0.0f) + hsum8(s);
+        }
     }
 }
 #endif
@@ -397,6 +425,21 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     const int v = (int)w->small;
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
     const int64_t o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
+#if IQ_VBMI
+    if (rb - ra == 1) {
+        const int8_t *xq = xb->xq + ra * k;
+        const float *xd = xb->xd + ra * kb;
+        float *yr = y + ra * n;
+        switch (v) {
+        case IQ2_XXS: iq_row1(w->q, IQ2_XXS, o0, o1, k, xq, xd, yr); break;
+        case IQ2_XS: iq_row1(w->q, IQ2_XS, o0, o1, k, xq, xd, yr); break;
+        case IQ2_S: iq_row1(w->q, IQ2_S, o0, o1, k, xq, xd, yr); break;
+        case IQ3_XXS: iq_row1(w->q, IQ3_XXS, o0, o1, k, xq, xd, yr); break;
+        default: iq_row1(w->q, IQ3_S, o0, o1, k, xq, xd, yr); break;
+        }
+        return;
+    }
+#endif
 #if GL_VNNI512
     if (IQ_VBMI || M >= IQ_ZMM_ROWS) {
         iq_unpacked2 buf2[IQ_CHUNK];

@@ -27,8 +27,12 @@
  * once: each entry's values as a code (2 or 3 bits a value, iq_grids.h's *_CODE, two byte
  * planes looked up 128 entries a vpermi2b), its qwords cut into a byte a value (vpmultishiftqb)
  * and the magnitudes looked up (vpermb); the sign bytes from the 7-bit indices with their parity
- * (vpopcntb): one row 17-19 GMAC/s (Zen 4, one core, 2048 x 2048, IQ3_XXS 8.6 -> 19.1, IQ2_XXS
- * 10.5 -> 17.9, IQ3_S 7.5 -> 17.0), the 512-bit kernels from one row on.
+ * (vpopcntb); the 512-bit kernels from one row on, one row of x using each super-block as it is
+ * unpacked (iq_row1). Zen 4, one core, 2048 x 2048, GMAC/s at 1 / 4 / 16 / 64 rows: IQ3_XXS
+ * 8.7 / 20.7 / 42.6 / 52.8 -> 20.7 / 41.9 / 54.3 / 58.4, IQ2_XXS 10.6 / 22.9 / 39.9 / 51.8 ->
+ * 18.8 / 39.5 / 53.4 / 57.9 (IQ3_S, IQ2_XS 2-2.6x at one row, IQ2_S 1.4x). Many rows are bound
+ * by the ~7 vector instructions a row and 64 values (x's sign flip, the dot, its scaling) at
+ * ~1.7 a cycle, not by the lookups.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -209,7 +213,7 @@ typedef struct {
     __m512 s16;      /* the scales per 16 values (iq_scales' a, then b) */
 } iq_unpacked2;
 
-#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__BMI2__)
 #define IQ_VBMI 1
 /* The grid's code bytes (plane: 256 entries, *_CODE's [0] or [1]) at the indices in idx's bytes
  * (their bit 7 picks the upper 128; vpermi2b reads the low 7). */
@@ -299,8 +303,6 @@ static inline __attribute__((always_inline)) void iq_unpack2_vbmi(const uint8_t 
     iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
     u->s16 = cat_ps(a, b);
 }
-#else
-#define IQ_VBMI 0
 #endif
 
 static inline __attribute__((always_inline)) void iq_unpack2(const uint8_t *p, const int v, iq_unpacked2 *u) {
@@ -380,6 +382,10 @@ static inline __attribute__((always_inline)) void iq_row1(const uint8_t *q, cons
         }
     }
 }
+#endif
+
+#ifndef IQ_VBMI
+#define IQ_VBMI 0
 #endif
 
 /* The task's outputs, each row unpacked (UNPACK into BUF) IQ_CHUNK super-blocks at a time and

@@ -19,9 +19,20 @@
  * odd ones (the 512-bit kernels' two halves), summed across every IQ_CHUNK super-blocks. A row of the weight is unpacked (grid bytes, vpsignb operands, scales) once for
  * all the rows of x, which its tiles of MT rows then read from L1: a prompt pays the lookups once
  * an output, not once a tile (Zen 4, one core, 2048 x 2048 IQ3_XXS at 64 rows, 256 bits: 18.5
- * GMAC/s against 8.9 unpacking per tile). The lookups bound a decode step: one row of x takes
- * ~9-11 GMAC/s a core where Q4_K takes ~45-60 (vpgatherdd for IQ3's eight entries: 20% slower
- * on Zen 4).
+ * GMAC/s against 8.9 unpacking per tile).
+ *
+ * The lookups bound a decode step. One at a time (8 or 4 values an insert; vpgatherdd for IQ3's
+ * eight entries: 20% slower on Zen 4) one row of x took ~9-11 GMAC/s a core where Q4_K takes
+ * ~45-60. With AVX-512 VBMI (iq_unpack2_vbmi) a super-block's 32 or 64 indices are looked up at
+ * once: each entry's values as a code (2 or 3 bits a value, iq_grids.h's *_CODE, two byte
+ * planes looked up 128 entries a vpermi2b), its qwords cut into a byte a value (vpmultishiftqb)
+ * and the magnitudes looked up (vpermb); the sign bytes from the 7-bit indices with their parity
+ * (vpopcntb); the 512-bit kernels from one row on, one row of x using each super-block as it is
+ * unpacked (iq_row1). Zen 4, one core, 2048 x 2048, GMAC/s at 1 / 4 / 16 / 64 rows: IQ3_XXS
+ * 8.7 / 20.7 / 42.6 / 52.8 -> 20.7 / 41.9 / 54.3 / 58.4, IQ2_XXS 10.6 / 22.9 / 39.9 / 51.8 ->
+ * 18.8 / 39.5 / 53.4 / 57.9 (IQ3_S, IQ2_XS 2-2.6x at one row, IQ2_S 1.4x). Many rows are bound
+ * by the ~7 vector instructions a row and 64 values (x's sign flip, the dot, its scaling) at
+ * ~1.7 a cycle, not by the lookups.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -199,11 +210,109 @@ static inline __attribute__((always_inline)) void iq_tile(const iq_unpacked *buf
 typedef struct {
     __m512i g2[4];   /* sub-blocks 2 i and 2 i + 1, each stored whole (its load forwards) */
     uint64_t sg2[4]; /* their sign bits */
-    __m256 a, b;
+    __m512 s16;      /* the scales per 16 values (iq_scales' a, then b) */
 } iq_unpacked2;
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__BMI2__)
+#define IQ_VBMI 1
+/* The grid's code bytes (plane: 256 entries, *_CODE's [0] or [1]) at the indices in idx's bytes
+ * (their bit 7 picks the upper 128; vpermi2b reads the low 7). */
+static inline __m512i iq_look256(const uint8_t *plane, __m512i idx) {
+    const __m512i *t = (const __m512i *)plane;
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), _mm512_permutex2var_epi8(t[0], idx, t[1]),
+                                  _mm512_permutex2var_epi8(t[2], idx, t[3]));
+}
+
+/* The same for 512 entries, the indices' bit 8 in hi8 (a bit a byte of idx). */
+static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi8) {
+    return _mm512_mask_blend_epi8(hi8, iq_look256(plane, idx), iq_look256(plane + 256, idx));
+}
+
+/* 64 values' magnitudes: the codes (their low bytes lo, high bytes hi) of entries [16 j, 16 j + 16)
+ * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits), each
+ * qword's made of its entries' two code words (vpermi2b), cut into a byte a value (vpmultishiftqb),
+ * the bytes' low bits looked up in mag64 (vpermb). */
+static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64) {
+    uint64_t c[8];
+    for (int q = 0; q < 8; q++) {
+        const uint64_t e0 = iq3 ? 16 * j + 2 * q : 8 * j + q, e1 = e0 + 1;
+        c[q] = iq3 ? e0 | (64 + e0) << 8 | e1 << 16 | (64 + e1) << 24 : e0 | (64 + e0) << 8;
+    }
+    const __m512i ctrl = _mm512_setr_epi64((long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
+                                           (long long)c[4], (long long)c[5], (long long)c[6], (long long)c[7]);
+    const __m512i cut = _mm512_set1_epi64(iq3 ? 0x1916131009060300ll : 0x0e0c0a0806040200ll);
+    const __m512i codes = _mm512_permutex2var_epi8(lo, ctrl, hi);
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, codes), _mm512_load_si512(mag64));
+}
+
+/* The sign bytes of 32 7-bit sign indices (KSIGNS: the index and its parity in bit 7), four in
+ * each of aux's 32-bit words (bits 0, 7, 14, 21), in their order. */
+static inline __m256i iq_ksigns(__m256i aux) {
+    const __m256i b = _mm256_multishift_epi64_epi8(_mm256_set1_epi64x(0x352e2720150e0700ll), aux);
+    const __m256i m7 = _mm256_set1_epi8(0x7f);
+    const __m256i pc = _mm256_popcnt_epi8(_mm256_and_si256(b, m7));
+    return _mm256_ternarylogic_epi32(b, _mm256_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+}
+
+/* iq_unpack2 in vector instructions: a super-block's 32 or 64 grid indices looked up at once. */
+static inline __attribute__((always_inline)) void iq_unpack2_vbmi(const uint8_t *p, const int v, iq_unpacked2 *u) {
+    __m512i lo, hi;
+    __m256i sg;
+    const uint8_t *mag;
+    int iq3 = 0;
+    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls */
+        const __m512i sep = _mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), _mm512_loadu_si512(p + 2));
+        lo = iq_look256(IQ2XXS_CODE[0], sep), hi = iq_look256(IQ2XXS_CODE[1], sep);
+        sg = iq_ksigns(_mm512_extracti64x4_epi64(sep, 1));
+        mag = IQ2XXS_MAG64;
+    } else if (v == IQ2_XS) { /* 16 bits an entry: 9 of index, 7 of signs */
+        const __m512i raw = _mm512_loadu_si512(p + 2);
+        const __m512i idx = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(raw));
+        const __mmask64 h8 = _mm512_test_epi16_mask(raw, _mm512_set1_epi16(0x100));
+        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
+        const __m512i s = _mm512_srli_epi16(raw, 9);
+        const __m512i pc = _mm512_popcnt_epi16(s);
+        sg = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s, _mm512_slli_epi16(pc, 7), _mm512_set1_epi16(0x7f), 0xE4));
+        mag = IQ2XS_MAG64;
+    } else if (v == IQ2_S) { /* 10-bit indices: 8 bits in qs, 2 in qh; the sign bytes as they are */
+        const __m512i idx = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2)));
+        uint64_t qh;
+        memcpy(&qh, p + 66, 8);
+        const __mmask64 h8 = _pext_u64(qh, 0x5555555555555555ull), h9 = _pext_u64(qh, 0xAAAAAAAAAAAAAAAAull);
+        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
+        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
+        sg = _mm256_loadu_si256((const __m256i *)(p + 34));
+        mag = IQ2S_MAG64;
+    } else if (v == IQ3_XXS) {
+        const __m512i idx = _mm512_loadu_si512(p + 2);
+        lo = iq_look256(IQ3XXS_CODE[0], idx), hi = iq_look256(IQ3XXS_CODE[1], idx);
+        sg = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
+        mag = IQ3XXS_MAG64, iq3 = 1;
+    } else { /* IQ3_S: 9-bit indices, bit 8 in qh (a bit an entry); the sign bytes as they are */
+        const __m512i idx = _mm512_loadu_si512(p + 2);
+        uint64_t qh;
+        memcpy(&qh, p + 66, 8);
+        lo = iq_look512(IQ3S_CODE[0], idx, qh), hi = iq_look512(IQ3S_CODE[1], idx, qh);
+        sg = _mm256_loadu_si256((const __m256i *)(p + 74));
+        mag = IQ3S_MAG64, iq3 = 1;
+    }
+    for (int j = 0; j < 4; j++) u->g2[j] = iq_expand(lo, hi, iq3, j, mag);
+    _mm256_storeu_si256((__m256i *)u->sg2, sg);
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    u->s16 = cat_ps(a, b);
+}
+#endif
+
 static inline __attribute__((always_inline)) void iq_unpack2(const uint8_t *p, const int v, iq_unpacked2 *u) {
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &u->a, &u->b);
+#if IQ_VBMI
+    iq_unpack2_vbmi(p, v, u);
+    return;
+#endif
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    u->s16 = cat_ps(a, b);
     for (int i = 0; i < 4; i++) {
         uint32_t s0, s1;
         const __m256i g0 = iq_sub(p, v, 2 * i, &s0), g1 = iq_sub(p, v, 2 * i + 1, &s1);
@@ -216,12 +325,11 @@ static inline __attribute__((always_inline)) void iq_dots2(const iq_unpacked2 *u
                                                            const int8_t *xq, const float *xd, int64_t k,
                                                            const int R, __m512 *acc) {
     const int64_t kb = k / 32;
-    const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     __m512 s16[MT]; /* lanes 2 j, 2 j + 1: the scales of sub-block j's halves times x's */
     for (int r = 0; r < R; r++) {
-        const __m256 xv = _mm256_loadu_ps(xd + r * kb + sb * 8);
-        s16[r] = cat_ps(_mm256_mul_ps(u->a, _mm256_permutevar8x32_ps(xv, lo)),
-                        _mm256_mul_ps(u->b, _mm256_permutevar8x32_ps(xv, hi)));
+        const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(xd + r * kb + sb * 8));
+        s16[r] = _mm512_mul_ps(u->s16, _mm512_permutexvar_ps(dup, xv));
     }
     for (int i = 0; i < 4; i++) {
         const __m512i lane = _mm512_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1,
@@ -249,6 +357,35 @@ static inline __attribute__((always_inline)) void iq_tile2(const iq_unpacked2 *b
         y[r * ldy] = (c ? y[r * ldy] : 0.0f) + hsum8(s);
     }
 }
+#endif
+
+#if IQ_VBMI
+/* iq_tile2 for one row of x (xq, xd), its outputs [o0, o1) each unpacked a super-block at a time
+ * into registers and used at once (no buffer): the same sums in the same order. */
+static inline __attribute__((always_inline)) void iq_row1(const uint8_t *q, const int v, int64_t o0, int64_t o1,
+                                                          int64_t k, const int8_t *xq, const float *xd, float *y) {
+    const int64_t nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *wr = q + o * rowbytes;
+        for (int64_t c = 0; c < nsb; c += IQ_CHUNK) {
+            const int64_t c1 = nsb - c < IQ_CHUNK ? nsb : c + IQ_CHUNK;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = c; i < c1; i++) {
+                const uint8_t *p = wr + i * bytes;
+                prefetch_block(p, bytes);
+                iq_unpacked2 u;
+                iq_unpack2(p, v, &u);
+                iq_dots2(&u, i, xq, xd, k, 1, &acc);
+            }
+            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+            y[o] = (c ? y[o] : 0.0f) + hsum8(s);
+        }
+    }
+}
+#endif
+
+#ifndef IQ_VBMI
+#define IQ_VBMI 0
 #endif
 
 /* The task's outputs, each row unpacked (UNPACK into BUF) IQ_CHUNK super-blocks at a time and
@@ -294,8 +431,23 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     const int v = (int)w->small;
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
     const int64_t o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
+#if IQ_VBMI
+    if (rb - ra == 1) {
+        const int8_t *xq = xb->xq + ra * k;
+        const float *xd = xb->xd + ra * kb;
+        float *yr = y + ra * n;
+        switch (v) {
+        case IQ2_XXS: iq_row1(w->q, IQ2_XXS, o0, o1, k, xq, xd, yr); break;
+        case IQ2_XS: iq_row1(w->q, IQ2_XS, o0, o1, k, xq, xd, yr); break;
+        case IQ2_S: iq_row1(w->q, IQ2_S, o0, o1, k, xq, xd, yr); break;
+        case IQ3_XXS: iq_row1(w->q, IQ3_XXS, o0, o1, k, xq, xd, yr); break;
+        default: iq_row1(w->q, IQ3_S, o0, o1, k, xq, xd, yr); break;
+        }
+        return;
+    }
+#endif
 #if GL_VNNI512
-    if (M >= IQ_ZMM_ROWS) {
+    if (IQ_VBMI || M >= IQ_ZMM_ROWS) {
         iq_unpacked2 buf2[IQ_CHUNK];
         IQ_OUTPUTS(buf2, iq_unpack2, iq_tile2)
         return;

@@ -114,6 +114,7 @@ def main() -> int:
     p.add_argument("--alone", type=int, default=16, help="cold attaches alone, on an idle server")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--log", type=Path, help="the server's output (default: nowhere)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -142,7 +143,7 @@ def main() -> int:
 
         base = [body(i, None) for i in range(args.used)]
         churn = [dict(b, model=f"a{i % args.used}") for i, b in enumerate(base)]
-        with running(cmd, args.port, folder / "server.log", pid_file=pid_file) as url:
+        with running(cmd, args.port, args.log, pid_file=pid_file) as url:
             pid = int(pid_file.read_text())
             print(f"server up: {rss_mib(pid):.0f} MiB resident")
             # warm: a whole batch (the first one at full width is several times slower)

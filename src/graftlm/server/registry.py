@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import EngineService
 
@@ -382,7 +382,8 @@ class AdapterRegistry:
 
         def read() -> PreparedAdapter:
             started.append(time.perf_counter())
-            return self.service.prepare_adapter(entry.path)
+            with one_thread():  # (the cores are the engine's)
+                return self.service.prepare_adapter(entry.path)
 
         try:
             async with asyncio.timeout_at(deadline):

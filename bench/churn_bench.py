@@ -3,12 +3,16 @@
 Writes R small adapters (rank 4 on q and v of the default model, SmolLM2: 0.9 MB each in float32)
 into a temporary folder, registers them all with one graftlm server (`--lora-modules`, with
 `--max-loras S`: at most S attached at once, the least recently used evicted), and sends the same
-traffic twice, in turn each round: U requests, C at a time, each N greedy tokens of its own prompt,
+traffic three times, in turn each round: U requests, C at a time, each N greedy tokens of its own
+prompt,
 
     base    every request on the base model
     churn   request i on adapter i mod U (named as the request's `model`): U adapters churn
             through S slots, each attached on first use (read, checked and packed in a worker
-            thread), evicted when the room is needed
+            thread, one read at a time), evicted when the room is needed
+    mixed   request i on the i mod S-th of the S adapters churn named last, resident after it:
+            as many distinct adapters in a batch as churn has, none loaded (churn / mixed is
+            what the loads themselves cost; mixed / base what a batch of distinct adapters does)
 
 then asks again, one request at a time, for the answers of some churn requests: each must equal
 what it was in the batch, and last, one request at a time on an idle server, for adapters the
@@ -16,8 +20,9 @@ traffic never named (cold attaches alone). Printed: each round's seconds and chu
 churn round over the base round before it, and their median: the machine's load drifts less
 within a pair), the cold-load time of an attach from the server's /metrics
 (graftlm_lora_adapter_load_seconds: median and 95th percentile, interpolated within its
-buckets) under the churn traffic and alone, apart from the time it waited for room
-(graftlm_lora_adapter_wait_seconds), how many loads, and the server's resident memory.
+buckets) under the churn traffic and alone, apart from the time it waited for room or for the
+reads ahead of it (graftlm_lora_adapter_wait_seconds), how many loads, and the server's resident
+memory.
 
     .venv/bin/python bench/churn_bench.py                       # 1,000 registered, 64 used, 16 slots
     .venv/bin/python bench/churn_bench.py --registered 300 --used 64 --max-loras 16
@@ -114,6 +119,7 @@ def main() -> int:
     p.add_argument("--alone", type=int, default=16, help="cold attaches alone, on an idle server")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--log", type=Path, help="the server's output (default: nowhere)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -142,22 +148,26 @@ def main() -> int:
 
         base = [body(i, None) for i in range(args.used)]
         churn = [dict(b, model=f"a{i % args.used}") for i, b in enumerate(base)]
-        with running(cmd, args.port, folder / "server.log", pid_file=pid_file) as url:
+        # the last adapters the churn traffic named, resident after it: distinct adapters in
+        # every batch as in churn, none loaded
+        last = range(max(args.used - args.max_loras, 0), args.used)
+        mixed = [dict(b, model=f"a{last[i % len(last)]}") for i, b in enumerate(base)]
+        with running(cmd, args.port, args.log, pid_file=pid_file) as url:
             pid = int(pid_file.read_text())
             print(f"server up: {rss_mib(pid):.0f} MiB resident")
             # warm: a whole batch (the first one at full width is several times slower)
             asyncio.run(traffic(url, base[: args.clients], args.clients))
-            times: dict[str, list[float]] = {"base": [], "churn": []}
+            times: dict[str, list[float]] = {"base": [], "churn": [], "mixed": []}
             texts: list[str] = []
             for rnd in range(args.rounds):
-                for name, bodies in (("base", base), ("churn", churn)):
+                for name, bodies in (("base", base), ("churn", churn), ("mixed", mixed)):
                     t0 = time.perf_counter()
                     got = asyncio.run(traffic(url, bodies, args.clients))
                     times[name].append(time.perf_counter() - t0)
                     if name == "churn" and rnd == 0:
                         texts = got
                     print(f"  round {rnd + 1} {name:5s} {times[name][-1]:6.1f} s", flush=True)
-            buckets = histogram(url, "graftlm_lora_adapter_load_seconds")
+            buckets = histogram(url, "graftlm_lora_adapter_load_seconds")  # (mixed: none)
             waits = histogram(url, "graftlm_lora_adapter_wait_seconds")
             alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
             same = sum(a == b for a, b in zip(alone, texts, strict=False))
@@ -173,6 +183,11 @@ def main() -> int:
         print(f"base {b:.1f} s, churn {c:.1f} s: churn / base {c / b:.2f} (best round each); "
               f"per pair {', '.join(f'{r:.2f}' for r in pairs)}: median "
               f"{float(np.median(pairs)):.2f}")  # fmt: skip
+        mix = [c / m for m, c in zip(times["mixed"], times["churn"], strict=True)]
+        print(f"mixed (the last {len(last)} adapters, resident) / base: median "
+              f"{float(np.median([m / b for b, m in zip(times['base'], times['mixed'], strict=True)])):.2f}; "
+              f"churn / mixed per round {', '.join(f'{r:.2f}' for r in mix)}: median "
+              f"{float(np.median(mix)):.2f} (what the loads themselves cost)")  # fmt: skip
         print(f"cold loads under the churn traffic: {buckets[-1][1]:.0f}, each read, packed and "
               f"attached in a median {quantile(buckets, 0.5) * 1000:.0f} ms "
               f"(p95 {quantile(buckets, 0.95) * 1000:.0f}), after waiting for room a median "

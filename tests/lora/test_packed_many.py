@@ -145,3 +145,21 @@ def test_a_s8_many_of_several_ranks_is_each_alone() -> None:
         assert got is not None
         for x, y in zip(got, _alone_a_s8(a), strict=True):
             _same(x, y)
+
+
+def test_a_s8_is_gguf_q8_0_bit_for_bit_at_the_edges() -> None:
+    """The native quantizer rounds as gguf's: ties away from zero, zero blocks, scales from
+    float16's subnormals to its largest, every magnitude between."""
+    g = torch.Generator().manual_seed(4)
+    blocks = [torch.randn(32, generator=g) * 10.0**e for e in range(-30, 7, 3)]
+    tie = torch.arange(32, dtype=torch.float32) - 15.5  # d = 127 / 127 = 1 after the max below
+    tie[0] = -127.0
+    blocks += [tie, tie * 0.5, -tie, torch.zeros(32), torch.full((32,), 1e-8)]
+    blocks += [torch.full((32,), -3.0e-3), torch.tensor([6e4] + [1.0] * 31)]
+    n = len(blocks) // 2 * 2  # rows of 64 values: two blocks each
+    a = torch.stack(blocks[:n]).view(n // 2, 64)
+    for rows in (a, a[:5], a[:1]):
+        got = packed.a_s8(rows.contiguous())
+        assert got is not None
+        for x, y in zip(got, _alone_a_s8(rows.contiguous()), strict=True):
+            _same(x, y)

@@ -295,6 +295,57 @@ def test_a_slow_adapter_read_ends_its_request_with_a_503(
     asyncio.run(go())
 
 
+def test_reads_take_turns_but_a_hung_one_lets_the_next_start(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads run one at a time (side by side they only take turns at the interpreter's lock),
+    the time one queues counted as its wait, not its load; a read that hangs past read_alone_s
+    lets the next one start beside it, so one slow file does not hold up every other adapter."""
+    import threading
+
+    release = threading.Event()
+    real = svc.prepare_adapter
+    running: list[str] = []
+    most = [0]
+    loads: list[tuple[str, float, float]] = []
+
+    def watched(path: str) -> object:
+        running.append(path)
+        most[0] = max(most[0], len(running))
+        try:
+            if path == str(tiny_files["alpha"]):
+                release.wait(10)
+            return real(path)
+        finally:
+            running.remove(path)
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        reg.on_attach.append(lambda name, load, wait: loads.append((name, load, wait)))
+        monkeypatch.setattr(svc, "prepare_adapter", watched)
+        reg.read_alone_s = 0.2
+        hung = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.05)
+        lease = await asyncio.wait_for(reg.lease("beta", None, BASE), 5)  # past the hung read
+        assert reg.names["beta"].resident and not reg.names["alpha"].resident
+        assert most[0] == 2  # (beside the hung one, after read_alone_s)
+        release.set()
+        reg.release(await hung)
+        reg.release(lease)
+        # two reads asked together run one after the other
+        reg.add_module("delta", str(tiny_files["delta"]))
+        reg.read_alone_s, most[0] = 30.0, 0
+        for x in await asyncio.gather(
+            reg.lease("gamma", None, BASE), reg.lease("delta", None, BASE)
+        ):
+            reg.release(x)
+        assert most[0] == 1
+
+    asyncio.run(go())
+    beta = [w for name, _, w in loads if name == "beta"]
+    assert beta and beta[0] >= 0.1  # it waited for the reader, and that is wait, not load
+
+
 def test_an_adapter_for_another_base_is_a_short_answer(
     server: TinyServer, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -89,19 +89,31 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
         )
     problems: list[str] = []
     alpha, task_name, prompt_prefix, invocation = _lora_metadata(f, problems)
-    deltas: dict[str, list[tuple[slice, slice, Delta]]] = {}
+    # each piece in file order; a dense pair's delta is its index among `dense` until every pair
+    # is checked, then all are read together (_read_dense)
+    placed: list[tuple[str, slice, slice, Delta | int]] = []
+    dense: list[tuple[str, TensorEntry, TensorEntry]] = []
     for base, pair in sorted(_pairs(f, problems).items()):
         if set(pair) != {"lora_a", "lora_b"}:
             missing = ({"lora_a", "lora_b"} - set(pair)).pop()
             problems.append(f"tensor {base}.weight: has no {missing}")
             continue
-        for projection, piece in _resolve_pair(
+        got = _resolve_pair(
             base, pair["lora_a"], pair["lora_b"], alpha, model, base_tensors, problems
-        ):
-            deltas.setdefault(projection, []).append(piece)
+        )
+        if isinstance(got, tuple):
+            targets, a_e, b_e = got
+            placed += [(t.projection, t.rows, t.at, len(dense)) for t in targets]
+            dense.append((base, a_e, b_e))
+        else:
+            placed += [(projection, rows, at, d) for projection, (rows, at, d) in got]
 
     if problems or arch != model.cfg.arch:
         raise refusal(head, problems)
+    read = _read_dense(dense, alpha)
+    deltas: dict[str, list[tuple[slice, slice, Delta]]] = {}
+    for projection, rows, at, d in placed:
+        deltas.setdefault(projection, []).append((rows, at, read[d] if isinstance(d, int) else d))
     return ResolvedAdapter(
         path=str(f.path),
         alpha=alpha,
@@ -171,10 +183,11 @@ def _resolve_pair(
     model: Base,
     base_tensors: set[str],
     problems: list[str],
-) -> list[tuple[str, tuple[slice, slice, Delta]]]:
-    """One base weight's pair checked (types, target, shapes) and read, scaled by alpha / r: the
-    pieces of the projections it lands in; none, with the reasons in `problems`, when it does not
-    fit."""
+) -> list[tuple[str, tuple[slice, slice, Delta]]] | tuple[list[Target], TensorEntry, TensorEntry]:
+    """One base weight's pair checked (types, target, shapes): a dense pair's targets and
+    tensors, to be read with the others (_read_dense); a routed-expert pair read, scaled by
+    alpha / r, as the pieces of the projections it lands in; none, with the reasons in
+    `problems`, when it does not fit."""
     bad_type = [e for e in (a_e, b_e) if e.ggml_type not in ADAPTER_TYPES]
     for e in bad_type:
         problems.append(
@@ -205,9 +218,7 @@ def _resolve_pair(
     if shape_problems:
         problems.append(f"tensor {base}.weight: " + "; ".join(shape_problems))
         return []
-    a, b = _values(a_e), _scaled(_values(b_e), alpha, rb)
-    delta = Delta(a, b, sources=(f"{base}.weight",))
-    return [(t.projection, (t.rows, t.at, delta)) for t in targets]
+    return targets, a_e, b_e
 
 
 def _resolve_experts(
@@ -292,6 +303,38 @@ def _values(e: TensorEntry) -> torch.Tensor:
     if kind is not None and e.data.dtype == kind and e.data.size == math.prod(e.shape):
         return torch.from_numpy(np.array(e.data, dtype=np.float32)).view(e.shape)
     return dequantize_any(e.data, e.ggml_type, e.shape)
+
+
+def _read_dense(pairs: list[tuple[str, TensorEntry, TensorEntry]], alpha: float) -> list[Delta]:
+    """Each dense pair's delta (A, B scaled by alpha / r, each as _values reads it), the pairs
+    of one shape and type read as one stack: a copy each out of the memory map and one scaling,
+    not a few tensor calls a pair (an adapter is read off the engine's thread, where each waits
+    for the interpreter's lock under traffic). B * factor is elementwise: the same bits in a
+    stack as alone."""
+    groups: dict[tuple[object, ...], list[int]] = {}
+    for i, (_, a_e, b_e) in enumerate(pairs):
+        groups.setdefault((a_e.ggml_type, a_e.shape, b_e.ggml_type, b_e.shape), []).append(i)
+    out: list[Delta | None] = [None] * len(pairs)
+    for idx in groups.values():
+        a = _values_many([pairs[i][1] for i in idx])
+        b_es = [pairs[i][2] for i in idx]
+        b = _scaled(_values_many(b_es), alpha, b_es[0].shape[1])
+        for g, i in enumerate(idx):
+            out[i] = Delta(a[g], b[g], sources=(f"{pairs[i][0]}.weight",))
+    return [d for d in out if d is not None]
+
+
+def _values_many(entries: list[TensorEntry]) -> torch.Tensor:
+    """_values of factors of one type and shape, stacked (G, *shape): F32 and F16 in one copy
+    out of the memory map."""
+    e0 = entries[0]
+    kind = _FLOATS.get(e0.ggml_type)
+    size = math.prod(e0.shape)
+    if kind is not None and all(e.data.dtype == kind and e.data.size == size for e in entries):
+        out = np.empty((len(entries), size), dtype=np.float32)
+        np.stack([e.data.reshape(-1) for e in entries], out=out)
+        return torch.from_numpy(out).view(len(entries), *e0.shape)
+    return torch.stack([_values(e) for e in entries])
 
 
 def _ne(e: TensorEntry) -> str:

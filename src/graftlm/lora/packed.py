@@ -27,13 +27,10 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from graftlm.native import library
 from graftlm.native.abi import GlLoraPart, GlLoraSite, GlLoraSlot
-from graftlm.quant.native_kernels import NativeS8Kernel
 
 BLOCK = 32  # outputs a product task covers: one block of every part it reaches
 
@@ -106,36 +103,34 @@ def a_s8(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def a_s8_many(factors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """a_s8 of several A of one n_in in one quantization and one packing call: each A's rows
-    then zero rows to whole groups of 8 (as the packer pads a lone one), so each one's codes and
-    scales are a contiguous view of the shared result, byte for byte what a_s8 gives it alone."""
+    """a_s8 of several A of one n_in in one native call (csrc/quant.c's gl_pack_q8_0_f32: gguf's
+    Q8_0 quantizer, then the s8 packer, on one thread): each A's rows then zero rows to whole
+    groups of 8 (as the packer pads a lone one; a zero row's Q8_0 bytes are all zero), so each
+    one's codes and scales are a contiguous view of the shared result, byte for byte what a_s8
+    gives it alone."""
     n_in = int(factors[0].shape[1])
-    if n_in % 32 or library() is None:
+    lib = library()
+    if n_in % 32 or lib is None:
         return [None] * len(factors)
     rows = [int(a.shape[0]) for a in factors]
     padded = [-(-r // 8) * 8 for r in rows]
     total = sum(padded)
-    # the rows themselves quantized (a zero row's Q8_0 bytes are all zero: d 0, codes 0), then
-    # laid out with zero rows to whole groups
-    flat = factors[0] if len(factors) == 1 else torch.cat(factors)
-    raw = quants.quantize(flat.contiguous().numpy(), GGMLQuantizationType.Q8_0)
-    codes = np.zeros((total, raw.shape[1]), dtype=np.uint8)
     if len(set(rows)) == 1:  # (the usual adapter: one rank everywhere)
-        codes.reshape(len(factors), padded[0], -1)[:, : rows[0]] = raw.reshape(
-            len(factors), rows[0], -1
-        )
+        x = torch.zeros(len(factors), padded[0], n_in)
+        x[:, : rows[0]] = torch.stack(factors)
     else:
-        at, src = 0, 0
-        for r, p in zip(rows, padded, strict=True):
-            codes[at : at + r] = raw[src : src + r]
-            at, src = at + p, src + r
-    k = NativeS8Kernel.build(torch.from_numpy(codes), GGMLQuantizationType.Q8_0, (total, n_in))
-    assert isinstance(k, NativeS8Kernel)
-    q = k.q.view(total // 8, -1)  # (groups of 8 rows, their codes)
+        x = torch.zeros(total, n_in)
+        at = 0
+        for a, r, p in zip(factors, rows, padded, strict=True):
+            x[at : at + r] = a
+            at += p
+    q = torch.empty(total // 8, n_in // 32 * 256, dtype=torch.uint8)  # (groups of 8 rows, codes)
+    s = torch.empty(total, n_in // 32, dtype=torch.float16)
+    lib.gl_pack_q8_0_f32(x.data_ptr(), total, n_in, q.data_ptr(), s.data_ptr())
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     at = 0
     for p in padded:
-        out.append((q[at // 8 : (at + p) // 8].view(-1), k.s[at : at + p]))
+        out.append((q[at // 8 : (at + p) // 8].view(-1), s[at : at + p]))
         at += p
     return out
 

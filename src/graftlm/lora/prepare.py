@@ -7,8 +7,15 @@ that names the file. Attaching what it returns is the engine thread's (`EngineSe
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from graftlm.errors import AdapterError, GraftError
 from graftlm.lora.adapter import ResolvedAdapter
@@ -67,3 +74,33 @@ def prepare_adapter(adapters: AdapterSet, path: str | Path) -> PreparedAdapter:
     except (OSError, ValueError, KeyError) as exc:
         raise AdapterError(f"{p}: cannot read the adapter ({exc})") from None
     return PreparedAdapter(AdapterFacts.of(resolved), resolved)
+
+
+@functools.cache
+def _openmp() -> Any:
+    """The OpenMP runtime torch loaded (libgomp's soname finds the copy already in the process),
+    or None where there is none by that name."""
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")
+        return lib if hasattr(lib, "omp_set_num_threads") else None
+    except OSError:
+        return None
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """The calling thread's torch operations and native calls on one thread (its OpenMP team
+    of one) inside the block: an adapter read beside the engine's steps then takes no core
+    from the engine's team (a reader's own team of two, on a machine of two cores, has each
+    parallel region wait for a core the engine holds, and its idle worker spin on one the
+    engine needs). Other threads keep their own setting; the caller's comes back after."""
+    lib = _openmp()
+    if lib is None:
+        yield
+        return
+    before = torch.get_num_threads()  # (first: torch sets up this thread's team, then ours holds)
+    lib.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(before)

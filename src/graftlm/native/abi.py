@@ -110,6 +110,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_set_amx_rows": (_I64, [_I64]),
     "gl_pack_u4": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT]),
     "gl_pack_s8": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _INT, _INT]),
+    "gl_pack_q8_0_f32": (None, [_P, _I64, _I64, _P, _P]),
     "gl_deq_u4": (None, [_P, _P, _P, _INT, _INT, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_deq_s8": (None, [_P, _P, _INT, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_u4": (None, [_P, _I64, _I64, _P, _P, _P, _INT, _INT, _I64, _P, _INT]),

@@ -182,6 +182,7 @@ GL_API int gl_pack_u4(int type, const uint8_t *raw, int64_t rowbytes, int64_t n,
                       uint8_t *qs, void *d, void *m, int h, int nth);
 GL_API int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_t k,
                       int8_t *q, void *s, int h, int nth);
+GL_API void gl_pack_q8_0_f32(const float *x, int64_t n, int64_t k, int8_t *q, void *s);
 GL_API void gl_deq_u4(const uint8_t *qs, const void *d, const void *m, int h, int h5, int offset,
                       int64_t k, const int64_t *ids, int64_t row0, int64_t nrows, float *out,
                       int nth);

@@ -80,7 +80,7 @@ def test_a_file_broken_in_place_while_resident(
         with pytest.raises(AdapterError) as exc:
             await reg.lease("x", None, BASE)
         msg = str(exc.value)
-        assert "x.gguf" in msg, msg
+        assert "adapter 'x'" in msg and "x.gguf" in msg, msg
         assert not reg.names["x"].resident and all(e.name != "x" for e in reg.by_id.values())
         assert set(svc.adapters.attached) == set(reg.by_id)
 

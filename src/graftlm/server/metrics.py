@@ -108,7 +108,7 @@ class Metrics:
         self.adapter_wait_seconds = Histogram(
             "graftlm_lora_adapter_wait_seconds",
             "Seconds an adapter attached on first use waited for room under --max-loras / "
-            "--max-lora-memory (adapters of running requests stay), or for another attach",
+            "--max-lora-memory (adapters of running requests stay), or for other adapters' reads and attaches ahead of it",
             buckets=_LATENCY,
             registry=r,
         )

@@ -345,8 +345,11 @@ class AdapterRegistry:
 
     async def _attach(self, entry: AdapterEntry) -> int:
         t0 = time.perf_counter()
-        prepared, read = await self._read(entry)
-        self._check_rank(prepared.facts)
+        try:
+            prepared, read = await self._read(entry)
+            self._check_rank(prepared.facts)
+        except AdapterError as e:  # the file names the path: the request knows the name
+            raise AdapterError(f"adapter {entry.name!r}: {e}") from e
         nbytes = prepared.facts.nbytes
         async with self._attach_lock:  # the room, made and held for this attach
             await self._make_room(nbytes, entry.name)

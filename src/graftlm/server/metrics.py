@@ -108,7 +108,8 @@ class Metrics:
         self.adapter_wait_seconds = Histogram(
             "graftlm_lora_adapter_wait_seconds",
             "Seconds an adapter attached on first use waited for room under --max-loras / "
-            "--max-lora-memory (adapters of running requests stay), or for other adapters' reads and attaches ahead of it",
+            "--max-lora-memory (adapters of running requests stay), or for other adapters' "
+            "reads and attaches ahead of it",
             buckets=_LATENCY,
             registry=r,
         )

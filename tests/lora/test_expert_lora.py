@@ -174,65 +174,94 @@ def test_zero_scale_and_mixed_rows(made: dict[str, Any]) -> None:
     assert not torch.equal(alone[0], alone[1]) and torch.equal(alone[0], alone[4])
 
 
-def _decode_steps(
-    model: Any, rows: Any, lens: tuple[int, ...] = (12, 5, 9, 7)
-) -> list[torch.Tensor]:
-    """Each of len(lens) rows prefilled (no adapter) to its length, then three decode steps of
+LENS = (12, 6, 9, 7, 10)  # (no prompt as long as the batch: the spy below tells them apart)
+
+
+def _decode_steps(model: Any, rows: Any) -> list[torch.Tensor]:
+    """Each of len(LENS) rows prefilled (no adapter) to its length, then three decode steps of
     all of them together at `rows`' scales: the steps' logits."""
     from graftlm.step.batch import Batch
 
-    n = len(lens)
+    n = len(LENS)
     out = []
     with torch.inference_mode():
-        for s, length in enumerate(lens):
+        for s, length in enumerate(LENS):
             model.forward(Batch.single([(7 * s + j) % 50 + 3 for j in range(length)], s, 0))
         for step in range(3):
             tokens = torch.tensor([[20 + step + 9 * s] for s in range(n)])
-            batch = Batch(tokens, list(range(n)), [k + step for k in lens], [1] * n, rows)
+            batch = Batch(tokens, list(range(n)), [k + step for k in LENS], [1] * n, rows)
             out.append(model.forward(batch))
+    return out
+
+
+def _without_expert_0(src: Path, out: Path) -> Path:
+    """The per-expert nn.Linear adapter `src` with no factors for expert 0 (its other experts'
+    and q_proj's as they were): expert 0's sites then have none of it."""
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    (out / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if ".experts.0." not in k},
+              str(out / "adapter_model.safetensors"))  # fmt: skip
     return out
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "f32"])
 def test_native_decode_layer_adds_the_expert_delta(
-    made: dict[str, Any], quant: str, monkeypatch: pytest.MonkeyPatch
+    made: dict[str, Any], quant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fused decode layer adds the experts' delta itself (Q8_0 experts: A in integer dots, B
     in bfloat16; f32: float32 factors): decode steps of rows on different adapters and scales
-    that pick the same experts (4 rows, top-k of few experts), one row without, run in one
-    native call, bit-identical to one native call a layer and within 1e-4 of the composed blocks
-    (moe.py, the same packed factors). Adapters at scale 0 are bit-identical to none, and the
-    row without an adapter is the row of a step with none."""
+    that pick the same experts, one row without, one on an adapter that leaves expert 0 out, run
+    in one native call, bit-identical to one native call a layer and within 1e-4 of the composed
+    blocks (moe.py, the same packed factors). Adapters at scale 0 are bit-identical to none, and
+    the row without an adapter is the row of a step with none."""
     from spies import stack_calls
 
+    from graftlm.models import moe
     from graftlm.models.base import Transformer
     from graftlm.step.batch import LoraRows
 
-    m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=4,
+    n = len(LENS)
+    m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=n,
                      cache_type="f32")  # fmt: skip
     a = m.add_lora(made["tmp"] / "params", 0.0)
     b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    c = m.add_lora(_without_expert_0(made["tmp"] / "linear", tmp_path / "no0"), 0.0)
     model = m.model
     if model.fused_stack() is None:
         pytest.skip("no native decode layer here")
     served = stack_calls(monkeypatch)
-    rows = m.engine.lora_rows([{a: 1.0}, {b: -0.5}, {a: 0.5, b: 0.25}, {}])
+    rows = m.engine.lora_rows([{a: 1.0}, {b: -0.5}, {a: 0.5, b: 0.25}, {}, {c: 1.0}])
     fused = _decode_steps(model, rows)
     plain = _decode_steps(model, None)
-    zero = _decode_steps(model, LoraRows(torch.zeros(4, b + 1), (a, b)))
-    assert served == ([False] * 4 + [True] * 3) * 3  # the prefills in PyTorch, decode natively
+    zero = _decode_steps(model, LoraRows(torch.zeros(n, c + 1), (a, b, c)))
+    assert served == ([False] * n + [True] * 3) * 3  # the prefills in PyTorch, decode natively
     for f, p, z in zip(fused, plain, zero, strict=True):
         assert torch.equal(z, p)
         assert torch.equal(f[3], p[3])
-    for r in range(3):  # (an adapter on the wrong row, or left out, moves the logits by ~1)
+    for r in (0, 1, 2, 4):  # (an adapter on the wrong row, or left out, moves the logits by ~1)
         assert not torch.allclose(fused[-1][r], plain[-1][r], rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     one_by_one = _decode_steps(model, rows)
     monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    chosen: list[torch.Tensor] = []  # each composed routed FFN's experts of each row
+    mix = moe.mix_experts
+
+    def spy(x: torch.Tensor, picked: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        if picked.shape[0] == n:  # (a decode step's: one token a row)
+            chosen.append(picked)
+        return mix(x, picked, *args, **kw)
+
+    monkeypatch.setattr(moe, "mix_experts", spy)
     composed = _decode_steps(model, rows)
-    for f, o, c in zip(fused, one_by_one, composed, strict=True):
+    for f, o, k in zip(fused, one_by_one, composed, strict=True):
         torch.testing.assert_close(f, o, rtol=0, atol=0)
-        torch.testing.assert_close(f, c, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(f, k, rtol=1e-4, atol=1e-4)
+    # rows on different adapters (0 and 1) on one expert, and the partial adapter on expert 0
+    assert any(set(p[0].tolist()) & set(p[1].tolist()) for p in chosen)
+    assert any(0 in p[4].tolist() for p in chosen)
 
 
 def test_native_decode_with_an_expert_adapter_follows_the_reference(made: dict[str, Any]) -> None:

@@ -10,8 +10,8 @@ products and one native gating. The router `ffn_gate_inp` is an ordinary project
 Routed experts take per-expert adapters (llama.cpp's `build_lora_mm_id`): expert e of a file
 tensor is a seam of its own (`ExpertSeam`, "blk.0.ffn_gate_up_exps[3]"), each with its slots, and
 its delta is added to the expert's product on the expert's tokens, each token at its row's scale:
-on a fast step from the seam's packed adapters (``native.ops.lora_delta``, the factors and
-kernels the native decode layer's routed FFN adds them with: models.fused), on an exact step
+on a fast step from the seam's packed adapters (``gl_lora``, the factors and kernels the native
+decode layer's routed FFN adds them with: models.fused), on an exact step
 (or where they are not packed) in PyTorch with the float32 factors
 (`LoraSite.add_token_delta`). A stacked expert's gate and up rows are parts of one seam, as a
 dense layer's are.
@@ -30,7 +30,9 @@ from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.base import Weights
 from graftlm.models.primitives import gated
-from graftlm.native import ops as native_ops
+from graftlm.native import layer_calls as native_layer
+from graftlm.native import library
+from graftlm.native.build import threads
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 from graftlm.step.batch import LoraRows
@@ -107,18 +109,24 @@ def _lora_rows(rows: LoraRows | None, *experts: _Adapted) -> LoraRows | None:
     return rows if any(s in x.slots() for x in experts for s in rows.active) else None
 
 
+# an expert's tokens whose delta runs on one thread: the delta of a few rows costs less than
+# starting a parallel region (tens of microseconds; milliseconds on a loaded machine)
+ONE_THREAD_ROWS = 64
+
+
 def _token_delta(
     site: LoraSite, y: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, exact: bool
 ) -> torch.Tensor:
     """y (n, n_out) plus the delta of x (n, n_in), token i at scales[i] (n, n_slots): natively
     from the site's packed adapters on a fast step (in place), else in PyTorch."""
-    table = None if exact else site.native()
+    table = None if exact or library() is None else site.native()
     if (
         table is not None
-        and scales.dtype is torch.float32
-        and scales.is_contiguous()
-        and native_ops.lora_delta(y.unsqueeze(1), x.unsqueeze(1), table.site(scales))
+        and all(t.dtype is torch.float32 for t in (x, y, scales))
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (x, y, scales))
     ):
+        nth = 1 if x.shape[0] <= ONE_THREAD_ROWS else threads()
+        native_layer.lora_rows(table.site(scales), x, y, nth)
         return y
     return site.add_token_delta(y, x, scales)
 

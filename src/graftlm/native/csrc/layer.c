@@ -16,14 +16,16 @@
  * and cnt from the job's first pair's row on, off (nmax) a job); and its pairs' s * A . x (av:
  * pair r's row at av + r0 umax + (r - r0) U, r0 its job's first pair, U its plan's width).
  * nmax, umax: the most slots, and the most rank summed, an expert's site has; s8: some slot's A
- * takes the integer dots (the product's x quantized as an s8 weight's); ld: the scale table's
- * row width. */
+ * takes the integer dots (the product's x quantized as an s8 weight's); scales, ld: the step's
+ * scale table (row b's scale of slot id at scales[b * ld + id]) as the sites with adapters see
+ * it (a site with none may point nowhere). */
 typedef struct {
     const gl_lora_site *src;
     gl_lora_site *sites;
     lora_plan *plans;
     int64_t *js, *cnt, *off;
     float *av;
+    const float *scales;
     int64_t nmax, umax, s8, ld;
 } expert_lora;
 
@@ -62,7 +64,7 @@ static expert_lora expert_lora_take(const gl_lora_site *sites, int64_t E, int64_
         for (int64_t j = 0; j < l->n; j++) {
             u += l->slot[j].r;
             x.s8 |= l->slot[j].aq != NULL;
-            if (!on && slot_on(l, j, B, memo, 64)) on = 1, x.ld = l->ld;
+            if (!on && slot_on(l, j, B, memo, 64)) on = 1, x.scales = l->scales, x.ld = l->ld;
         }
         x.nmax = l->n > x.nmax ? l->n : x.nmax;
         x.umax = u > x.umax ? u : x.umax;
@@ -281,8 +283,9 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
      * nonzero scale on its expert) */
     expert_lora xl[2] = {bufs->xl[0], bufs->xl[1]};
     if (bufs->psc) {
-        const int64_t ld = xl[0].src ? xl[0].ld : xl[1].ld;
-        const float *board = (xl[0].src ? xl[0].src : xl[1].src)[0].scales;
+        const expert_lora *on = xl[0].src ? &xl[0] : &xl[1];
+        const int64_t ld = on->ld;
+        const float *board = on->scales;
         for (int64_t r = 0; r < R; r++)
             memcpy(bufs->psc + r * ld, board + bufs->rows[r] * ld, sizeof(float) * (size_t)ld);
         for (int p = 0; p < 2; p++)

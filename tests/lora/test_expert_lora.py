@@ -174,7 +174,7 @@ def test_zero_scale_and_mixed_rows(made: dict[str, Any]) -> None:
     assert not torch.equal(alone[0], alone[1]) and torch.equal(alone[0], alone[4])
 
 
-LENS = (12, 6, 9, 7, 10)  # (no prompt as long as the batch: the spy below tells them apart)
+LENS = (12, 7, 9, 5, 10, 8)  # (no prompt as long as the batch: the spy below tells them apart)
 
 
 def _decode_steps(model: Any, rows: Any) -> list[torch.Tensor]:
@@ -233,15 +233,15 @@ def test_native_decode_layer_adds_the_expert_delta(
     if model.fused_stack() is None:
         pytest.skip("no native decode layer here")
     served = stack_calls(monkeypatch)
-    rows = m.engine.lora_rows([{a: 1.0}, {b: -0.5}, {a: 0.5, b: 0.25}, {}, {c: 1.0}])
+    rows = m.engine.lora_rows([{a: 1.0}, {a: -0.5}, {b: -0.5}, {a: 0.5, b: 0.25}, {}, {c: 1.0}])
     fused = _decode_steps(model, rows)
     plain = _decode_steps(model, None)
     zero = _decode_steps(model, LoraRows(torch.zeros(n, c + 1), (a, b, c)))
     assert served == ([False] * n + [True] * 3) * 3  # the prefills in PyTorch, decode natively
     for f, p, z in zip(fused, plain, zero, strict=True):
         assert torch.equal(z, p)
-        assert torch.equal(f[3], p[3])
-    for r in (0, 1, 2, 4):  # (an adapter on the wrong row, or left out, moves the logits by ~1)
+        assert torch.equal(f[4], p[4])
+    for r in (0, 1, 2, 3, 5):  # (an adapter on the wrong row, or left out, moves the logits by ~1)
         assert not torch.allclose(fused[-1][r], plain[-1][r], rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     one_by_one = _decode_steps(model, rows)
@@ -259,9 +259,11 @@ def test_native_decode_layer_adds_the_expert_delta(
     for f, o, k in zip(fused, one_by_one, composed, strict=True):
         torch.testing.assert_close(f, o, rtol=0, atol=0)
         torch.testing.assert_close(f, k, rtol=1e-4, atol=1e-4)
-    # rows on different adapters (0 and 1) on one expert, and the partial adapter on expert 0
-    assert any(set(p[0].tolist()) & set(p[1].tolist()) for p in chosen)
-    assert any(0 in p[4].tolist() for p in chosen)
+    # rows on different adapters (0 and 2) on one expert, two on the same (0 and 1: each block
+    # of B read once for both), and the partial adapter's row on expert 0
+    for r, q in ((0, 2), (0, 1)):
+        assert any(set(p[r].tolist()) & set(p[q].tolist()) for p in chosen)
+    assert any(0 in p[5].tolist() for p in chosen)
 
 
 def test_native_decode_with_an_expert_adapter_follows_the_reference(made: dict[str, Any]) -> None:

@@ -13,18 +13,18 @@ PyTorch blocks.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from graftlm.lora.packed import SlotTable
-from graftlm.lora.site import Generation
+from graftlm.lora.site import Generation, LoraSite
 from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.native import layer_calls as native_layer
 from graftlm.native import library
-from graftlm.native.abi import GlLayer, GlWeight, Scratch
+from graftlm.native.abi import GlLayer, GlLoraSite, GlWeight, Scratch
 from graftlm.native.build import loaded_library
 from graftlm.native.layer_calls import ACTS, GATINGS
 from graftlm.native.ops import gl_kv
@@ -105,6 +105,12 @@ class LayerSpec:
         )
 
 
+class ExpertSite(Protocol):
+    """One routed expert's weight as its adapters are attached to it (moe.py's ExpertSeam)."""
+
+    lora: LoraSite | None
+
+
 @dataclass
 class MoeSpec:
     """A routed FFN for the native layer: the router projection and every expert's stacked
@@ -121,9 +127,10 @@ class MoeSpec:
     gate_up_bias: torch.Tensor | None = None  # (n_expert, 2 n_ff)
     down_bias: torch.Tensor | None = None  # (n_expert, n_embd)
     gating: str = "softmax_norm"
-    # the adapter slots on its experts (moe's): a step with one of them active runs the PyTorch
-    # block (the native layer adds no expert delta yet)
-    adapted: Callable[[], frozenset[int]] | None = None
+    # every expert's seam of [gate; up] and of down (moe.py's), whose adapters the native layer
+    # adds (each expert's packed slots, bound as the projections' are); None: no adapters on the
+    # experts (gpt-oss's are refused when read)
+    seams: tuple[Sequence[ExpertSite], Sequence[ExpertSite]] | None = None
 
     def servable(self) -> bool:
         n = len(self.gate_up)
@@ -264,7 +271,12 @@ class FusedLayer:
             layer.exp_gate_up_bias = _ptr(moe.gate_up_bias)
             layer.exp_down_bias = _ptr(moe.down_bias)
         self.layer = layer
-        self._expert_slots: tuple[int, frozenset[int]] = (-1, frozenset())  # expert_slots'
+        # the experts' adapter sites, one an expert for [gate; up] and for down (pointed at by
+        # the struct while some expert has an adapter)
+        self.expert_seams = spec.moe.seams if spec.moe is not None else None
+        self.expert_sites: list[ctypes.Array[GlLoraSite]] = []
+        if self.expert_seams is not None:
+            self.expert_sites = [(GlLoraSite * len(s))() for s in self.expert_seams]
         self.lora_fields = [layer.l_qkv[i] for i in range(len(spec.qkv))]
         tail = [layer.l_router] if spec.moe is not None else [layer.l_gate_up, layer.l_down]
         self.lora_fields += [layer.l_o, *tail]
@@ -292,40 +304,42 @@ class FusedLayer:
                 if table is not None:
                     self._tables.append(table)
                     table.point(site, buf.data_ptr(), buf.shape[1])
+            self._bind_experts()
             self._bound = board.key
         return self._servable
 
-    def expert_slots(self) -> frozenset[int]:
-        """The adapter slots on this layer's routed experts, found again only when the model's
-        adapters change (the board's generation), not every step."""
-        g = self.board.adapters.value
-        if self._expert_slots[0] != g:
-            moe = self.spec.moe
-            found = moe.adapted() if moe is not None and moe.adapted is not None else frozenset()
-            self._expert_slots = (g, found)
-        return self._expert_slots[1]
-
-    def experts_adapted(self, lora: LoraRows | None) -> bool:
-        """Whether an adapter active in the step is on this layer's routed experts."""
-        return lora is not None and _any_in(lora.active, self.expert_slots())
+    def _bind_experts(self) -> None:
+        """bind_lora's for the routed experts: each expert's site of [gate; up] and of down at
+        its packed adapters, and the struct at the sites where some expert has any (NULL: the
+        native layer reads none of them)."""
+        if self.expert_seams is None:
+            return
+        buf = self.board.buf
+        fields = ("l_exp_gate_up", "l_exp_down")
+        for name, seams, sites in zip(fields, self.expert_seams, self.expert_sites, strict=True):
+            adapted = False
+            for seam, site in zip(seams, sites, strict=True):
+                site.n = 0
+                table = None if seam.lora is None else seam.lora.native()
+                if seam.lora is not None and table is None:
+                    self._servable = False
+                elif table is not None:
+                    self._tables.append(table)
+                    table.point(site, buf.data_ptr(), buf.shape[1])
+                    adapted = True
+            setattr(self.layer, name, ctypes.addressof(sites) if adapted else None)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd) -> the layer's output, or None when this step is not for it."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
         if rows is None:
             return None
-        if self.experts_adapted(batch.lora):
-            return None  # (an expert adapter in the step: the PyTorch block adds its delta)
         self.board.fill(batch.lora, batch.n_rows)
         if not self.bind_lora():
             return None  # (an adapter the native delta cannot read: the PyTorch block runs)
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layer_decode(self.layer, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)
-
-
-def _any_in(active: tuple[int, ...], slots: frozenset[int]) -> bool:
-    return bool(slots) and any(s in slots for s in active)
 
 
 def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:
@@ -363,23 +377,11 @@ class FusedStack:
         # the board's key when every layer last bound its adapters, and whether all could
         self._bound: tuple[int, int] | None = None
         self._servable = True
-        self._expert_slots: tuple[int, frozenset[int]] = (-1, frozenset())  # experts_adapted's
-
-    def experts_adapted(self, lora: LoraRows | None) -> bool:
-        """Whether an adapter active in the step is on any layer's routed experts: one check a
-        step against every layer's slots, gathered when the model's adapters change."""
-        if lora is None:
-            return False
-        g = self.board.adapters.value
-        if self._expert_slots[0] != g:
-            found = frozenset().union(*[f.expert_slots() for f in self.layers])
-            self._expert_slots = (g, found)
-        return _any_in(lora.active, self._expert_slots[1])
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor | None:
         """x (B, 1, n_embd), the embeddings -> the last layer's output, or None."""
         rows = _decode_rows(x, batch, self.n_ctx, self.n_slots)
-        if rows is None or self.experts_adapted(batch.lora):
+        if rows is None:
             return None
         self.board.fill(batch.lora, batch.n_rows)  # once for all the layers
         if self.board.key != self._bound:  # the adapters or the board changed: every layer binds

@@ -88,7 +88,7 @@ class Llama(Transformer):
                 return None
             down = b.ffn_down_exps
             moe = MoeSpec(b.ffn_gate_inp, experts.stacked, down.weights, cfg.n_expert_used,
-                          adapted=lambda: experts.slots() | down.slots())  # fmt: skip
+                          seams=(experts.seams, down.seams))  # fmt: skip
             return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                              b.ffn_norm, moe=moe, **extra)  # fmt: skip
         return LayerSpec.of(b.attn_qkv, b.attn_output, b.ffn_gate_up, b.ffn_down, b.attn_norm,

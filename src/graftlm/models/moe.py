@@ -9,7 +9,10 @@ products and one native gating. The router `ffn_gate_inp` is an ordinary project
 
 Routed experts take per-expert adapters (llama.cpp's `build_lora_mm_id`): expert e of a file
 tensor is a seam of its own (`ExpertSeam`, "blk.0.ffn_gate_up_exps[3]"), each with its slots, and
-its delta is added to the expert's product on the expert's tokens, each token at its row's scale
+its delta is added to the expert's product on the expert's tokens, each token at its row's scale:
+on a fast step from the seam's packed adapters (``gl_lora``, the factors and kernels the native
+decode layer's routed FFN adds them with: models.fused), on an exact step
+(or where they are not packed) in PyTorch with the float32 factors
 (`LoraSite.add_token_delta`). A stacked expert's gate and up rows are parts of one seam, as a
 dense layer's are.
 """
@@ -27,6 +30,9 @@ from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.base import Weights
 from graftlm.models.primitives import gated
+from graftlm.native import layer_calls as native_layer
+from graftlm.native import library
+from graftlm.native.build import threads
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 from graftlm.step.batch import LoraRows
@@ -103,6 +109,28 @@ def _lora_rows(rows: LoraRows | None, *experts: _Adapted) -> LoraRows | None:
     return rows if any(s in x.slots() for x in experts for s in rows.active) else None
 
 
+# an expert's tokens whose delta runs on one thread: the delta of a few rows costs less than
+# starting a parallel region (tens of microseconds; milliseconds on a loaded machine)
+ONE_THREAD_ROWS = 64
+
+
+def _token_delta(
+    site: LoraSite, y: torch.Tensor, x: torch.Tensor, scales: torch.Tensor, exact: bool
+) -> torch.Tensor:
+    """y (n, n_out) plus the delta of x (n, n_in), token i at scales[i] (n, n_slots): natively
+    from the site's packed adapters on a fast step (in place), else in PyTorch."""
+    table = None if exact or library() is None else site.native()
+    if (
+        table is not None
+        and all(t.dtype is torch.float32 for t in (x, y, scales))
+        and all(t.is_contiguous() and t.device.type == "cpu" for t in (x, y, scales))
+    ):
+        nth = 1 if x.shape[0] <= ONE_THREAD_ROWS else threads()
+        native_layer.lora_rows(table.site(scales), x, y, nth)
+        return y
+    return site.add_token_delta(y, x, scales)
+
+
 class Experts(_Adapted):
     """One 3-D expert tensor of a layer, as n_expert 2-D weights of shape (n_out, n_in)."""
 
@@ -124,7 +152,7 @@ class Experts(_Adapted):
         tokens' scales (n, n_slots) when given."""
         y = linear(x, self.weights[e], exact)
         site = self.seams[e].lora
-        return y if scales is None or site is None else site.add_token_delta(y, x, scales)
+        return y if scales is None or site is None else _token_delta(site, y, x, scales, exact)
 
     def to(self, device: torch.device) -> Experts:
         """Every expert's weight on `device` (in place; returns self)."""
@@ -214,7 +242,7 @@ class GatedExperts(_Adapted):
         gu = linear(x, self.stacked[e], exact)  # (n, 2 n_ff)
         site = self.seams[e].lora
         if scales is not None and site is not None:
-            gu = site.add_token_delta(gu, x, scales)
+            gu = _token_delta(site, gu, x, scales, exact)
         if exact:
             gate, up = gu.chunk(2, dim=-1)
             return F.silu(gate) * up

@@ -72,6 +72,7 @@ class GlLayer(Mirror):
         ("router", GlWeight), ("l_router", GlLoraSite), ("exp_gate_up", _P), ("exp_down", _P),
         ("n_expert", _I64), ("n_expert_used", _I64), ("sinks", _P), ("router_bias", _P),
         ("exp_gate_up_bias", _P), ("exp_down_bias", _P), ("gating", _I64),
+        ("l_exp_gate_up", _P), ("l_exp_down", _P),
     ]  # fmt: skip
 
 

@@ -39,7 +39,7 @@ static const struct {
     GL_AT(gl_layer, l_router), GL_AT(gl_layer, exp_gate_up), GL_AT(gl_layer, exp_down),
     GL_AT(gl_layer, n_expert), GL_AT(gl_layer, n_expert_used), GL_AT(gl_layer, sinks),
     GL_AT(gl_layer, router_bias), GL_AT(gl_layer, exp_gate_up_bias), GL_AT(gl_layer, exp_down_bias),
-    GL_AT(gl_layer, gating),
+    GL_AT(gl_layer, gating), GL_AT(gl_layer, l_exp_gate_up), GL_AT(gl_layer, l_exp_down),
 
     GL_SIZE(gl_kv), GL_AT(gl_kv, k), GL_AT(gl_kv, v), GL_AT(gl_kv, tables), GL_AT(gl_kv, n_blocks),
     GL_AT(gl_kv, n_slots), GL_AT(gl_kv, max_blocks), GL_AT(gl_kv, block), GL_AT(gl_kv, n_head_kv),

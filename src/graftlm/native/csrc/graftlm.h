@@ -125,6 +125,10 @@ typedef struct {
      * as its composed block rounds them). */
     const float *sinks, *router_bias, *exp_gate_up_bias, *exp_down_bias;
     int64_t gating;
+    /* The routed experts' adapters: n_expert sites each, expert e's [gate; up] and down at
+     * l_exp_gate_up[e] and l_exp_down[e] (n 0: none on it), their scales the batch rows'; NULL:
+     * no adapter on any of this layer's experts (layer.c's moe_run adds their delta). */
+    const gl_lora_site *l_exp_gate_up, *l_exp_down;
 } gl_layer;
 
 /* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions

@@ -9,13 +9,77 @@
  * expert and weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act,
  * (B K, n_ff)) and outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
  * both products (xg, xd). */
+/* The routed experts' adapters on one of their products ([gate; up] or down) in a step where
+ * some row has one at a nonzero scale (src: the layer's n_expert sites; NULL: no delta): each
+ * job's (a run of pairs on one expert, moe_run's) site, its scales the pairs' rows (psc); its
+ * plan (lora.c's lora_plan over those pairs: their slots at a nonzero scale, js (pairs, nmax)
+ * and cnt from the job's first pair's row on, off (nmax) a job); and its pairs' s * A . x (av:
+ * pair r's row at av + r0 umax + (r - r0) U, r0 its job's first pair, U its plan's width).
+ * nmax, umax: the most slots, and the most rank summed, an expert's site has; s8: some slot's A
+ * takes the integer dots (the product's x quantized as an s8 weight's); scales, ld: the step's
+ * scale table (row b's scale of slot id at scales[b * ld + id]) as the sites with adapters see
+ * it (a site with none may point nowhere). */
+typedef struct {
+    const gl_lora_site *src;
+    gl_lora_site *sites;
+    lora_plan *plans;
+    int64_t *js, *cnt, *off;
+    float *av;
+    const float *scales;
+    int64_t nmax, umax, s8, ld;
+} expert_lora;
+
 typedef struct {
     float *h, *big, *att, *o;
     void *work;
     float *logits, *weight, *row_w, *gath, *gu, *act, *y;
     int64_t *chosen, *rows, *row_e, *jobs;
     xbuf xg, xd;
+    expert_lora xl[2]; /* the experts' adapters on [gate; up], on down */
+    float *psc;        /* (R, ld): each pair's row of the step's scale table */
 } layer_bufs;
+
+/* Whether any of B rows has slot j of l at a nonzero scale; memo (by slot id, -1 unknown) keeps
+ * the answer for the other experts' sites, which name the same ids in the same table. */
+static int slot_on(const gl_lora_site *l, int64_t j, int64_t B, int8_t *memo, int64_t nmemo) {
+    const int64_t id = l->slot[j].id;
+    if (id >= 0 && id < nmemo && memo[id] >= 0) return memo[id];
+    int on = 0;
+    for (int64_t b = 0; b < B && !on; b++) on = lora_scale(l, b, j) != 0.0f;
+    if (id >= 0 && id < nmemo) memo[id] = (int8_t)on;
+    return on;
+}
+
+/* The buffers of the experts' adapters on one product (sites: n_expert of them, or NULL) for B
+ * rows and R pairs: none (src NULL) unless some row has one of them at a nonzero scale. */
+static expert_lora expert_lora_take(const gl_lora_site *sites, int64_t E, int64_t B, int64_t R,
+                                    gl_scratch *s) {
+    expert_lora x = {0};
+    int on = 0;
+    int8_t memo[64];
+    memset(memo, -1, sizeof(memo));
+    for (int64_t e = 0; sites && e < E; e++) {
+        const gl_lora_site *l = sites + e;
+        int64_t u = 0;
+        for (int64_t j = 0; j < l->n; j++) {
+            u += l->slot[j].r;
+            x.s8 |= l->slot[j].aq != NULL;
+            if (!on && slot_on(l, j, B, memo, 64)) on = 1, x.scales = l->scales, x.ld = l->ld;
+        }
+        x.nmax = l->n > x.nmax ? l->n : x.nmax;
+        x.umax = u > x.umax ? u : x.umax;
+    }
+    if (!on) return (expert_lora){0};
+    const int64_t i8 = (int64_t)sizeof(int64_t);
+    x.src = sites;
+    x.sites = scratch_take(s, (int64_t)sizeof(gl_lora_site) * E);
+    x.plans = scratch_take(s, (int64_t)sizeof(lora_plan) * E);
+    x.js = scratch_take(s, i8 * R * x.nmax);
+    x.cnt = scratch_take(s, i8 * R);
+    x.off = scratch_take(s, i8 * E * x.nmax);
+    x.av = scratch_take(s, (int64_t)sizeof(float) * R * x.umax);
+    return x;
+}
 
 static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
     const int64_t d = L->n_embd, nq = L->n_head * L->head_dim;
@@ -40,11 +104,16 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
         b.gu = scratch_take(s, f * R * 2 * ff);
         b.act = scratch_take(s, f * R * ff);
         b.y = scratch_take(s, f * R * d);
+        b.xl[0] = expert_lora_take(L->l_exp_gate_up, L->n_expert, B, R, s);
+        b.xl[1] = expert_lora_take(L->l_exp_down, L->n_expert, B, R, s);
+        const int64_t ld = b.xl[0].src ? b.xl[0].ld : b.xl[1].ld;
+        if (b.xl[0].src || b.xl[1].src) b.psc = scratch_take(s, f * R * ld);
         /* the experts of one 3-D tensor share its type: expert 0 stands for all (float
-         * experts read x itself: no quantized x) */
+         * experts read x itself: no quantized x, unless an adapter's A takes integer dots) */
         const gl_weight *gu = &L->exp_gate_up[0], *dn = &L->exp_down[0];
-        if (gu->kind != 4) b.xg = xbuf_take(s, R, d, gu->kind == 1);
-        if (dn->kind != 4) b.xd = xbuf_take(s, R, ff, dn->kind == 1);
+        const int64_t s8g = b.xl[0].s8, s8d = b.xl[1].s8;
+        if (gu->kind != 4 || s8g) b.xg = xbuf_take(s, R, d, gu->kind == 1 || s8g);
+        if (dn->kind != 4 || s8d) b.xd = xbuf_take(s, R, ff, dn->kind == 1 || s8d);
     }
     return b;
 }
@@ -86,15 +155,69 @@ static inline void add_bias(float *y, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) y[i] += bias[i];
 }
 
+/* Each job's site and plan of the experts' adapters xl (jobs: nj runs of pairs, each one
+ * expert's; psc: the pairs' scale rows): which of its pairs have which of its expert's slots at
+ * a nonzero scale, and where their columns go in av. Before the parallel region, in a step. */
+static void expert_lora_plan(expert_lora *xl, const int64_t *jobs, int64_t nj, const float *psc) {
+    for (int64_t j = 0; j < nj; j++) {
+        const int64_t *job = jobs + 3 * j; /* (expert, first pair, pairs) */
+        gl_lora_site *l = xl->sites + j;
+        *l = xl->src[job[0]];
+        l->scales = psc + job[1] * xl->ld, l->ld = xl->ld; /* scale row i: the job's pair i's row */
+        lora_plan *p = xl->plans + j;
+        p->js = xl->js + job[1] * xl->nmax, p->cnt = xl->cnt + job[1], p->off = xl->off + j * xl->nmax;
+        lora_list(l, job[2], p);
+    }
+}
+
+/* s * A . x of pairs [a0, a1) for every job's slots (x: the product's input, the pairs' rows of
+ * k values; xb: them quantized), into xl's av: a thread's share. A job's slot reads its A once
+ * for each run of its pairs on that slot (consecutive: the engine orders a batch's rows by
+ * adapter, and a job's pairs follow the rows' order). */
+static void expert_lora_xa(const expert_lora *xl, const int64_t *jobs, int64_t nj, const xbuf *xb,
+                           const float *x, int64_t k, int64_t a0, int64_t a1) {
+    for (int64_t j = 0; j < nj; j++) {
+        const int64_t *job = jobs + 3 * j, r0 = job[1];
+        const int64_t lo = a0 > r0 ? a0 : r0, hi = a1 < r0 + job[2] ? a1 : r0 + job[2];
+        if (lo >= hi || xl->plans[j].U == 0) continue;
+        const xbuf xj = xbuf_rows(xb, r0, k);
+        lora_xa_rows(xl->sites + j, xl->plans + j, &xj, x + r0 * k, lo - r0, hi - r0, 1, k,
+                     xl->av + r0 * xl->umax);
+    }
+}
+
+/* Block jb (32 outputs) of job jj's pairs' outputs (y: the product's, n a pair) plus their
+ * adapters' delta (lora.c's lora_b_block; two pairs on the same slots share each block of B). */
+static void expert_lora_block(const expert_lora *xl, int64_t jj, const int64_t *job, int64_t jb,
+                              int64_t n, float *y) {
+    const lora_plan *p = xl->plans + jj;
+    const gl_lora_site *l = xl->sites + jj;
+    const float *av = xl->av + job[1] * xl->umax;
+    float *yj = y + job[1] * n;
+    for (int64_t i = 0; i < job[2]; i++) {
+        const int64_t c = p->cnt[i], *js = p->js + i * l->n;
+        if (c == 0) continue;
+        if (i + 1 < job[2] && jb * 32 + 32 <= n && lora_same_slots(p, l->n, 1, i)) {
+            lora_b_two(yj + i * n, yj + (i + 1) * n, av + i * p->U, av + (i + 1) * p->U, js, c, l,
+                       p->off, jb);
+            i++;
+        } else {
+            lora_b_block(yj + i * n, av + i * p->U, js, c, l, p->off, jb, n);
+        }
+    }
+}
+
 /* Tasks [t0, t1) of the experts' products: the runs' tasks one after another, each run one
- * expert's weight (ws[e]) over its gathered rows (x's rows r0.., into y's). */
+ * expert's weight (ws[e]) over its gathered rows (x's rows r0.., into y's), each task's outputs
+ * then its pairs' adapters' delta (xl's, where it has a plan: src not NULL). */
 static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks, const xbuf *x,
-                         int64_t t0, int64_t t1, float *y) {
+                         const expert_lora *xl, int64_t t0, int64_t t1, float *y) {
     const int64_t n = ws[0].n, k = ws[0].k;
     for (int64_t t = t0; t < t1; t++) {
-        const int64_t *job = jobs + 3 * (t / tasks); /* (expert, first row, rows) */
+        const int64_t jj = t / tasks, *job = jobs + 3 * jj; /* (expert, first row, rows) */
         const xbuf xj = xbuf_rows(x, job[1], k);
         mm_task(&ws[job[0]], &xj, job[2], 0, job[2], t % tasks, y + job[1] * n);
+        if (xl->src && xl->plans[jj].U) expert_lora_block(xl, jj, job, t % tasks, n, y);
     }
 }
 
@@ -107,7 +230,11 @@ static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks
  * rows that chose it, so a batch reads an expert's weights once, whatever number of rows chose
  * it; and all the experts' products run in one parallel region, their tasks one list split over
  * the threads (an expert's products alone are too small to share: a region each, Qwen3-30B-A3B's
- * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold). */
+ * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold).
+ * Each of gate_e / up_e (one [gate; up] product) and down_e adds its adapters' delta, each pair
+ * at its row's scales, as the composed block's experts do (moe.py: the same packed factors): the
+ * delta of a task's outputs right after them, each job's (expert's) A and B read once for each
+ * run of its pairs on one adapter. */
 static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
                     float *o, gl_scratch *sc, int nth) {
     const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
@@ -152,6 +279,18 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         int64_t *job = bufs->jobs + 3 * nj++;
         job[0] = e, job[1] = r0, job[2] = R - r0;
     }
+    /* the experts' adapters: each pair's scale row, each job's plan (what a pair's row has at a
+     * nonzero scale on its expert) */
+    expert_lora xl[2] = {bufs->xl[0], bufs->xl[1]};
+    if (bufs->psc) {
+        const expert_lora *on = xl[0].src ? &xl[0] : &xl[1];
+        const int64_t ld = on->ld;
+        const float *board = on->scales;
+        for (int64_t r = 0; r < R; r++)
+            memcpy(bufs->psc + r * ld, board + bufs->rows[r] * ld, sizeof(float) * (size_t)ld);
+        for (int p = 0; p < 2; p++)
+            if (xl[p].src) expert_lora_plan(&xl[p], bufs->jobs, nj, bufs->psc);
+    }
     const int64_t tgu = mm_tasks(2 * ff), tdn = mm_tasks(d);
     xbuf xg = bufs->xg, xd = bufs->xd;
     xg.xf = bufs->gath, xd.xf = bufs->act; /* (what float experts read) */
@@ -159,11 +298,17 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t a0, a1;
-        static_chunk(R * (d / 32), me, nt, &a0, &a1); /* the gathered rows quantized */
-        if (xg.xq) quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
+        if (xl[0].src) { /* each thread its pairs: quantized, then their dots of A */
+            static_chunk(R, me, nt, &a0, &a1);
+            if (xg.xq) quantize_blocks(bufs->gath, a0 * (d / 32), a1 * (d / 32), xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
+            expert_lora_xa(&xl[0], bufs->jobs, nj, &xg, bufs->gath, d, a0, a1);
+        } else {
+            static_chunk(R * (d / 32), me, nt, &a0, &a1); /* the gathered rows quantized */
+            if (xg.xq) quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
+        }
 #pragma omp barrier
         static_chunk(nj * tgu, me, nt, &a0, &a1);
-        expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, a0, a1, bufs->gu);
+        expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, &xl[0], a0, a1, bufs->gu);
 #pragma omp barrier
         static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: biased, gated, quantized */
         if (L->exp_gate_up_bias)
@@ -171,9 +316,10 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
                 add_bias(bufs->gu + r * 2 * ff, L->exp_gate_up_bias + bufs->row_e[r] * 2 * ff, 2 * ff);
         gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
         if (xd.xq) quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
+        if (xl[1].src) expert_lora_xa(&xl[1], bufs->jobs, nj, &xd, bufs->act, ff, a0, a1);
 #pragma omp barrier
         static_chunk(nj * tdn, me, nt, &a0, &a1);
-        expert_tasks(L->exp_down, bufs->jobs, tdn, &xd, a0, a1, bufs->y);
+        expert_tasks(L->exp_down, bufs->jobs, tdn, &xd, &xl[1], a0, a1, bufs->y);
 #pragma omp barrier
         static_chunk(d, me, nt, &a0, &a1); /* o's columns: each row's experts added in order */
         for (int64_t b = 0; b < B; b++)

@@ -4,7 +4,9 @@ For each weight type and shape: GMAC/s of the native int8-activation kernel, of 
 path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native disabled; the
 blocks fallback for the types torch has none for: MXFP4 and the grid quants), for M = 1 .. 512
 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.  The grid quants (IQ2_*,
-IQ3_*) run on Qwen3-30B-A3B's expert and attention shapes, when --types names them.
+IQ3_*) run on Qwen3-30B-A3B's expert and attention shapes, and the float types (F16, BF16) on
+Llama-1B's, when --types names them (BF16's dot products: with GRAFTLM_BF16_DOTS=1 in the
+environment; the FMA peak of a Zen 4 core, 16 MACs a cycle, is ~58 GMAC/s at 3.65 GHz).
 
     .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4 IQ3_XXS]
 """
@@ -25,7 +27,7 @@ from graftlm.native import disabled, unavailable_reason
 from graftlm.quant import QWeight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
-from synth_tensors import random_blocks  # noqa: E402
+from synth_tensors import gguf_tensor, random_blocks  # noqa: E402
 
 SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
@@ -33,6 +35,10 @@ SHAPES += [(Q.MXFP4, 5760, 2880), (Q.MXFP4, 2880, 2880)]  # gpt-oss-20b's expert
 # an expert's stacked gate and up, its down, and the attention's Q (Qwen3-30B-A3B)
 GRID_SHAPES = [(t, n, k) for t in (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
                for n, k in ((1536, 2048), (2048, 768), (4096, 2048))]  # fmt: skip
+# Llama-1B's attention Q, its FFN's gate (and up) and down
+FLOAT_SHAPES = [
+    (t, n, k) for t in (Q.F16, Q.BF16) for n, k in ((2048, 2048), (8192, 2048), (2048, 8192))
+]
 
 
 def gmacs(fn: Callable[[], object], macs: int) -> float:
@@ -56,11 +62,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print("| type | n_out x n_in | M | native | float32 chunks | torch fused | (GMAC/s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    shapes = SHAPES + GRID_SHAPES if args.types else SHAPES
+    shapes = SHAPES + GRID_SHAPES + FLOAT_SHAPES if args.types else SHAPES
     for qtype, n, k in shapes:
         if args.types and qtype.name not in args.types:
             continue
-        raw = random_blocks(qtype, (n, k), rng)
+        floats = qtype in (Q.F16, Q.BF16)
+        raw = gguf_tensor(qtype, (n, k))[0] if floats else random_blocks(qtype, (n, k), rng)
         w = QWeight.from_gguf(raw, qtype, (n, k))
         with disabled():
             wt = QWeight.from_gguf(raw, qtype, (n, k))

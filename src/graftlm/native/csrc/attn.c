@@ -392,6 +392,209 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
     default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
     }
 
+#if ATTN_BF16
+/* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
+ * the instructions of float32 FMAs and no conversion of the cache's values: the query rounded to
+ * bfloat16 once a task, the softmax's weights once a step (the sums l are the rounded weights',
+ * so the output stays a convex combination of the values). -DGL_NO_BF16_ATTN (and the ymm and
+ * avx2 variants) keep float32 arithmetic. Where a tile of a step starts inside its block (a
+ * window's first block, a chunk's), its lanes still are the block's 16 positions, those outside
+ * the tile masked. */
+#define DECODE_BF16 1
+
+/* S[g] (the 16 keys of a block: lanes) = Q[g] . K for GN heads, Qb: the heads' queries as
+ * bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords apart), K: the block's keys
+ * transposed (value d of its 16 keys: 32 bytes at K + 32 d). Two rows of the block (dims d and
+ * d + 1) are one 64-byte load, interleaved into pairs by key: one VPERMW for G VDPBF16PS. */
+static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *K,
+                                                              int64_t D, __m512 *S, const int GN) {
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t D2 = D / 2;
+    __m512 acc[8][2];
+    for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K + 64 * i));
+        const __m512bh k1 = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K + 64 * i + 64));
+        for (int g = 0; g < GN; g++) {
+            acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i]));
+            acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i + 1]));
+        }
+    }
+    for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
+}
+
+/* O (GN heads x 32 NC values from value c0, rows Dv apart) = alpha O + sum_i P[g][i] V[i] over a
+ * step's nts tiles (tile x: n[x] keys, its values' rows at V[x], rb bytes apart; its weights as
+ * bfloat16 at Pb + x 16 + o[x], rows pw apart). Two keys' rows interleaved by value (unpacklo /
+ * unpackhi of 16-bit words) meet the pair of their weights: each 32 values of O are held as two
+ * vectors, the first of values 0-3, 8-11, 16-19 and 24-27, the second of the others
+ * (decode_bf16_order puts them back in order at the task's end). */
+static inline __attribute__((always_inline)) void pv_bf16(float *O, const float *alpha, const uint16_t *Pb,
+                                                          int64_t pw, const char *const *V, const int64_t *o,
+                                                          const int64_t *n, int nts, int64_t rb, int64_t c0,
+                                                          int64_t Dv, const int GN, const int NC) {
+    __m512 acc[4][4][2];
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int c = 0; c < NC; c++)
+            for (int h = 0; h < 2; h++)
+                acc[g][c][h] = _mm512_mul_ps(a, _mm512_loadu_ps(O + g * Dv + c0 + 32 * c + 16 * h));
+    }
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x] + 2 * c0;
+        const uint16_t *px = Pb + 16 * x + o[x];
+        for (int64_t i = 0; i < n[x]; i += 2) {
+            const int two = i + 1 < n[x];
+            __m512bh lo[4], hi[4];
+            for (int c = 0; c < NC; c++) {
+                const __m512i a = _mm512_loadu_si512(Vx + i * rb + 64 * c);
+                const __m512i b = two ? _mm512_loadu_si512(Vx + (i + 1) * rb + 64 * c) : _mm512_setzero_si512();
+                lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            for (int g = 0; g < GN; g++) {
+                uint32_t pp;
+                memcpy(&pp, px + g * pw + i, 4); /* (p_i, p_i+1): p_i+1 finite, its row zero past n */
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+                for (int c = 0; c < NC; c++) {
+                    acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], lo[c], pv);
+                    acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], hi[c], pv);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < NC; c++)
+            for (int h = 0; h < 2; h++) _mm512_storeu_ps(O + g * Dv + c0 + 32 * c + 16 * h, acc[g][c][h]);
+}
+
+/* pv_bf16's order of n values (a multiple of 32) back to theirs, in place. */
+static inline void decode_bf16_order(float *O, int64_t n) {
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < n; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(O + c), hi = _mm512_loadu_ps(O + c + 16);
+        _mm512_storeu_ps(O + c, _mm512_permutex2var_ps(lo, i0, hi));
+        _mm512_storeu_ps(O + c + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+}
+
+#define PVB_NC(GN)                                                                     \
+    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 1);       \
+    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 2);
+
+/* Whether a task of these dimensions takes the bfloat16 pairs: a cache's block of DT positions,
+ * whole pairs of 32 values a head, its queries and weights in the thread's Kf and Vf. */
+static inline int decode_bf16_fits(const gl_attn *a) {
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
+    return a->kv.block == DT && D % 32 == 0 && Dv % 32 == 0 && G * D * 2 <= DT * D * 4 &&
+           G * (DECODE_STEP * DT + 2) * 2 <= DT * Dv * 4;
+}
+
+/* decode_task (below) for a bfloat16 cache in bfloat16 pairs; Kf: the queries' pairs, Vf: the
+ * weights as bfloat16. */
+static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0,
+                             int64_t k1, float *part, float *Kf, float *Vf, float *P, float *alpha) {
+    const gl_kv *kv = &a->kv;
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = DT;
+    const int64_t PW = DECODE_STEP * DT, PWB = PW + 2; /* P's rows, Pb's */
+    const float softcap = a->softcap;
+    const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+    float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
+    uint32_t *Qb = (uint32_t *)Kf;
+    uint16_t *Pb = (uint16_t *)Vf;
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)(G * Dv));
+    memset(Pb, 0, sizeof(uint16_t) * (size_t)(G * PWB)); /* the pads past a step's tiles: 0 */
+    for (int64_t i = 0; i < G * D; i += 32)
+        _mm512_storeu_si512(Qb + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(Q + i + 16), _mm512_loadu_ps(Q + i)));
+    const int64_t vrb = 2 * Dv;
+    int64_t ahead = k0;
+    for (int64_t j = k0; j < k1;) {
+        int64_t jt[DECODE_STEP], nt[DECODE_STEP], ot[DECODE_STEP];
+        const char *Vt[DECODE_STEP];
+        __mmask16 vis[DECODE_STEP];
+        int nts = 0;
+        for (int64_t p = j; nts < DECODE_STEP && p < k1; nts++) {
+            const int64_t o = p % BS, n = BS - o < k1 - p ? BS - o : k1 - p;
+            jt[nts] = p, nt[nts] = n, ot[nts] = o, vis[nts] = (__mmask16)(((1u << n) - 1u) << o);
+            Vt[nts] = kv_at(kv, kv->v, s, hk, p, Dv);
+            p += n;
+        }
+        const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_STEP * BS; ahead = (ahead / BS + 1) * BS)
+            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, 2);
+        for (int x = 0; x < nts; x++) {
+            const char *K = kt_plane(kv, s, hk, jt[x], D);
+            for (int64_t g0 = 0; g0 < G;) {
+                const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+                __m512 S[8];
+                const uint32_t *Qg = Qb + g0 * (D / 2);
+                switch (gn) {
+                case 8: scores_bf16(Qg, K, D, S, 8); break;
+                case 4: scores_bf16(Qg, K, D, S, 4); break;
+                case 2: scores_bf16(Qg, K, D, S, 2); break;
+                default: scores_bf16(Qg, K, D, S, 1); break;
+                }
+                for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
+                g0 += gn;
+            }
+        }
+        /* each head's weights over the step, rounded to bfloat16: Pb, and their sum */
+        for (int64_t g = 0; g < G; g++) {
+            __m512 xs[DECODE_STEP], mxv = ninf;
+            for (int x = 0; x < nts; x++) {
+                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(P + g * PW + x * DT), _mm512_set1_ps(a->scale));
+                if (softcap > 0.0f) v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, cap)), cap);
+                xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
+                mxv = _mm512_max_ps(mxv, xs[x]);
+            }
+            const float mx = _mm512_reduce_max_ps(mxv), mn = mx > m[g] ? mx : m[g];
+            __m512 sum = _mm512_setzero_ps();
+            for (int x = 0; x < nts; x++) {
+                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp512(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
+                const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+                _mm256_storeu_si256((__m256i *)(Pb + g * PWB + x * DT), eb);
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+            }
+            if (nts < DECODE_STEP) _mm256_storeu_si256((__m256i *)(Pb + g * PWB + nts * DT), _mm256_setzero_si256());
+            psum[g] = _mm512_reduce_add_ps(sum);
+            mnew[g] = mn;
+        }
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 mk = (__mmask16)(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1u);
+            const __m512 mo = _mm512_maskz_loadu_ps(mk, m + g), mw = _mm512_maskz_loadu_ps(mk, mnew + g);
+            const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ);
+            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mo, mw)));
+            _mm512_mask_storeu_ps(alpha + g, mk, al);
+            _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
+            _mm512_mask_storeu_ps(m + g, mk, mw);
+        }
+        /* O = alpha O + P V: up to 4 heads x 64 values a pass */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            const float *al = alpha + g0;
+            const uint16_t *Pg = Pb + g0 * PWB;
+            for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+                const int64_t nc = Dv - c0 < 64 ? 1 : 2;
+                float *Og = O + g0 * Dv;
+                switch (gn) {
+                case 1: PVB_NC(1) break;
+                case 2: PVB_NC(2) break;
+                case 3: PVB_NC(3) break;
+                default: PVB_NC(4) break;
+                }
+            }
+        }
+        j = jend;
+    }
+    decode_bf16_order(O, G * Dv);
+}
+#else
+#define DECODE_BF16 0
+#endif
+
 /* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
  * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
  * exp(score - max) and the unnormalized output. A step takes up to DECODE_STEP tiles (one cache block
@@ -409,6 +612,12 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t PW = DECODE_STEP * DT; /* P's rows */
     const float softcap = a->softcap;
     const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+#if DECODE_BF16
+    if (t == 2 && decode_bf16_fits(a)) {
+        decode_task_bf16(a, Q, s, hk, k0, k1, part, Kf, Vf, P, alpha);
+        return;
+    }
+#endif
     float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)(G * Dv));

@@ -201,6 +201,26 @@ def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
         _check(case, "q8_0", run_case(case, "q8_0"), q8_dots=False)
 
 
+def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 512-bit kernel's bfloat16 cache in float32 arithmetic (an AVX-512 CPU without BF16):
+    built here with -DGL_NO_BF16_ATTN, every case against the twin with the query unrounded."""
+    from graftlm.native import abi, build
+
+    if not BF16_PAIRS:
+        pytest.skip("this CPU's kernel is that one: the tests above")
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_BF16_ATTN",))))
+    abi.bind(lib)
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    torch.set_num_threads(2)
+    for case in CASES:
+        _check(case, "bf16", run_case(case, "bf16"), bf16_pairs=False)
+
+
 VARIANT = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])

@@ -402,26 +402,47 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
  * the tile masked. */
 #define DECODE_BF16 1
 
-/* S[g] (the 16 keys of a block: lanes) = Q[g] . K for GN heads, Qb: the heads' queries as
- * bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords apart), K: the block's keys
- * transposed (value d of its 16 keys: 32 bytes at K + 32 d). Two rows of the block (dims d and
- * d + 1) are one 64-byte load, interleaved into pairs by key: one VPERMW for G VDPBF16PS. */
-static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *K,
-                                                              int64_t D, __m512 *S, const int GN) {
+#define DECODE_BF16_STEP 4 /* tiles a step of the bfloat16 task */
+
+/* S[g NT + x] (the 16 keys of tile x's block: lanes) = Q[g] . K[x] for GN heads and NT blocks,
+ * Qb: the heads' queries as bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords
+ * apart), K[x]: a block's keys transposed (value d of its 16 keys: 32 bytes at K[x] + 32 d). Two
+ * rows of a block (dims d and d + 1) are one 64-byte load, interleaved into pairs by key (one
+ * VPERMW); each broadcast pair of a query meets the NT blocks. */
+static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *const *K,
+                                                              int64_t D, __m512 *S, const int GN,
+                                                              const int NT) {
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t D2 = D / 2;
-    __m512 acc[8][2];
-    for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D2; i += 2) {
-        const __m512bh k0 = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K + 64 * i));
-        const __m512bh k1 = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K + 64 * i + 64));
+    __m512 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int x = 0; x < NT; x++) acc[g][x] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i++) {
+        __m512bh k[4];
+        for (int x = 0; x < NT; x++)
+            k[x] = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K[x] + 64 * i));
         for (int g = 0; g < GN; g++) {
-            acc[g][0] = _mm512_dpbf16_ps(acc[g][0], k0, (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i]));
-            acc[g][1] = _mm512_dpbf16_ps(acc[g][1], k1, (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i + 1]));
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i]);
+            for (int x = 0; x < NT; x++) acc[g][x] = _mm512_dpbf16_ps(acc[g][x], k[x], qp);
         }
     }
-    for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
+    for (int g = 0; g < GN; g++)
+        for (int x = 0; x < NT; x++) S[g * NT + x] = acc[g][x];
+}
+
+/* 2^x for 16 floats x <= 0 (below -126: about 2^-126), to a relative 5e-5: enough for weights
+ * rounded to bfloat16 (2^-9). */
+static inline __m512 exp2_bf16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(9.6181291e-3f); /* ln2^4 / 24, then Taylor's terms down */
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
 }
 
 /* O (GN heads x 32 NC values from value c0, rows Dv apart) = alpha O + sum_i P[g][i] V[i] over a
@@ -489,7 +510,7 @@ static inline void decode_bf16_order(float *O, int64_t n) {
 static inline int decode_bf16_fits(const gl_attn *a) {
     const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
     return a->kv.block == DT && D % 32 == 0 && Dv % 32 == 0 && G * D * 2 <= DT * D * 4 &&
-           G * (DECODE_STEP * DT + 2) * 2 <= DT * Dv * 4;
+           G * (DECODE_BF16_STEP * DT + 2) * 2 <= DT * Dv * 4;
 }
 
 /* decode_task (below) for a bfloat16 cache in bfloat16 pairs; Kf: the queries' pairs, Vf: the
@@ -498,7 +519,8 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
                              int64_t k1, float *part, float *Kf, float *Vf, float *P, float *alpha) {
     const gl_kv *kv = &a->kv;
     const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = DT;
-    const int64_t PW = DECODE_STEP * DT, PWB = PW + 2; /* P's rows, Pb's */
+    const int64_t PW = DECODE_BF16_STEP * DT, PWB = PW + 2; /* P's rows, Pb's */
+    const float l2e = 1.44269504088896341f; /* scores in base 2: m too, until the task's end */
     const float softcap = a->softcap;
     const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
     float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
@@ -512,53 +534,68 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
     const int64_t vrb = 2 * Dv;
     int64_t ahead = k0;
     for (int64_t j = k0; j < k1;) {
-        int64_t jt[DECODE_STEP], nt[DECODE_STEP], ot[DECODE_STEP];
-        const char *Vt[DECODE_STEP];
-        __mmask16 vis[DECODE_STEP];
+        int64_t jt[DECODE_BF16_STEP], nt[DECODE_BF16_STEP], ot[DECODE_BF16_STEP];
+        const char *Vt[DECODE_BF16_STEP], *Kt[DECODE_BF16_STEP];
+        __mmask16 vis[DECODE_BF16_STEP];
         int nts = 0;
-        for (int64_t p = j; nts < DECODE_STEP && p < k1; nts++) {
+        for (int64_t p = j; nts < DECODE_BF16_STEP && p < k1; nts++) {
             const int64_t o = p % BS, n = BS - o < k1 - p ? BS - o : k1 - p;
             jt[nts] = p, nt[nts] = n, ot[nts] = o, vis[nts] = (__mmask16)(((1u << n) - 1u) << o);
             Vt[nts] = kv_at(kv, kv->v, s, hk, p, Dv);
+            Kt[nts] = kt_plane(kv, s, hk, p, D);
             p += n;
         }
         const int64_t jend = jt[nts - 1] + nt[nts - 1];
-        for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_STEP * BS; ahead = (ahead / BS + 1) * BS)
+        for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_BF16_STEP * BS; ahead = (ahead / BS + 1) * BS)
             if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, 2);
-        for (int x = 0; x < nts; x++) {
-            const char *K = kt_plane(kv, s, hk, jt[x], D);
-            for (int64_t g0 = 0; g0 < G;) {
-                const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
-                __m512 S[8];
-                const uint32_t *Qg = Qb + g0 * (D / 2);
+        /* raw scores into P: up to 4 heads over all the step's blocks at once (a whole step), or
+         * block by block */
+        for (int64_t g0 = 0; g0 < G;) {
+            const int64_t gn = G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+            const uint32_t *Qg = Qb + g0 * (D / 2);
+            __m512 S[16];
+            if (nts == DECODE_BF16_STEP) {
                 switch (gn) {
-                case 8: scores_bf16(Qg, K, D, S, 8); break;
-                case 4: scores_bf16(Qg, K, D, S, 4); break;
-                case 2: scores_bf16(Qg, K, D, S, 2); break;
-                default: scores_bf16(Qg, K, D, S, 1); break;
+                case 4: scores_bf16(Qg, Kt, D, S, 4, DECODE_BF16_STEP); break;
+                case 2: scores_bf16(Qg, Kt, D, S, 2, DECODE_BF16_STEP); break;
+                default: scores_bf16(Qg, Kt, D, S, 1, DECODE_BF16_STEP); break;
                 }
-                for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
-                g0 += gn;
+                for (int64_t gi = 0; gi < gn; gi++)
+                    for (int x = 0; x < DECODE_BF16_STEP; x++)
+                        _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi * DECODE_BF16_STEP + x]);
+            } else {
+                for (int x = 0; x < nts; x++) {
+                    switch (gn) {
+                    case 4: scores_bf16(Qg, Kt + x, D, S, 4, 1); break;
+                    case 2: scores_bf16(Qg, Kt + x, D, S, 2, 1); break;
+                    default: scores_bf16(Qg, Kt + x, D, S, 1, 1); break;
+                    }
+                    for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
+                }
             }
+            g0 += gn;
         }
         /* each head's weights over the step, rounded to bfloat16: Pb, and their sum */
         for (int64_t g = 0; g < G; g++) {
-            __m512 xs[DECODE_STEP], mxv = ninf;
+            __m512 xs[DECODE_BF16_STEP], mxv = ninf;
             for (int x = 0; x < nts; x++) {
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(P + g * PW + x * DT), _mm512_set1_ps(a->scale));
-                if (softcap > 0.0f) v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, cap)), cap);
+                __m512 v = _mm512_loadu_ps(P + g * PW + x * DT);
+                if (softcap > 0.0f)
+                    v = _mm512_mul_ps(tanh512(_mm512_div_ps(_mm512_mul_ps(v, _mm512_set1_ps(a->scale)), cap)), _mm512_set1_ps(softcap * l2e));
+                else
+                    v = _mm512_mul_ps(v, _mm512_set1_ps(a->scale * l2e));
                 xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
                 mxv = _mm512_max_ps(mxv, xs[x]);
             }
             const float mx = _mm512_reduce_max_ps(mxv), mn = mx > m[g] ? mx : m[g];
             __m512 sum = _mm512_setzero_ps();
             for (int x = 0; x < nts; x++) {
-                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp512(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
+                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp2_bf16(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
                 const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
                 _mm256_storeu_si256((__m256i *)(Pb + g * PWB + x * DT), eb);
                 sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
             }
-            if (nts < DECODE_STEP) _mm256_storeu_si256((__m256i *)(Pb + g * PWB + nts * DT), _mm256_setzero_si256());
+            if (nts < DECODE_BF16_STEP) _mm256_storeu_si256((__m256i *)(Pb + g * PWB + nts * DT), _mm256_setzero_si256());
             psum[g] = _mm512_reduce_add_ps(sum);
             mnew[g] = mn;
         }
@@ -566,7 +603,7 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             const __mmask16 mk = (__mmask16)(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1u);
             const __m512 mo = _mm512_maskz_loadu_ps(mk, m + g), mw = _mm512_maskz_loadu_ps(mk, mnew + g);
             const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ);
-            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mo, mw)));
+            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_mul_ps(_mm512_sub_ps(mo, mw), _mm512_set1_ps(0.69314718056f))));
             _mm512_mask_storeu_ps(alpha + g, mk, al);
             _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
             _mm512_mask_storeu_ps(m + g, mk, mw);
@@ -590,6 +627,7 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
         j = jend;
     }
     decode_bf16_order(O, G * Dv);
+    for (int64_t g = 0; g < G; g++) m[g] *= 0.69314718056f; /* the merge's base: e */
 }
 #else
 #define DECODE_BF16 0
@@ -854,10 +892,15 @@ static inline int64_t decode_lo(const gl_attn *a, int64_t p) {
     return a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
 }
 
+#if defined(DECODE_BF16) && DECODE_BF16 && DECODE_BF16_STEP > DECODE_STEP
+#define DECODE_PW (DECODE_BF16_STEP * DT) /* P's row: the scores of a step */
+#else
+#define DECODE_PW (DECODE_STEP * DT)
+#endif
 /* A decode thread's part of the work buffer: a tile's K and V as float32, the group's rotated
  * queries, the tile's weights, and the heads' rescales, maxima and sums (G each); 64-byte whole. */
 static inline int64_t decode_thread_bytes(int64_t G, int64_t D, int64_t Dv) {
-    return ((DT * (D + Dv) + G * D + G * DECODE_STEP * DT + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
+    return ((DT * (D + Dv) + G * D + G * DECODE_PW + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
 }
 
 /* The work buffer of a decode step of B rows on nth threads: each thread's part, the tasks'
@@ -903,7 +946,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
     {
         const unsigned csr = ftz_begin();
         char *mine = work + omp_get_thread_num() * thread;
-        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DECODE_STEP * DT;
+        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DECODE_PW;
         int64_t b = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {

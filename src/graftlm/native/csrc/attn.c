@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
     prefetch_l2(vn, kv_bytes(nn * Dv, t));
 }
 
-#define DECODE_STEP 2 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
+#define DECODE_STEP 4 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
 /* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads:
  * 1 to 4 measured alike; every other line, or toward L1, or none: 1.5x to 2x slower at 16,384 */
 #define DECODE_AHEAD 2
@@ -322,12 +322,13 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
         transpose16(r);
         for (int l = 0; l < 16; l++) kq[c * 16 + l] = _mm512_xor_si512(_mm512_castps_si512(r[l]), flip);
     }
-    for (int64_t b = 0; b < nb; b++)
-        for (int i = 0; i < 16; i++) {
-            uint16_t h;
-            memcpy(&h, rows + (i < n ? i : 0) * rb + b * 34, 2);
-            ks[b * 16 + i] = _cvtsh_ss(h);
-        }
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)rb));
+    const __mmask16 in = (__mmask16)((1u << n) - 1u);
+    for (int64_t b = 0; b < nb; b++) { /* the 16 keys' scales of block b: a gather (0 past n) */
+        const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, at, rows + b * 34, 1);
+        _mm512_storeu_ps(ks + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+    }
 }
 
 /* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
@@ -391,6 +392,61 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
     case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 3); break;            \
     default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
     }
+
+/* The scales of the values of a step's q8_0 tiles: vs[(x 32 + b) 16 + i] = tile x's key i's
+ * scale of block b (of Dv / 32), 0 past the tile's n[x] keys: one gather a block of a tile (the
+ * scales of a tile's rows lie 34 bytes apart, its rows rb apart). */
+static inline void q8_value_scales(const char *const *V, const int64_t *n, int nts, int64_t rb,
+                                   int64_t Dv, float *vs) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rb));
+    for (int x = 0; x < nts; x++) {
+        const __mmask16 in = (__mmask16)((1u << n[x]) - 1u);
+        for (int64_t b = 0; b < Dv / 32; b++) {
+            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, V[x] + 34 * b, 1);
+            _mm512_storeu_ps(vs + (x * 32 + b) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        }
+    }
+}
+
+/* pv_step16 for q8_0 values (c0 and Dv multiples of 32, NU even): each key's block scales folded
+ * into its weights a tile at a time (p'[g][i] = p[g][i] s_i, vs: q8_value_scales'), so a value
+ * is its code converted, and one broadcast weight serves a block's two vectors. */
+static inline __attribute__((always_inline)) void pv_q8(float *O, const float *alpha, const float *P,
+                                                        int64_t pw, const char *const *V, const int64_t *n,
+                                                        int nts, int64_t rb, int64_t c0, int64_t Dv,
+                                                        const float *vs, const int GN, const int NU) {
+    __m512 acc[4][4];
+    float pp[4][2][16];
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int u = 0; u < NU; u++) acc[g][u] = _mm512_mul_ps(a, _mm512_loadu_ps(O + g * Dv + 16 * u));
+    }
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x] + (c0 / 32) * 34 + 2;
+        for (int g = 0; g < GN; g++)
+            for (int b = 0; b < NU / 2; b++)
+                _mm512_storeu_ps(pp[g][b], _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
+                                                         _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16)));
+        for (int64_t i = 0; i < n[x]; i++) {
+            __m512 v[4];
+            for (int u = 0; u < NU; u++)
+                v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(Vx + i * rb + (u / 2) * 34 + (u % 2) * 16))));
+            for (int g = 0; g < GN; g++)
+                for (int b = 0; b < NU / 2; b++) {
+                    const __m512 p = _mm512_set1_ps(pp[g][b][i]);
+                    acc[g][2 * b] = _mm512_fmadd_ps(p, v[2 * b], acc[g][2 * b]);
+                    acc[g][2 * b + 1] = _mm512_fmadd_ps(p, v[2 * b + 1], acc[g][2 * b + 1]);
+                }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int u = 0; u < NU; u++) _mm512_storeu_ps(O + g * Dv + 16 * u, acc[g][u]);
+}
+
+#define PVQ8_NU(GN)                                                                    \
+    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);          \
+    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 4);
 
 #if ATTN_BF16
 /* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
@@ -671,6 +727,7 @@ static inline __attribute__((always_inline)) void decode_task(
 #endif
     const int kt = t != 3 ? t : 0;
     const int64_t vrb = kv_bytes(Dv, t);
+    float vsc[t == 3 ? DECODE_STEP * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */
@@ -748,7 +805,9 @@ static inline __attribute__((always_inline)) void decode_task(
             _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
             _mm512_mask_storeu_ps(m + g, mk, mw);
         }
-        /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers */
+        /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers (q8_0's: the
+         * values' scales in the weights) */
+        if (t == 3) q8_value_scales(Vt, nt, nts, vrb, Dv, vsc);
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t gn = G - g0 < 4 ? G - g0 : 4;
             const float *al = alpha + g0, *Pg = P + g0 * PW;
@@ -756,6 +815,15 @@ static inline __attribute__((always_inline)) void decode_task(
                 const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64, nu = (w + 15) / 16;
                 const __mmask16 last = (__mmask16)(w % 16 ? (1u << (w % 16)) - 1u : 0xFFFF);
                 float *Og = O + g0 * Dv + c0;
+                if (t == 3) {
+                    switch (gn) {
+                    case 1: PVQ8_NU(1) break;
+                    case 2: PVQ8_NU(2) break;
+                    case 3: PVQ8_NU(3) break;
+                    default: PVQ8_NU(4) break;
+                    }
+                    continue;
+                }
                 switch (gn) {
                 case 1: PV16_NU(1) break;
                 case 2: PV16_NU(2) break;

@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
     prefetch_l2(vn, kv_bytes(nn * Dv, t));
 }
 
-#define DECODE_STEP 4 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
+#define DECODE_STEP 2 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
 /* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads:
  * 1 to 4 measured alike; every other line, or toward L1, or none: 1.5x to 2x slower at 16,384 */
 #define DECODE_AHEAD 2

@@ -89,7 +89,10 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * eight keys' lanes reduced together), the online softmax's running max and sum, and the weighted
  * values added to the G outputs. Ranges: a row's positions split in chunks when the rows' kv
  * heads alone would not keep every thread busy (flash-decoding), each chunk's (max, sum, output)
- * merged at the end. */
+ * merged at the end. Where the CPU has AVX-512 BF16 a bfloat16 cache's task runs in bfloat16
+ * pairs (decode_task_bf16: half the instructions, the query and the weights rounded to bfloat16);
+ * a q8_0 cache's keys meet the query in integer dots (VNNI) and its values' scales ride on the
+ * weights (pv_q8); float16 and float32 caches keep float32 arithmetic throughout. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
 

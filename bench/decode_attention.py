@@ -12,19 +12,27 @@ layers' weights: one layer called again and again would be read from the cache (
 4,096 positions in f16 is 8 MiB).
 
     .venv/bin/python bench/decode_attention.py [--threads 2] [--depths 4096 16384] [--rows 1 16]
+
+--against PATH (another checkout's `src`, e.g. a worktree of main): its kernels built too and the
+two libraries' calls alternated rep by rep on the same cache, so the ratio of their times holds
+in a noisy minute. Each line also gives ns a key and kv head (the call's time over the positions
+times the rows' kv heads: every query head of a group rides on its kv head's pass).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from graftlm.native import unavailable_reason
+from graftlm.native import abi, ops, unavailable_reason
 from graftlm.native.ops import attn_decode
 from graftlm.step import KVCache
 from graftlm.step.kv_cache import KV_TYPES, row_width
@@ -50,11 +58,25 @@ def build_probe(folder: Path) -> Path:
     return exe
 
 
+def other_library(src: str) -> ctypes.CDLL:
+    """The native library of the checkout whose package is under src, built (or found in the
+    cache) by its own build module, bound to this one's ABI."""
+    env = {**os.environ, "PYTHONPATH": src}
+    code = "from graftlm.native import build; print(build._build(build._compiler()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    lib = ctypes.CDLL(out.stdout.strip().splitlines()[-1])
+    abi.bind(lib)
+    return lib
+
+
 def case(
-    shape: str, kv: str, depth: int, rows: int, reps: int, working_set: int
-) -> tuple[float, int]:
-    """Seconds per call (the best of reps: the VM's noise only slows calls down) and the cache
-    bytes one call reads."""
+    shape: str, kv: str, depth: int, rows: int, reps: int, working_set: int,
+    libs: list[ctypes.CDLL | None],
+) -> tuple[list[float], int]:  # fmt: skip
+    """Seconds per call of each library (None: this checkout's; the best of reps, the libraries
+    alternated call by call: the VM's noise only slows calls down) and the cache bytes one call
+    reads."""
     h, hkv, d = SHAPES[shape]
     dtype = KV_TYPES[kv][0]
     n_ctx = depth + 16
@@ -81,18 +103,28 @@ def case(
     slots = torch.arange(rows)
     pos = torch.full((rows,), depth)
 
-    def call(layer: int) -> None:
-        out = attn_decode(q, k, v, cache, layer, slots, pos, cos, sin, False, d**-0.5, 0)
+    own = ops.library
+
+    def call(layer: int, lib: ctypes.CDLL | None) -> None:
+        ops.library = own if lib is None else lambda: lib  # type: ignore[assignment]
+        try:
+            out = attn_decode(q, k, v, cache, layer, slots, pos, cos, sin, False, d**-0.5, 0)
+        finally:
+            ops.library = own  # type: ignore[assignment]
         assert out is not None
 
-    for layer in range(n_layer):
-        call(layer)
-    times = []
-    for i in range(max(reps, n_layer)):  # every layer once at least, each call the next layer
+    for lib in libs:
+        for layer in range(n_layer):
+            call(layer, lib)
+    times: list[list[float]] = [[] for _ in libs]
+    # every layer once at least a library, each call the next layer (the libraries in turn: a
+    # layer one library just read would be in the cache for the other)
+    for i in range(len(libs) * max(reps, n_layer)):
+        x = i % len(libs)
         t0 = time.perf_counter()
-        call(i % n_layer)
-        times.append(time.perf_counter() - t0)
-    return min(times), nbytes
+        call(i % n_layer, libs[x])
+        times[x].append(time.perf_counter() - t0)
+    return [min(t) for t in times], nbytes
 
 
 def main() -> None:
@@ -106,6 +138,7 @@ def main() -> None:
     ap.add_argument(
         "--working-set", type=int, default=256, help="MiB of cache the calls cycle over"
     )
+    ap.add_argument("--against", help="another checkout's src: its kernels alternated with these")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -114,25 +147,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         exe = build_probe(Path(tmp))
         probes = [probe_bandwidth(exe)]
+        libs: list[ctypes.CDLL | None] = [None]
+        if args.against:
+            libs.append(other_library(args.against))
         results = []
         for shape in args.shapes:
             for kv in args.types:
                 for rows in args.rows:
                     for depth in args.depths:
-                        sec, nbytes = case(
-                            shape, kv, depth, rows, args.reps, args.working_set << 20
+                        secs, nbytes = case(
+                            shape, kv, depth, rows, args.reps, args.working_set << 20, libs
                         )
-                        results.append((shape, kv, rows, depth, sec, nbytes))
+                        results.append((shape, kv, rows, depth, secs, nbytes))
         probes.append(probe_bandwidth(exe))
     bw = max(probes)
     print(f"read bandwidth: {', '.join(f'{p / 1e9:.1f}' for p in probes)} GB/s "
           f"(shares against {bw / 1e9:.1f}); {args.threads} threads")  # fmt: skip
-    print("| shape | cache | rows | depth | ms a layer | GB/s | share of bandwidth |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for shape, kv, rows, depth, sec, nbytes in results:
-        rate = nbytes / sec
-        print(f"| {shape} | {kv} | {rows} | {depth} | {sec * 1e3:.3f} | {rate / 1e9:.1f} | "
-              f"{100 * rate / bw:.0f}% |")  # fmt: skip
+    which = ["this checkout", f"against {args.against}"]
+    head = " | ".join(
+        f"ms a layer, GB/s, share, ns a key and kv head ({w})" for w in which[: len(libs)]
+    )
+    ratio = " | this / against" if args.against else ""
+    print(f"| shape | cache | rows | depth | {head}{ratio} |")
+    print("| --- " * (4 + len(libs) + (1 if args.against else 0)) + "|")
+    for shape, kv, rows, depth, secs, nbytes in results:
+        hkv = SHAPES[shape][1]
+        cells = []
+        for sec in secs:
+            rate = nbytes / sec
+            ns = sec * 1e9 / (rows * (depth + 1) * hkv)
+            cells.append(f"{sec * 1e3:.3f}, {rate / 1e9:.1f}, {100 * rate / bw:.0f}%, {ns:.1f}")
+        extra = f" | {secs[0] / secs[1]:.2f}" if len(secs) > 1 else ""
+        print(f"| {shape} | {kv} | {rows} | {depth} | {' | '.join(cells)}{extra} |")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,13 @@ cache's own values: every cache type, lengths around a block's edges and long on
 positions split over tasks and merged), scattered blocks, rows of different lengths in one call,
 GQA groups of 1 to 8 heads, head sizes with a half-vector tail, sliding windows, soft-capping,
 RoPE in both layouts; and the same cases through the other ISA variants of this CPU (the 256-bit
-kernels where 512-bit ones exist, and the AVX2 build), each against the twin."""
+kernels where 512-bit ones exist, and the AVX2 build), each against the twin.
+
+Where the CPU has AVX-512 BF16 a bfloat16 cache's 512-bit kernel takes bfloat16 pairs (VDPBF16PS):
+the query rounded to bfloat16, and each softmax weight before it meets the values. Its twin rounds
+the query alike and holds the output within the weights' rounding: an output value within 2^-8
+times the weighted sum of the values' magnitudes (each weight's relative rounding is at most 2^-9,
+and the output is the rounded weights' convex combination)."""
 
 from __future__ import annotations
 
@@ -43,6 +49,8 @@ TYPES = list(KV_TYPES)
 # with AVX-512 VNNI the 512-bit kernel takes q8_0 keys through integer dots against the query
 # quantized per 32 values (llama.cpp's q8_0 x q8_0); its twin quantizes the query alike
 Q8_DOTS = "vnni" in features() and "avx512f" in features()
+# with AVX-512 BF16 the 512-bit kernel takes a bfloat16 cache in bfloat16 pairs
+BF16_PAIRS = "attn-bf16" in features()
 
 
 def _rope(x: torch.Tensor, pos: int, base: float, neox: bool) -> torch.Tensor:
@@ -110,14 +118,17 @@ def run_case(
 
 
 def twin(
-    case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS
-) -> torch.Tensor:
+    case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS,
+    bf16_pairs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """SDPA in float64 over the cache's values and the new token's (rotated and rounded as the
-    cache holds them); with got["sinks"], primitives.attention's written-out softmax with them."""
+    cache holds them); with got["sinks"], primitives.attention's written-out softmax with them.
+    Also the weighted sum of the values' magnitudes (the scale of a weight's rounding).
+    bf16_pairs: the query rounded to bfloat16 as the kernel rounds its rotated one."""
     _, _, h, hkv, _, window, cap, neox = case
     dtype = KV_TYPES[kv][0]
     d = int(got["d"])
-    outs = []
+    outs, spreads = [], []
     for r in range(len(got["slots"])):
         s, p = int(got["slots"][r]), int(got["pos"][r])
         kn = _rounded(_rope(got["k"][r, 0].view(hkv, d), p, 10000.0, neox).float(), dtype)
@@ -129,6 +140,8 @@ def twin(
         q = _rope(got["q"][r, 0].view(h, d), p, 10000.0, neox)
         if kv == "q8_0" and q8_dots:  # q8_0 keys meet the query quantized as ggml's q8_0
             q = q8_0_unpack(q8_0_pack(q.float())).double()
+        if kv == "bf16" and bf16_pairs:
+            q = q.float().to(torch.bfloat16).double()
         keys = keys.repeat_interleave(h // hkv, 0)
         values = values.repeat_interleave(h // hkv, 0)
         scores = (q.unsqueeze(1) @ keys.transpose(1, 2)) * d**-0.5  # (h, 1, L)
@@ -140,12 +153,25 @@ def twin(
         else:
             p = torch.softmax(scores, -1)
         outs.append((p @ values).flatten())
-    return torch.stack(outs).view(len(outs), 1, -1)
+        spreads.append((p @ values.abs()).flatten())
+    shape = (len(outs), 1, -1)
+    return torch.stack(outs).view(shape), torch.stack(spreads).view(shape)
 
 
-def _check(case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS) -> None:
-    want = twin(case, kv, got, q8_dots)
-    torch.testing.assert_close(got["out"].double(), want, rtol=1e-5, atol=3e-5)
+def _check(
+    case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS,
+    bf16_pairs: bool = BF16_PAIRS,
+) -> None:  # fmt: skip
+    """The kernel's output against the twin's. bf16_pairs: the kernel that took got takes a
+    bfloat16 cache in bfloat16 pairs (this CPU's 512-bit one where BF16_PAIRS)."""
+    pairs = bf16_pairs and kv == "bf16"
+    want, spread = twin(case, kv, got, q8_dots, pairs)
+    out = got["out"].double()
+    if pairs:  # within the weights' rounding
+        err = (out - want).abs() - (2.0**-8 * spread + 3e-5)
+        assert float(err.max()) <= 0, f"{case[0]}: {float(err.max())} past the bound"
+    else:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=3e-5)
 
 
 @pytest.mark.parametrize("kv", TYPES)
@@ -173,6 +199,26 @@ def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
     torch.set_num_threads(2)
     for case in CASES:
         _check(case, "q8_0", run_case(case, "q8_0"), q8_dots=False)
+
+
+def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 512-bit kernel's bfloat16 cache in float32 arithmetic (an AVX-512 CPU without BF16):
+    built here with -DGL_NO_BF16_ATTN, every case against the twin with the query unrounded."""
+    from graftlm.native import abi, build
+
+    if not BF16_PAIRS:
+        pytest.skip("this CPU's kernel is that one: the tests above")
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_BF16_ATTN",))))
+    abi.bind(lib)
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    torch.set_num_threads(2)
+    for case in CASES:
+        _check(case, "bf16", run_case(case, "bf16"), bf16_pairs=False)
 
 
 VARIANT = """
@@ -216,7 +262,8 @@ def test_other_variants_equal_the_twin(tmp_path: Path, other: str) -> None:
         for kv in TYPES:
             got = run_case(case, kv)
             got["out"] = theirs[f"{i}:{kv}"]
-            _check(case, kv, got, q8_dots=False)  # the 256-bit kernel: q8_0 keys in float32
+            # the 256-bit kernel: q8_0 keys and bfloat16 caches in float32
+            _check(case, kv, got, q8_dots=False, bf16_pairs=False)
 
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])

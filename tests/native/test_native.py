@@ -838,11 +838,17 @@ def test_native_decode_attention_reads_and_writes_the_pages(kv: str) -> None:
         qr = q[r].view(h, d)
         if kv == "q8_0" and "vnni" in features() and "avx512f" in features():
             qr = q8_0_unpack(q8_0_pack(qr))  # q8_0 keys meet the query in int8 codes, as ggml's
-        want = F.scaled_dot_product_attention(
-            qr.view(1, h, 1, d), keys.unsqueeze(0), values.unsqueeze(0), scale=d**-0.5,
+        pairs = kv == "bf16" and "attn-bf16" in features()
+        if pairs:  # a bfloat16 cache in bfloat16 pairs: the query rounded, and each weight
+            qr = qr.to(torch.bfloat16).float()
+        want, spread = (F.scaled_dot_product_attention(
+            qr.view(1, h, 1, d), keys.unsqueeze(0), x.unsqueeze(0), scale=d**-0.5,
             enable_gqa=True,
-        ).flatten()  # fmt: skip
-        torch.testing.assert_close(out[r, 0], want, rtol=1e-5, atol=2e-5)
+        ).flatten() for x in (values, values.abs()))  # fmt: skip
+        if pairs:  # within the weights' rounding (test_decode_attention's bound)
+            assert bool(((out[r, 0] - want).abs() <= 2.0**-8 * spread + 3e-5).all())
+        else:
+            torch.testing.assert_close(out[r, 0], want, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3"])

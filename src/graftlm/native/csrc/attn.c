@@ -89,7 +89,10 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * eight keys' lanes reduced together), the online softmax's running max and sum, and the weighted
  * values added to the G outputs. Ranges: a row's positions split in chunks when the rows' kv
  * heads alone would not keep every thread busy (flash-decoding), each chunk's (max, sum, output)
- * merged at the end. */
+ * merged at the end. Where the CPU has AVX-512 BF16 a bfloat16 cache's task runs in bfloat16
+ * pairs (decode_task_bf16: half the instructions, the query and the weights rounded to bfloat16);
+ * a q8_0 cache's keys meet the query in integer dots (VNNI) and its values' scales ride on the
+ * weights (pv_q8); float16 and float32 caches keep float32 arithmetic throughout. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
 
@@ -322,12 +325,13 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
         transpose16(r);
         for (int l = 0; l < 16; l++) kq[c * 16 + l] = _mm512_xor_si512(_mm512_castps_si512(r[l]), flip);
     }
-    for (int64_t b = 0; b < nb; b++)
-        for (int i = 0; i < 16; i++) {
-            uint16_t h;
-            memcpy(&h, rows + (i < n ? i : 0) * rb + b * 34, 2);
-            ks[b * 16 + i] = _cvtsh_ss(h);
-        }
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)rb));
+    const __mmask16 in = (__mmask16)((1u << n) - 1u);
+    for (int64_t b = 0; b < nb; b++) { /* the 16 keys' scales of block b: a gather (0 past n) */
+        const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, at, rows + b * 34, 1);
+        _mm512_storeu_ps(ks + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+    }
 }
 
 /* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
@@ -392,6 +396,302 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
     default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
     }
 
+/* The scales of the values of a step's q8_0 tiles: vs[(x 32 + b) 16 + i] = tile x's key i's
+ * scale of block b (of Dv / 32), 0 past the tile's n[x] keys: one gather a block of a tile (the
+ * scales of a tile's rows lie 34 bytes apart, its rows rb apart). */
+static inline void q8_value_scales(const char *const *V, const int64_t *n, int nts, int64_t rb,
+                                   int64_t Dv, float *vs) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)rb));
+    for (int x = 0; x < nts; x++) {
+        const __mmask16 in = (__mmask16)((1u << n[x]) - 1u);
+        for (int64_t b = 0; b < Dv / 32; b++) {
+            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, V[x] + 34 * b, 1);
+            _mm512_storeu_ps(vs + (x * 32 + b) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        }
+    }
+}
+
+/* pv_step16 for q8_0 values (c0 and Dv multiples of 32, NU even): each key's block scales folded
+ * into its weights a tile at a time (p'[g][i] = p[g][i] s_i, vs: q8_value_scales'), so a value
+ * is its code converted, and one broadcast weight serves a block's two vectors. */
+static inline __attribute__((always_inline)) void pv_q8(float *O, const float *alpha, const float *P,
+                                                        int64_t pw, const char *const *V, const int64_t *n,
+                                                        int nts, int64_t rb, int64_t c0, int64_t Dv,
+                                                        const float *vs, const int GN, const int NU) {
+    __m512 acc[4][4];
+    float pp[4][2][16];
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int u = 0; u < NU; u++) acc[g][u] = _mm512_mul_ps(a, _mm512_loadu_ps(O + g * Dv + 16 * u));
+    }
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x] + (c0 / 32) * 34 + 2;
+        for (int g = 0; g < GN; g++)
+            for (int b = 0; b < NU / 2; b++)
+                _mm512_storeu_ps(pp[g][b], _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
+                                                         _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16)));
+        for (int64_t i = 0; i < n[x]; i++) {
+            __m512 v[4];
+            for (int u = 0; u < NU; u++)
+                v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(Vx + i * rb + (u / 2) * 34 + (u % 2) * 16))));
+            for (int g = 0; g < GN; g++)
+                for (int b = 0; b < NU / 2; b++) {
+                    const __m512 p = _mm512_set1_ps(pp[g][b][i]);
+                    acc[g][2 * b] = _mm512_fmadd_ps(p, v[2 * b], acc[g][2 * b]);
+                    acc[g][2 * b + 1] = _mm512_fmadd_ps(p, v[2 * b + 1], acc[g][2 * b + 1]);
+                }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int u = 0; u < NU; u++) _mm512_storeu_ps(O + g * Dv + 16 * u, acc[g][u]);
+}
+
+#define PVQ8_NU(GN)                                                                    \
+    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);          \
+    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 4);
+
+#if ATTN_BF16
+/* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
+ * the instructions of float32 FMAs and no conversion of the cache's values: the query rounded to
+ * bfloat16 once a task, the softmax's weights once a step (the sums l are the rounded weights',
+ * so the output stays a convex combination of the values). -DGL_NO_BF16_ATTN (and the ymm and
+ * avx2 variants) keep float32 arithmetic. Where a tile of a step starts inside its block (a
+ * window's first block, a chunk's), its lanes still are the block's 16 positions, those outside
+ * the tile masked. */
+#define DECODE_BF16 1
+
+#define DECODE_BF16_STEP 4 /* tiles a step of the bfloat16 task */
+
+/* S[g NT + x] (the 16 keys of tile x's block: lanes) = Q[g] . K[x] for GN heads and NT blocks,
+ * Qb: the heads' queries as bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords
+ * apart), K[x]: a block's keys transposed (value d of its 16 keys: 32 bytes at K[x] + 32 d). Two
+ * rows of a block (dims d and d + 1) are one 64-byte load, interleaved into pairs by key (one
+ * VPERMW); each broadcast pair of a query meets the NT blocks. */
+static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *const *K,
+                                                              int64_t D, __m512 *S, const int GN,
+                                                              const int NT) {
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t D2 = D / 2;
+    __m512 acc[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int x = 0; x < NT; x++) acc[g][x] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i++) {
+        __m512bh k[4];
+        for (int x = 0; x < NT; x++)
+            k[x] = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K[x] + 64 * i));
+        for (int g = 0; g < GN; g++) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)Qb[g * D2 + i]);
+            for (int x = 0; x < NT; x++) acc[g][x] = _mm512_dpbf16_ps(acc[g][x], k[x], qp);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int x = 0; x < NT; x++) S[g * NT + x] = acc[g][x];
+}
+
+/* 2^x for 16 floats x <= 0 (below -126: about 2^-126), to a relative 5e-5: enough for weights
+ * rounded to bfloat16 (2^-9). */
+static inline __m512 exp2_bf16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(9.6181291e-3f); /* ln2^4 / 24, then Taylor's terms down */
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* O (GN heads x 32 NC values from value c0, rows Dv apart) = alpha O + sum_i P[g][i] V[i] over a
+ * step's nts tiles (tile x: n[x] keys, its values' rows at V[x], rb bytes apart; its weights as
+ * bfloat16 at Pb + x 16 + o[x], rows pw apart). Two keys' rows interleaved by value (unpacklo /
+ * unpackhi of 16-bit words) meet the pair of their weights: each 32 values of O are held as two
+ * vectors, the first of values 0-3, 8-11, 16-19 and 24-27, the second of the others
+ * (decode_bf16_order puts them back in order at the task's end). */
+static inline __attribute__((always_inline)) void pv_bf16(float *O, const float *alpha, const uint16_t *Pb,
+                                                          int64_t pw, const char *const *V, const int64_t *o,
+                                                          const int64_t *n, int nts, int64_t rb, int64_t c0,
+                                                          int64_t Dv, const int GN, const int NC) {
+    __m512 acc[4][4][2];
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int c = 0; c < NC; c++)
+            for (int h = 0; h < 2; h++)
+                acc[g][c][h] = _mm512_mul_ps(a, _mm512_loadu_ps(O + g * Dv + c0 + 32 * c + 16 * h));
+    }
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x] + 2 * c0;
+        const uint16_t *px = Pb + 16 * x + o[x];
+        for (int64_t i = 0; i < n[x]; i += 2) {
+            const int two = i + 1 < n[x];
+            __m512bh lo[4], hi[4];
+            for (int c = 0; c < NC; c++) {
+                const __m512i a = _mm512_loadu_si512(Vx + i * rb + 64 * c);
+                const __m512i b = two ? _mm512_loadu_si512(Vx + (i + 1) * rb + 64 * c) : _mm512_setzero_si512();
+                lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            for (int g = 0; g < GN; g++) {
+                uint32_t pp;
+                memcpy(&pp, px + g * pw + i, 4); /* (p_i, p_i+1): p_i+1 finite, its row zero past n */
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp);
+                for (int c = 0; c < NC; c++) {
+                    acc[g][c][0] = _mm512_dpbf16_ps(acc[g][c][0], lo[c], pv);
+                    acc[g][c][1] = _mm512_dpbf16_ps(acc[g][c][1], hi[c], pv);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int c = 0; c < NC; c++)
+            for (int h = 0; h < 2; h++) _mm512_storeu_ps(O + g * Dv + c0 + 32 * c + 16 * h, acc[g][c][h]);
+}
+
+/* pv_bf16's order of n values (a multiple of 32) back to theirs, in place. */
+static inline void decode_bf16_order(float *O, int64_t n) {
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < n; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(O + c), hi = _mm512_loadu_ps(O + c + 16);
+        _mm512_storeu_ps(O + c, _mm512_permutex2var_ps(lo, i0, hi));
+        _mm512_storeu_ps(O + c + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+}
+
+#define PVB_NC(GN)                                                                     \
+    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 1);       \
+    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 2);
+
+/* Whether a task of these dimensions takes the bfloat16 pairs: a cache's block of DT positions,
+ * whole pairs of 32 values a head, its queries and weights in the thread's Kf and Vf. */
+static inline int decode_bf16_fits(const gl_attn *a) {
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim;
+    return a->kv.block == DT && D % 32 == 0 && Dv % 32 == 0 && G * D * 2 <= DT * D * 4 &&
+           G * (DECODE_BF16_STEP * DT + 2) * 2 <= DT * Dv * 4;
+}
+
+/* decode_task (below) for a bfloat16 cache in bfloat16 pairs; Kf: the queries' pairs, Vf: the
+ * weights as bfloat16. */
+static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0,
+                             int64_t k1, float *part, float *Kf, float *Vf, float *P, float *alpha) {
+    const gl_kv *kv = &a->kv;
+    const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = DT;
+    const int64_t PW = DECODE_BF16_STEP * DT, PWB = PW + 2; /* P's rows, Pb's */
+    const float l2e = 1.44269504088896341f; /* scores in base 2: m too, until the task's end */
+    const float softcap = a->softcap;
+    const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+    float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
+    uint32_t *Qb = (uint32_t *)Kf;
+    uint16_t *Pb = (uint16_t *)Vf;
+    for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)(G * Dv));
+    memset(Pb, 0, sizeof(uint16_t) * (size_t)(G * PWB)); /* the pads past a step's tiles: 0 */
+    for (int64_t i = 0; i < G * D; i += 32)
+        _mm512_storeu_si512(Qb + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(Q + i + 16), _mm512_loadu_ps(Q + i)));
+    const int64_t vrb = 2 * Dv;
+    int64_t ahead = k0;
+    for (int64_t j = k0; j < k1;) {
+        int64_t jt[DECODE_BF16_STEP], nt[DECODE_BF16_STEP], ot[DECODE_BF16_STEP];
+        const char *Vt[DECODE_BF16_STEP], *Kt[DECODE_BF16_STEP];
+        __mmask16 vis[DECODE_BF16_STEP];
+        int nts = 0;
+        for (int64_t p = j; nts < DECODE_BF16_STEP && p < k1; nts++) {
+            const int64_t o = p % BS, n = BS - o < k1 - p ? BS - o : k1 - p;
+            jt[nts] = p, nt[nts] = n, ot[nts] = o, vis[nts] = (__mmask16)(((1u << n) - 1u) << o);
+            Vt[nts] = kv_at(kv, kv->v, s, hk, p, Dv);
+            Kt[nts] = kt_plane(kv, s, hk, p, D);
+            p += n;
+        }
+        const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_BF16_STEP * BS; ahead = (ahead / BS + 1) * BS)
+            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, 2);
+        /* raw scores into P: up to 4 heads over all the step's blocks at once (a whole step), or
+         * block by block */
+        for (int64_t g0 = 0; g0 < G;) {
+            const int64_t gn = G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+            const uint32_t *Qg = Qb + g0 * (D / 2);
+            __m512 S[16];
+            if (nts == DECODE_BF16_STEP) {
+                switch (gn) {
+                case 4: scores_bf16(Qg, Kt, D, S, 4, DECODE_BF16_STEP); break;
+                case 2: scores_bf16(Qg, Kt, D, S, 2, DECODE_BF16_STEP); break;
+                default: scores_bf16(Qg, Kt, D, S, 1, DECODE_BF16_STEP); break;
+                }
+                for (int64_t gi = 0; gi < gn; gi++)
+                    for (int x = 0; x < DECODE_BF16_STEP; x++)
+                        _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi * DECODE_BF16_STEP + x]);
+            } else {
+                for (int x = 0; x < nts; x++) {
+                    switch (gn) {
+                    case 4: scores_bf16(Qg, Kt + x, D, S, 4, 1); break;
+                    case 2: scores_bf16(Qg, Kt + x, D, S, 2, 1); break;
+                    default: scores_bf16(Qg, Kt + x, D, S, 1, 1); break;
+                    }
+                    for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
+                }
+            }
+            g0 += gn;
+        }
+        /* each head's weights over the step, rounded to bfloat16: Pb, and their sum */
+        for (int64_t g = 0; g < G; g++) {
+            __m512 xs[DECODE_BF16_STEP], mxv = ninf;
+            for (int x = 0; x < nts; x++) {
+                __m512 v = _mm512_loadu_ps(P + g * PW + x * DT);
+                if (softcap > 0.0f)
+                    v = _mm512_mul_ps(tanh512(_mm512_div_ps(_mm512_mul_ps(v, _mm512_set1_ps(a->scale)), cap)), _mm512_set1_ps(softcap * l2e));
+                else
+                    v = _mm512_mul_ps(v, _mm512_set1_ps(a->scale * l2e));
+                xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
+                mxv = _mm512_max_ps(mxv, xs[x]);
+            }
+            const float mx = _mm512_reduce_max_ps(mxv), mn = mx > m[g] ? mx : m[g];
+            __m512 sum = _mm512_setzero_ps();
+            for (int x = 0; x < nts; x++) {
+                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp2_bf16(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
+                const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+                _mm256_storeu_si256((__m256i *)(Pb + g * PWB + x * DT), eb);
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+            }
+            if (nts < DECODE_BF16_STEP) _mm256_storeu_si256((__m256i *)(Pb + g * PWB + nts * DT), _mm256_setzero_si256());
+            psum[g] = _mm512_reduce_add_ps(sum);
+            mnew[g] = mn;
+        }
+        for (int64_t g = 0; g < G; g += 16) {
+            const __mmask16 mk = (__mmask16)(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1u);
+            const __m512 mo = _mm512_maskz_loadu_ps(mk, m + g), mw = _mm512_maskz_loadu_ps(mk, mnew + g);
+            const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ);
+            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_mul_ps(_mm512_sub_ps(mo, mw), _mm512_set1_ps(0.69314718056f))));
+            _mm512_mask_storeu_ps(alpha + g, mk, al);
+            _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
+            _mm512_mask_storeu_ps(m + g, mk, mw);
+        }
+        /* O = alpha O + P V: up to 4 heads x 64 values a pass */
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+            const float *al = alpha + g0;
+            const uint16_t *Pg = Pb + g0 * PWB;
+            for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+                const int64_t nc = Dv - c0 < 64 ? 1 : 2;
+                float *Og = O + g0 * Dv;
+                switch (gn) {
+                case 1: PVB_NC(1) break;
+                case 2: PVB_NC(2) break;
+                case 3: PVB_NC(3) break;
+                default: PVB_NC(4) break;
+                }
+            }
+        }
+        j = jend;
+    }
+    decode_bf16_order(O, G * Dv);
+    for (int64_t g = 0; g < G; g++) m[g] *= 0.69314718056f; /* the merge's base: e */
+}
+#else
+#define DECODE_BF16 0
+#endif
+
 /* One task: kv head hk of the row at slot s, its G query heads rotated in Q (G x D), over
  * positions [k0, k1): part = [m (G), l (G), O (G x Dv)], the running max, the sum of
  * exp(score - max) and the unnormalized output. A step takes up to DECODE_STEP tiles (one cache block
@@ -409,6 +709,12 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t PW = DECODE_STEP * DT; /* P's rows */
     const float softcap = a->softcap;
     const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+#if DECODE_BF16
+    if (t == 2 && decode_bf16_fits(a)) {
+        decode_task_bf16(a, Q, s, hk, k0, k1, part, Kf, Vf, P, alpha);
+        return;
+    }
+#endif
     float *m = part, *l = part + G, *O = part + 2 * G, *mnew = alpha + G, *psum = alpha + 2 * G;
     for (int64_t g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)(G * Dv));
@@ -424,6 +730,7 @@ static inline __attribute__((always_inline)) void decode_task(
 #endif
     const int kt = t != 3 ? t : 0;
     const int64_t vrb = kv_bytes(Dv, t);
+    float vsc[t == 3 ? DECODE_STEP * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */
@@ -501,7 +808,9 @@ static inline __attribute__((always_inline)) void decode_task(
             _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
             _mm512_mask_storeu_ps(m + g, mk, mw);
         }
-        /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers */
+        /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers (q8_0's: the
+         * values' scales in the weights) */
+        if (t == 3) q8_value_scales(Vt, nt, nts, vrb, Dv, vsc);
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t gn = G - g0 < 4 ? G - g0 : 4;
             const float *al = alpha + g0, *Pg = P + g0 * PW;
@@ -509,6 +818,15 @@ static inline __attribute__((always_inline)) void decode_task(
                 const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64, nu = (w + 15) / 16;
                 const __mmask16 last = (__mmask16)(w % 16 ? (1u << (w % 16)) - 1u : 0xFFFF);
                 float *Og = O + g0 * Dv + c0;
+                if (t == 3) {
+                    switch (gn) {
+                    case 1: PVQ8_NU(1) break;
+                    case 2: PVQ8_NU(2) break;
+                    case 3: PVQ8_NU(3) break;
+                    default: PVQ8_NU(4) break;
+                    }
+                    continue;
+                }
                 switch (gn) {
                 case 1: PV16_NU(1) break;
                 case 2: PV16_NU(2) break;
@@ -645,10 +963,15 @@ static inline int64_t decode_lo(const gl_attn *a, int64_t p) {
     return a->window > 0 && p - a->window + 1 > 0 ? p - a->window + 1 : 0;
 }
 
+#if defined(DECODE_BF16) && DECODE_BF16 && DECODE_BF16_STEP > DECODE_STEP
+#define DECODE_PW (DECODE_BF16_STEP * DT) /* P's row: the scores of a step */
+#else
+#define DECODE_PW (DECODE_STEP * DT)
+#endif
 /* A decode thread's part of the work buffer: a tile's K and V as float32, the group's rotated
  * queries, the tile's weights, and the heads' rescales, maxima and sums (G each); 64-byte whole. */
 static inline int64_t decode_thread_bytes(int64_t G, int64_t D, int64_t Dv) {
-    return ((DT * (D + Dv) + G * D + G * DECODE_STEP * DT + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
+    return ((DT * (D + Dv) + G * D + G * DECODE_PW + 3 * G) * (int64_t)sizeof(float) + 63) / 64 * 64;
 }
 
 /* The work buffer of a decode step of B rows on nth threads: each thread's part, the tasks'
@@ -694,7 +1017,7 @@ static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, cons
     {
         const unsigned csr = ftz_begin();
         char *mine = work + omp_get_thread_num() * thread;
-        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DECODE_STEP * DT;
+        float *Kf = (float *)mine, *Vf = Kf + DT * D, *Q = Vf + DT * Dv, *P = Q + G * D, *al = P + G * DECODE_PW;
         int64_t b = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {

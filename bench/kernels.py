@@ -5,8 +5,8 @@ path (dequantize chunks + float32 GEMM) and of torch's own fused kernel (native 
 blocks fallback for the types torch has none for: MXFP4 and the grid quants), for M = 1 .. 512
 rows.  This is where ``graftlm.quant.config.PREFILL_M`` comes from.  The grid quants (IQ2_*,
 IQ3_*) run on Qwen3-30B-A3B's expert and attention shapes, and the float types (F16, BF16) on
-Llama-1B's, when --types names them (BF16's dot products: with GRAFTLM_BF16_DOTS=1 in the
-environment; the FMA peak of a Zen 4 core, 16 MACs a cycle, is ~58 GMAC/s at 3.65 GHz).
+Llama-1B's, when --types names them (BF16's from 6 rows: VDPBF16PS where the CPU has it,
+GRAFTLM_BF16_DOTS=0 in the environment for the FMA path; the FMA peak of a Zen 4 core, 16 MACs a cycle, is ~58 GMAC/s at 3.65 GHz).
 
     .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4 IQ3_XXS]
 """

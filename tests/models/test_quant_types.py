@@ -14,6 +14,7 @@ from families import (
     FAMILIES,
     IDS,
     NATIVE,
+    ROUTED,
     WITH_PEFT,
     family_dir,
     forward,
@@ -27,7 +28,7 @@ from spies import stack_calls
 
 from graftlm.gguf import GGUFFile
 from graftlm.models import build_model
-from graftlm.native import library
+from graftlm.native import bf16_dots, library
 from graftlm.step.batch import Batch, LoraRows
 
 TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -52,7 +53,10 @@ def test_float_files_on_the_native_layers_match_transformers(
 ) -> None:
     """F16 and BF16 files on the fast path: the prompt's products and the decode steps' whole
     native layers (csrc/float.c reads the weights in place, x float32) give transformers' logits
-    on the same weights; with the family's adapter, the exact path's logits within 1e-5."""
+    on the same weights; with the family's adapter, the exact path's logits within 1e-5. A BF16
+    prompt where the library takes VDPBF16PS rounds x to bfloat16 as llama.cpp's does: 6e-3 to
+    9e-3 from transformers here (less than the quantized kinds' int8 x: test_families' 0.1),
+    routing flips on near ties as the quantized kinds' do (0.12 measured, their bound 0.5)."""
     served = stack_calls(monkeypatch)
     path = requantize(family, gguf.GGMLQuantizationType[qtype], tmp_path / f"{family}-{qtype}.gguf")
 
@@ -72,11 +76,13 @@ def test_float_files_on_the_native_layers_match_transformers(
         return torch.cat([prompt, torch.stack(steps, dim=1)], dim=1)
 
     native = library() is not None
-    assert rel_err(run("fast", False), reference(family, qtype)) < 1e-3
+    dots = qtype == "BF16" and bf16_dots()
+    bound = (0.5 if family in ROUTED else 2e-2) if dots else 1e-3
+    assert rel_err(run("fast", False), reference(family, qtype)) < bound
     # the prompt is not the stack's; each decode step is one native call
     assert served == ([False] + [True] * 4 if native else [])
     if family in WITH_PEFT:
         served.clear()
         fast = run("fast", True)  # (its float adapters' A and B: not int8 codes)
         assert served == ([False] + [True] * 4 if native else [])
-        assert rel_err(fast, run("reference", True)) < 1e-5
+        assert rel_err(fast, run("reference", True)) < (bound if dots else 1e-5)

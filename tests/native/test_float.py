@@ -7,9 +7,9 @@ on the same values; the sums run in another order, so the bound is a few ulps of
 products of two bfloat16 values are exact in float32: the twin is bf16(x) @ W.T, to the same
 bound. The shapes' outputs are not a multiple of a tile's 4 (nor of a task's 32) and k is not a
 multiple of the 1024 values a pass reads (FB_KC); the rows are not a multiple of a tile's 6.
-That path is off unless GRAFTLM_BF16_DOTS=1 (read once by the library): a subprocess runs the
-same checks with it on. The AVX2 and ymm variants (built in a subprocess) keep the FMA path for
-every row count, with it on too.
+GRAFTLM_BF16_DOTS=0 turns that path off (read once by the library): a subprocess runs the same
+checks with it off. The AVX2 and ymm variants (built in a subprocess) keep the FMA path for
+every row count.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from synth_tensors import gguf_tensor
 from test_decode_attention import variant_outputs
 
-from graftlm.native import features, isa, library
+from graftlm.native import bf16_dots, library
 from graftlm.quant import QWeight
 
 SHAPES = [(37, 1056), (70, 2112)]  # (n_out, n_in)
@@ -35,8 +35,7 @@ TILE_ROWS = 6  # rows of x from which a BF16 product rounds x (float.c: FB_ROWS)
 
 def _dots_here() -> bool:
     """Whether this process's library takes the bfloat16 dot-product path."""
-    on = os.environ.get("GRAFTLM_BF16_DOTS", "").startswith("1")
-    return on and "avx512bf16" in features() and isa() == "native"
+    return bf16_dots()
 
 
 def _case(qt: Q, shape: tuple[int, int], m: int) -> tuple[QWeight, torch.Tensor]:
@@ -112,7 +111,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(sys.argv[2]).parent))
 from gguf import GGMLQuantizationType as Q
 import test_float as t
 torch.set_num_threads(1)
-out = {"isa": t.isa(), "dots": t._dots_here()}
+from graftlm.native import isa
+out = {"isa": isa(), "dots": t._dots_here()}
 for qt in (Q.F16, Q.BF16, Q.F32):
     for shape in t.SHAPES:
         for m in t.ROWS:
@@ -123,12 +123,12 @@ torch.save(out, sys.argv[1])
 """
 
 
-def test_with_the_dots_on(tmp_path: Path) -> None:
-    """GRAFTLM_BF16_DOTS=1 in a subprocess: BF16 from 6 rows against the bf16(x) twin, and x's
-    rounding, where the CPU has AVX512-BF16; the FMA path's twin elsewhere."""
+def test_with_the_dots_off(tmp_path: Path) -> None:
+    """GRAFTLM_BF16_DOTS=0 in a subprocess: the FMA path's twin (x float32) for every row
+    count, on every CPU."""
     if library() is None:
         pytest.skip("native kernels unavailable here")
-    env = {**os.environ, "GRAFTLM_BF16_DOTS": "1"}
+    env = {**os.environ, "GRAFTLM_BF16_DOTS": "0"}
     path = tmp_path / "out.pt"
     done = subprocess.run(
         [sys.executable, "-c", VARIANT, str(path), str(Path(__file__).parent)],
@@ -136,7 +136,7 @@ def test_with_the_dots_on(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = torch.load(path)
-    assert theirs["dots"] == ("avx512bf16" in features() and isa() == "native")
+    assert theirs["dots"] is False
     for qt in (Q.F16, Q.BF16, Q.F32):
         for shape in SHAPES:
             for m in ROWS:
@@ -144,13 +144,10 @@ def test_with_the_dots_on(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("other", ["avx2", "ymm"])
-def test_other_variants_match_the_float32_twin(
-    tmp_path: Path, other: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The AVX2 and ymm builds, the dots asked for: the FMA path for every row count."""
+def test_other_variants_match_the_float32_twin(tmp_path: Path, other: str) -> None:
+    """The AVX2 and ymm builds: the FMA path for every row count."""
     if library() is None:
         pytest.skip("native kernels unavailable here")
-    monkeypatch.setenv("GRAFTLM_BF16_DOTS", "1")
     theirs = variant_outputs(tmp_path, other, VARIANT)
     assert theirs["dots"] is False
     for qt in (Q.F16, Q.BF16, Q.F32):

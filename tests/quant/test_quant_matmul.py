@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from synth_tensors import gguf_tensor
 
-from graftlm.native import disabled, library
+from graftlm.native import bf16_dots, disabled, library
 from graftlm.quant import QWeight, config, linear
 from graftlm.quant.int4pack import int4pack_layout
 
@@ -116,11 +116,15 @@ def test_matmul_matches_float32_twin(
 def test_float_weights_keep_x_float32(qtype: Q) -> None:
     """F16 / BF16 / F32 weights on the native products (csrc/float.c) read the file's values in
     place and keep x float32: the fast product is the float32 GEMM's up to the order of its sums,
-    for every count of rows of x a tile takes (1-4) and a row count past one tile."""
+    for every count of rows of x a tile takes (1-4) and a row count past one tile; BF16 from 6
+    rows where the library takes VDPBF16PS (native.bf16_dots) on x rounded to bfloat16, as
+    llama.cpp does."""
     w, dense = load(qtype, (101, 576), mode="native")
     assert w.kernel == "native-float"
     for m in (1, 2, 3, 4, 5, 9, 33):
         x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+        if qtype == Q.BF16 and m >= 6 and bf16_dots():
+            x = x.bfloat16().float()  # (what the product reads: tests/native/test_float.py)
         assert rel_err(w.matmul(x), x @ dense.T) < F32_TOL
 
 

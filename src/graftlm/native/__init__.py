@@ -9,6 +9,7 @@ Everything has a PyTorch twin that runs when the library is unavailable (see ``b
 
 from graftlm.native.build import (
     amx,
+    bf16_dots,
     disabled,
     features,
     isa,
@@ -20,6 +21,7 @@ from graftlm.native.build import (
 
 __all__ = [
     "amx",
+    "bf16_dots",
     "disabled",
     "features",
     "isa",

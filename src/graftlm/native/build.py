@@ -257,6 +257,14 @@ def features() -> list[str]:
     return [name for i, name in enumerate(FEATURES) if bits >> i & 1]
 
 
+def bf16_dots() -> bool:
+    """Whether BF16 weights' products with many rows of x (prompts) round x to bfloat16 and sum by
+    VDPBF16PS, as llama.cpp's do (csrc/float.c): AVX512-BF16 in the 512-bit build, unless
+    GRAFTLM_BF16_DOTS=0 (the library reads it once)."""
+    off = os.environ.get("GRAFTLM_BF16_DOTS", "").startswith("0")
+    return "avx512bf16" in features() and isa() == "native" and not off
+
+
 def threads() -> int:
     """The threads every native call runs on: torch's (its OpenMP pool, which the library shares)."""
     import torch

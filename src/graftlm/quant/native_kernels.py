@@ -7,8 +7,8 @@
 * ``NativeS8Kernel``: Q8_0 as int8 codes with a scale per 32 values; IQ4_NL and IQ4_XS the same
   way, their codes kept in 4 bits (indices into IQ4_NL's table of 16 int8 values).
 * ``NativeFloatKernel``: F16, BF16 and F32 read in place from the file (csrc/float.c), x kept
-  float32: the one native kind whose products do not round x (but BF16's prompts, with
-  AVX512-BF16 and GRAFTLM_BF16_DOTS=1: x in bfloat16).
+  float32: the one native kind whose products do not round x to int8 (BF16's prompts, with
+  AVX512-BF16: x in bfloat16, as llama.cpp's; ``graftlm.native.bf16_dots``).
 
 The formats whose values come from a table (MXFP4, the grid quants IQ2_* and IQ3_*) are in
 ``native_tables.py``.
@@ -383,8 +383,8 @@ class NativeFloatKernel(NativeKernel):
     reads each weight once at its stored size, where upcasting chunks for a float32 GEMM wrote
     and read them again as float32 on every call.
 
-    BF16 with 6 rows of x or more, where the library has AVX512-BF16 and its 512-bit kernels and
-    GRAFTLM_BF16_DOTS=1 (read once; off by default):
+    BF16 with 6 rows of x or more, where the library has AVX512-BF16 and its 512-bit kernels
+    (``graftlm.native.bf16_dots``; GRAFTLM_BF16_DOTS=0 turns it off, read once), as llama.cpp's:
     y = bf16(x) @ W.T, x rounded to nearest even, the products exact in float32 (VDPBF16PS at
     twice the FMA's multiply rate). rounds_x stays False: it speaks of int8 rounding, which an
     adapter's compact form may then match, and bfloat16's is 16x finer."""

@@ -234,11 +234,7 @@ class FusedLayer:
         layer.o = spec.o.weight.native()
         self.experts: tuple[ctypes.Array[GlWeight], ctypes.Array[GlWeight]] | None = None
         if spec.moe is not None:
-            layer.router = spec.moe.router.weight.native()
-            self.experts = spec.moe.arrays()  # the struct points into them
-            layer.exp_gate_up = ctypes.addressof(self.experts[0])
-            layer.exp_down = ctypes.addressof(self.experts[1])
-            layer.n_expert, layer.n_expert_used = len(spec.moe.gate_up), spec.moe.n_used
+            self._moe_fields(layer, spec.moe)
         else:
             assert spec.gate_up is not None and spec.down is not None
             layer.gate_up, layer.down = spec.gate_up.weight.native(), spec.down.weight.native()
@@ -265,11 +261,6 @@ class FusedLayer:
         layer.act, layer.eps, layer.scale = ACTS[spec.act], eps, scale
         layer.softcap = spec.softcap
         layer.sinks = _ptr(spec.sinks)
-        if spec.moe is not None:
-            moe = spec.moe
-            layer.router_bias, layer.gating = _ptr(moe.router_bias), GATINGS[moe.gating]
-            layer.exp_gate_up_bias = _ptr(moe.gate_up_bias)
-            layer.exp_down_bias = _ptr(moe.down_bias)
         self.layer = layer
         # the experts' adapter sites, one an expert for [gate; up] and for down (pointed at by
         # the struct while some expert has an adapter)
@@ -285,6 +276,18 @@ class FusedLayer:
         self._tables: list[SlotTable] = []  # kept alive: the struct points into them
         self._servable = True
         self.scratch = Scratch(loaded_library())  # the step's buffers, kept from step to step
+
+    def _moe_fields(self, layer: GlLayer, moe: MoeSpec) -> None:
+        """The routed FFN's fields: the router, every expert's weights (self.experts, which the
+        struct points into), their biases and the gating."""
+        layer.router = moe.router.weight.native()
+        self.experts = moe.arrays()
+        layer.exp_gate_up = ctypes.addressof(self.experts[0])
+        layer.exp_down = ctypes.addressof(self.experts[1])
+        layer.n_expert, layer.n_expert_used = len(moe.gate_up), moe.n_used
+        layer.router_bias, layer.gating = _ptr(moe.router_bias), GATINGS[moe.gating]
+        layer.exp_gate_up_bias = _ptr(moe.gate_up_bias)
+        layer.exp_down_bias = _ptr(moe.down_bias)
 
     def bind_lora(self) -> bool:
         """Point the struct's LoRA fields at each site's table of packed adapters and at the

@@ -19,6 +19,7 @@ from server_fixtures import PARALLEL, SPEC, TinyServer  # noqa: E402
 from tiny_models import write_tiny_adapter, write_tiny_model  # noqa: E402
 
 import graftlm  # noqa: E402
+from graftlm.runtime.service import EngineService  # noqa: E402
 from graftlm.server.app import ServerThread, build_state, create_app  # noqa: E402
 from graftlm.server.state import ServerConfig  # noqa: E402
 
@@ -33,6 +34,15 @@ def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     broken.write_bytes(b"GGUF\x03\x00\x00\x00 this is not an adapter")
     files["broken"] = broken
     return files
+
+
+@pytest.fixture
+def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
+    """An engine service over the tiny model (3 sequences), for the registry's own tests."""
+    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
+    service = EngineService(model.engine, model.prompter, model.adapters).start()
+    yield service
+    service.close()
 
 
 @pytest.fixture(scope="session")

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-from server_fixtures import SPEC
 
-import graftlm
 from graftlm.errors import AdapterError
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, Job, TokenEvent
@@ -23,14 +20,6 @@ from graftlm.server.registry import AdapterRegistry
 
 BASE = {"tiny"}
 PROMPT = [9, 40, 120, 7]
-
-
-@pytest.fixture
-def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
-    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
-    service = EngineService(model.engine, model.prompter, model.adapters).start()
-    yield service
-    service.close()
 
 
 async def _answer(svc: EngineService, lora: dict[int, float]) -> list[int]:
@@ -47,6 +36,15 @@ async def _served(reg: AdapterRegistry, svc: EngineService, name: str) -> list[i
         reg.release(lease)
 
 
+def _registry(svc: EngineService, files: dict[str, Path], path: Path) -> AdapterRegistry:
+    """`x` registered at `path` (a copy of alpha, written here), and `beta`."""
+    shutil.copyfile(files["alpha"], path)
+    reg = AdapterRegistry(svc)
+    reg.add_module("x", str(path))
+    reg.add_module("beta", str(files["beta"]))
+    return reg
+
+
 async def _evicted(reg: AdapterRegistry, name: str) -> None:
     reg.evict(name)
     for _ in range(200):
@@ -60,12 +58,9 @@ def test_a_file_broken_in_place_while_resident(
     svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
 ) -> None:
     path = tmp_path / "x.gguf"
-    shutil.copyfile(tiny_files["alpha"], path)
 
     async def go() -> None:
-        reg = AdapterRegistry(svc)
-        reg.add_module("x", str(path))
-        reg.add_module("beta", str(tiny_files["beta"]))
+        reg = _registry(svc, tiny_files, path)
         before = await _served(reg, svc, "x")
         base = await _answer(svc, {})
         assert before != base  # the adapter changes the answer: the checks below can fail
@@ -99,12 +94,9 @@ def test_a_valid_replacement_serves_its_own_weights_after_eviction(
     svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
 ) -> None:
     path = tmp_path / "x.gguf"
-    shutil.copyfile(tiny_files["alpha"], path)
 
     async def go() -> None:
-        reg = AdapterRegistry(svc)
-        reg.add_module("x", str(path))
-        reg.add_module("beta", str(tiny_files["beta"]))
+        reg = _registry(svc, tiny_files, path)
         alpha = await _served(reg, svc, "x")
         beta = await _served(reg, svc, "beta")
         assert alpha != beta

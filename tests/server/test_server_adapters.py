@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -22,14 +21,6 @@ from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import AdapterRegistry
 
 BASE = {"tiny"}
-
-
-@pytest.fixture
-def svc(tiny_files: dict[str, Path]) -> Iterator[EngineService]:
-    model = graftlm.load(tiny_files["model"], ctx_size=SPEC.n_ctx, n_seq=3)
-    service = EngineService(model.engine, model.prompter, model.adapters).start()
-    yield service
-    service.close()
 
 
 def _registry(svc: EngineService, files: dict[str, Path], **limits: int) -> AdapterRegistry:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROW = re.compile(
-    r"^\| (?P<model>[^|]+) \| (?P<ad>\d+) \| \d+ \| (?P<test>\w+) \|\s+(?P<tps>[\d.]+)"
+    r"^\| (?P<model>[^|]+) \| (?P<ad>\d+) \| \d+ \| (?P<test>\w+(?: @ d\d+)?) \|\s+(?P<tps>[\d.]+)"
 )
 
 

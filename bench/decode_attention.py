@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from vs_llama_cpp import Bandwidth
 
 from graftlm.native import abi, ops, unavailable_reason
 from graftlm.native.ops import attn_decode
@@ -43,19 +44,6 @@ SHAPES = {
     "qwen2.5-1.5b": (12, 2, 128),
     "gemma-3-270m": (4, 1, 256),
 }
-
-
-def probe_bandwidth(exe: Path) -> float:
-    out = subprocess.run([str(exe), "2", "1024", "5"], capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[0])
-
-
-def build_probe(folder: Path) -> Path:
-    source = Path(__file__).resolve().with_name("read_bandwidth.c")
-    exe = folder / "read_bandwidth"
-    subprocess.run(["cc", "-O3", "-march=native", "-pthread", str(source), "-o", str(exe)],
-                   check=True)  # fmt: skip
-    return exe
 
 
 def other_library(src: str) -> ctypes.CDLL:
@@ -145,8 +133,8 @@ def main() -> None:
         print(f"native kernels unavailable: {unavailable_reason()}")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build_probe(Path(tmp))
-        probes = [probe_bandwidth(exe)]
+        probe = Bandwidth(Path(tmp))
+        probes = [probe.measure()]
         libs: list[ctypes.CDLL | None] = [None]
         if args.against:
             libs.append(other_library(args.against))
@@ -159,7 +147,7 @@ def main() -> None:
                             shape, kv, depth, rows, args.reps, args.working_set << 20, libs
                         )
                         results.append((shape, kv, rows, depth, secs, nbytes))
-        probes.append(probe_bandwidth(exe))
+        probes.append(probe.measure())
     bw = max(probes)
     print(f"read bandwidth: {', '.join(f'{p / 1e9:.1f}' for p in probes)} GB/s "
           f"(shares against {bw / 1e9:.1f}); {args.threads} threads")  # fmt: skip

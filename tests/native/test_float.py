@@ -33,11 +33,6 @@ ROWS = (1, 5, 6, 7, 13, 100)
 TILE_ROWS = 6  # rows of x from which a BF16 product rounds x (float.c: FB_ROWS)
 
 
-def _dots_here() -> bool:
-    """Whether this process's library takes the bfloat16 dot-product path."""
-    return bf16_dots()
-
-
 def _case(qt: Q, shape: tuple[int, int], m: int) -> tuple[QWeight, torch.Tensor]:
     raw, _ = gguf_tensor(qt, shape, seed=shape[0])
     w = QWeight.from_gguf(raw, qt, shape, name="w")
@@ -69,7 +64,7 @@ def test_products_match_their_twins() -> None:
             for m in ROWS:
                 w, x = _case(qt, shape, m)
                 assert w.kernel == "native-float"
-                _check(qt, shape, m, w.matmul(x), _dots_here())
+                _check(qt, shape, m, w.matmul(x), bf16_dots())
 
 
 def test_x_rounds_to_nearest_even() -> None:
@@ -89,9 +84,9 @@ def test_x_rounds_to_nearest_even() -> None:
     x[0, : len(ties)] = torch.tensor(ties)
     x[1, :4] = torch.tensor([0.0, -0.0, 3.0e38, -3.0e38])
     got = w.matmul(x)
-    want = x.bfloat16().float() if _dots_here() else x
+    want = x.bfloat16().float() if bf16_dots() else x
     assert torch.equal(got, want), (got - want).abs().max()
-    if _dots_here():
+    if bf16_dots():
         assert got[0, : len(ties)].tolist() == [
             1.0,
             1 + 2 * ulp,
@@ -111,8 +106,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(sys.argv[2]).parent))
 from gguf import GGMLQuantizationType as Q
 import test_float as t
 torch.set_num_threads(1)
-from graftlm.native import isa
-out = {"isa": isa(), "dots": t._dots_here()}
+from graftlm.native import bf16_dots, isa
+out = {"isa": isa(), "dots": bf16_dots()}
 for qt in (Q.F16, Q.BF16, Q.F32):
     for shape in t.SHAPES:
         for m in t.ROWS:

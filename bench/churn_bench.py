@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 from kv_capacity import rss_mib
 from prometheus_client.parser import text_string_to_metric_families
-from serve_bench import running
+from serve_bench import one_round, running
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -63,23 +63,6 @@ def write_adapters(folder: Path, n: int) -> list[Path]:
         write_tiny_adapter(folder / f"a{s}.gguf", targets=targets, rank=4, arch="llama", seed=s + 1)
         for s in range(n)
     ]
-
-
-async def traffic(url: str, bodies: list[dict[str, object]], clients: int) -> list[str]:
-    """The requests, `clients` at a time; their texts in order."""
-    out: list[str] = [""] * len(bodies)
-    sem = asyncio.Semaphore(clients)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
-
-        async def one(i: int) -> None:
-            async with sem:
-                r = await c.post("/completion", json=bodies[i])
-                if r.status_code != 200:
-                    raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
-                out[i] = r.json()["content"]
-
-        await asyncio.gather(*(one(i) for i in range(len(bodies))))
-    return out
 
 
 def quantile(buckets: list[tuple[float, float]], q: float) -> float:
@@ -156,25 +139,25 @@ def main() -> int:
             pid = int(pid_file.read_text())
             print(f"server up: {rss_mib(pid):.0f} MiB resident")
             # warm: a whole batch (the first one at full width is several times slower)
-            asyncio.run(traffic(url, base[: args.clients], args.clients))
+            asyncio.run(one_round(url, base[: args.clients], args.clients))
             times: dict[str, list[float]] = {"base": [], "churn": [], "mixed": []}
             texts: list[str] = []
             for rnd in range(args.rounds):
                 for name, bodies in (("base", base), ("churn", churn), ("mixed", mixed)):
                     t0 = time.perf_counter()
-                    got = asyncio.run(traffic(url, bodies, args.clients))
+                    got = asyncio.run(one_round(url, bodies, args.clients)).texts
                     times[name].append(time.perf_counter() - t0)
                     if name == "churn" and rnd == 0:
                         texts = got
                     print(f"  round {rnd + 1} {name:5s} {times[name][-1]:6.1f} s", flush=True)
             buckets = histogram(url, "graftlm_lora_adapter_load_seconds")  # (mixed: none)
             waits = histogram(url, "graftlm_lora_adapter_wait_seconds")
-            alone = [asyncio.run(traffic(url, [churn[i]], 1))[0] for i in range(args.check)]
+            alone = [asyncio.run(one_round(url, [churn[i]], 1)).texts[0] for i in range(args.check)]
             same = sum(a == b for a, b in zip(alone, texts, strict=False))
             before = histogram(url, "graftlm_lora_adapter_load_seconds")
             fresh = range(args.used, min(args.used + args.alone, args.registered))
             for i in fresh:
-                asyncio.run(traffic(url, [dict(base[0], model=f"a{i}", n_predict=1)], 1))
+                asyncio.run(one_round(url, [dict(base[0], model=f"a{i}", n_predict=1)], 1))
             after = histogram(url, "graftlm_lora_adapter_load_seconds")
             idle = [(le, n - m) for (le, n), (_, m) in zip(after, before, strict=True)]
             rss = rss_mib(pid)

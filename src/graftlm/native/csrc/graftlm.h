@@ -432,6 +432,32 @@ static inline char *kt_plane(const gl_kv *kv, int64_t s, int64_t h, int64_t p, i
 
 static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t);
 
+/* 32 float32 values as ggml's quantize_row_q8_0_ref (and gguf's quantizer) make a Q8_0 block:
+ * d = max|v| / 127 (returned as float16 bits), codes v * (1 / d) rounded half away from zero
+ * (floor(a) + floor(2 (a - floor(a))) of a = |v / d|, the sign put back). The KV cache's q8_0
+ * rows (kv_store) and an adapter's A (quant.c's gl_pack_q8_0_f32) both take it. */
+static inline uint16_t q8_0_block(const float *v, int32_t codes[32]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), two = _mm256_set1_ps(2.0f);
+    __m256 xv[4], m = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        xv[c] = _mm256_loadu_ps(v + 8 * c);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, xv[c]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float d = _mm_cvtss_f32(m4) / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+    const __m256 idv = _mm256_set1_ps(id);
+    for (int c = 0; c < 4; c++) {
+        const __m256 t = _mm256_mul_ps(xv[c], idv), a = _mm256_andnot_ps(sign, t);
+        const __m256 f = _mm256_floor_ps(a);
+        const __m256 rnd = _mm256_add_ps(f, _mm256_floor_ps(_mm256_mul_ps(two, _mm256_sub_ps(a, f))));
+        const __m256 val = _mm256_or_ps(rnd, _mm256_and_ps(sign, t)); /* the sign back */
+        _mm256_storeu_si256((__m256i *)(codes + 8 * c), _mm256_cvtps_epi32(val));
+    }
+    return (uint16_t)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* A key of D float32 values into the cache at (slot s, kv head h, position p), rounded as
  * kv_store rounds: along its block's row where keys are transposed. */
 static inline void key_store(const gl_kv *kv, int64_t s, int64_t h, int64_t p, const float *src,
@@ -451,15 +477,13 @@ static inline void kv_store(void *dst, const float *src, int64_t n, int64_t t) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
         return;
     }
-    if (t == 3) { /* as ggml's quantize_row_q8_0_ref: d = amax / 127, q = round(x / d) */
+    if (t == 3) { /* ggml's block_q8_0: the scale's float16 bits, then the 32 codes */
         char *b = dst;
+        int32_t codes[32];
         for (int64_t j = 0; j < n; j += 32, b += 34) {
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(src[j + i]));
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            const uint16_t dh = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const uint16_t dh = q8_0_block(src + j, codes);
             memcpy(b, &dh, 2);
-            for (int i = 0; i < 32; i++) b[2 + i] = (char)(int8_t)roundf(src[j + i] * id);
+            for (int i = 0; i < 32; i++) b[2 + i] = (char)(int8_t)codes[i];
         }
         return;
     }

@@ -231,9 +231,7 @@ int gl_pack_s8(int type, const uint8_t *raw, int64_t rowbytes, int64_t n, int64_
 }
 
 /* Rows of x (n, k float32, k whole blocks of 32) quantized to Q8_0 as gguf.quants.quantize does
- * (d = max|x| / 127 per 32 values, codes x * (1 / d) rounded half away from zero by its own
- * formula floor(a) + floor(2 (a - floor(a))) of a = |x * (1 / d)|, d kept as float16) and laid
- * out as gl_pack_s8 lays out a Q8_0 weight with float16 scales (q, s sized for (n + 7) / 8
+ * (q8_0_block, graftlm.h) and laid out as gl_pack_s8 lays out a Q8_0 weight with float16 scales (q, s sized for (n + 7) / 8
  * groups, the rows past n zero): the same bytes as gguf's quantizer, then the packer. One thread,
  * no allocation: an adapter's A, made on a reader thread beside the engine's steps. */
 void gl_pack_q8_0_f32(const float *x, int64_t n, int64_t k, int8_t *q, void *s) {
@@ -241,31 +239,12 @@ void gl_pack_q8_0_f32(const float *x, int64_t n, int64_t k, int8_t *q, void *s) 
     uint16_t *s16 = s;
     memset(q, 0, (size_t)(groups * kb * 256));
     memset(s16, 0, sizeof(uint16_t) * (size_t)(groups * kb * 8));
-    const __m256 sign = _mm256_set1_ps(-0.0f), two = _mm256_set1_ps(2.0f);
     for (int64_t r = 0; r < n; r++) {
         const int64_t g = r / 8;
         const int i = (int)(r % 8);
         for (int64_t b = 0; b < kb; b++) {
-            const float *v = x + r * k + 32 * b;
-            __m256 xv[4], m = _mm256_setzero_ps();
-            for (int c = 0; c < 4; c++) {
-                xv[c] = _mm256_loadu_ps(v + 8 * c);
-                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, xv[c]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-            const float d = _mm_cvtss_f32(m4) / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
-            s16[(g * kb + b) * 8 + i] = (uint16_t)_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256 idv = _mm256_set1_ps(id);
             int32_t codes[32];
-            for (int c = 0; c < 4; c++) {
-                const __m256 t = _mm256_mul_ps(xv[c], idv), a = _mm256_andnot_ps(sign, t);
-                const __m256 f = _mm256_floor_ps(a);
-                const __m256 rnd = _mm256_add_ps(f, _mm256_floor_ps(_mm256_mul_ps(two, _mm256_sub_ps(a, f))));
-                const __m256 val = _mm256_or_ps(rnd, _mm256_and_ps(sign, t)); /* the sign back */
-                _mm256_storeu_si256((__m256i *)(codes + 8 * c), _mm256_cvtps_epi32(val));
-            }
+            s16[(g * kb + b) * 8 + i] = q8_0_block(x + r * k + 32 * b, codes);
             uint8_t *w = (uint8_t *)q + (g * kb + b) * 256;
             for (int c = 0; c < 8; c++)
                 for (int j = 0; j < 4; j++) w[32 * c + 4 * i + j] = (uint8_t)(int8_t)codes[4 * c + j];

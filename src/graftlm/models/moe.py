@@ -30,9 +30,7 @@ from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.base import Weights
 from graftlm.models.primitives import gated
-from graftlm.native import layer_calls as native_layer
-from graftlm.native import library
-from graftlm.native.build import threads
+from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
 from graftlm.step.batch import LoraRows
@@ -119,15 +117,11 @@ def _token_delta(
 ) -> torch.Tensor:
     """y (n, n_out) plus the delta of x (n, n_in), token i at scales[i] (n, n_slots): natively
     from the site's packed adapters on a fast step (in place), else in PyTorch."""
-    table = None if exact or library() is None else site.native()
-    if (
-        table is not None
-        and all(t.dtype is torch.float32 for t in (x, y, scales))
-        and all(t.is_contiguous() and t.device.type == "cpu" for t in (x, y, scales))
-    ):
-        nth = 1 if x.shape[0] <= ONE_THREAD_ROWS else threads()
-        native_layer.lora_rows(table.site(scales), x, y, nth)
-        return y
+    table = None if exact else site.native()
+    if table is not None and scales.dtype is torch.float32 and scales.is_contiguous():
+        nth = 1 if x.shape[0] <= ONE_THREAD_ROWS else None
+        if native_ops.lora_delta(y, x, table.site(scales), nth):
+            return y
     return site.add_token_delta(y, x, scales)
 
 

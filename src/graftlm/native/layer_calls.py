@@ -58,14 +58,3 @@ def layers_decode(
         layers, len(layers), x.data_ptr(), x.shape[0], slots.data_ptr(), starts.data_ptr(),
         scratch.ref, threads(),
     )  # fmt: skip
-
-
-def lora_rows(site: GlLoraSite, x: torch.Tensor, y: torch.Tensor, nth: int) -> None:
-    """y (M, n_out) += the delta of `site` on x (M, n_in), row i at the site's scale row i
-    (``gl_lora``), on nth threads: a routed expert's tokens (models.moe), too few for a parallel
-    region to pay for its start (a prompt's expert products are a few rows each, hundreds a
-    layer). x, y float32, contiguous, on the CPU; the library loaded (the caller checked)."""
-    lib = library()
-    assert lib is not None
-    m, n_in = x.shape
-    lib.gl_lora(ctypes.byref(site), n_in, y.shape[-1], x.data_ptr(), m, 1, y.data_ptr(), nth)

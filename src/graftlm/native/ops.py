@@ -60,24 +60,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return y
 
 
-def lora_delta(y: torch.Tensor, x: torch.Tensor, site: GlLoraSite) -> bool:
+def lora_delta(y: torch.Tensor, x: torch.Tensor, site: GlLoraSite, nth: int | None = None) -> bool:
     """y (B, T, n_out) += per row b: sum_j scale[b, j] * B_j (A_j x[b, t]), in place, over the
     adapters of `site` (a gl_lora_site: graftlm.lora.packed's table of packed adapters and the
-    batch's scale table, a row of it per row of x). False (nothing done) when it cannot serve
-    the call."""
+    batch's scale table, a row of it per row of x); x (M, n_in) and y (M, n_out): each row its
+    own scale row (a routed expert's tokens, models.moe). On nth threads (default: all). False
+    (nothing done) when it cannot serve the call."""
     lib = library()
     if (
         lib is None
         or x.dtype is not torch.float32
         or y.dtype is not torch.float32
-        or x.dim() != 3
+        or x.dim() not in (2, 3)
         or x.device.type != "cpu"
         or not (x.is_contiguous() and y.is_contiguous())
     ):
         return False
-    b, t, n_in = x.shape
+    n_in, m = x.shape[-1], x.numel() // x.shape[-1]
+    t = x.shape[1] if x.dim() == 3 else 1
     lib.gl_lora(
-        ctypes.byref(site), n_in, y.shape[-1], x.data_ptr(), b * t, t, y.data_ptr(), threads()
+        ctypes.byref(site), n_in, y.shape[-1], x.data_ptr(), m, t, y.data_ptr(), nth or threads()
     )
     return True
 

@@ -7,7 +7,10 @@ B (n_out, r), for expert N of the stacked base tensor.
 target_parameters (transformers 5: PEFT's ParamWrapper on a (n_expert, n_out, n_in) parameter,
 mlp.experts.gate_up_proj or mlp.experts.down_proj): A (r * n_expert, n_in) whose rows are
 expert-major, B (n_out, r * n_expert) whose columns are rank-major (expert e's: e::n_expert);
-gate_up_proj's rows are [gate; up].
+gate_up_proj's rows are [gate; up], except gpt-oss's, whose gate and up rows alternate
+(GptOssExperts: gate_up[..., ::2] is the gate, as llama.cpp's converter splits the base weight).
+gpt-oss's parameters are stored (n_expert, n_in, n_out) (x @ W), and PEFT does not swap in and out
+for them, so its factors have the same shapes and meaning as the other families'.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ _EXPERT_KIND = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": 
 # the experts' 3-D parameters as PEFT's target_parameters wraps them (transformers 5): one
 # ParamWrapper a parameter, nested (".base_layer") when a module has several
 _EXPERT_PARAMS = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)")
+# the families whose gate_up_proj interleaves gate and up rows (expert e's gate rows 0::2)
+INTERLEAVED_GATE_UP = {"gpt-oss"}
+
+
+def gate_up_rows(arch: str, n_ff: int) -> tuple[slice, slice]:
+    """The gate rows and the up rows of a (2 n_ff)-row gate_up_proj on `arch`."""
+    if arch in INTERLEAVED_GATE_UP:
+        return slice(0, 2 * n_ff, 2), slice(1, 2 * n_ff, 2)
+    return slice(0, n_ff), slice(n_ff, 2 * n_ff)
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,7 @@ def _read_parameter(
         return []
     a = st.get_tensor(f.a_key).float().reshape(n, f.rank, f.sa[1])  # (n_expert, r, n_in)
     b = st.get_tensor(f.b_key).float().reshape(f.sb[0], f.rank, n).permute(2, 0, 1)
-    return _per_expert(f, cfg.scaling(f.module), layer, param, a, b, n_ff)
+    return _per_expert(f, cfg.scaling(f.module), layer, param, a, b, gate_up_rows(base.arch, n_ff))
 
 
 def _expert_dims(
@@ -178,9 +190,16 @@ def _which_parameter(
 
 
 def _per_expert(
-    f: _Factors, s: float, layer: int, param: str, a: torch.Tensor, b: torch.Tensor, n_ff: int
+    f: _Factors,
+    s: float,
+    layer: int,
+    param: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    halves: tuple[slice, slice],
 ) -> list[LoraPair]:
-    """a (n_expert, r, n_in), b (n_expert, n_out, r) split into each expert's pairs."""
+    """a (n_expert, r, n_in), b (n_expert, n_out, r) split into each expert's pairs; `halves`:
+    gate_up_proj's gate rows and up rows."""
     out = []
     for e in range(a.shape[0]):
         be = b[e].contiguous()  # (n_out, r)
@@ -189,8 +208,9 @@ def _per_expert(
                 LoraPair(f.module, f"blk.{layer}.ffn_down_exps", a[e], be, s, f.rank, f.alpha, e)
             )
             continue
-        for kind, rows in (("ffn_gate_exps", slice(0, n_ff)), ("ffn_up_exps", slice(n_ff, None))):
+        for kind, rows in zip(("ffn_gate_exps", "ffn_up_exps"), halves, strict=True):
+            be_rows = be[rows].contiguous()
             out.append(
-                LoraPair(f.module, f"blk.{layer}.{kind}", a[e], be[rows], s, f.rank, f.alpha, e)
+                LoraPair(f.module, f"blk.{layer}.{kind}", a[e], be_rows, s, f.rank, f.alpha, e)
             )
     return out

@@ -27,12 +27,11 @@ from graftlm.config import ModelConfig
 from graftlm.errors import ModelFileError
 from graftlm.models.base import Transformer, Weights
 from graftlm.models.fused import LayerSpec, MoeSpec
-from graftlm.models.moe import Experts, GatedExperts, mix_experts
+from graftlm.models.moe import Experts, GatedExperts, adapted_rows, mix_experts
 from graftlm.models.primitives import Rope, rms_norm, yarn
 from graftlm.models.seam import Projection
 from graftlm.native import ops as native_ops
-from graftlm.quant import linear
-from graftlm.step.batch import Batch
+from graftlm.step.batch import Batch, LoraRows
 
 # the clamped SwiGLU's constants: fixed in llama.cpp's graph (the GGUF carries none) and the
 # released config's swiglu_alpha and swiglu_limit
@@ -83,7 +82,12 @@ class GptOssBlock:
 
 
 def routed_ffn(
-    h: torch.Tensor, router_logits: torch.Tensor, b: GptOssBlock, n_used: int, exact: bool = False
+    h: torch.Tensor,
+    router_logits: torch.Tensor,
+    b: GptOssBlock,
+    n_used: int,
+    lora: LoraRows | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """h (B, T, n_embd), router_logits (B, T, n_expert) with the router's bias -> (B, T, n_embd);
     exact: the experts' products in float32 (the step's Batch.exact, as quant.linear takes it).
@@ -91,27 +95,30 @@ def routed_ffn(
     Semantics (llama.cpp's SOFTMAX_WEIGHT gating; transformers' GptOssTopKRouter):
         top = the n_used largest logits; w = softmax(logits[top])
         out = sum_{e in top} w_e * (down_e(swiglu_oai(gate_e(h) + bg_e, up_e(h) + bu_e)) + bd_e)
-    Tokens are grouped by expert, a row's experts added in ascending order (moe.mix_experts).
+    each of gate_e, up_e, down_e plus its adapters' delta at the token's row's scales (`lora`;
+    llama.cpp's build_lora_mm_id, before the bias). Tokens are grouped by expert, a row's experts
+    added in ascending order (moe.mix_experts).
     """
     x = h.reshape(-1, h.shape[-1])  # (N, n_embd)
     top, chosen = router_logits.reshape(x.shape[0], -1).float().topk(n_used, dim=-1)  # (N, k)
     weight = torch.softmax(top, dim=-1).to(x.dtype)
 
-    experts, bias = b.ffn_gate_up_exps, b.ffn_gate_up_exps_bias
+    experts, bias, down = b.ffn_gate_up_exps, b.ffn_gate_up_exps_bias, b.ffn_down_exps
+    rows = adapted_rows(lora, experts, down)
+    # (N, n_slots): each token's row's scales
+    scales = None if rows is None else rows.scales.repeat_interleave(h.shape[1], dim=0)
 
-    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
-        if experts.stacked is not None:
-            gate_up = linear(xe, experts.stacked[e], exact) + bias[e]  # (n_e, 2 n_ff)
-            act = None if exact else native_ops.gated(gate_up, "swiglu_oai")
-        else:
-            gate, up = experts.halves(e, xe, exact)
-            gate_up, act = torch.cat([gate, up], dim=-1) + bias[e], None
+    def expert(e: int, xe: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        s = None if scales is None else scales.index_select(0, token)  # (n_e, n_slots)
+        gate_up = experts.products(e, xe, s, exact) + bias[e]  # (n_e, 2 n_ff)
+        native = experts.stacked is not None and not exact
+        act = native_ops.gated(gate_up, "swiglu_oai") if native else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = swiglu_oai(gate, up)
-        return linear(act, b.ffn_down_exps[e], exact) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
+        return down.product(e, act, s, exact) + b.ffn_down_exps_bias[e]  # (n_e, n_embd)
 
-    out = mix_experts(x, chosen, weight, expert)
+    out = mix_experts(x, chosen, weight, expert, with_tokens=True)
     return out.view_as(h)
 
 
@@ -153,7 +160,8 @@ class GptOss(Transformer):
             return None
         moe = MoeSpec(b.ffn_gate_inp, experts.stacked, b.ffn_down_exps.weights, cfg.n_expert_used,
                       router_bias=b.ffn_gate_inp_bias, gate_up_bias=b.ffn_gate_up_exps_bias,
-                      down_bias=b.ffn_down_exps_bias, gating="softmax_chosen")  # fmt: skip
+                      down_bias=b.ffn_down_exps_bias, gating="softmax_chosen",
+                      seams=(experts.seams, b.ffn_down_exps.seams))  # fmt: skip
         return LayerSpec(b.attn_qkv.projections(), b.attn_output, None, None, b.attn_norm,
                          b.post_attention_norm, act="swiglu_oai", q_bias=b.attn_q_bias,
                          k_bias=b.attn_k_bias, v_bias=b.attn_v_bias, o_bias=b.attn_output_bias,
@@ -168,7 +176,7 @@ class GptOss(Transformer):
         x = x + (b.attn_output(a, batch) + b.attn_output_bias)
         h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
         logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)
-        return x + routed_ffn(h, logits, b, cfg.n_expert_used, batch.exact)
+        return x + routed_ffn(h, logits, b, cfg.n_expert_used, batch.lora, batch.exact)
 
     @property
     def nbytes(self) -> int:

@@ -100,7 +100,7 @@ class _Adapted:
         return self._seen[1]
 
 
-def _lora_rows(rows: LoraRows | None, *experts: _Adapted) -> LoraRows | None:
+def adapted_rows(rows: LoraRows | None, *experts: _Adapted) -> LoraRows | None:
     """The step's rows when some adapter active in it is attached to one of these experts."""
     if rows is None or not rows.active:
         return None
@@ -214,6 +214,20 @@ class GatedExperts(_Adapted):
         gate, up = linear(x, self.stacked[e], exact).chunk(2, dim=-1)
         return gate, up
 
+    def products(
+        self, e: int, x: torch.Tensor, scales: torch.Tensor | None, exact: bool = False
+    ) -> torch.Tensor:
+        """[gate_e(x) | up_e(x)] (n, 2 n_ff) for x (n, n_in), each plus its adapters' delta at
+        the tokens' scales (n, n_slots) when given: the products an activation other than
+        `gated`'s SwiGLU takes (gpt-oss's, after its biases)."""
+        if self.stacked is None:
+            assert self.parts is not None
+            gate = self.parts[0].product(e, x, scales, exact)
+            return torch.cat([gate, self.parts[1].product(e, x, scales, exact)], dim=-1)
+        gu = linear(x, self.stacked[e], exact)
+        site = self.seams[e].lora
+        return gu if scales is None or site is None else _token_delta(site, gu, x, scales, exact)
+
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """silu(gate_e(x)) * up_e(x) for x (n, n_in) -> (n, n_ff)."""
         if self.stacked is None:
@@ -272,7 +286,7 @@ def moe_ffn(
     probs = torch.softmax(router_logits.reshape(x.shape[0], -1).float(), dim=-1)  # (N, n_expert)
     weight, chosen = probs.topk(n_used, dim=-1)  # (N, k)
     weight = (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype)
-    rows = _lora_rows(lora, gate_up, down)
+    rows = adapted_rows(lora, gate_up, down)
     if rows is None:
 
         def plain(e: int, xe: torch.Tensor) -> torch.Tensor:

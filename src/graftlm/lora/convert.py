@@ -37,6 +37,7 @@ from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
+from graftlm.lora.peft_experts import is_stacked, peft_experts, stack_experts
 from graftlm.quant import dequantize_any
 
 OUTTYPES: dict[str, gguf.GGMLQuantizationType] = {
@@ -59,8 +60,8 @@ def _open_base(path: str | os.PathLike[str]) -> GGUFFile:
 
 def _single_alpha(pairs: list[LoraPair], preferred: float) -> float | None:
     """The alpha for which llama.cpp's alpha / r_t equals PEFT's factor on every tensor, if any."""
-    for alpha in (preferred, pairs[0].scaling * pairs[0].b.shape[1]):
-        if all(abs(alpha / p.b.shape[1] - p.scaling) <= _REL_TOL * p.scaling for p in pairs):
+    for alpha in (preferred, pairs[0].scaling * pairs[0].b.shape[-1]):
+        if all(abs(alpha / p.b.shape[-1] - p.scaling) <= _REL_TOL * p.scaling for p in pairs):
             return alpha
     return None
 
@@ -97,7 +98,7 @@ def peft_to_gguf(
             f"tied head too, which a llama.cpp adapter cannot express ({base.path} has no "
             "output.weight to attach it to); graftlm can load the PEFT directory itself"
         )
-    pairs = adapter.pairs
+    pairs = stack_experts(adapter.pairs, base.n_expert)  # routed experts: 3-D, as llama.cpp's
     if not pairs:
         raise AdapterError(f"{adapter.path}: holds no LoRA tensors")
     notes = list(adapter.notes)
@@ -203,33 +204,66 @@ def gguf_to_peft(
 
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
+    stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # routed experts' 3-D pairs
     for gname, pair in halves.items():
+        if is_stacked(gname):
+            ab = _expert_pair(gname, pair, base, problems)
+            if ab is not None:
+                stacked[gname] = ab
+            continue
         found = _peft_pair(gname, pair, arch, base, problems)
         if found is None:
             continue
         module, a, b = found
-        ab = (
+        keys = (
             (".lora_embedding_A", ".lora_embedding_B")
             if gname == EMBEDDING
             else (".lora_A.weight", ".lora_B.weight")
         )
-        tensors[KEY_PREFIX + module + ab[0]] = a.contiguous()
-        tensors[KEY_PREFIX + module + ab[1]] = b.contiguous()
+        tensors[KEY_PREFIX + module + keys[0]] = a.contiguous()
+        tensors[KEY_PREFIX + module + keys[1]] = b.contiguous()
         ranks[module] = int(b.shape[1])
-    if not problems and not ranks:
+    n_layer = base.n_layer if base is not None else None
+    experts = peft_experts(arch, stacked, n_layer, problems) if stacked else None
+    for module, (a, b) in experts.linear.items() if experts is not None else ():
+        tensors[KEY_PREFIX + module + ".lora_A.weight"] = a.contiguous()
+        tensors[KEY_PREFIX + module + ".lora_B.weight"] = b.contiguous()
+        ranks[module] = int(b.shape[1])
+    r_params = experts.rank if experts is not None else None
+    if r_params is not None and ranks and Counter(ranks.values()).most_common(1)[0][0] != r_params:
+        problems.append(
+            f"the routed-expert tensors have rank {r_params} and the others mostly "
+            f"{Counter(ranks.values()).most_common(1)[0][0]}: PEFT's target_parameters take "
+            "the config's r"
+        )
+    if not problems and not ranks and not stacked:
         problems.append("holds no LoRA tensors")
     if problems:
         raise AdapterError(f"{f.path}: cannot convert to PEFT:\n  - " + "\n  - ".join(problems))
 
-    n_layer = base.n_layer if base is not None else None
-    config, notes = _peft_config(ranks, alpha, n_layer)
+    config, notes = _peft_config(ranks, alpha, n_layer, r_params)
+    if experts is not None and experts.params:
+        for module, (a, b) in experts.params.items():
+            tensors[KEY_PREFIX + module + ".lora_A.weight"] = a
+            tensors[KEY_PREFIX + module + ".lora_B.weight"] = b
+        config["target_parameters"] = experts.target_parameters
+        notes.append(
+            f"routed experts as target_parameters ({', '.join(experts.target_parameters)}) on "
+            f"{len(experts.params)} modules"
+        )
+    elif experts is not None:
+        notes.append(
+            f"routed experts as {len(experts.linear)} per-expert modules (the layout before "
+            "transformers 5, which llama.cpp's converter reads)"
+        )
     invocation = f.metadata.get("adapter.alora.invocation_tokens")
     if isinstance(invocation, list) and invocation:  # activated LoRA: PEFT's name for them
         config["alora_invocation_tokens"] = [int(t) for t in invocation]
         notes.append(f"activated LoRA: invocation tokens {config['alora_invocation_tokens']}")
     out = Path(out_dir)
     _write_peft(out, tensors, config)
-    notes.append(f"wrote {out}: {len(tensors)} tensors ({len(ranks)} modules), r = {config['r']}")
+    n_modules = len(ranks) + (len(experts.params) if experts is not None else 0)
+    notes.append(f"wrote {out}: {len(tensors)} tensors ({n_modules} modules), r = {config['r']}")
     return notes
 
 
@@ -294,6 +328,42 @@ def _peft_pair(
     return module, a, b
 
 
+def _expert_pair(
+    gname: str, pair: dict[str, torch.Tensor], base: BaseInfo | None, problems: list[str]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A routed-expert pair, A (n_expert, r, n_in) and B (n_expert, n_out, r), once it fits
+    itself and the base; None, with the reason in `problems`, where it does not."""
+    where = f"tensor {gname}.weight"
+    if set(pair) != {"lora_a", "lora_b"}:
+        problems.append(f"{where}: has only {', '.join(pair)}")
+        return None
+    a, b = pair["lora_a"], pair["lora_b"]
+    ne = f"lora_a ne={list(reversed(a.shape))} and lora_b ne={list(reversed(b.shape))}"
+    if a.dim() != 3 or b.dim() != 3:
+        problems.append(
+            f"{where}: routed-expert tensor: {ne} must both be 3-D (ne=[n_in, r, n_expert] and "
+            "ne=[r, n_out, n_expert])"
+        )
+        return None
+    bad = []
+    if a.shape[0] != b.shape[0]:
+        bad.append(f"lora_a has {a.shape[0]} experts and lora_b {b.shape[0]}")
+    if a.shape[1] != b.shape[2]:
+        bad.append(f"ranks differ: {a.shape[1]} and {b.shape[2]}")
+    if base is not None:
+        shape = base.lookup(gname)
+        if isinstance(shape, str):
+            bad.append(shape)
+        elif (a.shape[2], b.shape[1]) != shape:
+            bad.append(f"(n_in, n_out) = ({a.shape[2]}, {b.shape[1]}), the base's {shape}")
+        elif a.shape[0] != base.n_expert or b.shape[0] != base.n_expert:
+            bad.append(f"the base has {base.n_expert} experts")
+    if bad:
+        problems.append(f"{where}: routed-expert tensor: {ne}: " + "; ".join(bad))
+        return None
+    return a, b
+
+
 def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
     """Write the pair into a fresh folder beside `out` (the other files of an existing `out`
     copied in), then swap it in: one rename where `out` does not exist, else an atomic exchange
@@ -355,11 +425,13 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _peft_config(
-    ranks: dict[str, int], alpha: float, n_layer: int | None
+    ranks: dict[str, int], alpha: float, n_layer: int | None, r_params: int | None = None
 ) -> tuple[dict, list[str]]:
-    """adapter_config.json whose factors equal llama.cpp's: alpha / r_t, or 1 when alpha is 0."""
+    """adapter_config.json whose factors equal llama.cpp's: alpha / r_t, or 1 when alpha is 0;
+    r_params: the rank of the target_parameters modules (the config's r), None when none."""
     notes: list[str] = []
-    r = Counter(ranks.values()).most_common(1)[0][0]
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else r_params
+    assert r is not None, "a config needs modules or target_parameters"
     rank_pattern = {m: rt for m, rt in ranks.items() if rt != r}
     lora_alpha = alpha if alpha != 0 else float(r)
     alpha_pattern = {m: float(rt) for m, rt in rank_pattern.items()} if alpha == 0 else {}

@@ -28,6 +28,7 @@ from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
 from graftlm.lora.peft import read_peft
 from graftlm.lora.peft_base import BaseInfo
+from graftlm.lora.peft_experts import is_stacked
 from graftlm.quant import dequantize_any
 
 T = gguf.GGMLQuantizationType
@@ -37,9 +38,11 @@ _FILE_TYPE = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
-# (user scale * own factor, A (r, n_in), B (n_out, r)); the embedding's pair is PEFT's
-# (r, n_vocab) and (n_embd, r), whose product is the transposed delta
-Term = tuple[float, torch.Tensor, torch.Tensor]
+# (user scale * own factor, A (r, n_in), B (n_out, r), expert): the embedding's pair is PEFT's
+# (r, n_vocab) and (n_embd, r), whose product is the transposed delta; a routed-expert tensor's
+# is one expert's (expert: its index) or llama.cpp's stacked pair, A (n_expert, r, n_in) and
+# B (n_expert, n_out, r) (expert None)
+Term = tuple[float, torch.Tensor, torch.Tensor, int | None]
 
 
 def export_lora(
@@ -69,8 +72,8 @@ def export_lora(
         except AdapterError as exc:
             errors.append(str(exc))
             continue
-        for name, factor, a, b in pairs:
-            terms.setdefault(name, []).append((float(scale) * factor, a, b))
+        for name, factor, a, b, expert in pairs:
+            terms.setdefault(name, []).append((float(scale) * factor, a, b, expert))
     if errors:
         raise AdapterError("\n".join(errors))
 
@@ -85,10 +88,14 @@ def export_lora(
     fallback: list[str] = []
     for name in tqdm(sorted(terms), desc="merging", disable=not progress):
         src = f.tensors[(EMBEDDING if name == "output" and untie else name) + ".weight"]
-        w = dequantize_any(src.data, src.ggml_type, src.shape).float()  # torch (rows, cols)
-        for s, a, b in terms[name]:
-            d = b @ a  # (n_out, n_in); the embedding's is (n_embd, n_vocab)
-            w += s * (d.T if name == EMBEDDING else d)
+        # torch (rows, cols); a routed-expert tensor's (n_expert, n_out, n_in)
+        w = dequantize_any(src.data, src.ggml_type, src.shape).float()
+        for s, a, b, expert in terms[name]:
+            d = b @ a  # (n_out, n_in) or (n_expert, n_out, n_in); the embedding's (n_embd, n_vocab)
+            if expert is not None:
+                w[expert] += s * d
+            else:
+                w += s * (d.T if name == EMBEDDING else d)
         data, qtype = _encode(w, src.ggml_type, outtype)
         if outtype in ("same", "q8_0") and qtype == T.F16 and src.ggml_type != T.F16:
             fallback.append(name + ".weight")
@@ -134,11 +141,13 @@ def _add(
         w.add_tensor(name, e.data, raw_dtype=e.ggml_type)
 
 
-def _pairs(path: Path, base: BaseInfo) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
-    """(base tensor name, factor, A, B) of one adapter, checked against the base."""
+def _pairs(
+    path: Path, base: BaseInfo
+) -> list[tuple[str, float, torch.Tensor, torch.Tensor, int | None]]:
+    """(base tensor name, factor, A, B, expert) of one adapter, checked against the base."""
     if path.is_dir():
         adapter = read_peft(path, base)
-        return [(p.base, p.scaling, p.a, p.b) for p in adapter.pairs]
+        return [(p.base, p.scaling, p.a, p.b, p.expert) for p in adapter.pairs]
     f = GGUFFile(path)
     if f.file_type != "adapter" or f.metadata.get("adapter.type") != "lora":
         raise AdapterError(f"{f.path}: not a llama.cpp LoRA adapter (general.type / adapter.type)")
@@ -154,7 +163,7 @@ def _pairs(path: Path, base: BaseInfo) -> list[tuple[str, float, torch.Tensor, t
             problems.append(f"tensor {name!r}: not a LoRA tensor")
             continue
         halves.setdefault(stem[: -len(".weight")], {})[part] = e
-    out = []
+    out: list[tuple[str, float, torch.Tensor, torch.Tensor, int | None]] = []
     for name, pair in sorted(halves.items()):
         if set(pair) != {"lora_a", "lora_b"}:
             problems.append(f"tensor {name}.weight: has only {', '.join(pair)}")
@@ -167,19 +176,51 @@ def _pairs(path: Path, base: BaseInfo) -> list[tuple[str, float, torch.Tensor, t
         b = dequantize_any(pair["lora_b"].data, pair["lora_b"].ggml_type, pair["lora_b"].shape)
         if name == EMBEDDING:
             a = a.T  # llama.cpp's flipped layout (n_vocab, r) back to (r, n_vocab)
-        if (a.shape[1], b.shape[0]) != shape or a.shape[0] != b.shape[1]:
-            problems.append(
-                f"tensor {name}.weight: lora_a {list(a.shape)} and lora_b {list(b.shape)} do not "
-                f"fit the base's (n_in, n_out) = {shape}"
-            )
+        bad = _misfit(name, a, b, shape, base.n_expert)
+        if bad:
+            problems.append(bad)
             continue
-        rank = int(b.shape[1])
-        out.append((name, alpha / rank if alpha else 1.0, a.float(), b.float()))
+        rank = int(b.shape[-1])
+        out.append((name, alpha / rank if alpha else 1.0, a.float(), b.float(), None))
     if problems:
         raise AdapterError(
             f"{f.path}: cannot merge into {base.path}:\n  - " + "\n  - ".join(problems)
         )
     return out
+
+
+def _misfit(
+    name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int], n_expert: int
+) -> str | None:
+    """How a pair fails to fit base tensor `name` of (n_in, n_out) = `shape` (None where it
+    fits): A (r, n_in) and B (n_out, r), or a routed-expert tensor's stacked A (n_expert, r,
+    n_in) and B (n_expert, n_out, r), named in GGML's order as the file holds them."""
+    ne = f"lora_a ne={list(reversed(a.shape))} and lora_b ne={list(reversed(b.shape))}"
+    if is_stacked(name):
+        if a.dim() != 3 or b.dim() != 3:
+            return (
+                f"tensor {name}.weight: routed-expert tensor: {ne} must both be 3-D "
+                "(ne=[n_in, r, n_expert] and ne=[r, n_out, n_expert])"
+            )
+        if (a.shape[2], b.shape[1]) != shape or a.shape[1] != b.shape[2]:
+            return f"tensor {name}.weight: {ne} do not fit the base's (n_in, n_out) = {shape}"
+        if a.shape[0] != n_expert or b.shape[0] != n_expert:
+            return (
+                f"tensor {name}.weight: routed-expert tensor: {ne} have {a.shape[0]} and "
+                f"{b.shape[0]} experts; the base has {n_expert}"
+            )
+        return None
+    if (
+        a.dim() != 2
+        or b.dim() != 2
+        or (a.shape[1], b.shape[0]) != shape
+        or a.shape[0] != b.shape[1]
+    ):
+        return (
+            f"tensor {name}.weight: lora_a {list(a.shape)} and lora_b {list(b.shape)} do not "
+            f"fit the base's (n_in, n_out) = {shape}"
+        )
+    return None
 
 
 def _encode(w: torch.Tensor, base_type: T, outtype: str) -> tuple[np.ndarray, T]:

@@ -12,7 +12,7 @@ import torch
 
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.peft_config import CONFIG_FILE
-from graftlm.lora.targets import resolve_target
+from graftlm.lora.targets import EXPERT_ADAPTER_ARCHS, ROUTED, resolve_target
 
 if TYPE_CHECKING:
     from graftlm.gguf import GGUFFile
@@ -59,6 +59,7 @@ class BaseInfo:
         arch = f.architecture or ""
         n_head = _int_meta(f.metadata.get(f"{arch}.attention.head_count", 0))
         n_head_kv = _int_meta(f.metadata.get(f"{arch}.attention.head_count_kv", n_head))
+        n_expert = _int_meta(f.metadata.get(f"{arch}.expert_count", 0))
         tied = "output.weight" not in f.tensors
 
         def lookup(base: str) -> tuple[int, int] | str:
@@ -73,12 +74,32 @@ class BaseInfo:
             e = f.tensors.get(base + ".weight")
             if e is None:
                 return "not in the base model"
+            if len(e.shape) == 3 and ROUTED.fullmatch(base):
+                return _expert_shape(arch, base, e.shape, n_expert)
             if len(e.shape) != 2 or "norm" in base:
                 return f"not a matrix (shape {list(e.shape)}): LoRA applies to projections only"
             return (e.shape[1], e.shape[0]) if base != EMBEDDING else (e.shape[0], e.shape[1])
 
         n_layer = _int_meta(f.metadata.get(f"{arch}.block_count", 0))
-        return cls(str(f.path), arch, n_layer, n_head, n_head_kv, tied, lookup)
+        return cls(str(f.path), arch, n_layer, n_head, n_head_kv, tied, lookup, n_expert)
+
+
+def _expert_shape(
+    arch: str, base: str, shape: tuple[int, ...], n_expert: int
+) -> tuple[int, int] | str:
+    """A routed-expert tensor's per-expert (n_in, n_out) (its torch shape (n_expert, n_out,
+    n_in)), or why it takes no adapter."""
+    if arch not in EXPERT_ADAPTER_ARCHS:
+        return (
+            "routed-expert tensor, but per-expert adapters apply to the experts of "
+            f"{', '.join(sorted(EXPERT_ADAPTER_ARCHS))} models only"
+        )
+    if shape[0] != n_expert:
+        return (
+            f"routed-expert tensor of shape {list(shape)} (n_expert, n_out, n_in), but "
+            f"{arch}.expert_count is {n_expert}"
+        )
+    return shape[2], shape[1]
 
 
 def _int_meta(v: Any) -> int:

@@ -214,3 +214,162 @@ def _per_expert(
                 LoraPair(f.module, f"blk.{layer}.{kind}", a[e], be_rows, s, f.rank, f.alpha, e)
             )
     return out
+
+
+# -- converting: llama.cpp's stacked expert tensors and PEFT's layouts ---------------------------
+
+_STACKED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps")
+# family -> its per-expert nn.Linear modules (the layout before transformers 5, which llama.cpp's
+# converter reads): (stem, gate, up, down)
+_LINEAR_LAYOUT = {
+    "qwen3moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "llama": ("block_sparse_moe.experts", "w1", "w3", "w2"),
+}
+
+
+def stack_experts(pairs: list[LoraPair], n_expert: int) -> list[LoraPair]:
+    """`pairs` with each routed-expert tensor's per-expert pairs stacked into one pair, as
+    llama.cpp's adapters hold them: a (n_expert, r, n_in), b (n_expert, n_out, r), expert None.
+    An expert the adapter leaves out has zero factors, ranks that differ are padded with zeros to
+    the largest, and experts whose factors differ have theirs folded into b (scaling 1): the
+    stacked pair's delta on every expert is the one the pairs gave."""
+    out: list[LoraPair] = []
+    groups: dict[str, list[LoraPair]] = {}
+    for p in pairs:
+        if p.expert is None:
+            out.append(p)
+        else:
+            groups.setdefault(p.base, []).append(p)
+    for base, group in groups.items():
+        g0 = group[0]
+        r = max(int(p.a.shape[0]) for p in group)
+        same = all(p.scaling == g0.scaling for p in group)
+        a = torch.zeros(n_expert, r, g0.a.shape[1])
+        b = torch.zeros(n_expert, g0.b.shape[0], r)
+        for p in group:
+            k = p.a.shape[0]
+            a[p.expert, :k] = p.a
+            b[p.expert, :, :k] = p.b if same else p.b * p.scaling
+        scaling, alpha = (g0.scaling, g0.alpha) if same else (1.0, float(r))
+        out.append(LoraPair(g0.module, base, a, b, scaling, r, alpha))
+    return out
+
+
+@dataclass
+class PeftExperts:
+    """Stacked expert pairs laid out as PEFT modules: `linear`, per-expert nn.Linear modules
+    (module -> (A (r, n_in), B (n_out, r))); or `params`, the target_parameters form (module ->
+    (A (r n_expert, n_in), B (n_out, r n_expert))) whose parameters `target_parameters` lists, of
+    rank `rank`."""
+
+    linear: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    params: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    target_parameters: list[str]
+    rank: int | None
+
+
+def is_stacked(name: str) -> bool:
+    """Whether GGUF base tensor `name` ("blk.0.ffn_up_exps") is a routed-expert tensor."""
+    return _STACKED.fullmatch(name) is not None
+
+
+def peft_experts(
+    arch: str,
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    n_layer: int | None,
+    problems: list[str],
+) -> PeftExperts:
+    """llama.cpp's stacked expert pairs (name -> A (n_expert, r, n_in), B (n_expert, n_out, r),
+    checked against the base) as PEFT holds them: gpt-oss's (no per-expert modules exist for it)
+    as target_parameters on experts.gate_up_proj (gate and up rows interleaved: one A for both,
+    so gate's and up's A must be equal, as a conversion of a PEFT adapter gives) and
+    experts.down_proj; Mixtral's and Qwen3-MoE's as per-expert nn.Linear modules, which hold any
+    of llama.cpp's adapters exactly."""
+    out = PeftExperts({}, {}, [], None)
+    if arch in _LINEAR_LAYOUT:
+        stem, *names = _LINEAR_LAYOUT[arch]
+        for name, (a, b) in pairs.items():
+            m = _STACKED.fullmatch(name)
+            assert m is not None
+            proj = names[("gate", "up", "down").index(m.group(2))]
+            for e in range(a.shape[0]):
+                module = f"model.layers.{m.group(1)}.{stem}.{e}.{proj}"
+                out.linear[module] = (a[e], b[e])
+        return out
+    if arch not in INTERLEAVED_GATE_UP:
+        problems.append(f"routed-expert tensors: no PEFT layout is known for {arch}'s experts")
+        return out
+    return _params(arch, pairs, n_layer, problems)
+
+
+def _params(
+    arch: str,
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    n_layer: int | None,
+    problems: list[str],
+) -> PeftExperts:
+    """peft_experts' target_parameters form. PEFT wraps the listed parameters of every layer's
+    experts, nested in the module's order (gate_up_proj as `.base_layer` under down_proj when
+    both are listed): a layer the adapter leaves out gets zero factors, so every key is there."""
+    layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, ab in pairs.items():
+        m = _STACKED.fullmatch(name)
+        assert m is not None
+        layers.setdefault(int(m.group(1)), {})[m.group(2)] = ab
+    ranks = {int(a.shape[1]) for a, _ in pairs.values()}
+    if len(ranks) > 1:
+        problems.append(
+            f"routed-expert tensors of ranks {sorted(ranks)}: PEFT's target_parameters give "
+            "every expert parameter one rank"
+        )
+        return PeftExperts({}, {}, [], None)
+    r = ranks.pop()
+    shapes = {k: (int(a.shape[0]), int(a.shape[2]), int(b.shape[1])) for lay in layers.values()
+              for k, (a, b) in lay.items()}  # fmt: skip
+    gate_up = bool({"gate", "up"} & set(shapes))
+    params = (["gate_up_proj"] if gate_up else []) + (["down_proj"] if "down" in shapes else [])
+    out = PeftExperts({}, {}, [f"mlp.experts.{p}" for p in params], r)
+    for layer in range(n_layer if n_layer is not None else max(layers) + 1):
+        got = layers.get(layer, {})
+        module = f"model.layers.{layer}.mlp.experts"
+        if gate_up:
+            ab = _gate_up(arch, layer, got, shapes, r, problems)
+            out.params[module + (".base_layer" if "down" in shapes else "")] = ab
+        if "down" in shapes:
+            n, n_in, n_out = shapes["down"]
+            a, b = got.get("down", (torch.zeros(n, r, n_in), torch.zeros(n, n_out, r)))
+            out.params[module] = _flat(a, b)
+    return out
+
+
+def _gate_up(
+    arch: str,
+    layer: int,
+    got: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    shapes: dict[str, tuple[int, int, int]],
+    r: int,
+    problems: list[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's gate and up pairs as gate_up_proj's factors (one A, B's rows gate and up)."""
+    n, n_in, n_ff = shapes.get("gate") or shapes["up"]
+    zero = (torch.zeros(n, r, n_in), torch.zeros(n, n_ff, r))
+    ag, bg = got.get("gate", (None, None))
+    au, bu = got.get("up", (None, None))
+    if ag is not None and au is not None and not torch.equal(ag, au):
+        problems.append(
+            f"tensors blk.{layer}.ffn_gate_exps.weight.lora_a and blk.{layer}.ffn_up_exps."
+            "weight.lora_a differ, but PEFT's experts.gate_up_proj has one A for gate and up"
+        )
+    a = ag if ag is not None else au if au is not None else zero[0]
+    b = torch.empty(n, 2 * n_ff, r)
+    gate, up = gate_up_rows(arch, n_ff)
+    b[:, gate] = bg if bg is not None else zero[1]
+    b[:, up] = bu if bu is not None else zero[1]
+    return _flat(a, b)
+
+
+def _flat(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a (n_expert, r, n_in), b (n_expert, n_out, r) as PEFT's target_parameters factors: A
+    (n_expert r, n_in) expert-major, B (n_out, r n_expert) rank-major."""
+    n, r, n_in = a.shape
+    return a.reshape(n * r, n_in).contiguous(), b.permute(1, 2, 0).reshape(b.shape[1], -1)

@@ -374,21 +374,4 @@ def test_expert_adapter_on_a_dense_base_is_refused(made: dict[str, Any]) -> None
     )
 
 
-def test_gpt_oss_expert_adapter_is_refused(tmp_path: Path) -> None:
-    """gpt-oss's expert function adds no delta yet: an adapter on its experts is refused, naming
-    why, rather than attached and silently not applied."""
-    folder = made_dir("gpt-oss")
-    if folder is None:
-        pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
-    cfg = peft.LoraConfig(r=R, lora_alpha=8, target_parameters=["mlp.experts.down_proj"])
-    peft.get_peft_model(model, cfg).save_pretrained(tmp_path / "p")
-    ours = graftlm.load(folder / "model-f32.gguf", ctx_size=64, reference=True)
-    with pytest.raises(AdapterError) as exc:
-        ours.add_lora(tmp_path / "p")
-    msg = str(exc.value)
-    assert "model.layers.0.mlp.experts" in msg and "routed-expert tensor" in msg, msg
-    assert "of llama, qwen3moe models" in msg  # the families that take them
-    assert ours.loras == []
+# gpt-oss's expert adapters, served since (no longer refused): test_gpt_oss_expert_lora.py

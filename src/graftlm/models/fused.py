@@ -129,7 +129,7 @@ class MoeSpec:
     gating: str = "softmax_norm"
     # every expert's seam of [gate; up] and of down (moe.py's), whose adapters the native layer
     # adds (each expert's packed slots, bound as the projections' are); None: no adapters on the
-    # experts (gpt-oss's are refused when read)
+    # experts
     seams: tuple[Sequence[ExpertSite], Sequence[ExpertSite]] | None = None
 
     def servable(self) -> bool:

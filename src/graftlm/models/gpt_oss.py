@@ -17,6 +17,11 @@ their attention through the native kernels with sinks (primitives.attention's wr
 are the twin) and the experts' gate through the native one.
 Expert weights in MXFP4 (the released files) go through quant/'s native-mx4 kernel where the native
 library built (csrc/mxfp4.c), the exact blocks kernel otherwise.
+
+Routed experts take per-expert adapters as Mixtral's and Qwen3-MoE's do (models.moe: each expert
+a seam of its own, [gate; up] stacked): each delta is added to the expert's product before its
+bias, in routed_ffn and in the native layer (`MoeSpec.seams`). PEFT's gate_up_proj interleaves
+gate and up columns; lora.peft_experts splits its B to fit.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import pytest
 import torch
 from made_families import made_dir
 from safetensors.torch import load_file, save_file
-from shared_data import SHARED
+from shared_data import SHARED, TINY
 
 import graftlm
 from graftlm.errors import AdapterError
@@ -145,22 +145,25 @@ def _decode_steps(model: Any, rows: Any) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "f32"])
+@pytest.mark.parametrize("quant", ["q8_0", "f32", "mxfp4"])
 def test_native_decode_layer_adds_the_expert_delta(
-    made: dict[str, Any], quant: str, monkeypatch: pytest.MonkeyPatch
+    made: dict[str, Any], quant: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Decode steps of rows on different adapters and scales (one without) run in the one-call
-    native layer with gpt-oss's biases and clamped SwiGLU, the experts' deltas added there:
-    within 1e-4 of the composed blocks (routed_ffn, the same packed factors); adapters at scale
-    0 bit-identical to none, and the row without an adapter the row of a step with none."""
+    native layer with gpt-oss's biases and clamped SwiGLU (experts in Q8_0, F32 or MXFP4), the
+    experts' deltas added there: within 1e-4 of the composed blocks (routed_ffn, the same packed
+    factors); adapters at scale 0 bit-identical to none, and the row without an adapter the row
+    of a step with none."""
     from spies import stack_calls
 
     from graftlm.models.base import Transformer
     from graftlm.step.batch import LoraRows
 
     n = len(LENS)
-    m = graftlm.load(made["folder"] / f"model-{quant}.gguf", ctx_size=64, n_seq=n,
-                     cache_type="f32")  # fmt: skip
+    path = made["folder"] / f"model-{quant}.gguf"
+    if quant == "mxfp4":
+        path = _mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
+    m = graftlm.load(path, ctx_size=64, n_seq=n, cache_type="f32")
     a = m.add_lora(made["tmp"] / "params", 0.0)
     b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
     model = m.model
@@ -276,13 +279,18 @@ def test_convert_round_trips_bit_equal(made: dict[str, Any], tmp_path: Path) -> 
     assert (_peft_logprobs(loaded, IDS) - _peft_logprobs(made["pm"], IDS)).abs().max() < 1e-5
 
 
-def test_qwen3moe_converts_both_ways(tmp_path: Path) -> None:
-    """Qwen3-MoE's expert adapter (target_parameters, gate_up_proj's rows [gate; up]) to GGUF,
-    back to PEFT as per-expert modules (mlp.experts.N.gate_proj: the layout llama.cpp's converter
-    reads, which holds any GGUF expert adapter), and to GGUF again bit for bit; all three serve
-    the same log-probabilities."""
-    folder = made_dir("qwen3moe")
-    if folder is None:
+# family -> its last expert's up projection as a per-expert module
+LAST_UP = {"qwen3moe": "mlp.experts.15.up_proj", "mixtral": "block_sparse_moe.experts.7.w3"}
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_others_convert_both_ways(family: str, tmp_path: Path) -> None:
+    """Qwen3-MoE's and Mixtral's expert adapters (target_parameters, gate_up_proj's rows [gate;
+    up]) to GGUF, back to PEFT as per-expert modules (experts.N.gate_proj / experts.N.w1: the
+    layout llama.cpp's converter reads, which holds any GGUF expert adapter), and to GGUF again
+    bit for bit; all three serve the same log-probabilities."""
+    folder = made_dir(family) if family == "qwen3moe" else TINY / family
+    if folder is None or not (folder / "hf").is_dir():
         pytest.skip("no transformers, PEFT or llama.cpp converter here")
     _expert_adapter(folder, tmp_path / "params")
     base = folder / "model-f32.gguf"
@@ -290,7 +298,7 @@ def test_qwen3moe_converts_both_ways(tmp_path: Path) -> None:
     notes = gguf_to_peft(tmp_path / "a.gguf", base, tmp_path / "linear")
     assert any("per-expert modules" in n for n in notes)
     keys = load_file(str(tmp_path / "linear" / "adapter_model.safetensors"))
-    assert "base_model.model.model.layers.1.mlp.experts.15.up_proj.lora_B.weight" in keys
+    assert f"base_model.model.model.layers.1.{LAST_UP[family]}.lora_B.weight" in keys
     peft_to_gguf(tmp_path / "linear", base, tmp_path / "b.gguf")
     first, again = _tensors(tmp_path / "a.gguf"), _tensors(tmp_path / "b.gguf")
     assert sorted(first) == sorted(again)

@@ -5,7 +5,9 @@ general.architecture, general.type = "adapter", adapter.type = "lora", adapter.l
 tensors `<base>.weight.lora_a` ne=[n_in, r] and `.lora_b` ne=[r, n_out] (torch (r, n_in) and
 (n_out, r)); token_embd flipped: lora_a ne=[r, n_vocab] (torch (n_vocab, r), PEFT's A transposed)
 and lora_b ne=[r, n_embd]. llama.cpp scales each tensor by alpha / r (r = lora_b's ne[0]), or by 1
-when alpha is 0.
+when alpha is 0. A routed-expert tensor's pair stacks its experts (build_lora_mm_id):
+`blk.N.ffn_{gate,up,down}_exps.weight.lora_a` ne=[n_in, r, n_expert], `.lora_b` ne=[r, n_out,
+n_expert]; its PEFT layouts are peft_experts.py's.
 
 Scaling across the two: PEFT's factor is per module (alpha / r, alpha / sqrt(r) with rsLoRA,
 rank_pattern / alpha_pattern). When one alpha gives alpha / r_t == factor_t for every tensor, that

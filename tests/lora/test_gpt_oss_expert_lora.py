@@ -442,3 +442,28 @@ def test_wrong_expert_count_is_named(made: dict[str, Any], tmp_path: Path) -> No
         assert f"{R} * {n} = {R * n}" in msg and f"[{R * (n - 1)}, {n_ff}]" in msg, msg
     assert ours.loras == []
     assert sorted(p.name for p in tmp_path.glob("*.gguf*")) == ["bad.gguf"]
+
+
+def test_stacking_keeps_every_experts_delta() -> None:
+    """Per-expert pairs of different ranks and factors, one expert left out, stacked into
+    llama.cpp's one pair: each expert's delta (factor * B @ A) is the one its pair gave, the
+    left-out expert's zero."""
+    from graftlm.lora.peft_base import LoraPair
+    from graftlm.lora.peft_experts import stack_experts
+
+    g = torch.Generator().manual_seed(3)
+    pairs = [
+        LoraPair("m", "blk.0.ffn_down_exps", torch.randn(r, 6, generator=g),
+                 torch.randn(5, r, generator=g), s, r, 1.0, e)
+        for e, r, s in ((0, 2, 0.5), (2, 4, 2.0), (3, 4, 0.5))
+    ]  # fmt: skip
+    dense = LoraPair("q", "blk.0.attn_q", torch.ones(2, 6), torch.ones(6, 2), 1.0, 2, 2.0)
+    out = stack_experts([dense, *pairs], 4)
+    assert out[0] is dense and len(out) == 2
+    st = out[1]
+    assert st.expert is None and st.a.shape == (4, 4, 6) and st.b.shape == (4, 5, 4)
+    got = st.scaling * st.b @ st.a  # (n_expert, n_out, n_in)
+    assert torch.equal(got[1], torch.zeros(5, 6))
+    for p in pairs:
+        assert p.expert is not None
+        torch.testing.assert_close(got[p.expert], p.scaling * p.b @ p.a)

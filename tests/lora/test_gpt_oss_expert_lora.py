@@ -467,3 +467,31 @@ def test_stacking_keeps_every_experts_delta() -> None:
     for p in pairs:
         assert p.expert is not None
         torch.testing.assert_close(got[p.expert], p.scaling * p.b @ p.a)
+
+
+def test_rank_one_converts_both_ways(made: dict[str, Any], tmp_path: Path) -> None:
+    """A rank-1 adapter (every factor's first rank of the converted file): GGUF -> PEFT writes
+    target_parameters factors whose B is a strided view before it is copied, and -> GGUF gives
+    the rank-1 file back bit for bit."""
+    reader = gguf.GGUFReader(made["tmp"] / "lora.gguf")
+    one = tmp_path / "r1.gguf"
+    w = gguf.GGUFWriter(one, "gpt-oss")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", 8.0)
+    for t in reader.tensors:
+        data = t.data.reshape([int(d) for d in reversed(t.shape)])  # torch order
+        # lora_a (.., r, n_in), lora_b (.., n_out, r)
+        w.add_tensor(t.name, (data[..., :1, :] if t.name.endswith("a") else data[..., :1]).copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gguf_to_peft(one, made["base"], tmp_path / "p")
+    cfg = json.loads((tmp_path / "p" / "adapter_config.json").read_text())
+    assert cfg["r"] == 1 and cfg["target_parameters"]
+    peft_to_gguf(tmp_path / "p", made["base"], tmp_path / "again.gguf")
+    first, again = _tensors(one), _tensors(tmp_path / "again.gguf")
+    assert sorted(first) == sorted(again)
+    for k, v in first.items():
+        assert np.array_equal(again[k], v), k

@@ -372,4 +372,6 @@ def _flat(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """a (n_expert, r, n_in), b (n_expert, n_out, r) as PEFT's target_parameters factors: A
     (n_expert r, n_in) expert-major, B (n_out, r n_expert) rank-major."""
     n, r, n_in = a.shape
-    return a.reshape(n * r, n_in).contiguous(), b.permute(1, 2, 0).reshape(b.shape[1], -1)
+    # a view, not a copy, where r or n_expert is 1: safetensors writes contiguous tensors only
+    b_flat = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+    return a.reshape(n * r, n_in).contiguous(), b_flat

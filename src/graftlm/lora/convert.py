@@ -39,7 +39,8 @@ from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
-from graftlm.lora.peft_experts import is_stacked, peft_experts, stack_experts
+from graftlm.lora.peft_experts import peft_experts, stack_experts
+from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 
 OUTTYPES: dict[str, gguf.GGMLQuantizationType] = {
@@ -208,7 +209,7 @@ def gguf_to_peft(
     ranks: dict[str, int] = {}
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # routed experts' 3-D pairs
     for gname, pair in halves.items():
-        if is_stacked(gname):
+        if ROUTED.fullmatch(gname):
             ab = _expert_pair(gname, pair, base, problems)
             if ab is not None:
                 stacked[gname] = ab

@@ -28,7 +28,7 @@ from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
 from graftlm.lora.peft import read_peft
 from graftlm.lora.peft_base import BaseInfo
-from graftlm.lora.peft_experts import is_stacked
+from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 
 T = gguf.GGMLQuantizationType
@@ -196,7 +196,7 @@ def _misfit(
     fits): A (r, n_in) and B (n_out, r), or a routed-expert tensor's stacked A (n_expert, r,
     n_in) and B (n_expert, n_out, r), named in GGML's order as the file holds them."""
     ne = f"lora_a ne={list(reversed(a.shape))} and lora_b ne={list(reversed(b.shape))}"
-    if is_stacked(name):
+    if ROUTED.fullmatch(name):
         if a.dim() != 3 or b.dim() != 3:
             return (
                 f"tensor {name}.weight: routed-expert tensor: {ne} must both be 3-D "

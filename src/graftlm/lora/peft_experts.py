@@ -23,6 +23,7 @@ import torch
 
 from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig
+from graftlm.lora.targets import ROUTED
 
 # a routed expert as its own nn.Linear
 _EXPERT_LINEAR = re.compile(
@@ -218,7 +219,6 @@ def _per_expert(
 
 # -- converting: llama.cpp's stacked expert tensors and PEFT's layouts ---------------------------
 
-_STACKED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps")
 # family -> its per-expert nn.Linear modules (the layout before transformers 5, which llama.cpp's
 # converter reads): (stem, gate, up, down)
 _LINEAR_LAYOUT = {
@@ -268,11 +268,6 @@ class PeftExperts:
     rank: int | None
 
 
-def is_stacked(name: str) -> bool:
-    """Whether GGUF base tensor `name` ("blk.0.ffn_up_exps") is a routed-expert tensor."""
-    return _STACKED.fullmatch(name) is not None
-
-
 def peft_experts(
     arch: str,
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -289,7 +284,7 @@ def peft_experts(
     if arch in _LINEAR_LAYOUT:
         stem, *names = _LINEAR_LAYOUT[arch]
         for name, (a, b) in pairs.items():
-            m = _STACKED.fullmatch(name)
+            m = ROUTED.fullmatch(name)
             assert m is not None
             proj = names[("gate", "up", "down").index(m.group(2))]
             for e in range(a.shape[0]):
@@ -313,7 +308,7 @@ def _params(
     both are listed): a layer the adapter leaves out gets zero factors, so every key is there."""
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, ab in pairs.items():
-        m = _STACKED.fullmatch(name)
+        m = ROUTED.fullmatch(name)
         assert m is not None
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = ab
     ranks = {int(a.shape[1]) for a, _ in pairs.values()}

@@ -20,8 +20,9 @@ from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.site import Generation, LoraSite
 
 _EXPERT = re.compile(r"_exps|_shexp_gate")
-# a routed-expert file tensor that takes a per-expert adapter (llama.cpp's build_lora_mm_id)
-ROUTED = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps")
+# a routed-expert file tensor that takes a per-expert adapter (llama.cpp's build_lora_mm_id):
+# its layer and which projection
+ROUTED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps")
 # the families whose routed FFN adds per-expert deltas (models.moe.moe_ffn, gpt-oss's
 # routed_ffn)
 EXPERT_ADAPTER_ARCHS = {"gpt-oss", "llama", "qwen3moe"}

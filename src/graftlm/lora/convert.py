@@ -39,7 +39,7 @@ from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
-from graftlm.lora.peft_experts import peft_experts, stack_experts
+from graftlm.lora.peft_experts import peft_experts, stack_experts, stacked_problem
 from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 
@@ -209,10 +209,15 @@ def gguf_to_peft(
     ranks: dict[str, int] = {}
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # routed experts' 3-D pairs
     for gname, pair in halves.items():
+        if set(pair) != {"lora_a", "lora_b"}:
+            problems.append(f"tensor {gname}.weight: has only {', '.join(pair)}")
+            continue
         if ROUTED.fullmatch(gname):
-            ab = _expert_pair(gname, pair, base, problems)
-            if ab is not None:
-                stacked[gname] = ab
+            bad = stacked_problem(gname, pair["lora_a"].shape, pair["lora_b"].shape, base)
+            if bad is None:
+                stacked[gname] = (pair["lora_a"], pair["lora_b"])
+            else:
+                problems.append(bad)
             continue
         found = _peft_pair(gname, pair, arch, base, problems)
         if found is None:
@@ -296,9 +301,6 @@ def _peft_pair(
     where it cannot be."""
     where = f"tensor {gname}.weight"
     module = gguf_to_hf(arch, gname)
-    if set(pair) != {"lora_a", "lora_b"}:
-        problems.append(f"{where}: has only {', '.join(pair)}")
-        return None
     if module is None:
         problems.append(f"{where}: no Hugging Face module is known for it on {arch}")
         return None
@@ -329,42 +331,6 @@ def _peft_pair(
             return None
         b = unpermute_rows(b, base.n_head if kind == "attn_q" else base.n_head_kv)
     return module, a, b
-
-
-def _expert_pair(
-    gname: str, pair: dict[str, torch.Tensor], base: BaseInfo | None, problems: list[str]
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A routed-expert pair, A (n_expert, r, n_in) and B (n_expert, n_out, r), once it fits
-    itself and the base; None, with the reason in `problems`, where it does not."""
-    where = f"tensor {gname}.weight"
-    if set(pair) != {"lora_a", "lora_b"}:
-        problems.append(f"{where}: has only {', '.join(pair)}")
-        return None
-    a, b = pair["lora_a"], pair["lora_b"]
-    ne = f"lora_a ne={list(reversed(a.shape))} and lora_b ne={list(reversed(b.shape))}"
-    if a.dim() != 3 or b.dim() != 3:
-        problems.append(
-            f"{where}: routed-expert tensor: {ne} must both be 3-D (ne=[n_in, r, n_expert] and "
-            "ne=[r, n_out, n_expert])"
-        )
-        return None
-    bad = []
-    if a.shape[0] != b.shape[0]:
-        bad.append(f"lora_a has {a.shape[0]} experts and lora_b {b.shape[0]}")
-    if a.shape[1] != b.shape[2]:
-        bad.append(f"ranks differ: {a.shape[1]} and {b.shape[2]}")
-    if base is not None:
-        shape = base.lookup(gname)
-        if isinstance(shape, str):
-            bad.append(shape)
-        elif (a.shape[2], b.shape[1]) != shape:
-            bad.append(f"(n_in, n_out) = ({a.shape[2]}, {b.shape[1]}), the base's {shape}")
-        elif a.shape[0] != base.n_expert or b.shape[0] != base.n_expert:
-            bad.append(f"the base has {base.n_expert} experts")
-    if bad:
-        problems.append(f"{where}: routed-expert tensor: {ne}: " + "; ".join(bad))
-        return None
-    return a, b
 
 
 def _write_peft(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

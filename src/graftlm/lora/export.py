@@ -28,6 +28,7 @@ from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
 from graftlm.lora.peft import read_peft
 from graftlm.lora.peft_base import BaseInfo
+from graftlm.lora.peft_experts import stacked_problem
 from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 
@@ -168,18 +169,20 @@ def _pairs(
         if set(pair) != {"lora_a", "lora_b"}:
             problems.append(f"tensor {name}.weight: has only {', '.join(pair)}")
             continue
-        shape = base.lookup(name)
-        if isinstance(shape, str):
-            problems.append(f"tensor {name}.weight: {shape}")
-            continue
-        a = dequantize_any(pair["lora_a"].data, pair["lora_a"].ggml_type, pair["lora_a"].shape)
-        b = dequantize_any(pair["lora_b"].data, pair["lora_b"].ggml_type, pair["lora_b"].shape)
-        if name == EMBEDDING:
-            a = a.T  # llama.cpp's flipped layout (n_vocab, r) back to (r, n_vocab)
-        bad = _misfit(name, a, b, shape, base.n_expert)
+        a_e, b_e = pair["lora_a"], pair["lora_b"]
+        # the header's shapes checked before anything is read
+        bad = (
+            stacked_problem(name, a_e.shape, b_e.shape, base)
+            if ROUTED.fullmatch(name)
+            else _misfit(name, a_e.shape, b_e.shape, base)
+        )
         if bad:
             problems.append(bad)
             continue
+        a = dequantize_any(a_e.data, a_e.ggml_type, a_e.shape)
+        b = dequantize_any(b_e.data, b_e.ggml_type, b_e.shape)
+        if name == EMBEDDING:
+            a = a.T  # llama.cpp's flipped layout (n_vocab, r) back to (r, n_vocab)
         rank = int(b.shape[-1])
         out.append((name, alpha / rank if alpha else 1.0, a.float(), b.float(), None))
     if problems:
@@ -190,34 +193,23 @@ def _pairs(
 
 
 def _misfit(
-    name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int], n_expert: int
+    name: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], base: BaseInfo
 ) -> str | None:
-    """How a pair fails to fit base tensor `name` of (n_in, n_out) = `shape` (None where it
-    fits): A (r, n_in) and B (n_out, r), or a routed-expert tensor's stacked A (n_expert, r,
-    n_in) and B (n_expert, n_out, r), named in GGML's order as the file holds them."""
-    ne = f"lora_a ne={list(reversed(a.shape))} and lora_b ne={list(reversed(b.shape))}"
-    if ROUTED.fullmatch(name):
-        if a.dim() != 3 or b.dim() != 3:
-            return (
-                f"tensor {name}.weight: routed-expert tensor: {ne} must both be 3-D "
-                "(ne=[n_in, r, n_expert] and ne=[r, n_out, n_expert])"
-            )
-        if (a.shape[2], b.shape[1]) != shape or a.shape[1] != b.shape[2]:
-            return f"tensor {name}.weight: {ne} do not fit the base's (n_in, n_out) = {shape}"
-        if a.shape[0] != n_expert or b.shape[0] != n_expert:
-            return (
-                f"tensor {name}.weight: routed-expert tensor: {ne} have {a.shape[0]} and "
-                f"{b.shape[0]} experts; the base has {n_expert}"
-            )
-        return None
+    """How a 2-D pair (torch order as the file holds it: A (r, n_in), B (n_out, r); the
+    embedding's A flipped, (n_vocab, r)) fails to fit base tensor `name` (None where it fits)."""
+    shape = base.lookup(name)
+    if isinstance(shape, str):
+        return f"tensor {name}.weight: {shape}"
+    if name == EMBEDDING:
+        a_shape = tuple(reversed(a_shape))  # as PEFT's (r, n_vocab)
     if (
-        a.dim() != 2
-        or b.dim() != 2
-        or (a.shape[1], b.shape[0]) != shape
-        or a.shape[0] != b.shape[1]
+        len(a_shape) != 2
+        or len(b_shape) != 2
+        or (a_shape[1], b_shape[0]) != shape
+        or a_shape[0] != b_shape[1]
     ):
         return (
-            f"tensor {name}.weight: lora_a {list(a.shape)} and lora_b {list(b.shape)} do not "
+            f"tensor {name}.weight: lora_a {list(a_shape)} and lora_b {list(b_shape)} do not "
             f"fit the base's (n_in, n_out) = {shape}"
         )
     return None

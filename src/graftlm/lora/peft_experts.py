@@ -16,6 +16,7 @@ for them, so its factors have the same shapes and meaning as the other families'
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,6 +254,32 @@ def stack_experts(pairs: list[LoraPair], n_expert: int) -> list[LoraPair]:
         scaling, alpha = (g0.scaling, g0.alpha) if same else (1.0, float(r))
         out.append(LoraPair(g0.module, base, a, b, scaling, r, alpha))
     return out
+
+
+def stacked_problem(
+    name: str, a_shape: Sequence[int], b_shape: Sequence[int], base: BaseInfo | None
+) -> str | None:
+    """How llama.cpp's stacked pair of routed-expert tensor `name`, A (n_expert, r, n_in) and
+    B (n_expert, n_out, r) (torch order), fails to fit itself and the base, if given (None where
+    it fits); every dimension named in GGML's order, as the file holds them."""
+    ne_a, ne_b = list(reversed(a_shape)), list(reversed(b_shape))
+    where = f"tensor {name}.weight: routed-expert tensor: lora_a ne={ne_a} and lora_b ne={ne_b}"
+    if len(a_shape) != 3 or len(b_shape) != 3:
+        return f"{where} must both be 3-D (ne=[n_in, r, n_expert] and ne=[r, n_out, n_expert])"
+    bad = []
+    if a_shape[0] != b_shape[0]:
+        bad.append(f"lora_a has {a_shape[0]} experts and lora_b {b_shape[0]}")
+    if a_shape[1] != b_shape[2]:
+        bad.append(f"ranks differ: {a_shape[1]} and {b_shape[2]}")
+    shape = base.lookup(name) if base is not None else None
+    if isinstance(shape, str):
+        bad.append(shape)
+    elif base is not None:
+        if (a_shape[2], b_shape[1]) != shape:
+            bad.append(f"(n_in, n_out) = ({a_shape[2]}, {b_shape[1]}), the base's {shape}")
+        if a_shape[0] != base.n_expert or b_shape[0] != base.n_expert:
+            bad.append(f"the base has {base.n_expert} experts")
+    return f"{where}: " + "; ".join(bad) if bad else None
 
 
 @dataclass

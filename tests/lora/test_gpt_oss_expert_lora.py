@@ -495,3 +495,13 @@ def test_rank_one_converts_both_ways(made: dict[str, Any], tmp_path: Path) -> No
     assert sorted(first) == sorted(again)
     for k, v in first.items():
         assert np.array_equal(again[k], v), k
+
+
+def test_target_parameters_need_the_base(made: dict[str, Any], tmp_path: Path) -> None:
+    """GGUF -> PEFT of gpt-oss's expert tensors without the base model file is refused (PEFT's
+    target_parameters hold every layer, and the file's names bound no layer count); nothing is
+    written."""
+    with pytest.raises(AdapterError) as exc:
+        gguf_to_peft(made["tmp"] / "lora.gguf", None, tmp_path / "p")
+    assert "target_parameters" in str(exc.value) and "base model file" in str(exc.value)
+    assert not (tmp_path / "p").exists()

@@ -333,6 +333,12 @@ def _params(
     """peft_experts' target_parameters form. PEFT wraps the listed parameters of every layer's
     experts, nested in the module's order (gate_up_proj as `.base_layer` under down_proj when
     both are listed): a layer the adapter leaves out gets zero factors, so every key is there."""
+    if n_layer is None:  # the layer numbers in the file's names are no bound on the layers
+        problems.append(
+            "routed-expert tensors: PEFT's target_parameters hold every layer's experts; give the "
+            "base model file for its layers and the experts' shapes"
+        )
+        return PeftExperts({}, {}, [], None)
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, ab in pairs.items():
         m = ROUTED.fullmatch(name)
@@ -351,7 +357,7 @@ def _params(
     gate_up = bool({"gate", "up"} & set(shapes))
     params = (["gate_up_proj"] if gate_up else []) + (["down_proj"] if "down" in shapes else [])
     out = PeftExperts({}, {}, [f"mlp.experts.{p}" for p in params], r)
-    for layer in range(n_layer if n_layer is not None else max(layers) + 1):
+    for layer in range(n_layer):
         got = layers.get(layer, {})
         module = f"model.layers.{layer}.mlp.experts"
         if gate_up:

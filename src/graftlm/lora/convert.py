@@ -39,7 +39,7 @@ from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
-from graftlm.lora.peft_experts import peft_experts, stack_experts, stacked_problem
+from graftlm.lora.peft_experts import PeftExperts, peft_experts, stack_experts, stacked_problem
 from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 
@@ -205,6 +205,39 @@ def gguf_to_peft(
             e.data, e.ggml_type, e.shape
         )
 
+    n_layer = base.n_layer if base is not None else None
+    tensors, ranks, experts = _peft_tensors(halves, arch, base, problems)
+    if not problems and not tensors:
+        problems.append("holds no LoRA tensors")
+    if problems:
+        raise AdapterError(f"{f.path}: cannot convert to PEFT:\n  - " + "\n  - ".join(problems))
+
+    r_params = experts.rank if experts is not None else None
+    config, notes = _peft_config(ranks, alpha, n_layer, r_params)
+    if experts is not None:
+        if experts.params:
+            config["target_parameters"] = experts.target_parameters
+        notes.append(experts.note())
+    invocation = f.metadata.get("adapter.alora.invocation_tokens")
+    if isinstance(invocation, list) and invocation:  # activated LoRA: PEFT's name for them
+        config["alora_invocation_tokens"] = [int(t) for t in invocation]
+        notes.append(f"activated LoRA: invocation tokens {config['alora_invocation_tokens']}")
+    out = Path(out_dir)
+    _write_peft(out, tensors, config)
+    n_modules = len(ranks) + (len(experts.params) if experts is not None else 0)
+    notes.append(f"wrote {out}: {len(tensors)} tensors ({n_modules} modules), r = {config['r']}")
+    return notes
+
+
+def _peft_tensors(
+    halves: dict[str, dict[str, torch.Tensor]],
+    arch: str,
+    base: BaseInfo | None,
+    problems: list[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, int], PeftExperts | None]:
+    """The GGUF pairs as PEFT's safetensors keys; the rank of each module but the
+    target_parameters ones, whose rank (the config's r) and parameters the PeftExperts hold (None
+    without routed-expert tensors). What does not fit goes to `problems`."""
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # routed experts' 3-D pairs
@@ -231,48 +264,23 @@ def gguf_to_peft(
         tensors[KEY_PREFIX + module + keys[0]] = a.contiguous()
         tensors[KEY_PREFIX + module + keys[1]] = b.contiguous()
         ranks[module] = int(b.shape[1])
-    n_layer = base.n_layer if base is not None else None
-    experts = peft_experts(arch, stacked, n_layer, problems) if stacked else None
-    for module, (a, b) in experts.linear.items() if experts is not None else ():
+    if not stacked:
+        return tensors, ranks, None
+    experts = peft_experts(arch, stacked, base.n_layer if base is not None else None, problems)
+    for module, (a, b) in experts.linear.items():
         tensors[KEY_PREFIX + module + ".lora_A.weight"] = a.contiguous()
         tensors[KEY_PREFIX + module + ".lora_B.weight"] = b.contiguous()
         ranks[module] = int(b.shape[1])
-    r_params = experts.rank if experts is not None else None
-    if r_params is not None and ranks and Counter(ranks.values()).most_common(1)[0][0] != r_params:
+    for module, (a, b) in experts.params.items():
+        tensors[KEY_PREFIX + module + ".lora_A.weight"] = a
+        tensors[KEY_PREFIX + module + ".lora_B.weight"] = b
+    r_others = Counter(ranks.values()).most_common(1)[0][0] if ranks else None
+    if experts.rank is not None and r_others not in (None, experts.rank):
         problems.append(
-            f"the routed-expert tensors have rank {r_params} and the others mostly "
-            f"{Counter(ranks.values()).most_common(1)[0][0]}: PEFT's target_parameters take "
-            "the config's r"
+            f"the routed-expert tensors have rank {experts.rank} and the others mostly "
+            f"{r_others}: PEFT's target_parameters take the config's r"
         )
-    if not problems and not ranks and not stacked:
-        problems.append("holds no LoRA tensors")
-    if problems:
-        raise AdapterError(f"{f.path}: cannot convert to PEFT:\n  - " + "\n  - ".join(problems))
-
-    config, notes = _peft_config(ranks, alpha, n_layer, r_params)
-    if experts is not None and experts.params:
-        for module, (a, b) in experts.params.items():
-            tensors[KEY_PREFIX + module + ".lora_A.weight"] = a
-            tensors[KEY_PREFIX + module + ".lora_B.weight"] = b
-        config["target_parameters"] = experts.target_parameters
-        notes.append(
-            f"routed experts as target_parameters ({', '.join(experts.target_parameters)}) on "
-            f"{len(experts.params)} modules"
-        )
-    elif experts is not None:
-        notes.append(
-            f"routed experts as {len(experts.linear)} per-expert modules (the layout before "
-            "transformers 5, which llama.cpp's converter reads)"
-        )
-    invocation = f.metadata.get("adapter.alora.invocation_tokens")
-    if isinstance(invocation, list) and invocation:  # activated LoRA: PEFT's name for them
-        config["alora_invocation_tokens"] = [int(t) for t in invocation]
-        notes.append(f"activated LoRA: invocation tokens {config['alora_invocation_tokens']}")
-    out = Path(out_dir)
-    _write_peft(out, tensors, config)
-    n_modules = len(ranks) + (len(experts.params) if experts is not None else 0)
-    notes.append(f"wrote {out}: {len(tensors)} tensors ({n_modules} modules), r = {config['r']}")
-    return notes
+    return tensors, ranks, experts
 
 
 def _open_lora_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, str]:

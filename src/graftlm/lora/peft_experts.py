@@ -294,6 +294,18 @@ class PeftExperts:
     target_parameters: list[str]
     rank: int | None
 
+    def note(self) -> str:
+        """Which of the two forms, for the user."""
+        if self.params:
+            return (
+                f"routed experts as target_parameters ({', '.join(self.target_parameters)}) on "
+                f"{len(self.params)} modules"
+            )
+        return (
+            f"routed experts as {len(self.linear)} per-expert modules (the layout before "
+            "transformers 5, which llama.cpp's converter reads)"
+        )
+
 
 def peft_experts(
     arch: str,

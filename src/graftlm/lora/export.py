@@ -89,15 +89,7 @@ def export_lora(
     fallback: list[str] = []
     for name in tqdm(sorted(terms), desc="merging", disable=not progress):
         src = f.tensors[(EMBEDDING if name == "output" and untie else name) + ".weight"]
-        # torch (rows, cols); a routed-expert tensor's (n_expert, n_out, n_in)
-        w = dequantize_any(src.data, src.ggml_type, src.shape).float()
-        for s, a, b, expert in terms[name]:
-            d = b @ a  # (n_out, n_in) or (n_expert, n_out, n_in); the embedding's (n_embd, n_vocab)
-            if expert is not None:
-                w[expert] += s * d
-            else:
-                w += s * (d.T if name == EMBEDDING else d)
-        data, qtype = _encode(w, src.ggml_type, outtype)
+        data, qtype = _encode(_merged(src, name, terms[name]), src.ggml_type, outtype)
         if outtype in ("same", "q8_0") and qtype == T.F16 and src.ggml_type != T.F16:
             fallback.append(name + ".weight")
         merged[name + ".weight"] = (data, qtype)
@@ -128,6 +120,19 @@ def export_lora(
         f"copied {len(f.tensors) - len(merged) + int(untie)}"
     )
     return notes
+
+
+def _merged(src: TensorEntry, name: str, terms: list[Term]) -> torch.Tensor:
+    """Base tensor `name` (its bytes `src`) in float32 with every term's delta added: torch
+    (rows, cols), a routed-expert tensor's (n_expert, n_out, n_in)."""
+    w = dequantize_any(src.data, src.ggml_type, src.shape).float()
+    for s, a, b, expert in terms:
+        d = b @ a  # (n_out, n_in) or (n_expert, n_out, n_in); the embedding's (n_embd, n_vocab)
+        if expert is not None:
+            w[expert] += s * d
+        else:
+            w += s * (d.T if name == EMBEDDING else d)
+    return w
 
 
 def _add(

@@ -75,7 +75,7 @@ class BaseInfo:
             if e is None:
                 return "not in the base model"
             if len(e.shape) == 3 and ROUTED.fullmatch(base):
-                return _expert_shape(arch, base, e.shape, n_expert)
+                return _expert_shape(arch, e.shape, n_expert)
             if len(e.shape) != 2 or "norm" in base:
                 return f"not a matrix (shape {list(e.shape)}): LoRA applies to projections only"
             return (e.shape[1], e.shape[0]) if base != EMBEDDING else (e.shape[0], e.shape[1])
@@ -84,9 +84,7 @@ class BaseInfo:
         return cls(str(f.path), arch, n_layer, n_head, n_head_kv, tied, lookup, n_expert)
 
 
-def _expert_shape(
-    arch: str, base: str, shape: tuple[int, ...], n_expert: int
-) -> tuple[int, int] | str:
+def _expert_shape(arch: str, shape: tuple[int, ...], n_expert: int) -> tuple[int, int] | str:
     """A routed-expert tensor's per-expert (n_in, n_out) (its torch shape (n_expert, n_out,
     n_in)), or why it takes no adapter."""
     if arch not in EXPERT_ADAPTER_ARCHS:

@@ -112,11 +112,11 @@ def routed_ffn(
     rows = adapted_rows(lora, experts, down)
     # (N, n_slots): each token's row's scales
     scales = None if rows is None else rows.scales.repeat_interleave(h.shape[1], dim=0)
+    native = experts.stacked is not None and not exact
 
     def expert(e: int, xe: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         s = None if scales is None else scales.index_select(0, token)  # (n_e, n_slots)
         gate_up = experts.products(e, xe, s, exact) + bias[e]  # (n_e, 2 n_ff)
-        native = experts.stacked is not None and not exact
         act = native_ops.gated(gate_up, "swiglu_oai") if native else None
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -378,8 +379,9 @@ def test_export_merges_expert_adapters(made: dict[str, Any], tmp_path: Path) -> 
 # -- malformed expert adapters -----------------------------------------------------------------
 
 
-def _one_expert_short(src: Path, dst: Path, victim: str) -> Path:
-    """GGUF adapter `src` with tensor `victim` one expert short."""
+def _rewritten(src: Path, dst: Path, change: Callable[[str, np.ndarray], np.ndarray]) -> Path:
+    """gpt-oss GGUF adapter `src` (alpha 8) written to `dst`, each tensor (torch order) as
+    change(name, tensor) gives it."""
     reader = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, "gpt-oss")
     w.add_type("adapter")
@@ -387,12 +389,22 @@ def _one_expert_short(src: Path, dst: Path, victim: str) -> Path:
     w.add_float32("adapter.lora.alpha", 8.0)
     for t in reader.tensors:
         data = t.data.reshape([int(d) for d in reversed(t.shape)])
-        w.add_tensor(t.name, (data[:-1] if t.name == victim else data).copy())
+        w.add_tensor(t.name, change(t.name, data).copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def _first_ranks(name: str, data: np.ndarray, r: int) -> np.ndarray:
+    """A factor's first r ranks: lora_a (.., r, n_in), lora_b (.., n_out, r)."""
+    return data[..., :r, :] if name.endswith("lora_a") else data[..., :r]
+
+
+def _one_expert_short(src: Path, dst: Path, victim: str) -> Path:
+    """GGUF adapter `src` with tensor `victim` one expert short."""
+    return _rewritten(src, dst, lambda name, data: data[:-1] if name == victim else data)
 
 
 def test_wrong_expert_count_is_named(made: dict[str, Any], tmp_path: Path) -> None:
@@ -473,20 +485,9 @@ def test_rank_one_converts_both_ways(made: dict[str, Any], tmp_path: Path) -> No
     """A rank-1 adapter (every factor's first rank of the converted file): GGUF -> PEFT writes
     target_parameters factors whose B is a strided view before it is copied, and -> GGUF gives
     the rank-1 file back bit for bit."""
-    reader = gguf.GGUFReader(made["tmp"] / "lora.gguf")
-    one = tmp_path / "r1.gguf"
-    w = gguf.GGUFWriter(one, "gpt-oss")
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", 8.0)
-    for t in reader.tensors:
-        data = t.data.reshape([int(d) for d in reversed(t.shape)])  # torch order
-        # lora_a (.., r, n_in), lora_b (.., n_out, r)
-        w.add_tensor(t.name, (data[..., :1, :] if t.name.endswith("a") else data[..., :1]).copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    one = _rewritten(
+        made["tmp"] / "lora.gguf", tmp_path / "r1.gguf", lambda n, d: _first_ranks(n, d, 1)
+    )
     gguf_to_peft(one, made["base"], tmp_path / "p")
     cfg = json.loads((tmp_path / "p" / "adapter_config.json").read_text())
     assert cfg["r"] == 1 and cfg["target_parameters"]
@@ -504,4 +505,22 @@ def test_target_parameters_need_the_base(made: dict[str, Any], tmp_path: Path) -
     with pytest.raises(AdapterError) as exc:
         gguf_to_peft(made["tmp"] / "lora.gguf", None, tmp_path / "p")
     assert "target_parameters" in str(exc.value) and "base model file" in str(exc.value)
+    assert not (tmp_path / "p").exists()
+
+
+def test_target_parameters_of_differing_ranks_name_the_tensors(
+    made: dict[str, Any], tmp_path: Path
+) -> None:
+    """One layer's down_proj tensors cut to rank 2: GGUF -> PEFT refuses (target_parameters
+    have one rank) naming the tensors of each rank."""
+    cut = _rewritten(
+        made["tmp"] / "lora.gguf",
+        tmp_path / "cut.gguf",
+        lambda n, d: _first_ranks(n, d, 2) if n.startswith("blk.1.ffn_down_exps") else d,
+    )
+    with pytest.raises(AdapterError) as exc:
+        gguf_to_peft(cut, made["base"], tmp_path / "p")
+    msg = str(exc.value)
+    assert str(cut) in msg and "rank 2: blk.1.ffn_down_exps.weight;" in msg
+    assert f"rank {R}: blk.0.ffn_down_exps.weight" in msg
     assert not (tmp_path / "p").exists()

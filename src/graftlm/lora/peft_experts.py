@@ -356,14 +356,20 @@ def _params(
         m = ROUTED.fullmatch(name)
         assert m is not None
         layers.setdefault(int(m.group(1)), {})[m.group(2)] = ab
-    ranks = {int(a.shape[1]) for a, _ in pairs.values()}
-    if len(ranks) > 1:
+    by_rank: dict[int, list[str]] = {}
+    for name, (a, _) in sorted(pairs.items()):
+        by_rank.setdefault(int(a.shape[1]), []).append(f"{name}.weight")
+    if len(by_rank) > 1:
+        which = "; ".join(
+            f"rank {rank}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+            for rank, names in sorted(by_rank.items())
+        )
         problems.append(
-            f"routed-expert tensors of ranks {sorted(ranks)}: PEFT's target_parameters give "
+            f"routed-expert tensors of differing ranks ({which}): PEFT's target_parameters give "
             "every expert parameter one rank"
         )
         return PeftExperts({}, {}, [], None)
-    r = ranks.pop()
+    r = next(iter(by_rank))
     shapes = {k: (int(a.shape[0]), int(a.shape[2]), int(b.shape[1])) for lay in layers.values()
               for k, (a, b) in lay.items()}  # fmt: skip
     gate_up = bool({"gate", "up"} & set(shapes))

@@ -460,8 +460,8 @@ def test_stacking_keeps_every_experts_delta() -> None:
     """Per-expert pairs of different ranks and factors, one expert left out, stacked into
     llama.cpp's one pair: each expert's delta (factor * B @ A) is the one its pair gave, the
     left-out expert's zero."""
+    from graftlm.lora.convert_experts import stack_experts
     from graftlm.lora.peft_base import LoraPair
-    from graftlm.lora.peft_experts import stack_experts
 
     g = torch.Generator().manual_seed(3)
     pairs = [

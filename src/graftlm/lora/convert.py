@@ -7,7 +7,7 @@ tensors `<base>.weight.lora_a` ne=[n_in, r] and `.lora_b` ne=[r, n_out] (torch (
 and lora_b ne=[r, n_embd]. llama.cpp scales each tensor by alpha / r (r = lora_b's ne[0]), or by 1
 when alpha is 0. A routed-expert tensor's pair stacks its experts (build_lora_mm_id):
 `blk.N.ffn_{gate,up,down}_exps.weight.lora_a` ne=[n_in, r, n_expert], `.lora_b` ne=[r, n_out,
-n_expert]; its PEFT layouts are peft_experts.py's.
+n_expert]; its PEFT layouts are convert_experts.py's.
 
 Scaling across the two: PEFT's factor is per module (alpha / r, alpha / sqrt(r) with rsLoRA,
 rank_pattern / alpha_pattern). When one alpha gives alpha / r_t == factor_t for every tensor, that
@@ -36,10 +36,10 @@ from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
+from graftlm.lora.convert_experts import PeftExperts, peft_experts, stack_experts, stacked_problem
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
-from graftlm.lora.peft_experts import PeftExperts, peft_experts, stack_experts, stacked_problem
 from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 

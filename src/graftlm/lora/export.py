@@ -26,9 +26,9 @@ from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
+from graftlm.lora.convert_experts import stacked_problem
 from graftlm.lora.peft import read_peft
 from graftlm.lora.peft_base import BaseInfo
-from graftlm.lora.peft_experts import stacked_problem
 from graftlm.lora.targets import ROUTED
 from graftlm.quant import dequantize_any
 

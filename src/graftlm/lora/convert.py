@@ -36,7 +36,7 @@ from graftlm.errors import AdapterError, GraftError, ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
-from graftlm.lora.convert_experts import PeftExperts, peft_experts, stack_experts, stacked_problem
+from graftlm.lora.convert_experts import PeftExperts, peft_layout, stack_experts, stacked_problem
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
@@ -266,7 +266,7 @@ def _peft_tensors(
         ranks[module] = int(b.shape[1])
     if not stacked:
         return tensors, ranks, None
-    experts = peft_experts(arch, stacked, base.n_layer if base is not None else None, problems)
+    experts = peft_layout(arch, stacked, base.n_layer if base is not None else None, problems)
     for module, (a, b) in experts.linear.items():
         tensors[KEY_PREFIX + module + ".lora_A.weight"] = a.contiguous()
         tensors[KEY_PREFIX + module + ".lora_B.weight"] = b.contiguous()

@@ -106,7 +106,7 @@ class PeftExperts:
         )
 
 
-def peft_experts(
+def peft_layout(
     arch: str,
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
     n_layer: int | None,
@@ -141,7 +141,7 @@ def _params(
     n_layer: int | None,
     problems: list[str],
 ) -> PeftExperts:
-    """peft_experts' target_parameters form. PEFT wraps the listed parameters of every layer's
+    """peft_layout's target_parameters form. PEFT wraps the listed parameters of every layer's
     experts, nested in the module's order (gate_up_proj as `.base_layer` under down_proj when
     both are listed): a layer the adapter leaves out gets zero factors, so every key is there."""
     if n_layer is None:  # the layer numbers in the file's names are no bound on the layers

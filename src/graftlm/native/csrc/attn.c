@@ -158,8 +158,10 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
 }
 
 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys (4: 0.89-0.93x
- * the time of 2 in cache, one thread; 8 no better) */
+ * the time of 2 in cache, one thread; 8 no better); a q8_0 cache's step: 2 (from memory, one
+ * thread, Qwen2.5-1.5B's heads: 0.88-0.93x the time of 4; in cache 1.03x) */
 #define DECODE_STEP 4
+#define DECODE_STEP_Q8 2
 /* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads
  * (4 blocks): 1 to 4 steps of 2 blocks measured alike; every other line, or toward L1, or none:
  * 1.5x to 2x slower at 16,384 (none: 0.94x in cache) */
@@ -753,7 +755,7 @@ static inline __attribute__((always_inline)) void decode_task(
         const char *Vt[DECODE_STEP];
         __mmask16 vis[DECODE_STEP];
         int nts = 0;
-        for (int64_t p = j; nts < DECODE_STEP && p < k1; nts++) {
+        for (int64_t p = j; nts < (t == 3 ? DECODE_STEP_Q8 : DECODE_STEP) && p < k1; nts++) {
             int64_t n = BS - p % BS < k1 - p ? BS - p % BS : k1 - p;
             if (n > DT) n = DT;
             jt[nts] = p, nt[nts] = n, vis[nts] = (__mmask16)((1u << n) - 1u);

@@ -157,10 +157,15 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
     prefetch_l2(vn, kv_bytes(nn * Dv, t));
 }
 
-#define DECODE_STEP 2 /* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys */
-/* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads:
- * 1 to 4 measured alike; every other line, or toward L1, or none: 1.5x to 2x slower at 16,384 */
-#define DECODE_AHEAD 2
+/* tiles a step of the 512-bit task: one softmax update over DECODE_STEP DT keys (4: 0.89-0.93x
+ * the time of 2 in cache, one thread; 8 no better); a q8_0 cache's step: 2 (from memory, one
+ * thread, Qwen2.5-1.5B's heads: 0.88-0.93x the time of 4; in cache 1.03x) */
+#define DECODE_STEP 4
+#define DECODE_STEP_Q8 2
+/* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads
+ * (4 blocks): 1 to 4 steps of 2 blocks measured alike; every other line, or toward L1, or none:
+ * 1.5x to 2x slower at 16,384 (none: 0.94x in cache) */
+#define DECODE_AHEAD 1
 
 /* The tile of keys and the rows of values of the block holding position p (of a task ending at
  * k1) toward the cache (L2): the whole transposed block, else its rows from p. */
@@ -261,6 +266,15 @@ static inline __attribute__((always_inline)) void scores_tile(const float *Q, co
     for (int g = 0; g < GN; g++) S[g] = _mm512_add_ps(acc[g][0], acc[g][1]);
 }
 
+/* The float16 scales at p + i rb of rows i < n as 16 floats (0 past n): one gather (16 scalar
+ * loads through memory measured 9% slower: the 16-bit stores do not forward to the wide load). */
+static inline void q8_scales16(const char *p, int64_t rb, int64_t n, float *out) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)rb));
+    const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << n) - 1u), at, p, 1);
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+}
+
 #if defined(__AVX512VNNI__) && !defined(GL_NO_Q8_DOTS) /* (-DGL_NO_Q8_DOTS: tests of the rest) */
 #define DECODE_Q8_DOTS 1
 /* q8_0 keys against int8 queries (llama.cpp's q8_0 x q8_0 dot for a q8_0 cache): the group's
@@ -325,13 +339,7 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
         transpose16(r);
         for (int l = 0; l < 16; l++) kq[c * 16 + l] = _mm512_xor_si512(_mm512_castps_si512(r[l]), flip);
     }
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)rb));
-    const __mmask16 in = (__mmask16)((1u << n) - 1u);
-    for (int64_t b = 0; b < nb; b++) { /* the 16 keys' scales of block b: a gather (0 past n) */
-        const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, at, rows + b * 34, 1);
-        _mm512_storeu_ps(ks + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-    }
+    for (int64_t b = 0; b < nb; b++) q8_scales16(rows + b * 34, rb, n, ks + b * 16);
 }
 
 /* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
@@ -353,6 +361,22 @@ static inline __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D, const
 #else
 #define DECODE_Q8_DOTS 0
 #endif
+
+/* 2^x for 16 floats x <= 0 (finite: below -126 about 0, under FTZ 0; -inf lanes: NaN, masked by
+ * the caller), to a relative 1e-7: x's integer part through VSCALEFPS, its fraction [-0.5, 0.5]
+ * by a degree-6 fit (10 instructions, exp512's 18: the softmax pays G of them a key). */
+static inline __m512 exp2_512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(1.5332502e-4f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3394706e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6184909e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5503424e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022648e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
 
 /* O (GN heads x 16 NU values from value c0, rows Dv apart; the last vector's lanes: last) =
  * alpha O + sum_i P[g][i] V[i] over the keys of a step's nts tiles (tile u: n[u] keys, its
@@ -397,19 +421,12 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
     }
 
 /* The scales of the values of a step's q8_0 tiles: vs[(x 32 + b) 16 + i] = tile x's key i's
- * scale of block b (of Dv / 32), 0 past the tile's n[x] keys: one gather a block of a tile (the
- * scales of a tile's rows lie 34 bytes apart, its rows rb apart). */
+ * scale of block b (of Dv / 32), 0 past the tile's n[x] keys (a block's scales lie 34 bytes
+ * apart, a tile's rows rb apart). */
 static inline void q8_value_scales(const char *const *V, const int64_t *n, int nts, int64_t rb,
                                    int64_t Dv, float *vs) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)rb));
-    for (int x = 0; x < nts; x++) {
-        const __mmask16 in = (__mmask16)((1u << n[x]) - 1u);
-        for (int64_t b = 0; b < Dv / 32; b++) {
-            const __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, rows, V[x] + 34 * b, 1);
-            _mm512_storeu_ps(vs + (x * 32 + b) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-        }
-    }
+    for (int x = 0; x < nts; x++)
+        for (int64_t b = 0; b < Dv / 32; b++) q8_scales16(V[x] + 34 * b, rb, n[x], vs + (x * 32 + b) * 16);
 }
 
 /* pv_step16 for q8_0 values (c0 and Dv multiples of 32, NU even): each key's block scales folded
@@ -707,8 +724,8 @@ static inline __attribute__((always_inline)) void decode_task(
     const gl_kv *kv = &a->kv;
     const int64_t G = a->n_head / a->n_head_kv, D = a->head_dim, Dv = a->v_dim, BS = kv->block;
     const int64_t PW = DECODE_STEP * DT; /* P's rows */
-    const float softcap = a->softcap;
-    const __m512 cap = _mm512_set1_ps(softcap), ninf = _mm512_set1_ps(-INFINITY);
+    const float softcap = a->softcap, l2e = 1.44269504088896341f; /* scores in base 2 (m too, to the end) */
+    const __m512 cap = _mm512_set1_ps(softcap), capl2 = _mm512_set1_ps(softcap * l2e), ninf = _mm512_set1_ps(-INFINITY);
 #if DECODE_BF16
     if (t == 2 && decode_bf16_fits(a)) {
         decode_task_bf16(a, Q, s, hk, k0, k1, part, Kf, Vf, P, alpha);
@@ -738,7 +755,7 @@ static inline __attribute__((always_inline)) void decode_task(
         const char *Vt[DECODE_STEP];
         __mmask16 vis[DECODE_STEP];
         int nts = 0;
-        for (int64_t p = j; nts < DECODE_STEP && p < k1; nts++) {
+        for (int64_t p = j; nts < (t == 3 ? DECODE_STEP_Q8 : DECODE_STEP) && p < k1; nts++) {
             int64_t n = BS - p % BS < k1 - p ? BS - p % BS : k1 - p;
             if (n > DT) n = DT;
             jt[nts] = p, nt[nts] = n, vis[nts] = (__mmask16)((1u << n) - 1u);
@@ -779,31 +796,33 @@ static inline __attribute__((always_inline)) void decode_task(
                 g0 += gn;
             }
         }
-        /* each head's weights over the step: P = exp(scale S - m_new), masked */
+        /* each head's weights over the step: P = 2^(log2(e) scale S - m_new), masked (m in base
+         * 2 until the task's end) */
         for (int64_t g = 0; g < G; g++) {
             __m512 xs[DECODE_STEP], mxv = ninf;
             for (int x = 0; x < nts; x++) {
-                __m512 v = _mm512_mul_ps(_mm512_loadu_ps(P + g * PW + x * DT), _mm512_set1_ps(a->scale)); /* as llama.cpp: after the dot */
-                if (softcap > 0.0f) v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, cap)), cap);
+                const __m512 sv = _mm512_loadu_ps(P + g * PW + x * DT); /* scaled as llama.cpp: after the dot */
+                const __m512 v = softcap > 0.0f ? _mm512_mul_ps(tanh512(_mm512_div_ps(_mm512_mul_ps(sv, _mm512_set1_ps(a->scale)), cap)), capl2)
+                                                : _mm512_mul_ps(sv, _mm512_set1_ps(a->scale * l2e));
                 xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
                 mxv = _mm512_max_ps(mxv, xs[x]);
             }
             const float mx = _mm512_reduce_max_ps(mxv), mn = mx > m[g] ? mx : m[g];
             __m512 sum = _mm512_setzero_ps();
             for (int x = 0; x < nts; x++) {
-                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp512(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
+                const __m512 e = _mm512_maskz_mov_ps(vis[x], exp2_512(_mm512_sub_ps(xs[x], _mm512_set1_ps(mn))));
                 _mm512_storeu_ps(P + g * PW + x * DT, e);
                 sum = _mm512_add_ps(sum, e);
             }
             psum[g] = _mm512_reduce_add_ps(sum);
             mnew[g] = mn;
         }
-        /* alpha = exp(m_old - m_new) of every head at once (0 where nothing was seen yet) */
+        /* alpha = 2^(m_old - m_new) of every head at once (0 where nothing was seen yet) */
         for (int64_t g = 0; g < G; g += 16) {
             const __mmask16 mk = (__mmask16)(G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1u);
             const __m512 mo = _mm512_maskz_loadu_ps(mk, m + g), mw = _mm512_maskz_loadu_ps(mk, mnew + g);
             const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ);
-            const __m512 al = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mo, mw)));
+            const __m512 al = _mm512_maskz_mov_ps(seen, exp2_512(_mm512_sub_ps(mo, mw)));
             _mm512_mask_storeu_ps(alpha + g, mk, al);
             _mm512_mask_storeu_ps(l + g, mk, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, l + g), al, _mm512_maskz_loadu_ps(mk, psum + g)));
             _mm512_mask_storeu_ps(m + g, mk, mw);
@@ -837,6 +856,7 @@ static inline __attribute__((always_inline)) void decode_task(
         }
         j = jend;
     }
+    for (int64_t g = 0; g < G; g++) m[g] *= 0.69314718056f; /* the merge's base: e */
 }
 #else
 

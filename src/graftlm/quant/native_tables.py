@@ -78,8 +78,9 @@ class NativeIQKernel(NativeKernel):
 
     IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S read in place from the file (csrc/iquant.c): its
     super-blocks of 256 values as they are, 2.06 to 3.44 bits a weight, no copy. Its grid
-    entries and sign bits are expanded in the products, per 32 values, into bytes for the integer
-    dots with x quantized to int8 (llama.cpp's arithmetic).
+    entries and sign bits are expanded in the products into signed bytes, 16 outputs (8 without
+    512-bit VNNI) to a vector for all the rows of x, for the integer dots with x quantized to
+    int8 per 32 values (llama.cpp's arithmetic).
     """
 
     name = "native-iq"

@@ -10,29 +10,19 @@
  * gguf.quants.dequantize's float32 operations in its order: gl_deq_iq is bit-exact with it.
  *
  * The products quantize x to int8 per 32 values (quantize_x, as for the other kinds) and take,
- * for each 32 values of a row, the integer dot of the grid's magnitudes (unsigned bytes) with x's
- * codes whose signs the weight's sign bits flip (vpsignb), as llama.cpp's CPU kernels do: VNNI's
- * u8 x s8 dots where the CPU has them, else maddubs + madd (pairs at most 2 * 62 * 127, no
- * saturation): the same int32 sums either way, so every variant gives the same bits. Each sum is
- * scaled in float by (the weight's scale * x's scale) of its 32 values (16: the half of the lanes
- * that sum them) and accumulated in 8 lanes per row of x for the even sub-blocks and 8 for the
- * odd ones (the 512-bit kernels' two halves), summed across every IQ_CHUNK super-blocks. A row of the weight is unpacked (grid bytes, vpsignb operands, scales) once for
- * all the rows of x, which its tiles of MT rows then read from L1: a prompt pays the lookups once
- * an output, not once a tile (Zen 4, one core, 2048 x 2048 IQ3_XXS at 64 rows, 256 bits: 18.5
- * GMAC/s against 8.9 unpacking per tile).
+ * per output, row of x and unit of one scale (32 values; 16 for IQ2_XS and IQ2_S), the exact
+ * integer dot of the signed values with x's codes, scaled in float by (the unit's scale * x's
+ * scale of its 32 values) and accumulated with one FMA a unit, from the row's first unit to its
+ * last (below, "the products"): every kernel and variant takes the same integer sums and rounds
+ * the same float operations in the same order, so a row's product has the same bits whatever
+ * the rows beside it and whatever the CPU.
  *
- * The lookups bound a decode step. One at a time (8 or 4 values an insert; vpgatherdd for IQ3's
- * eight entries: 20% slower on Zen 4) one row of x took ~9-11 GMAC/s a core where Q4_K takes
- * ~45-60. With AVX-512 VBMI (iq_unpack2_vbmi) a super-block's 32 or 64 indices are looked up at
+ * The lookups: one at a time (8 or 4 values an insert; vpgatherdd for IQ3's eight entries: 20%
+ * slower on Zen 4), or with AVX-512 VBMI (iq_mag_vbmi) a super-block's 32 or 64 indices at
  * once: each entry's values as a code (2 or 3 bits a value, iq_grids.h's *_CODE, two byte
  * planes looked up 128 entries a vpermi2b), its qwords cut into a byte a value (vpmultishiftqb)
  * and the magnitudes looked up (vpermb); the sign bytes from the 7-bit indices with their parity
- * (vpopcntb); the 512-bit kernels from one row on, one row of x using each super-block as it is
- * unpacked (iq_row1). Zen 4, one core, 2048 x 2048, GMAC/s at 1 / 4 / 16 / 64 rows: IQ3_XXS
- * 8.7 / 20.7 / 42.6 / 52.8 -> 20.7 / 41.9 / 54.3 / 58.4, IQ2_XXS 10.6 / 22.9 / 39.9 / 51.8 ->
- * 18.8 / 39.5 / 53.4 / 57.9 (IQ3_S, IQ2_XS 2-2.6x at one row, IQ2_S 1.4x). Many rows are bound
- * by the ~7 vector instructions a row and 64 values (x's sign flip, the dot, its scaling) at
- * ~1.7 a cycle, not by the lookups.
+ * (vpopcntb). One row of x went from ~9-11 GMAC/s a core (Zen 4) to ~19-21 with them.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -137,83 +127,8 @@ static inline __m256i iq_signs(uint32_t sg) {
     return _mm256_or_si256(_mm256_cmpeq_epi8(b, bits), _mm256_set1_epi8(1));
 }
 
-/* The 8 int32 sums (lane i: bytes 4i .. 4i + 3) of g (unsigned) times xs (signed). */
-static inline __attribute__((always_inline)) __m256i iq_dot(__m256i g, __m256i xs) {
-#if GL_VNNI
-    return DPBUSD(_mm256_setzero_si256(), g, xs);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(g, xs), _mm256_set1_epi16(1));
-#endif
-}
 
-/* A super-block unpacked: its 8 sub-blocks' magnitudes, their vpsignb operands, its scales. */
-typedef struct {
-    __m256i g[8], sv[8];
-    __m256 a, b;
-} iq_unpacked;
-
-#define IQ_CHUNK 8 /* super-blocks a row is unpacked by, for all the rows of x (<= 4.5 KiB) */
-
-static inline __attribute__((always_inline)) void iq_unpack(const uint8_t *p, const int v, iq_unpacked *u) {
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &u->a, &u->b);
-    for (int ib = 0; ib < 8; ib++) {
-        uint32_t sg;
-        u->g[ib] = iq_sub(p, v, ib, &sg);
-        u->sv[ib] = iq_signs(sg);
-    }
-}
-
-/* acc[2 r], acc[2 r + 1] += the lanes of the dot of super-block u with block sb of R rows of x
- * (xq, xd: rows k and k / 32 apart): per sub-block, its integer dot times (its scale * x's scale)
- * per 16 values, the even sub-blocks into acc[2 r], the odd ones into acc[2 r + 1] (the 512-bit
- * kernels' low and high lanes: the same sums rounded in the same order). */
-static inline __attribute__((always_inline)) void iq_dots(const iq_unpacked *u, int64_t sb,
-                                                          const int8_t *xq, const float *xd, int64_t k,
-                                                          const int R, __m256 *acc) {
-    const int64_t kb = k / 32;
-    const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    __m256 sa[MT], sb2[MT];
-    for (int r = 0; r < R; r++) {
-        const __m256 xv = _mm256_loadu_ps(xd + r * kb + sb * 8);
-        sa[r] = _mm256_mul_ps(u->a, _mm256_permutevar8x32_ps(xv, lo));
-        sb2[r] = _mm256_mul_ps(u->b, _mm256_permutevar8x32_ps(xv, hi));
-    }
-    for (int ib = 0; ib < 8; ib++) {
-        const __m256i lane = _mm256_setr_epi32(2 * (ib & 3), 2 * (ib & 3), 2 * (ib & 3), 2 * (ib & 3),
-                                               2 * (ib & 3) + 1, 2 * (ib & 3) + 1, 2 * (ib & 3) + 1, 2 * (ib & 3) + 1);
-        const __m256i g = u->g[ib], sv = u->sv[ib];
-        for (int r = 0; r < R; r++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + (sb * 8 + ib) * 32));
-            const __m256 sc = _mm256_permutevar8x32_ps(ib < 4 ? sa[r] : sb2[r], lane);
-            acc[2 * r + (ib & 1)] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iq_dot(g, _mm256_sign_epi8(x, sv))), sc,
-                                                    acc[2 * r + (ib & 1)]);
-        }
-    }
-}
-
-/* y[r * ldy] (+)= super-blocks [c, c + nc) (buf: unpacked) of a row against R rows of x. */
-static inline __attribute__((always_inline)) void iq_tile(const iq_unpacked *buf, int64_t c, int64_t nc,
-                                                          const int8_t *xq, const float *xd, int64_t k,
-                                                          const int R, float *y, int64_t ldy) {
-    __m256 acc[2 * MT];
-    for (int r = 0; r < 2 * R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nc; i++) iq_dots(&buf[i], c + i, xq, xd, k, R, acc);
-    for (int r = 0; r < R; r++) y[r * ldy] = (c ? y[r * ldy] : 0.0f) + hsum8(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
-}
-
-#if GL_VNNI512
-/* The same in 512 bits, two sub-blocks an instruction (lanes 0-7 the even one), their signs a
- * mask register (a masked subtraction flips x's codes), from IQ_ZMM_ROWS rows of x: below, the
- * 256-bit kernels were faster on Zen 4 (IQ2_XXS 2048 x 2048, one core, GMAC/s: 1 row 11.7
- * against 10.8, 2 rows 19.3 against 13.0; 16 rows 35.6 against 41.4, 64 rows 25.0 against 51.9). */
-#define IQ_ZMM_ROWS 8
-typedef struct {
-    __m512i g2[4];   /* sub-blocks 2 i and 2 i + 1, each stored whole (its load forwards) */
-    uint64_t sg2[4]; /* their sign bits */
-    __m512 s16;      /* the scales per 16 values (iq_scales' a, then b) */
-} iq_unpacked2;
-
-#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__BMI2__)
+#if GL_VNNI512 && defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__BMI2__)
 #define IQ_VBMI 1
 /* The grid's code bytes (plane: 256 entries, *_CODE's [0] or [1]) at the indices in idx's bytes
  * (their bit 7 picks the upper 128; vpermi2b reads the low 7). */
@@ -254,8 +169,10 @@ static inline __m256i iq_ksigns(__m256i aux) {
     return _mm256_ternarylogic_epi32(b, _mm256_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
-/* iq_unpack2 in vector instructions: a super-block's 32 or 64 grid indices looked up at once. */
-static inline __attribute__((always_inline)) void iq_unpack2_vbmi(const uint8_t *p, const int v, iq_unpacked2 *u) {
+/* The 256 values of super-block p: their magnitudes (g[j]: values 64 j .. 64 j + 63) and signs
+ * (bit i of neg[j] set: value 64 j + i negative), its 32 or 64 grid indices looked up at once. */
+static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, const int v, __m512i *g,
+                                                              uint64_t *neg) {
     __m512i lo, hi;
     __m256i sg;
     const uint8_t *mag;
@@ -297,166 +214,403 @@ static inline __attribute__((always_inline)) void iq_unpack2_vbmi(const uint8_t 
         sg = _mm256_loadu_si256((const __m256i *)(p + 74));
         mag = IQ3S_MAG64, iq3 = 1;
     }
-    for (int j = 0; j < 4; j++) u->g2[j] = iq_expand(lo, hi, iq3, j, mag);
-    _mm256_storeu_si256((__m256i *)u->sg2, sg);
-    __m256 a, b;
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-    u->s16 = cat_ps(a, b);
+    _mm256_storeu_si256((__m256i *)neg, sg);
+    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag);
+}
+
+/* The same as signed bytes (nat). */
+static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, const int v, int8_t *nat) {
+    __m512i g[4];
+    uint64_t neg[4];
+    iq_mag_vbmi(p, v, g, neg);
+    for (int j = 0; j < 4; j++)
+        _mm512_store_si512(nat + 64 * j, _mm512_mask_sub_epi8(g[j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), g[j]));
 }
 #endif
-
-static inline __attribute__((always_inline)) void iq_unpack2(const uint8_t *p, const int v, iq_unpacked2 *u) {
-#if IQ_VBMI
-    iq_unpack2_vbmi(p, v, u);
-    return;
-#endif
-    __m256 a, b;
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-    u->s16 = cat_ps(a, b);
-    for (int i = 0; i < 4; i++) {
-        uint32_t s0, s1;
-        const __m256i g0 = iq_sub(p, v, 2 * i, &s0), g1 = iq_sub(p, v, 2 * i + 1, &s1);
-        u->g2[i] = cat_si(g0, g1);
-        u->sg2[i] = (uint64_t)s0 | (uint64_t)s1 << 32;
-    }
-}
-
-static inline __attribute__((always_inline)) void iq_dots2(const iq_unpacked2 *u, int64_t sb,
-                                                           const int8_t *xq, const float *xd, int64_t k,
-                                                           const int R, __m512 *acc) {
-    const int64_t kb = k / 32;
-    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    __m512 s16[MT]; /* lanes 2 j, 2 j + 1: the scales of sub-block j's halves times x's */
-    for (int r = 0; r < R; r++) {
-        const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(xd + r * kb + sb * 8));
-        s16[r] = _mm512_mul_ps(u->s16, _mm512_permutexvar_ps(dup, xv));
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512i lane = _mm512_setr_epi32(4 * i, 4 * i, 4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 1, 4 * i + 1,
-                                               4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 3, 4 * i + 3,
-                                               4 * i + 3, 4 * i + 3);
-        const __m512i g = u->g2[i];
-        const __mmask64 neg = _cvtu64_mask64(u->sg2[i]);
-        for (int r = 0; r < R; r++) {
-            const __m512i x = _mm512_loadu_si512(xq + r * k + (sb * 8 + 2 * i) * 32);
-            const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-            const __m512i dot = DPBUSD512(_mm512_setzero_si512(), g, xs);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane, s16[r]), acc[r]);
-        }
-    }
-}
-
-static inline __attribute__((always_inline)) void iq_tile2(const iq_unpacked2 *buf, int64_t c, int64_t nc,
-                                                           const int8_t *xq, const float *xd, int64_t k,
-                                                           const int R, float *y, int64_t ldy) {
-    __m512 acc[MT];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < nc; i++) iq_dots2(&buf[i], c + i, xq, xd, k, R, acc);
-    for (int r = 0; r < R; r++) {
-        const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-        y[r * ldy] = (c ? y[r * ldy] : 0.0f) + hsum8(s);
-    }
-}
-#endif
-
-#if IQ_VBMI
-/* iq_tile2 for one row of x (xq, xd), its outputs [o0, o1) each unpacked a super-block at a time
- * into registers and used at once (no buffer): the same sums in the same order. */
-static inline __attribute__((always_inline)) void iq_row1(const uint8_t *q, const int v, int64_t o0, int64_t o1,
-                                                          int64_t k, const int8_t *xq, const float *xd, float *y) {
-    const int64_t nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
-    for (int64_t o = o0; o < o1; o++) {
-        const uint8_t *wr = q + o * rowbytes;
-        for (int64_t c = 0; c < nsb; c += IQ_CHUNK) {
-            const int64_t c1 = nsb - c < IQ_CHUNK ? nsb : c + IQ_CHUNK;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = c; i < c1; i++) {
-                const uint8_t *p = wr + i * bytes;
-                prefetch_block(p, bytes);
-                iq_unpacked2 u;
-                iq_unpack2(p, v, &u);
-                iq_dots2(&u, i, xq, xd, k, 1, &acc);
-            }
-            const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-            y[o] = (c ? y[o] : 0.0f) + hsum8(s);
-        }
-    }
-}
-#endif
-
 #ifndef IQ_VBMI
 #define IQ_VBMI 0
 #endif
 
-/* The task's outputs, each row unpacked (UNPACK into BUF) IQ_CHUNK super-blocks at a time and
- * read by every tile of x's rows (TILE). */
-#define IQ_OUTPUTS(BUF, UNPACK, TILE)                                                              \
-    for (int64_t o = o0; o < o1; o++) {                                                            \
-        const uint8_t *wr = (const uint8_t *)w->q + o * rowbytes;                                  \
-        for (int64_t c = 0; c < nsb; c += IQ_CHUNK) {                                              \
-            const int64_t nc = nsb - c < IQ_CHUNK ? nsb - c : IQ_CHUNK;                            \
-            for (int64_t i = 0; i < nc; i++) {                                                     \
-                const uint8_t *p = wr + (c + i) * bytes;                                           \
-                prefetch_block(p, bytes);                                                          \
-                switch (v) {                                                                       \
-                case IQ2_XXS: UNPACK(p, IQ2_XXS, &BUF[i]); break;                                  \
-                case IQ2_XS: UNPACK(p, IQ2_XS, &BUF[i]); break;                                    \
-                case IQ2_S: UNPACK(p, IQ2_S, &BUF[i]); break;                                      \
-                case IQ3_XXS: UNPACK(p, IQ3_XXS, &BUF[i]); break;                                  \
-                default: UNPACK(p, IQ3_S, &BUF[i]); break;                                         \
-                }                                                                                  \
-            }                                                                                      \
-            for (int64_t r0 = ra; r0 < rb; r0 += MT) {                                             \
-                const int R = rb - r0 < MT ? (int)(rb - r0) : MT;                                  \
-                const int8_t *xt = xb->xq + r0 * k;                                                \
-                const float *dt = xb->xd + r0 * kb;                                                \
-                float *yo = y + r0 * n + o;                                                        \
-                switch (R) {                                                                       \
-                case 6: TILE(BUF, c, nc, xt, dt, k, 6, yo, n); break;                              \
-                case 5: TILE(BUF, c, nc, xt, dt, k, 5, yo, n); break;                              \
-                case 4: TILE(BUF, c, nc, xt, dt, k, 4, yo, n); break;                              \
-                case 3: TILE(BUF, c, nc, xt, dt, k, 3, yo, n); break;                              \
-                case 2: TILE(BUF, c, nc, xt, dt, k, 2, yo, n); break;                              \
-                default: TILE(BUF, c, nc, xt, dt, k, 1, yo, n); break;                             \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
+/* ---------------------------------------------------------------- the products
+ *
+ * A group of IQ_W outputs (16 with 512-bit VNNI, else 8) is unpacked a super-block at a time
+ * into lanes (iq_lanes): its values as signed bytes, 4 consecutive values of each output a
+ * 32-bit lane, a vector a chunk of 4 values (s8's layout, quant.c), with each unit's scale (16
+ * values for IQ2_XS and IQ2_S, else 32) and each unit's sum times -128 per output. Every row of
+ * x then takes a unit's integer dot for all IQ_W outputs in one VPDPBUSD a chunk, against its 4
+ * values as unsigned bytes (xu = xq + 128, broadcast) starting from the -128 sum (so the exact
+ * sum of xq * w), and one conversion, multiply and FMA a unit:
+ *   acc[o] = fma(float(sum of the unit's w * xq), s[o, unit] * xd[block], acc[o])
+ * from the row's first unit to its last, in one lane per output. The AVX2 kernels take the same
+ * integer sums with maddubs (|w| against x with w's sign: pairs at most 2 * 62 * 127) and round
+ * the same float operations in the same order, so every variant and every row count (a decode
+ * row, a prompt's tiles) gives the same bits.
+ *
+ * The unpacking (the grid lookups, the signs, a transposition into lanes) is paid once for all
+ * the rows of a chunk of IQ_RC; each row then costs 8 VPDPBUSD and 3 float operations per 16
+ * outputs and 32 values, where a row took 4 x 5 instructions per output and 64 values when
+ * each output's values were dotted in place (x's sign flip, the dot, its conversion, its scale's
+ * lanes, the FMA). Zen 4, one thread, alternated on a loaded machine (2x swings): Qwen3-30B-A3B
+ * (6 layers, ~8 rows an expert) pp128 IQ3_XXS 1.15-1.66x the kernels before (1.2-1.56x
+ * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x). */
+
+#if GL_VNNI512
+#define IQ_W 16
+#define IQ_MT 8
+#else
+#define IQ_W 8
+#define IQ_MT 4
+#endif
+/* rows of x a group's super-block is unpacked for, at most: 128 ran 1.1-1.2x faster than 48 at
+ * 96-128 rows (one thread, alternated), the unpacking repaid by more rows */
+#define IQ_RC 128
+#define IQ_UNITS(v) ((v) == IQ2_XS || (v) == IQ2_S ? 16 : 8) /* units of one scale a super-block */
+
+typedef struct {
+    int8_t w[64][4 * IQ_W]; /* chunk c (values 4 c .. 4 c + 3): lane o's 4 values, signed */
+    int32_t nc[16][IQ_W];   /* per unit: -128 times the sum of its values (VNNI's xu dots) */
+    float s[16][IQ_W];      /* per 16 values: the scale */
+} iq_lanes;
+
+/* The 256 values of super-block p as signed bytes (nat) and its scales per 16 values (s16). */
+static inline __attribute__((always_inline)) void iq_nat(const uint8_t *p, const int v, int8_t *nat,
+                                                         float *s16) {
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    _mm256_storeu_ps(s16, a);
+    _mm256_storeu_ps(s16 + 8, b);
+#if IQ_VBMI
+    iq_nat_vbmi(p, v, nat);
+#else
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t sg;
+        const __m256i g = iq_sub(p, v, ib, &sg);
+        _mm256_storeu_si256((__m256i *)(nat + 32 * ib), _mm256_sign_epi8(g, iq_signs(sg)));
     }
+#endif
+}
+
+#if IQ_W == 16
+/* r[i] (16 rows of 16 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
+static inline __attribute__((always_inline)) void iq_transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4 i + m], 128-bit lane L: rows 4 i .. 4 i + 3, column 4 L + m */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
+        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+#else
+/* r[i] (8 rows of 8 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
+static inline __attribute__((always_inline)) void iq_transpose8(__m256i *r) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* b[4 i + m], 128-bit lane L: rows 4 i .. 4 i + 3, column 4 L + m */
+        b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) {
+        r[m] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x20);
+        r[4 + m] = _mm256_permute2x128_si256(b[m], b[4 + m], 0x31);
+    }
+}
+#endif
+
+/* A group reads its IQ_W rows (next: the IQ_W after them) a super-block of each at a time: 16
+ * streams, which the hardware's prefetchers left waiting on memory at every group's start (one
+ * decode row, IQ2_XXS experts from memory: 0.8x the one stream a row of the kernels before). At
+ * its super-block sb it asks for the sb-th IQ_W super-blocks' worth of the next group's bytes,
+ * so the next group is in cache when it starts. */
+static inline __attribute__((always_inline)) void iq_prefetch_next(const uint8_t *next, int64_t sb, int64_t bytes) {
+    for (int64_t o = 0; o < IQ_W * bytes; o += 64) _mm_prefetch((const char *)next + sb * IQ_W * bytes + o, _MM_HINT_T0);
+}
+
+/* Super-blocks p[0 .. IQ_W) (one of each output of a group) into lanes. */
+static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *const *p, const int v,
+                                                                iq_lanes *L) {
+    int8_t nat[IQ_W][256] __attribute__((aligned(64)));
+    float s16[IQ_W][16] __attribute__((aligned(64)));
+    for (int o = 0; o < IQ_W; o++) iq_nat(p[o], v, nat[o], s16[o]);
+#if IQ_W == 16
+    __m512i r[16];
+    for (int j = 0; j < 4; j++) {
+        for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(nat[o] + 64 * j);
+        iq_transpose16(r);
+        for (int c = 0; c < 16; c++) _mm512_store_si512(L->w[16 * j + c], r[c]);
+    }
+    for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(s16[o]);
+    iq_transpose16(r);
+    for (int u = 0; u < 16; u++) _mm512_store_si512(L->s[u], r[u]);
+#else
+    __m256i r[8];
+    for (int j = 0; j < 8; j++) {
+        for (int o = 0; o < 8; o++) r[o] = _mm256_load_si256((const __m256i *)(nat[o] + 32 * j));
+        iq_transpose8(r);
+        for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)L->w[8 * j + c], r[c]);
+    }
+    for (int h = 0; h < 2; h++) {
+        for (int o = 0; o < 8; o++) r[o] = _mm256_load_si256((const __m256i *)(s16[o] + 8 * h));
+        iq_transpose8(r);
+        for (int u = 0; u < 8; u++) _mm256_store_si256((__m256i *)L->s[8 * h + u], r[u]);
+    }
+#endif
+#if GL_VNNI
+    const int units = IQ_UNITS(v), cpu = 64 / units;
+    for (int u = 0; u < units; u++) {
+#if IQ_W == 16
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < cpu; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[u * cpu + c]));
+        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(_mm512_setzero_si512(), s));
+#else
+        const __m256i bias = _mm256_set1_epi8((char)0x80);
+        __m256i s = _mm256_setzero_si256();
+        for (int c = 0; c < cpu; c++) s = DPBUSD(s, bias, _mm256_load_si256((const __m256i *)L->w[u * cpu + c]));
+        _mm256_store_si256((__m256i *)L->nc[u], _mm256_sub_epi32(_mm256_setzero_si256(), s));
+#endif
+    }
+#endif
+}
+
+/* acc[o] of R rows (accm: R x IQ_W floats; first: start from 0) += super-block sb of the lanes L
+ * against the rows r0 .. r0 + R - 1 of x (xb). */
+static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *L, const int v, int64_t sb,
+                                                                const xbuf *xb, int64_t r0, int64_t k,
+                                                                const int R, float *accm, int first) {
+    const int units = IQ_UNITS(v), cpu = 64 / units;
+    const int64_t kb = k / 32;
+    const float *xd = xb->xd + r0 * kb + sb * 8;
+#if GL_VNNI
+    /* x's 256 values as unsigned bytes: xu, else xq's flipped here */
+    uint8_t own[IQ_MT][256] __attribute__((aligned(64)));
+    const uint8_t *xu = xb->xu ? xb->xu + r0 * k + sb * 256 : own[0];
+    const int64_t ldx = xb->xu ? k : 256;
+    if (!xb->xu)
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < 256; i += 32) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(xb->xq + (r0 + r) * k + sb * 256 + i));
+                _mm256_store_si256((__m256i *)(own[r] + i), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+            }
+#else
+    const int8_t *xq = xb->xq + r0 * k + sb * 256;
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+#if IQ_W == 16
+    __m512 acc[IQ_MT];
+    for (int r = 0; r < R; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(accm + r * 16);
+    for (int u = 0; u < units; u++) {
+        __m512i I[IQ_MT];
+        const __m512i nc = _mm512_load_si512(L->nc[u]);
+        for (int r = 0; r < R; r++) I[r] = nc;
+        for (int c = u * cpu; c < u * cpu + cpu; c++) {
+            const __m512i wv = _mm512_load_si512(L->w[c]);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+        }
+        const __m512 s = _mm512_load_ps(L->s[u * (16 / units)]);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(s, _mm512_set1_ps(xd[r * kb + u * cpu / 8])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_store_ps(accm + r * 16, acc[r]);
+#else
+    __m256 acc[IQ_MT];
+    for (int r = 0; r < R; r++) acc[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(accm + r * 8);
+    for (int u = 0; u < units; u++) {
+        __m256i I[IQ_MT];
+        for (int c = u * cpu; c < u * cpu + cpu; c++) {
+            const __m256i wv = _mm256_load_si256((const __m256i *)L->w[c]);
+#if GL_VNNI
+            if (c == u * cpu)
+                for (int r = 0; r < R; r++) I[r] = _mm256_load_si256((const __m256i *)L->nc[u]);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+#else
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32((int)rd32((const uint8_t *)xq + r * k + 4 * c)), wv);
+                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+                I[r] = c == u * cpu ? d : _mm256_add_epi32(I[r], d);
+            }
+#endif
+        }
+        const __m256 s = _mm256_load_ps(L->s[u * (16 / units)]);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(s, _mm256_set1_ps(xd[r * kb + u * cpu / 8])), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_store_ps(accm + r * 8, acc[r]);
+#endif
+}
+
+/* The outputs [og, og + nv) (nv <= IQ_W) of rows [ra, rb) of x: each super-block of the group
+ * unpacked into lanes once for every IQ_RC rows. */
+static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, const int v, const xbuf *xb,
+                                                           int64_t ra, int64_t rb, int64_t og, int nv,
+                                                           float *y) {
+    const int64_t n = w->n, k = w->k, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
+    const uint8_t *row[IQ_W]; /* the outputs past nv repeat the last (their sums are dropped) */
+    for (int o = 0; o < IQ_W; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
+    iq_lanes L __attribute__((aligned(64)));
+    float acc[IQ_RC * IQ_W] __attribute__((aligned(64)));
+    for (int64_t r0 = ra; r0 < rb; r0 += IQ_RC) {
+        const int64_t r1 = rb - r0 < IQ_RC ? rb : r0 + IQ_RC;
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *p[IQ_W];
+            for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
+            iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
+            iq_lanes_fill(p, v, &L);
+            for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
+                const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
+                float *am = acc + (t0 - r0) * IQ_W;
+#define IQD(RR) iq_lanes_dots(&L, v, sb, xb, t0, k, RR, am, sb == 0)
+                switch (R) {
+#if IQ_MT == 8
+                case 8: IQD(8); break;
+                case 7: IQD(7); break;
+                case 6: IQD(6); break;
+                case 5: IQD(5); break;
+#endif
+                case 4: IQD(4); break;
+                case 3: IQD(3); break;
+                case 2: IQD(2); break;
+                default: IQD(1); break;
+                }
+#undef IQD
+            }
+        }
+        for (int64_t r = r0; r < r1; r++)
+            memcpy(y + r * n + og, acc + (r - r0) * IQ_W, sizeof(float) * (size_t)nv);
+    }
+}
+
+#if IQ_VBMI
+/* iq_group for R <= 2 rows: each output's values dotted in place with the rows' x (the signs
+ * onto x, as llama.cpp's kernels), 4 values a lane, and those lanes summed into the units' sums
+ * across the group's 16 outputs (two rounds of unpack and add within 128-bit lanes, a
+ * transposition of 128-bit lanes): the same integer sums as the lanes' dots, then the same float
+ * operations, so the same bits, without the unpacking into lanes that few rows do not repay. */
+static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *w, const int v, const xbuf *xb,
+                                                               int64_t ra, const int R, int64_t og, int nv,
+                                                               float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
+    const int units = IQ_UNITS(v);
+    const uint8_t *row[16];
+    for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        float s16[16][16] __attribute__((aligned(64)));
+        __m512i x[2][4], D[2][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
+        iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
+        for (int q = 0; q < 4; q++) {
+            __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *p = row[4 * q + i] + sb * bytes;
+                __m512i g[4];
+                uint64_t neg[4];
+                iq_mag_vbmi(p, v, g, neg);
+                __m256 a, b;
+                iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+                _mm512_store_ps(s16[4 * q + i], cat_ps(a, b));
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), x[r][j]);
+                        P[r][i][j] = DPBUSD512(_mm512_setzero_si512(), g[j], xs);
+                    }
+            }
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 4; j++) { /* lane 4 l + i of 128-bit lane l: output 4 q + i's 16 values 64 j + 16 l .. */
+                    const __m512i c01 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][0][j], P[r][1][j]),
+                                                         _mm512_unpackhi_epi32(P[r][0][j], P[r][1][j]));
+                    const __m512i c23 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][2][j], P[r][3][j]),
+                                                         _mm512_unpackhi_epi32(P[r][2][j], P[r][3][j]));
+                    D[r][q][j] = _mm512_add_epi32(_mm512_unpacklo_epi64(c01, c23), _mm512_unpackhi_epi64(c01, c23));
+                }
+        }
+        __m512 s[16];
+        for (int o = 0; o < 16; o++) s[o] = _mm512_load_ps(s16[o]);
+        iq_transpose16((__m512i *)s);
+        for (int r = 0; r < R; r++) {
+            const float *xd = xb->xd + (ra + r) * kb + sb * 8;
+            for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */
+                const __m512i c0 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0x44);
+                const __m512i c1 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0xEE);
+                const __m512i c2 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0x44);
+                const __m512i c3 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0xEE);
+                const __m512i F[4] = {_mm512_shuffle_i32x4(c0, c2, 0x88), _mm512_shuffle_i32x4(c0, c2, 0xDD),
+                                      _mm512_shuffle_i32x4(c1, c3, 0x88), _mm512_shuffle_i32x4(c1, c3, 0xDD)};
+                if (units == 16) {
+                    for (int l = 0; l < 4; l++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(F[l]), _mm512_mul_ps(s[4 * j + l], _mm512_set1_ps(xd[2 * j + l / 2])), acc[r]);
+                } else {
+                    for (int h = 0; h < 2; h++)
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(F[2 * h], F[2 * h + 1])),
+                                                 _mm512_mul_ps(s[4 * j + 2 * h], _mm512_set1_ps(xd[2 * j + h])), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float t[16];
+        _mm512_storeu_ps(t, acc[r]);
+        memcpy(y + (ra + r) * n + og, t, sizeof(float) * (size_t)nv);
+    }
+}
+#endif
 
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))
- * of rows [ra, rb) of x. Each output's row is unpacked IQ_CHUNK super-blocks at a time, once for
- * all the rows of x, in tiles of MT; a row's sums run in the same order whatever M is. */
+ * of rows [ra, rb) of x, IQ_W at a time. */
 static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y) {
-    const int v = (int)w->small;
-    const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
-    const int64_t o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
-#if IQ_VBMI
-    if (rb - ra == 1) {
-        const int8_t *xq = xb->xq + ra * k;
-        const float *xd = xb->xd + ra * kb;
-        float *yr = y + ra * n;
-        switch (v) {
-        case IQ2_XXS: iq_row1(w->q, IQ2_XXS, o0, o1, k, xq, xd, yr); break;
-        case IQ2_XS: iq_row1(w->q, IQ2_XS, o0, o1, k, xq, xd, yr); break;
-        case IQ2_S: iq_row1(w->q, IQ2_S, o0, o1, k, xq, xd, yr); break;
-        case IQ3_XXS: iq_row1(w->q, IQ3_XXS, o0, o1, k, xq, xd, yr); break;
-        default: iq_row1(w->q, IQ3_S, o0, o1, k, xq, xd, yr); break;
-        }
-        return;
-    }
-#endif
-#if GL_VNNI512
-    if (IQ_VBMI || M >= IQ_ZMM_ROWS) {
-        iq_unpacked2 buf2[IQ_CHUNK];
-        IQ_OUTPUTS(buf2, iq_unpack2, iq_tile2)
-        return;
-    }
-#else
     (void)M;
+    const int v = (int)w->small;
+    const int64_t n = w->n, o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
+    for (int64_t og = o0; og < o1; og += IQ_W) {
+        const int nv = o1 - og < IQ_W ? (int)(o1 - og) : IQ_W;
+#if IQ_VBMI
+        if (rb - ra <= 2) {
+#define IQF(RR)                                                                                    \
+    switch (v) {                                                                                   \
+    case IQ2_XXS: iq_group_few(w, IQ2_XXS, xb, ra, RR, og, nv, y); break;                          \
+    case IQ2_XS: iq_group_few(w, IQ2_XS, xb, ra, RR, og, nv, y); break;                            \
+    case IQ2_S: iq_group_few(w, IQ2_S, xb, ra, RR, og, nv, y); break;                              \
+    case IQ3_XXS: iq_group_few(w, IQ3_XXS, xb, ra, RR, og, nv, y); break;                          \
+    default: iq_group_few(w, IQ3_S, xb, ra, RR, og, nv, y); break;                                 \
+    }
+            if (rb - ra == 2) {
+                IQF(2)
+            } else {
+                IQF(1)
+            }
+#undef IQF
+            continue;
+        }
 #endif
-    iq_unpacked buf[IQ_CHUNK];
-    IQ_OUTPUTS(buf, iq_unpack, iq_tile)
+        switch (v) {
+        case IQ2_XXS: iq_group(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
+        case IQ2_XS: iq_group(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
+        case IQ2_S: iq_group(w, IQ2_S, xb, ra, rb, og, nv, y); break;
+        case IQ3_XXS: iq_group(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
+        default: iq_group(w, IQ3_S, xb, ra, rb, og, nv, y); break;
+        }
+    }
 }
 
 /* One row of k values of type v, dequantized: gguf's (scale * grid) * sign, in float32. */

@@ -112,8 +112,8 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
          * experts read x itself: no quantized x, unless an adapter's A takes integer dots) */
         const gl_weight *gu = &L->exp_gate_up[0], *dn = &L->exp_down[0];
         const int64_t s8g = b.xl[0].s8, s8d = b.xl[1].s8;
-        if (gu->kind != 4 || s8g) b.xg = xbuf_take(s, R, d, gu->kind == 1 || s8g);
-        if (dn->kind != 4 || s8d) b.xd = xbuf_take(s, R, ff, dn->kind == 1 || s8d);
+        if (gu->kind != 4 || s8g) b.xg = xbuf_take(s, R, d, gu->kind == 1 || gu->kind == 6 || s8g);
+        if (dn->kind != 4 || s8d) b.xd = xbuf_take(s, R, ff, dn->kind == 1 || dn->kind == 6 || s8d);
     }
     return b;
 }

@@ -406,7 +406,7 @@ static proj_bufs proj_take(const gl_weight *w, const gl_lora_site *l, int64_t M,
         vnni = w->n % 32 != 0; /* the last task's outputs: not a whole tile pair */
     }
 #endif
-    if (vnni || aq) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || aq);
+    if (vnni || aq) b.xb = xbuf_take(s, M, w->k, w->kind == 1 || w->kind == 6 || aq);
     if (many) {
         b.av = scratch_take(s, (int64_t)sizeof(float) * M * U);
         b.two = scratch_take(s, M);

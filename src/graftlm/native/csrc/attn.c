@@ -1,5 +1,5 @@
-/* RMS norm, RoPE, attention through the KV cache (decode steps and prompts), and the gated
- * activation of the feed-forward block: the float32 pieces of a decoder layer. */
+/* RMS norm, RoPE, attention through the KV cache (decode steps; prompts: attn_prompt.c), and
+ * the gated activation of the feed-forward block: the float32 pieces of a decoder layer. */
 #include "graftlm.h"
 
 /* ---------------------------------------------------------------- norms, RoPE, attention */

@@ -317,15 +317,12 @@ static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_ch
 /* The cache lines of the nk keys and values of (slot s, kv head h) from position k0 (a block's
  * first) into L2: the next chunk's, while this one's products run (a task reads its kv head's
  * whole context, from L3 or memory at depth). */
-static inline void prompt_prefetch(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t nk, int64_t D) {
+static void prompt_prefetch(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t nk, int64_t D) {
     const int64_t bytes = kv_bytes(DT * D, kv->type); /* a block's keys, its values */
+    __asm__ volatile(""); /* without it GCC finds no effect here (prefetches count as none) and drops the call */
     for (int64_t p = k0; p < k0 + nk; p += DT) {
-        const char *k = kv_keys_t(kv) ? kt_plane(kv, s, h, p, D) : kv_at(kv, kv->k, s, h, p, D);
-        const char *v = kv_at(kv, kv->v, s, h, p, D);
-        for (int64_t o = 0; o < bytes; o += 64) {
-            _mm_prefetch(k + o, _MM_HINT_T1);
-            _mm_prefetch(v + o, _MM_HINT_T1);
-        }
+        prefetch_l2(kv_keys_t(kv) ? kt_plane(kv, s, h, p, D) : kv_at(kv, kv->k, s, h, p, D), bytes);
+        prefetch_l2(kv_at(kv, kv->v, s, h, p, D), bytes);
     }
 }
 

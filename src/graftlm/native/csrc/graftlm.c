@@ -149,6 +149,7 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 #include "mxfp4.c"
 #include "amx.c"
 #include "attn.c"
+#include "attn_prompt.c"
 #include "lora.c"
 #include "float.c"
 #include "iquant.c"

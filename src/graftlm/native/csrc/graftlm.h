@@ -544,8 +544,8 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
  * with them; whether Linux grants their state is asked at run time (gl_set_amx_rows). */
 /* Prompt attention's products in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums)
  * where the CPU has them: q, k, the softmax weights and v rounded to bfloat16 (8 bits of
- * mantissa, as int8 activations are about as coarse), each tile converted once a task, twice the
- * products an instruction of the float32 FMAs. -DGL_NO_BF16_ATTN (and the ymm and avx2 variants)
+ * mantissa, as int8 activations are about as coarse), each block of keys and values converted
+ * once a task (attn_prompt.c), twice the products an instruction of the float32 FMAs. -DGL_NO_BF16_ATTN (and the ymm and avx2 variants)
  * keep float32. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(GL_NO_ZMM) && !defined(GL_NO_BF16_ATTN)
 #define ATTN_BF16 1

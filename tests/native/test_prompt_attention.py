@@ -1,0 +1,194 @@
+"""The prompt attention kernel (gl_attn_prefill) against its PyTorch twin, the written-out softmax
+in float64 over the cache's own values: every cache type, chunks of 1, 15, 16, 17 and 4,095
+queries, a chunk reaching 16,384 positions, chunks after earlier ones (whole blocks below the
+diagonal), rows at their own starts, scattered blocks, GQA groups of 1 to 6 heads, head sizes of
+16 to 256 (80: a 16-value tail), sliding windows (one inside a block), gemma-2's soft-cap and
+gpt-oss's sinks. (QK-norm and RoPE come before: the kernel takes q and the cache as they are.)
+
+Fast steps where the CPU has AVX-512 BF16 take bfloat16 tiles (VDPBF16PS): q, k and v rounded to
+bfloat16, and each softmax weight before it meets the values. Their twin rounds q, k and v alike
+and holds the output within the weights' rounding: within 2^-8 times the weighted sum of the
+values' magnitudes (each weight's relative rounding is at most 2^-9, and the output is the rounded
+weights' convex combination). Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build
+keep float32 products: within float32's rounding of the twin."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from graftlm.native import features, library, ops
+from graftlm.step import Batch, KVCache, RowIndex
+from graftlm.step.kv_cache import KV_TYPES, q8_0_pack, q8_0_unpack
+
+pytestmark = pytest.mark.skipif(library() is None, reason="native kernels unavailable here")
+
+BF16_ATTN = "attn-bf16" in features()
+
+
+class Prompt(NamedTuple):
+    name: str
+    t: int  # queries a row
+    starts: list[int]  # the rows' positions before the chunk
+    h: int
+    hkv: int
+    d: int
+    window: int = 0
+    cap: float = 0.0
+    sinks: bool = False
+
+
+CASES = [
+    Prompt("one query", 1, [0], 4, 2, 64),
+    Prompt("15 queries", 15, [0], 4, 2, 64),
+    Prompt("16 after a block", 16, [16], 4, 2, 64),
+    Prompt("17 after 5", 17, [5], 8, 2, 64),
+    Prompt("4,095 queries", 4095, [0], 4, 1, 32),
+    Prompt("to 16,384, small heads", 100, [16284], 2, 1, 16),
+    Prompt("rows at their own starts", 40, [0, 70, 3], 8, 2, 64),
+    Prompt("qwen's group of 6", 100, [300], 12, 2, 128),
+    Prompt("no group, a tail of 16", 33, [10], 3, 3, 80),
+    Prompt("gemma-3's window", 300, [400], 4, 1, 256, window=256),
+    Prompt("a window inside a block", 40, [20], 4, 2, 64, window=5),
+    Prompt("gemma-2's soft-cap", 70, [129], 8, 4, 256, cap=50.0),
+    Prompt("a tight soft-cap", 50, [0], 4, 2, 32, cap=2.0),
+    Prompt("gpt-oss's sinks and window", 50, [100], 8, 2, 64, window=32, sinks=True),
+]
+TYPES = list(KV_TYPES)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q8_0_unpack(q8_0_pack(x)) if dtype is torch.uint8 else x.to(dtype).float()
+
+
+def _sinks(h: int) -> torch.Tensor:
+    """One sink far above the scores, one far below, the rest about their size."""
+    s = torch.randn(h, generator=torch.Generator().manual_seed(h)) * 2
+    s[0], s[-1] = 8.0, -30.0
+    return s
+
+
+def _inputs(
+    p: Prompt, kv: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache, list[int]]:
+    """q (B, T, H, D), the keys and values (slots, Hkv, n_ctx, D) as the cache holds them, the
+    cache (every slot's blocks scattered over the pool, out of order) and the rows' slots."""
+    dtype = KV_TYPES[kv][0]
+    d = 64 if dtype is torch.uint8 and p.d % 32 else p.d  # q8_0 rows are whole 32-value blocks
+    n_slots, n_ctx = len(p.starts) + 1, max(p.starts) + p.t
+    g = torch.Generator().manual_seed(p.t + n_ctx)
+    cache = KVCache(1, n_slots, p.hkv, n_ctx, d, d, dtype,
+                    n_blocks=2 * n_slots * -(-n_ctx // 16) + 1)  # fmt: skip
+    order = (torch.randperm(cache.n_blocks - 1, generator=g) + 1).tolist()
+    keys = torch.randn(n_slots, p.hkv, n_ctx, d, generator=g)
+    values = torch.randn(n_slots, p.hkv, n_ctx, d, generator=g)
+    for s in range(n_slots):
+        blocks = order[s * cache.max_blocks : (s + 1) * cache.max_blocks]
+        cache.set_table(s, blocks)
+        for i, b in enumerate(blocks):
+            n = min(16, n_ctx - i * 16)
+            cache.key_rows(0)[b, :, :n] = cache._pack(keys[s, :, i * 16 : i * 16 + n])
+            cache.v[0][b, :, :n] = cache._pack(values[s, :, i * 16 : i * 16 + n])
+    q = torch.randn(len(p.starts), p.t, p.h, d, generator=g) * 2
+    slots = list(range(n_slots - 1, 0, -1))  # slot 0 unused: rows out of the slots' order
+    return q, _rounded(keys, dtype), _rounded(values, dtype), cache, slots
+
+
+def _rows(slots: list[int], starts: list[int], t: int) -> RowIndex:
+    rows = Batch(
+        torch.zeros(len(slots), t, dtype=torch.long), slots, starts, [t] * len(slots)
+    ).index()
+    assert rows is not None
+    return rows
+
+
+def run(p: Prompt, kv: str, exact: bool) -> torch.Tensor:
+    q, _, _, cache, slots = _inputs(p, kv)
+    d = q.shape[-1]
+    sinks = _sinks(p.h) if p.sinks else None
+    out = ops.attn_prefill(q, cache, 0, _rows(slots, p.starts, p.t), d**-0.5, p.window, p.cap,
+                           exact=exact, sinks=sinks)  # fmt: skip
+    assert out is not None
+    return out
+
+
+def twin(p: Prompt, kv: str, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The written-out attention in float64 (q, k and v rounded to bfloat16 where bf16), and the
+    weighted sum of the values' magnitudes (the scale of a weight's rounding)."""
+    q, keys, values, _, slots = _inputs(p, kv)
+    d = q.shape[-1]
+
+    def seen(x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.bfloat16).float() if bf16 else x).double()
+
+    outs, spreads = [], []
+    for r, (s, p0) in enumerate(zip(slots, p.starts, strict=True)):
+        k = seen(keys[s, :, : p0 + p.t]).repeat_interleave(p.h // p.hkv, 0)  # (h, L, d)
+        v = seen(values[s, :, : p0 + p.t]).repeat_interleave(p.h // p.hkv, 0)
+        o, sp = [], []
+        for t0 in range(0, p.t, 512):  # (h, 512, L) at a time
+            t1 = min(p.t, t0 + 512)
+            pos = torch.arange(p0 + t0, p0 + t1).view(-1, 1)
+            key = torch.arange(p0 + p.t).view(1, -1)
+            mask = (key <= pos) & ((pos - key < p.window) if p.window else True)
+            scores = (seen(q[r, t0:t1]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5
+            if p.cap:
+                scores = torch.tanh(scores / p.cap) * p.cap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            if p.sinks:
+                sink = _sinks(p.h).double().view(p.h, 1, 1).expand(p.h, t1 - t0, 1)
+                prob = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+            else:
+                prob = torch.softmax(scores, -1)
+            o.append((prob @ v).transpose(0, 1).flatten(1))  # (t, h * d)
+            sp.append((prob @ v.abs()).transpose(0, 1).flatten(1))
+        outs.append(torch.cat(o))
+        spreads.append(torch.cat(sp))
+    return torch.stack(outs), torch.stack(spreads)
+
+
+def _check(p: Prompt, kv: str, out: torch.Tensor, bf16: bool) -> None:
+    want, spread = twin(p, kv, bf16)
+    if bf16:  # within the weights' rounding
+        err = (out.double() - want).abs() - (2.0**-8 * spread + 3e-5)
+        assert float(err.max()) <= 0, f"{p.name}, {kv}: {float(err.max())} past the bound"
+    else:
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("kv", TYPES)
+@pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
+def test_prompt_attention_equals_its_twin(p: Prompt, kv: str) -> None:
+    torch.set_num_threads(2)
+    _check(p, kv, run(p, kv, exact=False), BF16_ATTN)
+
+
+@pytest.mark.parametrize("kv", TYPES)
+@pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
+def test_exact_prompt_attention_is_float32(p: Prompt, kv: str) -> None:
+    """An exact step's (scoring's) products are float32 on every CPU."""
+    torch.set_num_threads(2)
+    _check(p, kv, run(p, kv, exact=True), False)
+
+
+def test_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast steps in float32 (an AVX-512 CPU without BF16): built here with -DGL_NO_BF16_ATTN,
+    every case against the unrounded twin."""
+    from graftlm.native import abi, build
+
+    if not BF16_ATTN:
+        pytest.skip("this CPU's kernel is that one: the tests above")
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_BF16_ATTN",))))
+    abi.bind(lib)
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    torch.set_num_threads(2)
+    for p in CASES:
+        for kv in ("f16", "q8_0"):
+            _check(p, kv, run(p, kv, exact=False), False)

@@ -156,7 +156,7 @@ def test_every_tensor_of_the_model_is_on_the_device(meta_model: graftlm.Model) -
         sites = [p.lora for p in m.projections().values() if p.lora is not None]
         sites += [m.embd_lora] if m.embd_lora is not None else []
         assert sites and all(s.device == META for s in sites)
-        assert all(t.device == META for s in sites for a, b in s._slots.values() for t in (a, b))
+        assert all(t.device == META for s in sites for i in s.slot_ids for t in s.factors(i))
         assert any(".lora" in n for n in found)
 
 

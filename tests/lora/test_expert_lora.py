@@ -375,3 +375,22 @@ def test_expert_adapter_on_a_dense_base_is_refused(made: dict[str, Any]) -> None
 
 
 # gpt-oss's expert adapters, served since (no longer refused): test_gpt_oss_expert_lora.py
+
+
+def test_expert_adapters_are_held_once(made: dict[str, Any]) -> None:
+    """Each routed expert's delta keeps only its packed form (Q8_0 experts: A as Q8_0 codes, B
+    in bfloat16), the very object its seam's site holds; the listed bytes are those forms'."""
+    m = graftlm.load(made["base"].parent / "model-q8_0.gguf", ctx_size=64)
+    a = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    deltas = m.adapters.attached[a].adapter.deltas
+    table = m.model.seams
+    experts = [name for name in deltas if "_exps[" in name]
+    assert len(experts) >= made["n_expert"]
+    for name, d in deltas.items():
+        site = table.projections[name].lora
+        assert site is not None and d.packed is not None and d._a is None and d._b is None
+        assert site._packed[a] is d.packed and not site._factors
+        if name in experts:
+            assert d.packed.half and d.packed.aq is not None
+    (info,) = m.loras
+    assert info["bytes"] == sum(d.packed.nbytes for d in deltas.values() if d.packed is not None)

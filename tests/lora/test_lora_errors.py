@@ -127,13 +127,18 @@ def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> Non
         "bytes": info["bytes"],
         "alora_invocation_tokens": [5, 6],
     }
-    # float32, rank 4, A (r, n_in) + B (r, n_out) per target as resident: attn_q and attn_v land
-    # on the stacked Q/K/V projection (64 + 32 + 32 rows), ffn_down on its own; two layers;
-    # and each target's packed form (the native delta's), where the library is
+    # float32, rank 4, A (r, n_in) + B (r, n_out) per target as read: attn_q and attn_v land
+    # on the stacked Q/K/V projection (64 + 32 + 32 rows), ffn_down on its own; two layers.
+    # Where the library is, each target's packed form (the native delta's) is its one copy
+    # instead: smaller (B's columns only over the rows they reach), and what the sites hold
+    float32 = 4 * 4 * ((64 + 128) + (64 + 128) + (96 + 64)) * 2
     deltas = model.adapters.attached[i].adapter.deltas.values()
     packed = sum(d.packed.nbytes for d in deltas if d.packed is not None)
     assert packed == 0 or all(d.packed is not None for d in deltas)
-    assert info["bytes"] == 4 * 4 * ((64 + 128) + (64 + 128) + (96 + 64)) * 2 + packed
+    assert info["bytes"] == (packed or float32)
+    assert packed == 0 or packed < float32
+    sites = [p.lora for p in model.model.seams.projections.values() if p.lora is not None]
+    assert sum(s.nbytes(i) for s in sites) == info["bytes"]
     assert model.adapters.attached[i].adapter.invocation_tokens == [5, 6]
 
 

@@ -37,28 +37,75 @@ def hidden_size(shapes: dict[str, tuple[int, ...]]) -> int | None:
     return None
 
 
-@dataclass
 class Delta:
     """One target's low-rank pair, factor folded in.
 
     Projection: a (r, n_in), b (n_out, r): delta = b @ (a @ x).
     Embedding (EMBEDDING target): a (n_vocab, r), b (n_embd, r): delta = b @ a[token].
-    """
 
-    a: torch.Tensor
-    b: torch.Tensor
-    # ranks of the file tensors stacked into this delta (several when Q/K/V share a projection)
-    parts: tuple[int, ...] = ()
-    # the native form, packed with the read, off the engine's thread (AdapterSet.load); None:
-    # packed when attached, or never (the PyTorch twin serves it)
-    packed: PackedSlot | None = None
-    # the file's names of what it holds (GGUF tensors, PEFT modules), for messages
-    sources: tuple[str, ...] = ()
+    Once packed (`hold`, AdapterSet.load) the native form is the pair's only copy: `a` and `b`
+    are read back from it in float32 on each use (lora.site's one-form rule)."""
+
+    __slots__ = ("_a", "_b", "parts", "packed", "sources")
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        parts: tuple[int, ...] = (),
+        packed: PackedSlot | None = None,
+        sources: tuple[str, ...] = (),
+    ) -> None:
+        self._a: torch.Tensor | None = a
+        self._b: torch.Tensor | None = b
+        # ranks of the file tensors stacked into this delta (several when Q/K/V share a
+        # projection)
+        self.parts = parts
+        # the native form, packed with the read, off the engine's thread (AdapterSet.load);
+        # None: the factors are kept (no native form: off the CPU, no library, the embedding)
+        self.packed = packed
+        # the file's names of what it holds (GGUF tensors, PEFT modules), for messages
+        self.sources = sources
+        if packed is not None:
+            self.hold(packed)
+
+    def hold(self, packed: PackedSlot | None) -> None:
+        """Keep `packed` (when not None) as the pair's one form, the float32 factors let go."""
+        self.packed = packed
+        if packed is not None:
+            self._a = self._b = None
+
+    @property
+    def a(self) -> torch.Tensor:
+        if self._a is not None:
+            return self._a
+        assert self.packed is not None
+        return self.packed.a_dense()
+
+    @a.setter
+    def a(self, value: torch.Tensor) -> None:
+        assert self.packed is None, "the factors of a packed delta are its packed form's"
+        self._a = value
+
+    @property
+    def b(self) -> torch.Tensor:
+        if self._b is not None:
+            return self._b
+        assert self.packed is not None
+        return self.packed.b_dense()
+
+    @b.setter
+    def b(self, value: torch.Tensor) -> None:
+        assert self.packed is None, "the factors of a packed delta are its packed form's"
+        self._b = value
 
     @property
     def width(self) -> int:
         """Columns of B: the sum of the stacked ranks."""
-        return int(self.b.shape[1])
+        if self._b is not None:
+            return int(self._b.shape[1])
+        assert self.packed is not None
+        return self.packed.r
 
     @property
     def rank(self) -> int:
@@ -67,10 +114,12 @@ class Delta:
 
     @property
     def nbytes(self) -> int:
-        """The bytes it holds: the float32 factors (the exact mode's, the twin's) and their
-        packed form."""
-        held = self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
-        return held + (self.packed.nbytes if self.packed is not None else 0)
+        """The bytes it holds: its packed form where it has one, else the float32 factors
+        (the twin's)."""
+        if self.packed is not None:
+            return self.packed.nbytes
+        a, b = self.a, self.b
+        return a.numel() * a.element_size() + b.numel() * b.element_size()
 
 
 @dataclass

@@ -76,7 +76,8 @@ class AdapterSet:
 
     def _pack(self, adapter: ResolvedAdapter) -> None:
         """Each projection's factors in the native delta's form, packed with the read (the
-        server reads in a worker thread): attaching then only points the tables at them."""
+        server reads in a worker thread): attaching then only points the tables at them. The
+        packed form is then the factors' one copy (Delta.hold; lora.site)."""
         if self.model.device.type != "cpu":
             return
         for d in adapter.deltas.values():  # (as LoraSite.put keeps them: then it copies nothing)
@@ -92,7 +93,7 @@ class AdapterSet:
             for d, packed in zip(
                 deltas, pack_many([(d.a, d.b) for d in deltas], compact), strict=True
             ):
-                d.packed = packed
+                d.hold(packed)
 
     def attach(self, adapter: ResolvedAdapter, scale: float = 1.0) -> int:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
@@ -118,15 +119,28 @@ class AdapterSet:
 
     def _place(self, slot: int, adapter: ResolvedAdapter) -> None:
         dev = self.model.device
-        factors = {
-            name: (d.a, d.b)
-            if d.a.device == dev and d.b.device == dev
-            else (d.a.to(dev), d.b.to(dev))
-            for name, d in adapter.deltas.items()
-        }  # (no tensor call on the engine's thread when the factors are there already)
+        # a delta packed for its projection goes in as it is on the CPU; any other's factors
+        # (read back from the packed form when it has one) are on the model's device before
+        # any is attached
         table = self.model.seams
-        for name, (a, b) in factors.items():
+        packed = {
+            name: d.packed
+            for name, d in adapter.deltas.items()
+            if d.packed is not None
+            and dev.type == "cpu"
+            and d.packed.half == table.projections[name].approximate
+        }
+        factors = {}
+        for name, d in adapter.deltas.items():
+            if name not in packed:
+                a, b = d.a, d.b
+                # (no tensor call on the engine's thread when the factors are there already)
+                factors[name] = (
+                    (a, b) if a.device == dev and b.device == dev else (a.to(dev), b.to(dev))
+                )
+        for name in adapter.deltas:
             if name == EMBEDDING:
+                a, b = factors[name]
                 if table.embedding is None:
                     table.embedding = LoraSite(
                         table.n_vocab, table.n_embd, gather=True, device=dev,
@@ -140,7 +154,10 @@ class AdapterSet:
                         p.n_in, p.n_out, compact=p.approximate, device=dev,
                         generation=table.generation,
                     )  # fmt: skip
-                p.lora.put(slot, a, b, adapter.deltas[name].packed)
+                if name in packed:
+                    p.lora.put_packed(slot, packed[name])
+                else:
+                    p.lora.put(slot, *factors[name])
 
     def detach(self, adapter_id: int) -> None:
         self._check(adapter_id)

@@ -135,6 +135,18 @@ def a_s8_many(factors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
+def unpack_a_s8(aq: tuple[torch.Tensor, torch.Tensor], r: int, n_in: int) -> torch.Tensor:
+    """The inverse of a_s8, as ggml dequantizes Q8_0 (code times its block's float16 scale):
+    A (r, n_in) float32. The layout is gl_pack_s8's (csrc/quant.c): rows in groups of 8, per
+    group and block of 32 values the codes of value 4 c + j of row i at byte 32 c + 4 i + j, the
+    scales of a group's block its 8 rows' in turn."""
+    kb, groups = n_in // 32, -(-r // 8)
+    q = aq[0].view(torch.int8).view(groups, kb, 8, 8, 4)  # (group, block, c, row i, j)
+    codes = q.permute(0, 3, 1, 2, 4).reshape(groups * 8, n_in)[:r]
+    d = aq[1].reshape(groups, kb, 8).permute(0, 2, 1).reshape(groups * 8, kb)[:r]
+    return (codes.float().view(r, kb, 32) * d.float().unsqueeze(2)).view(r, n_in)
+
+
 @dataclass(frozen=True)
 class Part:
     c0: int
@@ -145,7 +157,10 @@ class Part:
 
 
 class PackedSlot:
-    """One adapter's factors on one projection, packed (see the module's docstring)."""
+    """One adapter's factors on one projection, packed (see the module's docstring): the only
+    form of them a site keeps (lora.site). `factors()` reads A and B back in float32 for the
+    PyTorch twin: the very values the kernels multiply by (on a compact site B rounded to
+    bfloat16 and A through Q8_0; on any other site the factors as given)."""
 
     def __init__(
         self,
@@ -156,7 +171,7 @@ class PackedSlot:
     ) -> None:
         """ahead: A's s8 form (None: none) and B's parts, made already (pack_many)."""
         dtype = torch.bfloat16 if compact else torch.float32
-        self.r, self.n_out = int(a.shape[0]), int(b.shape[0])
+        self.r, self.n_in, self.n_out = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
         self.half = compact
         if ahead is None:
             bt = b.T
@@ -196,6 +211,18 @@ class PackedSlot:
         for p in self.parts:
             out[p.c0 : p.c0 + p.r] = unpack_part(p.data, self.n_out, p.lo)
         return out.T.contiguous()
+
+    def a_dense(self) -> torch.Tensor:
+        """A (r, n_in) float32 back from its form (what the kernels multiply by): the Q8_0
+        codes times their scales, or the bfloat16 or float32 A widened (float32: A itself)."""
+        if self.aq is not None:
+            return unpack_a_s8(self.aq, self.r, self.n_in)
+        assert self.a is not None
+        return self.a.float()
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A (r, n_in), B (n_out, r)) in float32, made anew on each call (nothing is kept)."""
+        return self.a_dense(), self.b_dense()
 
 
 def pack(a: torch.Tensor, b: torch.Tensor, compact: bool) -> PackedSlot | None:

@@ -11,6 +11,14 @@ This module is the delta's PyTorch form (`LoraSite.add_delta`, each active slot 
 reference twin of every fast path. The native form of each slot is packed when the slot is put
 (`lora.packed`), never in a step, and the projection's table of them is made once per change of
 its slots (`LoraSite.native`).
+
+A slot is held in one form. Where it has a native form (on the CPU, with the library, on a
+projection) that form is its only copy, and the twin (exact steps: scoring; any call the native
+delta does not take) reads the factors back from it on each call (`PackedSlot.factors`, nothing
+kept). On a site over float weights that is the float32 factors as given; on a `compact` site
+(int8 activations) B rounded to bfloat16 and A through Q8_0: an exact step is float32
+arithmetic on the factors as held, the values every fast path multiplies by too. A slot with no
+native form (off the CPU, no library, a gathering site) keeps its float32 factors.
 """
 
 from __future__ import annotations
@@ -51,43 +59,64 @@ class LoraSite:
         self.device = torch.device(device)  # the model's: factors are moved here when put
         # gather: A is a table (n_vocab, r) looked up by token id (llama.cpp's token_embd layout)
         self.gather = gather
-        # compact: the projection's own base product is approximate (int8 activations), so a
-        # fast form of the delta may be too (bfloat16 B, A . x in integer dots); exact steps
-        # always get the float32 factors
+        # compact: the projection's own base product is approximate (int8 activations), so the
+        # slots' native form is too (bfloat16 B, A as Q8_0 for the integer dots), and, being
+        # their one copy, is what exact steps read back (the module's docstring)
         self.compact = compact
         self.generation = generation if generation is not None else Generation()
-        self._slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._packed: dict[int, PackedSlot | None] = {}  # each slot's native form (lora.packed)
+        # each slot in one of the two: its native form (lora.packed), or, where it has none,
+        # its float32 factors on the site's device
+        self._packed: dict[int, PackedSlot] = {}
+        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._table: SlotTable | None = None
 
     def __bool__(self) -> bool:
-        return bool(self._slots)
+        return bool(self._packed or self._factors)
 
     @property
     def slot_ids(self) -> list[int]:
-        return sorted(self._slots)
+        return sorted(self._packed.keys() | self._factors.keys())
 
     def nbytes(self, slot: int) -> int:
-        """The bytes slot's factors take: as put, and packed."""
-        a, b = self._slots[slot]
+        """The bytes slot's one form takes: packed, or the float32 factors."""
         packed = self._packed.get(slot)
-        extra = packed.nbytes if packed is not None else 0
-        return a.numel() * a.element_size() + b.numel() * b.element_size() + extra
+        if packed is not None:
+            return packed.nbytes
+        a, b = self._factors[slot]
+        return a.numel() * a.element_size() + b.numel() * b.element_size()
+
+    def factors(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot's (A, B) in float32 as held: read back from its native form on each call (a
+        new pair), or its float32 factors themselves."""
+        packed = self._packed.get(slot)
+        return packed.factors() if packed is not None else self._factors[slot]
 
     def _changed(self) -> None:
         self._table = None
         self.generation.bump()  # whoever caches bound forms of the model's sites rebinds
 
-    def put(
-        self, slot: int, a: torch.Tensor, b: torch.Tensor, packed: PackedSlot | None = None
-    ) -> None:
+    def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Attach (or replace) one slot. a: (r, n_in), or (n_vocab, r) when gathering; b: (n_out, r).
-        Both are moved to the site's device (no copy on the CPU). `packed`: their native form,
-        packed ahead for a site of this kind (AdapterSet.load); else it is packed here."""
+        Packed here where the site has a native form, and then only that is kept; else both
+        are moved to the site's device (no copy on the CPU) and kept."""
         a, b = self._here(a), self._here(b)
-        self._slots[slot] = (a, b)
-        if packed is None and not self.gather:
-            packed = pack(a, b, self.compact)
+        packed = None if self.gather else pack(a, b, self.compact)
+        if packed is not None:
+            self.put_packed(slot, packed)
+            return
+        self._packed.pop(slot, None)
+        self._factors[slot] = (a, b)
+        self._changed()
+
+    def put_packed(self, slot: int, packed: PackedSlot) -> None:
+        """Attach (or replace) one slot by its native form, packed ahead for a site of this
+        kind (AdapterSet.load, `compact` as this site's) on the CPU: its one copy here."""
+        assert not self.gather and self.device.type == "cpu", "a native form is the CPU's"
+        assert (packed.n_in, packed.n_out) == (self.n_in, self.n_out), (
+            f"slot {slot}: packed for ({packed.n_out}, {packed.n_in}), "
+            f"the site is ({self.n_out}, {self.n_in})"
+        )
+        self._factors.pop(slot, None)
         self._packed[slot] = packed
         self._changed()
 
@@ -100,37 +129,37 @@ class LoraSite:
         return t.to(self.device).contiguous()
 
     def to(self, device: torch.device | str) -> LoraSite:
-        """Every slot's factors on `device`, and later ones put there (in place; returns self)."""
-        self.device = torch.device(device)
-        self._slots = {
-            s: (a.to(self.device), b.to(self.device)) for s, (a, b) in self._slots.items()
-        }
-        self._packed = {
-            s: None if self.gather else pack(a, b, self.compact)
-            for s, (a, b) in self._slots.items()
-        }
+        """Every slot on `device`, and later ones put there (in place; returns self): a packed
+        slot leaving the CPU is read back to its float32 factors, which move; factors arriving
+        on the CPU are packed again (the same bytes: the values as held round-trip)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        held = {s: self.factors(s) for s in self.slot_ids}
+        self.device = device
+        self._packed, self._factors = {}, {}
+        for s, (a, b) in held.items():
+            self.put(s, a, b)
         self._changed()
         return self
 
     def drop(self, slot: int) -> None:
-        self._slots.pop(slot, None)
         self._packed.pop(slot, None)
+        self._factors.pop(slot, None)
         self._changed()
 
     def present(self, active: tuple[int, ...]) -> tuple[int, ...]:
         """The slots of `active` attached here, in order."""
-        return tuple(s for s in active if s in self._slots)
+        return tuple(s for s in active if s in self._packed or s in self._factors)
 
     def native(self) -> SlotTable | None:
         """Every slot's packed form as the kernels' table (made once per change of the slots),
         or None where some slot has none (no library, factors off the CPU, a gathering site):
         then the PyTorch twin serves the site."""
         if self._table is None:
-            packed = [(s, self._packed.get(s)) for s in self.slot_ids]
-            ready = [(s, p) for s, p in packed if p is not None]
-            if not packed or len(ready) < len(packed):
+            if not self._packed or self._factors:
                 return None
-            self._table = SlotTable(ready)
+            self._table = SlotTable(sorted(self._packed.items()))
         return self._table
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, rows: LoraRows) -> torch.Tensor:
@@ -144,7 +173,7 @@ class LoraSite:
         in_place = not self.gather and y.is_contiguous()  # a fresh matmul output: add in place
         flat = y.view(-1, y.shape[-1]) if in_place else y.reshape(-1, y.shape[-1]).clone()
         for s in slots:
-            a, b = self._slots[s]
+            a, b = self.factors(s)  # (read back from the native form: an exact step's)
             xa = a[x] if self.gather else x @ a.T.to(x.dtype)  # (B, T, r)
             xa = xa * rows.scales[:, s].to(xa.dtype).view(-1, 1, 1)
             flat.addmm_(xa.reshape(-1, xa.shape[-1]), b.T.to(flat.dtype))
@@ -162,7 +191,7 @@ class LoraSite:
             return y
         out = y if y.is_contiguous() else y.clone()
         for s in slots:
-            a, b = self._slots[s]
+            a, b = self.factors(s)
             xa = (x @ a.T.to(x.dtype)) * scales[:, s : s + 1].to(x.dtype)  # (n, r)
             out.addmm_(xa, b.T.to(out.dtype))
         return out

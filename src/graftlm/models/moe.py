@@ -12,9 +12,10 @@ tensor is a seam of its own (`ExpertSeam`, "blk.0.ffn_gate_up_exps[3]"), each wi
 its delta is added to the expert's product on the expert's tokens, each token at its row's scale:
 on a fast step from the seam's packed adapters (``gl_lora``, the factors and kernels the native
 decode layer's routed FFN adds them with: models.fused), on an exact step
-(or where they are not packed) in PyTorch with the float32 factors
-(`LoraSite.add_token_delta`). A stacked expert's gate and up rows are parts of one seam, as a
-dense layer's are.
+(or where they are not packed) in PyTorch (`LoraSite.add_token_delta`), in float32 on the factors
+as the site holds them: read back from the packed form, the slot's one copy (lora.site), or the
+float32 factors where there is none. A stacked expert's gate and up rows are parts of one seam,
+as a dense layer's are.
 """
 
 from __future__ import annotations

@@ -159,11 +159,13 @@ class Metrics:
         self.kv_blocks.labels("cached").set(facts.blocks_cached)
         self.kv_block_tokens.set(facts.block_tokens)
         self.kv_bytes.set(facts.nbytes)
-        q, h, e = facts.query_tokens, facts.hit_tokens, facts.evicted
-        self.prefix_queries.inc(q - self._seen[0])
-        self.prefix_hits.inc(h - self._seen[1])
-        self.prefix_evictions.inc(e - self._seen[2])
-        self._seen = (q, h, e)
+        now = (facts.query_tokens, facts.hit_tokens, facts.evicted)
+        counters = (self.prefix_queries, self.prefix_hits, self.prefix_evictions)
+        for counter, n, seen in zip(counters, now, self._seen, strict=True):
+            # a cache made anew (the engine woken from sleep) counts from 0 again: all of its
+            # count is new, where the difference would be negative and refused
+            counter.inc(n - seen if n >= seen else n)
+        self._seen = now
 
     # -- from the routes --
     def finished(

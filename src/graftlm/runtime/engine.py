@@ -386,23 +386,29 @@ class Engine:
         return len(draft)
 
     def _emit(
-        self, req: Request, logits: torch.Tensor, kept: int | None = None, best: int | None = None
+        self,
+        req: Request,
+        logits: torch.Tensor,
+        kept: int | None = None,
+        best: tuple[int, float] | None = None,
     ) -> None:
         """Sample the request's next token from its logits and append it; `kept`: a drafted
         token synthetic acceptance keeps instead (drawn past, as llama-server's own draw is, its
-        grammar not advanced); `best`: the logits' argmax, taken with the batch's other rows,
-        for a sampler whose draw is that (`Sampler.argmax_only`)."""
+        grammar not advanced); `best`: the logits' argmax and its logit, taken with the batch's
+        other rows, for a sampler whose draw is that (`Sampler.argmax_only`)."""
         assert req.sampler is not None
         try:
             if kept is None and best is not None and _argmax_only(req):
-                tok = best
-            elif kept is None:
-                tok = req.sampler(logits, penalty_window(req.params, req.prompt, req.generated))
+                tok, value = best
             else:
-                req.sampler.draw(logits.float())  # (the generator moves as it would have)
-                tok = kept
-            if not math.isfinite(float(logits[tok])):  # argmax picks a nan or an inf, if any
-                raise FloatingPointError(f"the chosen token's logit is {float(logits[tok])}")
+                if kept is None:
+                    tok = req.sampler(logits, penalty_window(req.params, req.prompt, req.generated))
+                else:
+                    req.sampler.draw(logits.float())  # (the generator moves as it would have)
+                    tok = kept
+                value = float(logits[tok])
+            if not math.isfinite(value):  # argmax picks a nan or an inf, if any
+                raise FloatingPointError(f"the chosen token's logit is {value}")
         except Exception as exc:  # noqa: BLE001 - this row's failure ends this request alone
             req.error = _sampling_error(req, logits, exc)
             self.scheduler.finish(req, "error")
@@ -439,12 +445,15 @@ def _argmax_only(req: Request) -> bool:
     return getattr(req.sampler, "argmax_only", False) is True
 
 
-def _argmax_rows(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int] | None:
-    """Every row's argmax (B,) in one call, when some request samples by the argmax alone;
-    None when none does. Each is the row's first maximum, as the row's own argmax gives."""
+def _argmax_rows(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, float]] | None:
+    """Every row's argmax and its logit, (B,) of them in two calls, when some request samples
+    by the argmax alone; None when none does. Each is the row's first maximum, as the row's own
+    argmax gives."""
     if not any(_argmax_only(r) for r in reqs):
         return None
-    return logits.argmax(dim=-1).tolist()
+    best = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    values = logits.gather(-1, best).view(-1).tolist()
+    return list(zip(best.view(-1).tolist(), values, strict=True))
 
 
 def _sampling_error(req: Request, logits: torch.Tensor, exc: Exception) -> RequestError:

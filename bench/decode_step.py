@@ -10,11 +10,22 @@ into the cache, as a long prefix would leave them; the step reads them all), so 
 sequences decode together (issue 37: 16 sequences of 4,096); `--cache-type` picks the cache
 (llama.cpp's -ctk names) and `--bandwidth` prints each step's share of the machine's read
 bandwidth, counting the weights once and every row's keys and values.
+
+With `--engine` the rows are greedy requests stepped by the engine (the scheduler's plan, the
+batch built, sampling, the prefix cache's bookkeeping), as a server steps them, and each step's
+time is split: the model's forward against the rest, in wall time and in this thread's CPU time
+(run it with `--threads 1` on a shared machine: the CPU time is what holds). `--adapters FILE...`
+attaches adapters, and with `--engine` the rows are also run mixed, row r on adapter r mod N,
+alternated with the base:
+
+    .venv/bin/python bench/decode_step.py 16 32 --model DIR/llama-1b-q4_k_m.gguf --engine \
+        --threads 1 --adapters DIR/llama-1b-lora-r16-s{2..17}.gguf
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +34,10 @@ import torch
 from vs_llama_cpp import Bandwidth, kv_bytes, token_bytes
 
 import graftlm
+from graftlm.lora.settings import AdapterSettings
+from graftlm.runtime.engine import Engine
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.step.batch import Batch
 from graftlm.step.kv_cache import KV_TYPES, KVCache, q8_0_pack
 
@@ -43,6 +58,47 @@ def fill_cache(cache: KVCache, depth: int) -> None:
                 pool[blocks] = torch.randn(*shape, generator=gen).to(cache.dtype)
 
 
+def engine_steps(
+    engine: Engine, rows: int, steps: int, lora: list[AdapterSettings]
+) -> tuple[float, float, float, float]:
+    """`rows` greedy requests (row r on lora[r % len(lora)]) stepped by the engine until each
+    decoded `steps` tokens past its first; per decode step: (wall s, this thread's CPU s, the
+    forward's wall s, the forward's CPU s), medians over the steps."""
+    model = engine.model
+    fwd: list[tuple[float, float]] = []
+    forward = model.forward
+
+    def timed(*a: object, **k: object) -> torch.Tensor:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = forward(*a, **k)  # type: ignore[arg-type]
+        fwd.append((time.perf_counter() - t0, time.thread_time() - c0))
+        return out
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 2)
+    reqs = [
+        engine.submit(Request([100 + (r * 37 + j) % 5000 for j in range(8 + r % 5)], params,
+                              lora[r % len(lora)]))
+        for r in range(rows)
+    ]  # fmt: skip
+    while any(not r.generated for r in reqs):  # the prompts, and the first tokens
+        engine.step()
+    engine.step()  # (the first full step warms the native layers' buffers)
+    model.forward = timed  # type: ignore[method-assign]
+    walls: list[tuple[float, float, float, float]] = []
+    try:
+        while not any(r.done for r in reqs):
+            fwd.clear()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            engine.step()
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            walls.append((wall, cpu, sum(w for w, _ in fwd), sum(c for _, c in fwd)))
+    finally:
+        del model.forward
+    while engine.busy:
+        engine.step()
+    return tuple(statistics.median(w[i] for w in walls) for i in range(4))  # type: ignore[return-value]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("rows", type=int, nargs="*", default=[1, 4, 16])
@@ -53,6 +109,8 @@ def main() -> None:
     ap.add_argument("--cache-type", "-ctk", choices=list(KV_TYPES), default=None)
     ap.add_argument("--bandwidth", action="store_true", help="the steps' share of it")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
+    ap.add_argument("--engine", action="store_true", help="the engine's steps, split")
+    ap.add_argument("--adapters", nargs="*", default=[], help="with --engine: mixed rows too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, depth = max(args.rows), args.depth
@@ -63,6 +121,19 @@ def main() -> None:
         cache_type=args.cache_type,
     )
     model = loaded.model
+    if args.engine:
+        ids = [loaded.add_lora(path, 0.0) for path in args.adapters]
+        kinds = {"base": [AdapterSettings()]}
+        if ids:
+            kinds[f"mixed {len(ids)}"] = [AdapterSettings({i: 1.0}) for i in ids]
+        for b in args.rows:
+            for name, lora in kinds.items():
+                wall, cpu, fw, fc = engine_steps(loaded.engine, b, args.steps, lora)
+                print(f"{b:3d} rows {name:9s}: {wall * 1000:7.1f} ms/step, {b / wall:6.1f} tok/s; "
+                      f"forward {fw * 1000:6.1f} ms; outside it {(wall - fw) * 1000:5.2f} ms "
+                      f"wall, {(cpu - fc) * 1000:5.2f} ms CPU ({(cpu - fc) / cpu:.1%} of the "
+                      f"step's CPU)", flush=True)  # fmt: skip
+        return
     probe = Bandwidth(Path(tempfile.mkdtemp())) if args.bandwidth else None
     if args.bandwidth:
         path = str(loaded.path)

@@ -92,3 +92,18 @@ def test_the_penalty_window_is_the_tail_of_the_whole_sequence(last_n: int) -> No
                 assert list(window) == []
             else:
                 assert list(window) == (prompt + generated)[-last_n if last_n > 0 else 0 :]
+
+
+def test_argmax_only_is_decided_from_the_settings_once() -> None:
+    """The engine takes one argmax for a batch's rows whose sampler draws the argmax alone;
+    anything that changes the logits or the draw keeps the row's own sampler."""
+    assert Sampler(SamplingParams(temperature=0.0)).argmax_only
+    assert not Sampler(SamplingParams(temperature=0.8)).argmax_only
+    assert not Sampler(SamplingParams(temperature=0.0, repeat_penalty=1.1)).argmax_only
+    assert not Sampler(SamplingParams(temperature=0.0, logit_bias=((1, 2.0),))).argmax_only
+
+    class Own(Sampler):
+        def draw(self, logits: torch.Tensor) -> int:
+            return 0
+
+    assert not Own(SamplingParams(temperature=0.0)).argmax_only

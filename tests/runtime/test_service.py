@@ -38,3 +38,39 @@ def test_a_deferred_scoring_call_runs_when_the_last_step_frees_its_slot(tmp_path
         asyncio.run(go())
     finally:
         service.close()
+
+
+def test_a_steps_events_reach_their_loop_in_one_hand_off_in_order() -> None:
+    """Events posted through an outbox wait for its flush, then arrive in the order posted,
+    with one call into each loop for all its submissions."""
+    from graftlm.runtime.events import TokenEvent
+    from graftlm.runtime.tracking import Outbox, Submission
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        calls = 0
+        wrapped = loop.call_soon_threadsafe
+
+        def counting(*args: object) -> object:
+            nonlocal calls
+            calls += 1
+            return wrapped(*args)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        box = Outbox()
+        subs = [Submission([], loop, asyncio.Queue(), outbox=box) for _ in range(2)]
+        for i in range(3):
+            for s, sub in enumerate(subs):
+                sub.post(TokenEvent(s, i, str(i)))
+        await asyncio.sleep(0)
+        assert calls == 0 and all(sub.events.empty() for sub in subs)
+        box.flush()
+        await asyncio.sleep(0)
+        assert calls == 1
+        for s, sub in enumerate(subs):
+            got = [sub.events.get_nowait() for _ in range(3)]
+            assert [(e.index, e.token) for e in got] == [(s, 0), (s, 1), (s, 2)]
+        box.flush()  # nothing held: no call
+        assert calls == 1
+
+    asyncio.run(go())

@@ -84,6 +84,9 @@ class Engine:
         self.draft_model: Transformer | None = draft_model  # speculative method "draft"
         self.speculative = speculative
         self._adapters_seen = model.seams.generation.value
+        # the last decode step's rows' settings and their scale table (_decode_lora)
+        self._rows_key: tuple[object, ...] = ()
+        self._rows: LoraRows | None = None
         # activated-LoRA adapters by id -> their invocation tokens (the model's adapter set's)
         self.invocations: Callable[[], Mapping[int, tuple[int, ...]]] = dict
 
@@ -187,6 +190,15 @@ class Engine:
     def lora_rows(self, settings: Sequence[Mapping[int, float]]) -> LoraRows | None:
         """`lora_rows` on this model's device."""
         return lora_rows(settings, self.device)
+
+    def _decode_lora(self, settings: list[AdapterSettings]) -> LoraRows | None:
+        """`lora_rows` of a decode step's rows; the last step's own object while the rows'
+        settings are those it had (most steps: the same sequences, in the same order), so the
+        table is built, and copied to the native layers' scale board, once per change."""
+        key = (self.device, *settings)
+        if key != self._rows_key:
+            self._rows_key, self._rows = key, self.lora_rows(settings)
+        return self._rows
 
     # -- one-shot scoring --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -327,20 +339,22 @@ class Engine:
             slots,
             starts,
             [1] * len(tokens),
-            self.lora_rows(row_settings),
+            self._decode_lora(row_settings),
         )
         t0 = time.perf_counter()
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         if self.drafter is not None:  # what a step of this many rows costs, for the next drafts
             self.drafter.costs.observe(len(tokens), time.perf_counter() - t0)
         synth = self.speculative.synth_probs if self.speculative is not None else ()
+        # the rows whose draw is the argmax (greedy, nothing else): one argmax for them all
+        best = _argmax_rows(logits, reqs)
         for i, r in enumerate(reqs):  # (in the requests' own order)
             at = first[i]
             draft = drafts.get(r.id, ())
             if draft and synth:
                 kept = self._keep_synthetic(r, logits[at : at + len(draft) + 1], draft, synth)
             else:
-                self._emit(r, logits[at])
+                self._emit(r, logits[at], best=None if best is None else best[at])
                 kept = 0
                 for tok in draft:  # the drafted token fed next was the one drawn: its logits hold
                     if r.done or r.generated[-1] != tok:
@@ -371,19 +385,30 @@ class Engine:
         self._emit(req, logits[len(draft)])
         return len(draft)
 
-    def _emit(self, req: Request, logits: torch.Tensor, kept: int | None = None) -> None:
+    def _emit(
+        self,
+        req: Request,
+        logits: torch.Tensor,
+        kept: int | None = None,
+        best: tuple[int, float] | None = None,
+    ) -> None:
         """Sample the request's next token from its logits and append it; `kept`: a drafted
         token synthetic acceptance keeps instead (drawn past, as llama-server's own draw is, its
-        grammar not advanced)."""
+        grammar not advanced); `best`: the logits' argmax and its logit, taken with the batch's
+        other rows, for a sampler whose draw is that (`Sampler.argmax_only`)."""
         assert req.sampler is not None
         try:
-            if kept is None:
-                tok = req.sampler(logits, penalty_window(req.params, req.prompt, req.generated))
+            if kept is None and best is not None and _argmax_only(req):
+                tok, value = best
             else:
-                req.sampler.draw(logits.float())  # (the generator moves as it would have)
-                tok = kept
-            if not math.isfinite(float(logits[tok])):  # argmax picks a nan or an inf, if any
-                raise FloatingPointError(f"the chosen token's logit is {float(logits[tok])}")
+                if kept is None:
+                    tok = req.sampler(logits, penalty_window(req.params, req.prompt, req.generated))
+                else:
+                    req.sampler.draw(logits.float())  # (the generator moves as it would have)
+                    tok = kept
+                value = float(logits[tok])
+            if not math.isfinite(value):  # argmax picks a nan or an inf, if any
+                raise FloatingPointError(f"the chosen token's logit is {value}")
         except Exception as exc:  # noqa: BLE001 - this row's failure ends this request alone
             req.error = _sampling_error(req, logits, exc)
             self.scheduler.finish(req, "error")
@@ -412,6 +437,23 @@ class Engine:
         """Drive the loop until this request ends (for single-threaded clients)."""
         while not req.done:
             self.step()
+
+
+def _argmax_only(req: Request) -> bool:
+    """Whether the request's sampler draws the argmax of the logits as they come (a caller's
+    own sampler, any callable, is asked every token)."""
+    return getattr(req.sampler, "argmax_only", False) is True
+
+
+def _argmax_rows(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[int, float]] | None:
+    """Every row's argmax and its logit, (B,) of them in two calls, when some request samples
+    by the argmax alone; None when none does. Each is the row's first maximum, as the row's own
+    argmax gives."""
+    if not any(_argmax_only(r) for r in reqs):
+        return None
+    best = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    values = logits.gather(-1, best).view(-1).tolist()
+    return list(zip(best.view(-1).tolist(), values, strict=True))
 
 
 def _sampling_error(req: Request, logits: torch.Tensor, exc: Exception) -> RequestError:

@@ -128,6 +128,16 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        # the draw is the argmax of the logits as they come (no penalty, bias or grammar, and
+        # this class's own draw): a batch's rows of such samplers take one argmax together
+        self.argmax_only = (
+            params.greedy
+            and not penalizes(params)
+            and self._bias is None
+            and self.matcher is None
+            and type(self).__call__ is Sampler.__call__
+            and type(self).draw is Sampler.draw
+        )
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params

@@ -52,7 +52,7 @@ from graftlm.runtime.events import (
 from graftlm.runtime.idle import IdleClock
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.scoring import Scorer
-from graftlm.runtime.tracking import Submission, Tracked
+from graftlm.runtime.tracking import Outbox, Submission, Tracked
 
 if TYPE_CHECKING:
     from graftlm.lora.adapter_set import AdapterSet
@@ -118,6 +118,7 @@ class EngineService:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: list[Tracked] = []  # given to the engine: queued there or running
         self._deferred: list[_Call] = []  # calls waiting for a free cache slot
+        self._outbox = Outbox()  # the events of a step, handed over when it ends
         self._thread: threading.Thread | None = None
         self.n_running = 0
         self.n_waiting = 0
@@ -313,7 +314,9 @@ class EngineService:
         """Run jobs (event index = position in `jobs`) and yield their events as they come.
         Leaving the iteration early (a client that disconnected) cancels what is still running;
         use `contextlib.aclosing` so that happens at once."""
-        sub = Submission(list(jobs), asyncio.get_running_loop(), asyncio.Queue())
+        sub = Submission(
+            list(jobs), asyncio.get_running_loop(), asyncio.Queue(), outbox=self._outbox
+        )
         remaining = len(sub.jobs)
         if not remaining:
             return
@@ -336,6 +339,7 @@ class EngineService:
     # -- the thread --
     def _loop(self) -> None:
         while True:
+            self._outbox.flush()  # what the last turn posted, before this one may wait
             # sleep only when there is nothing to step
             idle = self._engine is None or not self._engine.busy
             try:
@@ -364,6 +368,7 @@ class EngineService:
                 self._run_deferred()
                 if self._engine.busy:
                     self._step()
+                    self._outbox.flush()  # (before calls put aside run: a scoring pass may be long)
                     self.idle.touch()
                     # a step that ended sequences freed slots that calls put aside wait for: run
                     # them now, before the loop, the engine perhaps idle, sleeps on the inbox
@@ -484,6 +489,7 @@ class EngineService:
         for call in self._deferred:
             call.future.cancel()
         self._deferred.clear()
+        self._outbox.flush()
 
 
 def _refuse(item: _Call | Submission, exc: Exception) -> None:

@@ -59,14 +59,59 @@ class RecordingSampler(Sampler):
         return tok
 
 
+class Outbox:
+    """The events the engine thread posted since it last flushed, handed to their loops
+    together: one wake-up of each asyncio loop a step, not one a token (16 rows woke the
+    server's loop 16 times a step, each a write to its self-pipe and a turn for the GIL).
+    The engine thread alone posts and flushes; it flushes before it waits for work."""
+
+    def __init__(self) -> None:
+        self._held: list[Submission] = []  # submissions with events not yet handed over
+
+    def hold(self, sub: Submission) -> None:
+        self._held.append(sub)
+
+    def flush(self) -> None:
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], list[Event]]]]
+        by_loop = {}
+        for sub in held:
+            events, sub.pending = sub.pending, []
+            by_loop.setdefault(sub.loop, []).append((sub.events, events))
+        for loop, batches in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batches)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(batches: list[tuple[asyncio.Queue[Event], list[Event]]]) -> None:
+    """On the loop: each submission's events into its queue, in the order posted."""
+    for queue, events in batches:
+        for ev in events:
+            queue.put_nowait(ev)
+
+
 @dataclass
 class Submission:
+    """outbox: where posted events wait for the engine thread's next flush (None: each is
+    handed to the loop at once)."""
+
     jobs: Sequence[Job]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event]
     tracked: list[Tracked] = field(default_factory=list)
+    outbox: Outbox | None = None
+    pending: list[Event] = field(default_factory=list)
 
     def post(self, ev: Event) -> None:
+        if self.outbox is not None:
+            if not self.pending:
+                self.outbox.hold(self)
+            self.pending.append(ev)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
         except RuntimeError:  # the loop is closed: nobody is listening any more

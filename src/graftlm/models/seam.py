@@ -12,7 +12,8 @@ next and is tested against it:
 2. the base product (``quant.linear``), then the delta from the site's packed adapters
    (``native.ops.lora_delta``), for a fast step;
 3. the base product, then the delta in PyTorch (``LoraSite.add_delta``): exact steps (float32
-   factors: scoring's log-probabilities), and sites the native delta does not serve.
+   arithmetic on the factors as held, read back from their packed form: scoring's
+   log-probabilities), and sites the native delta does not serve.
 
 A projection with no adapter, or a step with no active adapter, runs the base product alone.
 Every adapter's native form was packed when it was attached (``lora.packed``): nothing here

@@ -290,31 +290,8 @@ static inline __attribute__((always_inline)) void iq_nat(const uint8_t *p, const
 #endif
 }
 
-#if IQ_W == 16
-/* r[i] (16 rows of 16 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
-static inline __attribute__((always_inline)) void iq_transpose16(__m512i *r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4 i + m], 128-bit lane L: rows 4 i .. 4 i + 3, column 4 L + m */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
-        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
-        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
-        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-    }
-}
-#else
+/* The lanes' transposition: 16 x 16 dwords by attn.c's transpose16 (the files are one unit), 8 x 8 here. */
+#if IQ_W == 8
 /* r[i] (8 rows of 8 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
 static inline __attribute__((always_inline)) void iq_transpose8(__m256i *r) {
     __m256i a[8], b[8];
@@ -354,11 +331,11 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
     __m512i r[16];
     for (int j = 0; j < 4; j++) {
         for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(nat[o] + 64 * j);
-        iq_transpose16(r);
+        transpose16((__m512 *)r);
         for (int c = 0; c < 16; c++) _mm512_store_si512(L->w[16 * j + c], r[c]);
     }
     for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(s16[o]);
-    iq_transpose16(r);
+    transpose16((__m512 *)r);
     for (int u = 0; u < 16; u++) _mm512_store_si512(L->s[u], r[u]);
 #else
     __m256i r[8];
@@ -546,7 +523,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         }
         __m512 s[16];
         for (int o = 0; o < 16; o++) s[o] = _mm512_load_ps(s16[o]);
-        iq_transpose16((__m512i *)s);
+        transpose16(s);
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
             for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */

@@ -377,16 +377,8 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
     const int64_t kb = k / 32;
     const float *xd = xb->xd + r0 * kb + sb * 8;
 #if GL_VNNI
-    /* x's 256 values as unsigned bytes: xu, else xq's flipped here */
-    uint8_t own[IQ_MT][256] __attribute__((aligned(64)));
-    const uint8_t *xu = xb->xu ? xb->xu + r0 * k + sb * 256 : own[0];
-    const int64_t ldx = xb->xu ? k : 256;
-    if (!xb->xu)
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < 256; i += 32) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(xb->xq + (r0 + r) * k + sb * 256 + i));
-                _mm256_store_si256((__m256i *)(own[r] + i), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
-            }
+    /* x's 256 values as unsigned bytes (every caller takes xu for kind 6 with VNNI: xbuf_take) */
+    const uint8_t *xu = xb->xu + r0 * k + sb * 256;
 #else
     const int8_t *xq = xb->xq + r0 * k + sb * 256;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -400,7 +392,7 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
         for (int r = 0; r < R; r++) I[r] = nc;
         for (int c = u * cpu; c < u * cpu + cpu; c++) {
             const __m512i wv = _mm512_load_si512(L->w[c]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
         }
         const __m512 s = _mm512_load_ps(L->s[u * (16 / units)]);
         for (int r = 0; r < R; r++)
@@ -417,7 +409,7 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
 #if GL_VNNI
             if (c == u * cpu)
                 for (int r = 0; r < R; r++) I[r] = _mm256_load_si256((const __m256i *)L->nc[u]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
 #else
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int r = 0; r < R; r++) {

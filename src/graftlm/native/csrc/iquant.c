@@ -544,6 +544,23 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 }
 #endif
 
+/* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
+ * one or two rows where it is built. */
+static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
+                                                             int64_t ra, int64_t rb, int64_t og, int nv,
+                                                             float *y) {
+#if IQ_VBMI
+    if (rb - ra <= 2) {
+        if (rb - ra == 2)
+            iq_group_few(w, v, xb, ra, 2, og, nv, y);
+        else
+            iq_group_few(w, v, xb, ra, 1, og, nv, y);
+        return;
+    }
+#endif
+    iq_group(w, v, xb, ra, rb, og, nv, y);
+}
+
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))
  * of rows [ra, rb) of x, IQ_W at a time. */
 static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
@@ -553,31 +570,12 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     const int64_t n = w->n, o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
     for (int64_t og = o0; og < o1; og += IQ_W) {
         const int nv = o1 - og < IQ_W ? (int)(o1 - og) : IQ_W;
-#if IQ_VBMI
-        if (rb - ra <= 2) {
-#define IQF(RR)                                                                                    \
-    switch (v) {                                                                                   \
-    case IQ2_XXS: iq_group_few(w, IQ2_XXS, xb, ra, RR, og, nv, y); break;                          \
-    case IQ2_XS: iq_group_few(w, IQ2_XS, xb, ra, RR, og, nv, y); break;                            \
-    case IQ2_S: iq_group_few(w, IQ2_S, xb, ra, RR, og, nv, y); break;                              \
-    case IQ3_XXS: iq_group_few(w, IQ3_XXS, xb, ra, RR, og, nv, y); break;                          \
-    default: iq_group_few(w, IQ3_S, xb, ra, RR, og, nv, y); break;                                 \
-    }
-            if (rb - ra == 2) {
-                IQF(2)
-            } else {
-                IQF(1)
-            }
-#undef IQF
-            continue;
-        }
-#endif
         switch (v) {
-        case IQ2_XXS: iq_group(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
-        case IQ2_XS: iq_group(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
-        case IQ2_S: iq_group(w, IQ2_S, xb, ra, rb, og, nv, y); break;
-        case IQ3_XXS: iq_group(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
-        default: iq_group(w, IQ3_S, xb, ra, rb, og, nv, y); break;
+        case IQ2_XXS: iq_outputs(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
+        case IQ2_XS: iq_outputs(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
+        case IQ2_S: iq_outputs(w, IQ2_S, xb, ra, rb, og, nv, y); break;
+        case IQ3_XXS: iq_outputs(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
+        default: iq_outputs(w, IQ3_S, xb, ra, rb, og, nv, y); break;
         }
     }
 }

@@ -748,7 +748,7 @@ static inline __attribute__((always_inline)) void decode_task(
 #endif
     const int kt = t != 3 ? t : 0;
     const int64_t vrb = kv_bytes(Dv, t);
-    float vsc[t == 3 ? DECODE_STEP * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
+    float vsc[t == 3 ? DECODE_STEP_Q8 * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */

@@ -726,6 +726,7 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t PW = DECODE_STEP * DT; /* P's rows */
     const float softcap = a->softcap, l2e = 1.44269504088896341f; /* scores in base 2 (m too, to the end) */
     const __m512 cap = _mm512_set1_ps(softcap), capl2 = _mm512_set1_ps(softcap * l2e), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(a->scale), scl2 = _mm512_set1_ps(a->scale * l2e);
 #if DECODE_BF16
     if (t == 2 && decode_bf16_fits(a)) {
         decode_task_bf16(a, Q, s, hk, k0, k1, part, Kf, Vf, P, alpha);
@@ -747,7 +748,7 @@ static inline __attribute__((always_inline)) void decode_task(
 #endif
     const int kt = t != 3 ? t : 0;
     const int64_t vrb = kv_bytes(Dv, t);
-    float vsc[t == 3 ? DECODE_STEP * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
+    float vsc[t == 3 ? DECODE_STEP_Q8 * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */
@@ -802,8 +803,8 @@ static inline __attribute__((always_inline)) void decode_task(
             __m512 xs[DECODE_STEP], mxv = ninf;
             for (int x = 0; x < nts; x++) {
                 const __m512 sv = _mm512_loadu_ps(P + g * PW + x * DT); /* scaled as llama.cpp: after the dot */
-                const __m512 v = softcap > 0.0f ? _mm512_mul_ps(tanh512(_mm512_div_ps(_mm512_mul_ps(sv, _mm512_set1_ps(a->scale)), cap)), capl2)
-                                                : _mm512_mul_ps(sv, _mm512_set1_ps(a->scale * l2e));
+                const __m512 v = softcap > 0.0f ? _mm512_mul_ps(tanh512(_mm512_div_ps(_mm512_mul_ps(sv, sc), cap)), capl2)
+                                                : _mm512_mul_ps(sv, scl2);
                 xs[x] = _mm512_mask_blend_ps(vis[x], ninf, v);
                 mxv = _mm512_max_ps(mxv, xs[x]);
             }

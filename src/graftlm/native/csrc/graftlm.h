@@ -726,7 +726,7 @@ static inline void static_chunk(int64_t n, int tid, int nt, int64_t *start, int6
 /* x quantized to int8 per 32 values, as every product reads it (quant.c: quantize_x). */
 typedef struct {
     int8_t *xq;
-    uint8_t *xu; /* xq + 128, for the s8 products with VNNI (NULL without, or with none) */
+    uint8_t *xu; /* xq + 128, for the s8 and grid-quant products with VNNI (NULL without, or with none) */
     float *xd, *xs, *xs16;
     const float *xf; /* x itself, rows of k floats: what the float weights (kind 4) read */
 } xbuf;

@@ -290,31 +290,8 @@ static inline __attribute__((always_inline)) void iq_nat(const uint8_t *p, const
 #endif
 }
 
-#if IQ_W == 16
-/* r[i] (16 rows of 16 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
-static inline __attribute__((always_inline)) void iq_transpose16(__m512i *r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* b[4 i + m], 128-bit lane L: rows 4 i .. 4 i + 3, column 4 L + m */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int m = 0; m < 4; m++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
-        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44);
-        const __m512i c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
-        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-    }
-}
-#else
+/* The lanes' transposition: 16 x 16 dwords by attn.c's transpose16 (the files are one unit), 8 x 8 here. */
+#if IQ_W == 8
 /* r[i] (8 rows of 8 dwords) -> r[j]: dword i of row j in, dword j of row i out. */
 static inline __attribute__((always_inline)) void iq_transpose8(__m256i *r) {
     __m256i a[8], b[8];
@@ -354,11 +331,11 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
     __m512i r[16];
     for (int j = 0; j < 4; j++) {
         for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(nat[o] + 64 * j);
-        iq_transpose16(r);
+        transpose16((__m512 *)r);
         for (int c = 0; c < 16; c++) _mm512_store_si512(L->w[16 * j + c], r[c]);
     }
     for (int o = 0; o < 16; o++) r[o] = _mm512_load_si512(s16[o]);
-    iq_transpose16(r);
+    transpose16((__m512 *)r);
     for (int u = 0; u < 16; u++) _mm512_store_si512(L->s[u], r[u]);
 #else
     __m256i r[8];
@@ -400,16 +377,8 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
     const int64_t kb = k / 32;
     const float *xd = xb->xd + r0 * kb + sb * 8;
 #if GL_VNNI
-    /* x's 256 values as unsigned bytes: xu, else xq's flipped here */
-    uint8_t own[IQ_MT][256] __attribute__((aligned(64)));
-    const uint8_t *xu = xb->xu ? xb->xu + r0 * k + sb * 256 : own[0];
-    const int64_t ldx = xb->xu ? k : 256;
-    if (!xb->xu)
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < 256; i += 32) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(xb->xq + (r0 + r) * k + sb * 256 + i));
-                _mm256_store_si256((__m256i *)(own[r] + i), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
-            }
+    /* x's 256 values as unsigned bytes (every caller takes xu for kind 6 with VNNI: xbuf_take) */
+    const uint8_t *xu = xb->xu + r0 * k + sb * 256;
 #else
     const int8_t *xq = xb->xq + r0 * k + sb * 256;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -423,7 +392,7 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
         for (int r = 0; r < R; r++) I[r] = nc;
         for (int c = u * cpu; c < u * cpu + cpu; c++) {
             const __m512i wv = _mm512_load_si512(L->w[c]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
         }
         const __m512 s = _mm512_load_ps(L->s[u * (16 / units)]);
         for (int r = 0; r < R; r++)
@@ -440,7 +409,7 @@ static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *
 #if GL_VNNI
             if (c == u * cpu)
                 for (int r = 0; r < R; r++) I[r] = _mm256_load_si256((const __m256i *)L->nc[u]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * ldx + 4 * c)), wv);
+            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
 #else
             const __m256i aw = _mm256_sign_epi8(wv, wv);
             for (int r = 0; r < R; r++) {
@@ -546,7 +515,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         }
         __m512 s[16];
         for (int o = 0; o < 16; o++) s[o] = _mm512_load_ps(s16[o]);
-        iq_transpose16((__m512i *)s);
+        transpose16(s);
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
             for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */
@@ -575,6 +544,23 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 }
 #endif
 
+/* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
+ * one or two rows where it is built. */
+static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
+                                                             int64_t ra, int64_t rb, int64_t og, int nv,
+                                                             float *y) {
+#if IQ_VBMI
+    if (rb - ra <= 2) {
+        if (rb - ra == 2)
+            iq_group_few(w, v, xb, ra, 2, og, nv, y);
+        else
+            iq_group_few(w, v, xb, ra, 1, og, nv, y);
+        return;
+    }
+#endif
+    iq_group(w, v, xb, ra, rb, og, nv, y);
+}
+
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))
  * of rows [ra, rb) of x, IQ_W at a time. */
 static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
@@ -584,31 +570,12 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     const int64_t n = w->n, o0 = t * GT * 8, o1 = o0 + GT * 8 < n ? o0 + GT * 8 : n;
     for (int64_t og = o0; og < o1; og += IQ_W) {
         const int nv = o1 - og < IQ_W ? (int)(o1 - og) : IQ_W;
-#if IQ_VBMI
-        if (rb - ra <= 2) {
-#define IQF(RR)                                                                                    \
-    switch (v) {                                                                                   \
-    case IQ2_XXS: iq_group_few(w, IQ2_XXS, xb, ra, RR, og, nv, y); break;                          \
-    case IQ2_XS: iq_group_few(w, IQ2_XS, xb, ra, RR, og, nv, y); break;                            \
-    case IQ2_S: iq_group_few(w, IQ2_S, xb, ra, RR, og, nv, y); break;                              \
-    case IQ3_XXS: iq_group_few(w, IQ3_XXS, xb, ra, RR, og, nv, y); break;                          \
-    default: iq_group_few(w, IQ3_S, xb, ra, RR, og, nv, y); break;                                 \
-    }
-            if (rb - ra == 2) {
-                IQF(2)
-            } else {
-                IQF(1)
-            }
-#undef IQF
-            continue;
-        }
-#endif
         switch (v) {
-        case IQ2_XXS: iq_group(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
-        case IQ2_XS: iq_group(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
-        case IQ2_S: iq_group(w, IQ2_S, xb, ra, rb, og, nv, y); break;
-        case IQ3_XXS: iq_group(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
-        default: iq_group(w, IQ3_S, xb, ra, rb, og, nv, y); break;
+        case IQ2_XXS: iq_outputs(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
+        case IQ2_XS: iq_outputs(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
+        case IQ2_S: iq_outputs(w, IQ2_S, xb, ra, rb, og, nv, y); break;
+        case IQ3_XXS: iq_outputs(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
+        default: iq_outputs(w, IQ3_S, xb, ra, rb, og, nv, y); break;
         }
     }
 }

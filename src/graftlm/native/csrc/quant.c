@@ -318,7 +318,7 @@ void gl_deq_s8(const int8_t *q, const void *s, int h, int v, int64_t sblk, int64
 /* ---------------------------------------------------------------- activations -> int8 */
 /* x (M, k) -> xq (M, k) int8, xd / xs (M, k/32), xs16 (M, k/16): per 32 values
  * xd = max|x| / 127, xq = round(x / xd), xs = xd * sum(xq); xs16 the same sum per 16 values;
- * xu (when not NULL) xq + 128 as unsigned bytes, for the s8 products with VNNI. */
+ * xu (when not NULL) xq + 128 as unsigned bytes, for the s8 and grid-quant products with VNNI. */
 /* Blocks [b0, b1) of x (32 values each, rows of k one after another) quantized as quantize_x does. */
 static void quantize_blocks(const float *x, int64_t b0, int64_t b1, int8_t *xq, uint8_t *xu, float *xd,
                             float *xs, float *xs16) {
@@ -644,8 +644,8 @@ static inline __attribute__((always_inline)) void s8_pair(
 }
 #endif
 
-/* Room for M rows of k values of x quantized (quantize_x fills it); with s8 (an s8 product reads
- * x: a Q8_0 weight, an int8 A) and VNNI, for x as unsigned bytes too. */
+/* Room for M rows of k values of x quantized (quantize_x fills it); with s8 (an s8 or grid-quant
+ * product reads x: a Q8_0 or IQ2/IQ3 weight, an int8 A) and VNNI, for x as unsigned bytes too. */
 static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8) {
     xbuf b;
     b.xq = scratch_take(s, M * k);

@@ -186,3 +186,54 @@ def test_scales_outside_float32_are_refused(
     with pytest.raises(GraftError, match="finite|float32"):
         m.set_lora_scales({a: scale})
     assert m.loras[0]["scale"] == 0.5  # refused: nothing changed
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+def test_the_decode_scale_table_follows_the_rows(qtype: str, tmp_path: object) -> None:
+    """The decode step's scale table is the last step's own object only while its rows'
+    settings are those it was built for: a row leaving and another joining at other scales
+    (the same count of rows), or a row's scale changing, builds it anew, and each request's
+    tokens are those it makes alone (float32 model: the PyTorch twin; Q4_1: the native decode
+    layers, whose scale board is filled from the table)."""
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+    from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+
+    from graftlm.runtime.engine import lora_rows
+
+    spec = TinySpec(qtype=Q[qtype], embd_type=Q.Q8_0 if qtype != "F32" else Q.F32)
+    d = Path(str(tmp_path))
+    m = graftlm.load(str(write_tiny_model(d / "m.gguf", spec)), ctx_size=64, n_seq=2)
+    a = m.add_lora(write_tiny_adapter(d / "a.gguf", spec, seed=5), scale=0.0)
+    b = m.add_lora(write_tiny_adapter(d / "b.gguf", spec, seed=6), scale=0.0)
+    eng = m.engine
+
+    one, half = AdapterSettings({a: 1.0}), AdapterSettings({a: 0.5})
+    first = eng._decode_lora([one, half])
+    assert eng._decode_lora([AdapterSettings({a: 1.0}), AdapterSettings({a: 0.5})]) is first
+    for rows in ([one, AdapterSettings({a: -1.0})], [half, one], [one, AdapterSettings({b: 1.0})]):
+        got, want = eng._decode_lora(rows), lora_rows(rows, eng.device)
+        assert got is not None and want is not None and got is not first
+        assert torch.equal(got.scales, want.scales) and got.active == want.active
+    assert eng._decode_lora([AdapterSettings(), AdapterSettings()]) is None
+
+    def request(lora: dict[int, float], n: int, seed: int) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return Request(_ids(5, seed), params, AdapterSettings(lora))
+
+    plan = [({a: 1.0}, 3, 1), ({a: 0.5}, 9, 2), ({a: -1.0}, 4, 3), ({b: 1.0}, 3, 4)]
+    alone = []
+    for lora, n, seed in plan:
+        r = eng.submit(request(lora, n, seed))
+        eng.run(r)
+        alone.append(r.generated)
+    # two rows a step throughout: the first row leaves and the third joins, then the fourth
+    reqs = [eng.submit(request(*plan[0])), eng.submit(request(*plan[1]))]
+    for p in plan[2:]:
+        while all(not r.done for r in reqs[-2:]):
+            eng.step()
+        reqs.append(eng.submit(request(*p)))
+    while eng.busy:
+        eng.step()
+    assert [r.generated for r in reqs] == alone

@@ -360,7 +360,7 @@ class Engine:
                     if r.done or r.generated[-1] != tok:
                         break
                     kept += 1
-                    self._emit(r, logits[at + kept])
+                    self._emit(r, logits[at + kept], best=None if best is None else best[at + kept])
             if draft:
                 r.n_drafts += 1
                 r.n_drafted += len(draft)

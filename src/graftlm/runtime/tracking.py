@@ -96,26 +96,20 @@ def _deliver(batches: list[tuple[asyncio.Queue[Event], list[Event]]]) -> None:
 
 @dataclass
 class Submission:
-    """outbox: where posted events wait for the engine thread's next flush (None: each is
-    handed to the loop at once)."""
+    """outbox: where posted events wait for the engine thread's next flush (the engine thread
+    alone posts)."""
 
     jobs: Sequence[Job]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event]
+    outbox: Outbox
     tracked: list[Tracked] = field(default_factory=list)
-    outbox: Outbox | None = None
     pending: list[Event] = field(default_factory=list)
 
     def post(self, ev: Event) -> None:
-        if self.outbox is not None:
-            if not self.pending:
-                self.outbox.hold(self)
-            self.pending.append(ev)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        if not self.pending:
+            self.outbox.hold(self)
+        self.pending.append(ev)
 
 
 @dataclass

@@ -2,9 +2,8 @@
 
 A server (or any multi-threaded client) does not call `Engine.step()` itself. It hands jobs to an
 `EngineService`, whose single thread admits them between steps (continuous batching), drives the
-engine, and hands each job's events back to the asyncio loop the job came from
-(`loop.call_soon_threadsafe` into a per-submission queue; `runtime.tracking` turns tokens into
-text and events).
+engine, and hands each job's events back to the asyncio loop the job came from, a step's at once
+(`runtime.tracking.Outbox`; `runtime.tracking` also turns tokens into text and events).
 
 Everything that touches the model runs on that thread, in the order it was asked for: requests,
 cancellations, scoring passes, attaching and detaching adapters. A caller that leaves (a client
@@ -314,9 +313,8 @@ class EngineService:
         """Run jobs (event index = position in `jobs`) and yield their events as they come.
         Leaving the iteration early (a client that disconnected) cancels what is still running;
         use `contextlib.aclosing` so that happens at once."""
-        sub = Submission(
-            list(jobs), asyncio.get_running_loop(), asyncio.Queue(), outbox=self._outbox
-        )
+        loop = asyncio.get_running_loop()
+        sub = Submission(list(jobs), loop, asyncio.Queue(), outbox=self._outbox)
         remaining = len(sub.jobs)
         if not remaining:
             return

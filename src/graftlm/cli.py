@@ -193,7 +193,10 @@ def _add_serve(sub: _Subparsers) -> None:
 def _add_convert_lora(sub: _Subparsers) -> None:
     c = sub.add_parser("convert-lora", help="PEFT directory <-> llama.cpp GGUF LoRA adapter")
     c.add_argument("input", help="PEFT directory, or with --to-peft a GGUF adapter")
-    c.add_argument("--base", help="base model GGUF (needed for PEFT -> GGUF)")
+    c.add_argument(
+        "--base",
+        help="base model GGUF (needed for PEFT -> GGUF, and for gpt-oss expert adapters to PEFT)",
+    )
     c.add_argument("-o", "--outfile", required=True)
     c.add_argument(
         "--outtype",

@@ -244,15 +244,8 @@ class GatedExperts(_Adapted):
         exact: the products in float32 and the activation in PyTorch (quant.linear's exact)."""
         if scales is None and not exact:
             return self(e, x)
-        if self.stacked is None:
-            assert self.parts is not None
-            gate = self.parts[0].product(e, x, scales, exact)
-            return F.silu(gate) * self.parts[1].product(e, x, scales, exact)
-        gu = linear(x, self.stacked[e], exact)  # (n, 2 n_ff)
-        site = self.seams[e].lora
-        if scales is not None and site is not None:
-            gu = _token_delta(site, gu, x, scales, exact)
-        if exact:
+        gu = self.products(e, x, scales, exact)  # (n, 2 n_ff)
+        if exact or self.stacked is None:
             gate, up = gu.chunk(2, dim=-1)
             return F.silu(gate) * up
         return gated(gu, "silu")

@@ -9,7 +9,7 @@ from typing import Any
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
 from graftlm.tokenizer.bpe import byte_decode, byte_encode, make_merger, parse_merges
-from graftlm.tokenizer.pretok import PRE_TOKENIZERS
+from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS
 from graftlm.tokenizer.spm import ESCAPED_SPACE, SPMEncoder
 from graftlm.tokenizer.vocab import TokenAttr, Vocab
 
@@ -81,7 +81,13 @@ class Tokenizer:
 
     @classmethod
     def _from_bpe_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        pre = meta.get("tokenizer.ggml.pre") or ""
+        # without a name llama.cpp runs its "default" pre-tokenizer (and warns)
+        pre = meta.get("tokenizer.ggml.pre") or "default"
+        if pre in NOT_SERVED:
+            raise ValueError(
+                f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for the gpt2 tokenizer: "
+                f"{NOT_SERVED[pre]}"
+            )
         if pre not in PRE_TOKENIZERS:
             raise ValueError(
                 f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre) for the gpt2 tokenizer; "
@@ -89,6 +95,8 @@ class Tokenizer:
             )
         spec = PRE_TOKENIZERS[pre]
         merges_raw = meta.get("tokenizer.ggml.merges")
+        if merges_raw is None and pre == "kimi-k2":
+            merges_raw = []  # llama.cpp lets Kimi-K2 go without merges
         if merges_raw is None:
             raise ValueError("gpt2 tokenizer without tokenizer.ggml.merges")
         vocab = Vocab.from_metadata(

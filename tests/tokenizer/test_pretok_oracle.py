@@ -1,0 +1,123 @@
+"""Every `tokenizer.ggml.pre` name against llama.cpp's own tokenizer, without llama.cpp.
+
+`pretok_oracle.json` holds what llama-server (the build in ../shared/llama.cpp) answered, recorded
+by `scripts/pretok_oracle.py` from tiny model files that carry the vocabulary built here, once per
+name: the ids of each text, the ids of a probe with special tokens added (BOS by default or not),
+and the names it refused. The vocabulary is GPT-2's 256 byte symbols plus, for every word any of
+our splitters makes of the texts, a chain of merges joining it into one token: a word boundary in
+another place than llama.cpp's shows as other ids. Two entries no merge builds (" zzzq", "zzzq")
+show whether a name takes vocabulary words whole (ignore_merges).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from graftlm.tokenizer import Tokenizer
+from graftlm.tokenizer.bpe import BYTE_TO_CHAR, byte_encode
+from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS
+
+DATA = Path(__file__).parent / "pretok_oracle.json"
+UNMERGED = ["zzzq", " zzzq"]  # vocabulary entries without merges (byte-encoded when written)
+BOS = "<s>"
+
+
+def oracle_metadata(words: list[str], pre: str) -> dict[str, Any]:
+    """The recorded vocabulary: byte symbols, merge chains joining each of `words`, the
+    unmerged entries, then BOS (a control token)."""
+    tokens = list(BYTE_TO_CHAR)
+    known = set(tokens)
+    merges: list[str] = []
+    seen: set[str] = set()
+    for word in words:
+        symbols = byte_encode(word)
+        left = symbols[0]
+        for right in symbols[1:]:
+            merge = f"{left} {right}"
+            left += right
+            if merge not in seen:
+                seen.add(merge)
+                merges.append(merge)
+            if left not in known:
+                known.add(left)
+                tokens.append(left)
+    for text in UNMERGED:
+        if byte_encode(text) not in known:
+            known.add(byte_encode(text))
+            tokens.append(byte_encode(text))
+    tokens.append(BOS)
+    types = [1] * (len(tokens) - 1) + [3]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": len(tokens) - 1,
+        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
+    }
+
+
+def _load() -> dict[str, Any]:
+    if not DATA.exists():
+        return {"texts": [], "words": [], "ids": [], "names": {}, "refused": {}}
+    data: dict[str, Any] = json.loads(DATA.read_text(encoding="utf-8"))
+    return data
+
+
+RECORDED = _load()
+NAMES = sorted(RECORDED["names"])
+SERVED_NAMES = [n for n in NAMES if n not in NOT_SERVED]
+
+
+def _ids(key: int) -> list[int]:
+    return [int(x) for x in RECORDED["ids"][key].split()]
+
+
+@pytest.fixture(scope="module")
+def words() -> list[str]:
+    return list(RECORDED["words"])
+
+
+@pytest.mark.parametrize("pre", SERVED_NAMES)
+def test_ids_equal_llama_cpps(pre: str, words: list[str]) -> None:
+    """Every text, every name llama.cpp loads: our ids are the ones llama-server gave."""
+    tok = Tokenizer.from_metadata(oracle_metadata(words, pre))
+    got = RECORDED["names"][pre]
+    bad = []
+    for text, key in zip(RECORDED["texts"] + UNMERGED, got["ids"], strict=True):
+        ours = tok.encode(text, add_special=False)
+        if ours != _ids(key):
+            bad.append((text, ours, _ids(key)))
+    assert not bad, f"{pre}: {len(bad)} texts differ, first: {bad[0]!r}"
+    # with special tokens: BOS where llama.cpp's default for the name adds it
+    assert tok.encode(RECORDED["special_text"], add_special=True) == _ids(got["special"])
+
+
+def test_every_name_llama_cpp_loads_is_served() -> None:
+    """The names llama-server loaded are the names we serve, and those it refused we refuse."""
+    assert NAMES, "no recorded data"
+    served = set(PRE_TOKENIZERS) - {"default"}
+    loaded = set(NAMES) - {"default"}
+    assert loaded - set(NOT_SERVED) == served
+    for name in RECORDED["refused"]:
+        assert name not in PRE_TOKENIZERS, name
+
+
+@pytest.mark.parametrize("pre", sorted(NOT_SERVED))
+def test_names_we_cannot_serve_are_refused_with_the_reason(pre: str, words: list[str]) -> None:
+    with pytest.raises(ValueError, match="not on GPT-2 bytes"):
+        Tokenizer.from_metadata(oracle_metadata(words[:10], pre))
+
+
+def test_a_file_without_a_name_gets_llama_cpps_default(words: list[str]) -> None:
+    meta = oracle_metadata(words, "default")
+    del meta["tokenizer.ggml.pre"]
+    tok = Tokenizer.from_metadata(meta)
+    want = RECORDED["names"]["default"]["ids"]
+    for text, key in zip(RECORDED["texts"], want, strict=False):
+        assert tok.encode(text, add_special=False) == _ids(key), repr(text)

@@ -19,7 +19,7 @@ import pytest
 
 from graftlm.tokenizer import Tokenizer
 from graftlm.tokenizer.bpe import BYTE_TO_CHAR, byte_encode
-from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS
+from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS, collapse_text
 
 DATA = Path(__file__).parent / "pretok_oracle.json"
 UNMERGED = ["zzzq", " zzzq"]  # vocabulary entries without merges (byte-encoded when written)
@@ -121,3 +121,25 @@ def test_a_file_without_a_name_gets_llama_cpps_default(words: list[str]) -> None
     want = RECORDED["names"]["default"]["ids"]
     for text, key in zip(RECORDED["texts"], want, strict=False):
         assert tok.encode(text, add_special=False) == _ids(key), repr(text)
+
+
+def test_kimi_k2_goes_without_merges(words: list[str]) -> None:
+    """llama.cpp loads a Kimi-K2 file without merges: every byte symbol its own token (ids as
+    llama-server gave them for such a file)."""
+    meta = oracle_metadata(words, "kimi-k2")
+    del meta["tokenizer.ggml.merges"]
+    tok = Tokenizer.from_metadata(meta)
+    assert tok.encode("Hello world", add_special=False) == [72, 101, 108, 108, 111, 32, 119, 111,
+                                                            114, 108, 100]  # fmt: skip
+    meta = oracle_metadata(words, "gpt-2")
+    del meta["tokenizer.ggml.merges"]
+    with pytest.raises(ValueError, match="merges"):
+        Tokenizer.from_metadata(meta)
+
+
+def test_collapsed_classes_with_punctuation_marks_and_symbols() -> None:
+    """Patterns naming \\p{P}, \\p{M} or \\p{S} read those classes apart, Unicode 15.1's too
+    (U+0CF3 a mark, U+11F43 punctuation, U+1FA75 a symbol, U+11F04 a letter)."""
+    text = "a\u00e91\u0663 \u00a0!\u0301\U0001f600\u0cf3\U00011f43\U0001fa75\U00011f04\u200b"
+    assert collapse_text(text, fine=True) == "a\xd21\xd1 \x0b!\xd4\xd5\xd4\xd3\xd5\xd2\xd0"
+    assert collapse_text(text) == "a\xd21\xd1 \x0b!\xd0\xd0\xd0\xd0\xd0\xd2\xd0"

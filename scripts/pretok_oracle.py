@@ -32,7 +32,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "tokenizer"))
 
-from test_pretok_oracle import DATA, UNMERGED, oracle_metadata  # noqa: E402
+from test_pretok_oracle import DATA, ESCAPED_SPACE, metadata_for  # noqa: E402
 
 from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS  # noqa: E402
 
@@ -96,6 +96,12 @@ def vocabulary_words(texts: list[str]) -> list[str]:
     """Every word any of our splitters makes of `texts`, sorted."""
     splitters = {id(spec.split): spec.split for spec in PRE_TOKENIZERS.values()}
     return sorted({w for split in splitters.values() for t in texts for w in split(t)})
+
+
+def raw_vocabulary_words(texts: list[str]) -> list[str]:
+    """For the Gemma 4 style vocabulary: the Llama 3 words of the texts, spaces escaped."""
+    split = PRE_TOKENIZERS["llama-bpe"].split
+    return sorted({w for t in texts for w in split(t.replace(" ", ESCAPED_SPACE))})
 
 
 def write_model(meta: dict[str, Any], dst: Path) -> None:
@@ -194,15 +200,14 @@ def main() -> None:
     )
     ap.add_argument("--names", nargs="*", help="only these names (default: all)")
     args = ap.parse_args()
-    words = vocabulary_words(TEXTS)
     names = args.names or sorted({*PRE_TOKENIZERS, *NOT_SERVED, *CANDIDATES})
-    all_texts = TEXTS + UNMERGED
     table: dict[str, int] = {}
     out: dict[str, Any] = {
         "llama_server": os.path.relpath(args.server, REPO),
         "texts": TEXTS,
         "special_text": SPECIAL_TEXT,
-        "words": words,
+        "words": vocabulary_words(TEXTS),
+        "raw_words": raw_vocabulary_words(TEXTS),
         "ids": [],
         "names": {},
         "refused": {},
@@ -218,8 +223,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             model = Path(tmp) / "tiny.gguf"
-            write_model(oracle_metadata(words, name), model)
-            got = run_server(args.server, model, all_texts)
+            meta, texts = metadata_for(name, out)
+            write_model(meta, model)
+            got = run_server(args.server, model, texts)
             if isinstance(got, str):
                 out["refused"][name] = got
                 print(f"{name}: refused: {got}", flush=True)

@@ -247,15 +247,20 @@ def parse_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
 class PythonBPE:
     """The merge loop of `llm_tokenizer_bpe_session::tokenize`, one word at a time."""
 
-    def __init__(self, token_to_id: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, token_to_id: dict[str, int], merges: list[tuple[str, str]], raw: bool = False
+    ) -> None:
+        """`raw`: words are raw UTF-8 text, not GPT-2 byte symbols (Gemma 4 style), and a symbol
+        missing from the vocabulary becomes its bytes' `<0xXX>` tokens."""
         self.token_to_id = token_to_id
+        self.raw = raw
         self.ranks: dict[tuple[str, str], int] = {}
         for rank, pair in enumerate(merges):
             self.ranks.setdefault(pair, rank)
         self._cache: dict[str, list[int]] = {}
 
     def word_ids(self, word: str) -> list[int]:
-        """Ids of one byte-encoded word."""
+        """Ids of one byte-encoded (or, `raw`, escaped UTF-8) word."""
         ids = self._cache.get(word)
         if ids is None:
             ids = self._merge(word)
@@ -301,6 +306,11 @@ class PythonBPE:
             tid = vocab.get(sym)
             if tid is not None:
                 out.append(tid)
+            elif self.raw:
+                for b in sym.encode("utf-8"):
+                    t = vocab.get(f"<0x{b:02X}>")
+                    if t is not None:
+                        out.append(t)
             else:
                 # llama.cpp looks the symbol's raw bytes up as one-byte strings; only ASCII
                 # bytes can be vocabulary entries, the rest is dropped.

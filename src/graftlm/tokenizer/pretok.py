@@ -172,6 +172,9 @@ class PreTokenizer:
     ignore_merges: bool = False  # a word that is a vocabulary entry is that token, unmerged
     add_bos: bool = False  # default of tokenizer.ggml.add_bos_token
     bos_default: int | None = 11  # BOS id when tokenizer.ggml.bos_token_id is absent
+    # Gemma 4 style: spaces escaped as U+2581, merges on raw UTF-8, <0xXX> byte tokens
+    raw_utf8: bool = False
+    whole_newlines: bool = False  # a word of newlines that is a vocabulary entry is that token
 
 
 def _gpt2(split_numbers: bool, clean_spaces: bool) -> PreTokenizer:
@@ -248,9 +251,16 @@ _add(["afmoe"], AFMOE_REGEXES, False)
 _add(["laguna"], LAGUNA_REGEXES, False)
 _add(["minicpm5"], MINICPM5_REGEXES, True, ignore_merges=True)
 
-# Names llama.cpp knows whose BPE is not GPT-2's byte-level one: refused with this reason.
+# GEMMA4 (and SARVAM_MOE): SentencePiece-style BPE, spaces escaped as U+2581, merges over whole
+# lines of raw UTF-8; GEMMA4 takes a run of newlines that is a vocabulary entry whole, and adds
+# BOS by default (llama.cpp overrides add_bos for it)
+_NEWLINES = r"[^\n]+|[\n]+"
+_add(["gemma4", "granite-embed-multi-311m"], [_NEWLINES], True, add_bos=True, raw_utf8=True,
+     whole_newlines=True)  # fmt: skip
+_add(["sarvam-moe"], [_NEWLINES], False, raw_utf8=True)
+
+# Names llama.cpp knows that we refuse, with the reason.
 NOT_SERVED: dict[str, str] = {
-    name: "its BPE runs on raw UTF-8 with spaces escaped, not on GPT-2 bytes"
-    for name in ("gemma4", "granite-embed-multi-311m", "sarvam-moe", "mmbert")
+    "whitespace": "its BPE runs on raw UTF-8 split at whitespace, not on GPT-2 bytes",
+    "mmbert": "an embedding model's tokenizer (a space prefix and a pre-split not reproduced here)",
 }
-NOT_SERVED["whitespace"] = "its BPE runs on raw UTF-8 split at whitespace, not on GPT-2 bytes"

@@ -8,8 +8,8 @@ from typing import Any
 
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
-from graftlm.tokenizer.bpe import byte_decode, byte_encode, make_merger, parse_merges
-from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS
+from graftlm.tokenizer.bpe import PythonBPE, byte_decode, byte_encode, make_merger, parse_merges
+from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS, PreTokenizer
 from graftlm.tokenizer.spm import ESCAPED_SPACE, SPMEncoder
 from graftlm.tokenizer.vocab import TokenAttr, Vocab
 
@@ -51,6 +51,8 @@ class Tokenizer:
         self.add_bos: bool = vocab.add_bos
         self.add_eos: bool = vocab.add_eos
         self.add_space_prefix: bool = vocab.add_space_prefix
+        # gpt2 vocabularies of GPT-2 byte symbols (all but the Gemma 4 style's raw UTF-8)
+        self.byte_level = model == "gpt2"
         self._encode_text = encode_text
         self._pieces: dict[int, bytes] = {}
 
@@ -106,8 +108,10 @@ class Tokenizer:
             add_eos=False,
             add_space_prefix=False,
         )
-        merge_words, backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
         split = spec.split
+        if spec.raw_utf8:
+            return cls._raw_bpe(vocab, spec, parse_merges(merges_raw))
+        merge_words, backend = make_merger(vocab.token_to_id, parse_merges(merges_raw))
         if spec.ignore_merges:
             merge_words = _whole_words_first(vocab.token_to_id, merge_words)
 
@@ -115,6 +119,26 @@ class Tokenizer:
             return merge_words([byte_encode(w) for w in split(text)])
 
         return cls(vocab, "gpt2", encode_text, clean_spaces=spec.clean_spaces, backend=backend)
+
+    @classmethod
+    def _raw_bpe(cls, vocab: Vocab, spec: PreTokenizer, merges: list[tuple[str, str]]) -> Tokenizer:
+        """The Gemma 4 style BPE: the text's spaces escaped as U+2581, words of raw UTF-8."""
+        bpe = PythonBPE(vocab.token_to_id, merges, raw=True)
+        token_to_id = vocab.token_to_id
+
+        def encode_text(text: str) -> list[int]:
+            out: list[int] = []
+            for word in spec.split(text.replace(" ", ESCAPED_SPACE)):
+                tid = token_to_id.get(word) if spec.whole_newlines else None
+                if tid is not None and not word.strip("\n"):
+                    out.append(tid)
+                else:
+                    out += bpe.word_ids(word)
+            return out
+
+        tok = cls(vocab, "gpt2", encode_text, clean_spaces=spec.clean_spaces)
+        tok.byte_level = False
+        return tok
 
     @classmethod
     def _from_spm_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -184,7 +208,7 @@ class Tokenizer:
         if attr & _VERBATIM:
             return text.encode("utf-8")
         if attr & _NORMAL:
-            if self.model == "gpt2":
+            if self.byte_level:
                 return byte_decode(text)
             return text.replace(ESCAPED_SPACE, " ").encode("utf-8")
         if attr & _BYTE:

@@ -333,11 +333,15 @@ def _step(pattern: str) -> tuple[str, Cut]:
 
 def chain_splitter(patterns: Sequence[str]) -> Callable[[str], list[str]]:
     """A function from raw text to its words, as llama.cpp splits with a list of regexes: each
-    one cuts every piece the ones before it made."""
-    steps = [_step(p) for p in patterns]
-    views = {view: _VIEWS[view] for view, _ in steps}
+    one cuts every piece the ones before it made. The patterns compile at the first call (the
+    table holds some forty, most of them never used in one process)."""
+    steps: list[tuple[str, Cut]] = []
+    views: dict[str, Callable[[str], str]] = {}
 
     def split(text: str) -> list[str]:
+        if not steps:
+            steps.extend(_step(p) for p in patterns)
+            views.update((view, _VIEWS[view]) for view, _ in steps)
         seen = {name: make(text) for name, make in views.items()}
         spans = [(0, len(text))]
         for view, cut in steps:

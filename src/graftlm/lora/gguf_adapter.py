@@ -93,14 +93,8 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
     # is checked, then all are read together (_read_dense)
     placed: list[tuple[str, slice, slice, Delta | int]] = []
     dense: list[tuple[str, TensorEntry, TensorEntry]] = []
-    for base, pair in sorted(_pairs(f, problems).items()):
-        if set(pair) != {"lora_a", "lora_b"}:
-            missing = ({"lora_a", "lora_b"} - set(pair)).pop()
-            problems.append(f"tensor {base}.weight: has no {missing}")
-            continue
-        got = _resolve_pair(
-            base, pair["lora_a"], pair["lora_b"], alpha, model, base_tensors, problems
-        )
+    for base, (a_e, b_e) in sorted(lora_pairs(f, problems).items()):
+        got = _resolve_pair(base, a_e, b_e, alpha, model, base_tensors, problems)
         if isinstance(got, tuple):
             targets, a_e, b_e = got
             placed += [(t.projection, t.rows, t.at, len(dense)) for t in targets]
@@ -161,9 +155,11 @@ def _lora_metadata(f: GGUFFile, problems: list[str]) -> tuple[float, str, str, l
     return alpha, task_name, prompt_prefix, invocation
 
 
-def _pairs(f: GGUFFile, problems: list[str]) -> dict[str, dict[str, TensorEntry]]:
-    """The file's tensors by base name: {"lora_a"/"lora_b": entry}; any other tensor is a problem."""
-    pairs: dict[str, dict[str, TensorEntry]] = {}
+def lora_pairs(f: GGUFFile, problems: list[str]) -> dict[str, tuple[TensorEntry, TensorEntry]]:
+    """The file's (lora_a, lora_b) tensors by base name, in the file's order: the one reading of
+    the names `<base>.weight.lora_a` / `.lora_b`. A tensor named otherwise, and a half without
+    its other half, is a problem."""
+    halves: dict[str, dict[str, TensorEntry]] = {}
     for name, entry in f.tensors.items():
         stem, _, part = name.rpartition(".")
         if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
@@ -171,7 +167,15 @@ def _pairs(f: GGUFFile, problems: list[str]) -> dict[str, dict[str, TensorEntry]
                 f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')"
             )
             continue
-        pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
+        halves.setdefault(stem[: -len(".weight")], {})[part] = entry
+    pairs: dict[str, tuple[TensorEntry, TensorEntry]] = {}
+    for base, pair in halves.items():
+        if len(pair) == 2:
+            pairs[base] = (pair["lora_a"], pair["lora_b"])
+        else:
+            problems.append(
+                f"tensor {base}.weight: has no {'lora_b' if 'lora_a' in pair else 'lora_a'}"
+            )
     return pairs
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import graftlm
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
-from graftlm.step.batch import Batch
+from graftlm.step.batch import Batch, LoraRows
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_gemma3"])
@@ -194,7 +196,8 @@ def test_the_decode_scale_table_follows_the_rows(qtype: str, tmp_path: object) -
     settings are those it was built for: a row leaving and another joining at other scales
     (the same count of rows), or a row's scale changing, builds it anew, and each request's
     tokens are those it makes alone (float32 model: the PyTorch twin; Q4_1: the native decode
-    layers, whose scale board is filled from the table)."""
+    layers, whose scale board is filled from the table). No step writes into a table it shares
+    with the next: each still holds what its rows' settings give."""
     from pathlib import Path
 
     from gguf import GGMLQuantizationType as Q
@@ -228,12 +231,26 @@ def test_the_decode_scale_table_follows_the_rows(qtype: str, tmp_path: object) -
         r = eng.submit(request(lora, n, seed))
         eng.run(r)
         alone.append(r.generated)
+    tables: dict[int, tuple[LoraRows, tuple[object, ...]]] = {}  # each step's, and its key
+
+    def step() -> None:
+        eng.step()
+        if eng._rows is not None:
+            tables.setdefault(id(eng._rows), (eng._rows, eng._rows_key))
+
     # two rows a step throughout: the first row leaves and the third joins, then the fourth
     reqs = [eng.submit(request(*plan[0])), eng.submit(request(*plan[1]))]
     for p in plan[2:]:
         while all(not r.done for r in reqs[-2:]):
-            eng.step()
+            step()
         reqs.append(eng.submit(request(*p)))
     while eng.busy:
-        eng.step()
+        step()
     assert [r.generated for r in reqs] == alone
+    # no step wrote into a table it shared with the next ones, nor can rebind its fields
+    assert tables
+    for rows, key in tables.values():
+        want = lora_rows(list(key[1:]), eng.device)  # type: ignore[arg-type]
+        assert want is not None and torch.equal(rows.scales, want.scales)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.scales = first.scales * 2  # type: ignore[misc]

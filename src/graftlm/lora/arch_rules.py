@@ -1,7 +1,9 @@
 """What llama.cpp's converter (`convert_hf_to_gguf.py`) did to each architecture's weights, as
 an adapter must follow it: Hugging Face module names to GGUF base tensor names and back, and the
-Q/K rows permuted for RoPE on llama-architecture files (`LlamaModel.permute`). PEFT directories
-are read (peft.py) and written (convert.py) through these rules.
+Q/K rows permuted for RoPE on llama-architecture files (`LlamaModel.permute`), and how each
+family's routed experts are laid out in PEFT (per-expert modules, gate and up rows). PEFT
+directories are read (peft.py, peft_experts.py) and written (convert.py, convert_experts.py)
+through these rules.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ _HF_MODULES: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class ExpertLinears:
+    """A family's routed experts as per-expert nn.Linear modules (transformers before 5, the
+    layout llama.cpp's converter reads): expert E of layer N is `model.layers.N.{stem}.E.{name}`."""
+
+    stem: str  # "mlp.experts"
+    names: Mapping[str, str]  # "gate", "up", "down" -> the module's own name ("gate_proj")
+
+
+@dataclass(frozen=True)
 class ArchRules:
     """What llama.cpp's `convert_hf_to_gguf.py` did to one architecture's projection weights."""
 
@@ -36,10 +47,23 @@ class ArchRules:
     # LlamaModel.undo_permute: Q/K rows reordered per head from HF's halves to adjacent pairs
     rope_permuted: bool
     hf_modules: Mapping[str, str] = field(default_factory=lambda: _HF_MODULES)
+    # routed experts: their per-expert nn.Linear modules, None where the family has none (gpt-oss:
+    # PEFT's target_parameters on mlp.experts.gate_up_proj / down_proj only)
+    expert_linears: ExpertLinears | None = None
+    # the experts' gate_up_proj alternates gate and up rows (expert e's gate rows 0::2; as
+    # GptOssExperts reads it, and llama.cpp's converter splits the base weight), not [gate; up]
+    gate_up_interleaved: bool = False
 
 
 ARCH_RULES: dict[str, ArchRules] = {
-    "llama": ArchRules(gguf.MODEL_ARCH.LLAMA, rope_permuted=True),  # also Mistral, SmolLM2
+    # also Mistral, SmolLM2 and Mixtral (its routed experts)
+    "llama": ArchRules(
+        gguf.MODEL_ARCH.LLAMA,
+        rope_permuted=True,
+        expert_linears=ExpertLinears(
+            "block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}
+        ),
+    ),
     "gemma3": ArchRules(gguf.MODEL_ARCH.GEMMA3, rope_permuted=False),
     "gemma2": ArchRules(gguf.MODEL_ARCH.GEMMA2, rope_permuted=False),
     "qwen2": ArchRules(gguf.MODEL_ARCH.QWEN2, rope_permuted=False),
@@ -52,6 +76,9 @@ ARCH_RULES: dict[str, ArchRules] = {
             **{k: v for k, v in _HF_MODULES.items() if not k.startswith("ffn_")},
             "ffn_gate_inp": "model.layers.{bid}.mlp.gate",
         },
+        expert_linears=ExpertLinears(
+            "mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+        ),
     ),
     # attention only: the router (GptOssTopKRouter) is no nn.Linear PEFT wraps, and the experts
     # are 3-D parameters
@@ -59,6 +86,7 @@ ARCH_RULES: dict[str, ArchRules] = {
         gguf.MODEL_ARCH.GPT_OSS,
         rope_permuted=False,
         hf_modules={k: v for k, v in _HF_MODULES.items() if not k.startswith("ffn_")},
+        gate_up_interleaved=True,
     ),
     # phi3 keeps its fused qkv_proj and gate_up_proj as attn_qkv and ffn_up (gate rows first)
     "phi3": ArchRules(
@@ -83,6 +111,14 @@ _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 def arch_rules(arch: str) -> ArchRules | None:
     """The conversion rules of a GGUF architecture; None: PEFT names cannot be mapped for it."""
     return ARCH_RULES.get(arch)
+
+
+def gate_up_rows(arch: str, n_ff: int) -> tuple[slice, slice]:
+    """The gate rows and the up rows of a routed expert's (2 n_ff)-row gate_up_proj on `arch`."""
+    rules = ARCH_RULES.get(arch)
+    if rules is not None and rules.gate_up_interleaved:
+        return slice(0, 2 * n_ff, 2), slice(1, 2 * n_ff, 2)
+    return slice(0, n_ff), slice(n_ff, 2 * n_ff)
 
 
 def hf_to_gguf(arch: str, n_layer: int, module: str) -> str | None:

@@ -33,10 +33,11 @@ import torch
 from safetensors.torch import save_file
 
 from graftlm.errors import AdapterError, GraftError, ModelFileError
-from graftlm.gguf import GGUFFile
+from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.arch_rules import ARCH_RULES, gguf_to_hf, unpermute_rows
 from graftlm.lora.convert_experts import PeftExperts, peft_layout, stack_experts, stacked_problem
+from graftlm.lora.gguf_adapter import lora_pairs
 from graftlm.lora.peft import KEY_PREFIX, WEIGHTS_FILE, read_peft
 from graftlm.lora.peft_base import BaseInfo, LoraPair
 from graftlm.lora.peft_config import CONFIG_FILE
@@ -195,18 +196,10 @@ def gguf_to_peft(
     alpha_v = f.metadata.get(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
     alpha = float(alpha_v) if isinstance(alpha_v, (int, float)) else 0.0
 
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for name, e in f.tensors.items():
-        stem, _, part = name.rpartition(".")
-        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
-            problems.append(f"tensor {name!r}: not a LoRA tensor")
-            continue
-        halves.setdefault(stem[: -len(".weight")], {})[part] = dequantize_any(
-            e.data, e.ggml_type, e.shape
-        )
+    pairs = {name: (_read(a_e), _read(b_e)) for name, (a_e, b_e) in lora_pairs(f, problems).items()}
 
     n_layer = base.n_layer if base is not None else None
-    tensors, ranks, experts = _peft_tensors(halves, arch, base, problems)
+    tensors, ranks, experts = _peft_tensors(pairs, arch, base, problems)
     if not problems and not tensors:
         problems.append("holds no LoRA tensors")
     if problems:
@@ -229,8 +222,12 @@ def gguf_to_peft(
     return notes
 
 
+def _read(e: TensorEntry) -> torch.Tensor:
+    return dequantize_any(e.data, e.ggml_type, e.shape)
+
+
 def _peft_tensors(
-    halves: dict[str, dict[str, torch.Tensor]],
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
     arch: str,
     base: BaseInfo | None,
     problems: list[str],
@@ -241,14 +238,11 @@ def _peft_tensors(
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     stacked: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # routed experts' 3-D pairs
-    for gname, pair in halves.items():
-        if set(pair) != {"lora_a", "lora_b"}:
-            problems.append(f"tensor {gname}.weight: has only {', '.join(pair)}")
-            continue
+    for gname, pair in pairs.items():
         if ROUTED.fullmatch(gname):
-            bad = stacked_problem(gname, pair["lora_a"].shape, pair["lora_b"].shape, base)
+            bad = stacked_problem(gname, pair[0].shape, pair[1].shape, base)
             if bad is None:
-                stacked[gname] = (pair["lora_a"], pair["lora_b"])
+                stacked[gname] = pair
             else:
                 problems.append(bad)
             continue
@@ -299,7 +293,7 @@ def _open_lora_gguf(path: str | os.PathLike[str]) -> tuple[GGUFFile, str]:
 
 def _peft_pair(
     gname: str,
-    pair: dict[str, torch.Tensor],
+    pair: tuple[torch.Tensor, torch.Tensor],
     arch: str,
     base: BaseInfo | None,
     problems: list[str],
@@ -312,7 +306,7 @@ def _peft_pair(
     if module is None:
         problems.append(f"{where}: no Hugging Face module is known for it on {arch}")
         return None
-    a, b = pair["lora_a"], pair["lora_b"]
+    a, b = pair
     if gname == EMBEDDING:
         a = a.T  # back to PEFT's lora_embedding_A (r, n_vocab)
     if a.shape[0] != b.shape[1]:

@@ -15,16 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from graftlm.lora.arch_rules import arch_rules, gate_up_rows
 from graftlm.lora.peft_base import BaseInfo, LoraPair
-from graftlm.lora.peft_experts import INTERLEAVED_GATE_UP, gate_up_rows
-from graftlm.lora.targets import ROUTED
-
-# family -> its per-expert nn.Linear modules (the layout before transformers 5, which llama.cpp's
-# converter reads): (stem, gate, up, down)
-_LINEAR_LAYOUT = {
-    "qwen3moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
-    "llama": ("block_sparse_moe.experts", "w1", "w3", "w2"),
-}
+from graftlm.lora.targets import EXPERT_ADAPTER_ARCHS, ROUTED
 
 
 def stack_experts(pairs: list[LoraPair], n_expert: int) -> list[LoraPair]:
@@ -119,17 +112,18 @@ def peft_layout(
     experts.down_proj; Mixtral's and Qwen3-MoE's as per-expert nn.Linear modules, which hold any
     of llama.cpp's adapters exactly."""
     out = PeftExperts({}, {}, [], None)
-    if arch in _LINEAR_LAYOUT:
-        stem, *names = _LINEAR_LAYOUT[arch]
+    rules = arch_rules(arch)
+    linears = rules.expert_linears if rules is not None else None
+    if linears is not None:
         for name, (a, b) in pairs.items():
             m = ROUTED.fullmatch(name)
             assert m is not None
-            proj = names[("gate", "up", "down").index(m.group(2))]
+            proj = linears.names[m.group(2)]
             for e in range(a.shape[0]):
-                module = f"model.layers.{m.group(1)}.{stem}.{e}.{proj}"
+                module = f"model.layers.{m.group(1)}.{linears.stem}.{e}.{proj}"
                 out.linear[module] = (a[e], b[e])
         return out
-    if arch not in INTERLEAVED_GATE_UP:
+    if arch not in EXPERT_ADAPTER_ARCHS:  # (those without per-expert modules: gpt-oss's params)
         problems.append(f"routed-expert tensors: no PEFT layout is known for {arch}'s experts")
         return out
     return _params(arch, pairs, n_layer, problems)

@@ -27,6 +27,7 @@ from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING
 from graftlm.lora.convert import check_output_folder
 from graftlm.lora.convert_experts import stacked_problem
+from graftlm.lora.gguf_adapter import lora_pairs
 from graftlm.lora.peft import read_peft
 from graftlm.lora.peft_base import BaseInfo
 from graftlm.lora.targets import ROUTED
@@ -162,19 +163,8 @@ def _pairs(
         problems.append(f"general.architecture is {f.architecture!r}, the base is {base.arch!r}")
     alpha_v = f.metadata.get(gguf.Keys.Adapter.LORA_ALPHA, 0.0)
     alpha = float(alpha_v) if isinstance(alpha_v, (int, float)) else 0.0
-    halves: dict[str, dict[str, TensorEntry]] = {}
-    for name, e in f.tensors.items():
-        stem, _, part = name.rpartition(".")
-        if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
-            problems.append(f"tensor {name!r}: not a LoRA tensor")
-            continue
-        halves.setdefault(stem[: -len(".weight")], {})[part] = e
     out: list[tuple[str, float, torch.Tensor, torch.Tensor, int | None]] = []
-    for name, pair in sorted(halves.items()):
-        if set(pair) != {"lora_a", "lora_b"}:
-            problems.append(f"tensor {name}.weight: has only {', '.join(pair)}")
-            continue
-        a_e, b_e = pair["lora_a"], pair["lora_b"]
+    for name, (a_e, b_e) in sorted(lora_pairs(f, problems).items()):
         # the header's shapes checked before anything is read
         bad = (
             stacked_problem(name, a_e.shape, b_e.shape, base)

@@ -19,6 +19,8 @@ import torch
 from graftlm.errors import AdapterError, ModelFileError
 from graftlm.gguf import GGUFFile, TensorEntry
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
+from graftlm.lora.convert_experts import stacked_problem
+from graftlm.lora.peft_base import BaseInfo
 from graftlm.lora.scales import FLOAT32_MAX
 from graftlm.lora.targets import Base, Target, resolve_target
 from graftlm.quant import dequantize_any
@@ -93,14 +95,8 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
     # is checked, then all are read together (_read_dense)
     placed: list[tuple[str, slice, slice, Delta | int]] = []
     dense: list[tuple[str, TensorEntry, TensorEntry]] = []
-    for base, pair in sorted(_pairs(f, problems).items()):
-        if set(pair) != {"lora_a", "lora_b"}:
-            missing = ({"lora_a", "lora_b"} - set(pair)).pop()
-            problems.append(f"tensor {base}.weight: has no {missing}")
-            continue
-        got = _resolve_pair(
-            base, pair["lora_a"], pair["lora_b"], alpha, model, base_tensors, problems
-        )
+    for base, (a_e, b_e) in sorted(lora_pairs(f, problems).items()):
+        got = _resolve_pair(base, a_e, b_e, alpha, model, base_tensors, problems)
         if isinstance(got, tuple):
             targets, a_e, b_e = got
             placed += [(t.projection, t.rows, t.at, len(dense)) for t in targets]
@@ -161,9 +157,11 @@ def _lora_metadata(f: GGUFFile, problems: list[str]) -> tuple[float, str, str, l
     return alpha, task_name, prompt_prefix, invocation
 
 
-def _pairs(f: GGUFFile, problems: list[str]) -> dict[str, dict[str, TensorEntry]]:
-    """The file's tensors by base name: {"lora_a"/"lora_b": entry}; any other tensor is a problem."""
-    pairs: dict[str, dict[str, TensorEntry]] = {}
+def lora_pairs(f: GGUFFile, problems: list[str]) -> dict[str, tuple[TensorEntry, TensorEntry]]:
+    """The file's (lora_a, lora_b) tensors by base name, in the file's order: the one reading of
+    the names `<base>.weight.lora_a` / `.lora_b`. A tensor named otherwise, and a half without
+    its other half, is a problem."""
+    halves: dict[str, dict[str, TensorEntry]] = {}
     for name, entry in f.tensors.items():
         stem, _, part = name.rpartition(".")
         if part not in ("lora_a", "lora_b") or not stem.endswith(".weight"):
@@ -171,7 +169,15 @@ def _pairs(f: GGUFFile, problems: list[str]) -> dict[str, dict[str, TensorEntry]
                 f"tensor {name!r}: not a LoRA tensor (expected '<base>.weight.lora_a' or '.lora_b')"
             )
             continue
-        pairs.setdefault(stem[: -len(".weight")], {})[part] = entry
+        halves.setdefault(stem[: -len(".weight")], {})[part] = entry
+    pairs: dict[str, tuple[TensorEntry, TensorEntry]] = {}
+    for base, pair in halves.items():
+        if len(pair) == 2:
+            pairs[base] = (pair["lora_a"], pair["lora_b"])
+        else:
+            problems.append(
+                f"tensor {base}.weight: has no {'lora_b' if 'lora_a' in pair else 'lora_a'}"
+            )
     return pairs
 
 
@@ -203,7 +209,7 @@ def _resolve_pair(
         problems.append(f"tensor {base}.weight: not in the base model")
         return []
     if targets[0].expert is not None:
-        return _resolve_experts(base, a_e, b_e, alpha, targets, problems)
+        return _resolve_experts(base, a_e, b_e, alpha, model, targets, problems)
     if len(a_e.shape) != 2 or len(b_e.shape) != 2:
         problems.append(
             f"tensor {base}.weight: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} must both be 2-D"
@@ -226,35 +232,20 @@ def _resolve_experts(
     a_e: TensorEntry,
     b_e: TensorEntry,
     alpha: float,
+    model: Base,
     targets: list[Target],
     problems: list[str],
 ) -> list[tuple[str, tuple[slice, slice, Delta]]]:
     """A routed-expert pair (convert_lora_to_gguf.py stacks the experts' factors, as the base's
-    weights): A ne=[n_in, r, n_expert], B ne=[r, n_out, n_expert]; each expert's (A[e], B[e])
-    lands in that expert's projection (llama.cpp's build_lora_mm_id)."""
-    t0, n_expert = targets[0], len(targets)
-    if len(a_e.shape) != 3 or len(b_e.shape) != 3:
-        problems.append(
-            f"tensor {base}.weight: routed-expert tensor: lora_a {_ne(a_e)} and lora_b "
-            f"{_ne(b_e)} must both be 3-D "
-            f"(ne=[n_in, r, n_expert] and ne=[r, n_out, n_expert]) for a routed-expert tensor "
-            f"of {n_expert} experts"
-        )
-        return []
-    ea, ra, n_in = a_e.shape  # torch order
-    eb, n_out, rb = b_e.shape
-    bad = []
-    if ea != n_expert or eb != n_expert:
-        bad.append(
-            f"lora_a {_ne(a_e)} has {ea} experts and lora_b {_ne(b_e)} has {eb}; the base has "
-            f"{n_expert}"
-        )
-    bad += _fit(a_e, b_e, t0, (n_in, n_out, ra, rb))
-    if bad:
-        problems.append(f"tensor {base}.weight: routed-expert tensor: " + "; ".join(bad))
+    weights): A ne=[n_in, r, n_expert], B ne=[r, n_out, n_expert], checked as convert-lora and
+    export-lora check it; each expert's (A[e], B[e]) lands in that expert's projection
+    (llama.cpp's build_lora_mm_id)."""
+    bad = stacked_problem(base, a_e.shape, b_e.shape, BaseInfo.from_model(model))
+    if bad is not None:
+        problems.append(bad)
         return []
     # (n_expert, r, n_in), (n_expert, n_out, r)
-    a, b = _values(a_e), _scaled(_values(b_e), alpha, rb)
+    a, b = _values(a_e), _scaled(_values(b_e), alpha, b_e.shape[2])
     return [
         (t.projection, (t.rows, t.at, Delta(a[e], b[e], sources=(f"{base}.weight[{e}]",))))
         for e, t in enumerate(targets)
@@ -266,10 +257,10 @@ def _fit(
     b_e: TensorEntry,
     t0: Target,
     sizes: tuple[int, int, int, int],
-    embd: bool = False,
+    embd: bool,
 ) -> list[str]:
     """How a pair of sizes (n_in, n_out, rank of A, rank of B) does not fit its target: a
-    dense projection's or embedding's pair, or one expert's of a routed-expert pair."""
+    dense projection's or embedding's pair."""
     n_in, n_out, ra, rb = sizes
     bad = []
     if n_in != t0.n_in:

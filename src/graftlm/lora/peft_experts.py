@@ -21,28 +21,24 @@ from typing import Any
 
 import torch
 
+from graftlm.lora.arch_rules import ARCH_RULES, gate_up_rows
 from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig
 
-# a routed expert as its own nn.Linear
+# every family's per-expert nn.Linear names (arch_rules.ExpertLinears): "w1" -> "ffn_gate_exps"
+_LINEARS = [r.expert_linears for r in ARCH_RULES.values() if r.expert_linears is not None]
+_EXPERT_KIND = {name: f"ffn_{kind}_exps" for x in _LINEARS for kind, name in x.names.items()}
+# a routed expert as its own nn.Linear: layers.N.{stem}.E.{name}, in any family's names
 _EXPERT_LINEAR = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"(?:.*\.)?layers\.(\d+)\.(?:"
+    + "|".join(sorted({re.escape(x.stem) for x in _LINEARS}))
+    + r")\.(\d+)\.("
+    + "|".join(_EXPERT_KIND)
+    + ")"
 )
-_EXPERT_KIND = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
-                "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 # the experts' 3-D parameters as PEFT's target_parameters wraps them (transformers 5): one
 # ParamWrapper a parameter, nested (".base_layer") when a module has several
 _EXPERT_PARAMS = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)")
-# the families whose gate_up_proj interleaves gate and up rows (expert e's gate rows 0::2)
-INTERLEAVED_GATE_UP = {"gpt-oss"}
-
-
-def gate_up_rows(arch: str, n_ff: int) -> tuple[slice, slice]:
-    """The gate rows and the up rows of a (2 n_ff)-row gate_up_proj on `arch`."""
-    if arch in INTERLEAVED_GATE_UP:
-        return slice(0, 2 * n_ff, 2), slice(1, 2 * n_ff, 2)
-    return slice(0, n_ff), slice(n_ff, 2 * n_ff)
 
 
 @dataclass(frozen=True)

@@ -16,20 +16,26 @@ from typing import NamedTuple
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraRows:
     """Per-row adapter scales for one step.
 
     scales: (B, n_slots) float32, scale of adapter slot s on row b (0 = off), on the model's
         device.
     active: the slots with any nonzero scale in this step, ascending; only these are computed.
+
+    Never changed once made: one object serves every decode step while its rows' settings hold
+    (Engine._decode_lora), and the native layers copy `scales` once an object
+    (models.fused.ScaleBoard). Frozen; torch cannot mark a tensor read-only (and one made in
+    inference mode keeps no version counter to check), so every consumer only reads `scales`,
+    which tests/test_engine.py checks over many steps.
     """
 
     scales: torch.Tensor
     active: tuple[int, ...]
 
     def __post_init__(self) -> None:  # the native kernels read it as it is
-        self.scales = self.scales.to(torch.float32).contiguous()
+        object.__setattr__(self, "scales", self.scales.to(torch.float32).contiguous())
 
 
 class RowIndex(NamedTuple):

@@ -368,6 +368,93 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
 #endif
 }
 
+#if IQ_VBMI && IQ_W == 16
+/* The sign bytes of 64 7-bit sign indices (iq_ksigns' 512-bit form): dword o of aux holds four at
+ * bits 0, 7, 14, 21; dword o of the result their 32 sign bits (byte e: entry e's 8 values). */
+static inline __m512i iq_ksigns512(__m512i aux) {
+    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), aux);
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+}
+
+/* The sign mask of a chunk (bit 4 o + i: output o's value i of the chunk negative) from S (dword o:
+ * output o's 32 sign bits of the chunk's 32 values, the chunk's at bits [4 c, 4 c + 4)). */
+static inline __mmask64 iq_chunk_neg(__m512i S, int c) {
+    const long long lo = 0x03020100ll + 0x04040404ll * c, hi = lo + 0x20202020ll;
+    return _mm512_bitshuffle_epi64_mask(S, _mm512_set1_epi64(lo | hi << 32));
+}
+
+/* iq_lanes_fill for IQ2_XXS and IQ3_XXS: the 16 outputs' grid indices and sign words transposed
+ * (16 x 16 dwords: 4 bytes of an output a lane), not their 256 values each, then looked up and
+ * cut straight into the lanes, the sign bits picked a chunk at a time (vpshufbitqmb), the scales
+ * made in lanes: 4-8x fewer bytes through the transposition. The same lanes (bytes, scales, nc). */
+static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t *const *p, const int v,
+                                                                  iq_lanes *L) {
+    uint16_t dh[16];
+    for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i T[16];
+    for (int o = 0; o < 16; o++) T[o] = _mm512_loadu_si512(p[o] + 2);
+    transpose16((__m512 *)T); /* T[m] dword o: output o's dword m of bytes [2, 66) */
+    if (v == IQ2_XXS) { /* T[2 ib]: sub-block ib's 4 indices, T[2 ib + 1]: its signs and ls */
+        const __m512i mag = _mm512_load_si512(IQ2XXS_MAG64);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512i pl[2] = {iq_look256(IQ2XXS_CODE[0], T[2 * ib]), iq_look256(IQ2XXS_CODE[1], T[2 * ib])};
+            const __m512i S = iq_ksigns512(T[2 * ib + 1]);
+            for (int e = 0; e < 4; e++) {
+                const long long c0 = 0x06040200ll + 0x08080808ll * e; /* 2 bits a value: 8 e + 2 i */
+                const __m512i cut = _mm512_set1_epi64(c0 | (c0 + 0x20202020ll) << 32);
+                for (int h = 0; h < 2; h++) { /* chunk 8 ib + 2 e + h: entry e's values 4 h .. 4 h + 3 */
+                    const int c = 8 * ib + 2 * e + h;
+                    const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, pl[h]), mag);
+                    _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, 2 * e + h), zero, g));
+                }
+            }
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(T[2 * ib + 1], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e); the sign words at 66 */
+        __m512i A[16];
+        for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 34);
+        transpose16((__m512 *)A); /* A[8 + ib] dword o: output o's sub-block ib's signs and ls */
+        const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
+        const __m512i cut = _mm512_set1_epi64(0x2926232009060300ll); /* 0, 3, 6, 9 | 32, 35, 38, 41 */
+        const __m512i q8 = _mm512_mullo_epi64(_mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56),
+                                              _mm512_set1_epi64(0x0101010101010101ll)); /* 8 q a byte */
+        for (int m = 0; m < 16; m++) {
+            const __m512i lo = iq_look256(IQ3XXS_CODE[0], T[m]), hi = iq_look256(IQ3XXS_CODE[1], T[m]);
+            const __m512i S = iq_ksigns512(A[8 + m / 2]);
+            for (int e = 0; e < 4; e++) { /* qword q: output 2 q's code at bytes 0, 1, 2 q + 1's at 4, 5 */
+                const long long c0 = e | (64 + e) << 8 | e << 16 | (64 + e) << 24, c1 = c0 + 0x04040404ll;
+                const __m512i ctrl = _mm512_add_epi8(_mm512_set1_epi64(c0 | c1 << 32), q8);
+                const __m512i g = _mm512_permutexvar_epi8(
+                    _mm512_multishift_epi64_epi8(cut, _mm512_permutex2var_epi8(lo, ctrl, hi)), mag);
+                const int c = 4 * m + e;
+                _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, c % 8), zero, g));
+            }
+        }
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[8 + ib], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    }
+#if GL_VNNI
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int u = 0; u < 8; u++) {
+        __m512i s = zero;
+        for (int c = 0; c < 8; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[8 * u + c]));
+        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(zero, s));
+    }
+#endif
+}
+#endif
+
 /* acc[o] of R rows (accm: R x IQ_W floats; first: start from 0) += super-block sb of the lanes L
  * against the rows r0 .. r0 + R - 1 of x (xb). */
 static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *L, const int v, int64_t sb,
@@ -443,7 +530,12 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             const uint8_t *p[IQ_W];
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
-            iq_lanes_fill(p, v, &L);
+#if IQ_VBMI && IQ_W == 16
+            if (v == IQ2_XXS || v == IQ3_XXS)
+                iq_lanes_fill_t(p, v, &L);
+            else
+#endif
+                iq_lanes_fill(p, v, &L);
             for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
                 const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
                 float *am = acc + (t0 - r0) * IQ_W;

@@ -385,16 +385,66 @@ static inline __mmask64 iq_chunk_neg(__m512i S, int c) {
     return _mm512_bitshuffle_epi64_mask(S, _mm512_set1_epi64(lo | hi << 32));
 }
 
-/* iq_lanes_fill for IQ2_XXS and IQ3_XXS: the 16 outputs' grid indices and sign words transposed
- * (16 x 16 dwords: 4 bytes of an output a lane), not their 256 values each, then looked up and
- * cut straight into the lanes, the sign bits picked a chunk at a time (vpshufbitqmb), the scales
- * made in lanes: 4-8x fewer bytes through the transposition. The same lanes (bytes, scales, nc). */
+/* The lanes' chunks 8 ib .. 8 ib + 7 of an IQ2 type: pl[h] (h = 0, 1) byte 4 o + e the low and
+ * high code bytes of output o's entry e of sub-block ib, S dword o their 32 sign bits. */
+static inline __attribute__((always_inline)) void iq2_chunks(const __m512i *pl, __m512i S, __m512i mag, int ib,
+                                                             iq_lanes *L) {
+    for (int e = 0; e < 4; e++) {
+        const long long c0 = 0x06040200ll + 0x08080808ll * e; /* 2 bits a value: 8 e + 2 i */
+        const __m512i cut = _mm512_set1_epi64(c0 | (c0 + 0x20202020ll) << 32);
+        for (int h = 0; h < 2; h++) { /* chunk 8 ib + 2 e + h: entry e's values 4 h .. 4 h + 3 */
+            const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, pl[h]), mag);
+            _mm512_store_si512(L->w[8 * ib + 2 * e + h],
+                               _mm512_mask_sub_epi8(g, iq_chunk_neg(S, 2 * e + h), _mm512_setzero_si512(), g));
+        }
+    }
+}
+
+/* The lanes' chunks 4 m .. 4 m + 3 of an IQ3 type: lo, hi byte 4 o + e the code bytes of output
+ * o's entry 4 m + e, S dword o the 32 sign bits of its sub-block (m / 2). */
+static inline __attribute__((always_inline)) void iq3_chunks(__m512i lo, __m512i hi, __m512i S, __m512i mag, int m,
+                                                             iq_lanes *L) {
+    const __m512i cut = _mm512_set1_epi64(0x2926232009060300ll); /* 3 bits a value: 0, 3, 6, 9 | 32 .. */
+    const __m512i q8 = _mm512_mullo_epi64(_mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56),
+                                          _mm512_set1_epi64(0x0101010101010101ll)); /* 8 q a byte */
+    for (int e = 0; e < 4; e++) { /* qword q: output 2 q's code at bytes 0, 1, 2 q + 1's at 4, 5 */
+        const long long c0 = e | (64 + e) << 8 | e << 16 | (64 + e) << 24, c1 = c0 + 0x04040404ll;
+        const __m512i ctrl = _mm512_add_epi8(_mm512_set1_epi64(c0 | c1 << 32), q8);
+        const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, _mm512_permutex2var_epi8(lo, ctrl, hi)), mag);
+        const int c = 4 * m + e;
+        _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, c % 8), _mm512_setzero_si512(), g));
+    }
+}
+
+/* Two masks of 4 bits an output from 16 outputs' 64-bit words (q0: outputs 0 .. 7, q1: 8 .. 15):
+ * bit 4 o + i of *a is bit ctrl[i] of output o's word, of *b bit ctrl[4 + i] (ctrl: one qword's bytes). */
+static inline __attribute__((always_inline)) void iq_pick_bits(__m512i q0, __m512i q1, long long ctrl, __mmask64 *a,
+                                                               __mmask64 *b) {
+    const __m512i c = _mm512_set1_epi64(ctrl);
+    const uint64_t m0 = _cvtmask64_u64(_mm512_bitshuffle_epi64_mask(q0, c));
+    const uint64_t m1 = _cvtmask64_u64(_mm512_bitshuffle_epi64_mask(q1, c));
+    const uint64_t lo = 0x0F0F0F0F0F0F0F0Full, hi = ~lo;
+    *a = _cvtu64_mask64(_pext_u64(m0, lo) | _pext_u64(m1, lo) << 32);
+    *b = _cvtu64_mask64(_pext_u64(m0, hi) | _pext_u64(m1, hi) << 32);
+}
+
+/* The 16 outputs' 8 bytes at offset off of their super-blocks, as qwords: *q0 outputs 0 .. 7, *q1 8 .. 15. */
+static inline void iq_qwords(const uint8_t *const *p, int off, __m512i *q0, __m512i *q1) {
+    uint64_t t[16] __attribute__((aligned(64)));
+    for (int o = 0; o < 16; o++) memcpy(t + o, p[o] + off, 8);
+    *q0 = _mm512_load_si512(t), *q1 = _mm512_load_si512(t + 8);
+}
+
+/* iq_lanes_fill with VBMI, for all types but IQ3_S: the 16 outputs' grid indices and sign words
+ * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
+ * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
+ * (vpshufbitqmb), the scales made in lanes: 4-8x fewer bytes through the transposition. The same
+ * lanes (values, scales, nc) as iq_lanes_fill, so the same products. */
 static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t *const *p, const int v,
                                                                   iq_lanes *L) {
     uint16_t dh[16];
     for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
     const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
-    const __m512i zero = _mm512_setzero_si512();
     __m512i T[16];
     for (int o = 0; o < 16; o++) T[o] = _mm512_loadu_si512(p[o] + 2);
     transpose16((__m512 *)T); /* T[m] dword o: output o's dword m of bytes [2, 66) */
@@ -402,41 +452,55 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
         const __m512i mag = _mm512_load_si512(IQ2XXS_MAG64);
         for (int ib = 0; ib < 8; ib++) {
             const __m512i pl[2] = {iq_look256(IQ2XXS_CODE[0], T[2 * ib]), iq_look256(IQ2XXS_CODE[1], T[2 * ib])};
-            const __m512i S = iq_ksigns512(T[2 * ib + 1]);
-            for (int e = 0; e < 4; e++) {
-                const long long c0 = 0x06040200ll + 0x08080808ll * e; /* 2 bits a value: 8 e + 2 i */
-                const __m512i cut = _mm512_set1_epi64(c0 | (c0 + 0x20202020ll) << 32);
-                for (int h = 0; h < 2; h++) { /* chunk 8 ib + 2 e + h: entry e's values 4 h .. 4 h + 3 */
-                    const int c = 8 * ib + 2 * e + h;
-                    const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, pl[h]), mag);
-                    _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, 2 * e + h), zero, g));
-                }
-            }
+            iq2_chunks(pl, iq_ksigns512(T[2 * ib + 1]), mag, ib, L);
             const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(T[2 * ib + 1], 28));
             const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f));
             _mm512_store_ps(L->s[2 * ib], db);
             _mm512_store_ps(L->s[2 * ib + 1], db);
         }
-    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e); the sign words at 66 */
+    } else if (v == IQ2_XS || v == IQ2_S) {
+        const __m512i mag = _mm512_load_si512(v == IQ2_XS ? IQ2XS_MAG64 : IQ2S_MAG64);
+        __m512i q0, q1;
+        if (v == IQ2_S) iq_qwords(p, 66, &q0, &q1); /* qh: bits 8, 9 of entry 4 ib + e at byte ib's 2 e, 2 e + 1 */
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i pl[2], S;
+            if (v == IQ2_XS) { /* T[2 ib + j] word 2 o + h: entry 4 ib + 2 j + h, 9 bits of index, 7 of signs */
+                const __m512i o4 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                      _mm512_set1_epi32(0x04040404));
+                const __m512i ev = _mm512_add_epi8(_mm512_set1_epi32(0x42400200), o4); /* byte 4 o + e: entry e's low byte */
+                const __m512i idx = _mm512_permutex2var_epi8(T[2 * ib], ev, T[2 * ib + 1]);
+                const __m512i hb = _mm512_permutex2var_epi8(T[2 * ib], _mm512_add_epi8(ev, _mm512_set1_epi8(1)), T[2 * ib + 1]);
+                const __mmask64 h8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1));
+                pl[0] = iq_look512(IQ2XS_CODE[0], idx, h8), pl[1] = iq_look512(IQ2XS_CODE[1], idx, h8);
+                const __m512i m7 = _mm512_set1_epi8(0x7f), s7 = _mm512_and_si512(_mm512_srli_epi16(hb, 1), m7);
+                const __m512i pc = _mm512_popcnt_epi8(s7);
+                S = _mm512_ternarylogic_epi32(s7, _mm512_slli_epi16(pc, 7), m7, 0xE4);
+            } else { /* IQ2_S: T[ib] its 4 indices' low bytes, T[8 + ib] their sign bytes */
+                __mmask64 h8, h9;
+                iq_pick_bits(q0, q1, (0x06040200ll + 0x08080808ll * ib) * 0x0000000100000001ll + 0x0101010100000000ll, &h8, &h9);
+                pl[0] = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], T[ib], h8), iq_look512(IQ2S_CODE[0] + 512, T[ib], h8));
+                pl[1] = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], T[ib], h8), iq_look512(IQ2S_CODE[1] + 512, T[ib], h8));
+                S = T[8 + ib];
+            }
+            iq2_chunks(pl, S, mag, ib, L);
+        }
+        /* the scales: 16 4-bit ls, one per 16 values */
+        __m512i s0, s1;
+        iq_qwords(p, v == IQ2_XS ? 66 : 74, &s0, &s1);
+        const __m512i o8 = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+        for (int u = 0; u < 16; u++) {
+            const __m512i b = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, s0, _mm512_add_epi32(o8, _mm512_set1_epi32(u / 2)), s1);
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 4 * (u & 1)), _mm512_set1_epi32(15)));
+            _mm512_store_ps(L->s[u], _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f)));
+        }
+    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
         __m512i A[16];
         for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 34);
-        transpose16((__m512 *)A); /* A[8 + ib] dword o: output o's sub-block ib's signs and ls */
+        transpose16((__m512 *)A); /* A[8 + ib] dword o: output o's sub-block ib's signs and ls (at 66) */
         const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
-        const __m512i cut = _mm512_set1_epi64(0x2926232009060300ll); /* 0, 3, 6, 9 | 32, 35, 38, 41 */
-        const __m512i q8 = _mm512_mullo_epi64(_mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56),
-                                              _mm512_set1_epi64(0x0101010101010101ll)); /* 8 q a byte */
-        for (int m = 0; m < 16; m++) {
-            const __m512i lo = iq_look256(IQ3XXS_CODE[0], T[m]), hi = iq_look256(IQ3XXS_CODE[1], T[m]);
-            const __m512i S = iq_ksigns512(A[8 + m / 2]);
-            for (int e = 0; e < 4; e++) { /* qword q: output 2 q's code at bytes 0, 1, 2 q + 1's at 4, 5 */
-                const long long c0 = e | (64 + e) << 8 | e << 16 | (64 + e) << 24, c1 = c0 + 0x04040404ll;
-                const __m512i ctrl = _mm512_add_epi8(_mm512_set1_epi64(c0 | c1 << 32), q8);
-                const __m512i g = _mm512_permutexvar_epi8(
-                    _mm512_multishift_epi64_epi8(cut, _mm512_permutex2var_epi8(lo, ctrl, hi)), mag);
-                const int c = 4 * m + e;
-                _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, c % 8), zero, g));
-            }
-        }
+        for (int m = 0; m < 16; m++)
+            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[8 + m / 2]),
+                       mag, m, L);
         for (int ib = 0; ib < 8; ib++) {
             const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[8 + ib], 28));
             const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
@@ -445,11 +509,12 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
         }
     }
 #if GL_VNNI
+    const int units = IQ_UNITS(v), cpu = 64 / units;
     const __m512i bias = _mm512_set1_epi8((char)0x80);
-    for (int u = 0; u < 8; u++) {
-        __m512i s = zero;
-        for (int c = 0; c < 8; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[8 * u + c]));
-        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(zero, s));
+    for (int u = 0; u < units; u++) {
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < cpu; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[u * cpu + c]));
+        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(_mm512_setzero_si512(), s));
     }
 #endif
 }
@@ -531,7 +596,7 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
 #if IQ_VBMI && IQ_W == 16
-            if (v == IQ2_XXS || v == IQ3_XXS)
+            if (v != IQ3_S) /* IQ3_S: 0.92-0.98x iq_lanes_fill at 3-16 rows (one thread, alternated) */
                 iq_lanes_fill_t(p, v, &L);
             else
 #endif

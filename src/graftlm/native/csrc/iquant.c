@@ -435,6 +435,47 @@ static inline void iq_qwords(const uint8_t *const *p, int off, __m512i *q0, __m5
     *q0 = _mm512_load_si512(t), *q1 = _mm512_load_si512(t + 8);
 }
 
+/* The scales of the 16 outputs' super-blocks p[o] per 16 values (iq_scales' values, the same
+ * float operations) in lanes: s[u] lane o, 16 outputs at a time. */
+static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *const *p, const int v, float (*s)[16]) {
+    uint16_t dh[16];
+    for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
+    if (v == IQ2_XS || v == IQ2_S) { /* 16 4-bit ls, one per 16 values */
+        __m512i s0, s1;
+        iq_qwords(p, v == IQ2_XS ? 66 : 74, &s0, &s1);
+        const __m512i o8 = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+        for (int u = 0; u < 16; u++) {
+            const __m512i b = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, s0, _mm512_add_epi32(o8, _mm512_set1_epi32(u / 2)), s1);
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 4 * (u & 1)), _mm512_set1_epi32(15)));
+            _mm512_store_ps(s[u], _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f)));
+        }
+        return;
+    }
+    __m512 db[8]; /* one per 32 values */
+    if (v == IQ3_S) {
+        uint32_t sc[16] __attribute__((aligned(64)));
+        for (int o = 0; o < 16; o++) sc[o] = rd32(p[o] + 106);
+        const __m512i all = _mm512_load_si512(sc);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512i ls = _mm512_and_si512(_mm512_srli_epi32(all, 4 * ib), _mm512_set1_epi32(15));
+            db[ib] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_set1_epi32(1), _mm512_add_epi32(ls, ls))));
+        }
+    } else { /* ls in the top 4 bits of each sub-block's sign word: IQ2_XXS's at 2 + 8 ib + 4, IQ3_XXS's at 66 + 4 ib */
+        __m512i A[16];
+        for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + (v == IQ2_XXS ? 2 : 34));
+        transpose16((__m512 *)A);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[v == IQ2_XXS ? 2 * ib + 1 : 8 + ib], 28));
+            db[ib] = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(v == IQ2_XXS ? 0.25f : 0.5f));
+        }
+    }
+    for (int ib = 0; ib < 8; ib++) {
+        _mm512_store_ps(s[2 * ib], db[ib]);
+        _mm512_store_ps(s[2 * ib + 1], db[ib]);
+    }
+}
+
 /* iq_lanes_fill with VBMI, for all types but IQ3_S: the 16 outputs' grid indices and sign words
  * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
  * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
@@ -484,15 +525,7 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
             }
             iq2_chunks(pl, S, mag, ib, L);
         }
-        /* the scales: 16 4-bit ls, one per 16 values */
-        __m512i s0, s1;
-        iq_qwords(p, v == IQ2_XS ? 66 : 74, &s0, &s1);
-        const __m512i o8 = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
-        for (int u = 0; u < 16; u++) {
-            const __m512i b = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, s0, _mm512_add_epi32(o8, _mm512_set1_epi32(u / 2)), s1);
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 4 * (u & 1)), _mm512_set1_epi32(15)));
-            _mm512_store_ps(L->s[u], _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f)));
-        }
+        iq_lane_scales(p, v, L->s);
     } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
         __m512i A[16];
         for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 34);
@@ -645,6 +678,12 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
+        const uint8_t *ps[16];
+        for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
+        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
+         * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
+        const int xxs = v == IQ2_XXS || v == IQ3_XXS;
+        if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
             __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
             for (int i = 0; i < 4; i++) {
@@ -652,9 +691,11 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                 __m512i g[4];
                 uint64_t neg[4];
                 iq_mag_vbmi(p, v, g, neg);
-                __m256 a, b;
-                iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-                _mm512_store_ps(s16[4 * q + i], cat_ps(a, b));
+                if (xxs) {
+                    __m256 a, b;
+                    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+                    _mm512_store_ps(s16[4 * q + i], cat_ps(a, b));
+                }
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < 4; j++) {
                         const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), x[r][j]);
@@ -671,8 +712,8 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                 }
         }
         __m512 s[16];
-        for (int o = 0; o < 16; o++) s[o] = _mm512_load_ps(s16[o]);
-        transpose16(s);
+        for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
+        if (xxs) transpose16(s);
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
             for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */

@@ -435,6 +435,30 @@ static inline void iq_qwords(const uint8_t *const *p, int off, __m512i *q0, __m5
     *q0 = _mm512_load_si512(t), *q1 = _mm512_load_si512(t + 8);
 }
 
+/* The 8 dwords at off of the 16 outputs' super-blocks p[o], transposed: U[j] dword o: output o's
+ * dword j (iq_transpose8 in each 256-bit half: outputs 0 .. 7 in the low, 8 .. 15 in the high). */
+static inline __attribute__((always_inline)) void iq_dwords8(const uint8_t *const *p, int off, __m512i *U) {
+    __m512i a[8], b[8];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p[j] + off))),
+                                  _mm256_loadu_si256((const __m256i *)(p[j + 8] + off)), 1);
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int m = 0; m < 4; m++) {
+        U[m] = _mm512_permutex2var_epi64(b[m], lo, b[4 + m]);
+        U[4 + m] = _mm512_permutex2var_epi64(b[m], hi, b[4 + m]);
+    }
+}
+
 /* The scales of the 16 outputs' super-blocks p[o] per 16 values (iq_scales' values, the same
  * float operations) in lanes: s[u] lane o, 16 outputs at a time. */
 static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *const *p, const int v, float (*s)[16]) {
@@ -463,10 +487,15 @@ static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *
         }
     } else { /* ls in the top 4 bits of each sub-block's sign word: IQ2_XXS's at 2 + 8 ib + 4, IQ3_XXS's at 66 + 4 ib */
         __m512i A[16];
-        for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + (v == IQ2_XXS ? 2 : 34));
-        transpose16((__m512 *)A);
+        if (v == IQ2_XXS) {
+            for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 2);
+            transpose16((__m512 *)A);
+            for (int ib = 0; ib < 8; ib++) A[ib] = A[2 * ib + 1];
+        } else {
+            iq_dwords8(p, 66, A);
+        }
         for (int ib = 0; ib < 8; ib++) {
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[v == IQ2_XXS ? 2 * ib + 1 : 8 + ib], 28));
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
             db[ib] = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(v == IQ2_XXS ? 0.25f : 0.5f));
         }
     }
@@ -527,15 +556,14 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
         }
         iq_lane_scales(p, v, L->s);
     } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
-        __m512i A[16];
-        for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 34);
-        transpose16((__m512 *)A); /* A[8 + ib] dword o: output o's sub-block ib's signs and ls (at 66) */
+        __m512i A[8];
+        iq_dwords8(p, 66, A); /* A[ib] dword o: output o's sub-block ib's signs and ls */
         const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
         for (int m = 0; m < 16; m++)
-            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[8 + m / 2]),
+            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[m / 2]),
                        mag, m, L);
         for (int ib = 0; ib < 8; ib++) {
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[8 + ib], 28));
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
             const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
             _mm512_store_ps(L->s[2 * ib], db);
             _mm512_store_ps(L->s[2 * ib + 1], db);
@@ -682,7 +710,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
         /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
          * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
-        const int xxs = v == IQ2_XXS || v == IQ3_XXS;
+        const int xxs = v == IQ2_XXS;
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
             __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */

@@ -144,13 +144,13 @@ static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi
 }
 
 /* 64 values' magnitudes: the codes (their low bytes lo, high bytes hi) of entries [16 j, 16 j + 16)
- * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits), each
+ * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits) past base, each
  * qword's made of its entries' two code words (vpermi2b), cut into a byte a value (vpmultishiftqb),
  * the bytes' low bits looked up in mag64 (vpermb). */
-static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64) {
+static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64, int base) {
     uint64_t c[8];
     for (int q = 0; q < 8; q++) {
-        const uint64_t e0 = iq3 ? 16 * j + 2 * q : 8 * j + q, e1 = e0 + 1;
+        const uint64_t e0 = (uint64_t)base + (iq3 ? 16 * j + 2 * q : 8 * j + q), e1 = e0 + 1;
         c[q] = iq3 ? e0 | (64 + e0) << 8 | e1 << 16 | (64 + e1) << 24 : e0 | (64 + e0) << 8;
     }
     const __m512i ctrl = _mm512_setr_epi64((long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
@@ -167,6 +167,15 @@ static inline __m256i iq_ksigns(__m256i aux) {
     const __m256i m7 = _mm256_set1_epi8(0x7f);
     const __m256i pc = _mm256_popcnt_epi8(_mm256_and_si256(b, m7));
     return _mm256_ternarylogic_epi32(b, _mm256_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+}
+
+/* The sign bytes of 64 7-bit sign indices (iq_ksigns' 512-bit form): dword o of aux holds four at
+ * bits 0, 7, 14, 21; dword o of the result their 32 sign bits (byte e: entry e's 8 values). */
+static inline __m512i iq_ksigns512(__m512i aux) {
+    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), aux);
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
 /* The 256 values of super-block p: their magnitudes (g[j]: values 64 j .. 64 j + 63) and signs
@@ -215,7 +224,53 @@ static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, 
         mag = IQ3S_MAG64, iq3 = 1;
     }
     _mm256_storeu_si256((__m256i *)neg, sg);
-    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag);
+    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag, 0);
+}
+
+/* iq_mag_vbmi for two super-blocks of an IQ2 type (pa's into ga, nega; pb's into gb, negb): their
+ * 32 grid indices each looked up in one vector, where one super-block's fill half of it. */
+static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                               __m512i *ga, uint64_t *nega, __m512i *gb,
+                                                               uint64_t *negb) {
+    __m512i lo, hi;
+    __m256i sa, sb;
+    const uint8_t *mag;
+    if (v == IQ2_XXS) { /* as iq_mag_vbmi's: indices in the low half of each, signs and ls in the high */
+        const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
+        const __m512i b = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pb + 2));
+        const __m512i idx = _mm512_shuffle_i64x2(a, b, 0x44);
+        lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+        const __m512i sg = iq_ksigns512(_mm512_shuffle_i64x2(a, b, 0xEE));
+        sa = _mm512_castsi512_si256(sg), sb = _mm512_extracti64x4_epi64(sg, 1);
+        mag = IQ2XXS_MAG64;
+    } else if (v == IQ2_XS) {
+        const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
+        const __m512i b8 = _mm512_set1_epi16(0x100);
+        const __mmask64 h8 = _cvtu64_mask64((uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(ra, b8)) |
+                                            (uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(rb, b8)) << 32);
+        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
+        const __m512i m7 = _mm512_set1_epi16(0x7f), s_a = _mm512_srli_epi16(ra, 9), s_b = _mm512_srli_epi16(rb, 9);
+        sa = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_a, _mm512_slli_epi16(_mm512_popcnt_epi16(s_a), 7), m7, 0xE4));
+        sb = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_b, _mm512_slli_epi16(_mm512_popcnt_epi16(s_b), 7), m7, 0xE4));
+        mag = IQ2XS_MAG64;
+    } else { /* IQ2_S */
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
+                                               _mm256_loadu_si256((const __m256i *)(pb + 2)), 1);
+        uint64_t qa, qb;
+        memcpy(&qa, pa + 66, 8);
+        memcpy(&qb, pb + 66, 8);
+        const uint64_t e = 0x5555555555555555ull, o = ~e;
+        const __mmask64 h8 = _pext_u64(qa, e) | _pext_u64(qb, e) << 32, h9 = _pext_u64(qa, o) | _pext_u64(qb, o) << 32;
+        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
+        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
+        sa = _mm256_loadu_si256((const __m256i *)(pa + 34)), sb = _mm256_loadu_si256((const __m256i *)(pb + 34));
+        mag = IQ2S_MAG64;
+    }
+    _mm256_storeu_si256((__m256i *)nega, sa);
+    _mm256_storeu_si256((__m256i *)negb, sb);
+    for (int j = 0; j < 4; j++) ga[j] = iq_expand(lo, hi, 0, j, mag, 0), gb[j] = iq_expand(lo, hi, 0, j, mag, 32);
 }
 
 /* The same as signed bytes (nat). */
@@ -252,7 +307,14 @@ static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, 
  * each output's values were dotted in place (x's sign flip, the dot, its conversion, its scale's
  * lanes, the FMA). Zen 4, one thread, alternated on a loaded machine (2x swings): Qwen3-30B-A3B
  * (6 layers, ~8 rows an expert) pp128 IQ3_XXS 1.15-1.66x the kernels before (1.2-1.56x
- * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x). */
+ * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x).
+ *
+ * With VBMI (iq_lanes_fill_t, all types but IQ3_S) the lanes are made from the 16 outputs'
+ * grid indices and sign words transposed, not from their values: a quarter to an eighth of the
+ * bytes through the transposition, each chunk's magnitudes cut straight into the lanes and its
+ * sign bits picked from the outputs' (vpshufbitqmb). 2048 x 768, one thread, alternated against
+ * the values' transposition: 3-16 rows IQ2_XXS 1.11-1.34x, IQ2_XS 1.17-1.36x, IQ2_S 1.31-1.52x,
+ * IQ3_XXS 1.02-1.11x (64 rows about even: the dots' VPDPBUSD bound). */
 
 #if GL_VNNI512
 #define IQ_W 16
@@ -369,15 +431,6 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
 }
 
 #if IQ_VBMI && IQ_W == 16
-/* The sign bytes of 64 7-bit sign indices (iq_ksigns' 512-bit form): dword o of aux holds four at
- * bits 0, 7, 14, 21; dword o of the result their 32 sign bits (byte e: entry e's 8 values). */
-static inline __m512i iq_ksigns512(__m512i aux) {
-    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), aux);
-    const __m512i m7 = _mm512_set1_epi8(0x7f);
-    const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
-    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
-}
-
 /* The sign mask of a chunk (bit 4 o + i: output o's value i of the chunk negative) from S (dword o:
  * output o's 32 sign bits of the chunk's 32 values, the chunk's at bits [4 c, 4 c + 4)). */
 static inline __mmask64 iq_chunk_neg(__m512i S, int c) {
@@ -710,25 +763,32 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
         /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
          * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
-        const int xxs = v == IQ2_XXS;
+        const int xxs = v == IQ2_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
             __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *p = row[4 * q + i] + sb * bytes;
-                __m512i g[4];
-                uint64_t neg[4];
-                iq_mag_vbmi(p, v, g, neg);
-                if (xxs) {
-                    __m256 a, b;
-                    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-                    _mm512_store_ps(s16[4 * q + i], cat_ps(a, b));
+            for (int i = 0; i < 4; i += 2) { /* outputs 4 q + i, 4 q + i + 1 */
+                __m512i g[2][4];
+                uint64_t neg[2][4];
+                if (iq3) {
+                    iq_mag_vbmi(ps[4 * q + i], v, g[0], neg[0]);
+                    iq_mag_vbmi(ps[4 * q + i + 1], v, g[1], neg[1]);
+                } else {
+                    iq_mag2_vbmi(ps[4 * q + i], ps[4 * q + i + 1], v, g[0], neg[0], g[1], neg[1]);
                 }
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < 4; j++) {
-                        const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), x[r][j]);
-                        P[r][i][j] = DPBUSD512(_mm512_setzero_si512(), g[j], xs);
+                for (int h = 0; h < 2; h++) {
+                    if (xxs) {
+                        const uint8_t *p = ps[4 * q + i + h];
+                        __m256 a, b;
+                        iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+                        _mm512_store_ps(s16[4 * q + i + h], cat_ps(a, b));
                     }
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < 4; j++) {
+                            const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[h][j]), _mm512_setzero_si512(), x[r][j]);
+                            P[r][i + h][j] = DPBUSD512(_mm512_setzero_si512(), g[h][j], xs);
+                        }
+                }
             }
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < 4; j++) { /* lane 4 l + i of 128-bit lane l: output 4 q + i's 16 values 64 j + 16 l .. */

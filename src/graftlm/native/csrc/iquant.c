@@ -740,7 +740,7 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 }
 
 #if IQ_VBMI
-/* iq_group for R <= 2 rows: each output's values dotted in place with the rows' x (the signs
+/* iq_group for R <= 3 rows: each output's values dotted in place with the rows' x (the signs
  * onto x, as llama.cpp's kernels), 4 values a lane, and those lanes summed into the units' sums
  * across the group's 16 outputs (two rounds of unpack and add within 128-bit lanes, a
  * transposition of 128-bit lanes): the same integer sums as the lanes' dots, then the same float
@@ -752,10 +752,10 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
     const int units = IQ_UNITS(v);
     const uint8_t *row[16];
     for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t sb = 0; sb < nsb; sb++) {
         float s16[16][16] __attribute__((aligned(64)));
-        __m512i x[2][4], D[2][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
+        __m512i x[3][4], D[3][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
@@ -766,7 +766,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         const int xxs = v == IQ2_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
-            __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
+            __m512i P[3][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
             for (int i = 0; i < 4; i += 2) { /* outputs 4 q + i, 4 q + i + 1 */
                 __m512i g[2][4];
                 uint64_t neg[2][4];
@@ -831,13 +831,16 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 #endif
 
 /* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
- * one or two rows where it is built. */
+ * one or two rows (three of IQ2_XS and IQ3_S) where it is built. */
 static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
                                                              int64_t ra, int64_t rb, int64_t og, int nv,
                                                              float *y) {
 #if IQ_VBMI
-    if (rb - ra <= 2) {
-        if (rb - ra == 2)
+    /* three rows: IQ2_XS's and IQ3_S's 1.05-1.25x the lanes (the others' 0.86-0.95x; one thread, alternated) */
+    if (rb - ra <= 2 || (rb - ra == 3 && (v == IQ2_XS || v == IQ3_S))) {
+        if (rb - ra == 3)
+            iq_group_few(w, v, xb, ra, 3, og, nv, y);
+        else if (rb - ra == 2)
             iq_group_few(w, v, xb, ra, 2, og, nv, y);
         else
             iq_group_few(w, v, xb, ra, 1, og, nv, y);

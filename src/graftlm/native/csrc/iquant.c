@@ -313,8 +313,9 @@ static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, 
  * grid indices and sign words transposed, not from their values: a quarter to an eighth of the
  * bytes through the transposition, each chunk's magnitudes cut straight into the lanes and its
  * sign bits picked from the outputs' (vpshufbitqmb). 2048 x 768, one thread, alternated against
- * the values' transposition: 3-16 rows IQ2_XXS 1.11-1.34x, IQ2_XS 1.17-1.36x, IQ2_S 1.31-1.52x,
- * IQ3_XXS 1.02-1.11x (64 rows about even: the dots' VPDPBUSD bound). */
+ * the values' transposition (with iq_task's per-type functions): 3-16 rows IQ2_XXS 1.27-1.48x,
+ * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x; 64 rows 0.97-1.21x (the dots' VPDPBUSD
+ * bound); one and two rows (iq_group_few) 1.01-1.28x. */
 
 #if GL_VNNI512
 #define IQ_W 16

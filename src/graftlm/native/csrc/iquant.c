@@ -144,13 +144,13 @@ static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi
 }
 
 /* 64 values' magnitudes: the codes (their low bytes lo, high bytes hi) of entries [16 j, 16 j + 16)
- * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits), each
+ * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits) past base, each
  * qword's made of its entries' two code words (vpermi2b), cut into a byte a value (vpmultishiftqb),
  * the bytes' low bits looked up in mag64 (vpermb). */
-static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64) {
+static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64, int base) {
     uint64_t c[8];
     for (int q = 0; q < 8; q++) {
-        const uint64_t e0 = iq3 ? 16 * j + 2 * q : 8 * j + q, e1 = e0 + 1;
+        const uint64_t e0 = (uint64_t)base + (iq3 ? 16 * j + 2 * q : 8 * j + q), e1 = e0 + 1;
         c[q] = iq3 ? e0 | (64 + e0) << 8 | e1 << 16 | (64 + e1) << 24 : e0 | (64 + e0) << 8;
     }
     const __m512i ctrl = _mm512_setr_epi64((long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
@@ -167,6 +167,15 @@ static inline __m256i iq_ksigns(__m256i aux) {
     const __m256i m7 = _mm256_set1_epi8(0x7f);
     const __m256i pc = _mm256_popcnt_epi8(_mm256_and_si256(b, m7));
     return _mm256_ternarylogic_epi32(b, _mm256_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+}
+
+/* The sign bytes of 64 7-bit sign indices (iq_ksigns' 512-bit form): dword o of aux holds four at
+ * bits 0, 7, 14, 21; dword o of the result their 32 sign bits (byte e: entry e's 8 values). */
+static inline __m512i iq_ksigns512(__m512i aux) {
+    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), aux);
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
 /* The 256 values of super-block p: their magnitudes (g[j]: values 64 j .. 64 j + 63) and signs
@@ -215,7 +224,53 @@ static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, 
         mag = IQ3S_MAG64, iq3 = 1;
     }
     _mm256_storeu_si256((__m256i *)neg, sg);
-    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag);
+    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag, 0);
+}
+
+/* iq_mag_vbmi for two super-blocks of an IQ2 type (pa's into ga, nega; pb's into gb, negb): their
+ * 32 grid indices each looked up in one vector, where one super-block's fill half of it. */
+static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                               __m512i *ga, uint64_t *nega, __m512i *gb,
+                                                               uint64_t *negb) {
+    __m512i lo, hi;
+    __m256i sa, sb;
+    const uint8_t *mag;
+    if (v == IQ2_XXS) { /* as iq_mag_vbmi's: indices in the low half of each, signs and ls in the high */
+        const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
+        const __m512i b = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pb + 2));
+        const __m512i idx = _mm512_shuffle_i64x2(a, b, 0x44);
+        lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+        const __m512i sg = iq_ksigns512(_mm512_shuffle_i64x2(a, b, 0xEE));
+        sa = _mm512_castsi512_si256(sg), sb = _mm512_extracti64x4_epi64(sg, 1);
+        mag = IQ2XXS_MAG64;
+    } else if (v == IQ2_XS) {
+        const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
+        const __m512i b8 = _mm512_set1_epi16(0x100);
+        const __mmask64 h8 = _cvtu64_mask64((uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(ra, b8)) |
+                                            (uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(rb, b8)) << 32);
+        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
+        const __m512i m7 = _mm512_set1_epi16(0x7f), s_a = _mm512_srli_epi16(ra, 9), s_b = _mm512_srli_epi16(rb, 9);
+        sa = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_a, _mm512_slli_epi16(_mm512_popcnt_epi16(s_a), 7), m7, 0xE4));
+        sb = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_b, _mm512_slli_epi16(_mm512_popcnt_epi16(s_b), 7), m7, 0xE4));
+        mag = IQ2XS_MAG64;
+    } else { /* IQ2_S */
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
+                                               _mm256_loadu_si256((const __m256i *)(pb + 2)), 1);
+        uint64_t qa, qb;
+        memcpy(&qa, pa + 66, 8);
+        memcpy(&qb, pb + 66, 8);
+        const uint64_t e = 0x5555555555555555ull, o = ~e;
+        const __mmask64 h8 = _pext_u64(qa, e) | _pext_u64(qb, e) << 32, h9 = _pext_u64(qa, o) | _pext_u64(qb, o) << 32;
+        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
+        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
+        sa = _mm256_loadu_si256((const __m256i *)(pa + 34)), sb = _mm256_loadu_si256((const __m256i *)(pb + 34));
+        mag = IQ2S_MAG64;
+    }
+    _mm256_storeu_si256((__m256i *)nega, sa);
+    _mm256_storeu_si256((__m256i *)negb, sb);
+    for (int j = 0; j < 4; j++) ga[j] = iq_expand(lo, hi, 0, j, mag, 0), gb[j] = iq_expand(lo, hi, 0, j, mag, 32);
 }
 
 /* The same as signed bytes (nat). */
@@ -252,7 +307,15 @@ static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, 
  * each output's values were dotted in place (x's sign flip, the dot, its conversion, its scale's
  * lanes, the FMA). Zen 4, one thread, alternated on a loaded machine (2x swings): Qwen3-30B-A3B
  * (6 layers, ~8 rows an expert) pp128 IQ3_XXS 1.15-1.66x the kernels before (1.2-1.56x
- * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x). */
+ * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x).
+ *
+ * With VBMI (iq_lanes_fill_t, all types but IQ3_S) the lanes are made from the 16 outputs'
+ * grid indices and sign words transposed, not from their values: a quarter to an eighth of the
+ * bytes through the transposition, each chunk's magnitudes cut straight into the lanes and its
+ * sign bits picked from the outputs' (vpshufbitqmb). 2048 x 768, one thread, alternated against
+ * the values' transposition (with iq_task's per-type functions): 3-16 rows IQ2_XXS 1.27-1.48x,
+ * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x; 64 rows 0.97-1.21x (the dots' VPDPBUSD
+ * bound); one and two rows (iq_group_few) 1.01-1.28x. */
 
 #if GL_VNNI512
 #define IQ_W 16
@@ -368,6 +431,210 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
 #endif
 }
 
+#if IQ_VBMI && IQ_W == 16
+/* The sign mask of a chunk (bit 4 o + i: output o's value i of the chunk negative) from S (dword o:
+ * output o's 32 sign bits of the chunk's 32 values, the chunk's at bits [4 c, 4 c + 4)). */
+static inline __mmask64 iq_chunk_neg(__m512i S, int c) {
+    const long long lo = 0x03020100ll + 0x04040404ll * c, hi = lo + 0x20202020ll;
+    return _mm512_bitshuffle_epi64_mask(S, _mm512_set1_epi64(lo | hi << 32));
+}
+
+/* The lanes' chunks 8 ib .. 8 ib + 7 of an IQ2 type: pl[h] (h = 0, 1) byte 4 o + e the low and
+ * high code bytes of output o's entry e of sub-block ib, S dword o their 32 sign bits. */
+static inline __attribute__((always_inline)) void iq2_chunks(const __m512i *pl, __m512i S, __m512i mag, int ib,
+                                                             iq_lanes *L) {
+    for (int e = 0; e < 4; e++) {
+        const long long c0 = 0x06040200ll + 0x08080808ll * e; /* 2 bits a value: 8 e + 2 i */
+        const __m512i cut = _mm512_set1_epi64(c0 | (c0 + 0x20202020ll) << 32);
+        for (int h = 0; h < 2; h++) { /* chunk 8 ib + 2 e + h: entry e's values 4 h .. 4 h + 3 */
+            const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, pl[h]), mag);
+            _mm512_store_si512(L->w[8 * ib + 2 * e + h],
+                               _mm512_mask_sub_epi8(g, iq_chunk_neg(S, 2 * e + h), _mm512_setzero_si512(), g));
+        }
+    }
+}
+
+/* The lanes' chunks 4 m .. 4 m + 3 of an IQ3 type: lo, hi byte 4 o + e the code bytes of output
+ * o's entry 4 m + e, S dword o the 32 sign bits of its sub-block (m / 2). */
+static inline __attribute__((always_inline)) void iq3_chunks(__m512i lo, __m512i hi, __m512i S, __m512i mag, int m,
+                                                             iq_lanes *L) {
+    const __m512i cut = _mm512_set1_epi64(0x2926232009060300ll); /* 3 bits a value: 0, 3, 6, 9 | 32 .. */
+    const __m512i q8 = _mm512_mullo_epi64(_mm512_setr_epi64(0, 8, 16, 24, 32, 40, 48, 56),
+                                          _mm512_set1_epi64(0x0101010101010101ll)); /* 8 q a byte */
+    for (int e = 0; e < 4; e++) { /* qword q: output 2 q's code at bytes 0, 1, 2 q + 1's at 4, 5 */
+        const long long c0 = e | (64 + e) << 8 | e << 16 | (64 + e) << 24, c1 = c0 + 0x04040404ll;
+        const __m512i ctrl = _mm512_add_epi8(_mm512_set1_epi64(c0 | c1 << 32), q8);
+        const __m512i g = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, _mm512_permutex2var_epi8(lo, ctrl, hi)), mag);
+        const int c = 4 * m + e;
+        _mm512_store_si512(L->w[c], _mm512_mask_sub_epi8(g, iq_chunk_neg(S, c % 8), _mm512_setzero_si512(), g));
+    }
+}
+
+/* Two masks of 4 bits an output from 16 outputs' 64-bit words (q0: outputs 0 .. 7, q1: 8 .. 15):
+ * bit 4 o + i of *a is bit ctrl[i] of output o's word, of *b bit ctrl[4 + i] (ctrl: one qword's bytes). */
+static inline __attribute__((always_inline)) void iq_pick_bits(__m512i q0, __m512i q1, long long ctrl, __mmask64 *a,
+                                                               __mmask64 *b) {
+    const __m512i c = _mm512_set1_epi64(ctrl);
+    const uint64_t m0 = _cvtmask64_u64(_mm512_bitshuffle_epi64_mask(q0, c));
+    const uint64_t m1 = _cvtmask64_u64(_mm512_bitshuffle_epi64_mask(q1, c));
+    const uint64_t lo = 0x0F0F0F0F0F0F0F0Full, hi = ~lo;
+    *a = _cvtu64_mask64(_pext_u64(m0, lo) | _pext_u64(m1, lo) << 32);
+    *b = _cvtu64_mask64(_pext_u64(m0, hi) | _pext_u64(m1, hi) << 32);
+}
+
+/* The 16 outputs' 8 bytes at offset off of their super-blocks, as qwords: *q0 outputs 0 .. 7, *q1 8 .. 15. */
+static inline void iq_qwords(const uint8_t *const *p, int off, __m512i *q0, __m512i *q1) {
+    uint64_t t[16] __attribute__((aligned(64)));
+    for (int o = 0; o < 16; o++) memcpy(t + o, p[o] + off, 8);
+    *q0 = _mm512_load_si512(t), *q1 = _mm512_load_si512(t + 8);
+}
+
+/* The 8 dwords at off of the 16 outputs' super-blocks p[o], transposed: U[j] dword o: output o's
+ * dword j (iq_transpose8 in each 256-bit half: outputs 0 .. 7 in the low, 8 .. 15 in the high). */
+static inline __attribute__((always_inline)) void iq_dwords8(const uint8_t *const *p, int off, __m512i *U) {
+    __m512i a[8], b[8];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p[j] + off))),
+                                  _mm256_loadu_si256((const __m256i *)(p[j + 8] + off)), 1);
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int m = 0; m < 4; m++) {
+        U[m] = _mm512_permutex2var_epi64(b[m], lo, b[4 + m]);
+        U[4 + m] = _mm512_permutex2var_epi64(b[m], hi, b[4 + m]);
+    }
+}
+
+/* The scales of the 16 outputs' super-blocks p[o] per 16 values (iq_scales' values, the same
+ * float operations) in lanes: s[u] lane o, 16 outputs at a time. */
+static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *const *p, const int v, float (*s)[16]) {
+    uint16_t dh[16];
+    for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
+    if (v == IQ2_XS || v == IQ2_S) { /* 16 4-bit ls, one per 16 values */
+        __m512i s0, s1;
+        iq_qwords(p, v == IQ2_XS ? 66 : 74, &s0, &s1);
+        const __m512i o8 = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+        for (int u = 0; u < 16; u++) {
+            const __m512i b = _mm512_maskz_permutex2var_epi8(0x1111111111111111ull, s0, _mm512_add_epi32(o8, _mm512_set1_epi32(u / 2)), s1);
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(b, 4 * (u & 1)), _mm512_set1_epi32(15)));
+            _mm512_store_ps(s[u], _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f)));
+        }
+        return;
+    }
+    __m512 db[8]; /* one per 32 values */
+    if (v == IQ3_S) {
+        uint32_t sc[16] __attribute__((aligned(64)));
+        for (int o = 0; o < 16; o++) sc[o] = rd32(p[o] + 106);
+        const __m512i all = _mm512_load_si512(sc);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512i ls = _mm512_and_si512(_mm512_srli_epi32(all, 4 * ib), _mm512_set1_epi32(15));
+            db[ib] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_set1_epi32(1), _mm512_add_epi32(ls, ls))));
+        }
+    } else { /* ls in the top 4 bits of each sub-block's sign word: IQ2_XXS's at 2 + 8 ib + 4, IQ3_XXS's at 66 + 4 ib */
+        __m512i A[16];
+        if (v == IQ2_XXS) {
+            for (int o = 0; o < 16; o++) A[o] = _mm512_loadu_si512(p[o] + 2);
+            transpose16((__m512 *)A);
+            for (int ib = 0; ib < 8; ib++) A[ib] = A[2 * ib + 1];
+        } else {
+            iq_dwords8(p, 66, A);
+        }
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
+            db[ib] = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(v == IQ2_XXS ? 0.25f : 0.5f));
+        }
+    }
+    for (int ib = 0; ib < 8; ib++) {
+        _mm512_store_ps(s[2 * ib], db[ib]);
+        _mm512_store_ps(s[2 * ib + 1], db[ib]);
+    }
+}
+
+/* iq_lanes_fill with VBMI, for all types but IQ3_S: the 16 outputs' grid indices and sign words
+ * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
+ * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
+ * (vpshufbitqmb), the scales made in lanes: 4-8x fewer bytes through the transposition. The same
+ * lanes (values, scales, nc) as iq_lanes_fill, so the same products. */
+static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t *const *p, const int v,
+                                                                  iq_lanes *L) {
+    uint16_t dh[16];
+    for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
+    __m512i T[16];
+    for (int o = 0; o < 16; o++) T[o] = _mm512_loadu_si512(p[o] + 2);
+    transpose16((__m512 *)T); /* T[m] dword o: output o's dword m of bytes [2, 66) */
+    if (v == IQ2_XXS) { /* T[2 ib]: sub-block ib's 4 indices, T[2 ib + 1]: its signs and ls */
+        const __m512i mag = _mm512_load_si512(IQ2XXS_MAG64);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512i pl[2] = {iq_look256(IQ2XXS_CODE[0], T[2 * ib]), iq_look256(IQ2XXS_CODE[1], T[2 * ib])};
+            iq2_chunks(pl, iq_ksigns512(T[2 * ib + 1]), mag, ib, L);
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(T[2 * ib + 1], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    } else if (v == IQ2_XS || v == IQ2_S) {
+        const __m512i mag = _mm512_load_si512(v == IQ2_XS ? IQ2XS_MAG64 : IQ2S_MAG64);
+        __m512i q0, q1;
+        if (v == IQ2_S) iq_qwords(p, 66, &q0, &q1); /* qh: bits 8, 9 of entry 4 ib + e at byte ib's 2 e, 2 e + 1 */
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i pl[2], S;
+            if (v == IQ2_XS) { /* T[2 ib + j] word 2 o + h: entry 4 ib + 2 j + h, 9 bits of index, 7 of signs */
+                const __m512i o4 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                      _mm512_set1_epi32(0x04040404));
+                const __m512i ev = _mm512_add_epi8(_mm512_set1_epi32(0x42400200), o4); /* byte 4 o + e: entry e's low byte */
+                const __m512i idx = _mm512_permutex2var_epi8(T[2 * ib], ev, T[2 * ib + 1]);
+                const __m512i hb = _mm512_permutex2var_epi8(T[2 * ib], _mm512_add_epi8(ev, _mm512_set1_epi8(1)), T[2 * ib + 1]);
+                const __mmask64 h8 = _mm512_test_epi8_mask(hb, _mm512_set1_epi8(1));
+                pl[0] = iq_look512(IQ2XS_CODE[0], idx, h8), pl[1] = iq_look512(IQ2XS_CODE[1], idx, h8);
+                const __m512i m7 = _mm512_set1_epi8(0x7f), s7 = _mm512_and_si512(_mm512_srli_epi16(hb, 1), m7);
+                const __m512i pc = _mm512_popcnt_epi8(s7);
+                S = _mm512_ternarylogic_epi32(s7, _mm512_slli_epi16(pc, 7), m7, 0xE4);
+            } else { /* IQ2_S: T[ib] its 4 indices' low bytes, T[8 + ib] their sign bytes */
+                __mmask64 h8, h9;
+                iq_pick_bits(q0, q1, (0x06040200ll + 0x08080808ll * ib) * 0x0000000100000001ll + 0x0101010100000000ll, &h8, &h9);
+                pl[0] = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], T[ib], h8), iq_look512(IQ2S_CODE[0] + 512, T[ib], h8));
+                pl[1] = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], T[ib], h8), iq_look512(IQ2S_CODE[1] + 512, T[ib], h8));
+                S = T[8 + ib];
+            }
+            iq2_chunks(pl, S, mag, ib, L);
+        }
+        iq_lane_scales(p, v, L->s);
+    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
+        __m512i A[8];
+        iq_dwords8(p, 66, A); /* A[ib] dword o: output o's sub-block ib's signs and ls */
+        const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
+        for (int m = 0; m < 16; m++)
+            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[m / 2]),
+                       mag, m, L);
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    }
+#if GL_VNNI
+    const int units = IQ_UNITS(v), cpu = 64 / units;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int u = 0; u < units; u++) {
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < cpu; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[u * cpu + c]));
+        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+#endif
+}
+#endif
+
 /* acc[o] of R rows (accm: R x IQ_W floats; first: start from 0) += super-block sb of the lanes L
  * against the rows r0 .. r0 + R - 1 of x (xb). */
 static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *L, const int v, int64_t sb,
@@ -443,7 +710,12 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             const uint8_t *p[IQ_W];
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
-            iq_lanes_fill(p, v, &L);
+#if IQ_VBMI && IQ_W == 16
+            if (v != IQ3_S) /* IQ3_S: 0.92-0.98x iq_lanes_fill at 3-16 rows (one thread, alternated) */
+                iq_lanes_fill_t(p, v, &L);
+            else
+#endif
+                iq_lanes_fill(p, v, &L);
             for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
                 const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
                 float *am = acc + (t0 - r0) * IQ_W;
@@ -469,7 +741,7 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 }
 
 #if IQ_VBMI
-/* iq_group for R <= 2 rows: each output's values dotted in place with the rows' x (the signs
+/* iq_group for R <= 3 rows: each output's values dotted in place with the rows' x (the signs
  * onto x, as llama.cpp's kernels), 4 values a lane, and those lanes summed into the units' sums
  * across the group's 16 outputs (two rounds of unpack and add within 128-bit lanes, a
  * transposition of 128-bit lanes): the same integer sums as the lanes' dots, then the same float
@@ -481,28 +753,43 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
     const int units = IQ_UNITS(v);
     const uint8_t *row[16];
     for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t sb = 0; sb < nsb; sb++) {
         float s16[16][16] __attribute__((aligned(64)));
-        __m512i x[2][4], D[2][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
+        __m512i x[3][4], D[3][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
+        const uint8_t *ps[16];
+        for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
+        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
+         * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
+        const int xxs = v == IQ2_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
+        if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
-            __m512i P[2][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *p = row[4 * q + i] + sb * bytes;
-                __m512i g[4];
-                uint64_t neg[4];
-                iq_mag_vbmi(p, v, g, neg);
-                __m256 a, b;
-                iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-                _mm512_store_ps(s16[4 * q + i], cat_ps(a, b));
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < 4; j++) {
-                        const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), x[r][j]);
-                        P[r][i][j] = DPBUSD512(_mm512_setzero_si512(), g[j], xs);
+            __m512i P[3][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
+            for (int i = 0; i < 4; i += 2) { /* outputs 4 q + i, 4 q + i + 1 */
+                __m512i g[2][4];
+                uint64_t neg[2][4];
+                if (iq3) {
+                    iq_mag_vbmi(ps[4 * q + i], v, g[0], neg[0]);
+                    iq_mag_vbmi(ps[4 * q + i + 1], v, g[1], neg[1]);
+                } else {
+                    iq_mag2_vbmi(ps[4 * q + i], ps[4 * q + i + 1], v, g[0], neg[0], g[1], neg[1]);
+                }
+                for (int h = 0; h < 2; h++) {
+                    if (xxs) {
+                        const uint8_t *p = ps[4 * q + i + h];
+                        __m256 a, b;
+                        iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+                        _mm512_store_ps(s16[4 * q + i + h], cat_ps(a, b));
                     }
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < 4; j++) {
+                            const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[h][j]), _mm512_setzero_si512(), x[r][j]);
+                            P[r][i + h][j] = DPBUSD512(_mm512_setzero_si512(), g[h][j], xs);
+                        }
+                }
             }
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < 4; j++) { /* lane 4 l + i of 128-bit lane l: output 4 q + i's 16 values 64 j + 16 l .. */
@@ -514,8 +801,8 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                 }
         }
         __m512 s[16];
-        for (int o = 0; o < 16; o++) s[o] = _mm512_load_ps(s16[o]);
-        transpose16(s);
+        for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
+        if (xxs) transpose16(s);
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
             for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */
@@ -545,13 +832,16 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 #endif
 
 /* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
- * one or two rows where it is built. */
+ * one or two rows (three of IQ2_XS and IQ3_S) where it is built. */
 static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
                                                              int64_t ra, int64_t rb, int64_t og, int nv,
                                                              float *y) {
 #if IQ_VBMI
-    if (rb - ra <= 2) {
-        if (rb - ra == 2)
+    /* three rows: IQ2_XS's and IQ3_S's 1.05-1.25x the lanes (the others' 0.86-0.95x; one thread, alternated) */
+    if (rb - ra <= 2 || (rb - ra == 3 && (v == IQ2_XS || v == IQ3_S))) {
+        if (rb - ra == 3)
+            iq_group_few(w, v, xb, ra, 3, og, nv, y);
+        else if (rb - ra == 2)
             iq_group_few(w, v, xb, ra, 2, og, nv, y);
         else
             iq_group_few(w, v, xb, ra, 1, og, nv, y);
@@ -560,6 +850,21 @@ static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w,
 #endif
     iq_group(w, v, xb, ra, rb, og, nv, y);
 }
+
+/* iq_outputs of one type, a function of its own: inlined all five into iq_task, the compiler's
+ * one function for them all ran IQ2_XXS's 3-16 rows at 0.7-0.9x and IQ3_S's 8-16 at 0.9x these
+ * (one thread, alternated). */
+#define IQ_OUTPUTS_OF(V, NAME)                                                                     \
+    static __attribute__((noinline)) void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, \
+                                               int64_t og, int nv, float *y) {                    \
+        iq_outputs(w, V, xb, ra, rb, og, nv, y);                                                   \
+    }
+IQ_OUTPUTS_OF(IQ2_XXS, iq_outputs_iq2_xxs)
+IQ_OUTPUTS_OF(IQ2_XS, iq_outputs_iq2_xs)
+IQ_OUTPUTS_OF(IQ2_S, iq_outputs_iq2_s)
+IQ_OUTPUTS_OF(IQ3_XXS, iq_outputs_iq3_xxs)
+IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
+#undef IQ_OUTPUTS_OF
 
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))
  * of rows [ra, rb) of x, IQ_W at a time. */
@@ -571,11 +876,11 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     for (int64_t og = o0; og < o1; og += IQ_W) {
         const int nv = o1 - og < IQ_W ? (int)(o1 - og) : IQ_W;
         switch (v) {
-        case IQ2_XXS: iq_outputs(w, IQ2_XXS, xb, ra, rb, og, nv, y); break;
-        case IQ2_XS: iq_outputs(w, IQ2_XS, xb, ra, rb, og, nv, y); break;
-        case IQ2_S: iq_outputs(w, IQ2_S, xb, ra, rb, og, nv, y); break;
-        case IQ3_XXS: iq_outputs(w, IQ3_XXS, xb, ra, rb, og, nv, y); break;
-        default: iq_outputs(w, IQ3_S, xb, ra, rb, og, nv, y); break;
+        case IQ2_XXS: iq_outputs_iq2_xxs(w, xb, ra, rb, og, nv, y); break;
+        case IQ2_XS: iq_outputs_iq2_xs(w, xb, ra, rb, og, nv, y); break;
+        case IQ2_S: iq_outputs_iq2_s(w, xb, ra, rb, og, nv, y); break;
+        case IQ3_XXS: iq_outputs_iq3_xxs(w, xb, ra, rb, og, nv, y); break;
+        default: iq_outputs_iq3_s(w, xb, ra, rb, og, nv, y); break;
         }
     }
 }

@@ -125,7 +125,7 @@ static void kt_gather(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, int64_t
  * pairs (their sums l are the rounded weights', so the output stays a convex combination of the
  * values), then O = alpha O + P V for the same rows. */
 #define BR 6 /* score rows a register tile */
-#define PRB 256 /* the score rows a task aims at (fewer where the tasks would not fill the threads) */
+#define PRB 512 /* the score rows a task aims at (fewer where the tasks would not fill the threads) */
 
 /* Kt2 (D / 2, PK): the keys of the nb blocks of (slot s, kv head h) from position k0 (a block's
  * first) as bfloat16 pairs, dims (2i, 2i + 1) of key j in Kt2[i PK + j] (garbage past the chunk:
@@ -203,6 +203,20 @@ static void prompt_values_bf16(const gl_kv *kv, int64_t s, int64_t h, int64_t k0
     }
 }
 
+/* 2^x for 16 floats x <= 0 (below -126: about 2^-126) to a relative 2.2e-4, a cubic on the
+ * fraction: the softmax's weights, rounded to bfloat16 next (2^-9), need no more, and the
+ * products' pipes are this kernel's limit (exp2_bf16's quartic: one more FMA a vector). */
+static inline __m512 exp2_w(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 y = _mm512_set1_ps(5.286744e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4215189e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9358675e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9996276e-1f));
+    return _mm512_scalef_ps(y, n);
+}
+
 /* One chunk's part of a task state: rows' running max m (base 2), sums L (16 lanes a row), O. */
 typedef struct {
     const uint32_t *Qb, *Kt2, *Vt2; /* queries (rows x D / 2), keys (D / 2 x PK), values (PK / 2 x D) */
@@ -266,12 +280,12 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
         c->m[row] = mn;
         const __m512 mv = _mm512_set1_ps(mn);
         __m512 sum = _mm512_setzero_ps();
-        const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);
+        const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
         for (int x = 0; x < NB; x += 2) {
-            const __m512 e0 = _mm512_maskz_mov_ps(vis[x], exp2_bf16(_mm512_sub_ps(v[x], mv)));
+            const __m512 e0 = _mm512_maskz_mov_ps(vis[x], exp2_w(_mm512_sub_ps(v[x], mv)));
             __m512i w;
             if (x + 1 < NB) {
-                const __m512 e1 = _mm512_maskz_mov_ps(vis[x + 1], exp2_bf16(_mm512_sub_ps(v[x + 1], mv)));
+                const __m512 e1 = _mm512_maskz_mov_ps(vis[x + 1], exp2_w(_mm512_sub_ps(v[x + 1], mv)));
                 w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* pairs (2i, 2i + 1) in key order */
                 _mm512_storeu_si512(pb + 8 * x, w);
             } else {
@@ -279,8 +293,7 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
                 w = _mm512_inserti64x4(w, _mm256_setzero_si256(), 1);
                 _mm256_storeu_si256((__m256i *)(pb + 8 * x), _mm512_castsi512_si256(w));
             }
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(w, himask)));
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones); /* the rounded weights' sums */
         }
         float *L = c->L + row * 16;
         _mm512_store_ps(L, _mm512_fmadd_ps(_mm512_load_ps(L), _mm512_set1_ps(alpha[r]), sum));
@@ -336,7 +349,8 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
     const int64_t window = a->window;
     const float l2e = 1.44269504088896341f;
     /* a task reads its kv head's context once for all its rows: the more rows, the fewer reads
-     * (Llama-1B at depth 4,096, 1 thread: 1.95 ns a query-key at 64 rows, 1.81 at 256) */
+     * and conversions (Llama-1B at depth 4,096, 1 thread: 1.95 ns a query-key at 64 rows, 1.81
+     * at 256; at 16,384 512 rows are about 0.975x 256's, bench/prompt_attention_ab.py) */
     const int64_t group = H / Hkv;
     int64_t pq = PRB / group > PQ ? PRB / group : PQ;
     while (pq > PQ && B * Hkv * ((T + pq - 1) / pq) < 4 * nth) pq = pq / 2 > PQ ? pq / 2 : PQ;

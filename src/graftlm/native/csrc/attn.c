@@ -91,8 +91,9 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * heads alone would not keep every thread busy (flash-decoding), each chunk's (max, sum, output)
  * merged at the end. Where the CPU has AVX-512 BF16 a bfloat16 cache's task runs in bfloat16
  * pairs (decode_task_bf16: half the instructions, the query and the weights rounded to bfloat16);
- * a q8_0 cache's keys meet the query in integer dots (VNNI) and its values' scales ride on the
- * weights (pv_q8); float16 and float32 caches keep float32 arithmetic throughout. */
+ * a q8_0 cache's keys meet the query in integer dots (VNNI), its values' scales ride on the
+ * weights and, with VNNI, its values' codes meet the weights quantized to int16 (pv_q8i; else
+ * pv_q8, float32); float16 and float32 caches keep float32 arithmetic throughout. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
 
@@ -475,8 +476,8 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
  * quantized for the step to int16 against their maximum W: w' = round(w 32767 / W), each off by at
  * most W / 65534, so the step's sum of a value is off by at most W 127 n / 65534 for its n <= 32
  * keys; over a task those add to at most 32 127 / 65534 max(s) l (W <= max(s) max_i p_i, and
- * the steps' largest weights sum to at most l), and the output, over l, by at most 2^-11 times
- * the largest value's magnitude (the twin's bound). Half the instructions of the float32 FMAs
+ * the steps' largest weights sum to at most l), and the output, over l, by at most 32 / 65534
+ * (2^-11 and a 3e-5 part of it) times the largest value's magnitude (the twin's bound). Half the instructions of the float32 FMAs
  * and no conversion of the codes to float32. */
 static inline __attribute__((always_inline)) void pv_q8i(float *O, const float *alpha, const float *P,
                                                          int64_t pw, const char *const *V, const int64_t *n,

@@ -91,9 +91,8 @@ int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D, const i
  * heads alone would not keep every thread busy (flash-decoding), each chunk's (max, sum, output)
  * merged at the end. Where the CPU has AVX-512 BF16 a bfloat16 cache's task runs in bfloat16
  * pairs (decode_task_bf16: half the instructions, the query and the weights rounded to bfloat16);
- * a q8_0 cache's keys meet the query in integer dots (VNNI), its values' scales ride on the
- * weights and, with VNNI, its values' codes meet the weights quantized to int16 (pv_q8i; else
- * pv_q8, float32); float16 and float32 caches keep float32 arithmetic throughout. */
+ * a q8_0 cache's keys meet the query in integer dots (VNNI) and its values' scales ride on the
+ * weights (pv_q8); float16 and float32 caches keep float32 arithmetic throughout. */
 #define DT 16 /* keys a tile (the cache's block: step/kv_cache.py BLOCK) */
 #define DECODE_MIN_CHUNK 256 /* the fewest positions a split hands one task */
 
@@ -469,81 +468,6 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
     if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);          \
     else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 4);
 
-#if DECODE_Q8_DOTS
-/* pv_q8 in integers (VNNI): the values' codes as int16, two keys' rows interleaved by value
- * (unpacklo / unpackhi of 16-bit words) meet the pair of their weights in VPDPWSSD, summed in
- * int32 over the step. A head's weights of a block of 32 values (p[g][i] s_i, all >= 0) are
- * quantized for the step to int16 against their maximum W: w' = round(w 32767 / W), each off by at
- * most W / 65534, so the step's sum of a value is off by at most W 127 n / 65534 for its n <= 32
- * keys; over a task those add to at most 32 127 / 65534 max(s) l (W <= max(s) max_i p_i, and
- * the steps' largest weights sum to at most l), and the output, over l, by at most 32 / 65534
- * (2^-11 and a 3e-5 part of it) times the largest value's magnitude (the twin's bound). Half the instructions of the float32 FMAs
- * and no conversion of the codes to float32. */
-static inline __attribute__((always_inline)) void pv_q8i(float *O, const float *alpha, const float *P,
-                                                         int64_t pw, const char *const *V, const int64_t *n,
-                                                         int nts, int64_t rb, int64_t c0, int64_t Dv,
-                                                         const float *vs, const int GN, const int NB) {
-    int16_t wq[4][2][DECODE_STEP_Q8 * DT + 2] __attribute__((aligned(64)));
-    float wsc[4][2];
-    for (int g = 0; g < GN; g++)
-        for (int b = 0; b < NB; b++) {
-            __m512 w[DECODE_STEP_Q8], mx = _mm512_setzero_ps();
-            for (int x = 0; x < nts; x++) {
-                w[x] = _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT), _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16));
-                mx = _mm512_max_ps(mx, w[x]);
-            }
-            const float W = _mm512_reduce_max_ps(mx), inv = W > 0.0f ? 32767.0f / W : 0.0f;
-            wsc[g][b] = W * (1.0f / 32767.0f);
-            for (int x = 0; x < nts; x++)
-                _mm256_storeu_si256((__m256i *)(wq[g][b] + x * DT),
-                                    _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[x], _mm512_set1_ps(inv)))));
-        }
-    __m512i acc[4][2][2];
-    for (int g = 0; g < GN; g++)
-        for (int b = 0; b < NB; b++) acc[g][b][0] = acc[g][b][1] = _mm512_setzero_si512();
-    for (int x = 0; x < nts; x++) {
-        const char *Vx = V[x] + (c0 / 32) * 34 + 2;
-        for (int64_t i = 0; i < n[x]; i += 2) {
-            const int two = i + 1 < n[x]; /* (the row past n: zeros; its weight is 0 too) */
-            __m512i lo[2], hi[2];
-            for (int b = 0; b < NB; b++) {
-                const __m512i r0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Vx + i * rb + 34 * b)));
-                const __m512i r1 = two ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Vx + (i + 1) * rb + 34 * b)))
-                                       : _mm512_setzero_si512();
-                lo[b] = _mm512_unpacklo_epi16(r0, r1);
-                hi[b] = _mm512_unpackhi_epi16(r0, r1);
-            }
-            for (int g = 0; g < GN; g++)
-                for (int b = 0; b < NB; b++) {
-                    int32_t pp;
-                    memcpy(&pp, wq[g][b] + x * DT + i, 4);
-                    const __m512i pv = _mm512_set1_epi32(pp);
-                    acc[g][b][0] = _mm512_dpwssd_epi32(acc[g][b][0], lo[b], pv);
-                    acc[g][b][1] = _mm512_dpwssd_epi32(acc[g][b][1], hi[b], pv);
-                }
-        }
-    }
-    /* lo's lanes: values 0-3, 8-11, 16-19, 24-27 of the block; hi's: the others */
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int g = 0; g < GN; g++) {
-        const __m512 a = _mm512_set1_ps(alpha[g]);
-        for (int b = 0; b < NB; b++) {
-            float *o = O + g * Dv + 32 * b;
-            const __m512 sc = _mm512_set1_ps(wsc[g][b]);
-            const __m512 v0 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(acc[g][b][0], i0, acc[g][b][1]));
-            const __m512 v1 = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(acc[g][b][0], i1, acc[g][b][1]));
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(v0, sc, _mm512_mul_ps(a, _mm512_loadu_ps(o))));
-            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(v1, sc, _mm512_mul_ps(a, _mm512_loadu_ps(o + 16))));
-        }
-    }
-}
-
-#define PVQ8I_NU(GN)                                                                   \
-    if (nu == 2) pv_q8i(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 1);         \
-    else pv_q8i(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);
-#endif
-
 #if ATTN_BF16
 /* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
  * the instructions of float32 FMAs and no conversion of the cache's values: the query rounded to
@@ -914,17 +838,6 @@ static inline __attribute__((always_inline)) void decode_task(
                 const int64_t w = Dv - c0 < 64 ? Dv - c0 : 64, nu = (w + 15) / 16;
                 const __mmask16 last = (__mmask16)(w % 16 ? (1u << (w % 16)) - 1u : 0xFFFF);
                 float *Og = O + g0 * Dv + c0;
-#if DECODE_Q8_DOTS
-                if (t == 3) {
-                    switch (gn) {
-                    case 1: PVQ8I_NU(1) break;
-                    case 2: PVQ8I_NU(2) break;
-                    case 3: PVQ8I_NU(3) break;
-                    default: PVQ8I_NU(4) break;
-                    }
-                    continue;
-                }
-#endif
                 if (t == 3) {
                     switch (gn) {
                     case 1: PVQ8_NU(1) break;

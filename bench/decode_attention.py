@@ -17,6 +17,11 @@ layers' weights: one layer called again and again would be read from the cache (
 two libraries' calls alternated rep by rep on the same cache, so the ratio of their times holds
 in a noisy minute. Each line also gives ns a key and kv head (the call's time over the positions
 times the rows' kv heads: every query head of a group rides on its kv head's pass).
+
+--cpu times each call by the calling thread's CPU time (with --threads 1 the kernel runs on it):
+on a machine shared with other work, time spent descheduled is not counted. With --against the
+last column is then the median of the ratios of adjacent calls (this / against) with the
+quartiles of those ratios: their spread is the noise.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,11 +66,11 @@ def other_library(src: str) -> ctypes.CDLL:
 
 def case(
     shape: str, kv: str, depth: int, rows: int, reps: int, working_set: int,
-    libs: list[ctypes.CDLL | None],
-) -> tuple[list[float], int]:  # fmt: skip
+    libs: list[ctypes.CDLL | None], cpu: bool = False,
+) -> tuple[list[float], int, list[float]]:  # fmt: skip
     """Seconds per call of each library (None: this checkout's; the best of reps, the libraries
-    alternated call by call: the VM's noise only slows calls down) and the cache bytes one call
-    reads."""
+    alternated call by call: the VM's noise only slows calls down), the cache bytes one call
+    reads, and the ratios of adjacent calls' times (the first library's over the second's)."""
     h, hkv, d = SHAPES[shape]
     dtype = KV_TYPES[kv][0]
     n_ctx = depth + 16
@@ -107,12 +113,14 @@ def case(
     times: list[list[float]] = [[] for _ in libs]
     # every layer once at least a library, each call the next layer (the libraries in turn: a
     # layer one library just read would be in the cache for the other)
+    clock = time.thread_time if cpu else time.perf_counter
     for i in range(len(libs) * max(reps, n_layer)):
         x = i % len(libs)
-        t0 = time.perf_counter()
+        t0 = clock()
         call(i % n_layer, libs[x])
-        times[x].append(time.perf_counter() - t0)
-    return [min(t) for t in times], nbytes
+        times[x].append(clock() - t0)
+    ratios = [a / b for a, b in zip(*times, strict=True)] if len(libs) == 2 else []
+    return [min(t) for t in times], nbytes, ratios
 
 
 def main() -> None:
@@ -127,6 +135,7 @@ def main() -> None:
         "--working-set", type=int, default=256, help="MiB of cache the calls cycle over"
     )
     ap.add_argument("--against", help="another checkout's src: its kernels alternated with these")
+    ap.add_argument("--cpu", action="store_true", help="time calls by this thread's CPU time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -143,10 +152,11 @@ def main() -> None:
             for kv in args.types:
                 for rows in args.rows:
                     for depth in args.depths:
-                        secs, nbytes = case(
-                            shape, kv, depth, rows, args.reps, args.working_set << 20, libs
-                        )
-                        results.append((shape, kv, rows, depth, secs, nbytes))
+                        secs, nbytes, ratios = case(
+                            shape, kv, depth, rows, args.reps, args.working_set << 20, libs,
+                            args.cpu,
+                        )  # fmt: skip
+                        results.append((shape, kv, rows, depth, secs, nbytes, ratios))
         probes.append(probe.measure())
     bw = max(probes)
     print(f"read bandwidth: {', '.join(f'{p / 1e9:.1f}' for p in probes)} GB/s "
@@ -156,9 +166,11 @@ def main() -> None:
         f"ms a layer, GB/s, share, ns a key and kv head ({w})" for w in which[: len(libs)]
     )
     ratio = " | this / against" if args.against else ""
+    if args.against and args.cpu:
+        ratio = " | this / against (CPU time: median of adjacent calls [quartiles])"
     print(f"| shape | cache | rows | depth | {head}{ratio} |")
     print("| --- " * (4 + len(libs) + (1 if args.against else 0)) + "|")
-    for shape, kv, rows, depth, secs, nbytes in results:
+    for shape, kv, rows, depth, secs, nbytes, ratios in results:
         hkv = SHAPES[shape][1]
         cells = []
         for sec in secs:
@@ -166,6 +178,9 @@ def main() -> None:
             ns = sec * 1e9 / (rows * (depth + 1) * hkv)
             cells.append(f"{sec * 1e3:.3f}, {rate / 1e9:.1f}, {100 * rate / bw:.0f}%, {ns:.1f}")
         extra = f" | {secs[0] / secs[1]:.2f}" if len(secs) > 1 else ""
+        if ratios and args.cpu:
+            q = statistics.quantiles(ratios, n=4)
+            extra = f" | {statistics.median(ratios):.3f} [{q[0]:.3f}, {q[2]:.3f}]"
         print(f"| {shape} | {kv} | {rows} | {depth} | {' | '.join(cells)}{extra} |")
 
 

@@ -11,6 +11,10 @@ sequences decode together (issue 37: 16 sequences of 4,096); `--cache-type` pick
 (llama.cpp's -ctk names) and `--bandwidth` prints each step's share of the machine's read
 bandwidth, counting the weights once and every row's keys and values.
 
+`--cpu` also prints each step's CPU time on the calling thread (with `--threads 1` the whole
+step runs on it: on a shared machine the time it spends descheduled is not counted), the median
+of the steps' and their quartiles.
+
 With `--engine` the rows are greedy requests stepped by the engine (the scheduler's plan, the
 batch built, sampling, the prefix cache's bookkeeping), as a server steps them, and each step's
 time is split: the model's forward against the rest, in wall time and in this thread's CPU time
@@ -108,6 +112,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=0, help="positions every sequence holds")
     ap.add_argument("--cache-type", "-ctk", choices=list(KV_TYPES), default=None)
     ap.add_argument("--bandwidth", action="store_true", help="the steps' share of it")
+    ap.add_argument("--cpu", action="store_true", help="the steps' CPU time on this thread")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     ap.add_argument("--engine", action="store_true", help="the engine's steps, split")
     ap.add_argument("--adapters", nargs="*", default=[], help="with --engine: mixed rows too")
@@ -154,11 +159,18 @@ def main() -> None:
 
             step(0)
             bw = probe.measure() if probe else 0.0
+            cpus = []
             t0 = time.perf_counter()
             for i in range(1, args.steps + 1):
+                c0 = time.thread_time()
                 step(i)
+                cpus.append(time.thread_time() - c0)
             s = (time.perf_counter() - t0) / args.steps
             line = f"{b:3d} rows: {s * 1000:7.1f} ms/step, {b / s:7.1f} tok/s"
+            if args.cpu:
+                q = statistics.quantiles(cpus, n=4)
+                line += (f", CPU {statistics.median(cpus) * 1000:.1f} ms/step "
+                         f"[{q[0] * 1000:.1f}, {q[2] * 1000:.1f}]")  # fmt: skip
             if probe:
                 bw = max(bw, probe.measure())
                 read = weights + b * kv_bytes(path, depth, args.steps, cache_name)

@@ -20,6 +20,11 @@ alternated with the base:
 
     .venv/bin/python bench/decode_step.py 16 32 --model DIR/llama-1b-q4_k_m.gguf --engine \
         --threads 1 --adapters DIR/llama-1b-lora-r16-s{2..17}.gguf
+
+`--distinct 1 4 16` runs the mixed rows on the first K adapters for each K (16 rows on 4
+adapters: each on 4 rows), `--rounds N` alternates the configurations N times and prints each
+one's median step CPU time beside the base's, and every run prints the CPU time of the steps
+that ran its prompts (`--prompt` tokens each, plus r % 5).
 """
 
 from __future__ import annotations

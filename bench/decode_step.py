@@ -24,6 +24,11 @@ alternated with the base:
 
     .venv/bin/python bench/decode_step.py 16 32 --model DIR/llama-1b-q4_k_m.gguf --engine \
         --threads 1 --adapters DIR/llama-1b-lora-r16-s{2..17}.gguf
+
+`--distinct 1 4 16` runs the mixed rows on the first K adapters for each K (16 rows on 4
+adapters: each on 4 rows), `--rounds N` alternates the configurations N times and prints each
+one's median step CPU time beside the base's, and every run prints the CPU time of the steps
+that ran its prompts (`--prompt` tokens each, plus r % 5).
 """
 
 from __future__ import annotations
@@ -63,11 +68,12 @@ def fill_cache(cache: KVCache, depth: int) -> None:
 
 
 def engine_steps(
-    engine: Engine, rows: int, steps: int, lora: list[AdapterSettings]
-) -> tuple[float, float, float, float]:
-    """`rows` greedy requests (row r on lora[r % len(lora)]) stepped by the engine until each
-    decoded `steps` tokens past its first; per decode step: (wall s, this thread's CPU s, the
-    forward's wall s, the forward's CPU s), medians over the steps."""
+    engine: Engine, rows: int, steps: int, lora: list[AdapterSettings], prompt: int = 8
+) -> tuple[float, float, float, float, float]:
+    """`rows` greedy requests (row r on lora[r % len(lora)], prompt + r % 5 tokens) stepped by
+    the engine until each decoded `steps` tokens past its first; per decode step: (wall s, this
+    thread's CPU s, the forward's wall s, the forward's CPU s), medians over the steps, and the
+    CPU s of the steps that ran the prompts (to every row's first token)."""
     model = engine.model
     fwd: list[tuple[float, float]] = []
     forward = model.forward
@@ -80,12 +86,14 @@ def engine_steps(
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 2)
     reqs = [
-        engine.submit(Request([100 + (r * 37 + j) % 5000 for j in range(8 + r % 5)], params,
-                              lora[r % len(lora)]))
+        engine.submit(Request([100 + (r * 37 + j) % 5000 for j in range(prompt + r % 5)],
+                              params, lora[r % len(lora)]))
         for r in range(rows)
     ]  # fmt: skip
+    c0 = time.thread_time()
     while any(not r.generated for r in reqs):  # the prompts, and the first tokens
         engine.step()
+    prefill = time.thread_time() - c0
     engine.step()  # (the first full step warms the native layers' buffers)
     model.forward = timed  # type: ignore[method-assign]
     walls: list[tuple[float, float, float, float]] = []
@@ -100,7 +108,8 @@ def engine_steps(
         del model.forward
     while engine.busy:
         engine.step()
-    return tuple(statistics.median(w[i] for w in walls) for i in range(4))  # type: ignore[return-value]
+    med = [statistics.median(w[i] for w in walls) for i in range(4)]
+    return med[0], med[1], med[2], med[3], prefill
 
 
 def main() -> None:
@@ -116,6 +125,15 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's top ops")
     ap.add_argument("--engine", action="store_true", help="the engine's steps, split")
     ap.add_argument("--adapters", nargs="*", default=[], help="with --engine: mixed rows too")
+    ap.add_argument(
+        "--distinct",
+        type=int,
+        nargs="*",
+        default=[],
+        help="with --adapters: mixed rows on the first K of them, for each K",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="with --engine: alternated rounds")
+    ap.add_argument("--prompt", type=int, default=8, help="with --engine: prompt tokens")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, depth = max(args.rows), args.depth
@@ -129,15 +147,32 @@ def main() -> None:
     if args.engine:
         ids = [loaded.add_lora(path, 0.0) for path in args.adapters]
         kinds = {"base": [AdapterSettings()]}
-        if ids:
-            kinds[f"mixed {len(ids)}"] = [AdapterSettings({i: 1.0}) for i in ids]
-        for b in args.rows:
-            for name, lora in kinds.items():
-                wall, cpu, fw, fc = engine_steps(loaded.engine, b, args.steps, lora)
-                print(f"{b:3d} rows {name:9s}: {wall * 1000:7.1f} ms/step, {b / wall:6.1f} tok/s; "
-                      f"forward {fw * 1000:6.1f} ms; outside it {(wall - fw) * 1000:5.2f} ms "
-                      f"wall, {(cpu - fc) * 1000:5.2f} ms CPU ({(cpu - fc) / cpu:.1%} of the "
-                      f"step's CPU)", flush=True)  # fmt: skip
+        for k in args.distinct or ([len(ids)] if ids else []):
+            kinds[f"mixed {k}"] = [AdapterSettings({i: 1.0}) for i in ids[:k]]
+        cpus: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for rnd in range(args.rounds):
+            for b in args.rows:
+                for name, lora in list(kinds.items())[:: -1 if rnd % 2 else 1]:
+                    wall, cpu, fw, fc, pre = engine_steps(
+                        loaded.engine, b, args.steps, lora, args.prompt
+                    )
+                    cpus.setdefault((b, name), []).append((cpu, pre))
+                    print(f"{b:3d} rows {name:9s}: {wall * 1000:7.1f} ms/step, {b / wall:6.1f} "
+                          f"tok/s; forward {fw * 1000:6.1f} ms; outside it "
+                          f"{(wall - fw) * 1000:5.2f} ms wall, {(cpu - fc) * 1000:5.2f} ms CPU "
+                          f"({(cpu - fc) / cpu:.1%} of the step's CPU); step CPU "
+                          f"{cpu * 1000:6.1f} ms, prompts' CPU {pre * 1000:6.1f} ms",
+                          flush=True)  # fmt: skip
+        if args.rounds > 1:
+            print("medians over the rounds, CPU ms (decode step, the prompts' steps):")
+            for (b, name), got in cpus.items():
+                step = statistics.median(c for c, _ in got)
+                pre = statistics.median(p for _, p in got)
+                base = statistics.median(c for c, _ in cpus[(b, "base")])
+                print(
+                    f"{b:3d} rows {name:9s}: step {step * 1000:6.1f} ({step / base:.2f}x "
+                    f"base), prompts {pre * 1000:6.1f}"
+                )
         return
     probe = Bandwidth(Path(tempfile.mkdtemp())) if args.bandwidth else None
     if args.bandwidth:

@@ -29,6 +29,19 @@
 
 #define K4_BYTES(h5) (144 + 32 * (h5))
 
+#if GL_VNNI512
+/* Rows of x a tile of the k4 / k5 pair kernels: their accumulators and sums take 2 KT of the 32
+ * vector registers. A decode step's 16 rows are two tiles of 8 (with MT: 6, 6 and 4, the
+ * codes unpacked a third time for 4 rows). */
+#define KT 8
+#define WITH_ROWS_KT(R, F)                                                                         \
+    switch (R) {                                                                                   \
+    case 8: F(8); break;                                                                           \
+    case 7: F(7); break;                                                                           \
+    default: WITH_ROWS(R, F)                                                                       \
+    }
+#endif
+
 /* 8 bytes -> 8 floats */
 static inline __m256 u8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -178,7 +191,7 @@ static inline __attribute__((always_inline)) void k4_pair(
     int64_t kb, const int8_t *xq, const float *xd, const float *xs, int R, float *ya, float *yb,
     int64_t ldy) {
     const int64_t bs = K4_BYTES(h5);
-    __m512 acc[MT], dsv = _mm512_setzero_ps(), msv = dsv;
+    __m512 acc[KT], dsv = _mm512_setzero_ps(), msv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs;
@@ -194,7 +207,7 @@ static inline __attribute__((always_inline)) void k4_pair(
         }
         const __m512 dv = _mm512_mul_ps(dsv, cat_ps(u8x8_ps(sa), u8x8_ps(sb)));
         const __m512 mv = _mm512_mul_ps(msv, cat_ps(u8x8_ps(sa + 8), u8x8_ps(sb + 8)));
-        __m512i s32[MT];
+        __m512i s32[KT];
         nibble_dots2(wa, wb, h5, xq, kb, b, R, s32);
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * kb + b])), acc[r]);
@@ -205,50 +218,71 @@ static inline __attribute__((always_inline)) void k4_pair(
 }
 #endif
 
-/* mm_task for a k4 / k5 weight (kind 2; small: Q5_K's fifth bits). */
+/* k4_group for rows [r0, r1) of x, in tiles of MT rows. */
+static void k4_group_rows(const gl_weight *w, const xbuf *xb, int64_t r0, int64_t r1, int64_t g, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256;
+    const int h5 = (int)w->small;
+    const uint8_t *qg = (const uint8_t *)w->q + g * kb * K4_BYTES(h5);
+    const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16;
+    const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+    for (int64_t i = r0; i < r1; i += MT) {
+        const int R = r1 - i < MT ? (int)(r1 - i) : MT;
+        const int8_t *xt = xb->xq + i * k;
+        const float *dt = xb->xd + i * kb, *st = xb->xs + i * kb;
+        float *yo = y + i * n + g * 8;
+#define K4(RR) k4_group(qg, dg, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define K5(RR) k4_group(qg, dg, 1, kb, xt, dt, st, RR, yo, n, nv)
+        if (h5) {
+            WITH_ROWS(R, K5)
+        } else {
+            WITH_ROWS(R, K4)
+        }
+#undef K4
+#undef K5
+    }
+}
+
+/* mm_task for a k4 / k5 weight (kind 2; small: Q5_K's fifth bits): tiles of rows (with the pair
+ * kernels, of KT), each over the task's groups, two whole ones at a time in the pair kernels. */
 static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
                     float *y) {
-    const int64_t n = w->n, k = w->k, kb = k / 32, ks = k / 256, groups = (n + 7) / 8;
+    const int64_t n = w->n, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+#if GL_VNNI512
+    const int64_t k = w->k, kb = k / 32, ks = k / 256;
     const int h5 = (int)w->small;
     const int64_t bs = K4_BYTES(h5);
-    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
-        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
+    for (int64_t r0 = ra; r0 < rb; r0 += KT) {
+        const int R = rb - r0 < KT ? (int)(rb - r0) : KT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
         for (int64_t g = t * GT; g < g1; g++) {
-            const uint8_t *qg = (const uint8_t *)w->q + g * kb * bs;
-            const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16;
-            float *yo = y + r0 * n + g * 8;
-            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#if GL_VNNI512
-            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
-                const uint8_t *qh = qg + kb * bs;
-                const uint16_t *dh = dg + ks * 16;
-#define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
-#define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n)
-                if (h5) {
-                    WITH_ROWS(R, K5P)
-                } else {
-                    WITH_ROWS(R, K4P)
-                }
-#undef K4P
-#undef K5P
-                g++;
+            if (!pair_at(M, g, g1, n)) {
+                k4_group_rows(w, xb, r0, r0 + R, g, y);
                 continue;
             }
-#endif
-#define K4(RR) k4_group(qg, dg, 0, kb, xt, dt, st, RR, yo, n, nv)
-#define K5(RR) k4_group(qg, dg, 1, kb, xt, dt, st, RR, yo, n, nv)
+            const uint8_t *qg = (const uint8_t *)w->q + g * kb * bs, *qh = qg + kb * bs;
+            const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16, *dh = dg + ks * 16;
+            float *yo = y + r0 * n + g * 8;
+#define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
+#define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n)
             if (h5) {
-                WITH_ROWS(R, K5)
+                WITH_ROWS_KT(R, K5P)
             } else {
-                WITH_ROWS(R, K4)
+                WITH_ROWS_KT(R, K4P)
             }
-#undef K4
-#undef K5
+#undef K4P
+#undef K5P
+            g++;
         }
     }
+#else
+    (void)M;
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int64_t r1 = rb - r0 < MT ? rb : r0 + MT;
+        for (int64_t g = t * GT; g < g1; g++) k4_group_rows(w, xb, r0, r1, g, y);
+    }
+#endif
 }
 
 /* y (M, n) = x (M, k) @ W.T for a k4 (h5 0: Q4_K) or k5 (h5 1: Q5_K) weight of n rows. */

@@ -26,13 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "tokenizer"))
+sys.path[:0] = [str(REPO / "tests" / "tokenizer"), str(REPO / "tests")]  # the tests' helpers
 
 from test_pretok_oracle import DATA, ESCAPED_SPACE, metadata_for  # noqa: E402
+from test_pretokenizers import tiny_model_with_tokenizer  # noqa: E402
 
 from graftlm.tokenizer.pretok import NOT_SERVED, PRE_TOKENIZERS  # noqa: E402
 
@@ -102,47 +100,6 @@ def raw_vocabulary_words(texts: list[str]) -> list[str]:
     """For the Gemma 4 style vocabulary: the Llama 3 words of the texts, spaces escaped."""
     split = PRE_TOKENIZERS["llama-bpe"].split
     return sorted({w for t in texts for w in split(t.replace(" ", ESCAPED_SPACE))})
-
-
-def write_model(meta: dict[str, Any], dst: Path) -> None:
-    """A one-layer random llama with `meta`'s tokenizer and no tokenizer.ggml.add_bos_token (so
-    the name's own default shows)."""
-    n_vocab = len(meta["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(dst), "llama")
-    d, n_head, n_ff = 32, 2, 64
-    w.add_block_count(1)
-    w.add_context_length(256)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(d // n_head)
-    w.add_vocab_size(n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(meta["tokenizer.ggml.merges"])
-    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    rng = np.random.default_rng(0)
-
-    def t(name: str, *shape: int) -> None:
-        w.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
-
-    t("token_embd.weight", n_vocab, d)
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(f"{name}.weight", np.ones(d, np.float32))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-        t(f"blk.0.{name}.weight", d, d)
-    t("blk.0.ffn_gate.weight", n_ff, d)
-    t("blk.0.ffn_up.weight", n_ff, d)
-    t("blk.0.ffn_down.weight", d, n_ff)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
@@ -224,7 +181,7 @@ def main() -> None:
         for name in names:
             model = Path(tmp) / "tiny.gguf"
             meta, texts = metadata_for(name, out)
-            write_model(meta, model)
+            tiny_model_with_tokenizer(meta, model, meta["tokenizer.ggml.pre"], add_bos=None)
             got = run_server(args.server, model, texts)
             if isinstance(got, str):
                 out["refused"][name] = got

@@ -114,8 +114,12 @@ def discriminating(meta: dict[str, Any], texts: list[str]) -> dict[str, Any]:
             "tokenizer.ggml.merges": merges}  # fmt: skip
 
 
-def _tiny_model_with_tokenizer(meta: dict[str, Any], dst: Path, pre: str) -> Path:
-    """A one-layer random llama with `meta`'s tokenizer, `tokenizer.ggml.pre` = pre."""
+def tiny_model_with_tokenizer(
+    meta: dict[str, Any], dst: Path, pre: str, add_bos: bool | None = False
+) -> Path:
+    """A one-layer random llama with `meta`'s tokenizer, `tokenizer.ggml.pre` = pre, and
+    `tokenizer.ggml.add_bos_token` = add_bos (None: not written, so the name's default shows;
+    scripts/pretok_oracle.py writes its models so)."""
     n_vocab = len(meta["tokenizer.ggml.tokens"])
     w = gguf.GGUFWriter(str(dst), "llama")
     d, n_head, n_ff = 32, 2, 64
@@ -135,16 +139,16 @@ def _tiny_model_with_tokenizer(meta: dict[str, Any], dst: Path, pre: str) -> Pat
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
-    w.add_add_bos_token(False)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     rng = np.random.default_rng(0)
 
     def t(name: str, *shape: int) -> None:
         w.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
 
     t("token_embd.weight", n_vocab, d)
-    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(d, np.float32))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(d, np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(d, np.float32))
     for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
         t(f"blk.0.{name}.weight", d, d)
     t("blk.0.ffn_gate.weight", n_ff, d)
@@ -211,7 +215,7 @@ def test_ids_equal_llama_servers(pre: str, oracle_meta: dict[str, Any], tmp_path
     """Every corpus string: graftlm's ids equal llama-server's for the same vocabulary."""
     if not LLAMA_SERVER.exists():
         pytest.skip(f"{LLAMA_SERVER} is not here")
-    model = _tiny_model_with_tokenizer(oracle_meta, tmp_path / f"tiny-{pre}.gguf", pre)
+    model = tiny_model_with_tokenizer(oracle_meta, tmp_path / f"tiny-{pre}.gguf", pre)
     tok = Tokenizer.from_metadata(_with_pre(oracle_meta, pre))
     server = _LlamaServer(model)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +28,21 @@ UNMERGED = ["zzzq", " zzzq"]  # vocabulary entries without merges (byte-encoded 
 BOS = "<s>"
 
 
-def oracle_metadata(words: list[str], pre: str) -> dict[str, Any]:
-    """The recorded vocabulary: byte symbols, merge chains joining each of `words`, the
-    unmerged entries, then BOS (a control token)."""
-    tokens = list(BYTE_TO_CHAR)
-    known = set(tokens)
-    merges: list[str] = []
-    seen: set[str] = set()
-    for word in words:
-        symbols = byte_encode(word)
-        left = symbols[0]
-        for right in symbols[1:]:
-            merge = f"{left} {right}"
-            left += right
-            if merge not in seen:
-                seen.add(merge)
-                merges.append(merge)
-            if left not in known:
-                known.add(left)
-                tokens.append(left)
-    for text in UNMERGED:
-        if byte_encode(text) not in known:
-            known.add(byte_encode(text))
-            tokens.append(byte_encode(text))
-    tokens.append(BOS)
-    types = [1] * (len(tokens) - 1) + [3]
+def _merge_chain(word: str, merges: list[str], seen: set[str], add: Callable[[str], None]) -> None:
+    """The merges joining `word`'s symbols left to right, and each step's token."""
+    left = word[0]
+    for right in word[1:]:
+        merge = f"{left} {right}"
+        left += right
+        if merge not in seen:
+            seen.add(merge)
+            merges.append(merge)
+        add(left)
+
+
+def _metadata(pre: str, tokens: list[str], types: list[int], merges: list[str]) -> dict[str, Any]:
+    """The vocabulary's GGUF keys, BOS (a control token, also EOS) appended last."""
+    tokens, types = [*tokens, BOS], [*types, 3]
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": pre,
@@ -61,6 +52,26 @@ def oracle_metadata(words: list[str], pre: str) -> dict[str, Any]:
         "tokenizer.ggml.bos_token_id": len(tokens) - 1,
         "tokenizer.ggml.eos_token_id": len(tokens) - 1,
     }
+
+
+def oracle_metadata(words: list[str], pre: str) -> dict[str, Any]:
+    """The recorded vocabulary: byte symbols, merge chains joining each of `words`, the
+    unmerged entries, then BOS (a control token)."""
+    tokens = list(BYTE_TO_CHAR)
+    known = set(tokens)
+
+    def add(token: str) -> None:
+        if token not in known:
+            known.add(token)
+            tokens.append(token)
+
+    merges: list[str] = []
+    seen: set[str] = set()
+    for word in words:
+        _merge_chain(byte_encode(word), merges, seen, add)
+    for text in UNMERGED:
+        add(byte_encode(text))
+    return _metadata(pre, tokens, [1] * len(tokens), merges)
 
 
 RAW_UNMERGED = [
@@ -92,30 +103,13 @@ def raw_oracle_metadata(words: list[str], pre: str) -> dict[str, Any]:
             continue
         for c in word:
             add(c)
-        left = word[0]
-        for right in word[1:]:
-            merge = f"{left} {right}"
-            left += right
-            if merge not in seen:
-                seen.add(merge)
-                merges.append(merge)
-            add(left)
+        _merge_chain(word, merges, seen, add)
     for text in RAW_UNMERGED:
         text = text.replace(" ", ESCAPED_SPACE)
         for c in text:
             add(c)
         add(text)
-    tokens.append(BOS)
-    types.append(3)
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": len(tokens) - 1,
-        "tokenizer.ggml.eos_token_id": len(tokens) - 1,
-    }
+    return _metadata(pre, tokens, types, merges)
 
 
 def metadata_for(pre: str, data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

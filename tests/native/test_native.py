@@ -56,7 +56,7 @@ def int8_twin(x: np.ndarray, w: np.ndarray, qtype: Q) -> np.ndarray:
      Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 16, 32])  # (16, 32: a batched decode step's tiles)
 def test_int8_activation_matmul_is_llama_cpp_arithmetic(qtype: Q, m: int) -> None:
     rng = np.random.default_rng(m)
     n, k = 40, 512

@@ -29,6 +29,29 @@
 
 #define K4_BYTES(h5) (144 + 32 * (h5))
 
+/* A few rows (a batched decode step) take a task's weights from memory in their first tile and
+ * from cache in the rest, the prompt's every 8 or 6 rows: at 16 rows the first tile waited on
+ * memory (Llama-1B's attn_output at 16 rows streamed: 0.82x its speed on weights in cache).
+ * The last of two or more tiles asks instead for the next task's blocks (nx bytes on: the same
+ * groups' of the next task, which the thread takes next) toward L2, one line a line of its
+ * own, so the next task's first tile finds them there. */
+static inline int64_t next_task_at(int64_t ra, int64_t rb, int64_t r0, int64_t tile, int64_t task_bytes) {
+    return rb - ra > tile && rb - ra <= RC && r0 + tile >= rb ? task_bytes : 0;
+}
+
+#if GL_VNNI512
+static inline __attribute__((always_inline)) void pair_prefetch(const uint8_t *wa, const uint8_t *wb,
+                                                                int64_t bs, int64_t nx) {
+    if (nx) {
+        prefetch_l2(wa + nx, bs);
+        prefetch_l2(wb + nx, bs);
+    } else {
+        prefetch_block(wa, bs);
+        prefetch_block(wb, bs);
+    }
+}
+#endif
+
 #if GL_VNNI512
 /* Rows of x a tile of the k4 / k5 pair kernels: their accumulators and sums take 2 KT of the 32
  * vector registers. A decode step's 16 rows are two tiles of 8 (with MT: 6, 6 and 4, the
@@ -185,19 +208,19 @@ static inline __attribute__((always_inline)) void k4_group(
 
 #if GL_VNNI512
 /* k4_group for two whole groups at once (qa, da, ya: group g; qb, db, yb: g + 1), in 512-bit
- * vectors: the same sums and float steps per output as k4_group, so the same bits. */
+ * vectors: the same sums and float steps per output as k4_group, so the same bits. nx: 0, or
+ * how far on the next task's blocks lie (pair_prefetch). */
 static inline __attribute__((always_inline)) void k4_pair(
     const uint8_t *qa, const uint8_t *qb, const uint16_t *da, const uint16_t *db, int h5,
     int64_t kb, const int8_t *xq, const float *xd, const float *xs, int R, float *ya, float *yb,
-    int64_t ldy) {
+    int64_t ldy, int64_t nx) {
     const int64_t bs = K4_BYTES(h5);
     __m512 acc[KT], dsv = _mm512_setzero_ps(), msv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs;
         const uint8_t *sa = wa + 128 + 32 * h5, *sb = wb + 128 + 32 * h5;
-        prefetch_block(wa, bs);
-        prefetch_block(wb, bs);
+        pair_prefetch(wa, wb, bs, nx);
         if ((b & 7) == 0) {
             const int64_t o = (b >> 3) * 16;
             dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),
@@ -215,6 +238,19 @@ static inline __attribute__((always_inline)) void k4_pair(
         }
     }
     store_pair(acc, R, ya, yb, ldy);
+}
+
+/* k4_pair for a whole tile asking for the next task's blocks (next_task_at), out of line: with
+ * its copies inlined beside the others, or nx a test in the loop, the prompt's tiles ran
+ * 3-5% slower. */
+static __attribute__((noinline)) void k4_pair_next(const uint8_t *qa, const uint8_t *qb, const uint16_t *da,
+                                                   const uint16_t *db, int h5, int64_t kb, const int8_t *xq,
+                                                   const float *xd, const float *xs, float *y, int64_t ldy,
+                                                   int64_t nx) {
+    if (h5)
+        k4_pair(qa, qb, da, db, 1, kb, xq, xd, xs, KT, y, y + 8, ldy, nx);
+    else
+        k4_pair(qa, qb, da, db, 0, kb, xq, xd, xs, KT, y, y + 8, ldy, nx);
 }
 #endif
 
@@ -256,6 +292,7 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         const int R = rb - r0 < KT ? (int)(rb - r0) : KT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
+        const int64_t nx = next_task_at(ra, rb, r0, KT, GT * kb * bs);
         for (int64_t g = t * GT; g < g1; g++) {
             if (!pair_at(M, g, g1, n)) {
                 k4_group_rows(w, xb, r0, r0 + R, g, y);
@@ -264,9 +301,11 @@ static void k4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
             const uint8_t *qg = (const uint8_t *)w->q + g * kb * bs, *qh = qg + kb * bs;
             const uint16_t *dg = (const uint16_t *)w->d + g * ks * 16, *dh = dg + ks * 16;
             float *yo = y + r0 * n + g * 8;
-#define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n)
-#define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n)
-            if (h5) {
+#define K4P(RR) k4_pair(qg, qh, dg, dh, 0, kb, xt, dt, st, RR, yo, yo + 8, n, 0)
+#define K5P(RR) k4_pair(qg, qh, dg, dh, 1, kb, xt, dt, st, RR, yo, yo + 8, n, 0)
+            if (nx && R == KT) {
+                k4_pair_next(qg, qh, dg, dh, h5, kb, xt, dt, st, yo, n, nx);
+            } else if (h5) {
                 WITH_ROWS_KT(R, K5P)
             } else {
                 WITH_ROWS_KT(R, K4P)
@@ -608,17 +647,18 @@ static inline __attribute__((always_inline)) void k16_fold2(__m512 s0, __m512 s1
 }
 
 /* k16_group for two whole groups at once (qa, da, ya: group g; qb, db, yb: g + 1), in 512-bit
- * vectors: the same sums and float steps per output as k16_group, so the same bits. */
+ * vectors: the same sums and float steps per output as k16_group, so the same bits. nx: as
+ * k4_pair's. */
 static inline __attribute__((always_inline)) void k16_pair(
     int v, const uint8_t *qa, const uint8_t *qb, const uint16_t *da, const uint16_t *db, int64_t kb,
-    const int8_t *xq, const float *xd, const float *xs16, int R, float *ya, float *yb, int64_t ldy) {
+    const int8_t *xq, const float *xd, const float *xs16, int R, float *ya, float *yb, int64_t ldy,
+    int64_t nx) {
     const int64_t bs = K16_BYTES(v), nd = K16_D(v), at_sc = v == V_Q6 ? 192 : 128;
     __m512 acc[MT], dsv = _mm512_setzero_ps(), dmv = dsv;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs, *sa = wa + at_sc, *sb = wb + at_sc;
-        prefetch_block(wa, bs);
-        prefetch_block(wb, bs);
+        pair_prefetch(wa, wb, bs, nx);
         if ((b & 7) == 0) {
             const int64_t o = (b >> 3) * nd;
             dsv = cat_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(da + o))),
@@ -640,6 +680,17 @@ static inline __attribute__((always_inline)) void k16_pair(
         k16_fold2(s0, s1, m0, m1, xd, xs16, kb, b, R, lo32, hi32, acc);
     }
     store_pair(acc, R, ya, yb, ldy);
+}
+
+/* k16_pair of Q6_K asking for the next task's blocks (next_task_at; as k4_pair_next: out of
+ * line). Q3_K and Q2_K keep the others' prefetch. */
+static __attribute__((noinline)) void k16_pair_next(const uint8_t *qa, const uint8_t *qb, const uint16_t *da,
+                                                    const uint16_t *db, int64_t kb, const int8_t *xq,
+                                                    const float *xd, const float *xs16, int R, float *y,
+                                                    int64_t ldy, int64_t nx) {
+#define K6N(RR) k16_pair(V_Q6, qa, qb, da, db, kb, xq, xd, xs16, RR, y, y + 8, ldy, nx)
+    WITH_ROWS(R, K6N)
+#undef K6N
 }
 #endif
 
@@ -744,6 +795,8 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
         const int8_t *xt = xb->xq + r0 * k;
         const float *dt = xb->xd + r0 * kb, *st = xb->xs16 + r0 * kb * 2;
+        const int64_t nx = next_task_at(ra, rb, r0, MT, GT * kb * K16_BYTES(v));
+        (void)nx; /* (the 256-bit kernels keep their prefetch) */
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *qg = (const uint8_t *)w->q + g * kb * K16_BYTES(v);
             const uint16_t *dg = (const uint16_t *)w->d + g * ks * K16_D(v);
@@ -753,10 +806,12 @@ static void k6_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
             if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
                 const uint8_t *qh = qg + kb * K16_BYTES(v);
                 const uint16_t *dh = dg + ks * K16_D(v);
-#define K6P(RR) k16_pair(V_Q6, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)
-#define K3P(RR) k16_pair(V_Q3, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)
-#define K2P(RR) k16_pair(V_Q2, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n)
-                if (v == V_Q6) {
+#define K6P(RR) k16_pair(V_Q6, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n, 0)
+#define K3P(RR) k16_pair(V_Q3, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n, 0)
+#define K2P(RR) k16_pair(V_Q2, qg, qh, dg, dh, kb, xt, dt, st, RR, yo, yo + 8, n, 0)
+                if (v == V_Q6 && nx) {
+                    k16_pair_next(qg, qh, dg, dh, kb, xt, dt, st, R, yo, n, nx);
+                } else if (v == V_Q6) {
                     WITH_ROWS(R, K6P)
                 } else if (v == V_Q3) {
                     WITH_ROWS(R, K3P)

@@ -167,8 +167,8 @@ def test_adapters_attached_and_detached_beside_running_steps(
 
 
 def test_attach_beside_places_whole_and_publishes_between_steps(files: dict[str, Path]) -> None:
-    """A projection with no slots yet (its site would be made under the step) or the model
-    asleep: None, nothing changed. Otherwise the slot is in every projection the adapter names,
+    """A projection with no slots yet (its site would be made under the step), the slots
+    changing on another thread or the model asleep: None, nothing changed. Otherwise the slot is in every projection the adapter names,
     the tables made before stay as they were and the model's adapters' generation unchanged
     until `publish`."""
     if library() is None:
@@ -194,5 +194,7 @@ def test_attach_beside_places_whole_and_publishes_between_steps(files: dict[str,
         assert site is not None
         table = site.native()
         assert table is not None and table.ids == [first, i], name
+    with adapters._lock:  # the slots changing on the engine's thread: no wait, None
+        assert adapters.attach_beside(a2) is None
     adapters.release()  # asleep
     assert adapters.attach_beside(a2) is None and set(adapters.attached) == {first, i}

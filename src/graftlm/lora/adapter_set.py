@@ -118,7 +118,8 @@ class AdapterSet:
         engine's; its id, or None (nothing attached: attach it between two steps) where it
         cannot go in so: a projection with no slots yet (its site would be made under the
         step), the embedding, factors not packed for their projection (off the CPU), the
-        model asleep.
+        model asleep, or the slots changing on the engine's thread right now (the caller, an
+        event loop, does not wait for it).
 
         What the running step reads does not change: each projection's slot goes in whole (its
         packed form made with the read) beside the slots there, no table is remade, and the
@@ -126,29 +127,36 @@ class AdapterSet:
         scale of 0 for a slot no row names, skip it in any table made meanwhile. The steps'
         tables take it at `publish`, which the engine's thread runs before any step whose
         rows can name it."""
-        with self._lock:
-            if isinstance(self.model, _Asleep) or self.model.device.type != "cpu":
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._stage(adapter)
+        finally:
+            self._lock.release()
+
+    def _stage(self, adapter: ResolvedAdapter) -> int | None:
+        if isinstance(self.model, _Asleep) or self.model.device.type != "cpu":
+            return None
+        projections = self.model.seams.projections
+        staged: list[tuple[LoraSite, PackedSlot]] = []
+        for name, d in adapter.deltas.items():
+            p = projections.get(name) if name != EMBEDDING else None
+            if p is None or p.lora is None or d.packed is None:
+                return None  # (before any site holds it: nothing to undo)
+            site, packed = p.lora, d.packed
+            if packed.half != p.approximate or (packed.n_in, packed.n_out) != (
+                site.n_in,
+                site.n_out,
+            ):
                 return None
-            projections = self.model.seams.projections
-            staged: list[tuple[LoraSite, PackedSlot]] = []
-            for name, d in adapter.deltas.items():
-                p = projections.get(name) if name != EMBEDDING else None
-                if p is None or p.lora is None or d.packed is None:
-                    return None  # (before any site holds it: nothing to undo)
-                site, packed = p.lora, d.packed
-                if packed.half != p.approximate or (packed.n_in, packed.n_out) != (
-                    site.n_in,
-                    site.n_out,
-                ):
-                    return None
-                staged.append((site, packed))
-            slot = self._next_id
-            for site, packed in staged:
-                site.stage_packed(slot, packed)
-            self._staged += [site for site, _ in staged]
-            self._next_id += 1
-            self.attached[slot] = Attached(slot, adapter, 0.0)
-            return slot
+            staged.append((site, packed))
+        slot = self._next_id
+        for site, packed in staged:
+            site.stage_packed(slot, packed)
+        self._staged += [site for site, _ in staged]
+        self._next_id += 1
+        self.attached[slot] = Attached(slot, adapter, 0.0)
+        return slot
 
     def publish(self) -> None:
         """On the engine's thread, between two steps: the slots `attach_beside` put in, in the

@@ -26,6 +26,7 @@ memory.
 
     .venv/bin/python bench/churn_bench.py                       # 1,000 registered, 64 used, 16 slots
     .venv/bin/python bench/churn_bench.py --registered 300 --used 64 --max-loras 16
+    .venv/bin/python bench/churn_bench.py --src /tmp/old/src   # another revision's server
 
 Run it on a quiet machine.
 """
@@ -103,6 +104,9 @@ def main() -> int:
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=18700)
     p.add_argument("--log", type=Path, help="the server's output (default: nowhere)")
+    p.add_argument("--src", type=Path, help="the graftlm sources the server runs (default: this "
+                   "checkout's src/): another revision's for an A/B, e.g. from "
+                   "`git archive REV src | tar -x -C DIR` (then DIR/src)")  # fmt: skip
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -114,7 +118,9 @@ def main() -> int:
               f"{args.clients} clients x {args.tokens} tokens")  # fmt: skip
         modules = [f"a{i}={p}" for i, p in enumerate(paths)]
         pid_file = folder / "pid"
-        cmd = [sys.executable, "-m", "graftlm", "serve", "--host", "127.0.0.1",
+        # (env: running() points PYTHONPATH at this checkout's src/; `env` execs, same process)
+        src = [] if args.src is None else ["env", f"PYTHONPATH={args.src.resolve()}"]
+        cmd = [*src, sys.executable, "-m", "graftlm", "serve", "--host", "127.0.0.1",
                "--port", str(args.port), "-np", str(args.clients), "-t", str(args.threads),
                "-c", str(args.clients * 256), "--max-loras", str(args.max_loras),
                "--lora-modules", *modules]  # fmt: skip

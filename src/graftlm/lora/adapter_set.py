@@ -3,10 +3,15 @@
 An adapter's id is its slot in every LoraSite and its column in every batch's scale table. Ids are
 given in load order and never reused while the model lives, so a request that names an id cannot
 silently reach a different adapter.
+
+The slots change on the engine's thread, between steps, except one change: a new adapter at
+scale 0 may go in from another thread beside a running step (`attach_beside`), the steps' tables
+taking it on the engine's thread (`publish`). A lock keeps the changes one at a time.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +19,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
-from graftlm.lora.packed import pack_many
+from graftlm.lora.packed import PackedSlot, pack_many
 from graftlm.lora.scales import scale_problem
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
@@ -58,6 +63,8 @@ class AdapterSet:
         self.model = model
         self.attached: dict[int, Attached] = {}
         self._next_id = 0
+        self._lock = threading.Lock()  # one change of the slots at a time (module docstring)
+        self._staged: list[LoraSite] = []  # sites holding slots no step's table has (`publish`)
 
     def load(self, path: str | Path) -> ResolvedAdapter:
         """Read and check an adapter (GGUF file or PEFT directory) against the base; attach nothing."""
@@ -99,23 +106,80 @@ class AdapterSet:
         """Put a resolved adapter into its slot of every projection it names. Cannot fail halfway:
         every check ran when the adapter was resolved, and off the CPU every factor is copied to
         the model's device (where memory can run out) before any is attached."""
+        with self._lock:
+            slot = self._next_id
+            self._place(slot, adapter)
+            self._next_id += 1
+            self.attached[slot] = Attached(slot, adapter, float(scale))
+            return slot
+
+    def attach_beside(self, adapter: ResolvedAdapter) -> int | None:
+        """`attach` at global scale 0 from any thread, beside a step that may be running on the
+        engine's; its id, or None (nothing attached: attach it between two steps) where it
+        cannot go in so: a projection with no slots yet (its site would be made under the
+        step), the embedding, factors not packed for their projection (off the CPU), the
+        model asleep, or the slots changing on the engine's thread right now (the caller, an
+        event loop, does not wait for it).
+
+        What the running step reads does not change: each projection's slot goes in whole (its
+        packed form made with the read) beside the slots there, no table is remade, and the
+        id is new (never reused), so no row of the step names it and the kernels, which read a
+        scale of 0 for a slot no row names, skip it in any table made meanwhile. The steps'
+        tables take it at `publish`, which the engine's thread runs before any step whose
+        rows can name it."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._stage(adapter)
+        finally:
+            self._lock.release()
+
+    def _stage(self, adapter: ResolvedAdapter) -> int | None:
+        if isinstance(self.model, _Asleep) or self.model.device.type != "cpu":
+            return None
+        projections = self.model.seams.projections
+        staged: list[tuple[LoraSite, PackedSlot]] = []
+        for name, d in adapter.deltas.items():
+            p = projections.get(name) if name != EMBEDDING else None
+            if p is None or p.lora is None or d.packed is None:
+                return None  # (before any site holds it: nothing to undo)
+            site, packed = p.lora, d.packed
+            if packed.half != p.approximate or (packed.n_in, packed.n_out) != (
+                site.n_in,
+                site.n_out,
+            ):
+                return None
+            staged.append((site, packed))
         slot = self._next_id
-        self._place(slot, adapter)
+        for site, packed in staged:
+            site.stage_packed(slot, packed)
+        self._staged += [site for site, _ in staged]
         self._next_id += 1
-        self.attached[slot] = Attached(slot, adapter, float(scale))
+        self.attached[slot] = Attached(slot, adapter, 0.0)
         return slot
+
+    def publish(self) -> None:
+        """On the engine's thread, between two steps: the slots `attach_beside` put in, in the
+        projections' tables from the next step on."""
+        with self._lock:
+            staged, self._staged = self._staged, []
+            for site in staged:
+                site.publish()
 
     def rebind(self, model: Base) -> None:
         """Attach every adapter, under its id and at its scale, to `model` in place of the one
         this set was made for (a fresh load of the same file: the server's wake from sleep)."""
-        self.model = model
-        for slot, a in sorted(self.attached.items()):
-            self._place(slot, a.adapter)
+        with self._lock:
+            self.model = model
+            self._staged = []  # (the old model's sites; every slot is placed whole below)
+            for slot, a in sorted(self.attached.items()):
+                self._place(slot, a.adapter)
 
     def release(self) -> None:
         """Let go of the model (the server's sleep); the adapters, ids and scales stay, for
         `rebind`. Until then nothing that needs the model may be asked of this set."""
-        self.model = _ASLEEP
+        with self._lock:
+            self.model = _ASLEEP
 
     def _place(self, slot: int, adapter: ResolvedAdapter) -> None:
         dev = self.model.device
@@ -160,6 +224,10 @@ class AdapterSet:
                     p.lora.put(slot, *factors[name])
 
     def detach(self, adapter_id: int) -> None:
+        with self._lock:
+            self._detach(adapter_id)
+
+    def _detach(self, adapter_id: int) -> None:
         self._check(adapter_id)
         table = self.model.seams
         for p in table.projections.values():
@@ -253,8 +321,9 @@ class AdapterSet:
         (AdapterError, and nothing changes)."""
         if not isinstance(scales, AdapterSettings):
             scales = self.settings(scales, error=AdapterError)
-        for i, a in self.attached.items():
-            a.scale = scales.get(i, 0.0)
+        with self._lock:  # (an attach beside the step adds to `attached`)
+            for i, a in self.attached.items():
+                a.scale = scales.get(i, 0.0)
 
     def scales(self) -> AdapterSettings:
         """The model's global scales, the default a request starts from: their one copy (the

@@ -51,20 +51,26 @@ def part_ranges_many(bts: torch.Tensor) -> list[list[tuple[int, int, int, int]]]
     nz = padded.view(g, r, blocks, BLOCK).any(dim=3)  # (G, R, blocks): where each column reaches
     first = nz.int().argmax(dim=2)
     last = blocks - nz.flip(2).int().argmax(dim=2)
-    summary = torch.stack([nz.any(dim=2).int(), first, last], dim=2).tolist()  # (G, R, 3)
-    out: list[list[tuple[int, int, int, int]]] = []
-    for cols in summary:
-        ranges: list[tuple[int, int, int, int]] = []
-        for c, (any_nz, blo, bhi) in enumerate(cols):
-            if not any_nz:
-                continue
-            if ranges and ranges[-1][0] + ranges[-1][1] == c and ranges[-1][2:] == (blo, bhi):
-                c0, n, _, _ = ranges[-1]
-                ranges[-1] = (c0, n + 1, blo, bhi)
-            else:
-                ranges.append((c, 1, blo, bhi))
-        out.append(ranges)
-    return out
+    summary = torch.stack([nz.any(dim=2).int(), first, last], dim=2)  # (G, R, 3)
+    if g and bool((summary == summary[:1]).all()):  # (the usual stack: all columns alike)
+        ranges = _runs(summary[0].tolist())
+        return [list(ranges) for _ in range(g)]
+    return [_runs(cols) for cols in summary.tolist()]
+
+
+def _runs(cols: list[list[int]]) -> list[tuple[int, int, int, int]]:
+    """(c0, r, lo, hi) of each run of consecutive columns of one factor that reach the same
+    blocks, from its columns' (any nonzero, first block, end block)."""
+    ranges: list[tuple[int, int, int, int]] = []
+    for c, (any_nz, blo, bhi) in enumerate(cols):
+        if not any_nz:
+            continue
+        if ranges and ranges[-1][0] + ranges[-1][1] == c and ranges[-1][2:] == (blo, bhi):
+            c0, n, _, _ = ranges[-1]
+            ranges[-1] = (c0, n + 1, blo, bhi)
+        else:
+            ranges.append((c, 1, blo, bhi))
+    return ranges
 
 
 def pack_part(bt: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:

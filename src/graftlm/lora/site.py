@@ -120,6 +120,19 @@ class LoraSite:
         self._packed[slot] = packed
         self._changed()
 
+    def stage_packed(self, slot: int, packed: PackedSlot) -> None:
+        """Hold a new slot's native form beside a step that may be running on another thread,
+        without changing what it reads: the table it has (or makes) stays as it is, and the
+        kernels read a scale of 0 for a slot no row of it names (a new id: `AdapterSet`).
+        `publish`, between two steps, puts it in the tables."""
+        assert not self.gather and self.device.type == "cpu", "a native form is the CPU's"
+        assert slot not in self._packed and slot not in self._factors, f"slot {slot} is taken"
+        self._packed[slot] = packed  # (one dict store: complete before any thread can see it)
+
+    def publish(self) -> None:
+        """The slots staged since the last change in the native tables from the next step on."""
+        self._changed()
+
     def _here(self, t: torch.Tensor) -> torch.Tensor:
         # factors read, checked and packed off the engine's thread arrive ready: a put on that
         # thread then makes no tensor call (each would let the reader threads take the

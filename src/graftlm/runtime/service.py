@@ -6,8 +6,9 @@ engine, and hands each job's events back to the asyncio loop the job came from, 
 (`runtime.tracking.Outbox`; `runtime.tracking` also turns tokens into text and events).
 
 Everything that touches the model runs on that thread, in the order it was asked for: requests,
-cancellations, scoring passes, attaching and detaching adapters. A caller that leaves (a client
-that disconnects) cancels its requests and their cache slots are free at the next step.
+cancellations, scoring passes, attaching and detaching adapters (but an adapter attached while
+a step is in flight goes in beside it: `attach`). A caller that leaves (a client that
+disconnects) cancels its requests and their cache slots are free at the next step.
 
 One cache slot is kept back from generation (when the engine has more than one) so that a scoring
 pass (`prompt_logprobs`) never waits for a generation to end.
@@ -57,17 +58,8 @@ if TYPE_CHECKING:
     from graftlm.lora.adapter_set import AdapterSet
 
 # what a caller of the service meets: the service and what goes through it
-__all__ = [
-    "CacheFacts",
-    "EngineService",
-    "ErrorEvent",
-    "Event",
-    "FinishEvent",
-    "Job",
-    "ProgressEvent",
-    "ServiceObserver",
-    "TokenEvent",
-]
+__all__ = ["CacheFacts", "EngineService", "ErrorEvent", "Event", "FinishEvent", "Job",
+           "ProgressEvent", "ServiceObserver", "TokenEvent"]  # fmt: skip
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -88,7 +80,7 @@ class EngineService:
     """Runs an engine on one thread; every other thread talks to it through this object.
 
     prompter: the model's text rules (stop strings, end tokens, the routes' tokenizing).
-    adapters: the model's adapter set, changed only on the engine thread.
+    adapters: the model's adapter set, changed on the engine thread (or beside a step: `attach`).
     max_running: how many requests generate at once (default: the engine's slots, less the one
     kept for scoring); the engine's scheduler admits under it while the service runs."""
 
@@ -119,6 +111,7 @@ class EngineService:
         self._deferred: list[_Call] = []  # calls waiting for a free cache slot
         self._outbox = Outbox()  # the events of a step, handed over when it ends
         self._thread: threading.Thread | None = None
+        self._at_rest = False  # the thread waits on an empty inbox (no step in flight)
         self.n_running = 0
         self.n_waiting = 0
         self.n_cancelled = 0  # requests ended early because their caller left
@@ -236,29 +229,32 @@ class EngineService:
     def attach(
         self, prepared: PreparedAdapter, scale: float = 0.0
     ) -> concurrent.futures.Future[int]:
-        """Attach a prepared adapter at this global scale; its id in the future."""
-
-        def attach() -> int:
-            with self.engine.lock:
-                return self.adapters.attach(prepared.resolved, scale)
-
-        return self.call(attach)
+        """Attach a prepared adapter at this global scale; its id in the future. While the
+        engine's thread is at work (a step in flight), one at scale 0 goes in at once beside the
+        step (`AdapterSet.attach_beside`; the future done on return), the steps' tables taking
+        it before the thread runs anything asked after this call; else between two steps."""
+        if scale == 0.0 and self._thread is not None and not self._at_rest:
+            slot = self.adapters.attach_beside(prepared.resolved)
+            if slot is not None:
+                self.call(self.adapters.publish)  # (the inbox is first in, first out)
+                done: concurrent.futures.Future[int] = concurrent.futures.Future()
+                done.set_result(slot)
+                return done
+        return self._locked(lambda: self.adapters.attach(prepared.resolved, scale))
 
     def detach(self, adapter_id: int) -> concurrent.futures.Future[None]:
-        def detach() -> None:
-            with self.engine.lock:
-                self.adapters.detach(adapter_id)
-
-        return self.call(detach)
+        return self._locked(lambda: self.adapters.detach(adapter_id))
 
     def set_scales(self, scales: AdapterSettings) -> concurrent.futures.Future[None]:
         """The adapter set's global scales (checked settings; adapters not listed go to 0)."""
+        return self._locked(lambda: self.adapters.set_scales(scales))
 
-        def set_scales() -> None:
+    def _locked(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        def locked() -> T:  # (between two steps, under the engine's lock)
             with self.engine.lock:
-                self.adapters.set_scales(scales)
+                return fn()
 
-        return self.call(set_scales)
+        return self.call(locked)
 
     # -- sleep --
     def hold(self) -> None:
@@ -340,6 +336,7 @@ class EngineService:
             self._outbox.flush()  # what the last turn posted, before this one may wait
             # sleep only when there is nothing to step
             idle = self._engine is None or not self._engine.busy
+            self._at_rest = idle
             try:
                 if not idle:
                     item = self._inbox.get_nowait()
@@ -351,6 +348,8 @@ class EngineService:
                     self._maybe_sleep()
                     continue
                 item = None
+            finally:
+                self._at_rest = False
             while item is not None:
                 if item is _STOP:
                     self._shutdown()

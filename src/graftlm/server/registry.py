@@ -2,7 +2,8 @@
 scales are the model's adapter set's (`service.adapters`): this registry asks it, keeps no copy.
 
 Lives on the asyncio side and is only touched from the event loop (no locks); the model itself
-changes only on the engine thread, through the service (`attach`, `detach`).
+changes through the service (`attach`, `detach`): on the engine thread, or, for an adapter
+attached while a step is in flight, beside the step (`EngineService.attach`).
 
 - `--lora`/`--lora-scaled` adapters are pinned: loaded at start with llama-server's ids, never
   evicted. They are also reachable by name (their file stem).
@@ -435,8 +436,10 @@ class AdapterRegistry:
                 if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
             ]
             if idle:
-                # unlinked now, detached on the engine's thread before the attach this room is
-                # for (its calls run in order): nobody waits for a step to end here
+                # unlinked now, detached on the engine's thread at the next step's boundary:
+                # nobody waits for a step to end here (the attach this room is for goes in
+                # before that when a step is in flight, beside it: the model holds the
+                # adapter it replaces until the step ends)
                 self._drop_later(min(idle, key=lambda e: e.last_used))
                 continue
             left = deadline - loop.time()

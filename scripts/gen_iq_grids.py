@@ -56,7 +56,8 @@ def header() -> str:
         " * (value 0) up, and KSIGNS: a 7-bit sign index -> the 8 sign bits (bit 7 the parity).",
         " * *_CODE: each entry as a code (value i's index among the type's sorted magnitudes at",
         " * bits [b i, b i + b), b = 2 for IQ2, 3 for IQ3), its low bytes [0] and high bytes [1];",
-        " * *_MAG64[c]: the magnitude of code c mod 2^b (the AVX-512 VBMI kernels' vpermb table). */",
+        " * *_MAG64[c]: the magnitude of code c mod 2^b (the AVX-512 VBMI kernels' vpermb table);",
+        " * IQ3's *_PAIR: the codes of values 0, 1 [0] and of values 2, 3 [1], 3 bits a value. */",
         "#ifndef GRAFTLM_IQ_GRIDS_H",
         "#define GRAFTLM_IQ_GRIDS_H",
         "",
@@ -87,6 +88,21 @@ def header() -> str:
                 )
             lines.append("    },")
         lines.append("};")
+        if g.shape[1] == 4:  # IQ3: values 0, 1 and values 2, 3 as 6-bit codes (the decode kernels' planes)
+            code16 = planes[0].astype(np.uint16) | planes[1].astype(np.uint16) << 8
+            pair = np.stack([code16 & 63, code16 >> 6]).astype(np.uint8)
+            lines.append(
+                f"static const uint8_t {name.replace('_GRID', '_PAIR')}[2][{pair.shape[1]}] "
+                "__attribute__((aligned(64))) = {"
+            )
+            for plane in pair:
+                lines.append("    {")
+                for i in range(0, len(plane), 16):
+                    lines.append(
+                        "        " + ", ".join(f"0x{int(b):02x}" for b in plane[i : i + 16]) + ","
+                    )
+                lines.append("    },")
+            lines.append("};")
         lut_name = name.replace("_GRID", "_MAG64")
         lines.append(f"static const uint8_t {lut_name}[64] __attribute__((aligned(64))) = {{")
         for i in range(0, 64, 16):

@@ -227,14 +227,13 @@ static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, 
     for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag, 0);
 }
 
-/* iq_mag_vbmi for two super-blocks of an IQ2 type (pa's into ga, nega; pb's into gb, negb): their
- * 32 grid indices each looked up in one vector, where one super-block's fill half of it. */
-static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa, const uint8_t *pb, const int v,
-                                                               __m512i *ga, uint64_t *nega, __m512i *gb,
-                                                               uint64_t *negb) {
+/* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
+ * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
+ * e: entry e's 8 values); their 32 grid indices each looked up in one vector. */
+static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                             __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
     __m512i lo, hi;
     __m256i sa, sb;
-    const uint8_t *mag;
     if (v == IQ2_XXS) { /* as iq_mag_vbmi's: indices in the low half of each, signs and ls in the high */
         const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
         const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
@@ -243,7 +242,6 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
         const __m512i sg = iq_ksigns512(_mm512_shuffle_i64x2(a, b, 0xEE));
         sa = _mm512_castsi512_si256(sg), sb = _mm512_extracti64x4_epi64(sg, 1);
-        mag = IQ2XXS_MAG64;
     } else if (v == IQ2_XS) {
         const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
@@ -254,7 +252,6 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         const __m512i m7 = _mm512_set1_epi16(0x7f), s_a = _mm512_srli_epi16(ra, 9), s_b = _mm512_srli_epi16(rb, 9);
         sa = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_a, _mm512_slli_epi16(_mm512_popcnt_epi16(s_a), 7), m7, 0xE4));
         sb = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_b, _mm512_slli_epi16(_mm512_popcnt_epi16(s_b), 7), m7, 0xE4));
-        mag = IQ2XS_MAG64;
     } else { /* IQ2_S */
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
                                                _mm256_loadu_si256((const __m256i *)(pb + 2)), 1);
@@ -266,14 +263,101 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
         hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
         sa = _mm256_loadu_si256((const __m256i *)(pa + 34)), sb = _mm256_loadu_si256((const __m256i *)(pb + 34));
-        mag = IQ2S_MAG64;
     }
-    _mm256_storeu_si256((__m256i *)nega, sa);
-    _mm256_storeu_si256((__m256i *)negb, sb);
-    for (int j = 0; j < 4; j++) ga[j] = iq_expand(lo, hi, 0, j, mag, 0), gb[j] = iq_expand(lo, hi, 0, j, mag, 32);
+    *plo = lo, *phi = hi, *psa = sa, *psb = sb;
 }
 
-/* The same as signed bytes (nat). */
+/* ---------------- one to a few rows (iq_group_few): a value order of its own
+ *
+ * Each output's super-block as four vectors V[k] (k = 0 .. 3) of magnitudes, byte p of V[k] its
+ * value 4 p + k, so that a 32-bit lane L of every V[k] holds values of [16 L, 16 L + 16) only:
+ * the four VPDPBUSD of a row (V[k] unsigned, x's matching bytes with the output's signs applied,
+ * signed) add into one vector whose lane L is the sum of those 16 values (a unit of IQ2_XS and
+ * IQ2_S; two lanes one of the others). The IQ3 types' V[k] are a 6-bit code plane of their
+ * entries (values 0, 1 or 2, 3: *_PAIR) through a 64-byte table (vpermb), the IQ2 types' the
+ * entries' 16-bit codes (4 values' 2-bit codes a byte) through one; a V[k]'s sign bits are
+ * picked from the sign bytes (vpshufbitqmb), and x is put in the same order once a row. */
+
+/* The 64-byte tables of V[k] (iq_vals): t[k][c] the magnitude of the code at bits [b k', ..) of
+ * c (IQ3: b = 3, the codes of two values a byte, t[0], t[1]; IQ2: b = 2, four, t[0 .. 2], the
+ * fourth's from c >> 6 through t[0]). */
+static inline void iq_tables(const int v, __m512i *t) {
+    const int iq3 = v == IQ3_XXS || v == IQ3_S;
+    const uint8_t *mag = v == IQ2_XXS ? IQ2XXS_MAG64 : v == IQ2_XS ? IQ2XS_MAG64 : v == IQ2_S ? IQ2S_MAG64
+                       : v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64;
+    const __m512i m = _mm512_load_si512(mag); /* m[c]: the magnitude of code c mod 2^b */
+    const __m512i iota = _mm512_set_epi64(0x3f3e3d3c3b3a3938ll, 0x3736353433323130ll, 0x2f2e2d2c2b2a2928ll,
+                                          0x2726252423222120ll, 0x1f1e1d1c1b1a1918ll, 0x1716151413121110ll,
+                                          0x0f0e0d0c0b0a0908ll, 0x0706050403020100ll);
+    t[0] = m;
+    for (int k = 1; k < (iq3 ? 2 : 3); k++) {
+        const int sh = (iq3 ? 3 : 2) * k; /* bytes 0 .. 63 shifted right: no bit crosses into the next */
+        t[k] = _mm512_permutexvar_epi8(_mm512_srli_epi16(iota, sh), m);
+    }
+}
+
+/* x's 256 values (a super-block's) in V[k]'s order: xk[k] byte p = x[4 p + k]. */
+static inline __attribute__((always_inline)) void iq_x4(const int8_t *x, __m512i *xk) {
+    const __m512i tr = _mm512_set_epi64(0x3f3b37332f2b2723ll, 0x1f1b17130f0b0703ll, 0x3e3a36322e2a2622ll,
+                                        0x1e1a16120e0a0602ll, 0x3d3935312d292521ll, 0x1d1915110d090501ll,
+                                        0x3c3834302c282420ll, 0x1c1814100c080400ll); /* byte 16 k + e <- 4 e + k */
+    __m512i t[4];
+    for (int j = 0; j < 4; j++) t[j] = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512(x + 64 * j));
+    /* xk[k] = 128-bit lane k of t[0], t[1], t[2], t[3] */
+    const __m512i a = _mm512_shuffle_i32x4(t[0], t[1], 0x44), b = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(t[2], t[3], 0x44), d = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+    xk[0] = _mm512_shuffle_i32x4(a, c, 0x88), xk[1] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    xk[2] = _mm512_shuffle_i32x4(b, d, 0x88), xk[3] = _mm512_shuffle_i32x4(b, d, 0xDD);
+}
+
+/* The sign masks of V[k] from a super-block's 32 sign bytes S (byte g: values 8 g .. 8 g + 7):
+ * bit p of neg[k] the sign of value 4 p + k, from S's dword p / 8 (bits 4 m + k, m = 0 .. 7). */
+static inline __attribute__((always_inline)) void iq_negs(__m256i S, __mmask64 *neg) {
+    const __m512i q = _mm512_cvtepu32_epi64(S);
+    for (int k = 0; k < 4; k++)
+        neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
+}
+
+/* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
+static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, const int v, const __m512i *t, __m512i *V,
+                                                           __m256i *S) {
+    const __m512i idx = _mm512_loadu_si512(p + 2);
+    __m512i a, b; /* byte e: entry e's codes of values 0, 1 (a), 2, 3 (b) */
+    if (v == IQ3_XXS) {
+        a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
+        *S = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
+    } else { /* IQ3_S: bit 8 of the indices in qh */
+        uint64_t qh;
+        memcpy(&qh, p + 66, 8);
+        a = iq_look512(IQ3S_PAIR[0], idx, qh), b = iq_look512(IQ3S_PAIR[1], idx, qh);
+        *S = _mm256_loadu_si256((const __m256i *)(p + 74));
+    }
+    V[0] = _mm512_permutexvar_epi8(a, t[0]), V[1] = _mm512_permutexvar_epi8(a, t[1]);
+    V[2] = _mm512_permutexvar_epi8(b, t[0]), V[3] = _mm512_permutexvar_epi8(b, t[1]);
+}
+
+/* Two IQ2 super-blocks pa, pb's V[k] (Va, Vb) and sign bytes (*Sa, *Sb). */
+static inline __attribute__((always_inline)) void iq2_vals2(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                            const __m512i *t, __m512i *Va, __m256i *Sa, __m512i *Vb,
+                                                            __m256i *Sb) {
+    __m512i lo, hi;
+    iq2_codes2(pa, pb, v, &lo, &hi, Sa, Sb);
+    /* word e: entry e's 16-bit code (byte 2 e: its low byte, 2 e + 1 its high), pa's then pb's */
+    const __m512i ia = _mm512_set_epi64(0x5f1f5e1e5d1d5c1cll, 0x5b1b5a1a59195818ll, 0x5717561655155414ll,
+                                        0x5313521251115010ll, 0x4f0f4e0e4d0d4c0cll, 0x4b0b4a0a49094808ll,
+                                        0x4707460645054404ll, 0x4303420241014000ll);
+    const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(0x20)); /* entries 32 .. 63 */
+    const __m512i ca = _mm512_permutex2var_epi8(lo, ia, hi);
+    const __m512i cb = _mm512_permutex2var_epi8(lo, ib, hi);
+    for (int h = 0; h < 2; h++) {
+        const __m512i c = h ? cb : ca;
+        __m512i *V = h ? Vb : Va;
+        for (int k = 0; k < 3; k++) V[k] = _mm512_permutexvar_epi8(c, t[k]);
+        V[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
+    }
+}
+
+/* iq_mag_vbmi's values as signed bytes (nat). */
 static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, const int v, int8_t *nat) {
     __m512i g[4];
     uint64_t neg[4];
@@ -741,41 +825,48 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 }
 
 #if IQ_VBMI
-/* iq_group for R <= 3 rows: each output's values dotted in place with the rows' x (the signs
- * onto x, as llama.cpp's kernels), 4 values a lane, and those lanes summed into the units' sums
- * across the group's 16 outputs (two rounds of unpack and add within 128-bit lanes, a
- * transposition of 128-bit lanes): the same integer sums as the lanes' dots, then the same float
- * operations, so the same bits, without the unpacking into lanes that few rows do not repay. */
+#define IQ_FEW 4 /* rows of x iq_group_few takes at most */
+#define IQ_SHUF(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
+
+/* iq_group for R <= IQ_FEW rows: each output's values dotted in place with the rows' x (the signs
+ * onto x, as llama.cpp's kernels) in iq_vals' order, a lane's 16 values for a row in one vector
+ * of four VPDPBUSD, and those vectors of the group's 16 outputs summed into the units' sums in
+ * lanes of outputs (pairs of lanes added and interleaved within 128-bit lanes, then 128-bit lanes
+ * transposed): the same integer sums as the lanes' dots, then the same float operations, so the
+ * same bits, without the unpacking into lanes that few rows do not repay. */
 static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *w, const int v, const xbuf *xb,
                                                                int64_t ra, const int R, int64_t og, int nv,
                                                                float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
-    const int units = IQ_UNITS(v);
+    const int units = IQ_UNITS(v), nd = units / 4; /* nd: vectors a row and 4 outputs after the sums */
+    const int xxs = v == IQ2_XXS || v == IQ3_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
     const uint8_t *row[16];
     for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
-    __m512 acc[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512i t[3];
+    iq_tables(v, t);
+    __m512 acc[IQ_FEW];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         float s16[16][16] __attribute__((aligned(64)));
-        __m512i x[3][4], D[3][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
+        __m512i xk[IQ_FEW][4], D[IQ_FEW][4][4]; /* D[r][q][i]: outputs 4 q .. 4 q + 3, in 128-bit lane l the
+                                                   lanes nd l + i of each (units 2 l + i, or 4 l + i) */
+        for (int r = 0; r < R; r++) iq_x4(xb->xq + (ra + r) * k + sb * 256, xk[r]);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
         const uint8_t *ps[16];
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
         /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
          * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
-        const int xxs = v == IQ2_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
-            __m512i P[3][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
+            __m512i P[IQ_FEW][4]; /* [r][i]: output 4 q + i, lane L: the sum of its values [16 L, 16 L + 16) */
             for (int i = 0; i < 4; i += 2) { /* outputs 4 q + i, 4 q + i + 1 */
-                __m512i g[2][4];
-                uint64_t neg[2][4];
+                __m512i V[2][4];
+                __m256i S[2];
                 if (iq3) {
-                    iq_mag_vbmi(ps[4 * q + i], v, g[0], neg[0]);
-                    iq_mag_vbmi(ps[4 * q + i + 1], v, g[1], neg[1]);
+                    iq3_vals(ps[4 * q + i], v, t, V[0], &S[0]);
+                    iq3_vals(ps[4 * q + i + 1], v, t, V[1], &S[1]);
                 } else {
-                    iq_mag2_vbmi(ps[4 * q + i], ps[4 * q + i + 1], v, g[0], neg[0], g[1], neg[1]);
+                    iq2_vals2(ps[4 * q + i], ps[4 * q + i + 1], v, t, V[0], &S[0], V[1], &S[1]);
                 }
                 for (int h = 0; h < 2; h++) {
                     if (xxs) {
@@ -784,49 +875,55 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                         iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
                         _mm512_store_ps(s16[4 * q + i + h], cat_ps(a, b));
                     }
-                    for (int r = 0; r < R; r++)
-                        for (int j = 0; j < 4; j++) {
-                            const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[h][j]), _mm512_setzero_si512(), x[r][j]);
-                            P[r][i + h][j] = DPBUSD512(_mm512_setzero_si512(), g[h][j], xs);
-                        }
+                    __mmask64 neg[4];
+                    iq_negs(S[h], neg);
+                    for (int r = 0; r < R; r++) {
+                        __m512i d = _mm512_setzero_si512();
+                        for (int j = 0; j < 4; j++)
+                            d = DPBUSD512(d, V[h][j], _mm512_mask_sub_epi8(xk[r][j], neg[j], _mm512_setzero_si512(), xk[r][j]));
+                        P[r][i + h] = d;
+                    }
                 }
             }
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < 4; j++) { /* lane 4 l + i of 128-bit lane l: output 4 q + i's 16 values 64 j + 16 l .. */
-                    const __m512i c01 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][0][j], P[r][1][j]),
-                                                         _mm512_unpackhi_epi32(P[r][0][j], P[r][1][j]));
-                    const __m512i c23 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][2][j], P[r][3][j]),
-                                                         _mm512_unpackhi_epi32(P[r][2][j], P[r][3][j]));
-                    D[r][q][j] = _mm512_add_epi32(_mm512_unpacklo_epi64(c01, c23), _mm512_unpackhi_epi64(c01, c23));
+            for (int r = 0; r < R; r++) {
+                const __m512i *a = P[r];
+                if (units == 8) { /* 128-bit lane l: [4q's 2l, 2l+1, 4q+1's 2l, 2l+1], then the units 2 l, 2 l + 1 of four */
+                    const __m512i ab = _mm512_add_epi32(IQ_SHUF(a[0], a[1], 0x88), IQ_SHUF(a[0], a[1], 0xDD));
+                    const __m512i cd = _mm512_add_epi32(IQ_SHUF(a[2], a[3], 0x88), IQ_SHUF(a[2], a[3], 0xDD));
+                    D[r][q][0] = IQ_SHUF(ab, cd, 0x88), D[r][q][1] = IQ_SHUF(ab, cd, 0xDD);
+                } else { /* lanes 4 l + i of the four */
+                    const __m512i ab0 = _mm512_unpacklo_epi32(a[0], a[1]), ab1 = _mm512_unpackhi_epi32(a[0], a[1]);
+                    const __m512i cd0 = _mm512_unpacklo_epi32(a[2], a[3]), cd1 = _mm512_unpackhi_epi32(a[2], a[3]);
+                    D[r][q][0] = _mm512_unpacklo_epi64(ab0, cd0), D[r][q][1] = _mm512_unpackhi_epi64(ab0, cd0);
+                    D[r][q][2] = _mm512_unpacklo_epi64(ab1, cd1), D[r][q][3] = _mm512_unpackhi_epi64(ab1, cd1);
                 }
+            }
         }
         __m512 s[16];
         for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
         if (xxs) transpose16(s);
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
-            for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */
-                const __m512i c0 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0x44);
-                const __m512i c1 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0xEE);
-                const __m512i c2 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0x44);
-                const __m512i c3 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0xEE);
-                const __m512i F[4] = {_mm512_shuffle_i32x4(c0, c2, 0x88), _mm512_shuffle_i32x4(c0, c2, 0xDD),
-                                      _mm512_shuffle_i32x4(c1, c3, 0x88), _mm512_shuffle_i32x4(c1, c3, 0xDD)};
-                if (units == 16) {
-                    for (int l = 0; l < 4; l++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(F[l]), _mm512_mul_ps(s[4 * j + l], _mm512_set1_ps(xd[2 * j + l / 2])), acc[r]);
-                } else {
-                    for (int h = 0; h < 2; h++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(F[2 * h], F[2 * h + 1])),
-                                                 _mm512_mul_ps(s[4 * j + 2 * h], _mm512_set1_ps(xd[2 * j + h])), acc[r]);
-                }
+            __m512i U[16]; /* U[u] lane o: output o's unit u */
+            for (int i = 0; i < nd; i++) { /* 128-bit lane l of D[r][q][i] -> 128-bit lane q of U[nd l + i] */
+                const __m512i c0 = _mm512_shuffle_i32x4(D[r][0][i], D[r][1][i], 0x44);
+                const __m512i c1 = _mm512_shuffle_i32x4(D[r][0][i], D[r][1][i], 0xEE);
+                const __m512i c2 = _mm512_shuffle_i32x4(D[r][2][i], D[r][3][i], 0x44);
+                const __m512i c3 = _mm512_shuffle_i32x4(D[r][2][i], D[r][3][i], 0xEE);
+                U[i] = _mm512_shuffle_i32x4(c0, c2, 0x88), U[nd + i] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+                U[2 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0x88), U[3 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+            }
+            for (int u = 0; u < units; u++) {
+                const __m512 sx = units == 16 ? _mm512_mul_ps(s[u], _mm512_set1_ps(xd[u / 2]))
+                                              : _mm512_mul_ps(s[2 * u], _mm512_set1_ps(xd[u]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(U[u]), sx, acc[r]);
             }
         }
     }
     for (int r = 0; r < R; r++) {
-        float t[16];
-        _mm512_storeu_ps(t, acc[r]);
-        memcpy(y + (ra + r) * n + og, t, sizeof(float) * (size_t)nv);
+        float o16[16];
+        _mm512_storeu_ps(o16, acc[r]);
+        memcpy(y + (ra + r) * n + og, o16, sizeof(float) * (size_t)nv);
     }
 }
 #endif
@@ -837,15 +934,13 @@ static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w,
                                                              int64_t ra, int64_t rb, int64_t og, int nv,
                                                              float *y) {
 #if IQ_VBMI
-    /* three rows: IQ2_XS's and IQ3_S's 1.05-1.25x the lanes (the others' 0.86-0.95x; one thread, alternated) */
-    if (rb - ra <= 2 || (rb - ra == 3 && (v == IQ2_XS || v == IQ3_S))) {
-        if (rb - ra == 3)
-            iq_group_few(w, v, xb, ra, 3, og, nv, y);
-        else if (rb - ra == 2)
-            iq_group_few(w, v, xb, ra, 2, og, nv, y);
-        else
-            iq_group_few(w, v, xb, ra, 1, og, nv, y);
-        return;
+    if (rb - ra <= IQ_FEW) {
+        switch (rb - ra) {
+        case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
+        case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;
+        case 2: iq_group_few(w, v, xb, ra, 2, og, nv, y); return;
+        default: iq_group_few(w, v, xb, ra, 1, og, nv, y); return;
+        }
     }
 #endif
     iq_group(w, v, xb, ra, rb, og, nv, y);

@@ -826,6 +826,19 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 
 #if IQ_VBMI
 #define IQ_FEW 4 /* rows of x iq_group_few takes at most */
+
+/* 0.5 + ls of the 8 units of an XXS type's super-block p, in float32 (iq_scales' sum) */
+static inline __attribute__((always_inline)) __m256 iq_xxs_half_ls(const uint8_t *p, const int v) {
+    __m256i aux;
+    if (v == IQ2_XXS) { /* ls in the top 4 bits of the second word of each 8 bytes */
+        const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+        aux = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p + 2)), odd),
+                                 _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p + 34)), odd), 0xF0);
+    } else {
+        aux = _mm256_loadu_si256((const __m256i *)(p + 66));
+    }
+    return _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(_mm256_srli_epi32(aux, 28)));
+}
 #define IQ_SHUF(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
 
 /* iq_group for R <= IQ_FEW rows: each output's values dotted in place with the rows' x (the signs
@@ -847,15 +860,16 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
     __m512 acc[IQ_FEW];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        float s16[16][16] __attribute__((aligned(64)));
+        float s16[16][16] __attribute__((aligned(64))), hl[16][8] __attribute__((aligned(32)));
+        uint16_t dh[16];
         __m512i xk[IQ_FEW][4], D[IQ_FEW][4][4]; /* D[r][q][i]: outputs 4 q .. 4 q + 3, in 128-bit lane l the
                                                    lanes nd l + i of each (units 2 l + i, or 4 l + i) */
         for (int r = 0; r < R; r++) iq_x4(xb->xq + (ra + r) * k + sb * 256, xk[r]);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
         const uint8_t *ps[16];
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
-        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
-         * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
+        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' ls each output's at once and
+         * transposed (iq_lane_scales: 0.95-0.96x at one row) */
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
             __m512i P[IQ_FEW][4]; /* [r][i]: output 4 q + i, lane L: the sum of its values [16 L, 16 L + 16) */
@@ -869,11 +883,9 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                     iq2_vals2(ps[4 * q + i], ps[4 * q + i + 1], v, t, V[0], &S[0], V[1], &S[1]);
                 }
                 for (int h = 0; h < 2; h++) {
-                    if (xxs) {
-                        const uint8_t *p = ps[4 * q + i + h];
-                        __m256 a, b;
-                        iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-                        _mm512_store_ps(s16[4 * q + i + h], cat_ps(a, b));
+                    if (xxs) { /* their d and 0.5 + ls, the scales made in lanes below */
+                        dh[4 * q + i + h] = rd16(ps[4 * q + i + h]);
+                        _mm256_store_ps(hl[4 * q + i + h], iq_xxs_half_ls(ps[4 * q + i + h], v));
                     }
                     __mmask64 neg[4];
                     iq_negs(S[h], neg);
@@ -900,8 +912,17 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
             }
         }
         __m512 s[16];
-        for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
-        if (xxs) transpose16(s);
+        if (xxs) { /* iq_scales' (d * (0.5 + ls)) * 0.25 or 0.5, in lanes: s[2 u] lane o output o's unit u */
+            const uint8_t *hp[16];
+            for (int o = 0; o < 16; o++) hp[o] = (const uint8_t *)hl[o];
+            __m512i H[8];
+            iq_dwords8(hp, 0, H);
+            const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+            const __m512 f = _mm512_set1_ps(v == IQ2_XXS ? 0.25f : 0.5f);
+            for (int u = 0; u < 8; u++) s[2 * u] = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_castsi512_ps(H[u])), f);
+        } else {
+            for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
+        }
         for (int r = 0; r < R; r++) {
             const float *xd = xb->xd + (ra + r) * kb + sb * 8;
             __m512i U[16]; /* U[u] lane o: output o's unit u */

@@ -18,11 +18,11 @@
  * the rows beside it and whatever the CPU.
  *
  * The lookups: one at a time (8 or 4 values an insert; vpgatherdd for IQ3's eight entries: 20%
- * slower on Zen 4), or with AVX-512 VBMI (iq_mag_vbmi) a super-block's 32 or 64 indices at
- * once: each entry's values as a code (2 or 3 bits a value, iq_grids.h's *_CODE, two byte
- * planes looked up 128 entries a vpermi2b), its qwords cut into a byte a value (vpmultishiftqb)
- * and the magnitudes looked up (vpermb); the sign bytes from the 7-bit indices with their parity
- * (vpopcntb). One row of x went from ~9-11 GMAC/s a core (Zen 4) to ~19-21 with them.
+ * slower on Zen 4), or with AVX-512 VBMI a super-block's 32 or 64 indices at once: each entry's
+ * values as a code (2 or 3 bits a value, iq_grids.h's *_CODE or *_PAIR, byte planes looked up
+ * 128 entries a vpermi2b), cut into a byte a value and the magnitudes looked up (vpermb); the
+ * sign bytes from the 7-bit indices with their parity (vpopcntb). One row of x went from ~9-11
+ * GMAC/s a core (Zen 4) to ~19-21 with them, and to ~24-28 with iq_group_few's order of values.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -143,23 +143,6 @@ static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi
     return _mm512_mask_blend_epi8(hi8, iq_look256(plane, idx), iq_look256(plane + 256, idx));
 }
 
-/* 64 values' magnitudes: the codes (their low bytes lo, high bytes hi) of entries [16 j, 16 j + 16)
- * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits) past base, each
- * qword's made of its entries' two code words (vpermi2b), cut into a byte a value (vpmultishiftqb),
- * the bytes' low bits looked up in mag64 (vpermb). */
-static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64, int base) {
-    uint64_t c[8];
-    for (int q = 0; q < 8; q++) {
-        const uint64_t e0 = (uint64_t)base + (iq3 ? 16 * j + 2 * q : 8 * j + q), e1 = e0 + 1;
-        c[q] = iq3 ? e0 | (64 + e0) << 8 | e1 << 16 | (64 + e1) << 24 : e0 | (64 + e0) << 8;
-    }
-    const __m512i ctrl = _mm512_setr_epi64((long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
-                                           (long long)c[4], (long long)c[5], (long long)c[6], (long long)c[7]);
-    const __m512i cut = _mm512_set1_epi64(iq3 ? 0x1916131009060300ll : 0x0e0c0a0806040200ll);
-    const __m512i codes = _mm512_permutex2var_epi8(lo, ctrl, hi);
-    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, codes), _mm512_load_si512(mag64));
-}
-
 /* The sign bytes of 32 7-bit sign indices (KSIGNS: the index and its parity in bit 7), four in
  * each of aux's 32-bit words (bits 0, 7, 14, 21), in their order. */
 static inline __m256i iq_ksigns(__m256i aux) {
@@ -178,55 +161,6 @@ static inline __m512i iq_ksigns512(__m512i aux) {
     return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
-/* The 256 values of super-block p: their magnitudes (g[j]: values 64 j .. 64 j + 63) and signs
- * (bit i of neg[j] set: value 64 j + i negative), its 32 or 64 grid indices looked up at once. */
-static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, const int v, __m512i *g,
-                                                              uint64_t *neg) {
-    __m512i lo, hi;
-    __m256i sg;
-    const uint8_t *mag;
-    int iq3 = 0;
-    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls */
-        const __m512i sep = _mm512_permutexvar_epi32(
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), _mm512_loadu_si512(p + 2));
-        lo = iq_look256(IQ2XXS_CODE[0], sep), hi = iq_look256(IQ2XXS_CODE[1], sep);
-        sg = iq_ksigns(_mm512_extracti64x4_epi64(sep, 1));
-        mag = IQ2XXS_MAG64;
-    } else if (v == IQ2_XS) { /* 16 bits an entry: 9 of index, 7 of signs */
-        const __m512i raw = _mm512_loadu_si512(p + 2);
-        const __m512i idx = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(raw));
-        const __mmask64 h8 = _mm512_test_epi16_mask(raw, _mm512_set1_epi16(0x100));
-        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
-        const __m512i s = _mm512_srli_epi16(raw, 9);
-        const __m512i pc = _mm512_popcnt_epi16(s);
-        sg = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s, _mm512_slli_epi16(pc, 7), _mm512_set1_epi16(0x7f), 0xE4));
-        mag = IQ2XS_MAG64;
-    } else if (v == IQ2_S) { /* 10-bit indices: 8 bits in qs, 2 in qh; the sign bytes as they are */
-        const __m512i idx = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2)));
-        uint64_t qh;
-        memcpy(&qh, p + 66, 8);
-        const __mmask64 h8 = _pext_u64(qh, 0x5555555555555555ull), h9 = _pext_u64(qh, 0xAAAAAAAAAAAAAAAAull);
-        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
-        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
-        sg = _mm256_loadu_si256((const __m256i *)(p + 34));
-        mag = IQ2S_MAG64;
-    } else if (v == IQ3_XXS) {
-        const __m512i idx = _mm512_loadu_si512(p + 2);
-        lo = iq_look256(IQ3XXS_CODE[0], idx), hi = iq_look256(IQ3XXS_CODE[1], idx);
-        sg = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
-        mag = IQ3XXS_MAG64, iq3 = 1;
-    } else { /* IQ3_S: 9-bit indices, bit 8 in qh (a bit an entry); the sign bytes as they are */
-        const __m512i idx = _mm512_loadu_si512(p + 2);
-        uint64_t qh;
-        memcpy(&qh, p + 66, 8);
-        lo = iq_look512(IQ3S_CODE[0], idx, qh), hi = iq_look512(IQ3S_CODE[1], idx, qh);
-        sg = _mm256_loadu_si256((const __m256i *)(p + 74));
-        mag = IQ3S_MAG64, iq3 = 1;
-    }
-    _mm256_storeu_si256((__m256i *)neg, sg);
-    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag, 0);
-}
-
 /* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
  * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
  * e: entry e's 8 values); their 32 grid indices each looked up in one vector. */
@@ -234,7 +168,7 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
                                                              __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
     __m512i lo, hi;
     __m256i sa, sb;
-    if (v == IQ2_XXS) { /* as iq_mag_vbmi's: indices in the low half of each, signs and ls in the high */
+    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls (to the high half) */
         const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
         const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
         const __m512i b = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pb + 2));
@@ -357,14 +291,6 @@ static inline __attribute__((always_inline)) void iq2_vals2(const uint8_t *pa, c
     }
 }
 
-/* iq_mag_vbmi's values as signed bytes (nat). */
-static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, const int v, int8_t *nat) {
-    __m512i g[4];
-    uint64_t neg[4];
-    iq_mag_vbmi(p, v, g, neg);
-    for (int j = 0; j < 4; j++)
-        _mm512_store_si512(nat + 64 * j, _mm512_mask_sub_epi8(g[j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), g[j]));
-}
 #endif
 #ifndef IQ_VBMI
 #define IQ_VBMI 0
@@ -393,13 +319,13 @@ static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, 
  * (6 layers, ~8 rows an expert) pp128 IQ3_XXS 1.15-1.66x the kernels before (1.2-1.56x
  * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x).
  *
- * With VBMI (iq_lanes_fill_t, all types but IQ3_S) the lanes are made from the 16 outputs'
+ * With VBMI (iq_lanes_fill_t) the lanes are made from the 16 outputs'
  * grid indices and sign words transposed, not from their values: a quarter to an eighth of the
  * bytes through the transposition, each chunk's magnitudes cut straight into the lanes and its
  * sign bits picked from the outputs' (vpshufbitqmb). 2048 x 768, one thread, alternated against
  * the values' transposition (with iq_task's per-type functions): 3-16 rows IQ2_XXS 1.27-1.48x,
- * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x; 64 rows 0.97-1.21x (the dots' VPDPBUSD
- * bound); one and two rows (iq_group_few) 1.01-1.28x. */
+ * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x, IQ3_S (later) 7-16 rows 1.03-1.18x;
+ * 64 rows 0.97-1.21x (the dots' VPDPBUSD bound; IQ3_S at 64 and 128 rows 0.88-1.06x, noisy). */
 
 #if GL_VNNI512
 #define IQ_W 16
@@ -426,15 +352,11 @@ static inline __attribute__((always_inline)) void iq_nat(const uint8_t *p, const
     iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
     _mm256_storeu_ps(s16, a);
     _mm256_storeu_ps(s16 + 8, b);
-#if IQ_VBMI
-    iq_nat_vbmi(p, v, nat);
-#else
     for (int ib = 0; ib < 8; ib++) {
         uint32_t sg;
         const __m256i g = iq_sub(p, v, ib, &sg);
         _mm256_storeu_si256((__m256i *)(nat + 32 * ib), _mm256_sign_epi8(g, iq_signs(sg)));
     }
-#endif
 }
 
 /* The lanes' transposition: 16 x 16 dwords by attn.c's transpose16 (the files are one unit), 8 x 8 here. */
@@ -643,7 +565,7 @@ static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *
     }
 }
 
-/* iq_lanes_fill with VBMI, for all types but IQ3_S: the 16 outputs' grid indices and sign words
+/* iq_lanes_fill with VBMI: the 16 outputs' grid indices and sign words
  * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
  * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
  * (vpshufbitqmb), the scales made in lanes: 4-8x fewer bytes through the transposition. The same
@@ -693,18 +615,33 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
             iq2_chunks(pl, S, mag, ib, L);
         }
         iq_lane_scales(p, v, L->s);
-    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
-        __m512i A[8];
-        iq_dwords8(p, 66, A); /* A[ib] dword o: output o's sub-block ib's signs and ls */
-        const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
-        for (int m = 0; m < 16; m++)
-            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[m / 2]),
-                       mag, m, L);
-        for (int ib = 0; ib < 8; ib++) {
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
-            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
-            _mm512_store_ps(L->s[2 * ib], db);
-            _mm512_store_ps(L->s[2 * ib + 1], db);
+    } else { /* IQ3_XXS, IQ3_S: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
+        __m512i A[8], q0, q1;
+        iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A); /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
+        if (v == IQ3_S) iq_qwords(p, 66, &q0, &q1); /* qh: bit 8 of entry e's index at its bit e */
+        const __m512i mag = _mm512_load_si512(v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64);
+        for (int m = 0; m < 16; m += 2) {
+            __mmask64 h8[2];
+            if (v == IQ3_S)
+                iq_pick_bits(q0, q1, 0x0706050403020100ll + 0x0404040404040404ll * m, &h8[0], &h8[1]);
+            for (int e = 0; e < 2; e++) {
+                const __m512i S = v == IQ3_XXS ? iq_ksigns512(A[(m + e) / 2]) : A[(m + e) / 2];
+                if (v == IQ3_XXS)
+                    iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m + e]), iq_look256(IQ3XXS_CODE[1], T[m + e]), S, mag, m + e, L);
+                else
+                    iq3_chunks(iq_look512(IQ3S_CODE[0], T[m + e], h8[e]), iq_look512(IQ3S_CODE[1], T[m + e], h8[e]), S,
+                               mag, m + e, L);
+            }
+        }
+        if (v == IQ3_S) {
+            iq_lane_scales(p, v, L->s);
+        } else {
+            for (int ib = 0; ib < 8; ib++) {
+                const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
+                const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
+                _mm512_store_ps(L->s[2 * ib], db);
+                _mm512_store_ps(L->s[2 * ib + 1], db);
+            }
         }
     }
 #if GL_VNNI
@@ -795,11 +732,10 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
 #if IQ_VBMI && IQ_W == 16
-            if (v != IQ3_S) /* IQ3_S: 0.92-0.98x iq_lanes_fill at 3-16 rows (one thread, alternated) */
-                iq_lanes_fill_t(p, v, &L);
-            else
+            iq_lanes_fill_t(p, v, &L);
+#else
+            iq_lanes_fill(p, v, &L);
 #endif
-                iq_lanes_fill(p, v, &L);
             for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
                 const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
                 float *am = acc + (t0 - r0) * IQ_W;
@@ -826,6 +762,9 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 
 #if IQ_VBMI
 #define IQ_FEW 4 /* rows of x iq_group_few takes at most */
+/* the rows it takes of each type: past them the lanes (iq_group) ran faster, one thread, 2048 x 768,
+ * alternated: its 4th row 0.93-0.95x theirs for IQ2_XXS and IQ2_S, its 5th 0.72-0.98x */
+#define IQ_FEW_ROWS(v) ((v) == IQ2_XXS || (v) == IQ2_S ? 3 : 4)
 
 /* 0.5 + ls of the 8 units of an XXS type's super-block p, in float32 (iq_scales' sum) */
 static inline __attribute__((always_inline)) __m256 iq_xxs_half_ls(const uint8_t *p, const int v) {
@@ -950,12 +889,12 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 #endif
 
 /* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
- * one or two rows (three of IQ2_XS and IQ3_S) where it is built. */
+ * up to IQ_FEW_ROWS(v) rows where it is built. */
 static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
                                                              int64_t ra, int64_t rb, int64_t og, int nv,
                                                              float *y) {
 #if IQ_VBMI
-    if (rb - ra <= IQ_FEW) {
+    if (rb - ra <= IQ_FEW_ROWS(v)) {
         switch (rb - ra) {
         case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
         case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;

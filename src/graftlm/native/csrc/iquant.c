@@ -888,37 +888,56 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 }
 #endif
 
-/* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
- * up to IQ_FEW_ROWS(v) rows where it is built. */
-static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
-                                                             int64_t ra, int64_t rb, int64_t og, int nv,
-                                                             float *y) {
 #if IQ_VBMI
-    if (rb - ra <= IQ_FEW_ROWS(v)) {
-        switch (rb - ra) {
-        case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
-        case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;
-        case 2: iq_group_few(w, v, xb, ra, 2, og, nv, y); return;
-        default: iq_group_few(w, v, xb, ra, 1, og, nv, y); return;
-        }
+/* iq_group_few of rb - ra rows (at most IQ_FEW) */
+static inline __attribute__((always_inline)) void iq_few(const gl_weight *w, const int v, const xbuf *xb, int64_t ra,
+                                                         int64_t rb, int64_t og, int nv, float *y) {
+    switch (rb - ra) {
+    case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
+    case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;
+    case 2: iq_group_few(w, v, xb, ra, 2, og, nv, y); return;
+    default: iq_group_few(w, v, xb, ra, 1, og, nv, y); return;
     }
-#endif
-    iq_group(w, v, xb, ra, rb, og, nv, y);
 }
+#endif
 
-/* iq_outputs of one type, a function of its own: inlined all five into iq_task, the compiler's
- * one function for them all ran IQ2_XXS's 3-16 rows at 0.7-0.9x and IQ3_S's 8-16 at 0.9x these
- * (one thread, alternated). */
-#define IQ_OUTPUTS_OF(V, NAME)                                                                     \
-    static __attribute__((noinline)) void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, \
-                                               int64_t og, int nv, float *y) {                    \
-        iq_outputs(w, V, xb, ra, rb, og, nv, y);                                                   \
+/* The outputs [og, og + nv) of rows [ra, rb) of x of one type: iq_group, or iq_group_few for up to
+ * IQ_FEW_ROWS rows where it is built; each a function of its own for each type: inlined all five
+ * into iq_task, the compiler's one function for them all ran IQ2_XXS's 3-16 rows at 0.7-0.9x and
+ * IQ3_S's 8-16 at 0.9x these, and iq_group_few inlined beside iq_group, IQ2_S's 4 and 5 rows
+ * (iq_group) at 0.94x (one thread, alternated). */
+#if IQ_VBMI
+#define IQ_FEW_OF(V, NAME)                                                                           \
+    static __attribute__((noinline)) void NAME##_few(const gl_weight *w, const xbuf *xb, int64_t ra, \
+                                                     int64_t rb, int64_t og, int nv, float *y) {     \
+        iq_few(w, V, xb, ra, rb, og, nv, y);                                                         \
+    }
+#define IQ_FEW_CALL(V, NAME)                                                                         \
+    if (rb - ra <= IQ_FEW_ROWS(V)) {                                                                 \
+        NAME##_few(w, xb, ra, rb, og, nv, y);                                                        \
+        return;                                                                                      \
+    }
+#else
+#define IQ_FEW_OF(V, NAME)
+#define IQ_FEW_CALL(V, NAME)
+#endif
+#define IQ_OUTPUTS_OF(V, NAME)                                                                           \
+    IQ_FEW_OF(V, NAME)                                                                                   \
+    static __attribute__((noinline)) void NAME##_lanes(const gl_weight *w, const xbuf *xb, int64_t ra,   \
+                                                       int64_t rb, int64_t og, int nv, float *y) {       \
+        iq_group(w, V, xb, ra, rb, og, nv, y);                                                           \
+    }                                                                                                    \
+    static void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, int64_t og, int nv, float *y) { \
+        IQ_FEW_CALL(V, NAME)                                                                             \
+        NAME##_lanes(w, xb, ra, rb, og, nv, y);                                                          \
     }
 IQ_OUTPUTS_OF(IQ2_XXS, iq_outputs_iq2_xxs)
 IQ_OUTPUTS_OF(IQ2_XS, iq_outputs_iq2_xs)
 IQ_OUTPUTS_OF(IQ2_S, iq_outputs_iq2_s)
 IQ_OUTPUTS_OF(IQ3_XXS, iq_outputs_iq3_xxs)
 IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
+#undef IQ_FEW_OF
+#undef IQ_FEW_CALL
 #undef IQ_OUTPUTS_OF
 
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))

@@ -565,6 +565,40 @@ static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *
     }
 }
 
+/* iq_lanes_fill_t's IQ3 types: T[m] byte 4 o + e output o's index of entry 4 m + e (chunk 4 m + e),
+ * vd the 16 outputs' d. */
+static inline __attribute__((always_inline)) void iq3_lanes(const uint8_t *const *p, const int v, const __m512i *T,
+                                                            __m512 vd, iq_lanes *L) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    __m512i A[8], q0, q1;
+    iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A); /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
+    if (v == IQ3_S) iq_qwords(p, 66, &q0, &q1); /* qh: bit 8 of entry e's index at its bit e */
+    const __m512i mag = _mm512_load_si512(v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64);
+    for (int m = 0; m < 16; m += 2) {
+        __mmask64 h8[2];
+        if (v == IQ3_S)
+            iq_pick_bits(q0, q1, 0x0706050403020100ll + 0x0404040404040404ll * m, &h8[0], &h8[1]);
+        for (int e = 0; e < 2; e++) {
+            const __m512i S = v == IQ3_XXS ? iq_ksigns512(A[(m + e) / 2]) : A[(m + e) / 2];
+            if (v == IQ3_XXS)
+                iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m + e]), iq_look256(IQ3XXS_CODE[1], T[m + e]), S, mag, m + e, L);
+            else
+                iq3_chunks(iq_look512(IQ3S_CODE[0], T[m + e], h8[e]), iq_look512(IQ3S_CODE[1], T[m + e], h8[e]), S,
+                           mag, m + e, L);
+        }
+    }
+    if (v == IQ3_S) {
+        iq_lane_scales(p, v, L->s);
+    } else {
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    }
+}
+
 /* iq_lanes_fill with VBMI: the 16 outputs' grid indices and sign words
  * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
  * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
@@ -615,34 +649,8 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
             iq2_chunks(pl, S, mag, ib, L);
         }
         iq_lane_scales(p, v, L->s);
-    } else { /* IQ3_XXS, IQ3_S: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
-        __m512i A[8], q0, q1;
-        iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A); /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
-        if (v == IQ3_S) iq_qwords(p, 66, &q0, &q1); /* qh: bit 8 of entry e's index at its bit e */
-        const __m512i mag = _mm512_load_si512(v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64);
-        for (int m = 0; m < 16; m += 2) {
-            __mmask64 h8[2];
-            if (v == IQ3_S)
-                iq_pick_bits(q0, q1, 0x0706050403020100ll + 0x0404040404040404ll * m, &h8[0], &h8[1]);
-            for (int e = 0; e < 2; e++) {
-                const __m512i S = v == IQ3_XXS ? iq_ksigns512(A[(m + e) / 2]) : A[(m + e) / 2];
-                if (v == IQ3_XXS)
-                    iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m + e]), iq_look256(IQ3XXS_CODE[1], T[m + e]), S, mag, m + e, L);
-                else
-                    iq3_chunks(iq_look512(IQ3S_CODE[0], T[m + e], h8[e]), iq_look512(IQ3S_CODE[1], T[m + e], h8[e]), S,
-                               mag, m + e, L);
-            }
-        }
-        if (v == IQ3_S) {
-            iq_lane_scales(p, v, L->s);
-        } else {
-            for (int ib = 0; ib < 8; ib++) {
-                const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
-                const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
-                _mm512_store_ps(L->s[2 * ib], db);
-                _mm512_store_ps(L->s[2 * ib + 1], db);
-            }
-        }
+    } else {
+        iq3_lanes(p, v, T, vd, L);
     }
 #if GL_VNNI
     const int units = IQ_UNITS(v), cpu = 64 / units;
@@ -780,6 +788,43 @@ static inline __attribute__((always_inline)) __m256 iq_xxs_half_ls(const uint8_t
 }
 #define IQ_SHUF(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
 
+/* The units' sums of outputs 4 q .. 4 q + 3 (a[i]: output 4 q + i, lane L the sum of its values
+ * [16 L, 16 L + 16)) into d[i] (i < units / 4): in 128-bit lane l the lanes units / 4 l + i of
+ * each, its units 2 l + i (pairs of lanes added) or 4 l + i. */
+static inline __attribute__((always_inline)) void iq_few_sums(const __m512i *a, const int units, __m512i *d) {
+    if (units == 8) { /* 128-bit lane l: [4q's 2l, 2l+1, 4q+1's 2l, 2l+1], then the units 2 l, 2 l + 1 of four */
+        const __m512i ab = _mm512_add_epi32(IQ_SHUF(a[0], a[1], 0x88), IQ_SHUF(a[0], a[1], 0xDD));
+        const __m512i cd = _mm512_add_epi32(IQ_SHUF(a[2], a[3], 0x88), IQ_SHUF(a[2], a[3], 0xDD));
+        d[0] = IQ_SHUF(ab, cd, 0x88), d[1] = IQ_SHUF(ab, cd, 0xDD);
+    } else {
+        const __m512i ab0 = _mm512_unpacklo_epi32(a[0], a[1]), ab1 = _mm512_unpackhi_epi32(a[0], a[1]);
+        const __m512i cd0 = _mm512_unpacklo_epi32(a[2], a[3]), cd1 = _mm512_unpackhi_epi32(a[2], a[3]);
+        d[0] = _mm512_unpacklo_epi64(ab0, cd0), d[1] = _mm512_unpackhi_epi64(ab0, cd0);
+        d[2] = _mm512_unpacklo_epi64(ab1, cd1), d[3] = _mm512_unpackhi_epi64(ab1, cd1);
+    }
+}
+
+/* acc + one row's super-block: D[q] (iq_few_sums' of outputs 4 q ..) with 128-bit lanes transposed
+ * into U[u] (lane o: output o's unit u), each unit's FMA in order with s (iq_group_few's scales)
+ * and xd (the row's scales of x of the super-block). */
+static inline __attribute__((always_inline)) __m512 iq_few_acc(__m512i (*D)[4], const __m512 *s, const float *xd,
+                                                               const int units, __m512 acc) {
+    const int nd = units / 4;
+    __m512i U[16];
+    for (int i = 0; i < nd; i++) { /* 128-bit lane l of D[q][i] -> 128-bit lane q of U[nd l + i] */
+        const __m512i c0 = _mm512_shuffle_i32x4(D[0][i], D[1][i], 0x44), c1 = _mm512_shuffle_i32x4(D[0][i], D[1][i], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(D[2][i], D[3][i], 0x44), c3 = _mm512_shuffle_i32x4(D[2][i], D[3][i], 0xEE);
+        U[i] = _mm512_shuffle_i32x4(c0, c2, 0x88), U[nd + i] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        U[2 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0x88), U[3 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+    for (int u = 0; u < units; u++) {
+        const __m512 sx = units == 16 ? _mm512_mul_ps(s[u], _mm512_set1_ps(xd[u / 2]))
+                                      : _mm512_mul_ps(s[2 * u], _mm512_set1_ps(xd[u]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(U[u]), sx, acc);
+    }
+    return acc;
+}
+
 /* iq_group for R <= IQ_FEW rows: each output's values dotted in place with the rows' x (the signs
  * onto x, as llama.cpp's kernels) in iq_vals' order, a lane's 16 values for a row in one vector
  * of four VPDPBUSD, and those vectors of the group's 16 outputs summed into the units' sums in
@@ -790,7 +835,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                                                                int64_t ra, const int R, int64_t og, int nv,
                                                                float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
-    const int units = IQ_UNITS(v), nd = units / 4; /* nd: vectors a row and 4 outputs after the sums */
+    const int units = IQ_UNITS(v);
     const int xxs = v == IQ2_XXS || v == IQ3_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
     const uint8_t *row[16];
     for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
@@ -836,19 +881,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                     }
                 }
             }
-            for (int r = 0; r < R; r++) {
-                const __m512i *a = P[r];
-                if (units == 8) { /* 128-bit lane l: [4q's 2l, 2l+1, 4q+1's 2l, 2l+1], then the units 2 l, 2 l + 1 of four */
-                    const __m512i ab = _mm512_add_epi32(IQ_SHUF(a[0], a[1], 0x88), IQ_SHUF(a[0], a[1], 0xDD));
-                    const __m512i cd = _mm512_add_epi32(IQ_SHUF(a[2], a[3], 0x88), IQ_SHUF(a[2], a[3], 0xDD));
-                    D[r][q][0] = IQ_SHUF(ab, cd, 0x88), D[r][q][1] = IQ_SHUF(ab, cd, 0xDD);
-                } else { /* lanes 4 l + i of the four */
-                    const __m512i ab0 = _mm512_unpacklo_epi32(a[0], a[1]), ab1 = _mm512_unpackhi_epi32(a[0], a[1]);
-                    const __m512i cd0 = _mm512_unpacklo_epi32(a[2], a[3]), cd1 = _mm512_unpackhi_epi32(a[2], a[3]);
-                    D[r][q][0] = _mm512_unpacklo_epi64(ab0, cd0), D[r][q][1] = _mm512_unpackhi_epi64(ab0, cd0);
-                    D[r][q][2] = _mm512_unpacklo_epi64(ab1, cd1), D[r][q][3] = _mm512_unpackhi_epi64(ab1, cd1);
-                }
-            }
+            for (int r = 0; r < R; r++) iq_few_sums(P[r], units, D[r][q]);
         }
         __m512 s[16];
         if (xxs) { /* iq_scales' (d * (0.5 + ls)) * 0.25 or 0.5, in lanes: s[2 u] lane o output o's unit u */
@@ -862,23 +895,7 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
         } else {
             for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
         }
-        for (int r = 0; r < R; r++) {
-            const float *xd = xb->xd + (ra + r) * kb + sb * 8;
-            __m512i U[16]; /* U[u] lane o: output o's unit u */
-            for (int i = 0; i < nd; i++) { /* 128-bit lane l of D[r][q][i] -> 128-bit lane q of U[nd l + i] */
-                const __m512i c0 = _mm512_shuffle_i32x4(D[r][0][i], D[r][1][i], 0x44);
-                const __m512i c1 = _mm512_shuffle_i32x4(D[r][0][i], D[r][1][i], 0xEE);
-                const __m512i c2 = _mm512_shuffle_i32x4(D[r][2][i], D[r][3][i], 0x44);
-                const __m512i c3 = _mm512_shuffle_i32x4(D[r][2][i], D[r][3][i], 0xEE);
-                U[i] = _mm512_shuffle_i32x4(c0, c2, 0x88), U[nd + i] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
-                U[2 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0x88), U[3 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
-            }
-            for (int u = 0; u < units; u++) {
-                const __m512 sx = units == 16 ? _mm512_mul_ps(s[u], _mm512_set1_ps(xd[u / 2]))
-                                              : _mm512_mul_ps(s[2 * u], _mm512_set1_ps(xd[u]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(U[u]), sx, acc[r]);
-            }
-        }
+        for (int r = 0; r < R; r++) acc[r] = iq_few_acc(D[r], s, xb->xd + (ra + r) * kb + sb * 8, units, acc[r]);
     }
     for (int r = 0; r < R; r++) {
         float o16[16];

@@ -9,11 +9,22 @@ Llama-1B's, when --types names them (BF16's from 6 rows: VDPBF16PS where the CPU
 GRAFTLM_BF16_DOTS=0 in the environment for the FMA path; the FMA peak of a Zen 4 core, 16 MACs a cycle, is ~58 GMAC/s at 3.65 GHz).
 
     .venv/bin/python bench/kernels.py [--rows 1 4 16 64 128 512] [--threads 2] [--types MXFP4 IQ3_XXS]
+
+With `--against LIB` (another tree's built library, e.g. main's: `python -c "from graftlm.native
+import build; print(build.library()._name)"` there) the grid quants named by --types run through
+gl_mm_iq of LIB and of this tree's library in turn (A B B A ..., `--rounds`), one thread, timed in
+this thread's CPU time (a shared machine's descheduling is not counted): the median GMAC/s of
+each, the ratio, the weight bytes a second that the new one reads (GB/s, one row: the share of
+the machine's read bandwidth a core takes) and whether the two gave the same bits.
+
+    .venv/bin/python bench/kernels.py --against /tmp/main.so --types IQ3_XXS IQ2_XXS --rows 1 2 4 8 16 64
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -50,12 +61,72 @@ def gmacs(fn: Callable[[], object], macs: int) -> float:
     return macs * reps / (time.perf_counter() - t0) / 1e9
 
 
+GRID_TYPES = {Q.IQ2_XXS: 0, Q.IQ2_XS: 1, Q.IQ2_S: 2, Q.IQ3_XXS: 3, Q.IQ3_S: 4}  # gl_mm_iq's v
+
+
+def iq_call(
+    lib: ctypes.CDLL, x: np.ndarray, raw: np.ndarray, v: int, y: np.ndarray
+) -> Callable[[], object]:
+    """y = x @ W.T by lib's gl_mm_iq on one thread (raw: W's super-blocks, type v)."""
+    m, k = x.shape
+    n = y.shape[1]
+    return lambda: lib.gl_mm_iq(x.ctypes.data, m, k, raw.ctypes.data, v, n, y.ctypes.data, 1)
+
+
+def grid_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
+    """The grid quants' products of the library `other` (A) and this tree's (B), alternated."""
+    from graftlm.native import library
+
+    ours = library()
+    if ours is None:
+        raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
+    libs = [ctypes.CDLL(other), ours]
+    for lib in libs:
+        lib.gl_mm_iq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    rng = np.random.default_rng(0)
+    print("| type | n_out x n_in | M | A GMAC/s | B GMAC/s | B / A | B GB/s of weights | bits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for qtype, n, k in GRID_SHAPES:
+        if qtype.name not in types:
+            continue
+        raw = np.ascontiguousarray(random_blocks(qtype, (n, k), rng))
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ys = [np.empty((m, n), np.float32) for _ in libs]
+            calls = [
+                iq_call(lib, x, raw, GRID_TYPES[qtype], y) for lib, y in zip(libs, ys, strict=True)
+            ]
+            for call in calls:
+                call()
+            same = np.array_equal(ys[0].view(np.int32), ys[1].view(np.int32))
+            reps = max(1, int(2e7 / (m * n * k)))
+            times: list[list[float]] = [[], []]
+            for r in range(rounds):
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
+                    t0 = time.thread_time()
+                    for _ in range(reps):
+                        calls[i]()
+                    times[i].append((time.thread_time() - t0) / reps)
+            a, b = (m * n * k / statistics.median(t) / 1e9 for t in times)
+            gbs = raw.nbytes / statistics.median(times[1]) / 1e9
+            print(f"| {qtype.name} | {n}x{k} | {m} | {a:.1f} | {b:.1f} | {b / a:.2f} | {gbs:.1f} "
+                  f"| {'same' if same else 'DIFFER'} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", nargs="*", help="only these GGUF types (e.g. MXFP4)")
+    ap.add_argument("--against", help="a library file: the grid types' A/B against it (above)")
+    ap.add_argument("--rounds", type=int, default=7, help="with --against: alternated rounds")
     args = ap.parse_args()
+    if args.against:
+        grid_against(
+            args.against, args.types or [t.name for t in GRID_TYPES], args.rows, args.rounds
+        )
+        return
     torch.set_num_threads(args.threads)
     if unavailable_reason():
         print(f"native kernels unavailable: {unavailable_reason()}")

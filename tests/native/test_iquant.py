@@ -88,16 +88,16 @@ def test_native_products_are_the_int8_twin_for_every_row_count(qtype: Q) -> None
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_a_rows_product_is_the_same_bits_alone_or_among_others(qtype: Q) -> None:
-    """Ten super-blocks a row: each row of 2, 3, 5 and 13 rows of x gives the bits it gives alone
-    (with VBMI, one or two rows take their own kernel, iq_group_few, which sums each output's
-    values in place, and three of IQ2_XS and IQ3_S; more rows the lanes of 16 outputs, in tiles
-    of 8)."""
+    """Ten super-blocks a row: each row of 2, 3, 4, 5 and 13 rows of x gives the bits it gives
+    alone (with VBMI, up to three rows of IQ2_XXS and IQ2_S and four of the others take their own
+    kernel, iq_group_few, which sums each output's values in place in an order of its own; more
+    rows the lanes of 16 outputs, in tiles of 8)."""
     n, k = 19, 2560
     raw = random_blocks(qtype, (n, k), np.random.default_rng(7))
     w = QWeight.from_gguf(raw, qtype, (n, k), name="w")
     x = torch.randn(13, k, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(13)])
-    for m in (2, 3, 5, 13):
+    for m in (2, 3, 4, 5, 13):
         assert torch.equal(w.matmul(x[:m]), alone[:m])
 
 

@@ -24,10 +24,11 @@ from graftlm.quant import QWeight
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0, Q.IQ4_NL,
          Q.IQ4_XS, Q.MXFP4, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]  # fmt: skip
 SHAPE = (40, 512)
-# a decode row, a batch, the tiles' remainders, a batched decode step of 16 and of 32 rows (its
-# last tile asks for the next task's weights), a prompt, one whose pairs are unpacked once for
-# 48 rows (k16_pair_rows) with a remainder, one in two passes over the tasks (proj_run's rows)
-ROWS = (1, 3, 7, 16, 32, 33, 100, 1100)
+# a decode row, two (and four: the grid quants' few-row kernel), a batch, the tiles' remainders,
+# a batched decode step of 16 and of 32 rows (its last tile asks for the next task's weights), a
+# prompt, one whose pairs are unpacked once for 48 rows (k16_pair_rows) with a remainder, one in
+# two passes over the tasks (proj_run's rows)
+ROWS = (1, 2, 3, 4, 7, 16, 32, 33, 100, 1100)
 
 PRODUCTS = """
 import sys, torch
@@ -42,7 +43,7 @@ for name in sys.argv[2].split(","):
     raw, _ = gguf_tensor(qt, (40, 512), seed=3)
     w = QWeight.from_gguf(raw, qt, (40, 512), name="w")
     out[name + ":kernel"] = w.kernel
-    for m in (1, 3, 7, 16, 32, 33, 100, 1100):
+    for m in (1, 2, 3, 4, 7, 16, 32, 33, 100, 1100):  # ROWS
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         out[f"{name}:{m}"] = w.matmul(x)
     out[name + ":deq"] = w.dequantize()

@@ -18,11 +18,11 @@
  * the rows beside it and whatever the CPU.
  *
  * The lookups: one at a time (8 or 4 values an insert; vpgatherdd for IQ3's eight entries: 20%
- * slower on Zen 4), or with AVX-512 VBMI (iq_mag_vbmi) a super-block's 32 or 64 indices at
- * once: each entry's values as a code (2 or 3 bits a value, iq_grids.h's *_CODE, two byte
- * planes looked up 128 entries a vpermi2b), its qwords cut into a byte a value (vpmultishiftqb)
- * and the magnitudes looked up (vpermb); the sign bytes from the 7-bit indices with their parity
- * (vpopcntb). One row of x went from ~9-11 GMAC/s a core (Zen 4) to ~19-21 with them.
+ * slower on Zen 4), or with AVX-512 VBMI a super-block's 32 or 64 indices at once: each entry's
+ * values as a code (2 or 3 bits a value, iq_grids.h's *_CODE or *_PAIR, byte planes looked up
+ * 128 entries a vpermi2b), cut into a byte a value and the magnitudes looked up (vpermb); the
+ * sign bytes from the 7-bit indices with their parity (vpopcntb). One row of x went from ~9-11
+ * GMAC/s a core (Zen 4) to ~19-21 with them, and to ~24-28 with iq_group_few's order of values.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -143,23 +143,6 @@ static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi
     return _mm512_mask_blend_epi8(hi8, iq_look256(plane, idx), iq_look256(plane + 256, idx));
 }
 
-/* 64 values' magnitudes: the codes (their low bytes lo, high bytes hi) of entries [16 j, 16 j + 16)
- * (IQ3: 4 values an entry, 3 bits a value) or [8 j, 8 j + 8) (IQ2: 8 values, 2 bits) past base, each
- * qword's made of its entries' two code words (vpermi2b), cut into a byte a value (vpmultishiftqb),
- * the bytes' low bits looked up in mag64 (vpermb). */
-static inline __m512i iq_expand(__m512i lo, __m512i hi, const int iq3, int j, const uint8_t *mag64, int base) {
-    uint64_t c[8];
-    for (int q = 0; q < 8; q++) {
-        const uint64_t e0 = (uint64_t)base + (iq3 ? 16 * j + 2 * q : 8 * j + q), e1 = e0 + 1;
-        c[q] = iq3 ? e0 | (64 + e0) << 8 | e1 << 16 | (64 + e1) << 24 : e0 | (64 + e0) << 8;
-    }
-    const __m512i ctrl = _mm512_setr_epi64((long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
-                                           (long long)c[4], (long long)c[5], (long long)c[6], (long long)c[7]);
-    const __m512i cut = _mm512_set1_epi64(iq3 ? 0x1916131009060300ll : 0x0e0c0a0806040200ll);
-    const __m512i codes = _mm512_permutex2var_epi8(lo, ctrl, hi);
-    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(cut, codes), _mm512_load_si512(mag64));
-}
-
 /* The sign bytes of 32 7-bit sign indices (KSIGNS: the index and its parity in bit 7), four in
  * each of aux's 32-bit words (bits 0, 7, 14, 21), in their order. */
 static inline __m256i iq_ksigns(__m256i aux) {
@@ -178,64 +161,14 @@ static inline __m512i iq_ksigns512(__m512i aux) {
     return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
-/* The 256 values of super-block p: their magnitudes (g[j]: values 64 j .. 64 j + 63) and signs
- * (bit i of neg[j] set: value 64 j + i negative), its 32 or 64 grid indices looked up at once. */
-static inline __attribute__((always_inline)) void iq_mag_vbmi(const uint8_t *p, const int v, __m512i *g,
-                                                              uint64_t *neg) {
-    __m512i lo, hi;
-    __m256i sg;
-    const uint8_t *mag;
-    int iq3 = 0;
-    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls */
-        const __m512i sep = _mm512_permutexvar_epi32(
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), _mm512_loadu_si512(p + 2));
-        lo = iq_look256(IQ2XXS_CODE[0], sep), hi = iq_look256(IQ2XXS_CODE[1], sep);
-        sg = iq_ksigns(_mm512_extracti64x4_epi64(sep, 1));
-        mag = IQ2XXS_MAG64;
-    } else if (v == IQ2_XS) { /* 16 bits an entry: 9 of index, 7 of signs */
-        const __m512i raw = _mm512_loadu_si512(p + 2);
-        const __m512i idx = _mm512_castsi256_si512(_mm512_cvtepi16_epi8(raw));
-        const __mmask64 h8 = _mm512_test_epi16_mask(raw, _mm512_set1_epi16(0x100));
-        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
-        const __m512i s = _mm512_srli_epi16(raw, 9);
-        const __m512i pc = _mm512_popcnt_epi16(s);
-        sg = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s, _mm512_slli_epi16(pc, 7), _mm512_set1_epi16(0x7f), 0xE4));
-        mag = IQ2XS_MAG64;
-    } else if (v == IQ2_S) { /* 10-bit indices: 8 bits in qs, 2 in qh; the sign bytes as they are */
-        const __m512i idx = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + 2)));
-        uint64_t qh;
-        memcpy(&qh, p + 66, 8);
-        const __mmask64 h8 = _pext_u64(qh, 0x5555555555555555ull), h9 = _pext_u64(qh, 0xAAAAAAAAAAAAAAAAull);
-        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
-        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
-        sg = _mm256_loadu_si256((const __m256i *)(p + 34));
-        mag = IQ2S_MAG64;
-    } else if (v == IQ3_XXS) {
-        const __m512i idx = _mm512_loadu_si512(p + 2);
-        lo = iq_look256(IQ3XXS_CODE[0], idx), hi = iq_look256(IQ3XXS_CODE[1], idx);
-        sg = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
-        mag = IQ3XXS_MAG64, iq3 = 1;
-    } else { /* IQ3_S: 9-bit indices, bit 8 in qh (a bit an entry); the sign bytes as they are */
-        const __m512i idx = _mm512_loadu_si512(p + 2);
-        uint64_t qh;
-        memcpy(&qh, p + 66, 8);
-        lo = iq_look512(IQ3S_CODE[0], idx, qh), hi = iq_look512(IQ3S_CODE[1], idx, qh);
-        sg = _mm256_loadu_si256((const __m256i *)(p + 74));
-        mag = IQ3S_MAG64, iq3 = 1;
-    }
-    _mm256_storeu_si256((__m256i *)neg, sg);
-    for (int j = 0; j < 4; j++) g[j] = iq_expand(lo, hi, iq3, j, mag, 0);
-}
-
-/* iq_mag_vbmi for two super-blocks of an IQ2 type (pa's into ga, nega; pb's into gb, negb): their
- * 32 grid indices each looked up in one vector, where one super-block's fill half of it. */
-static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa, const uint8_t *pb, const int v,
-                                                               __m512i *ga, uint64_t *nega, __m512i *gb,
-                                                               uint64_t *negb) {
+/* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
+ * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
+ * e: entry e's 8 values); their 32 grid indices each looked up in one vector. */
+static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                             __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
     __m512i lo, hi;
     __m256i sa, sb;
-    const uint8_t *mag;
-    if (v == IQ2_XXS) { /* as iq_mag_vbmi's: indices in the low half of each, signs and ls in the high */
+    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls (to the high half) */
         const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
         const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
         const __m512i b = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pb + 2));
@@ -243,7 +176,6 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
         const __m512i sg = iq_ksigns512(_mm512_shuffle_i64x2(a, b, 0xEE));
         sa = _mm512_castsi512_si256(sg), sb = _mm512_extracti64x4_epi64(sg, 1);
-        mag = IQ2XXS_MAG64;
     } else if (v == IQ2_XS) {
         const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
@@ -254,7 +186,6 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         const __m512i m7 = _mm512_set1_epi16(0x7f), s_a = _mm512_srli_epi16(ra, 9), s_b = _mm512_srli_epi16(rb, 9);
         sa = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_a, _mm512_slli_epi16(_mm512_popcnt_epi16(s_a), 7), m7, 0xE4));
         sb = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_b, _mm512_slli_epi16(_mm512_popcnt_epi16(s_b), 7), m7, 0xE4));
-        mag = IQ2XS_MAG64;
     } else { /* IQ2_S */
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
                                                _mm256_loadu_si256((const __m256i *)(pb + 2)), 1);
@@ -266,21 +197,100 @@ static inline __attribute__((always_inline)) void iq_mag2_vbmi(const uint8_t *pa
         lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
         hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
         sa = _mm256_loadu_si256((const __m256i *)(pa + 34)), sb = _mm256_loadu_si256((const __m256i *)(pb + 34));
-        mag = IQ2S_MAG64;
     }
-    _mm256_storeu_si256((__m256i *)nega, sa);
-    _mm256_storeu_si256((__m256i *)negb, sb);
-    for (int j = 0; j < 4; j++) ga[j] = iq_expand(lo, hi, 0, j, mag, 0), gb[j] = iq_expand(lo, hi, 0, j, mag, 32);
+    *plo = lo, *phi = hi, *psa = sa, *psb = sb;
 }
 
-/* The same as signed bytes (nat). */
-static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, const int v, int8_t *nat) {
-    __m512i g[4];
-    uint64_t neg[4];
-    iq_mag_vbmi(p, v, g, neg);
-    for (int j = 0; j < 4; j++)
-        _mm512_store_si512(nat + 64 * j, _mm512_mask_sub_epi8(g[j], _cvtu64_mask64(neg[j]), _mm512_setzero_si512(), g[j]));
+/* ---------------- one to a few rows (iq_group_few): a value order of its own
+ *
+ * Each output's super-block as four vectors V[k] (k = 0 .. 3) of magnitudes, byte p of V[k] its
+ * value 4 p + k, so that a 32-bit lane L of every V[k] holds values of [16 L, 16 L + 16) only:
+ * the four VPDPBUSD of a row (V[k] unsigned, x's matching bytes with the output's signs applied,
+ * signed) add into one vector whose lane L is the sum of those 16 values (a unit of IQ2_XS and
+ * IQ2_S; two lanes one of the others). The IQ3 types' V[k] are a 6-bit code plane of their
+ * entries (values 0, 1 or 2, 3: *_PAIR) through a 64-byte table (vpermb), the IQ2 types' the
+ * entries' 16-bit codes (4 values' 2-bit codes a byte) through one; a V[k]'s sign bits are
+ * picked from the sign bytes (vpshufbitqmb), and x is put in the same order once a row. */
+
+/* The 64-byte tables of V[k] (iq_vals): t[k][c] the magnitude of the code at bits [b k', ..) of
+ * c (IQ3: b = 3, the codes of two values a byte, t[0], t[1]; IQ2: b = 2, four, t[0 .. 2], the
+ * fourth's from c >> 6 through t[0]). */
+static inline void iq_tables(const int v, __m512i *t) {
+    const int iq3 = v == IQ3_XXS || v == IQ3_S;
+    const uint8_t *mag = v == IQ2_XXS ? IQ2XXS_MAG64 : v == IQ2_XS ? IQ2XS_MAG64 : v == IQ2_S ? IQ2S_MAG64
+                       : v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64;
+    const __m512i m = _mm512_load_si512(mag); /* m[c]: the magnitude of code c mod 2^b */
+    const __m512i iota = _mm512_set_epi64(0x3f3e3d3c3b3a3938ll, 0x3736353433323130ll, 0x2f2e2d2c2b2a2928ll,
+                                          0x2726252423222120ll, 0x1f1e1d1c1b1a1918ll, 0x1716151413121110ll,
+                                          0x0f0e0d0c0b0a0908ll, 0x0706050403020100ll);
+    t[0] = m;
+    for (int k = 1; k < (iq3 ? 2 : 3); k++) {
+        const int sh = (iq3 ? 3 : 2) * k; /* bytes 0 .. 63 shifted right: no bit crosses into the next */
+        t[k] = _mm512_permutexvar_epi8(_mm512_srli_epi16(iota, sh), m);
+    }
 }
+
+/* x's 256 values (a super-block's) in V[k]'s order: xk[k] byte p = x[4 p + k]. */
+static inline __attribute__((always_inline)) void iq_x4(const int8_t *x, __m512i *xk) {
+    const __m512i tr = _mm512_set_epi64(0x3f3b37332f2b2723ll, 0x1f1b17130f0b0703ll, 0x3e3a36322e2a2622ll,
+                                        0x1e1a16120e0a0602ll, 0x3d3935312d292521ll, 0x1d1915110d090501ll,
+                                        0x3c3834302c282420ll, 0x1c1814100c080400ll); /* byte 16 k + e <- 4 e + k */
+    __m512i t[4];
+    for (int j = 0; j < 4; j++) t[j] = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512(x + 64 * j));
+    /* xk[k] = 128-bit lane k of t[0], t[1], t[2], t[3] */
+    const __m512i a = _mm512_shuffle_i32x4(t[0], t[1], 0x44), b = _mm512_shuffle_i32x4(t[0], t[1], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(t[2], t[3], 0x44), d = _mm512_shuffle_i32x4(t[2], t[3], 0xEE);
+    xk[0] = _mm512_shuffle_i32x4(a, c, 0x88), xk[1] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    xk[2] = _mm512_shuffle_i32x4(b, d, 0x88), xk[3] = _mm512_shuffle_i32x4(b, d, 0xDD);
+}
+
+/* The sign masks of V[k] from a super-block's 32 sign bytes S (byte g: values 8 g .. 8 g + 7):
+ * bit p of neg[k] the sign of value 4 p + k, from S's dword p / 8 (bits 4 m + k, m = 0 .. 7). */
+static inline __attribute__((always_inline)) void iq_negs(__m256i S, __mmask64 *neg) {
+    const __m512i q = _mm512_cvtepu32_epi64(S);
+    for (int k = 0; k < 4; k++)
+        neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
+}
+
+/* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
+static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, const int v, const __m512i *t, __m512i *V,
+                                                           __m256i *S) {
+    const __m512i idx = _mm512_loadu_si512(p + 2);
+    __m512i a, b; /* byte e: entry e's codes of values 0, 1 (a), 2, 3 (b) */
+    if (v == IQ3_XXS) {
+        a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
+        *S = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
+    } else { /* IQ3_S: bit 8 of the indices in qh */
+        uint64_t qh;
+        memcpy(&qh, p + 66, 8);
+        a = iq_look512(IQ3S_PAIR[0], idx, qh), b = iq_look512(IQ3S_PAIR[1], idx, qh);
+        *S = _mm256_loadu_si256((const __m256i *)(p + 74));
+    }
+    V[0] = _mm512_permutexvar_epi8(a, t[0]), V[1] = _mm512_permutexvar_epi8(a, t[1]);
+    V[2] = _mm512_permutexvar_epi8(b, t[0]), V[3] = _mm512_permutexvar_epi8(b, t[1]);
+}
+
+/* Two IQ2 super-blocks pa, pb's V[k] (Va, Vb) and sign bytes (*Sa, *Sb). */
+static inline __attribute__((always_inline)) void iq2_vals2(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                            const __m512i *t, __m512i *Va, __m256i *Sa, __m512i *Vb,
+                                                            __m256i *Sb) {
+    __m512i lo, hi;
+    iq2_codes2(pa, pb, v, &lo, &hi, Sa, Sb);
+    /* word e: entry e's 16-bit code (byte 2 e: its low byte, 2 e + 1 its high), pa's then pb's */
+    const __m512i ia = _mm512_set_epi64(0x5f1f5e1e5d1d5c1cll, 0x5b1b5a1a59195818ll, 0x5717561655155414ll,
+                                        0x5313521251115010ll, 0x4f0f4e0e4d0d4c0cll, 0x4b0b4a0a49094808ll,
+                                        0x4707460645054404ll, 0x4303420241014000ll);
+    const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(0x20)); /* entries 32 .. 63 */
+    const __m512i ca = _mm512_permutex2var_epi8(lo, ia, hi);
+    const __m512i cb = _mm512_permutex2var_epi8(lo, ib, hi);
+    for (int h = 0; h < 2; h++) {
+        const __m512i c = h ? cb : ca;
+        __m512i *V = h ? Vb : Va;
+        for (int k = 0; k < 3; k++) V[k] = _mm512_permutexvar_epi8(c, t[k]);
+        V[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
+    }
+}
+
 #endif
 #ifndef IQ_VBMI
 #define IQ_VBMI 0
@@ -309,13 +319,13 @@ static inline __attribute__((always_inline)) void iq_nat_vbmi(const uint8_t *p, 
  * (6 layers, ~8 rows an expert) pp128 IQ3_XXS 1.15-1.66x the kernels before (1.2-1.56x
  * llama.cpp's -t 1), IQ2_XXS 1.44-1.85x (0.94-1.89x); decode about even (tg32 0.87-1.19x).
  *
- * With VBMI (iq_lanes_fill_t, all types but IQ3_S) the lanes are made from the 16 outputs'
+ * With VBMI (iq_lanes_fill_t) the lanes are made from the 16 outputs'
  * grid indices and sign words transposed, not from their values: a quarter to an eighth of the
  * bytes through the transposition, each chunk's magnitudes cut straight into the lanes and its
  * sign bits picked from the outputs' (vpshufbitqmb). 2048 x 768, one thread, alternated against
  * the values' transposition (with iq_task's per-type functions): 3-16 rows IQ2_XXS 1.27-1.48x,
- * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x; 64 rows 0.97-1.21x (the dots' VPDPBUSD
- * bound); one and two rows (iq_group_few) 1.01-1.28x. */
+ * IQ2_XS 1.10-1.26x, IQ2_S 1.15-1.46x, IQ3_XXS 1.15-1.19x, IQ3_S (later) 7-16 rows 1.03-1.18x;
+ * 64 rows 0.97-1.21x (the dots' VPDPBUSD bound; IQ3_S at 64 and 128 rows 0.88-1.06x, noisy). */
 
 #if GL_VNNI512
 #define IQ_W 16
@@ -342,15 +352,11 @@ static inline __attribute__((always_inline)) void iq_nat(const uint8_t *p, const
     iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
     _mm256_storeu_ps(s16, a);
     _mm256_storeu_ps(s16 + 8, b);
-#if IQ_VBMI
-    iq_nat_vbmi(p, v, nat);
-#else
     for (int ib = 0; ib < 8; ib++) {
         uint32_t sg;
         const __m256i g = iq_sub(p, v, ib, &sg);
         _mm256_storeu_si256((__m256i *)(nat + 32 * ib), _mm256_sign_epi8(g, iq_signs(sg)));
     }
-#endif
 }
 
 /* The lanes' transposition: 16 x 16 dwords by attn.c's transpose16 (the files are one unit), 8 x 8 here. */
@@ -559,7 +565,41 @@ static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *
     }
 }
 
-/* iq_lanes_fill with VBMI, for all types but IQ3_S: the 16 outputs' grid indices and sign words
+/* iq_lanes_fill_t's IQ3 types: T[m] byte 4 o + e output o's index of entry 4 m + e (chunk 4 m + e),
+ * vd the 16 outputs' d. */
+static inline __attribute__((always_inline)) void iq3_lanes(const uint8_t *const *p, const int v, const __m512i *T,
+                                                            __m512 vd, iq_lanes *L) {
+    const __m512 half = _mm512_set1_ps(0.5f);
+    __m512i A[8], q0, q1;
+    iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A); /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
+    if (v == IQ3_S) iq_qwords(p, 66, &q0, &q1); /* qh: bit 8 of entry e's index at its bit e */
+    const __m512i mag = _mm512_load_si512(v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64);
+    for (int m = 0; m < 16; m += 2) {
+        __mmask64 h8[2];
+        if (v == IQ3_S)
+            iq_pick_bits(q0, q1, 0x0706050403020100ll + 0x0404040404040404ll * m, &h8[0], &h8[1]);
+        for (int e = 0; e < 2; e++) {
+            const __m512i S = v == IQ3_XXS ? iq_ksigns512(A[(m + e) / 2]) : A[(m + e) / 2];
+            if (v == IQ3_XXS)
+                iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m + e]), iq_look256(IQ3XXS_CODE[1], T[m + e]), S, mag, m + e, L);
+            else
+                iq3_chunks(iq_look512(IQ3S_CODE[0], T[m + e], h8[e]), iq_look512(IQ3S_CODE[1], T[m + e], h8[e]), S,
+                           mag, m + e, L);
+        }
+    }
+    if (v == IQ3_S) {
+        iq_lane_scales(p, v, L->s);
+    } else {
+        for (int ib = 0; ib < 8; ib++) {
+            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
+            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
+            _mm512_store_ps(L->s[2 * ib], db);
+            _mm512_store_ps(L->s[2 * ib + 1], db);
+        }
+    }
+}
+
+/* iq_lanes_fill with VBMI: the 16 outputs' grid indices and sign words
  * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
  * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
  * (vpshufbitqmb), the scales made in lanes: 4-8x fewer bytes through the transposition. The same
@@ -609,19 +649,8 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
             iq2_chunks(pl, S, mag, ib, L);
         }
         iq_lane_scales(p, v, L->s);
-    } else { /* IQ3_XXS: T[m] byte 4 o + e: entry 4 m + e (chunk 4 m + e) */
-        __m512i A[8];
-        iq_dwords8(p, 66, A); /* A[ib] dword o: output o's sub-block ib's signs and ls */
-        const __m512i mag = _mm512_load_si512(IQ3XXS_MAG64);
-        for (int m = 0; m < 16; m++)
-            iq3_chunks(iq_look256(IQ3XXS_CODE[0], T[m]), iq_look256(IQ3XXS_CODE[1], T[m]), iq_ksigns512(A[m / 2]),
-                       mag, m, L);
-        for (int ib = 0; ib < 8; ib++) {
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(A[ib], 28));
-            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.5f));
-            _mm512_store_ps(L->s[2 * ib], db);
-            _mm512_store_ps(L->s[2 * ib + 1], db);
-        }
+    } else {
+        iq3_lanes(p, v, T, vd, L);
     }
 #if GL_VNNI
     const int units = IQ_UNITS(v), cpu = 64 / units;
@@ -711,11 +740,10 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
 #if IQ_VBMI && IQ_W == 16
-            if (v != IQ3_S) /* IQ3_S: 0.92-0.98x iq_lanes_fill at 3-16 rows (one thread, alternated) */
-                iq_lanes_fill_t(p, v, &L);
-            else
+            iq_lanes_fill_t(p, v, &L);
+#else
+            iq_lanes_fill(p, v, &L);
 #endif
-                iq_lanes_fill(p, v, &L);
             for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
                 const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
                 float *am = acc + (t0 - r0) * IQ_W;
@@ -741,129 +769,192 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
 }
 
 #if IQ_VBMI
-/* iq_group for R <= 3 rows: each output's values dotted in place with the rows' x (the signs
- * onto x, as llama.cpp's kernels), 4 values a lane, and those lanes summed into the units' sums
- * across the group's 16 outputs (two rounds of unpack and add within 128-bit lanes, a
- * transposition of 128-bit lanes): the same integer sums as the lanes' dots, then the same float
- * operations, so the same bits, without the unpacking into lanes that few rows do not repay. */
+#define IQ_FEW 4 /* rows of x iq_group_few takes at most */
+/* the rows it takes of each type: past them the lanes (iq_group) ran faster, one thread, 2048 x 768,
+ * alternated: its 4th row 0.93-0.95x theirs for IQ2_XXS and IQ2_S, its 5th 0.72-0.98x */
+#define IQ_FEW_ROWS(v) ((v) == IQ2_XXS || (v) == IQ2_S ? 3 : 4)
+
+/* 0.5 + ls of the 8 units of an XXS type's super-block p, in float32 (iq_scales' sum) */
+static inline __attribute__((always_inline)) __m256 iq_xxs_half_ls(const uint8_t *p, const int v) {
+    __m256i aux;
+    if (v == IQ2_XXS) { /* ls in the top 4 bits of the second word of each 8 bytes */
+        const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+        aux = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p + 2)), odd),
+                                 _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p + 34)), odd), 0xF0);
+    } else {
+        aux = _mm256_loadu_si256((const __m256i *)(p + 66));
+    }
+    return _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_cvtepi32_ps(_mm256_srli_epi32(aux, 28)));
+}
+#define IQ_SHUF(a, b, imm) _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), imm))
+
+/* The units' sums of outputs 4 q .. 4 q + 3 (a[i]: output 4 q + i, lane L the sum of its values
+ * [16 L, 16 L + 16)) into d[i] (i < units / 4): in 128-bit lane l the lanes units / 4 l + i of
+ * each, its units 2 l + i (pairs of lanes added) or 4 l + i. */
+static inline __attribute__((always_inline)) void iq_few_sums(const __m512i *a, const int units, __m512i *d) {
+    if (units == 8) { /* 128-bit lane l: [4q's 2l, 2l+1, 4q+1's 2l, 2l+1], then the units 2 l, 2 l + 1 of four */
+        const __m512i ab = _mm512_add_epi32(IQ_SHUF(a[0], a[1], 0x88), IQ_SHUF(a[0], a[1], 0xDD));
+        const __m512i cd = _mm512_add_epi32(IQ_SHUF(a[2], a[3], 0x88), IQ_SHUF(a[2], a[3], 0xDD));
+        d[0] = IQ_SHUF(ab, cd, 0x88), d[1] = IQ_SHUF(ab, cd, 0xDD);
+    } else {
+        const __m512i ab0 = _mm512_unpacklo_epi32(a[0], a[1]), ab1 = _mm512_unpackhi_epi32(a[0], a[1]);
+        const __m512i cd0 = _mm512_unpacklo_epi32(a[2], a[3]), cd1 = _mm512_unpackhi_epi32(a[2], a[3]);
+        d[0] = _mm512_unpacklo_epi64(ab0, cd0), d[1] = _mm512_unpackhi_epi64(ab0, cd0);
+        d[2] = _mm512_unpacklo_epi64(ab1, cd1), d[3] = _mm512_unpackhi_epi64(ab1, cd1);
+    }
+}
+
+/* acc + one row's super-block: D[q] (iq_few_sums' of outputs 4 q ..) with 128-bit lanes transposed
+ * into U[u] (lane o: output o's unit u), each unit's FMA in order with s (iq_group_few's scales)
+ * and xd (the row's scales of x of the super-block). */
+static inline __attribute__((always_inline)) __m512 iq_few_acc(__m512i (*D)[4], const __m512 *s, const float *xd,
+                                                               const int units, __m512 acc) {
+    const int nd = units / 4;
+    __m512i U[16];
+    for (int i = 0; i < nd; i++) { /* 128-bit lane l of D[q][i] -> 128-bit lane q of U[nd l + i] */
+        const __m512i c0 = _mm512_shuffle_i32x4(D[0][i], D[1][i], 0x44), c1 = _mm512_shuffle_i32x4(D[0][i], D[1][i], 0xEE);
+        const __m512i c2 = _mm512_shuffle_i32x4(D[2][i], D[3][i], 0x44), c3 = _mm512_shuffle_i32x4(D[2][i], D[3][i], 0xEE);
+        U[i] = _mm512_shuffle_i32x4(c0, c2, 0x88), U[nd + i] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        U[2 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0x88), U[3 * nd + i] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+    for (int u = 0; u < units; u++) {
+        const __m512 sx = units == 16 ? _mm512_mul_ps(s[u], _mm512_set1_ps(xd[u / 2]))
+                                      : _mm512_mul_ps(s[2 * u], _mm512_set1_ps(xd[u]));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(U[u]), sx, acc);
+    }
+    return acc;
+}
+
+/* iq_group for R <= IQ_FEW rows: each output's values dotted in place with the rows' x (the signs
+ * onto x, as llama.cpp's kernels) in iq_vals' order, a lane's 16 values for a row in one vector
+ * of four VPDPBUSD, and those vectors of the group's 16 outputs summed into the units' sums in
+ * lanes of outputs (pairs of lanes added and interleaved within 128-bit lanes, then 128-bit lanes
+ * transposed): the same integer sums as the lanes' dots, then the same float operations, so the
+ * same bits, without the unpacking into lanes that few rows do not repay. */
 static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *w, const int v, const xbuf *xb,
                                                                int64_t ra, const int R, int64_t og, int nv,
                                                                float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
     const int units = IQ_UNITS(v);
+    const int xxs = v == IQ2_XXS || v == IQ3_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
     const uint8_t *row[16];
     for (int o = 0; o < 16; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
-    __m512 acc[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512i t[3];
+    iq_tables(v, t);
+    __m512 acc[IQ_FEW];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        float s16[16][16] __attribute__((aligned(64)));
-        __m512i x[3][4], D[3][4][4]; /* D[r][q][j]: outputs 4 q .. 4 q + 3, values 64 j .. */
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < 4; j++) x[r][j] = _mm512_loadu_si512(xb->xq + (ra + r) * k + sb * 256 + 64 * j);
+        float s16[16][16] __attribute__((aligned(64))), hl[16][8] __attribute__((aligned(32)));
+        uint16_t dh[16];
+        __m512i xk[IQ_FEW][4], D[IQ_FEW][4][4]; /* D[r][q][i]: outputs 4 q .. 4 q + 3, in 128-bit lane l the
+                                                   lanes nd l + i of each (units 2 l + i, or 4 l + i) */
+        for (int r = 0; r < R; r++) iq_x4(xb->xq + (ra + r) * k + sb * 256, xk[r]);
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
         const uint8_t *ps[16];
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
-        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' each output's at once and
-         * transposed (iq_lane_scales: 0.94-0.97x at one and two rows, IQ2_XS, IQ2_S, IQ3_S 1.03-1.09x) */
-        const int xxs = v == IQ2_XXS, iq3 = v == IQ3_XXS || v == IQ3_S;
+        /* s16[u] lane o: output o's scale of values 16 u ..; the XXS types' ls each output's at once and
+         * transposed (iq_lane_scales: 0.95-0.96x at one row) */
         if (!xxs) iq_lane_scales(ps, v, s16);
         for (int q = 0; q < 4; q++) {
-            __m512i P[3][4][4]; /* [r][i][j]: output 4 q + i, lane L: values 64 j + 4 L .. + 3 */
+            __m512i P[IQ_FEW][4]; /* [r][i]: output 4 q + i, lane L: the sum of its values [16 L, 16 L + 16) */
             for (int i = 0; i < 4; i += 2) { /* outputs 4 q + i, 4 q + i + 1 */
-                __m512i g[2][4];
-                uint64_t neg[2][4];
+                __m512i V[2][4];
+                __m256i S[2];
                 if (iq3) {
-                    iq_mag_vbmi(ps[4 * q + i], v, g[0], neg[0]);
-                    iq_mag_vbmi(ps[4 * q + i + 1], v, g[1], neg[1]);
+                    iq3_vals(ps[4 * q + i], v, t, V[0], &S[0]);
+                    iq3_vals(ps[4 * q + i + 1], v, t, V[1], &S[1]);
                 } else {
-                    iq_mag2_vbmi(ps[4 * q + i], ps[4 * q + i + 1], v, g[0], neg[0], g[1], neg[1]);
+                    iq2_vals2(ps[4 * q + i], ps[4 * q + i + 1], v, t, V[0], &S[0], V[1], &S[1]);
                 }
                 for (int h = 0; h < 2; h++) {
-                    if (xxs) {
-                        const uint8_t *p = ps[4 * q + i + h];
-                        __m256 a, b;
-                        iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-                        _mm512_store_ps(s16[4 * q + i + h], cat_ps(a, b));
+                    if (xxs) { /* their d and 0.5 + ls, the scales made in lanes below */
+                        dh[4 * q + i + h] = rd16(ps[4 * q + i + h]);
+                        _mm256_store_ps(hl[4 * q + i + h], iq_xxs_half_ls(ps[4 * q + i + h], v));
                     }
-                    for (int r = 0; r < R; r++)
-                        for (int j = 0; j < 4; j++) {
-                            const __m512i xs = _mm512_mask_sub_epi8(x[r][j], _cvtu64_mask64(neg[h][j]), _mm512_setzero_si512(), x[r][j]);
-                            P[r][i + h][j] = DPBUSD512(_mm512_setzero_si512(), g[h][j], xs);
-                        }
+                    __mmask64 neg[4];
+                    iq_negs(S[h], neg);
+                    for (int r = 0; r < R; r++) {
+                        __m512i d = _mm512_setzero_si512();
+                        for (int j = 0; j < 4; j++)
+                            d = DPBUSD512(d, V[h][j], _mm512_mask_sub_epi8(xk[r][j], neg[j], _mm512_setzero_si512(), xk[r][j]));
+                        P[r][i + h] = d;
+                    }
                 }
             }
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < 4; j++) { /* lane 4 l + i of 128-bit lane l: output 4 q + i's 16 values 64 j + 16 l .. */
-                    const __m512i c01 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][0][j], P[r][1][j]),
-                                                         _mm512_unpackhi_epi32(P[r][0][j], P[r][1][j]));
-                    const __m512i c23 = _mm512_add_epi32(_mm512_unpacklo_epi32(P[r][2][j], P[r][3][j]),
-                                                         _mm512_unpackhi_epi32(P[r][2][j], P[r][3][j]));
-                    D[r][q][j] = _mm512_add_epi32(_mm512_unpacklo_epi64(c01, c23), _mm512_unpackhi_epi64(c01, c23));
-                }
+            for (int r = 0; r < R; r++) iq_few_sums(P[r], units, D[r][q]);
         }
         __m512 s[16];
-        for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
-        if (xxs) transpose16(s);
-        for (int r = 0; r < R; r++) {
-            const float *xd = xb->xd + (ra + r) * kb + sb * 8;
-            for (int j = 0; j < 4; j++) { /* F[l], lane o: output o's 16 values 64 j + 16 l .. */
-                const __m512i c0 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0x44);
-                const __m512i c1 = _mm512_shuffle_i32x4(D[r][0][j], D[r][1][j], 0xEE);
-                const __m512i c2 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0x44);
-                const __m512i c3 = _mm512_shuffle_i32x4(D[r][2][j], D[r][3][j], 0xEE);
-                const __m512i F[4] = {_mm512_shuffle_i32x4(c0, c2, 0x88), _mm512_shuffle_i32x4(c0, c2, 0xDD),
-                                      _mm512_shuffle_i32x4(c1, c3, 0x88), _mm512_shuffle_i32x4(c1, c3, 0xDD)};
-                if (units == 16) {
-                    for (int l = 0; l < 4; l++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(F[l]), _mm512_mul_ps(s[4 * j + l], _mm512_set1_ps(xd[2 * j + l / 2])), acc[r]);
-                } else {
-                    for (int h = 0; h < 2; h++)
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(F[2 * h], F[2 * h + 1])),
-                                                 _mm512_mul_ps(s[4 * j + 2 * h], _mm512_set1_ps(xd[2 * j + h])), acc[r]);
-                }
-            }
+        if (xxs) { /* iq_scales' (d * (0.5 + ls)) * 0.25 or 0.5, in lanes: s[2 u] lane o output o's unit u */
+            const uint8_t *hp[16];
+            for (int o = 0; o < 16; o++) hp[o] = (const uint8_t *)hl[o];
+            __m512i H[8];
+            iq_dwords8(hp, 0, H);
+            const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+            const __m512 f = _mm512_set1_ps(v == IQ2_XXS ? 0.25f : 0.5f);
+            for (int u = 0; u < 8; u++) s[2 * u] = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_castsi512_ps(H[u])), f);
+        } else {
+            for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
         }
+        for (int r = 0; r < R; r++) acc[r] = iq_few_acc(D[r], s, xb->xd + (ra + r) * kb + sb * 8, units, acc[r]);
     }
     for (int r = 0; r < R; r++) {
-        float t[16];
-        _mm512_storeu_ps(t, acc[r]);
-        memcpy(y + (ra + r) * n + og, t, sizeof(float) * (size_t)nv);
+        float o16[16];
+        _mm512_storeu_ps(o16, acc[r]);
+        memcpy(y + (ra + r) * n + og, o16, sizeof(float) * (size_t)nv);
     }
 }
 #endif
 
-/* The outputs [og, og + nv) of rows [ra, rb) of x for the type v: iq_group, or iq_group_few for
- * one or two rows (three of IQ2_XS and IQ3_S) where it is built. */
-static inline __attribute__((always_inline)) void iq_outputs(const gl_weight *w, const int v, const xbuf *xb,
-                                                             int64_t ra, int64_t rb, int64_t og, int nv,
-                                                             float *y) {
 #if IQ_VBMI
-    /* three rows: IQ2_XS's and IQ3_S's 1.05-1.25x the lanes (the others' 0.86-0.95x; one thread, alternated) */
-    if (rb - ra <= 2 || (rb - ra == 3 && (v == IQ2_XS || v == IQ3_S))) {
-        if (rb - ra == 3)
-            iq_group_few(w, v, xb, ra, 3, og, nv, y);
-        else if (rb - ra == 2)
-            iq_group_few(w, v, xb, ra, 2, og, nv, y);
-        else
-            iq_group_few(w, v, xb, ra, 1, og, nv, y);
-        return;
+/* iq_group_few of rb - ra rows (at most IQ_FEW) */
+static inline __attribute__((always_inline)) void iq_few(const gl_weight *w, const int v, const xbuf *xb, int64_t ra,
+                                                         int64_t rb, int64_t og, int nv, float *y) {
+    switch (rb - ra) {
+    case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
+    case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;
+    case 2: iq_group_few(w, v, xb, ra, 2, og, nv, y); return;
+    default: iq_group_few(w, v, xb, ra, 1, og, nv, y); return;
     }
-#endif
-    iq_group(w, v, xb, ra, rb, og, nv, y);
 }
+#endif
 
-/* iq_outputs of one type, a function of its own: inlined all five into iq_task, the compiler's
- * one function for them all ran IQ2_XXS's 3-16 rows at 0.7-0.9x and IQ3_S's 8-16 at 0.9x these
- * (one thread, alternated). */
-#define IQ_OUTPUTS_OF(V, NAME)                                                                     \
-    static __attribute__((noinline)) void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, \
-                                               int64_t og, int nv, float *y) {                    \
-        iq_outputs(w, V, xb, ra, rb, og, nv, y);                                                   \
+/* The outputs [og, og + nv) of rows [ra, rb) of x of one type: iq_group, or iq_group_few for up to
+ * IQ_FEW_ROWS rows where it is built; each a function of its own for each type: inlined all five
+ * into iq_task, the compiler's one function for them all ran IQ2_XXS's 3-16 rows at 0.7-0.9x and
+ * IQ3_S's 8-16 at 0.9x these, and iq_group_few inlined beside iq_group, IQ2_S's 4 and 5 rows
+ * (iq_group) at 0.94x (one thread, alternated). */
+#if IQ_VBMI
+#define IQ_FEW_OF(V, NAME)                                                                           \
+    static __attribute__((noinline)) void NAME##_few(const gl_weight *w, const xbuf *xb, int64_t ra, \
+                                                     int64_t rb, int64_t og, int nv, float *y) {     \
+        iq_few(w, V, xb, ra, rb, og, nv, y);                                                         \
+    }
+#define IQ_FEW_CALL(V, NAME)                                                                         \
+    if (rb - ra <= IQ_FEW_ROWS(V)) {                                                                 \
+        NAME##_few(w, xb, ra, rb, og, nv, y);                                                        \
+        return;                                                                                      \
+    }
+#else
+#define IQ_FEW_OF(V, NAME)
+#define IQ_FEW_CALL(V, NAME)
+#endif
+#define IQ_OUTPUTS_OF(V, NAME)                                                                           \
+    IQ_FEW_OF(V, NAME)                                                                                   \
+    static __attribute__((noinline)) void NAME##_lanes(const gl_weight *w, const xbuf *xb, int64_t ra,   \
+                                                       int64_t rb, int64_t og, int nv, float *y) {       \
+        iq_group(w, V, xb, ra, rb, og, nv, y);                                                           \
+    }                                                                                                    \
+    static void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, int64_t og, int nv, float *y) { \
+        IQ_FEW_CALL(V, NAME)                                                                             \
+        NAME##_lanes(w, xb, ra, rb, og, nv, y);                                                          \
     }
 IQ_OUTPUTS_OF(IQ2_XXS, iq_outputs_iq2_xxs)
 IQ_OUTPUTS_OF(IQ2_XS, iq_outputs_iq2_xs)
 IQ_OUTPUTS_OF(IQ2_S, iq_outputs_iq2_s)
 IQ_OUTPUTS_OF(IQ3_XXS, iq_outputs_iq3_xxs)
 IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
+#undef IQ_FEW_OF
+#undef IQ_FEW_CALL
 #undef IQ_OUTPUTS_OF
 
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))

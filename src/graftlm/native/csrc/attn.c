@@ -178,6 +178,49 @@ static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *k
     prefetch_l2(kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
 }
 
+/* The lines of the next step's blocks, handed out a few at a time by pf_issue inside the step's
+ * loops: a step's burst of prefetches (every line of 4 blocks at once) stalled the core on its
+ * full miss buffers with no arithmetic beside it (a fifth of the task's samples sat on the burst's
+ * PREFETCHT1s at 16,384 positions), where spread over the step they overlap its arithmetic. */
+#define PF_RANGES (2 * DECODE_AHEAD * DECODE_STEP)
+typedef struct {
+    const char *cur, *stop; /* the range being issued */
+    const char *p[PF_RANGES], *e[PF_RANGES]; /* the ranges queued behind it */
+    int i, n;
+} pf_queue;
+
+/* The next line of the queue toward L2, if any is left. */
+static inline __attribute__((always_inline)) void pf_issue(pf_queue *q) {
+    if (q->cur >= q->stop) {
+        if (q->i == q->n) return;
+        q->cur = q->p[q->i], q->stop = q->e[q->i], q->i++;
+    }
+    _mm_prefetch(q->cur, _MM_HINT_T1);
+    q->cur += 64;
+}
+
+static inline void pf_range(pf_queue *q, const char *p, int64_t bytes) {
+    q->p[q->n] = (const char *)((uintptr_t)p & ~(uintptr_t)63), q->e[q->n] = p + bytes, q->n++;
+}
+
+/* Every line still queued, then an empty queue. */
+static inline __attribute__((always_inline)) void pf_flush(pf_queue *q) {
+    for (; q->cur < q->stop; q->cur += 64) _mm_prefetch(q->cur, _MM_HINT_T1);
+    for (; q->i < q->n; q->i++)
+        for (const char *c = q->p[q->i]; c < q->e[q->i]; c += 64) _mm_prefetch(c, _MM_HINT_T1);
+    q->i = q->n = 0;
+}
+
+/* decode_prefetch's lines, queued. */
+static inline __attribute__((always_inline)) void pf_block(pf_queue *q, const gl_kv *kv, int64_t s, int64_t hk,
+                                                           int64_t p, int64_t k1, int64_t D, int64_t Dv,
+                                                           const int t) {
+    const int64_t BS = kv->block, end = (p / BS + 1) * BS, n = (k1 < end ? k1 : end) - p;
+    const char *kn = t != 3 ? kt_plane(kv, s, hk, p, D) : kv_at(kv, kv->k, s, hk, p, D);
+    pf_range(q, kn, kv_bytes((t != 3 ? BS : n) * D, t));
+    pf_range(q, kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
 /* The 512-bit task: a tile's 16 keys are one vector of scores a head (the ymm variant and AVX2
  * CPUs take the 256-bit one below, two vectors a head). */
@@ -252,10 +295,11 @@ static inline __attribute__((always_inline)) __m512 kt_load16(const char *p, __m
  * zero. Two chains a head over the even and odd values, all heads' chains interleaved. */
 static inline __attribute__((always_inline)) void scores_tile(const float *Q, const char *K, int64_t ld,
                                                               __mmask16 m, int64_t D, __m512 *S,
-                                                              const int t, const int GN) {
+                                                              pf_queue *pf, const int t, const int GN) {
     __m512 acc[8][2];
     for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
+        pf_issue(pf);
         const __m512 k0 = kt_load16(K + kv_bytes(d * ld, t), m, t);
         const __m512 k1 = kt_load16(K + kv_bytes((d + 1) * ld, t), m, t);
         for (int g = 0; g < GN; g++) {
@@ -325,12 +369,14 @@ static inline q8_queries q8_quantize(const float *Q, int64_t G, int64_t D, void 
  * transposed in dwords: kq[c * 16 + l] lanes = keys, dword l of 64-value chunk c (values 4 l ..
  * 4 l + 3 of block 2c, then of block 2c + 1); ks[b * 16 + i] key i's scale of block b. Keys past
  * n: key 0's (masked out later). */
-static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D, __m512i *kq, float *ks) {
+static inline __attribute__((always_inline)) void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
+                                                            __m512i *kq, float *ks, pf_queue *pf) {
     const int64_t nb = D / 32;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t c = 0; 2 * c < nb; c++) {
         __m512 r[16];
         for (int i = 0; i < 16; i++) {
+            pf_issue(pf);
             const char *row = rows + (i < n ? i : 0) * rb + 2 * c * 34;
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(row + 2));
             const __m256i hi = 2 * c + 1 < nb ? _mm256_loadu_si256((const __m256i *)(row + 36)) : _mm256_setzero_si256();
@@ -344,12 +390,14 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
 
 /* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
  * with the query's, then times both scales. */
-static inline __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D, const __m512i *kq,
-                               const float *ks) {
+static inline __attribute__((always_inline)) __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D,
+                                                              const __m512i *kq, const float *ks,
+                                                              pf_queue *pf) {
     const int64_t nb = D / 32;
     const int32_t *q4 = (const int32_t *)(qq->qi + g * D);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        pf_issue(pf);
         __m512i dot = _mm512_set1_epi32(-qq->qs[g * nb + b]);
         const __m512i *kb = kq + (b / 2) * 16 + (b % 2) * 8;
         for (int l = 0; l < 8; l++) dot = _mm512_dpbusd_epi32(dot, kb[l], _mm512_set1_epi32(q4[b * 8 + l]));
@@ -386,7 +434,8 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
                                                             int64_t pw, const char *const *V,
                                                             const int64_t *n, int nts, int64_t rb,
                                                             int64_t c0, int64_t Dv, __mmask16 last,
-                                                            const int t, const int GN, const int NU) {
+                                                            pf_queue *pf, const int t, const int GN,
+                                                            const int NU) {
     __m512 acc[4][4];
     for (int g = 0; g < GN; g++) {
         const __m512 a = _mm512_set1_ps(alpha[g]);
@@ -397,6 +446,8 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
         const char *Vx = V[x];
         const float *Px = P + x * DT;
         for (int64_t i = 0; i < n[x]; i++) {
+            pf_issue(pf);
+            pf_issue(pf);
             __m512 v[4];
             for (int u = 0; u < NU; u++)
                 v[u] = u == NU - 1 && last != 0xFFFF ? _mm512_zextps256_ps512(kv_load8(Vx + i * rb, c0 + 16 * u, t))
@@ -414,10 +465,10 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
 
 #define PV16_NU(GN)                                                                    \
     switch (nu) {                                                                      \
-    case 1: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 1); break;            \
-    case 2: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 2); break;            \
-    case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 3); break;            \
-    default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
+    case 1: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 1); break;            \
+    case 2: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 2); break;            \
+    case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 3); break;            \
+    default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 4); break;           \
     }
 
 /* The scales of the values of a step's q8_0 tiles: vs[(x 32 + b) 16 + i] = tile x's key i's
@@ -435,7 +486,8 @@ static inline void q8_value_scales(const char *const *V, const int64_t *n, int n
 static inline __attribute__((always_inline)) void pv_q8(float *O, const float *alpha, const float *P,
                                                         int64_t pw, const char *const *V, const int64_t *n,
                                                         int nts, int64_t rb, int64_t c0, int64_t Dv,
-                                                        const float *vs, const int GN, const int NU) {
+                                                        const float *vs, pf_queue *pf, const int GN,
+                                                        const int NU) {
     __m512 acc[4][4];
     float pp[4][2][16];
     for (int g = 0; g < GN; g++) {
@@ -449,6 +501,7 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
                 _mm512_storeu_ps(pp[g][b], _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
                                                          _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16)));
         for (int64_t i = 0; i < n[x]; i++) {
+            pf_issue(pf);
             __m512 v[4];
             for (int u = 0; u < NU; u++)
                 v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(Vx + i * rb + (u / 2) * 34 + (u % 2) * 16))));
@@ -465,8 +518,8 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
 }
 
 #define PVQ8_NU(GN)                                                                    \
-    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);          \
-    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 4);
+    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 2);          \
+    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 4);
 
 #if ATTN_BF16
 /* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
@@ -750,6 +803,7 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t vrb = kv_bytes(Dv, t);
     float vsc[t == 3 ? DECODE_STEP_Q8 * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
+    pf_queue pf = {NULL, NULL, {NULL}, {NULL}, 0, 0};
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */
         int64_t jt[DECODE_STEP], nt[DECODE_STEP];
@@ -764,8 +818,9 @@ static inline __attribute__((always_inline)) void decode_task(
             p += n;
         }
         const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        pf_flush(&pf); /* what the last step's loops left */
         for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_STEP * BS; ahead = (ahead / BS + 1) * BS)
-            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, t);
+            if (ahead >= jend) pf_block(&pf, kv, s, hk, ahead, k1, D, Dv, t);
         /* raw scores into P: tile by tile, its keys transposed once for all the heads */
         for (int x = 0; x < nts; x++) {
             const char *K = (const char *)Kf;
@@ -777,21 +832,21 @@ static inline __attribute__((always_inline)) void decode_task(
                 tile_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), nt[x], D, Kf, t);
             }
 #if DECODE_Q8_DOTS
-            if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), kv_bytes(D, 3), nt[x], D, kq, ks);
+            if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), kv_bytes(D, 3), nt[x], D, kq, ks, &pf);
 #endif
             for (int64_t g0 = 0; g0 < G;) {
                 const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
                 __m512 S[8];
 #if DECODE_Q8_DOTS
                 if (q8)
-                    for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks);
+                    for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks, &pf);
                 else
 #endif
                 switch (gn) {
-                case 8: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 8); break;
-                case 4: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 4); break;
-                case 2: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 2); break;
-                default: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 1); break;
+                case 8: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 8); break;
+                case 4: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 4); break;
+                case 2: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 2); break;
+                default: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 1); break;
                 }
                 for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
                 g0 += gn;

@@ -183,6 +183,8 @@ static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *k
  * full miss buffers with no arithmetic beside it (a fifth of the task's samples sat on the burst's
  * PREFETCHT1s at 16,384 positions), where spread over the step they overlap its arithmetic. */
 #define PF_RANGES (2 * DECODE_AHEAD * DECODE_STEP)
+#define PF_Q8_SCORES 4 /* lines a block of q8_0 scores issues */
+#define PF_Q8_PV 2 /* lines a key of q8_0 values issues */
 typedef struct {
     const char *cur, *stop; /* the range being issued */
     const char *p[PF_RANGES], *e[PF_RANGES]; /* the ranges queued behind it */
@@ -369,14 +371,12 @@ static inline q8_queries q8_quantize(const float *Q, int64_t G, int64_t D, void 
  * transposed in dwords: kq[c * 16 + l] lanes = keys, dword l of 64-value chunk c (values 4 l ..
  * 4 l + 3 of block 2c, then of block 2c + 1); ks[b * 16 + i] key i's scale of block b. Keys past
  * n: key 0's (masked out later). */
-static inline __attribute__((always_inline)) void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
-                                                            __m512i *kq, float *ks, pf_queue *pf) {
+static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D, __m512i *kq, float *ks) {
     const int64_t nb = D / 32;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t c = 0; 2 * c < nb; c++) {
         __m512 r[16];
         for (int i = 0; i < 16; i++) {
-            pf_issue(pf);
             const char *row = rows + (i < n ? i : 0) * rb + 2 * c * 34;
             const __m256i lo = _mm256_loadu_si256((const __m256i *)(row + 2));
             const __m256i hi = 2 * c + 1 < nb ? _mm256_loadu_si256((const __m256i *)(row + 36)) : _mm256_setzero_si256();
@@ -388,23 +388,35 @@ static inline __attribute__((always_inline)) void q8_keys_t(const char *rows, in
     for (int64_t b = 0; b < nb; b++) q8_scales16(rows + b * 34, rb, n, ks + b * 16);
 }
 
-/* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
- * with the query's, then times both scales. */
-static inline __attribute__((always_inline)) __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D,
-                                                              const __m512i *kq, const float *ks,
-                                                              pf_queue *pf) {
+/* GN heads' scores of the tile from head g0 (S[gi]: lanes = keys): per block the exact int32
+ * dot of the keys' codes with each query's, then times both scales; each vector of keys loaded
+ * once for the GN heads, their chains of VPDPBUSD interleaved (one head at a time: 8 dependent
+ * VPDPBUSDs a block, each vector of keys loaded G times). */
+static inline __attribute__((always_inline)) void q8_scores(const q8_queries *qq, int64_t g0, int64_t D,
+                                                            const __m512i *kq, const float *ks, __m512 *S,
+                                                            pf_queue *pf, const int GN) {
     const int64_t nb = D / 32;
-    const int32_t *q4 = (const int32_t *)(qq->qi + g * D);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[8];
+    for (int g = 0; g < GN; g++) acc[g] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        pf_issue(pf);
-        __m512i dot = _mm512_set1_epi32(-qq->qs[g * nb + b]);
+        __m512i dot[8];
+        for (int g = 0; g < GN; g++) dot[g] = _mm512_set1_epi32(-qq->qs[(g0 + g) * nb + b]);
         const __m512i *kb = kq + (b / 2) * 16 + (b % 2) * 8;
-        for (int l = 0; l < 8; l++) dot = _mm512_dpbusd_epi32(dot, kb[l], _mm512_set1_epi32(q4[b * 8 + l]));
-        const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(ks + b * 16), _mm512_set1_ps(qq->qd[g * nb + b]));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc);
+        for (int l = 0; l < 8; l++) {
+            if (l % (8 / PF_Q8_SCORES) == 0) pf_issue(pf);
+            const __m512i k = kb[l];
+            for (int g = 0; g < GN; g++) {
+                const int32_t *q4 = (const int32_t *)(qq->qi + (g0 + g) * D);
+                dot[g] = _mm512_dpbusd_epi32(dot[g], k, _mm512_set1_epi32(q4[b * 8 + l]));
+            }
+        }
+        const __m512 kd = _mm512_loadu_ps(ks + b * 16);
+        for (int g = 0; g < GN; g++) {
+            const __m512 sc = _mm512_mul_ps(kd, _mm512_set1_ps(qq->qd[(g0 + g) * nb + b]));
+            acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g]), sc, acc[g]);
+        }
     }
-    return acc;
+    for (int g = 0; g < GN; g++) S[g] = acc[g];
 }
 #else
 #define DECODE_Q8_DOTS 0
@@ -501,7 +513,7 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
                 _mm512_storeu_ps(pp[g][b], _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
                                                          _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16)));
         for (int64_t i = 0; i < n[x]; i++) {
-            pf_issue(pf);
+            for (int f = 0; f < PF_Q8_PV; f++) pf_issue(pf);
             __m512 v[4];
             for (int u = 0; u < NU; u++)
                 v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(Vx + i * rb + (u / 2) * 34 + (u % 2) * 16))));
@@ -832,14 +844,18 @@ static inline __attribute__((always_inline)) void decode_task(
                 tile_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), nt[x], D, Kf, t);
             }
 #if DECODE_Q8_DOTS
-            if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), kv_bytes(D, 3), nt[x], D, kq, ks, &pf);
+            if (q8) q8_keys_t(kv_at(kv, kv->k, s, hk, jt[x], D), kv_bytes(D, 3), nt[x], D, kq, ks);
 #endif
             for (int64_t g0 = 0; g0 < G;) {
                 const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
                 __m512 S[8];
 #if DECODE_Q8_DOTS
-                if (q8)
-                    for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks, &pf);
+                if (q8) switch (gn) {
+                    case 8: q8_scores(&qq, g0, D, kq, ks, S, &pf, 8); break;
+                    case 4: q8_scores(&qq, g0, D, kq, ks, S, &pf, 4); break;
+                    case 2: q8_scores(&qq, g0, D, kq, ks, S, &pf, 2); break;
+                    default: q8_scores(&qq, g0, D, kq, ks, S, &pf, 1); break;
+                    }
                 else
 #endif
                 switch (gn) {

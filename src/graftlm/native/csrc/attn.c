@@ -164,27 +164,19 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
 #define DECODE_STEP_Q8 2
 /* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads
  * (4 blocks): 1 to 4 steps of 2 blocks measured alike; every other line, or toward L1, or none:
- * 1.5x to 2x slower at 16,384 (none: 0.94x in cache) */
+ * 1.5x to 2x slower at 16,384 (none: 0.94x in cache). Spread over the step's loops (pf_queue), 2
+ * steps measured as 1 (0.97-1.01x, one thread, a loaded machine) */
 #define DECODE_AHEAD 1
-
-/* The tile of keys and the rows of values of the block holding position p (of a task ending at
- * k1) toward the cache (L2): the whole transposed block, else its rows from p. */
-static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *kv, int64_t s, int64_t hk,
-                                                                  int64_t p, int64_t k1, int64_t D,
-                                                                  int64_t Dv, const int t) {
-    const int64_t BS = kv->block, end = (p / BS + 1) * BS, n = (k1 < end ? k1 : end) - p;
-    const char *kn = t != 3 ? kt_plane(kv, s, hk, p, D) : kv_at(kv, kv->k, s, hk, p, D);
-    prefetch_l2(kn, kv_bytes((t != 3 ? BS : n) * D, t));
-    prefetch_l2(kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
-}
 
 /* The lines of the next step's blocks, handed out a few at a time by pf_issue inside the step's
  * loops: a step's burst of prefetches (every line of 4 blocks at once) stalled the core on its
  * full miss buffers with no arithmetic beside it (a fifth of the task's samples sat on the burst's
  * PREFETCHT1s at 16,384 positions), where spread over the step they overlap its arithmetic. */
 #define PF_RANGES (2 * DECODE_AHEAD * DECODE_STEP)
-#define PF_Q8_SCORES 4 /* lines a block of q8_0 scores issues */
-#define PF_Q8_PV 2 /* lines a key of q8_0 values issues */
+/* lines a block of q8_0 scores and a key of q8_0 values issue (4 and 2: 0.94-1.0x the time of 2
+ * and 1, one thread; the other loops: one a pair of dims of f16 scores, two a key of values) */
+#define PF_Q8_SCORES 4
+#define PF_Q8_PV 2
 typedef struct {
     const char *cur, *stop; /* the range being issued */
     const char *p[PF_RANGES], *e[PF_RANGES]; /* the ranges queued behind it */
@@ -213,7 +205,8 @@ static inline __attribute__((always_inline)) void pf_flush(pf_queue *q) {
     q->i = q->n = 0;
 }
 
-/* decode_prefetch's lines, queued. */
+/* The tile of keys and the rows of values of the block holding position p (of a task ending at
+ * k1), queued: the whole transposed block, else its rows from p. */
 static inline __attribute__((always_inline)) void pf_block(pf_queue *q, const gl_kv *kv, int64_t s, int64_t hk,
                                                            int64_t p, int64_t k1, int64_t D, int64_t Dv,
                                                            const int t) {
@@ -544,6 +537,10 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
 #define DECODE_BF16 1
 
 #define DECODE_BF16_STEP 4 /* tiles a step of the bfloat16 task */
+#define PF_BF16 4 /* lines a pair of dims of its scores and a pair of keys of its values issue */
+#if DECODE_BF16_STEP > DECODE_STEP
+#error "pf_queue holds the ranges of DECODE_AHEAD * DECODE_STEP blocks"
+#endif
 
 /* S[g NT + x] (the 16 keys of tile x's block: lanes) = Q[g] . K[x] for GN heads and NT blocks,
  * Qb: the heads' queries as bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords
@@ -551,8 +548,8 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
  * rows of a block (dims d and d + 1) are one 64-byte load, interleaved into pairs by key (one
  * VPERMW); each broadcast pair of a query meets the NT blocks. */
 static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *const *K,
-                                                              int64_t D, __m512 *S, const int GN,
-                                                              const int NT) {
+                                                              int64_t D, __m512 *S, pf_queue *pf,
+                                                              const int GN, const int NT) {
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t D2 = D / 2;
@@ -560,6 +557,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb
     for (int g = 0; g < GN; g++)
         for (int x = 0; x < NT; x++) acc[g][x] = _mm512_setzero_ps();
     for (int64_t i = 0; i < D2; i++) {
+        for (int f = 0; f < PF_BF16; f++) pf_issue(pf);
         __m512bh k[4];
         for (int x = 0; x < NT; x++)
             k[x] = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K[x] + 64 * i));
@@ -595,7 +593,8 @@ static inline __m512 exp2_bf16(__m512 x) {
 static inline __attribute__((always_inline)) void pv_bf16(float *O, const float *alpha, const uint16_t *Pb,
                                                           int64_t pw, const char *const *V, const int64_t *o,
                                                           const int64_t *n, int nts, int64_t rb, int64_t c0,
-                                                          int64_t Dv, const int GN, const int NC) {
+                                                          int64_t Dv, pf_queue *pf, const int GN,
+                                                          const int NC) {
     __m512 acc[4][4][2];
     for (int g = 0; g < GN; g++) {
         const __m512 a = _mm512_set1_ps(alpha[g]);
@@ -607,6 +606,7 @@ static inline __attribute__((always_inline)) void pv_bf16(float *O, const float 
         const char *Vx = V[x] + 2 * c0;
         const uint16_t *px = Pb + 16 * x + o[x];
         for (int64_t i = 0; i < n[x]; i += 2) {
+            for (int f = 0; f < PF_BF16; f++) pf_issue(pf);
             const int two = i + 1 < n[x];
             __m512bh lo[4], hi[4];
             for (int c = 0; c < NC; c++) {
@@ -643,8 +643,8 @@ static inline void decode_bf16_order(float *O, int64_t n) {
 }
 
 #define PVB_NC(GN)                                                                     \
-    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 1);       \
-    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 2);
+    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, &pf, GN, 1);       \
+    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, &pf, GN, 2);
 
 /* Whether a task of these dimensions takes the bfloat16 pairs: a cache's block of DT positions,
  * whole pairs of 32 values a head, its queries and weights in the thread's Kf and Vf. */
@@ -674,6 +674,7 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
         _mm512_storeu_si512(Qb + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(Q + i + 16), _mm512_loadu_ps(Q + i)));
     const int64_t vrb = 2 * Dv;
     int64_t ahead = k0;
+    pf_queue pf = {NULL, NULL, {NULL}, {NULL}, 0, 0};
     for (int64_t j = k0; j < k1;) {
         int64_t jt[DECODE_BF16_STEP], nt[DECODE_BF16_STEP], ot[DECODE_BF16_STEP];
         const char *Vt[DECODE_BF16_STEP], *Kt[DECODE_BF16_STEP];
@@ -687,8 +688,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             p += n;
         }
         const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        pf_flush(&pf);
         for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_BF16_STEP * BS; ahead = (ahead / BS + 1) * BS)
-            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, 2);
+            if (ahead >= jend) pf_block(&pf, kv, s, hk, ahead, k1, D, Dv, 2);
         /* raw scores into P: up to 4 heads over all the step's blocks at once (a whole step), or
          * block by block */
         for (int64_t g0 = 0; g0 < G;) {
@@ -697,9 +699,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             __m512 S[16];
             if (nts == DECODE_BF16_STEP) {
                 switch (gn) {
-                case 4: scores_bf16(Qg, Kt, D, S, 4, DECODE_BF16_STEP); break;
-                case 2: scores_bf16(Qg, Kt, D, S, 2, DECODE_BF16_STEP); break;
-                default: scores_bf16(Qg, Kt, D, S, 1, DECODE_BF16_STEP); break;
+                case 4: scores_bf16(Qg, Kt, D, S, &pf, 4, DECODE_BF16_STEP); break;
+                case 2: scores_bf16(Qg, Kt, D, S, &pf, 2, DECODE_BF16_STEP); break;
+                default: scores_bf16(Qg, Kt, D, S, &pf, 1, DECODE_BF16_STEP); break;
                 }
                 for (int64_t gi = 0; gi < gn; gi++)
                     for (int x = 0; x < DECODE_BF16_STEP; x++)
@@ -707,9 +709,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             } else {
                 for (int x = 0; x < nts; x++) {
                     switch (gn) {
-                    case 4: scores_bf16(Qg, Kt + x, D, S, 4, 1); break;
-                    case 2: scores_bf16(Qg, Kt + x, D, S, 2, 1); break;
-                    default: scores_bf16(Qg, Kt + x, D, S, 1, 1); break;
+                    case 4: scores_bf16(Qg, Kt + x, D, S, &pf, 4, 1); break;
+                    case 2: scores_bf16(Qg, Kt + x, D, S, &pf, 2, 1); break;
+                    default: scores_bf16(Qg, Kt + x, D, S, &pf, 1, 1); break;
                     }
                     for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
                 }
@@ -782,7 +784,8 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
  * heads' rescales, then their new maxima and the step's sums; the horizontal reductions and the
  * outputs' rescale paid once a step, not once a tile), and the weighted values, read once for up
  * to 4 heads. P: G x DECODE_STEP DT scores, then weights; Vf: room for a q8_0 cache's quantized queries
- * (the values are read in place). The blocks of the next DECODE_AHEAD steps are prefetched. */
+ * (the values are read in place). The blocks of the next DECODE_AHEAD steps are prefetched, their
+ * lines handed out a few at a time inside the step's loops (pf_queue). */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {

@@ -64,9 +64,21 @@ def other_library(src: str) -> ctypes.CDLL:
     return lib
 
 
+def huge_pages(t: torch.Tensor) -> None:
+    """The 2 MiB pages inside t's memory made huge pages now (MADV_HUGEPAGE, then MADV_COLLAPSE:
+    Linux 6.1+), where the kernel allows it; silently left as they are where it does not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo, hi = -(-start // (2 << 20)) * (2 << 20), end // (2 << 20) * (2 << 20)
+    if hi > lo:
+        libc.madvise(lo, hi - lo, 14)  # MADV_HUGEPAGE
+        libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
+
+
 def case(
     shape: str, kv: str, depth: int, rows: int, reps: int, working_set: int,
-    libs: list[ctypes.CDLL | None], cpu: bool = False,
+    libs: list[ctypes.CDLL | None], cpu: bool = False, huge: bool = False,
 ) -> tuple[list[float], int, list[float]]:  # fmt: skip
     """Seconds per call of each library (None: this checkout's; the best of reps, the libraries
     alternated call by call: the VM's noise only slows calls down), the cache bytes one call
@@ -82,6 +94,9 @@ def case(
     # scatter: every slot's table names a shuffled run of pool blocks
     perm = torch.randperm(cache.n_blocks - 1, generator=g).to(torch.int32) + 1
     cache.tables.copy_(perm[: rows * cache.max_blocks].view(rows, cache.max_blocks))
+    if huge:
+        for pool in (*cache.k, *cache.v):
+            huge_pages(pool)
     for pool in (*cache.k, *cache.v):  # every page written: calloc's zero pages are one page
         if dtype is torch.uint8:
             from graftlm.step.kv_cache import q8_0_pack
@@ -136,6 +151,9 @@ def main() -> None:
     )
     ap.add_argument("--against", help="another checkout's src: its kernels alternated with these")
     ap.add_argument("--cpu", action="store_true", help="time calls by this thread's CPU time")
+    ap.add_argument(
+        "--huge", action="store_true", help="the cache's pools in 2 MiB pages (MADV_COLLAPSE)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if unavailable_reason():
@@ -154,7 +172,7 @@ def main() -> None:
                     for depth in args.depths:
                         secs, nbytes, ratios = case(
                             shape, kv, depth, rows, args.reps, args.working_set << 20, libs,
-                            args.cpu,
+                            args.cpu, args.huge,
                         )  # fmt: skip
                         results.append((shape, kv, rows, depth, secs, nbytes, ratios))
         probes.append(probe.measure())

@@ -164,18 +164,56 @@ static inline __attribute__((always_inline)) void decode_ahead(const gl_kv *kv, 
 #define DECODE_STEP_Q8 2
 /* steps of blocks the 512-bit task prefetches (every line, toward L2) ahead of the one it reads
  * (4 blocks): 1 to 4 steps of 2 blocks measured alike; every other line, or toward L1, or none:
- * 1.5x to 2x slower at 16,384 (none: 0.94x in cache) */
+ * 1.5x to 2x slower at 16,384 (none: 0.94x in cache). Spread over the step's loops (pf_queue), 2
+ * steps measured as 1 (0.97-1.01x, one thread, a loaded machine) */
 #define DECODE_AHEAD 1
 
+/* The lines of the next step's blocks, handed out a few at a time by pf_issue inside the step's
+ * loops: a step's burst of prefetches (every line of 4 blocks at once) stalled the core on its
+ * full miss buffers with no arithmetic beside it (a fifth of the task's samples sat on the burst's
+ * PREFETCHT1s at 16,384 positions), where spread over the step they overlap its arithmetic. */
+#define PF_RANGES (2 * DECODE_AHEAD * DECODE_STEP)
+/* lines a block of q8_0 scores and a key of q8_0 values issue (4 and 2: 0.94-1.0x the time of 2
+ * and 1, one thread; the other loops: one a pair of dims of f16 scores, two a key of values) */
+#define PF_Q8_SCORES 4
+#define PF_Q8_PV 2
+typedef struct {
+    const char *cur, *stop; /* the range being issued */
+    const char *p[PF_RANGES], *e[PF_RANGES]; /* the ranges queued behind it */
+    int i, n;
+} pf_queue;
+
+/* The next line of the queue toward L2, if any is left. */
+static inline __attribute__((always_inline)) void pf_issue(pf_queue *q) {
+    if (q->cur >= q->stop) {
+        if (q->i == q->n) return;
+        q->cur = q->p[q->i], q->stop = q->e[q->i], q->i++;
+    }
+    _mm_prefetch(q->cur, _MM_HINT_T1);
+    q->cur += 64;
+}
+
+static inline void pf_range(pf_queue *q, const char *p, int64_t bytes) {
+    q->p[q->n] = (const char *)((uintptr_t)p & ~(uintptr_t)63), q->e[q->n] = p + bytes, q->n++;
+}
+
+/* Every line still queued, then an empty queue. */
+static inline __attribute__((always_inline)) void pf_flush(pf_queue *q) {
+    for (; q->cur < q->stop; q->cur += 64) _mm_prefetch(q->cur, _MM_HINT_T1);
+    for (; q->i < q->n; q->i++)
+        for (const char *c = q->p[q->i]; c < q->e[q->i]; c += 64) _mm_prefetch(c, _MM_HINT_T1);
+    q->i = q->n = 0;
+}
+
 /* The tile of keys and the rows of values of the block holding position p (of a task ending at
- * k1) toward the cache (L2): the whole transposed block, else its rows from p. */
-static inline __attribute__((always_inline)) void decode_prefetch(const gl_kv *kv, int64_t s, int64_t hk,
-                                                                  int64_t p, int64_t k1, int64_t D,
-                                                                  int64_t Dv, const int t) {
+ * k1), queued: the whole transposed block, else its rows from p. */
+static inline __attribute__((always_inline)) void pf_block(pf_queue *q, const gl_kv *kv, int64_t s, int64_t hk,
+                                                           int64_t p, int64_t k1, int64_t D, int64_t Dv,
+                                                           const int t) {
     const int64_t BS = kv->block, end = (p / BS + 1) * BS, n = (k1 < end ? k1 : end) - p;
     const char *kn = t != 3 ? kt_plane(kv, s, hk, p, D) : kv_at(kv, kv->k, s, hk, p, D);
-    prefetch_l2(kn, kv_bytes((t != 3 ? BS : n) * D, t));
-    prefetch_l2(kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
+    pf_range(q, kn, kv_bytes((t != 3 ? BS : n) * D, t));
+    pf_range(q, kv_at(kv, kv->v, s, hk, p, Dv), kv_bytes(n * Dv, t));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GL_NO_ZMM)
@@ -252,10 +290,11 @@ static inline __attribute__((always_inline)) __m512 kt_load16(const char *p, __m
  * zero. Two chains a head over the even and odd values, all heads' chains interleaved. */
 static inline __attribute__((always_inline)) void scores_tile(const float *Q, const char *K, int64_t ld,
                                                               __mmask16 m, int64_t D, __m512 *S,
-                                                              const int t, const int GN) {
+                                                              pf_queue *pf, const int t, const int GN) {
     __m512 acc[8][2];
     for (int g = 0; g < GN; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
+        pf_issue(pf);
         const __m512 k0 = kt_load16(K + kv_bytes(d * ld, t), m, t);
         const __m512 k1 = kt_load16(K + kv_bytes((d + 1) * ld, t), m, t);
         for (int g = 0; g < GN; g++) {
@@ -342,21 +381,35 @@ static inline void q8_keys_t(const char *rows, int64_t rb, int64_t n, int64_t D,
     for (int64_t b = 0; b < nb; b++) q8_scales16(rows + b * 34, rb, n, ks + b * 16);
 }
 
-/* Head g's scores of the tile (lanes = keys): per block the exact int32 dot of the keys' codes
- * with the query's, then times both scales. */
-static inline __m512 q8_scores(const q8_queries *qq, int64_t g, int64_t D, const __m512i *kq,
-                               const float *ks) {
+/* GN heads' scores of the tile from head g0 (S[gi]: lanes = keys): per block the exact int32
+ * dot of the keys' codes with each query's, then times both scales; each vector of keys loaded
+ * once for the GN heads, their chains of VPDPBUSD interleaved (one head at a time: 8 dependent
+ * VPDPBUSDs a block, each vector of keys loaded G times). */
+static inline __attribute__((always_inline)) void q8_scores(const q8_queries *qq, int64_t g0, int64_t D,
+                                                            const __m512i *kq, const float *ks, __m512 *S,
+                                                            pf_queue *pf, const int GN) {
     const int64_t nb = D / 32;
-    const int32_t *q4 = (const int32_t *)(qq->qi + g * D);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc[8];
+    for (int g = 0; g < GN; g++) acc[g] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i dot = _mm512_set1_epi32(-qq->qs[g * nb + b]);
+        __m512i dot[8];
+        for (int g = 0; g < GN; g++) dot[g] = _mm512_set1_epi32(-qq->qs[(g0 + g) * nb + b]);
         const __m512i *kb = kq + (b / 2) * 16 + (b % 2) * 8;
-        for (int l = 0; l < 8; l++) dot = _mm512_dpbusd_epi32(dot, kb[l], _mm512_set1_epi32(q4[b * 8 + l]));
-        const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(ks + b * 16), _mm512_set1_ps(qq->qd[g * nb + b]));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc);
+        for (int l = 0; l < 8; l++) {
+            if (l % (8 / PF_Q8_SCORES) == 0) pf_issue(pf);
+            const __m512i k = kb[l];
+            for (int g = 0; g < GN; g++) {
+                const int32_t *q4 = (const int32_t *)(qq->qi + (g0 + g) * D);
+                dot[g] = _mm512_dpbusd_epi32(dot[g], k, _mm512_set1_epi32(q4[b * 8 + l]));
+            }
+        }
+        const __m512 kd = _mm512_loadu_ps(ks + b * 16);
+        for (int g = 0; g < GN; g++) {
+            const __m512 sc = _mm512_mul_ps(kd, _mm512_set1_ps(qq->qd[(g0 + g) * nb + b]));
+            acc[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g]), sc, acc[g]);
+        }
     }
-    return acc;
+    for (int g = 0; g < GN; g++) S[g] = acc[g];
 }
 #else
 #define DECODE_Q8_DOTS 0
@@ -386,7 +439,8 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
                                                             int64_t pw, const char *const *V,
                                                             const int64_t *n, int nts, int64_t rb,
                                                             int64_t c0, int64_t Dv, __mmask16 last,
-                                                            const int t, const int GN, const int NU) {
+                                                            pf_queue *pf, const int t, const int GN,
+                                                            const int NU) {
     __m512 acc[4][4];
     for (int g = 0; g < GN; g++) {
         const __m512 a = _mm512_set1_ps(alpha[g]);
@@ -397,6 +451,8 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
         const char *Vx = V[x];
         const float *Px = P + x * DT;
         for (int64_t i = 0; i < n[x]; i++) {
+            pf_issue(pf);
+            pf_issue(pf);
             __m512 v[4];
             for (int u = 0; u < NU; u++)
                 v[u] = u == NU - 1 && last != 0xFFFF ? _mm512_zextps256_ps512(kv_load8(Vx + i * rb, c0 + 16 * u, t))
@@ -414,10 +470,10 @@ static inline __attribute__((always_inline)) void pv_step16(float *O, const floa
 
 #define PV16_NU(GN)                                                                    \
     switch (nu) {                                                                      \
-    case 1: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 1); break;            \
-    case 2: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 2); break;            \
-    case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 3); break;            \
-    default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, t, GN, 4); break;           \
+    case 1: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 1); break;            \
+    case 2: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 2); break;            \
+    case 3: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 3); break;            \
+    default: pv_step16(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, last, &pf, t, GN, 4); break;           \
     }
 
 /* The scales of the values of a step's q8_0 tiles: vs[(x 32 + b) 16 + i] = tile x's key i's
@@ -435,7 +491,8 @@ static inline void q8_value_scales(const char *const *V, const int64_t *n, int n
 static inline __attribute__((always_inline)) void pv_q8(float *O, const float *alpha, const float *P,
                                                         int64_t pw, const char *const *V, const int64_t *n,
                                                         int nts, int64_t rb, int64_t c0, int64_t Dv,
-                                                        const float *vs, const int GN, const int NU) {
+                                                        const float *vs, pf_queue *pf, const int GN,
+                                                        const int NU) {
     __m512 acc[4][4];
     float pp[4][2][16];
     for (int g = 0; g < GN; g++) {
@@ -449,6 +506,7 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
                 _mm512_storeu_ps(pp[g][b], _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
                                                          _mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16)));
         for (int64_t i = 0; i < n[x]; i++) {
+            for (int f = 0; f < PF_Q8_PV; f++) pf_issue(pf);
             __m512 v[4];
             for (int u = 0; u < NU; u++)
                 v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(Vx + i * rb + (u / 2) * 34 + (u % 2) * 16))));
@@ -465,8 +523,8 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
 }
 
 #define PVQ8_NU(GN)                                                                    \
-    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 2);          \
-    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, GN, 4);
+    if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 2);          \
+    else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 4);
 
 #if ATTN_BF16
 /* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
@@ -479,6 +537,10 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
 #define DECODE_BF16 1
 
 #define DECODE_BF16_STEP 4 /* tiles a step of the bfloat16 task */
+#define PF_BF16 4 /* lines a pair of dims of its scores and a pair of keys of its values issue */
+#if DECODE_BF16_STEP > DECODE_STEP
+#error "pf_queue holds the ranges of DECODE_AHEAD * DECODE_STEP blocks"
+#endif
 
 /* S[g NT + x] (the 16 keys of tile x's block: lanes) = Q[g] . K[x] for GN heads and NT blocks,
  * Qb: the heads' queries as bfloat16 pairs (dims 2i, 2i + 1 in dword i; rows D / 2 dwords
@@ -486,8 +548,8 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
  * rows of a block (dims d and d + 1) are one 64-byte load, interleaved into pairs by key (one
  * VPERMW); each broadcast pair of a query meets the NT blocks. */
 static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb, const char *const *K,
-                                                              int64_t D, __m512 *S, const int GN,
-                                                              const int NT) {
+                                                              int64_t D, __m512 *S, pf_queue *pf,
+                                                              const int GN, const int NT) {
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t D2 = D / 2;
@@ -495,6 +557,7 @@ static inline __attribute__((always_inline)) void scores_bf16(const uint32_t *Qb
     for (int g = 0; g < GN; g++)
         for (int x = 0; x < NT; x++) acc[g][x] = _mm512_setzero_ps();
     for (int64_t i = 0; i < D2; i++) {
+        for (int f = 0; f < PF_BF16; f++) pf_issue(pf);
         __m512bh k[4];
         for (int x = 0; x < NT; x++)
             k[x] = (__m512bh)_mm512_permutexvar_epi16(ilv, _mm512_loadu_si512(K[x] + 64 * i));
@@ -530,7 +593,8 @@ static inline __m512 exp2_bf16(__m512 x) {
 static inline __attribute__((always_inline)) void pv_bf16(float *O, const float *alpha, const uint16_t *Pb,
                                                           int64_t pw, const char *const *V, const int64_t *o,
                                                           const int64_t *n, int nts, int64_t rb, int64_t c0,
-                                                          int64_t Dv, const int GN, const int NC) {
+                                                          int64_t Dv, pf_queue *pf, const int GN,
+                                                          const int NC) {
     __m512 acc[4][4][2];
     for (int g = 0; g < GN; g++) {
         const __m512 a = _mm512_set1_ps(alpha[g]);
@@ -542,6 +606,7 @@ static inline __attribute__((always_inline)) void pv_bf16(float *O, const float 
         const char *Vx = V[x] + 2 * c0;
         const uint16_t *px = Pb + 16 * x + o[x];
         for (int64_t i = 0; i < n[x]; i += 2) {
+            for (int f = 0; f < PF_BF16; f++) pf_issue(pf);
             const int two = i + 1 < n[x];
             __m512bh lo[4], hi[4];
             for (int c = 0; c < NC; c++) {
@@ -578,8 +643,8 @@ static inline void decode_bf16_order(float *O, int64_t n) {
 }
 
 #define PVB_NC(GN)                                                                     \
-    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 1);       \
-    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, GN, 2);
+    if (nc == 1) pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, &pf, GN, 1);       \
+    else pv_bf16(Og, al, Pg, PWB, Vt, ot, nt, nts, vrb, c0, Dv, &pf, GN, 2);
 
 /* Whether a task of these dimensions takes the bfloat16 pairs: a cache's block of DT positions,
  * whole pairs of 32 values a head, its queries and weights in the thread's Kf and Vf. */
@@ -609,6 +674,7 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
         _mm512_storeu_si512(Qb + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(Q + i + 16), _mm512_loadu_ps(Q + i)));
     const int64_t vrb = 2 * Dv;
     int64_t ahead = k0;
+    pf_queue pf = {NULL, NULL, {NULL}, {NULL}, 0, 0};
     for (int64_t j = k0; j < k1;) {
         int64_t jt[DECODE_BF16_STEP], nt[DECODE_BF16_STEP], ot[DECODE_BF16_STEP];
         const char *Vt[DECODE_BF16_STEP], *Kt[DECODE_BF16_STEP];
@@ -622,8 +688,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             p += n;
         }
         const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        pf_flush(&pf);
         for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_BF16_STEP * BS; ahead = (ahead / BS + 1) * BS)
-            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, 2);
+            if (ahead >= jend) pf_block(&pf, kv, s, hk, ahead, k1, D, Dv, 2);
         /* raw scores into P: up to 4 heads over all the step's blocks at once (a whole step), or
          * block by block */
         for (int64_t g0 = 0; g0 < G;) {
@@ -632,9 +699,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             __m512 S[16];
             if (nts == DECODE_BF16_STEP) {
                 switch (gn) {
-                case 4: scores_bf16(Qg, Kt, D, S, 4, DECODE_BF16_STEP); break;
-                case 2: scores_bf16(Qg, Kt, D, S, 2, DECODE_BF16_STEP); break;
-                default: scores_bf16(Qg, Kt, D, S, 1, DECODE_BF16_STEP); break;
+                case 4: scores_bf16(Qg, Kt, D, S, &pf, 4, DECODE_BF16_STEP); break;
+                case 2: scores_bf16(Qg, Kt, D, S, &pf, 2, DECODE_BF16_STEP); break;
+                default: scores_bf16(Qg, Kt, D, S, &pf, 1, DECODE_BF16_STEP); break;
                 }
                 for (int64_t gi = 0; gi < gn; gi++)
                     for (int x = 0; x < DECODE_BF16_STEP; x++)
@@ -642,9 +709,9 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
             } else {
                 for (int x = 0; x < nts; x++) {
                     switch (gn) {
-                    case 4: scores_bf16(Qg, Kt + x, D, S, 4, 1); break;
-                    case 2: scores_bf16(Qg, Kt + x, D, S, 2, 1); break;
-                    default: scores_bf16(Qg, Kt + x, D, S, 1, 1); break;
+                    case 4: scores_bf16(Qg, Kt + x, D, S, &pf, 4, 1); break;
+                    case 2: scores_bf16(Qg, Kt + x, D, S, &pf, 2, 1); break;
+                    default: scores_bf16(Qg, Kt + x, D, S, &pf, 1, 1); break;
                     }
                     for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
                 }
@@ -717,7 +784,8 @@ static void decode_task_bf16(const gl_attn *a, const float *Q, int64_t s, int64_
  * heads' rescales, then their new maxima and the step's sums; the horizontal reductions and the
  * outputs' rescale paid once a step, not once a tile), and the weighted values, read once for up
  * to 4 heads. P: G x DECODE_STEP DT scores, then weights; Vf: room for a q8_0 cache's quantized queries
- * (the values are read in place). The blocks of the next DECODE_AHEAD steps are prefetched. */
+ * (the values are read in place). The blocks of the next DECODE_AHEAD steps are prefetched, their
+ * lines handed out a few at a time inside the step's loops (pf_queue). */
 static inline __attribute__((always_inline)) void decode_task(
     const gl_attn *a, const float *Q, int64_t s, int64_t hk, int64_t k0, int64_t k1, float *part,
     float *Kf, float *Vf, float *P, float *alpha, const int t) {
@@ -750,6 +818,7 @@ static inline __attribute__((always_inline)) void decode_task(
     const int64_t vrb = kv_bytes(Dv, t);
     float vsc[t == 3 ? DECODE_STEP_Q8 * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
     int64_t ahead = k0; /* the first position whose block is not prefetched */
+    pf_queue pf = {NULL, NULL, {NULL}, {NULL}, 0, 0};
     for (int64_t j = k0; j < k1;) {
         /* the step's tiles: up to DECODE_STEP, each inside one block */
         int64_t jt[DECODE_STEP], nt[DECODE_STEP];
@@ -764,8 +833,9 @@ static inline __attribute__((always_inline)) void decode_task(
             p += n;
         }
         const int64_t jend = jt[nts - 1] + nt[nts - 1];
+        pf_flush(&pf); /* what the last step's loops left */
         for (; ahead < k1 && ahead < jend + DECODE_AHEAD * DECODE_STEP * BS; ahead = (ahead / BS + 1) * BS)
-            if (ahead >= jend) decode_prefetch(kv, s, hk, ahead, k1, D, Dv, t);
+            if (ahead >= jend) pf_block(&pf, kv, s, hk, ahead, k1, D, Dv, t);
         /* raw scores into P: tile by tile, its keys transposed once for all the heads */
         for (int x = 0; x < nts; x++) {
             const char *K = (const char *)Kf;
@@ -783,15 +853,19 @@ static inline __attribute__((always_inline)) void decode_task(
                 const int64_t gn = G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
                 __m512 S[8];
 #if DECODE_Q8_DOTS
-                if (q8)
-                    for (int64_t gi = 0; gi < gn; gi++) S[gi] = q8_scores(&qq, g0 + gi, D, kq, ks);
+                if (q8) switch (gn) {
+                    case 8: q8_scores(&qq, g0, D, kq, ks, S, &pf, 8); break;
+                    case 4: q8_scores(&qq, g0, D, kq, ks, S, &pf, 4); break;
+                    case 2: q8_scores(&qq, g0, D, kq, ks, S, &pf, 2); break;
+                    default: q8_scores(&qq, g0, D, kq, ks, S, &pf, 1); break;
+                    }
                 else
 #endif
                 switch (gn) {
-                case 8: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 8); break;
-                case 4: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 4); break;
-                case 2: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 2); break;
-                default: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, kt, 1); break;
+                case 8: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 8); break;
+                case 4: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 4); break;
+                case 2: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 2); break;
+                default: scores_tile(Q + g0 * D, K, ld, vis[x], D, S, &pf, kt, 1); break;
                 }
                 for (int64_t gi = 0; gi < gn; gi++) _mm512_storeu_ps(P + (g0 + gi) * PW + x * DT, S[gi]);
                 g0 += gn;

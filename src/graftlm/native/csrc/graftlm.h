@@ -176,6 +176,9 @@ GL_API int64_t gl_features(void);
 /* graftlm.c: from how many rows of x the 512-bit pair kernels serve a product (at least 1; no
  * effect in a build without them); returns the value it replaces. */
 GL_API int64_t gl_set_pair_rows(int64_t m);
+/* layer.c: whether a routed FFN's threads take whole experts where they split evenly (1, the
+ * default) or share each step (0: the twin of tests/native); returns the value it replaces. */
+GL_API int64_t gl_set_moe_jobs(int64_t on);
 GL_API int64_t gl_release_threads(void);
 /* From how many rows of x a product runs on AMX tiles (0: never); asks Linux for the tiles' state
  * first. The previous value, or -1: no AMX in this library, or the state was refused. */

@@ -266,6 +266,44 @@ def test_native_decode_layer_adds_the_expert_delta(
     assert any(0 in p[5].tolist() for p in chosen)
 
 
+def test_one_row_on_two_threads_by_whole_experts_is_the_shared_steps(made: dict[str, Any]) -> None:
+    """One row decoding on two threads with the expert adapter: the routed FFN's threads each
+    take whole experts, each expert's pairs quantized, their dots of A, both products and the
+    delta of B (gl_set_moe_jobs(1), the default), or share every step with barriers between (0,
+    its twin): the same bits, with the adapter and without."""
+    from graftlm.native import library
+    from graftlm.step.batch import Batch
+
+    m = graftlm.load(made["base"].parent / "model-q8_0.gguf", ctx_size=64, n_seq=1,
+                     cache_type="f32")  # fmt: skip
+    a = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    model, lib = m.model, library()
+    if model.fused_stack() is None or lib is None:
+        pytest.skip("no native decode layer here")
+    rows = m.engine.lora_rows([{a: 0.75}])
+
+    def run(lora: Any) -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            model.forward(Batch.single([(7 * j) % 50 + 3 for j in range(10)], 0, 0))
+            for step in range(3):
+                tokens = torch.tensor([[20 + step]])
+                out.append(model.forward(Batch(tokens, [0], [10 + step], [1], lora)))
+        return out
+
+    torch.set_num_threads(2)  # (the module's fixture restores one)
+    before = lib.gl_set_moe_jobs(1)
+    try:
+        jobs = run(rows) + run(None)
+        lib.gl_set_moe_jobs(0)
+        shared = run(rows) + run(None)
+    finally:
+        lib.gl_set_moe_jobs(before)
+    for x, y in zip(jobs, shared, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert not torch.allclose(jobs[2], jobs[5], rtol=1e-3, atol=1e-3)  # the adapter counted
+
+
 def test_native_decode_with_an_expert_adapter_follows_the_reference(made: dict[str, Any]) -> None:
     """Greedy decoding with an expert adapter, served by the native decode layer (Q8_0: its
     packed factors), picks the tokens of the reference model (float32 factors in PyTorch); at

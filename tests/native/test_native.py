@@ -1171,6 +1171,43 @@ def test_fused_layer_serves_the_routed_experts(
         torch.testing.assert_close(plain[-1][1], fused[-1][1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", list(ROUTED))
+def test_routed_experts_by_whole_jobs_are_the_shared_steps(family: str) -> None:
+    """One row decoding on two threads: the routed FFN's threads each take whole experts (their
+    jobs split evenly: gl_set_moe_jobs(1), the default) or share every step with barriers
+    between (0, its twin): the same bits (gpt-oss: the experts' biases and gating 1 too)."""
+    from made_families import tiny_dir
+
+    d = tiny_dir(family)
+    if d is None:
+        pytest.skip(f"the tiny {family} is not available here")
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=1, cache_type="f32")
+    model, lib = m.model, library()
+    if model.fused_stack() is None or lib is None:
+        pytest.skip("no native decode layer here")
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            model.forward(Batch.single([(7 * j) % 50 + 3 for j in range(12)], 0, 0))
+            for step in range(3):
+                out.append(model.forward(Batch(torch.tensor([[21 + step]]), [0], [12 + step], [1])))
+        return out
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = lib.gl_set_moe_jobs(1)
+        jobs = run()
+        lib.gl_set_moe_jobs(0)
+        shared = run()
+    finally:
+        lib.gl_set_moe_jobs(before)
+        torch.set_num_threads(threads)
+    for a, b in zip(jobs, shared, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_the_native_expert_limit_is_the_c_one() -> None:
     from graftlm.models.fused import MAX_EXPERTS_USED
     from graftlm.native.build import CSRC

@@ -221,32 +221,18 @@ static void expert_tasks(const gl_weight *ws, const int64_t *jobs, int64_t tasks
     }
 }
 
-/* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
- * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
- * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
- * experts in ascending order. gpt-oss's (models/gpt_oss.py's routed_ffn; gating 1, biases):
- * l = router(h) + bias, its n_expert_used largest, w = softmax(l at them); o = the sum of
- * w_e * (down_e(act(gate_e + bg_e, up_e + bu_e)) + bd_e). Each chosen expert runs once, over the
- * rows that chose it, so a batch reads an expert's weights once, whatever number of rows chose
- * it; and all the experts' products run in one parallel region, their tasks one list split over
- * the threads (an expert's products alone are too small to share: a region each, Qwen3-30B-A3B's
- * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold).
- * Each of gate_e / up_e (one [gate; up] product) and down_e adds its adapters' delta, each pair
- * at its row's scales, as the composed block's experts do (moe.py: the same packed factors): the
- * delta of a task's outputs right after them, each job's (expert's) A and B read once for each
- * run of its pairs on one adapter. */
-static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
-                    float *o, gl_scratch *sc, int nth) {
-    const int64_t d = L->n_embd, ff = L->n_ff, E = L->n_expert, K = L->n_expert_used;
-    float *logits = bufs->logits;
-    proj_run(&L->router, h, B, 1, &L->l_router, logits, sc, nth); /* with its adapters' delta */
-    for (int64_t b = 0; b < B; b++) add_bias(logits + b * E, L->router_bias, E);
-    for (int64_t b = 0; b < B; b++) { /* softmax, the K largest by selection (E is small), w */
-        float *p = logits + b * E, top = p[0], sum = 0.0f, total = 0.0f;
+/* Each row's experts and their weights from the router's logits (B, E, in place): softmax (gating
+ * 0), the K largest by selection (E is small; the lower index first among equals), w = p / their
+ * sum; gating 1 selects on the logits, w = softmax(l at them). Then the chosen experts in
+ * ascending order, each its run of pairs (jobs), every pair's row of h gathered: the jobs' count. */
+static int64_t moe_route(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs) {
+    const int64_t d = L->n_embd, E = L->n_expert, K = L->n_expert_used;
+    for (int64_t b = 0; b < B; b++) {
+        float *p = bufs->logits + b * E, top = p[0], sum = 0.0f, total = 0.0f;
         int64_t *chosen = bufs->chosen + b * K;
         float *w = bufs->weight + b * K;
         for (int64_t e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
-        if (L->gating == 0) { /* (gating 1 selects on the logits themselves) */
+        if (L->gating == 0) {
             for (int64_t e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
             for (int64_t e = 0; e < E; e++) p[e] /= sum;
         }
@@ -263,7 +249,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         }
         for (int64_t j = 0; j < K; j++) w[j] /= total;
     }
-    int64_t nj = 0, R = 0; /* the chosen experts in ascending order, each its run of rows */
+    int64_t nj = 0, R = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = R;
         for (int64_t b = 0; b < B; b++)
@@ -279,61 +265,150 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
         int64_t *job = bufs->jobs + 3 * nj++;
         job[0] = e, job[1] = r0, job[2] = R - r0;
     }
+    return nj;
+}
+
+/* Whether a routed FFN's threads each take whole jobs (gl_set_moe_jobs; 1 by default): nt of
+ * them split the nj jobs evenly, each job as many pairs. */
+static int gl_moe_jobs = 1;
+
+int64_t gl_set_moe_jobs(int64_t on) {
+    const int64_t old = gl_moe_jobs;
+    gl_moe_jobs = on != 0;
+    return old;
+}
+
+static int moe_by_jobs(const int64_t *jobs, int64_t nj, int nt) {
+    if (!gl_moe_jobs || nj % nt) return 0;
+    for (int64_t j = 1; j < nj; j++)
+        if (jobs[3 * j + 2] != jobs[2]) return 0;
+    return 1;
+}
+
+/* What moe_run's threads share: the layer, its buffers, the quantized inputs of both products,
+ * the experts' adapters on each, the jobs and pairs (nj, R). */
+typedef struct {
+    const gl_layer *L;
+    const layer_bufs *bufs;
+    xbuf xg, xd;
+    expert_lora xl[2];
+    int64_t nj, R;
+} moe_ctx;
+
+/* Pairs [a0, a1)'s gathered rows quantized (and their dots of the adapters' A on [gate; up]). */
+static void moe_inputs(const moe_ctx *c, int64_t a0, int64_t a1) {
+    const int64_t d = c->L->n_embd;
+    const xbuf *xg = &c->xg;
+    if (xg->xq) quantize_blocks(c->bufs->gath, a0 * (d / 32), a1 * (d / 32), xg->xq, xg->xu, xg->xd, xg->xs, xg->xs16);
+    if (c->xl[0].src) expert_lora_xa(&c->xl[0], c->bufs->jobs, c->nj, xg, c->bufs->gath, d, a0, a1);
+}
+
+/* Pairs [a0, a1)'s gate/up outputs biased and gated, the activations quantized (and their dots
+ * of the adapters' A on down). */
+static void moe_gate(const moe_ctx *c, int64_t a0, int64_t a1) {
+    const gl_layer *L = c->L;
+    const layer_bufs *bufs = c->bufs;
+    const int64_t ff = L->n_ff;
+    const xbuf *xd = &c->xd;
+    if (L->exp_gate_up_bias)
+        for (int64_t r = a0; r < a1; r++)
+            add_bias(bufs->gu + r * 2 * ff, L->exp_gate_up_bias + bufs->row_e[r] * 2 * ff, 2 * ff);
+    gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
+    if (xd->xq) quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd->xq, xd->xu, xd->xd, xd->xs, xd->xs16);
+    if (c->xl[1].src) expert_lora_xa(&c->xl[1], bufs->jobs, c->nj, xd, bufs->act, ff, a0, a1);
+}
+
+/* o's columns [i0, i1): each row's experts' outputs added in ascending order. */
+static void moe_mix(const moe_ctx *c, int64_t B, int64_t i0, int64_t i1, float *o) {
+    const gl_layer *L = c->L;
+    const layer_bufs *bufs = c->bufs;
+    const int64_t d = L->n_embd;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = i0; i < i1; i++) o[b * d + i] = 0.0f;
+    for (int64_t r = 0; r < c->R; r++) {
+        float *ob = o + bufs->rows[r] * d;
+        const float *yr = bufs->y + r * d, we = bufs->row_w[r];
+        if (L->exp_down_bias) {
+            const float *bd = L->exp_down_bias + bufs->row_e[r] * d;
+            for (int64_t i = i0; i < i1; i++) ob[i] += (yr[i] + bd[i]) * we;
+        } else {
+            for (int64_t i = i0; i < i1; i++) ob[i] += yr[i] * we;
+        }
+    }
+}
+
+/* One thread's share of the experts' work (me of nt): by whole jobs (by_jobs: all of its jobs'
+ * pairs through both products, no barrier until the mix), else each step split over the threads
+ * with a barrier after it (pairs, then the tasks of the runs one after another). */
+static void moe_share(const moe_ctx *c, int by_jobs, int me, int nt) {
+    const gl_layer *L = c->L;
+    const layer_bufs *bufs = c->bufs;
+    const int64_t tgu = mm_tasks(2 * L->n_ff), tdn = mm_tasks(L->n_embd), *jobs = bufs->jobs;
+    int64_t a0, a1, t0, t1;
+    if (by_jobs) { /* jobs [j0, j1): their pairs [a0, a1), their tasks */
+        int64_t j0, j1;
+        static_chunk(c->nj, me, nt, &j0, &j1);
+        a0 = j1 > j0 ? jobs[3 * j0 + 1] : 0;
+        a1 = j1 > j0 ? jobs[3 * (j1 - 1) + 1] + jobs[3 * (j1 - 1) + 2] : 0;
+        moe_inputs(c, a0, a1);
+        expert_tasks(L->exp_gate_up, jobs, tgu, &c->xg, &c->xl[0], j0 * tgu, j1 * tgu, bufs->gu);
+        moe_gate(c, a0, a1);
+        expert_tasks(L->exp_down, jobs, tdn, &c->xd, &c->xl[1], j0 * tdn, j1 * tdn, bufs->y);
+        return;
+    }
+    static_chunk(c->R, me, nt, &a0, &a1);
+    moe_inputs(c, a0, a1);
+#pragma omp barrier
+    static_chunk(c->nj * tgu, me, nt, &t0, &t1);
+    expert_tasks(L->exp_gate_up, jobs, tgu, &c->xg, &c->xl[0], t0, t1, bufs->gu);
+#pragma omp barrier
+    moe_gate(c, a0, a1);
+#pragma omp barrier
+    static_chunk(c->nj * tdn, me, nt, &t0, &t1);
+    expert_tasks(L->exp_down, jobs, tdn, &c->xd, &c->xl[1], t0, t1, bufs->y);
+}
+
+/* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
+ * moe_ffn: p = softmax(router(h)); each row's n_expert_used largest (the lower index first among
+ * equals), w = p / their sum; o = the sum of w_e * down_e(act(gate_e) * up_e)(h) over them, the
+ * experts in ascending order. gpt-oss's (models/gpt_oss.py's routed_ffn; gating 1, biases):
+ * l = router(h) + bias, its n_expert_used largest, w = softmax(l at them); o = the sum of
+ * w_e * (down_e(act(gate_e + bg_e, up_e + bu_e)) + bd_e). Each chosen expert runs once, over the
+ * rows that chose it, so a batch reads an expert's weights once, whatever number of rows chose
+ * it; and all the experts' products run in one parallel region, their tasks one list split over
+ * the threads (an expert's products alone are too small to share: a region each, Qwen3-30B-A3B's
+ * 8 experts of a token made 24 regions a layer, each starting its stream of weights cold). Where
+ * the jobs split evenly over the threads (one row: 8 experts of one pair each over 2 threads),
+ * each thread takes whole jobs from its pairs' inputs to their outputs, and only the mix waits
+ * for all (moe_share). Each of gate_e / up_e (one [gate; up] product) and down_e adds its
+ * adapters' delta, each pair at its row's scales, as the composed block's experts do (moe.py:
+ * the same packed factors): the delta of a task's outputs right after them, each job's
+ * (expert's) A and B read once for each run of its pairs on one adapter. */
+static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bufs *bufs,
+                    float *o, gl_scratch *sc, int nth) {
+    proj_run(&L->router, h, B, 1, &L->l_router, bufs->logits, sc, nth); /* with its adapters' delta */
+    for (int64_t b = 0; b < B; b++) add_bias(bufs->logits + b * L->n_expert, L->router_bias, L->n_expert);
+    moe_ctx c = {L, bufs, bufs->xg, bufs->xd, {bufs->xl[0], bufs->xl[1]}, 0, B * L->n_expert_used};
+    c.nj = moe_route(L, h, B, bufs);
     /* the experts' adapters: each pair's scale row, each job's plan (what a pair's row has at a
      * nonzero scale on its expert) */
-    expert_lora xl[2] = {bufs->xl[0], bufs->xl[1]};
     if (bufs->psc) {
-        const expert_lora *on = xl[0].src ? &xl[0] : &xl[1];
+        const expert_lora *on = c.xl[0].src ? &c.xl[0] : &c.xl[1];
         const int64_t ld = on->ld;
-        const float *board = on->scales;
-        for (int64_t r = 0; r < R; r++)
-            memcpy(bufs->psc + r * ld, board + bufs->rows[r] * ld, sizeof(float) * (size_t)ld);
+        for (int64_t r = 0; r < c.R; r++)
+            memcpy(bufs->psc + r * ld, on->scales + bufs->rows[r] * ld, sizeof(float) * (size_t)ld);
         for (int p = 0; p < 2; p++)
-            if (xl[p].src) expert_lora_plan(&xl[p], bufs->jobs, nj, bufs->psc);
+            if (c.xl[p].src) expert_lora_plan(&c.xl[p], bufs->jobs, c.nj, bufs->psc);
     }
-    const int64_t tgu = mm_tasks(2 * ff), tdn = mm_tasks(d);
-    xbuf xg = bufs->xg, xd = bufs->xd;
-    xg.xf = bufs->gath, xd.xf = bufs->act; /* (what float experts read) */
+    c.xg.xf = bufs->gath, c.xd.xf = bufs->act; /* (what float experts read) */
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t a0, a1;
-        if (xl[0].src) { /* each thread its pairs: quantized, then their dots of A */
-            static_chunk(R, me, nt, &a0, &a1);
-            if (xg.xq) quantize_blocks(bufs->gath, a0 * (d / 32), a1 * (d / 32), xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
-            expert_lora_xa(&xl[0], bufs->jobs, nj, &xg, bufs->gath, d, a0, a1);
-        } else {
-            static_chunk(R * (d / 32), me, nt, &a0, &a1); /* the gathered rows quantized */
-            if (xg.xq) quantize_blocks(bufs->gath, a0, a1, xg.xq, xg.xu, xg.xd, xg.xs, xg.xs16);
-        }
+        int64_t i0, i1;
+        moe_share(&c, moe_by_jobs(bufs->jobs, c.nj, nt), me, nt);
 #pragma omp barrier
-        static_chunk(nj * tgu, me, nt, &a0, &a1);
-        expert_tasks(L->exp_gate_up, bufs->jobs, tgu, &xg, &xl[0], a0, a1, bufs->gu);
-#pragma omp barrier
-        static_chunk(R, me, nt, &a0, &a1); /* each thread its rows: biased, gated, quantized */
-        if (L->exp_gate_up_bias)
-            for (int64_t r = a0; r < a1; r++)
-                add_bias(bufs->gu + r * 2 * ff, L->exp_gate_up_bias + bufs->row_e[r] * 2 * ff, 2 * ff);
-        gated_rows(bufs->gu, a0, a1, ff, L->act, bufs->act);
-        if (xd.xq) quantize_blocks(bufs->act, a0 * (ff / 32), a1 * (ff / 32), xd.xq, xd.xu, xd.xd, xd.xs, xd.xs16);
-        if (xl[1].src) expert_lora_xa(&xl[1], bufs->jobs, nj, &xd, bufs->act, ff, a0, a1);
-#pragma omp barrier
-        static_chunk(nj * tdn, me, nt, &a0, &a1);
-        expert_tasks(L->exp_down, bufs->jobs, tdn, &xd, &xl[1], a0, a1, bufs->y);
-#pragma omp barrier
-        static_chunk(d, me, nt, &a0, &a1); /* o's columns: each row's experts added in order */
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = a0; i < a1; i++) o[b * d + i] = 0.0f;
-        for (int64_t r = 0; r < R; r++) {
-            float *ob = o + bufs->rows[r] * d;
-            const float *yr = bufs->y + r * d, we = bufs->row_w[r];
-            if (L->exp_down_bias) {
-                const float *bd = L->exp_down_bias + bufs->row_e[r] * d;
-                for (int64_t i = a0; i < a1; i++) ob[i] += (yr[i] + bd[i]) * we;
-            } else {
-                for (int64_t i = a0; i < a1; i++) ob[i] += yr[i] * we;
-            }
-        }
+        static_chunk(L->n_embd, me, nt, &i0, &i1);
+        moe_mix(&c, B, i0, i1, o);
     }
 }
 

@@ -279,6 +279,7 @@ def attn_prefill(
     softcap: float = 0.0,
     exact: bool = False,
     sinks: torch.Tensor | None = None,
+    bf16_scores: bool = False,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
@@ -290,7 +291,8 @@ def attn_prefill(
     real tokens get values that nothing reads. exact: float32 products even where the CPU's
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
-    (gpt-oss).
+    (gpt-oss). Where the CPU has AVX-512 VNNI too (features() "attn-i8") a fast step's scores
+    come from int8 codes (csrc/attn_prompt_i8.c); bf16_scores keeps them in bfloat16 pairs.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -317,6 +319,6 @@ def attn_prefill(
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
-        out.data_ptr(), int(exact), threads(),
+        out.data_ptr(), 1 if exact else 2 if bf16_scores else 0, threads(),
     )  # fmt: skip
     return out

@@ -203,18 +203,17 @@ static void prompt_values_bf16(const gl_kv *kv, int64_t s, int64_t h, int64_t k0
     }
 }
 
-/* 2^x for 16 floats x <= 0 (below -126: about 2^-126) to a relative 2.2e-4, a cubic on the
- * fraction: the softmax's weights, rounded to bfloat16 next (2^-9), need no more, and the
- * products' pipes are this kernel's limit (exp2_bf16's quartic: one more FMA a vector). */
+/* 2^x for 16 floats x <= 0 (below -126: 0) to a relative 7.5e-5, a cubic on x - floor(x) (one
+VREDUCEPS) and VSCALEFPS's 2^floor(x): the softmax's weights, rounded to bfloat16 next (2^-9),
+need no more, and the products' pipes are this kernel's limit (5 vector operations, where a
+clamp, a rounding and a subtraction took 7). */
 static inline __m512 exp2_w(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 y = _mm512_set1_ps(5.286744e-2f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4215189e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9358675e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9996276e-1f));
-    return _mm512_scalef_ps(y, n);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* [0, 1) */
+    __m512 y = _mm512_set1_ps(7.802334e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.2606643e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.958351e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999249e-1f));
+    return _mm512_scalef_ps(y, x);
 }
 
 /* One chunk's part of a task state: rows' running max m (base 2), sums L (16 lanes a row), O. */
@@ -275,10 +274,12 @@ static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prom
         __m512 sum = _mm512_setzero_ps();
         const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
         for (int x = 0; x < NB; x += 2) {
-            const __m512 e0 = _mm512_maskz_mov_ps(vis[x], exp2_w(_mm512_sub_ps(v[x], mv)));
+            __m512 e0 = exp2_w(_mm512_sub_ps(v[x], mv));
+            if (c->mask) e0 = _mm512_maskz_mov_ps(vis[x], e0);
             __m512i w;
             if (x + 1 < NB) {
-                const __m512 e1 = _mm512_maskz_mov_ps(vis[x + 1], exp2_w(_mm512_sub_ps(v[x + 1], mv)));
+                __m512 e1 = exp2_w(_mm512_sub_ps(v[x + 1], mv));
+                if (c->mask) e1 = _mm512_maskz_mov_ps(vis[x + 1], e1);
                 w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* pairs (2i, 2i + 1) in key order */
                 _mm512_storeu_si512(pb + 8 * x, w);
             } else {

@@ -251,3 +251,11 @@ def test_bf16_scores_where_the_cpu_has_no_vnni(
     for p in CASES:
         for kv in ("f16", "q8_0"):
             _check(p, kv, run(p, kv, exact=False), "bf16")
+
+
+def test_i8_scores_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRAFTLM_I8_ATTN=0 (ops.I8_ATTN_SCORES): fast steps keep bfloat16 scores."""
+    monkeypatch.setattr(ops, "I8_ATTN_SCORES", False)
+    torch.set_num_threads(2)
+    for p in CASES[:4]:
+        _check(p, "f16", run(p, "f16", exact=False), "bf16" if BF16_ATTN else "f32")

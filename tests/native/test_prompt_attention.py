@@ -9,8 +9,13 @@ Fast steps where the CPU has AVX-512 BF16 take bfloat16 tiles (VDPBF16PS): q, k 
 bfloat16, and each softmax weight before it meets the values. Their twin rounds q, k and v alike
 and holds the output within the weights' rounding: within 2^-8 times the weighted sum of the
 values' magnitudes (each weight's relative rounding is at most 2^-9, and the output is the rounded
-weights' convex combination). Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build
-keep float32 products: within float32's rounding of the twin."""
+weights' convex combination). Where the CPU has AVX-512 VNNI too, their scores come from int8
+codes (csrc/attn_prompt_i8.c): the twin makes the same codes (the keys less their bfloat16 mean,
+per-key and per-query scales, rounded half to even in float32) and sums them exactly, so the same
+bound holds (the kernel's float32 mean may round to another bfloat16 than the twin's float64 one:
+that moves every score of a row alike, and a code where a product sits on a rounding's edge).
+Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build keep float32 products: within
+float32's rounding of the twin."""
 
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from graftlm.step.kv_cache import KV_TYPES, q8_0_pack, q8_0_unpack
 pytestmark = pytest.mark.skipif(library() is None, reason="native kernels unavailable here")
 
 BF16_ATTN = "attn-bf16" in features()
+I8_ATTN = "attn-i8" in features()
+FAST = "i8" if I8_ATTN else "bf16" if BF16_ATTN else "f32"  # a fast step's route here
 
 
 class Prompt(NamedTuple):
@@ -106,36 +113,59 @@ def _rows(slots: list[int], starts: list[int], t: int) -> RowIndex:
     return rows
 
 
-def run(p: Prompt, kv: str, exact: bool) -> torch.Tensor:
+def run(p: Prompt, kv: str, exact: bool, bf16_scores: bool = False) -> torch.Tensor:
     q, _, _, cache, slots = _inputs(p, kv)
     d = q.shape[-1]
     sinks = _sinks(p.h) if p.sinks else None
     out = ops.attn_prefill(q, cache, 0, _rows(slots, p.starts, p.t), d**-0.5, p.window, p.cap,
-                           exact=exact, sinks=sinks)  # fmt: skip
+                           exact=exact, sinks=sinks, bf16_scores=bf16_scores)  # fmt: skip
     assert out is not None
     return out
 
 
-def twin(p: Prompt, kv: str, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The written-out attention in float64 (q, k and v rounded to bfloat16 where bf16), and the
-    weighted sum of the values' magnitudes (the scale of a weight's rounding)."""
+def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d) float32 -> its int8 codes and scale a row, as the kernel makes them: scale
+    max|x| / 127, codes round(x * (127 / max|x|)) half to even (0 where the row is 0)."""
+    mx = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, 127.0 / mx, torch.zeros_like(mx))
+    return torch.round(x * inv), mx / 127.0
+
+
+def int8_scores(q: torch.Tensor, k: torch.Tensor, lo: int) -> torch.Tensor:
+    """q (h, t, d), k (h, L, d) float32 -> q.k (h, t, L) in float64 from int8 codes: the keys less
+    their mean over positions lo.. (rounded to bfloat16), each key and query row coded alone."""
+    mu = k[:, lo:].double().mean(1, keepdim=True).to(torch.bfloat16).float()
+    kc, sk = int8_codes(k - mu)
+    qc, sq = int8_codes(q)
+    return (qc.double() @ kc.double().transpose(1, 2)) * sq.double() * sk.double().transpose(1, 2)
+
+
+def twin(p: Prompt, kv: str, route: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The written-out attention in float64 (route "bf16": q, k and v rounded to bfloat16; "i8": v
+    rounded, the scores from int8 codes; "f32": as they are), and the weighted sum of the values'
+    magnitudes (the scale of a weight's rounding)."""
     q, keys, values, _, slots = _inputs(p, kv)
     d = q.shape[-1]
 
     def seen(x: torch.Tensor) -> torch.Tensor:
-        return (x.to(torch.bfloat16).float() if bf16 else x).double()
+        return (x.to(torch.bfloat16).float() if route != "f32" else x).double()
 
     outs, spreads = [], []
     for r, (s, p0) in enumerate(zip(slots, p.starts, strict=True)):
         k = seen(keys[s, :, : p0 + p.t]).repeat_interleave(p.h // p.hkv, 0)  # (h, L, d)
         v = seen(values[s, :, : p0 + p.t]).repeat_interleave(p.h // p.hkv, 0)
+        k32 = keys[s, :, : p0 + p.t].repeat_interleave(p.h // p.hkv, 0)
         o, sp = [], []
         for t0 in range(0, p.t, 512):  # (h, 512, L) at a time
             t1 = min(p.t, t0 + 512)
             pos = torch.arange(p0 + t0, p0 + t1).view(-1, 1)
             key = torch.arange(p0 + p.t).view(1, -1)
             mask = (key <= pos) & ((pos - key < p.window) if p.window else True)
-            scores = (seen(q[r, t0:t1]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5
+            if route == "i8":
+                lo = max(0, p0 - p.window + 1) if p.window else 0
+                scores = int8_scores(q[r, t0:t1].transpose(0, 1), k32, lo) * d**-0.5
+            else:
+                scores = (seen(q[r, t0:t1]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5
             if p.cap:
                 scores = torch.tanh(scores / p.cap) * p.cap
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -151,9 +181,9 @@ def twin(p: Prompt, kv: str, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(outs), torch.stack(spreads)
 
 
-def _check(p: Prompt, kv: str, out: torch.Tensor, bf16: bool) -> None:
-    want, spread = twin(p, kv, bf16)
-    if bf16:  # within the weights' rounding
+def _check(p: Prompt, kv: str, out: torch.Tensor, route: str) -> None:
+    want, spread = twin(p, kv, route)
+    if route != "f32":  # within the weights' rounding
         err = (out.double() - want).abs() - (2.0**-8 * spread + 3e-5)
         assert float(err.max()) <= 0, f"{p.name}, {kv}: {float(err.max())} past the bound"
     else:
@@ -164,7 +194,15 @@ def _check(p: Prompt, kv: str, out: torch.Tensor, bf16: bool) -> None:
 @pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
 def test_prompt_attention_equals_its_twin(p: Prompt, kv: str) -> None:
     torch.set_num_threads(2)
-    _check(p, kv, run(p, kv, exact=False), BF16_ATTN)
+    _check(p, kv, run(p, kv, exact=False), FAST)
+
+
+@pytest.mark.parametrize("kv", TYPES)
+@pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
+def test_bf16_scores_prompt_attention(p: Prompt, kv: str) -> None:
+    """bf16_scores: a fast step's scores in bfloat16 pairs where int8 codes would serve."""
+    torch.set_num_threads(2)
+    _check(p, kv, run(p, kv, exact=False, bf16_scores=True), "bf16" if BF16_ATTN else "f32")
 
 
 @pytest.mark.parametrize("kv", TYPES)
@@ -172,7 +210,7 @@ def test_prompt_attention_equals_its_twin(p: Prompt, kv: str) -> None:
 def test_exact_prompt_attention_is_float32(p: Prompt, kv: str) -> None:
     """An exact step's (scoring's) products are float32 on every CPU."""
     torch.set_num_threads(2)
-    _check(p, kv, run(p, kv, exact=True), False)
+    _check(p, kv, run(p, kv, exact=True), "f32")
 
 
 def test_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,4 +229,33 @@ def test_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.M
     torch.set_num_threads(2)
     for p in CASES:
         for kv in ("f16", "q8_0"):
-            _check(p, kv, run(p, kv, exact=False), False)
+            _check(p, kv, run(p, kv, exact=False), "f32")
+
+
+def test_bf16_scores_where_the_cpu_has_no_vnni(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fast steps' scores in bfloat16 pairs (AVX-512 BF16 without VNNI): built here with
+    -DGL_NO_I8_ATTN, the cases against the bfloat16 twin."""
+    from graftlm.native import abi, build
+
+    if not I8_ATTN:
+        pytest.skip("this CPU's kernel is that one: the tests above")
+    cc = build._compiler()
+    assert cc is not None
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_I8_ATTN",))))
+    abi.bind(lib)
+    monkeypatch.setattr(ops, "library", lambda: lib)
+    torch.set_num_threads(2)
+    for p in CASES:
+        for kv in ("f16", "q8_0"):
+            _check(p, kv, run(p, kv, exact=False), "bf16")
+
+
+def test_i8_scores_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRAFTLM_I8_ATTN=0 (ops.I8_ATTN_SCORES): fast steps keep bfloat16 scores."""
+    monkeypatch.setattr(ops, "I8_ATTN_SCORES", False)
+    torch.set_num_threads(2)
+    for p in CASES[:4]:
+        _check(p, "f16", run(p, "f16", exact=False), "bf16" if BF16_ATTN else "f32")

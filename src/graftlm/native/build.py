@@ -246,7 +246,16 @@ def abi_problem(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-FEATURES = ("avx512f", "avx512bw+vl", "vnni", "avx512bf16", "zmm-vnni", "amx", "attn-bf16")
+FEATURES = (
+    "avx512f",
+    "avx512bw+vl",
+    "vnni",
+    "avx512bf16",
+    "zmm-vnni",
+    "amx",
+    "attn-bf16",
+    "attn-i8",
+)
 
 
 def features() -> list[str]:

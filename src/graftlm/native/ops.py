@@ -5,6 +5,7 @@ shape, an index out of range), and the caller then runs its PyTorch twin."""
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,11 @@ MAX_HEAD_DIM = 1024  # the C attention keeps a rotated query of this size on its
 # prompt's time (about 3% of Llama-1B's pp512 at depth 0) and float32 costs nothing worth
 # saving; at depth 4,096 it is 40% of the time, and bfloat16 pairs cut that by a third.
 BF16_ATTN_MIN_KEYS = 2048
+# Past it, where the CPU has AVX-512 VNNI too (features() "attn-i8"), the scores come from int8
+# codes: 0.87x the attention time at depth 4,096 and 16,384 (Llama-1B, 1 thread), about 3x the
+# bfloat16 scores' error of the output (bench/prompt_attention_error.py). GRAFTLM_I8_ATTN=0 keeps
+# bfloat16 scores (read once).
+I8_ATTN_SCORES = not os.environ.get("GRAFTLM_I8_ATTN", "").startswith("0")
 
 
 def decode_head_dims(d: int, dv: int) -> bool:
@@ -279,6 +285,7 @@ def attn_prefill(
     softcap: float = 0.0,
     exact: bool = False,
     sinks: torch.Tensor | None = None,
+    bf16_scores: bool = False,
 ) -> torch.Tensor | None:
     """Causal attention of B rows of T new tokens through the cache (see gl_attn_prefill), or None.
 
@@ -290,7 +297,8 @@ def attn_prefill(
     real tokens get values that nothing reads. exact: float32 products even where the CPU's
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
-    (gpt-oss).
+    (gpt-oss). Where the CPU has AVX-512 VNNI too (features() "attn-i8") a fast step's scores
+    come from int8 codes (csrc/attn_prompt_i8.c); bf16_scores keeps them in bfloat16 pairs.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -317,6 +325,6 @@ def attn_prefill(
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
-        out.data_ptr(), int(exact), threads(),
+        out.data_ptr(), 1 if exact else 2 if bf16_scores or not I8_ATTN_SCORES else 0, threads(),
     )  # fmt: skip
     return out

@@ -39,9 +39,10 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
  * 16 keys (AVX-512: 32) of FMAs with every operand a load or a broadcast; softmax
  * is online (flash attention): running max m and sum l per row, O rescaled when m grows. Blocks
  * past a task's last query or before its window are never touched: causal prompts do half the
- * work of a masked full product. Fast steps (exact 0) where the CPU has AVX-512 BF16 take the
- * same tasks in bfloat16 tiles (prompt_bf16, below); exact steps, other CPUs and a
- * -DGL_NO_BF16_ATTN build these float32 FMAs. */
+ * work of a masked full product. Fast steps (exact 0; 2: scores in bfloat16 pairs too) where the
+ * CPU has AVX-512 BF16 take the same tasks in bfloat16 tiles (prompt_bf16, below), their scores
+ * from int8 codes where it has AVX-512 VNNI too (exact 0: attn_prompt_i8.c); exact steps
+ * (exact 1), other CPUs and a -DGL_NO_BF16_ATTN build these float32 FMAs. */
 #define PQ 16 /* the fewest queries a task */
 #define PR 64 /* the score rows a task aims at */
 #define PK 64
@@ -203,18 +204,17 @@ static void prompt_values_bf16(const gl_kv *kv, int64_t s, int64_t h, int64_t k0
     }
 }
 
-/* 2^x for 16 floats x <= 0 (below -126: about 2^-126) to a relative 2.2e-4, a cubic on the
- * fraction: the softmax's weights, rounded to bfloat16 next (2^-9), need no more, and the
- * products' pipes are this kernel's limit (exp2_bf16's quartic: one more FMA a vector). */
+/* 2^x for 16 floats x <= 0 (below -126: 0) to a relative 7.5e-5, a cubic on x - floor(x) (one
+VREDUCEPS) and VSCALEFPS's 2^floor(x): the softmax's weights, rounded to bfloat16 next (2^-9),
+need no more, and the products' pipes are this kernel's limit (5 vector operations, where a
+clamp, a rounding and a subtraction took 7). */
 static inline __m512 exp2_w(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 y = _mm512_set1_ps(5.286744e-2f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4215189e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9358675e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9996276e-1f));
-    return _mm512_scalef_ps(y, n);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* [0, 1) */
+    __m512 y = _mm512_set1_ps(7.802334e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.2606643e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.958351e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999249e-1f));
+    return _mm512_scalef_ps(y, x);
 }
 
 /* One chunk's part of a task state: rows' running max m (base 2), sums L (16 lanes a row), O. */
@@ -226,27 +226,21 @@ typedef struct {
     int64_t D, k0, nk, window;
     float c1, cs, cc; /* scale log2(e); softcap: scale / cap, cap log2(e) */
     int mask, capped;
+#if ATTN_I8
+    /* int8 scores (attn_prompt_i8.c): queries' codes + 128 (rows x D / 4) and scales, the keys'
+     * codes (D / 4 x PK), each key's -128 x its codes' sum and scale */
+    const uint32_t *Qq, *Kq;
+    const float *sQ, *sK;
+    const int32_t *kb;
+#endif
 } prompt_chunk;
 
-/* Rows r0 .. r0 + nr - 1 (nr <= BR) of a chunk of NB blocks: scores, softmax, weights into Pb. A
- * tile's missing rows repeat row r0 and are left out of every store. */
-static inline __attribute__((always_inline)) void prompt_scores_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                     float *alpha, const int NB) {
-    const int64_t D2 = c->D / 2;
+/* Rows r0 .. r0 + nr - 1 (nr <= BR) of a chunk of NB blocks, their products z (q.k times c1, or
+ * times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row r0 and
+ * are left out of every store. */
+static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prompt_chunk *c, int64_t r0, int nr,
+                                                                      float *alpha, __m512 acc[BR][4], const int NB) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    const uint32_t *q[BR];
-    for (int r = 0; r < BR; r++) q[r] = c->Qb + (r0 + (r < nr ? r : 0)) * D2;
-    __m512 acc[BR][4];
-    for (int r = 0; r < BR; r++)
-        for (int x = 0; x < NB; x++) acc[r][x] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D2; i++) {
-        __m512bh k[4];
-        for (int x = 0; x < NB; x++) k[x] = (__m512bh)_mm512_load_si512(c->Kt2 + i * PK + 16 * x);
-        for (int r = 0; r < BR; r++) {
-            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q[r][i]);
-            for (int x = 0; x < NB; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qp, k[x]);
-        }
-    }
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int r = 0; r < BR; r++) {
         alpha[r] = 1.0f;
@@ -256,8 +250,7 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
         __mmask16 vis[4];
         __m512 mxv = ninf;
         for (int x = 0; x < NB; x++) {
-            v[x] = c->capped ? _mm512_mul_ps(tanh512(_mm512_mul_ps(acc[r][x], _mm512_set1_ps(c->cs))), _mm512_set1_ps(c->cc))
-                             : _mm512_mul_ps(acc[r][x], _mm512_set1_ps(c->c1));
+            v[x] = c->capped ? _mm512_mul_ps(tanh512(acc[r][x]), _mm512_set1_ps(c->cc)) : acc[r][x];
             vis[x] = 0xFFFF;
             if (c->mask) { /* keys [lo, min(p, k0 + nk - 1)] of the chunk */
                 const int64_t lo = c->window > 0 ? p - c->window + 1 : 0;
@@ -282,10 +275,12 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
         __m512 sum = _mm512_setzero_ps();
         const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
         for (int x = 0; x < NB; x += 2) {
-            const __m512 e0 = _mm512_maskz_mov_ps(vis[x], exp2_w(_mm512_sub_ps(v[x], mv)));
+            __m512 e0 = exp2_w(_mm512_sub_ps(v[x], mv));
+            if (c->mask) e0 = _mm512_maskz_mov_ps(vis[x], e0);
             __m512i w;
             if (x + 1 < NB) {
-                const __m512 e1 = _mm512_maskz_mov_ps(vis[x + 1], exp2_w(_mm512_sub_ps(v[x + 1], mv)));
+                __m512 e1 = exp2_w(_mm512_sub_ps(v[x + 1], mv));
+                if (c->mask) e1 = _mm512_maskz_mov_ps(vis[x + 1], e1);
                 w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* pairs (2i, 2i + 1) in key order */
                 _mm512_storeu_si512(pb + 8 * x, w);
             } else {
@@ -299,6 +294,31 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
         _mm512_store_ps(L, _mm512_fmadd_ps(_mm512_load_ps(L), _mm512_set1_ps(alpha[r]), sum));
     }
 }
+
+/* Rows r0 .. r0 + nr - 1 of a chunk of NB blocks: scores in bfloat16 pairs, softmax. */
+static inline __attribute__((always_inline)) void prompt_scores_bf16(const prompt_chunk *c, int64_t r0, int nr,
+                                                                     float *alpha, const int NB) {
+    const int64_t D2 = c->D / 2;
+    const uint32_t *q[BR];
+    for (int r = 0; r < BR; r++) q[r] = c->Qb + (r0 + (r < nr ? r : 0)) * D2;
+    __m512 acc[BR][4];
+    for (int r = 0; r < BR; r++)
+        for (int x = 0; x < NB; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D2; i++) {
+        __m512bh k[4];
+        for (int x = 0; x < NB; x++) k[x] = (__m512bh)_mm512_load_si512(c->Kt2 + i * PK + 16 * x);
+        for (int r = 0; r < BR; r++) {
+            const __m512bh qp = (__m512bh)_mm512_set1_epi32((int)q[r][i]);
+            for (int x = 0; x < NB; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qp, k[x]);
+        }
+    }
+    const __m512 f = _mm512_set1_ps(c->capped ? c->cs : c->c1);
+    for (int r = 0; r < BR; r++)
+        for (int x = 0; x < NB; x++) acc[r][x] = _mm512_mul_ps(acc[r][x], f);
+    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB);
+}
+
+#include "attn_prompt_i8.c"
 
 /* O[rows r0 .., values c0 .. c0 + 16 NC) = alpha O + P V over the chunk's np pairs of keys. */
 static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_chunk *c, int64_t r0, int nr,
@@ -341,9 +361,63 @@ static void prompt_prefetch(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, i
 
 static inline int prompt_bf16_fits(const gl_attn *a) { return a->kv.block == DT && a->head_dim % 16 == 0; }
 
-/* gl_attn_prefill's tasks (see there) in bfloat16 tiles. */
+/* One chunk's rows, BR at a time: scores (int8 codes where i8, else bfloat16 pairs), softmax,
+ * O = alpha O + P V. */
+static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int i8) {
+    const int64_t D = c->D, np = (c->nk + 1) / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+        const int nr = rows - r0 < BR ? (int)(rows - r0) : BR;
+        float alpha[BR];
+#if ATTN_I8
+        if (i8) {
+            switch (nb) {
+            case 1: prompt_scores_i8(c, r0, nr, alpha, 1); break;
+            case 2: prompt_scores_i8(c, r0, nr, alpha, 2); break;
+            case 3: prompt_scores_i8(c, r0, nr, alpha, 3); break;
+            default: prompt_scores_i8(c, r0, nr, alpha, 4); break;
+            }
+        } else
+#endif
+        {
+            (void)i8;
+            switch (nb) {
+            case 1: prompt_scores_bf16(c, r0, nr, alpha, 1); break;
+            case 2: prompt_scores_bf16(c, r0, nr, alpha, 2); break;
+            case 3: prompt_scores_bf16(c, r0, nr, alpha, 3); break;
+            default: prompt_scores_bf16(c, r0, nr, alpha, 4); break;
+            }
+        }
+        int64_t c0 = 0;
+        for (; c0 + 64 <= D; c0 += 64) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 4);
+        for (; c0 + 32 <= D; c0 += 32) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 2);
+        for (; c0 < D; c0 += 16) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 1);
+    }
+}
+
+/* The outputs of a task's rows: O / l (with gpt-oss's sinks in the denominator). */
+static void prompt_rows_out(const gl_attn *a, const prompt_chunk *c, int64_t rows, int64_t group,
+                            int64_t g, const int64_t *bt0, float *out) {
+    const int64_t H = a->n_head, D = a->head_dim, b = bt0[0], T = bt0[1], t0 = bt0[2];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = t0 + r / group, h = g * group + r % group;
+        float *dst = out + ((b * T + t) * H + h) * D;
+        const float l = _mm512_reduce_add_ps(_mm512_load_ps(c->L + r * 16));
+        const float mr = c->m[r] * 0.69314718056f; /* base e, the sinks' */
+        float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        if (a->sinks) { /* the sink's logit joins the sum, no value: both at max(m, sink) */
+            const float sk = a->sinks[h], mm = mr > sk ? mr : sk;
+            const float cf = c->m[r] == -INFINITY ? 0.0f : expf(mr - mm), den = l * cf + expf(sk - mm);
+            inv = den > 0.0f ? cf / den : 0.0f;
+        }
+        for (int64_t d = 0; d < D; d++) dst[d] = c->O[r * D + d] * inv;
+    }
+}
+
+#define A64(T, n) ((T *)aligned_alloc(64, (sizeof(T) * (size_t)(n) + 63) / 64 * 64))
+
+/* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from int8 codes where i8. */
 static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, const int64_t *starts,
-                        int64_t B, int64_t T, float *out, int nth) {
+                        int64_t B, int64_t T, float *out, int i8, int nth) {
     const gl_kv *kv = &a->kv;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, D2 = D / 2;
     const int64_t window = a->window;
@@ -356,26 +430,38 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
     while (pq > PQ && B * Hkv * ((T + pq - 1) / pq) < 4 * nth) pq = pq / 2 > PQ ? pq / 2 : PQ;
     const int64_t qblocks = (T + pq - 1) / pq, rows_max = pq * group;
     const int64_t ntask = B * Hkv * qblocks;
+    float *mus = i8 ? A64(float, B * Hkv * D) : NULL; /* each row's and kv head's key mean */
 #pragma omp parallel num_threads(nth)
     {
         const unsigned csr = ftz_begin();
-        uint32_t *Qb = aligned_alloc(64, sizeof(uint32_t) * (size_t)(rows_max * D2 + 16));
-        uint32_t *Kt2 = aligned_alloc(64, sizeof(uint32_t) * (size_t)(D2 * PK));
-        uint32_t *Vt2 = aligned_alloc(64, sizeof(uint32_t) * (size_t)(PK / 2 * D));
-        uint32_t *Pb = aligned_alloc(64, sizeof(uint32_t) * (size_t)(rows_max * PK / 2));
-        float *O = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * D));
-        float *L = aligned_alloc(64, sizeof(float) * (size_t)(rows_max * 16));
-        float *m = malloc(sizeof(float) * (size_t)rows_max);
-        int64_t *pr = malloc(sizeof(int64_t) * (size_t)rows_max);
-        float *Kf = NULL, *Kt = NULL, *Vf = NULL; /* q8_0's float32 tiles */
-        if (kv->type == 3) {
-            Kf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
-            Kt = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
-            Vf = aligned_alloc(64, sizeof(float) * (size_t)(D * PK));
-        }
+        uint32_t *Qb = A64(uint32_t, rows_max * D2 + 16), *Kt2 = A64(uint32_t, D2 * PK);
+        uint32_t *Vt2 = A64(uint32_t, PK / 2 * D), *Pb = A64(uint32_t, rows_max * PK / 2);
+        float *O = A64(float, rows_max * D), *L = A64(float, rows_max * 16), *m = A64(float, rows_max);
+        int64_t *pr = A64(int64_t, rows_max);
+        float *Kf = NULL, *Kt = NULL, *Vf = NULL; /* q8_0's (and int8 codes') float32 tiles */
+        if (kv->type == 3 || i8) Kf = A64(float, D * PK), Kt = A64(float, D * PK), Vf = A64(float, D * PK);
         prompt_chunk c = {Qb, Kt2, Vt2, Pb, m, L, O, pr, D, 0, 0, window, a->scale * l2e,
                           a->softcap > 0.0f ? a->scale / a->softcap : 0.0f, a->softcap * l2e, 0,
-                          a->softcap > 0.0f};
+                          a->softcap > 0.0f,
+#if ATTN_I8
+                          NULL, NULL, NULL, NULL, NULL
+#endif
+        };
+#if ATTN_I8
+        uint32_t *Qq = NULL, *Kq = NULL;
+        float *sQ = NULL, *sK = NULL;
+        int32_t *kb = NULL;
+        if (i8) {
+            Qq = A64(uint32_t, rows_max * D / 4 + 16), Kq = A64(uint32_t, D / 4 * PK);
+            sQ = A64(float, rows_max), sK = A64(float, PK), kb = A64(int32_t, PK);
+            c.Qq = Qq, c.Kq = Kq, c.sQ = sQ, c.sK = sK, c.kb = kb;
+#pragma omp for
+            for (int64_t bg = 0; bg < B * Hkv; bg++) { /* over every key a row's queries see */
+                const int64_t p0 = starts[bg / Hkv], lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+                prompt_key_mean(kv, slots[bg / Hkv], bg % Hkv, lo, p0 + T, D, mus + bg * D, Kt, Kf, Vf);
+            }
+        }
+#endif
         /* later query blocks have more keys: hand them out first, one at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {
@@ -384,9 +470,14 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
             const int64_t t0 = qb * pq, nq = T - t0 < pq ? T - t0 : pq, rows = nq * group;
             /* row r: query t0 + r / group of head g * group + r % group */
             for (int64_t r = 0; r < rows; r++) {
-                const int64_t t = t0 + r / group, h = g * group + r % group;
-                bf16_row(q + ((b * T + t) * H + h) * D, D, (uint16_t *)(Qb + r * D2));
-                pr[r] = p0 + t;
+                const float *x = q + ((b * T + t0 + r / group) * H + g * group + r % group) * D;
+#if ATTN_I8
+                if (i8)
+                    prompt_query_i8(x, D, Qq + r * (D / 4), sQ + r);
+                else
+#endif
+                    bf16_row(x, D, (uint16_t *)(Qb + r * D2));
+                pr[r] = p0 + t0 + r / group;
                 m[r] = -INFINITY;
             }
             memset(O, 0, sizeof(float) * (size_t)(rows * D));
@@ -402,51 +493,25 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
                     const int64_t k1 = k0 + PK, n1 = pmax + 1 - k1 < PK ? pmax + 1 - k1 : PK;
                     prompt_prefetch(kv, s, g, k1, n1, D);
                 }
-                prompt_keys_bf16(kv, s, g, k0, nk, D, Kt2, Kf, Kt);
+#if ATTN_I8
+                if (i8)
+                    prompt_keys_i8(kv, s, g, k0, nk, D, mus + bg * D, Kq, kb, sK, Kt, Kf);
+                else
+#endif
+                    prompt_keys_bf16(kv, s, g, k0, nk, D, Kt2, Kf, Kt);
                 prompt_values_bf16(kv, s, g, k0, nk, D, Vt2, Vf);
-                const int64_t np = (nk + 1) / 2;
-                for (int64_t r0 = 0; r0 < rows; r0 += BR) {
-                    const int nr = rows - r0 < BR ? (int)(rows - r0) : BR;
-                    float alpha[BR];
-                    switch (nb) {
-                    case 1: prompt_scores_bf16(&c, r0, nr, alpha, 1); break;
-                    case 2: prompt_scores_bf16(&c, r0, nr, alpha, 2); break;
-                    case 3: prompt_scores_bf16(&c, r0, nr, alpha, 3); break;
-                    default: prompt_scores_bf16(&c, r0, nr, alpha, 4); break;
-                    }
-                    int64_t c0 = 0;
-                    for (; c0 + 64 <= D; c0 += 64) prompt_pv_bf16(&c, r0, nr, alpha, np, c0, 4);
-                    for (; c0 + 32 <= D; c0 += 32) prompt_pv_bf16(&c, r0, nr, alpha, np, c0, 2);
-                    for (; c0 < D; c0 += 16) prompt_pv_bf16(&c, r0, nr, alpha, np, c0, 1);
-                }
+                prompt_chunk_rows(&c, rows, nb, i8);
             }
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t t = t0 + r / group, h = g * group + r % group;
-                float *dst = out + ((b * T + t) * H + h) * D;
-                const float l = _mm512_reduce_add_ps(_mm512_load_ps(L + r * 16));
-                const float mr = m[r] * 0.69314718056f; /* base e, the sinks' */
-                float inv = l > 0.0f ? 1.0f / l : 0.0f;
-                if (a->sinks) { /* the sink's logit joins the sum, no value: both at max(m, sink) */
-                    const float sk = a->sinks[h], mm = mr > sk ? mr : sk;
-                    const float cf = m[r] == -INFINITY ? 0.0f : expf(mr - mm), den = l * cf + expf(sk - mm);
-                    inv = den > 0.0f ? cf / den : 0.0f;
-                }
-                for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
-            }
+            prompt_rows_out(a, &c, rows, group, g, (const int64_t[3]){b, T, t0}, out);
         }
-        free(Qb);
-        free(Kt2);
-        free(Vt2);
-        free(Pb);
-        free(O);
-        free(L);
-        free(m);
-        free(pr);
-        free(Kf);
-        free(Kt);
-        free(Vf);
+#if ATTN_I8
+        free(Qq), free(Kq), free(sQ), free(sK), free(kb);
+#endif
+        free(Qb), free(Kt2), free(Vt2), free(Pb), free(O), free(L), free(m), free(pr);
+        free(Kf), free(Kt), free(Vf);
         ftz_end(csr);
     }
+    free(mus);
 }
 #endif
 
@@ -454,8 +519,8 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                      const int64_t *starts, int64_t B, int64_t T, float *out, int64_t exact,
                      int nth) {
 #if ATTN_BF16
-    if (!exact && prompt_bf16_fits(a)) { /* fast steps: bfloat16 tiles */
-        prompt_bf16(a, q, slots, starts, B, T, out, nth);
+    if (exact != 1 && prompt_bf16_fits(a)) { /* fast steps: bfloat16 tiles (int8 scores: 0) */
+        prompt_bf16(a, q, slots, starts, B, T, out, ATTN_I8 && exact == 0, nth);
         return;
     }
 #endif

@@ -83,6 +83,9 @@ int64_t gl_features(void) {
 #if ATTN_BF16
     f |= 64;
 #endif
+#if ATTN_I8
+    f |= 128;
+#endif
     return f;
 }
 

@@ -555,6 +555,15 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
 #else
 #define ATTN_BF16 0
 #endif
+/* ... and their scores from int8 codes (VPDPBUSD: four products a lane, int32 sums) where the CPU
+ * has AVX-512 VNNI too (attn_prompt_i8.c): the keys less their mean over the context, each key
+ * and each query in int8 with its own scale; the weights and values stay bfloat16.
+ * -DGL_NO_I8_ATTN keeps the bfloat16 scores. */
+#if ATTN_BF16 && GL_VNNI512 && !defined(GL_NO_I8_ATTN)
+#define ATTN_I8 1
+#else
+#define ATTN_I8 0
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && GL_VNNI512
 #define GL_AMX 1

@@ -266,11 +266,15 @@ def test_native_decode_layer_adds_the_expert_delta(
     assert any(0 in p[5].tolist() for p in chosen)
 
 
-def test_one_row_on_two_threads_by_whole_experts_is_the_shared_steps(made: dict[str, Any]) -> None:
+def test_one_row_on_two_threads_by_whole_experts_is_the_shared_steps(
+    made: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One row decoding on two threads with the expert adapter: the routed FFN's threads each
     take whole experts, each expert's pairs quantized, their dots of A, both products and the
     delta of B (gl_set_moe_jobs(1), the default), or share every step with barriers between (0,
     its twin): the same bits, with the adapter and without."""
+    from spies import stack_calls
+
     from graftlm.native import library
     from graftlm.step.batch import Batch
 
@@ -291,6 +295,7 @@ def test_one_row_on_two_threads_by_whole_experts_is_the_shared_steps(made: dict[
                 out.append(model.forward(Batch(tokens, [0], [10 + step], [1], lora)))
         return out
 
+    served = stack_calls(monkeypatch)
     torch.set_num_threads(2)  # (the module's fixture restores one)
     before = lib.gl_set_moe_jobs(1)
     try:
@@ -299,6 +304,7 @@ def test_one_row_on_two_threads_by_whole_experts_is_the_shared_steps(made: dict[
         shared = run(rows) + run(None)
     finally:
         lib.gl_set_moe_jobs(before)
+    assert served.count(True) == 12, served  # every decode step ran in the native layer
     for x, y in zip(jobs, shared, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert not torch.allclose(jobs[2], jobs[5], rtol=1e-3, atol=1e-3)  # the adapter counted

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from synth_tensors import gguf_tensor
 
 from graftlm.native import features, library
+from graftlm.native.build import _cpu_flags
 from graftlm.quant import QWeight
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q6_K, Q.Q3_K, Q.Q2_K, Q.Q8_0, Q.IQ4_NL,
@@ -95,7 +96,7 @@ def products(path: Path, isa: str) -> dict[str, object]:
     return torch.load(path)
 
 
-@pytest.mark.parametrize("other", ["avx2", "ymm"])
+@pytest.mark.parametrize("other", ["avx2", "ymm", "nogfni"])
 def test_other_variants_match_this_cpus(tmp_path: Path, other: str) -> None:
     if library() is None:
         pytest.skip("native kernels unavailable here")
@@ -103,12 +104,16 @@ def test_other_variants_match_this_cpus(tmp_path: Path, other: str) -> None:
         pytest.skip("this CPU's variant is the AVX2 one: nothing to compare it with")
     if other == "ymm" and "zmm-vnni" not in features():
         pytest.skip("no 512-bit VNNI kernels on this CPU: the ymm variant is this one")
+    if other == "nogfni" and not ("gfni" in _cpu_flags().split() and "avx512f" in features()):
+        pytest.skip("no GFNI beside AVX-512 on this CPU: the nogfni variant is this one")
     mine = products(tmp_path / "native.pt", "native")
     them = products(tmp_path / f"{other}.pt", other)
     assert them["isa"] == other
     if other == "avx2":
         assert them["features"] == []
         assert "vnni" in mine["features"] or "avx512bw+vl" in mine["features"]
+    elif other == "nogfni":  # (Q6_K's high bits by shifts and blends, as without GFNI)
+        assert them["features"] == mine["features"]
     else:
         assert "zmm-vnni" in mine["features"] and "zmm-vnni" not in them["features"]
         assert "vnni" in them["features"]

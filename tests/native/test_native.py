@@ -1172,11 +1172,14 @@ def test_fused_layer_serves_the_routed_experts(
 
 
 @pytest.mark.parametrize("family", list(ROUTED))
-def test_routed_experts_by_whole_jobs_are_the_shared_steps(family: str) -> None:
+def test_routed_experts_by_whole_jobs_are_the_shared_steps(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One row decoding on two threads: the routed FFN's threads each take whole experts (their
     jobs split evenly: gl_set_moe_jobs(1), the default) or share every step with barriers
     between (0, its twin): the same bits (gpt-oss: the experts' biases and gating 1 too)."""
     from made_families import tiny_dir
+    from spies import stack_calls
 
     d = tiny_dir(family)
     if d is None:
@@ -1194,6 +1197,7 @@ def test_routed_experts_by_whole_jobs_are_the_shared_steps(family: str) -> None:
                 out.append(model.forward(Batch(torch.tensor([[21 + step]]), [0], [12 + step], [1])))
         return out
 
+    served = stack_calls(monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -1204,6 +1208,7 @@ def test_routed_experts_by_whole_jobs_are_the_shared_steps(family: str) -> None:
     finally:
         lib.gl_set_moe_jobs(before)
         torch.set_num_threads(threads)
+    assert served.count(True) == 6, served  # both ways' decode steps ran in the native layer
     for a, b in zip(jobs, shared, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -160,16 +160,16 @@ def test_adapters_attached_and_detached_beside_running_steps(
         assert answers and all(a == want_long[k] for a in answers), long_names[k]
     for nm, got in short_got:
         assert got == want_short[nm], nm
-    # the path under test ran: the attaches went in beside the steps (all but any that found
-    # the engine's thread at rest between two of them)
-    assert sum(i is not None for i in went_beside) >= len(went_beside) // 2, went_beside
+    # the path under test ran: some attach went in beside a step (those that found the
+    # engine's thread at rest, or its set's lock held, went between two steps)
+    assert any(i is not None for i in went_beside), went_beside
     assert set(model.adapters.attached) == set(resident.values())
 
 
 def test_attach_beside_places_whole_and_publishes_between_steps(files: dict[str, Path]) -> None:
     """A projection with no slots yet (its site would be made under the step), the slots
-    changing on another thread or the model asleep: None, nothing changed. Otherwise the slot is in every projection the adapter names,
-    the tables made before stay as they were and the model's adapters' generation unchanged
+    changing on another thread or the model asleep: None, nothing changed. Otherwise the slot
+    is in every projection the adapter names, the tables made before stay as they were and the model's adapters' generation unchanged
     until `publish`."""
     if library() is None:
         pytest.skip("packed slots need the library")

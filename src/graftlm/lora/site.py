@@ -126,8 +126,12 @@ class LoraSite:
         kernels read a scale of 0 for a slot no row of it names (a new id: `AdapterSet`).
         `publish`, between two steps, puts it in the tables."""
         assert not self.gather and self.device.type == "cpu", "a native form is the CPU's"
-        assert slot not in self._packed and slot not in self._factors, f"slot {slot} is taken"
-        self._packed[slot] = packed  # (one dict store: complete before any thread can see it)
+        assert slot not in self._packed and slot not in self._factors, (
+            f"slot {slot} of the site ({self.n_out}, {self.n_in}) is taken"
+        )
+        # a new dict swapped in whole: a reader on the step's thread iterates either the old or
+        # the new one, never one changing under it (with or without the interpreter's lock)
+        self._packed = {**self._packed, slot: packed}
 
     def publish(self) -> None:
         """The slots staged since the last change in the native tables from the next step on."""

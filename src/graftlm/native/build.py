@@ -44,10 +44,12 @@ from graftlm.native import abi
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "graftlm.c"  # the unit the compiler is given
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-# "ymm": what the CPU has, but the 256-bit kernels where 512-bit ones exist (their twins' tests)
+# "ymm": what the CPU has, but the 256-bit kernels where 512-bit ones exist (their twins' tests);
+# "nogfni": what the CPU has but GFNI (an AVX-512 CPU without it: Skylake-X, Cascade Lake)
 ISA_FLAGS = {
     "native": [],
     "ymm": ["-DGL_NO_ZMM"],
+    "nogfni": ["-mno-gfni"],
     "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-gfni"],
 }
 
@@ -90,7 +92,7 @@ def _compiler() -> str | None:
 
 def isa() -> str:
     """The kernel variant asked for: "native" (what the CPU has), "ymm" (the same without the
-    512-bit kernels) or "avx2" (GRAFTLM_NATIVE_ISA)."""
+    512-bit kernels), "nogfni" (the same without GFNI) or "avx2" (GRAFTLM_NATIVE_ISA)."""
     name = os.environ.get("GRAFTLM_NATIVE_ISA", "native").strip().lower() or "native"
     if name not in ISA_FLAGS:
         raise ValueError(f"GRAFTLM_NATIVE_ISA={name!r}: expected one of {', '.join(ISA_FLAGS)}")

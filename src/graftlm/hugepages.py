@@ -66,13 +66,52 @@ def advise(t: torch.Tensor) -> bool:
         return False
 
 
+def _mapped(nbytes: int) -> torch.Tensor | None:
+    """nbytes of a fresh anonymous mapping (zeros, nothing touched), starting at a 2 MiB
+    boundary and advised to huge pages; None where that cannot be had.
+
+    Its own mapping rather than torch's allocator: malloc may hand back heap memory an earlier
+    tensor already touched (4 KiB pages, whatever the advice), and its chunks are not aligned.
+    The tensor holds the mapping; it is unmapped when the last view of it is gone."""
+    if _MADVISE is None or _ADVICE is None or nbytes < MIN_BYTES or not enabled():
+        return None
+    try:
+        m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, AttributeError):
+        return None
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    base = whole.data_ptr()
+    off = -base % HUGE
+    stop = (base + nbytes + HUGE) // HUGE * HUGE
+    try:
+        if _MADVISE(base + off, stop - base - off, _ADVICE) != 0:
+            return None
+    except (OSError, ctypes.ArgumentError):
+        return None
+    return whole[off : off + nbytes]
+
+
+def _huge(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor | None:
+    """A tensor of shape over _mapped memory, or None (not the CPU, too small, turned off)."""
+    if torch.device(device).type != "cpu":
+        return None
+    n = torch.empty(0, dtype=dtype).element_size()
+    for s in shape:
+        n *= s
+    t = _mapped(n)
+    return None if t is None else t.view(dtype).view(shape)
+
+
 def empty(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.empty, with huge pages asked for (advise) where it is a CPU tensor."""
-    t = torch.empty(*shape, dtype=dtype, device=device)
-    advise(t)
-    return t
+    """torch.empty, in huge pages where it is a large CPU tensor (see _mapped)."""
+    t = _huge(shape, dtype, device)
+    return torch.empty(*shape, dtype=dtype, device=device) if t is None else t
 
 
 def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """torch.zeros, with huge pages asked for before the zeros touch the memory."""
-    return empty(*shape, dtype=dtype, device=device).zero_()
+    """torch.zeros, in huge pages as empty's: a fresh mapping is zeros already, and its pages are
+    only faulted in (so resident) when something writes them, as calloc's are."""
+    t = _huge(shape, dtype, device)
+    return torch.zeros(*shape, dtype=dtype, device=device) if t is None else t

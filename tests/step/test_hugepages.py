@@ -69,10 +69,12 @@ def test_never_raises_without_madvise(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_thp
 def test_kv_cache_gets_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRAFTLM_HUGEPAGES", raising=False)
-    # 2 layers x 8 MiB of keys and of values, zeroed (so touched) after the advice
+    # 2 layers x 8 MiB of keys and of values, zeros until the steps write them
     cache = KVCache(2, 1, 8, 4096, 64, 64, dtype=torch.float32)
     assert cache.k[0].numel() * cache.k[0].element_size() >= 8 << 20
     assert not cache.k[0].any() and not cache.v[1].any()
+    for t in cache.k + cache.v:
+        t.fill_(1.0)
     assert all(anon_huge_kib(t) > 0 for t in cache.k + cache.v)
 
 
@@ -82,3 +84,27 @@ def test_weight_buffer_gets_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     t = hugepages.empty(16 << 20, dtype=torch.uint8)
     t.fill_(7)  # the first touch, as a native repack's
     assert anon_huge_kib(t) > 0
+
+
+def test_mapped_tensors_are_zeros_of_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAFTLM_HUGEPAGES", raising=False)
+    z = hugepages.zeros(3, 1 << 20, 2, dtype=torch.float16)
+    assert z.shape == (3, 1 << 20, 2) and z.dtype == torch.float16 and z.is_contiguous()
+    assert not z.any()
+    e = hugepages.empty(5 << 20, dtype=torch.uint8)
+    e.fill_(3)
+    assert int(e.sum()) == 3 * (5 << 20)
+    if hugepages._MADVISE is not None and hugepages._ADVICE is not None:
+        assert z.data_ptr() % hugepages.HUGE == 0  # its own aligned mapping
+    monkeypatch.setattr(hugepages, "_ADVICE", None)  # no MADV_HUGEPAGE: torch's own tensor
+    t = hugepages.zeros(5 << 20, dtype=torch.uint8)
+    assert t.shape == (5 << 20,) and not t.any()
+
+
+@needs_thp
+def test_off_means_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the test above: it can fail (GRAFTLM_HUGEPAGES=0 leaves 4 KiB pages)."""
+    monkeypatch.setenv("GRAFTLM_HUGEPAGES", "0")
+    t = hugepages.zeros(64 << 20, dtype=torch.uint8)  # above malloc's mmap threshold: fresh
+    t.fill_(1)
+    assert anon_huge_kib(t) == 0 or thp_mode() == "always"

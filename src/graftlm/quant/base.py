@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import sys
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -15,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from graftlm.hugepages import libc_madvise
 from graftlm.quant import config
 
 ArrayLike = np.ndarray | torch.Tensor
@@ -57,19 +55,7 @@ def byte_rows(data: ArrayLike, qtype: GGMLQuantizationType, shape: tuple[int, in
     return flat.view(n_out, rb)
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise()
+_MADVISE = libc_madvise()
 
 
 def release_pages(data: ArrayLike) -> int:

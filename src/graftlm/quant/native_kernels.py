@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from graftlm import hugepages
 from graftlm.native import library, threads
 from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
@@ -155,7 +156,7 @@ class NativeU4Kernel(NativeKernel):
         raw = raw.contiguous()
         n8 = -(-n // 8) * 8  # rows in groups of 8, the last padded with zero rows
         five = qtype in (T.Q5_0, T.Q5_1)
-        qs = torch.empty(n8, k // 2 + (k // 8 if five else 0), dtype=torch.uint8)
+        qs = hugepages.empty(n8, k // 2 + (k // 8 if five else 0), dtype=torch.uint8)
         d, m = _pack_scales(
             qtype, (n8, k // 32),
             lambda dm: lib.gl_pack_u4(
@@ -215,7 +216,7 @@ class NativeK4Kernel(NativeKernel):
         n, k = shape
         five = qtype == T.Q5_K
         groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
-        q = torch.empty(groups * (k // 32) * (144 + 32 * five), dtype=torch.uint8)
+        q = hugepages.empty(groups * (k // 32) * (144 + 32 * five), dtype=torch.uint8)
         d = torch.empty(groups * (k // 256) * 16, dtype=torch.float16)
         raw = raw.contiguous()
         bad = lib.gl_pack_k4(
@@ -277,7 +278,7 @@ class NativeK16Kernel(NativeKernel):
         v = cls.VARIANT[T(qtype)]
         groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
         block = 128 + (64 if v == 0 else 0) + 16 + (16 if v == 2 else 0)
-        q = torch.empty(groups * (k // 32) * block, dtype=torch.uint8)
+        q = hugepages.empty(groups * (k // 32) * block, dtype=torch.uint8)
         d = torch.empty(groups * (k // 256) * (16 if v == 2 else 8), dtype=torch.float16)
         raw = raw.contiguous()
         bad = lib.gl_pack_k6(
@@ -346,7 +347,7 @@ class NativeS8Kernel(NativeKernel):
         v = cls.VARIANT[T(qtype)]
         raw = raw.contiguous()
         groups = -(-n // 8)  # rows in groups of 8, the last padded with zero rows
-        q = torch.empty(groups * (k // 32) * cls.BLOCK_BYTES[v], dtype=torch.uint8)
+        q = hugepages.empty(groups * (k // 32) * cls.BLOCK_BYTES[v], dtype=torch.uint8)
 
         def pack(sc: tuple[torch.Tensor, ...]) -> int:
             return int(lib.gl_pack_s8(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from graftlm import hugepages
 from graftlm.native import library, threads
 from graftlm.native.abi import GlWeight
 from graftlm.native.build import loaded_library
@@ -52,7 +53,7 @@ class NativeMX4Kernel(NativeKernel):
         assert lib is not None
         n, k = shape
         raw = raw.contiguous()
-        q = torch.empty(-(-n // 8) * (k // 32) * cls.BLOCK_BYTES, dtype=torch.uint8)
+        q = hugepages.empty(-(-n // 8) * (k // 32) * cls.BLOCK_BYTES, dtype=torch.uint8)
         bad = lib.gl_pack_mx4(raw.data_ptr(), row_bytes(qtype, k), n, k, q.data_ptr(), threads())
         assert bad == 0, (qtype, shape)
         return cls(shape, q)

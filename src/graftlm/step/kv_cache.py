@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from graftlm import hugepages
 from graftlm.config import ModelConfig
 from graftlm.errors import GraftError
 from graftlm.step.batch import Batch
@@ -114,11 +115,11 @@ class KVCache:
         self.keys_transposed = dtype is not torch.uint8
         kshape = (head_dim, block) if self.keys_transposed else (block, kw)
         self.k = [
-            torch.zeros(self.n_blocks, n_head_kv, *kshape, dtype=dtype, device=device)
+            hugepages.zeros(self.n_blocks, n_head_kv, *kshape, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         self.v = [
-            torch.zeros(self.n_blocks, n_head_kv, block, vw, dtype=dtype, device=device)
+            hugepages.zeros(self.n_blocks, n_head_kv, block, vw, dtype=dtype, device=device)
             for _ in range(n_layer)
         ]
         # until an allocator sets them, a full pool maps slot s's block i to 1 + s * max_blocks + i

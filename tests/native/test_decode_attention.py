@@ -13,7 +13,6 @@ and the output is the rounded weights' convex combination)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from variants import variant_library
 
 from graftlm.native import features, library, ops
 from graftlm.step import KVCache
@@ -186,16 +186,9 @@ def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
 ) -> None:
     """The 512-bit kernel's q8_0 keys without integer dots (an AVX-512 CPU without VNNI): built
     here with -DGL_NO_Q8_DOTS, every case against the twin with the query unquantized."""
-    from graftlm.native import abi, build
-
     if not Q8_DOTS:
         pytest.skip("this CPU's kernel is that one: the tests above")
-    cc = build._compiler()
-    assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_Q8_DOTS",))))
-    abi.bind(lib)
-    monkeypatch.setattr(ops, "library", lambda: lib)
+    variant_library(tmp_path, monkeypatch, "-DGL_NO_Q8_DOTS")
     torch.set_num_threads(2)
     for case in CASES:
         _check(case, "q8_0", run_case(case, "q8_0"), q8_dots=False)
@@ -206,16 +199,9 @@ def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
 ) -> None:
     """The 512-bit kernel's bfloat16 cache in float32 arithmetic (an AVX-512 CPU without BF16):
     built here with -DGL_NO_BF16_ATTN, every case against the twin with the query unrounded."""
-    from graftlm.native import abi, build
-
     if not BF16_PAIRS:
         pytest.skip("this CPU's kernel is that one: the tests above")
-    cc = build._compiler()
-    assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_BF16_ATTN",))))
-    abi.bind(lib)
-    monkeypatch.setattr(ops, "library", lambda: lib)
+    variant_library(tmp_path, monkeypatch, "-DGL_NO_BF16_ATTN")
     torch.set_num_threads(2)
     for case in CASES:
         _check(case, "bf16", run_case(case, "bf16"), bf16_pairs=False)

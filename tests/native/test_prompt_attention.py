@@ -19,12 +19,12 @@ float32's rounding of the twin."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+from variants import variant_library
 
 from graftlm.native import features, library, ops
 from graftlm.step import Batch, KVCache, RowIndex
@@ -209,16 +209,9 @@ def test_exact_prompt_attention_is_float32(p: Prompt, kv: str) -> None:
 def test_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fast steps in float32 (an AVX-512 CPU without BF16): built here with -DGL_NO_BF16_ATTN,
     every case against the unrounded twin."""
-    from graftlm.native import abi, build
-
     if not BF16_ATTN:
         pytest.skip("this CPU's kernel is that one: the tests above")
-    cc = build._compiler()
-    assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_BF16_ATTN",))))
-    abi.bind(lib)
-    monkeypatch.setattr(ops, "library", lambda: lib)
+    variant_library(tmp_path, monkeypatch, "-DGL_NO_BF16_ATTN")
     torch.set_num_threads(2)
     for p in CASES:
         for kv in ("f16", "q8_0"):
@@ -230,16 +223,9 @@ def test_bf16_scores_where_the_cpu_has_no_vnni(
 ) -> None:
     """Fast steps' scores in bfloat16 pairs (AVX-512 BF16 without VNNI): built here with
     -DGL_NO_I8_ATTN, the cases against the bfloat16 twin."""
-    from graftlm.native import abi, build
-
     if not I8_ATTN:
         pytest.skip("this CPU's kernel is that one: the tests above")
-    cc = build._compiler()
-    assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build._build(cc, ("-DGL_NO_I8_ATTN",))))
-    abi.bind(lib)
-    monkeypatch.setattr(ops, "library", lambda: lib)
+    variant_library(tmp_path, monkeypatch, "-DGL_NO_I8_ATTN")
     torch.set_num_threads(2)
     for p in CASES:
         for kv in ("f16", "q8_0"):

@@ -16,7 +16,8 @@ PKG = SRC / "graftlm"
 
 # bottom to top; a module may import from its own floor and the floors below
 FLOORS: list[list[str]] = [
-    ["errors", "config", "resources", "__init__"],  # the root: errors and the version
+    # the root: errors, the version, and the huge-page buffers (imports nothing of graftlm's)
+    ["errors", "config", "resources", "hugepages", "__init__"],
     ["gguf"],
     ["step"],  # the batch, the KV cache and its allocator
     ["native"],  # bindings of the C kernels

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from variants import variant_library
 
 from graftlm.native import features, library, ops
 from graftlm.step import KVCache
@@ -188,6 +187,8 @@ def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
     here with -DGL_NO_Q8_DOTS, every case against the twin with the query unquantized."""
     if not Q8_DOTS:
         pytest.skip("this CPU's kernel is that one: the tests above")
+    from variants import variant_library  # (tests/: not on a subprocess's path)
+
     variant_library(tmp_path, monkeypatch, "-DGL_NO_Q8_DOTS")
     torch.set_num_threads(2)
     for case in CASES:
@@ -201,6 +202,8 @@ def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
     built here with -DGL_NO_BF16_ATTN, every case against the twin with the query unrounded."""
     if not BF16_PAIRS:
         pytest.skip("this CPU's kernel is that one: the tests above")
+    from variants import variant_library  # (tests/: not on a subprocess's path)
+
     variant_library(tmp_path, monkeypatch, "-DGL_NO_BF16_ATTN")
     torch.set_num_threads(2)
     for case in CASES:

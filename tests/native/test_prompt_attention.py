@@ -206,30 +206,25 @@ def test_exact_prompt_attention_is_float32(p: Prompt, kv: str) -> None:
     _check(p, kv, run(p, kv, exact=True), "f32")
 
 
-def test_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fast steps in float32 (an AVX-512 CPU without BF16): built here with -DGL_NO_BF16_ATTN,
-    every case against the unrounded twin."""
-    if not BF16_ATTN:
-        pytest.skip("this CPU's kernel is that one: the tests above")
-    variant_library(tmp_path, monkeypatch, "-DGL_NO_BF16_ATTN")
-    torch.set_num_threads(2)
-    for p in CASES:
-        for kv in ("f16", "q8_0"):
-            _check(p, kv, run(p, kv, exact=False), "f32")
-
-
-def test_bf16_scores_where_the_cpu_has_no_vnni(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("flag", "route"),
+    [("-DGL_NO_BF16_ATTN", "f32"), ("-DGL_NO_I8_ATTN", "bf16")],
+    ids=["no-bf16", "no-vnni"],
+)
+def test_fast_steps_where_the_cpu_lacks_a_feature(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str, route: str
 ) -> None:
-    """Fast steps' scores in bfloat16 pairs (AVX-512 BF16 without VNNI): built here with
-    -DGL_NO_I8_ATTN, the cases against the bfloat16 twin."""
-    if not I8_ATTN:
+    """A fast step on an AVX-512 CPU without BF16 (built here with -DGL_NO_BF16_ATTN: float32,
+    every case against the unrounded twin) or without VNNI (-DGL_NO_I8_ATTN: the scores in
+    bfloat16 pairs even with int8 scores asked for, against the bfloat16 twin)."""
+    if not (BF16_ATTN if route == "f32" else I8_ATTN):
         pytest.skip("this CPU's kernel is that one: the tests above")
-    variant_library(tmp_path, monkeypatch, "-DGL_NO_I8_ATTN")
+    variant_library(tmp_path, monkeypatch, flag)
+    monkeypatch.setattr(ops, "I8_ATTN_SCORES", True)  # (what the variant must refuse)
     torch.set_num_threads(2)
     for p in CASES:
         for kv in ("f16", "q8_0"):
-            _check(p, kv, run(p, kv, exact=False), "bf16")
+            _check(p, kv, run(p, kv, exact=False), route)
 
 
 @pytest.mark.parametrize("kv", TYPES)

@@ -37,6 +37,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,6 +113,39 @@ def engine_steps(
     return med[0], med[1], med[2], med[3], prefill
 
 
+def timed_steps(
+    args: argparse.Namespace,
+    step: Callable[[int], None],
+    b: int,
+    probe: Bandwidth | None,
+    weights: int,
+    kv: int,
+    first: int,
+) -> tuple[str, float]:
+    """One timed run of `args.steps` steps (after the probe, and a probe after: the larger
+    of the two is the limit the steps' read rate is shared against), its line and share."""
+    bw = probe.measure() if probe else 0.0
+    cpus = []
+    t0 = time.perf_counter()
+    for i in range(first + 1, first + args.steps + 1):
+        c0 = time.thread_time()
+        step(i)
+        cpus.append(time.thread_time() - c0)
+    s = (time.perf_counter() - t0) / args.steps
+    line = f"{b:3d} rows: {s * 1000:7.1f} ms/step, {b / s:7.1f} tok/s"
+    if args.cpu:
+        q = statistics.quantiles(cpus, n=4)
+        line += (f", CPU {statistics.median(cpus) * 1000:.1f} ms/step "
+                 f"[{q[0] * 1000:.1f}, {q[2] * 1000:.1f}]")  # fmt: skip
+    if not probe:
+        return line, 0.0
+    bw = max(bw, probe.measure())
+    read = weights + b * kv
+    line += (f", {read / 2**20:,.0f} MiB a step, {read / s / 1e9:.1f} GB/s: "
+             f"{read / s / bw:.0%} of {bw / 1e9:.1f}")  # fmt: skip
+    return line, read / s / bw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("rows", type=int, nargs="*", default=[1, 4, 16])
@@ -132,14 +166,16 @@ def main() -> None:
         default=[],
         help="with --adapters: mixed rows on the first K of them, for each K",
     )
-    ap.add_argument("--rounds", type=int, default=1, help="with --engine: alternated rounds")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="alternated rounds (with --engine), else timed runs"
+    )
     ap.add_argument("--prompt", type=int, default=8, help="with --engine: prompt tokens")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, depth = max(args.rows), args.depth
     loaded = graftlm.load(
         args.model,
-        ctx_size=max(256, depth + args.steps + 16),
+        ctx_size=max(256, depth + args.steps * (args.rounds + 1) + 16),
         n_seq=n,
         cache_type=args.cache_type,
     )
@@ -193,30 +229,21 @@ def main() -> None:
                 model.forward(Batch(tokens, list(range(b)), [p + i for p in start], [1] * b))
 
             step(0)
-            bw = probe.measure() if probe else 0.0
-            cpus = []
-            t0 = time.perf_counter()
-            for i in range(1, args.steps + 1):
-                c0 = time.thread_time()
-                step(i)
-                cpus.append(time.thread_time() - c0)
-            s = (time.perf_counter() - t0) / args.steps
-            line = f"{b:3d} rows: {s * 1000:7.1f} ms/step, {b / s:7.1f} tok/s"
-            if args.cpu:
-                q = statistics.quantiles(cpus, n=4)
-                line += (f", CPU {statistics.median(cpus) * 1000:.1f} ms/step "
-                         f"[{q[0] * 1000:.1f}, {q[2] * 1000:.1f}]")  # fmt: skip
-            if probe:
-                bw = max(bw, probe.measure())
-                read = weights + b * kv_bytes(path, depth, args.steps, cache_name)
-                line += (f", {read / 2**20:,.0f} MiB a step, {read / s / 1e9:.1f} GB/s: "
-                         f"{read / s / bw:.0%} of {bw / 1e9:.1f}")  # fmt: skip
-            print(line)
+            shares: list[float] = []
+            for rnd in range(args.rounds):
+                line, share = timed_steps(args, step, b, probe, weights if probe else 0,
+                                          kv_bytes(path, depth + args.steps * rnd, args.steps, cache_name) if probe
+                                          else 0, args.steps * rnd)  # fmt: skip
+                shares.append(share)
+                print(line + (f" (round {rnd + 1})" if args.rounds > 1 else ""), flush=True)
+            if probe and args.rounds > 1:
+                print(f"{b:3d} rows: median share over {args.rounds} rounds "
+                      f"{statistics.median(shares):.0%} (each {', '.join(f'{x:.0%}' for x in shares)})")  # fmt: skip
             if args.profile:
                 from torch.profiler import profile
 
                 with profile() as prof:
-                    for i in range(args.steps + 1, args.steps + 4):
+                    for i in range(args.steps * args.rounds + 1, args.steps * args.rounds + 4):
                         step(i)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 

@@ -163,14 +163,24 @@ for n, k in ((7, 96), (37, 864), (80, 160)):
     for m in (1, 3, 6, 7, 40):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         out[f"{n}x{k}:{m}"] = w.matmul(x)
+# the smallest and largest scales (subnormal 2^-128 and 2^-127, up to 2^127), x keeping them finite
+for name, exps, scale in (("low", (0, 1, 2, 3), 1.0), ("high", (250, 252, 254, 255), 2.0**-100)):
+    rng = np.random.default_rng(len(name))
+    raw = rng.integers(0, 256, (16, 8, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.resize(np.array(exps, dtype=np.uint8), (16, 8))
+    w = QWeight.from_gguf(raw.reshape(16, -1), Q.MXFP4, (16, 256), name="x")
+    for m in (1, 7):
+        x = torch.from_numpy((rng.standard_normal((m, 256)) * scale).astype(np.float32))
+        out[f"{name}:{m}"] = w.matmul(x)
 torch.save(out, sys.argv[1])
 """
 
 
 @pytest.mark.parametrize("other", ["avx2", "ymm"])
 def test_other_variants_are_the_same_bits(tmp_path: Path, other: str) -> None:
-    """The AVX2 variant (maddubs sums, no VNNI) and the ymm one (256-bit VNNI groups only),
-    built in subprocesses, against this CPU's on odd shapes: the same bits."""
+    """The AVX2 variant (maddubs sums, no VNNI; its scales from the exponents' bits, its lookups
+    by VPSHUFB) and the ymm one (256-bit VNNI groups only), built in subprocesses, against this
+    CPU's on odd shapes and at the edge exponents: the same bits."""
     if not features():
         pytest.skip("this CPU's variant is the AVX2 one: nothing to compare it with")
     if other == "ymm" and "zmm-vnni" not in features():

@@ -18,6 +18,13 @@ each, the ratio, the weight bytes a second that the new one reads (GB/s, one row
 the machine's read bandwidth a core takes) and whether the two gave the same bits.
 
     .venv/bin/python bench/kernels.py --against /tmp/main.so --types IQ3_XXS IQ2_XXS --rows 1 2 4 8 16 64
+
+With --types Q4_K and/or Q6_K only, --against runs the k-quants' products (gl_mm_k4, gl_mm_k6) the
+same way, on K_SHAPES: Qwen3-30B-A3B's expert matrices, the same k on big matrices, Llama-1B's FFN
+gate and output head, each in enough copies that every call reads its weight from memory (the GB/s
+of one row against a one-thread read of memory: the per-call costs of small matrices show there).
+
+    .venv/bin/python bench/kernels.py --against /tmp/main.so --types Q4_K Q6_K --rows 1 16 32
 """
 
 from __future__ import annotations
@@ -114,14 +121,76 @@ def grid_against(other: str, types: list[str], rows: list[int], rounds: int) -> 
                   f"| {'same' if same else 'DIFFER'} |")  # fmt: skip
 
 
+# k-quant A/B (--against with --types Q4_K Q6_K): Qwen3-30B-A3B's expert [gate; up] and down, the
+# same k on a big matrix, Llama-1B's FFN gate and its 128,256-wide Q6_K output head; each (type, n,
+# k, copies): copies of the weight at their own addresses, the calls taking them in turn, so that
+# every call reads its weight from memory as a decode step does (the copies' bytes past L3)
+K_SHAPES = [(Q.Q4_K, 1536, 2048, 96), (Q.Q6_K, 2048, 768, 96), (Q.Q4_K, 2048, 768, 96),
+            (Q.Q4_K, 16384, 2048, 8), (Q.Q6_K, 16384, 768, 12), (Q.Q4_K, 8192, 2048, 12),
+            (Q.Q6_K, 128256, 2048, 1)]  # fmt: skip
+
+
+def kquant_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
+    """The k-quants' products (gl_mm_k4, gl_mm_k6) of the library `other` (A) and this tree's (B),
+    alternated, one thread, on the same packed weights (the layout is the same in both)."""
+    from graftlm.native import library
+
+    ours = library()
+    if ours is None:
+        raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
+    libs = [ctypes.CDLL(other), ours]
+    for lib in libs:
+        for fn in (lib.gl_mm_k4, lib.gl_mm_k6):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int]  # fmt: skip
+    rng = np.random.default_rng(0)
+    print("| type | n_out x n_in | copies | M | A GMAC/s | B GMAC/s | B / A | A GB/s | B GB/s "
+          "| bits |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for qtype, n, k, copies in K_SHAPES:
+        if qtype.name not in types:
+            continue
+        kern = QWeight.from_gguf(random_blocks(qtype, (n, k), rng), qtype, (n, k))._k
+        packed = [(kern.q, kern.d)] + [(kern.q.clone(), kern.d.clone()) for _ in range(copies - 1)]
+        small = kern.five if qtype == Q.Q4_K else kern.variant
+        nbytes = kern.q.nbytes + kern.d.nbytes
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ys = [np.empty((m, n), np.float32) for _ in libs]
+            fns = [lib.gl_mm_k4 if qtype == Q.Q4_K else lib.gl_mm_k6 for lib in libs]
+            # per library, per copy: the call's arguments
+            args = [[(x.ctypes.data, m, k, q.data_ptr(), d.data_ptr(), small, n, y.ctypes.data, 1)
+                     for q, d in packed] for y in ys]  # fmt: skip
+            fns[0](*args[0][0])
+            fns[1](*args[1][0])
+            same = np.array_equal(ys[0].view(np.int32), ys[1].view(np.int32))
+            reps = max(copies, int(4e8 / (m * n * k)) // copies * copies)
+            times: list[list[float]] = [[], []]
+            for r in range(rounds):
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
+                    t0 = time.thread_time()
+                    fn, ai = fns[i], args[i]
+                    for j in range(reps):
+                        fn(*ai[j % copies])
+                    times[i].append((time.thread_time() - t0) / reps)
+            a, b = (m * n * k / statistics.median(t) / 1e9 for t in times)
+            ga, gb = (nbytes / statistics.median(t) / 1e9 for t in times)
+            print(f"| {qtype.name} | {n}x{k} | {copies} | {m} | {a:.1f} | {b:.1f} | {b / a:.3f} "
+                  f"| {ga:.2f} | {gb:.2f} | {'same' if same else 'DIFFER'} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", nargs="*", help="only these GGUF types (e.g. MXFP4)")
-    ap.add_argument("--against", help="a library file: the grid types' A/B against it (above)")
+    ap.add_argument("--against", help="a library file: the A/B against it (above)")
     ap.add_argument("--rounds", type=int, default=7, help="with --against: alternated rounds")
     args = ap.parse_args()
+    if args.against and args.types and set(args.types) <= {"Q4_K", "Q6_K"}:
+        kquant_against(args.against, args.types, args.rows, args.rounds)
+        return
     if args.against:
         grid_against(
             args.against, args.types or [t.name for t in GRID_TYPES], args.rows, args.rounds

@@ -86,6 +86,25 @@ def test_weight_buffer_gets_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     assert anon_huge_kib(t) > 0
 
 
+@needs_thp
+def test_smaller_weight_buffers_share_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A routed expert's repacked weights (under MIN_BYTES each) are carved from shared chunks."""
+    monkeypatch.delenv("GRAFTLM_HUGEPAGES", raising=False)
+    a = hugepages.empty(900_001, dtype=torch.uint8)
+    b = hugepages.empty(3, 600_000, dtype=torch.uint8)
+    for t, v in ((a, 5), (b, 9)):
+        assert not t.any()  # memory never handed out before
+        t.fill_(v)  # the first touch, as a native repack's
+    lo, hi = sorted((a, b), key=lambda t: t.data_ptr())
+    assert lo.data_ptr() + lo.numel() <= hi.data_ptr()  # apart
+    assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
+    assert int(a.sum()) == 5 * 900_001 and int(b.sum()) == 9 * 1_800_000
+    assert anon_huge_kib(a) > 0 and anon_huge_kib(b) > 0
+    small = hugepages.empty(1000, dtype=torch.uint8)  # under POOL_MIN: torch's own
+    z = hugepages.zeros(1 << 20, dtype=torch.uint8)  # zeros (the KV cache's) are not carved
+    assert not z.any() and small.shape == (1000,)
+
+
 def test_mapped_tensors_are_zeros_of_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRAFTLM_HUGEPAGES", raising=False)
     z = hugepages.zeros(3, 1 << 20, 2, dtype=torch.float16)

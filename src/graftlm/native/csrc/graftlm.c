@@ -148,7 +148,10 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 }
 
 #include "quant.c"
+#include "quant_mm.c"
 #include "kquant.c"
+#include "kquant_k4.c"
+#include "kquant_k16.c"
 #include "mxfp4.c"
 #include "amx.c"
 #include "attn.c"

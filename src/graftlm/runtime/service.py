@@ -305,12 +305,13 @@ class EngineService:
         log.info("sleeping after %g s idle: model and KV cache released", self.sleep_idle_s)
 
     # -- generation --
-    async def stream(self, jobs: Sequence[Job]) -> AsyncGenerator[Event, None]:
-        """Run jobs (event index = position in `jobs`) and yield their events as they come.
-        Leaving the iteration early (a client that disconnected) cancels what is still running;
-        use `contextlib.aclosing` so that happens at once."""
+    async def stream(self, jobs: Sequence[Job], whole: bool = False) -> AsyncGenerator[Event, None]:
+        """Run jobs (event index = position in `jobs`) and yield their events as they come
+        (whole: a job's events come together when it ends; for a caller that folds whole
+        answers). Leaving the iteration early (a client that disconnected) cancels what is
+        still running; use `contextlib.aclosing` so that happens at once."""
         loop = asyncio.get_running_loop()
-        sub = Submission(list(jobs), loop, asyncio.Queue(), outbox=self._outbox)
+        sub = Submission(list(jobs), loop, asyncio.Queue(), self._outbox, whole=whole)
         remaining = len(sub.jobs)
         if not remaining:
             return

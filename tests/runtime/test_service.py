@@ -74,3 +74,45 @@ def test_a_steps_events_reach_their_loop_in_one_hand_off_in_order() -> None:
         assert calls == 1
 
     asyncio.run(go())
+
+
+def test_a_whole_answers_events_wait_for_its_end() -> None:
+    """A submission folded whole (not streamed) hands its events over when a job ends, with
+    every event it holds then, in order; a streamed one at every flush."""
+    from graftlm.runtime.events import ErrorEvent, TokenEvent
+    from graftlm.runtime.tracking import Outbox, Submission
+
+    def finish(index: int) -> FinishEvent:
+        return FinishEvent(index, "length", "", n_prompt=1, n_generated=2)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        box = Outbox()
+        whole = Submission([], loop, asyncio.Queue(), outbox=box, whole=True)
+        streamed = Submission([], loop, asyncio.Queue(), outbox=box)
+        for sub in (whole, streamed):
+            sub.post(TokenEvent(0, 7, "a"))
+            sub.post(TokenEvent(1, 8, "b"))
+        box.flush()
+        await asyncio.sleep(0)
+        assert whole.events.empty() and streamed.events.qsize() == 2
+        whole.post(TokenEvent(0, 9, "c"))
+        whole.post(finish(0))  # job 0 ends: everything held goes
+        box.flush()
+        await asyncio.sleep(0)
+        got = [whole.events.get_nowait() for _ in range(whole.events.qsize())]
+        assert [(e.index, type(e).__name__) for e in got] == [
+            (0, "TokenEvent"), (1, "TokenEvent"), (0, "TokenEvent"), (0, "FinishEvent")
+        ]  # fmt: skip
+        whole.post(TokenEvent(1, 10, "d"))
+        box.flush()
+        await asyncio.sleep(0)
+        assert whole.events.empty()
+        whole.post(ErrorEvent(1, RuntimeError("x")))  # an error ends a job too
+        box.flush()
+        await asyncio.sleep(0)
+        assert [type(whole.events.get_nowait()).__name__ for _ in range(2)] == [
+            "TokenEvent", "ErrorEvent"
+        ]  # fmt: skip
+
+    asyncio.run(go())

@@ -122,7 +122,7 @@ class Submission:
     tracked: list[Tracked] = field(default_factory=list)
     pending: list[Event] = field(default_factory=list)
     whole: bool = False
-    _handed: bool = False  # in the outbox's hands until its next flush
+    _handed: bool = field(default=False, init=False)  # in the outbox's hands until it flushes
 
     def post(self, ev: Event) -> None:
         self.pending.append(ev)

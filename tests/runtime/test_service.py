@@ -116,3 +116,44 @@ def test_a_whole_answers_events_wait_for_its_end() -> None:
         ]  # fmt: skip
 
     asyncio.run(go())
+
+
+def test_the_observer_is_told_what_each_step_computed(tmp_path: Path) -> None:
+    """Every prompt token is prefilled once (padding counted apart), every token after a
+    request's first is one decode row, and each step's time is reported."""
+    from graftlm.runtime.events import CacheFacts, StepWork
+
+    class Seen:
+        def __init__(self) -> None:
+            self.work: list[StepWork] = []
+
+        def on_step(self, rows: int, running: int, waiting: int) -> None:
+            pass
+
+        def on_work(self, work: StepWork) -> None:
+            self.work.append(work)
+
+        def on_cache(self, facts: CacheFacts) -> None:
+            pass
+
+    spec = TinySpec(n_ctx=256)
+    model = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=256, n_seq=4)
+    seen = Seen()
+    service = EngineService(model.engine, model.prompter, model.adapters, observer=seen).start()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    try:
+
+        async def go() -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            jobs = [Job(p, params, AdapterSettings({}), cache=False) for p in prompts]
+            events = [ev async for ev in service.stream(jobs, whole=True)]
+            assert sum(isinstance(ev, FinishEvent) for ev in events) == 3
+
+        asyncio.run(go())
+    finally:
+        service.close()
+    w = seen.work
+    assert sum(x.prefill_tokens for x in w) == sum(len(p) for p in prompts)
+    assert all(x.prefill_padded >= x.prefill_tokens for x in w)
+    assert sum(x.decode_rows for x in w) == 3 * (6 - 1)
+    assert all(x.cpu_s >= 0 and x.wall_s > 0 for x in w)

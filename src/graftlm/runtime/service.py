@@ -47,6 +47,7 @@ from graftlm.runtime.events import (
     Job,
     ProgressEvent,
     ServiceObserver,
+    StepWork,
     TokenEvent,
 )
 from graftlm.runtime.idle import IdleClock, settle_heap, unsettle_heap
@@ -67,6 +68,7 @@ __all__ = [
     "Job",
     "ProgressEvent",
     "ServiceObserver",
+    "StepWork",
     "TokenEvent",
 ]
 
@@ -427,15 +429,21 @@ class EngineService:
             self._run_call(self._deferred.pop(0))
 
     def _step(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             plan = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
             self._tracker.fail(self.engine, exc)
             return
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
         self._tracker.post_ends()
         if self.observer is not None:
             # sequences in this step: those running, the ones admitted now included
             self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
+            real = sum(c.length for c in plan.prefill)
+            padded = len(plan.prefill) * plan.width
+            work = StepWork(len(plan.prefill), real, padded, len(plan.decode), cpu, wall)
+            self.observer.on_work(work)
             self.observer.on_cache(self.cache_facts())
 
     def cache_facts(self) -> CacheFacts:

@@ -74,3 +74,86 @@ def test_a_steps_events_reach_their_loop_in_one_hand_off_in_order() -> None:
         assert calls == 1
 
     asyncio.run(go())
+
+
+def test_a_whole_answers_events_wait_for_its_end() -> None:
+    """A submission folded whole (not streamed) hands its events over when a job ends, with
+    every event it holds then, in order; a streamed one at every flush."""
+    from graftlm.runtime.events import ErrorEvent, TokenEvent
+    from graftlm.runtime.tracking import Outbox, Submission
+
+    def finish(index: int) -> FinishEvent:
+        return FinishEvent(index, "length", "", n_prompt=1, n_generated=2)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        box = Outbox()
+        whole = Submission([], loop, asyncio.Queue(), outbox=box, whole=True)
+        streamed = Submission([], loop, asyncio.Queue(), outbox=box)
+        for sub in (whole, streamed):
+            sub.post(TokenEvent(0, 7, "a"))
+            sub.post(TokenEvent(1, 8, "b"))
+        box.flush()
+        await asyncio.sleep(0)
+        assert whole.events.empty() and streamed.events.qsize() == 2
+        whole.post(TokenEvent(0, 9, "c"))
+        whole.post(finish(0))  # job 0 ends: everything held goes
+        box.flush()
+        await asyncio.sleep(0)
+        got = [whole.events.get_nowait() for _ in range(whole.events.qsize())]
+        assert [(e.index, type(e).__name__) for e in got] == [
+            (0, "TokenEvent"), (1, "TokenEvent"), (0, "TokenEvent"), (0, "FinishEvent")
+        ]  # fmt: skip
+        whole.post(TokenEvent(1, 10, "d"))
+        box.flush()
+        await asyncio.sleep(0)
+        assert whole.events.empty()
+        whole.post(ErrorEvent(1, RuntimeError("x")))  # an error ends a job too
+        box.flush()
+        await asyncio.sleep(0)
+        assert [type(whole.events.get_nowait()).__name__ for _ in range(2)] == [
+            "TokenEvent", "ErrorEvent"
+        ]  # fmt: skip
+
+    asyncio.run(go())
+
+
+def test_the_observer_is_told_what_each_step_computed(tmp_path: Path) -> None:
+    """Every prompt token is prefilled once (padding counted apart), every token after a
+    request's first is one decode row, and each step's time is reported."""
+    from graftlm.runtime.events import CacheFacts, StepWork
+
+    class Seen:
+        def __init__(self) -> None:
+            self.work: list[StepWork] = []
+
+        def on_step(self, rows: int, running: int, waiting: int) -> None:
+            pass
+
+        def on_work(self, work: StepWork) -> None:
+            self.work.append(work)
+
+        def on_cache(self, facts: CacheFacts) -> None:
+            pass
+
+    spec = TinySpec(n_ctx=256)
+    model = graftlm.load(str(write_tiny_model(tmp_path / "m.gguf", spec)), ctx_size=256, n_seq=4)
+    seen = Seen()
+    service = EngineService(model.engine, model.prompter, model.adapters, observer=seen).start()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    try:
+
+        async def go() -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            jobs = [Job(p, params, AdapterSettings({}), cache=False) for p in prompts]
+            events = [ev async for ev in service.stream(jobs, whole=True)]
+            assert sum(isinstance(ev, FinishEvent) for ev in events) == 3
+
+        asyncio.run(go())
+    finally:
+        service.close()
+    w = seen.work
+    assert sum(x.prefill_tokens for x in w) == sum(len(p) for p in prompts)
+    assert all(x.prefill_padded >= x.prefill_tokens for x in w)
+    assert sum(x.decode_rows for x in w) == 3 * (6 - 1)
+    assert all(x.cpu_s >= 0 and x.wall_s > 0 for x in w)

@@ -32,3 +32,20 @@ def test_prefix_counters_add_the_new_counts_and_survive_a_fresh_cache() -> None:
     metrics.on_cache(_facts(50, 10, 1))
     assert _value(registry, "graftlm_prefix_cache_queries_total") == 200
     assert _value(registry, "graftlm_prefix_cache_evictions_total") == 4
+
+
+def test_step_work_adds_up_in_the_engine_counters() -> None:
+    from graftlm.runtime.events import StepWork
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.on_work(StepWork(2, 50, 60, 2, 0.5, 0.7))  # two prompts end, their rows decode
+    metrics.on_work(StepWork(0, 0, 0, 2, 0.25, 0.3))
+    v = registry.get_sample_value
+    assert v("graftlm_engine_forwards_total", {"kind": "prefill"}) == 1
+    assert v("graftlm_engine_forwards_total", {"kind": "decode"}) == 2
+    assert v("graftlm_engine_prefill_tokens_total", {"kind": "prompt"}) == 50
+    assert v("graftlm_engine_prefill_tokens_total", {"kind": "computed"}) == 60
+    assert _value(registry, "graftlm_engine_decode_rows_total") == 4
+    assert _value(registry, "graftlm_engine_step_cpu_seconds_total") == 0.75
+    assert _value(registry, "graftlm_engine_step_seconds_total") == 1.0

@@ -11,6 +11,7 @@ taking it on the engine's thread (`publish`). A lock keeps the changes one at a 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from graftlm.lora.scales import scale_problem
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Base
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,27 +131,36 @@ class AdapterSet:
         tables take it at `publish`, which the engine's thread runs before any step whose
         rows can name it."""
         if not self._lock.acquire(blocking=False):
-            return None
+            return _not_beside(adapter, "the slots are changing on the engine's thread")
         try:
             return self._stage(adapter)
         finally:
             self._lock.release()
 
     def _stage(self, adapter: ResolvedAdapter) -> int | None:
-        if isinstance(self.model, _Asleep) or self.model.device.type != "cpu":
-            return None
+        if isinstance(self.model, _Asleep):
+            return _not_beside(adapter, "the model is asleep")
+        if self.model.device.type != "cpu":
+            return _not_beside(adapter, f"the model is on {self.model.device}, not the CPU")
         projections = self.model.seams.projections
         staged: list[tuple[LoraSite, PackedSlot]] = []
-        for name, d in adapter.deltas.items():
+        for name, d in adapter.deltas.items():  # (a refusal comes before any site holds it)
             p = projections.get(name) if name != EMBEDDING else None
-            if p is None or p.lora is None or d.packed is None:
-                return None  # (before any site holds it: nothing to undo)
+            if p is None or p.lora is None:
+                return _not_beside(adapter, f"{name} has no adapter slots yet")
+            if d.packed is None:
+                return _not_beside(adapter, f"its factors for {name} are not packed")
             site, packed = p.lora, d.packed
             if packed.half != p.approximate or (packed.n_in, packed.n_out) != (
                 site.n_in,
                 site.n_out,
             ):
-                return None
+                return _not_beside(
+                    adapter,
+                    f"its packed factors for {name} ({packed.n_in} -> {packed.n_out}, half "
+                    f"{packed.half}) do not fit the slots ({site.n_in} -> {site.n_out}, half "
+                    f"{p.approximate})",
+                )
             staged.append((site, packed))
         slot = self._next_id
         for site, packed in staged:
@@ -340,3 +352,12 @@ class AdapterSet:
 
     def info(self) -> list[dict[str, object]]:
         return [a.info() for _, a in sorted(self.attached.items())]
+
+
+def _not_beside(adapter: ResolvedAdapter, why: str) -> int | None:
+    """`attach_beside` declines (the adapter is attached between two steps instead): why, in
+    the debug log; None, attach_beside's answer."""
+    log.debug(
+        "%s: not attached beside the step (%s); attached between two steps", adapter.path, why
+    )
+    return None

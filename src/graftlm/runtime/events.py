@@ -119,10 +119,25 @@ class CacheFacts:
     evicted: int
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """What one engine step computed and what it cost: its prefill batch (rows, the prompt
+    tokens in them and the tokens computed, padding counted), its decode rows, and its time on
+    the engine thread (CPU: with one thread, the step's whole compute; wall)."""
+
+    prefill_rows: int
+    prefill_tokens: int
+    prefill_padded: int
+    decode_rows: int
+    cpu_s: float
+    wall_s: float
+
+
 class ServiceObserver(Protocol):
     """Told after every engine step (from the engine thread): sequences in the step, requests
-    running and waiting, and the cache's facts. rows == 0: no step was run, only the counts
-    changed (the engine idles)."""
+    running and waiting, what the step computed, and the cache's facts. rows == 0: no step was
+    run, only the counts changed (the engine idles)."""
 
     def on_step(self, rows: int, running: int, waiting: int) -> None: ...
+    def on_work(self, work: StepWork) -> None: ...
     def on_cache(self, facts: CacheFacts) -> None: ...

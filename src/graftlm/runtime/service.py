@@ -14,7 +14,8 @@ One cache slot is kept back from generation (when the engine has more than one) 
 pass (`prompt_logprobs`) never waits for a generation to end.
 
 The queue of requests waiting to start is the engine's scheduler's; this object keeps only the
-thread, its inbox of calls and submissions, and which submission each request's events go to.
+thread and its inbox of calls and submissions; which submission each request's events go to is
+its `runtime.tracking.Tracker`'s.
 It knows the model through three narrow objects: the engine, the prompter (text) and the
 adapter set. With `sleep_idle_s` it lets the engine go when idle (`runtime.idle` says when) and
 loads it again through `reload` for the next work.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import logging
 import queue
 import threading
@@ -47,19 +47,30 @@ from graftlm.runtime.events import (
     Job,
     ProgressEvent,
     ServiceObserver,
+    StepWork,
     TokenEvent,
 )
-from graftlm.runtime.idle import IdleClock
+from graftlm.runtime.idle import IdleClock, settle_heap, unsettle_heap
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.scoring import Scorer
-from graftlm.runtime.tracking import Outbox, Submission, Tracked
+from graftlm.runtime.tracking import Outbox, Submission, Tracker
 
 if TYPE_CHECKING:
     from graftlm.lora.adapter_set import AdapterSet
 
 # what a caller of the service meets: the service and what goes through it
-__all__ = ["CacheFacts", "EngineService", "ErrorEvent", "Event", "FinishEvent", "Job",
-           "ProgressEvent", "ServiceObserver", "TokenEvent"]  # fmt: skip
+__all__ = [
+    "CacheFacts",
+    "EngineService",
+    "ErrorEvent",
+    "Event",
+    "FinishEvent",
+    "Job",
+    "ProgressEvent",
+    "ServiceObserver",
+    "StepWork",
+    "TokenEvent",
+]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -107,14 +118,13 @@ class EngineService:
         self._bind(engine)
         self.observer = observer
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._active: list[Tracked] = []  # given to the engine: queued there or running
+        self._tracker = Tracker(prompter)  # the requests given to the engine, their events
         self._deferred: list[_Call] = []  # calls waiting for a free cache slot
         self._outbox = Outbox()  # the events of a step, handed over when it ends
         self._thread: threading.Thread | None = None
         self._at_rest = False  # the thread waits on an empty inbox (no step in flight)
         self.n_running = 0
         self.n_waiting = 0
-        self.n_cancelled = 0  # requests ended early because their caller left
         self._reload = reload
         self.idle = IdleClock(sleep_idle_s)
 
@@ -171,6 +181,7 @@ class EngineService:
             self._thread = None
         if self._engine is not None:
             self._engine.scheduler.max_running = self._cap_before
+        unsettle_heap()  # (a model let go after this is collectable whole)
 
     @property
     def alive(self) -> bool:
@@ -284,6 +295,7 @@ class EngineService:
             ) from exc
         engine.invocations = self.adapters.invocations
         self._bind(engine)
+        settle_heap()
         self.idle.n_wakes += 1
         self.idle.touch()
         log.info("awake: model loaded again in %.2f s", time.perf_counter() - t0)
@@ -293,24 +305,26 @@ class EngineService:
         if self._engine is None:
             return
         with self.idle.lock:
-            if self._active or self._deferred or self._engine.busy or not self.idle.due():
+            if self._tracker.active or self._deferred or self._engine.busy or not self.idle.due():
                 return
             # nothing but this thread may reach the engine now: callers hold, work goes through
             # the inbox, and the inbox wakes it
             self._engine.scheduler.max_running = self._cap_before
+            unsettle_heap()  # (the model's cycles are collectable again)
             self._engine = self._scorer = None
             self.adapters.release()
-        gc.collect()
+        settle_heap()
         self.idle.n_sleeps += 1
         log.info("sleeping after %g s idle: model and KV cache released", self.sleep_idle_s)
 
     # -- generation --
-    async def stream(self, jobs: Sequence[Job]) -> AsyncGenerator[Event, None]:
-        """Run jobs (event index = position in `jobs`) and yield their events as they come.
-        Leaving the iteration early (a client that disconnected) cancels what is still running;
-        use `contextlib.aclosing` so that happens at once."""
+    async def stream(self, jobs: Sequence[Job], whole: bool = False) -> AsyncGenerator[Event, None]:
+        """Run jobs (event index = position in `jobs`) and yield their events as they come
+        (whole: a job's events come together when it ends; for a caller that folds whole
+        answers). Leaving the iteration early (a client that disconnected) cancels what is
+        still running; use `contextlib.aclosing` so that happens at once."""
         loop = asyncio.get_running_loop()
-        sub = Submission(list(jobs), loop, asyncio.Queue(), outbox=self._outbox)
+        sub = Submission(list(jobs), loop, asyncio.Queue(), self._outbox, whole=whole)
         remaining = len(sub.jobs)
         if not remaining:
             return
@@ -392,13 +406,13 @@ class EngineService:
                 else:
                     self._run_call(item)
             elif isinstance(item, Submission):
-                self._accept(item)
+                self._tracker.accept(self.engine, item)
             elif isinstance(item, tuple) and item[0] == "cancel":
-                self._cancel(item[1])
+                self._tracker.cancel(self.engine, item[1])
         except Exception as exc:
             log.exception("engine service: unexpected error")
             if isinstance(item, Submission):
-                self._cancel(item)
+                self._tracker.cancel(self.engine, item)
                 _refuse(item, exc)
 
     @staticmethod
@@ -414,57 +428,42 @@ class EngineService:
         while self._deferred and self.engine.slots.n_free:
             self._run_call(self._deferred.pop(0))
 
-    def _accept(self, sub: Submission) -> None:
-        """Each job becomes a request in the engine's queue (its scheduler admits it)."""
-        for index in range(len(sub.jobs)):
-            t = Tracked.of(sub, index, self.prompter, lambda req, why: self.engine.stop(req, why))
-            if t.job.params.max_tokens == 0:
-                t.req.t_end = time.perf_counter()
-                sub.post(t.finish_event("length"))
-                continue
-            try:
-                self.engine.submit(t.req)
-            except GraftError as exc:
-                t.req.finish_reason = "error"
-                sub.post(ErrorEvent(index, exc))
-                continue
-            self._active.append(t)
-
     def _step(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             plan = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
-            for t in list(self._active):
-                if not t.req.done:
-                    self.engine.stop(t.req, "error")
-                t.sub.post(ErrorEvent(t.index, exc))
-            self._active.clear()
+            self._tracker.fail(self.engine, exc)
             return
-        finished = [t for t in self._active if t.req.done]
-        if finished:
-            self._active = [t for t in self._active if not t.req.done]
-            for t in finished:
-                if t.req.finish_reason == "error" and t.req.error is not None:
-                    t.sub.post(ErrorEvent(t.index, t.req.error))  # this request's alone
-                elif t.req.finish_reason != "cancelled":
-                    t.sub.post(t.finish_event(t.req.finish_reason or "stop"))
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+        self._tracker.post_ends()
         if self.observer is not None:
             # sequences in this step: those running, the ones admitted now included
             self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
+            real = sum(c.length for c in plan.prefill)
+            padded = len(plan.prefill) * plan.width
+            work = StepWork(len(plan.prefill), real, padded, len(plan.decode), cpu, wall)
+            self.observer.on_work(work)
             self.observer.on_cache(self.cache_facts())
 
     def cache_facts(self) -> CacheFacts:
         pool, cache = self.engine.slots.pool, self.engine.cache
         st = pool.stats
-        return CacheFacts(pool.n_usable, pool.n_used, pool.n_cached, cache.block, cache.nbytes,
-                          st.query_tokens, st.hit_tokens, st.evicted)  # fmt: skip
+        return CacheFacts(
+            pool.n_usable,
+            pool.n_used,
+            pool.n_cached,
+            cache.block,
+            cache.nbytes,
+            st.query_tokens,
+            st.hit_tokens,
+            st.evicted,
+        )
 
-    def _cancel(self, sub: Submission) -> None:
-        for t in sub.tracked:
-            if not t.req.done:
-                self.engine.stop(t.req, "cancelled")
-                self.n_cancelled += 1
-        self._active = [t for t in self._active if t.sub is not sub]
+    @property
+    def n_cancelled(self) -> int:
+        """Requests ended early because their caller left."""
+        return self._tracker.n_cancelled
 
     def _n_waiting(self) -> int:
         return len(self.engine.waiting)
@@ -476,13 +475,9 @@ class EngineService:
             self.observer.on_step(0, self.n_running, self.n_waiting)  # idle: counts only
 
     def _shutdown(self) -> None:
-        for t in self._active:
-            if not t.req.done:
-                self.engine.stop(t.req, "cancelled")
-            t.sub.post(
-                ErrorEvent(t.index, RequestError("the server is shutting down", "server_shutdown"))
-            )
-        self._active.clear()
+        if self._engine is not None:
+            why = RequestError("the server is shutting down", "server_shutdown")
+            self._tracker.fail(self._engine, why, "cancelled")
         for call in self._deferred:
             call.future.cancel()
         self._deferred.clear()

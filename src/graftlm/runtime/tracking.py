@@ -1,10 +1,12 @@
-"""One submission's requests on the engine thread, and the events they post back.
+"""The requests given to the engine on the engine thread, and the events they post back.
 
 A `Submission` is the jobs one caller handed the service at once, with the asyncio loop and
 queue their events go to. Each job becomes a `Tracked` request: the engine's `Request`, its
 text stream (stop strings held back) and, when log-probabilities are asked for, the sampler
 that records them. The request's callbacks turn each token (and the prompt's progress) into
-events; `finish_event` says how it ended.
+events; `finish_event` says how it ended. The `Tracker` holds the requests given to the engine
+(queued there or running) and posts each one's end after the step that ended it; an `Outbox`
+hands a step's events to their loops at once.
 """
 
 from __future__ import annotations
@@ -13,14 +15,26 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from graftlm.runtime.events import Event, FinishEvent, Job, ProgressEvent, TokenEvent
+from graftlm.errors import GraftError
+from graftlm.runtime.events import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    Job,
+    ProgressEvent,
+    TokenEvent,
+)
 from graftlm.runtime.prompting import Prompter
 from graftlm.runtime.sampling import Sampler, SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.runtime.textstream import TextStream
+
+if TYPE_CHECKING:
+    from graftlm.runtime.engine import Engine
 
 Stop = Callable[[Request, str], None]  # ends a request in the engine, with its reason
 
@@ -78,7 +92,7 @@ class Outbox:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], list[Event]]]]
         by_loop = {}
         for sub in held:
-            events, sub.pending = sub.pending, []
+            events, sub.pending, sub._handed = sub.pending, [], False
             by_loop.setdefault(sub.loop, []).append((sub.events, events))
         for loop, batches in by_loop.items():
             try:
@@ -97,7 +111,9 @@ def _deliver(batches: list[tuple[asyncio.Queue[Event], list[Event]]]) -> None:
 @dataclass
 class Submission:
     """outbox: where posted events wait for the engine thread's next flush (the engine thread
-    alone posts)."""
+    alone posts). whole: the caller folds whole answers (not a stream), so a job's events are
+    handed over when it ends, with whatever else is pending then, not every step: the loop
+    wakes once a job, not once a step (16 rows woke it 32 times for 32 tokens each)."""
 
     jobs: Sequence[Job]
     loop: asyncio.AbstractEventLoop
@@ -105,11 +121,15 @@ class Submission:
     outbox: Outbox
     tracked: list[Tracked] = field(default_factory=list)
     pending: list[Event] = field(default_factory=list)
+    whole: bool = False
+    _handed: bool = field(default=False, init=False)  # in the outbox's hands until it flushes
 
     def post(self, ev: Event) -> None:
-        if not self.pending:
-            self.outbox.hold(self)
         self.pending.append(ev)
+        if self._handed or (self.whole and not isinstance(ev, FinishEvent | ErrorEvent)):
+            return
+        self._handed = True
+        self.outbox.hold(self)
 
 
 @dataclass
@@ -188,3 +208,58 @@ class Tracked:
             n_draft_accepted=req.n_draft_accepted,
             truncated=req.dropped > 0,
         )
+
+
+class Tracker:
+    """The requests the service gave the engine (queued there or running), each with the
+    submission its events go to; engine-thread only."""
+
+    def __init__(self, prompter: Prompter) -> None:
+        self.prompter = prompter
+        self.active: list[Tracked] = []
+        self.n_cancelled = 0  # requests ended early because their caller left
+
+    def accept(self, engine: Engine, sub: Submission) -> None:
+        """Each job becomes a request in the engine's queue (its scheduler admits it)."""
+        for index in range(len(sub.jobs)):
+            t = Tracked.of(sub, index, self.prompter, lambda req, why: engine.stop(req, why))
+            if t.job.params.max_tokens == 0:
+                t.req.t_end = time.perf_counter()
+                sub.post(t.finish_event("length"))
+                continue
+            try:
+                engine.submit(t.req)
+            except GraftError as exc:
+                t.req.finish_reason = "error"
+                sub.post(ErrorEvent(index, exc))
+                continue
+            self.active.append(t)
+
+    def post_ends(self) -> None:
+        """After a step: each request it ended posts its end (an error its own)."""
+        finished = [t for t in self.active if t.req.done]
+        if not finished:
+            return
+        self.active = [t for t in self.active if not t.req.done]
+        for t in finished:
+            if t.req.finish_reason == "error" and t.req.error is not None:
+                t.sub.post(ErrorEvent(t.index, t.req.error))  # this request's alone
+            elif t.req.finish_reason != "cancelled":
+                t.sub.post(t.finish_event(t.req.finish_reason or "stop"))
+
+    def fail(self, engine: Engine, exc: Exception, reason: str = "error") -> None:
+        """Every request ends with `exc` (a step that failed; the service shutting down, its
+        requests cancelled)."""
+        for t in self.active:
+            if not t.req.done:
+                engine.stop(t.req, reason)
+            t.sub.post(ErrorEvent(t.index, exc))
+        self.active.clear()
+
+    def cancel(self, engine: Engine, sub: Submission) -> None:
+        """The submission's caller left: what it still runs ends, posting nothing."""
+        for t in sub.tracked:
+            if not t.req.done:
+                engine.stop(t.req, "cancelled")
+                self.n_cancelled += 1
+        self.active = [t for t in self.active if t.sub is not sub]

@@ -155,6 +155,7 @@ def chat_request(body: Any, count_only: bool = False) -> ChatCompletionRequest:
         ("stop", "stop_sequences"),
         ("lora", "lora"),
         ("seed", "seed"),
+        ("stream", "stream"),  # (pieces come as they are made only to a stream)
     ):
         if body.get(theirs) is not None and not (count_only and ours == "max_tokens"):
             chat[ours] = body[theirs]

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from graftlm.errors import GraftError, RequestError
+from graftlm.runtime.idle import settle_heap
 from graftlm.runtime.service import EngineService
 from graftlm.server import (
     anthropic_routes,
@@ -200,6 +201,7 @@ def build_state(
     `state.service` when done. Raises AdapterError when a pinned adapter cannot be attached.
     sleep_idle_s: llama-server's sleep, after this many seconds without a request the model and
     its KV cache are let go, and `reload` (the same load again) brings them back on the next."""
+    settle_heap()  # (the model's objects leave the collector's full passes; before the idle clock)
     metrics = Metrics()
     service = EngineService(
         model.engine,

@@ -16,7 +16,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from graftlm.runtime.service import CacheFacts, FinishEvent
+from graftlm.runtime.service import CacheFacts, FinishEvent, StepWork
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # an adapter's cold attach: a few ms to a few hundred, finely where the 50 ms goal lies
@@ -35,9 +35,37 @@ class Metrics:
         self._request_metrics(self.registry)
         self._adapter_metrics(self.registry)
         self._cache_metrics(self.registry)
+        self._step_metrics(self.registry)
         self._seen = (0, 0, 0)
         self.llama = LlamaMetrics()
         self.started = time.time()
+
+    def _step_metrics(self, r: CollectorRegistry) -> None:
+        """What the engine's steps computed and what they cost (served traffic against the
+        step measured alone: rows a step, padding, CPU a generated token)."""
+        self.forwards = Counter(
+            "graftlm_engine_forwards",
+            "Model forwards of the engine's steps: a prefill batch, a decode batch",
+            ["kind"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "graftlm_engine_prefill_tokens",
+            "Prompt tokens prefilled ('prompt') and computed with the rows' padding ('computed')",
+            ["kind"],
+            registry=r,
+        )
+        self.decode_rows = Counter(
+            "graftlm_engine_decode_rows", "Decode rows of the steps (one token each)", registry=r
+        )
+        self.step_cpu = Counter(
+            "graftlm_engine_step_cpu_seconds",
+            "CPU time of the engine thread in steps (with one thread: all of their compute)",
+            registry=r,
+        )
+        self.step_wall = Counter(
+            "graftlm_engine_step_seconds", "Wall time of the engine's steps", registry=r
+        )
 
     def _request_metrics(self, r: CollectorRegistry) -> None:
         """Requests, tokens and errors, the queue, the batch, latencies."""
@@ -152,6 +180,17 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.llama.running, self.llama.waiting = running, waiting
+
+    def on_work(self, work: StepWork) -> None:
+        if work.prefill_rows:
+            self.forwards.labels("prefill").inc()
+            self.prefill_tokens.labels("prompt").inc(work.prefill_tokens)
+            self.prefill_tokens.labels("computed").inc(work.prefill_padded)
+        if work.decode_rows:
+            self.forwards.labels("decode").inc()
+            self.decode_rows.inc(work.decode_rows)
+        self.step_cpu.inc(work.cpu_s)
+        self.step_wall.inc(work.wall_s)
 
     def on_cache(self, facts: CacheFacts) -> None:
         self.kv_blocks.labels("total").set(facts.blocks_total)

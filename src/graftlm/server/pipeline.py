@@ -130,7 +130,7 @@ async def start(state: ServerState, gen: Generation) -> Run:
     except BaseException:
         state.registry.release(lease)
         raise
-    pieces = deltas(state, jobs, lease, gen.endpoint, before)
+    pieces = deltas(state, jobs, lease, gen.endpoint, before, whole=not gen.stream)
     return Run(gen.prompts, params, lease, pieces, len(jobs))
 
 
@@ -295,13 +295,15 @@ async def deltas(
     lease: Lease,
     endpoint: str,
     before: Sequence[Delta] = (),
+    whole: bool = False,
 ) -> AsyncGenerator[Delta, None]:
-    """The pieces of every choice as the engine produces them (`before` first: echoed prompts).
-    Releases the lease when it ends, however it ends; records each finished choice's metrics."""
+    """The pieces of every choice as the engine produces them (`before` first: echoed prompts;
+    whole: an answer not streamed, its pieces handed over when its choice ends). Releases the
+    lease when it ends, however it ends; records each finished choice's metrics."""
     try:
         for d in before:
             yield d
-        async with aclosing(state.service.stream(jobs)) as events:
+        async with aclosing(state.service.stream(jobs, whole)) as events:
             async for ev in events:
                 if isinstance(ev, TokenEvent):
                     lp = (
@@ -325,7 +327,8 @@ async def deltas(
 
 
 async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int) -> list[Choice]:
-    """Fold pieces into whole choices; cancel the generation if the client goes away meanwhile."""
+    """Fold pieces into whole choices; cancel the generation if the client goes away meanwhile
+    (told by the server's receive channel: no polling while the answer is made)."""
     choices = [Choice(i) for i in range(n)]
 
     async def fold() -> None:
@@ -334,16 +337,23 @@ async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int)
                 choices[d.index].add(d)
 
     task = asyncio.ensure_future(fold())
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()
-                raise ApiError(499, "the client closed the connection", "client_closed")
-    finally:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
+            raise ApiError(499, "the client closed the connection", "client_closed")
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
     task.result()
     return choices
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone: the ASGI receive channel, its body read, next says
+    `http.disconnect` (starlette's `is_disconnected` asks the same channel without waiting,
+    which a loop must then poll)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -210,7 +210,20 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
  * IQ2_S; two lanes one of the others). The IQ3 types' V[k] are a 6-bit code plane of their
  * entries (values 0, 1 or 2, 3: *_PAIR) through a 64-byte table (vpermb), the IQ2 types' the
  * entries' 16-bit codes (4 values' 2-bit codes a byte) through one; a V[k]'s sign bits are
- * picked from the sign bytes (vpshufbitqmb), and x is put in the same order once a row. */
+ * picked from the sign bytes (vpshufbitqmb), and x is put in the same order once a row.
+ *
+ * Where a row's time goes (Zen 4, one thread, 1536 x 2048 in cache, 2026-12-07): ~9.5 ns (~35
+ * cycles) an output's super-block for IQ2_XXS, ~8.5 for IQ3_XXS, of which a second row adds only
+ * ~2.6: the rest is the per-output unpacking. Left out one at a time (wrong results, timing only):
+ * the sign masks (iq_ksigns, iq_negs) 30% of the time, the scales and the sums' transposition into
+ * lanes of outputs 18% (IQ2_XXS) and 14% (IQ3_XXS), half of iq_look256's permutes 14%. On Zen 4 a
+ * 512-bit vpermb, vpermi2b, vpermd, vpshufb, vpmultishiftqb, vpshufbitqmb, vpmovb2m or VPDPBUSD
+ * issues at one a cycle; vpshufbitqmb and kmovq k, m64 share VPDPBUSD's pipes (one a cycle for all),
+ * the permutes share theirs with shifts, vpopcntb and conversions. Tried, the same bits, no gain
+ * (alternated A/B): the XXS scales from the sign words at hand (0.97-1.03x), IQ2_XXS's indices
+ * compacted by two permutes instead of four (0.98-1.01x), two VPDPBUSD chains an output (0.88-1.01x),
+ * the 8 output pairs software-pipelined (0.8x, spills), IQ3_XXS's magnitudes looked up from four
+ * 256-entry planes without iq3_vals' vpermb (0.79x). */
 
 /* The 64-byte tables of V[k] (iq_vals): t[k][c] the magnitude of the code at bits [b k', ..) of
  * c (IQ3: b = 3, the codes of two values a byte, t[0], t[1]; IQ2: b = 2, four, t[0 .. 2], the

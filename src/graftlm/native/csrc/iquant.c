@@ -163,19 +163,17 @@ static inline __m512i iq_ksigns512(__m512i aux) {
 
 /* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
  * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
- * e: entry e's 8 values); their 32 grid indices each looked up in one vector. */
+ * e: entry e's 8 values; IQ2_XXS: none, iq2xxs_negs makes its masks); their 32 grid indices each
+ * looked up in one vector. */
 static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v,
                                                              __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
     __m512i lo, hi;
     __m256i sa, sb;
-    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices, then their signs and ls (to the high half) */
-        const __m512i sel = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        const __m512i a = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pa + 2));
-        const __m512i b = _mm512_permutexvar_epi32(sel, _mm512_loadu_si512(pb + 2));
-        const __m512i idx = _mm512_shuffle_i64x2(a, b, 0x44);
+    if (v == IQ2_XXS) { /* 8 bytes a sub-block: 4 indices (dword u: pa's u < 8, pb's), then signs and ls */
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i idx = _mm512_permutex2var_epi32(_mm512_loadu_si512(pa + 2), ev, _mm512_loadu_si512(pb + 2));
         lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
-        const __m512i sg = iq_ksigns512(_mm512_shuffle_i64x2(a, b, 0xEE));
-        sa = _mm512_castsi512_si256(sg), sb = _mm512_extracti64x4_epi64(sg, 1);
+        sa = sb = _mm256_setzero_si256(); /* its signs: iq2xxs_negs */
     } else if (v == IQ2_XS) {
         const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
@@ -261,6 +259,19 @@ static inline __attribute__((always_inline)) void iq_x4(const int8_t *x, __m512i
  * bit p of neg[k] the sign of value 4 p + k, from S's dword p / 8 (bits 4 m + k, m = 0 .. 7). */
 static inline __attribute__((always_inline)) void iq_negs(__m256i S, __mmask64 *neg) {
     const __m512i q = _mm512_cvtepu32_epi64(S);
+    for (int k = 0; k < 4; k++)
+        neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
+}
+
+/* IQ2_XXS's iq_negs from super-block p's own words rather than the sign bytes of iq2_codes2 (made
+ * after its compaction of indices and sign words): qword j of the words is sub-block j, 4 indices
+ * then 4 7-bit sign indices, which iq_ksigns512's steps turn into sign bytes at bytes 0 .. 3 of
+ * qword j, where iq_negs' vpshufbitqmb wants them (one row: 1.02-1.07x, alternated). */
+static inline __attribute__((always_inline)) void iq2xxs_negs(const uint8_t *p, __mmask64 *neg) {
+    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x20202020352e2720ll), _mm512_loadu_si512(p + 2));
+    const __m512i m7 = _mm512_set1_epi8(0x7f);
+    const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
+    const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
     for (int k = 0; k < 4; k++)
         neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
 }
@@ -885,7 +896,10 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                         _mm256_store_ps(hl[4 * q + i + h], iq_xxs_half_ls(ps[4 * q + i + h], v));
                     }
                     __mmask64 neg[4];
-                    iq_negs(S[h], neg);
+                    if (v == IQ2_XXS)
+                        iq2xxs_negs(ps[4 * q + i + h], neg);
+                    else
+                        iq_negs(S[h], neg);
                     for (int r = 0; r < R; r++) {
                         __m512i d = _mm512_setzero_si512();
                         for (int j = 0; j < 4; j++)

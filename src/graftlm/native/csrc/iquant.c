@@ -163,7 +163,7 @@ static inline __m512i iq_ksigns512(__m512i aux) {
 
 /* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
  * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
- * e: entry e's 8 values; IQ2_XXS: none, iq2xxs_negs makes its masks); their 32 grid indices each
+ * e: entry e's 8 values; IQ2_XXS, IQ2_XS: none, iq2_negs_raw makes their masks); their 32 grid indices each
  * looked up in one vector. */
 static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v,
                                                              __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
         const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         const __m512i idx = _mm512_permutex2var_epi32(_mm512_loadu_si512(pa + 2), ev, _mm512_loadu_si512(pb + 2));
         lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
-        sa = sb = _mm256_setzero_si256(); /* its signs: iq2xxs_negs */
+        sa = sb = _mm256_setzero_si256(); /* its signs: iq2_negs_raw */
     } else if (v == IQ2_XS) {
         const __m512i ra = _mm512_loadu_si512(pa + 2), rb = _mm512_loadu_si512(pb + 2);
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(ra)), _mm512_cvtepi16_epi8(rb), 1);
@@ -181,9 +181,7 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
         const __mmask64 h8 = _cvtu64_mask64((uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(ra, b8)) |
                                             (uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(rb, b8)) << 32);
         lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
-        const __m512i m7 = _mm512_set1_epi16(0x7f), s_a = _mm512_srli_epi16(ra, 9), s_b = _mm512_srli_epi16(rb, 9);
-        sa = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_a, _mm512_slli_epi16(_mm512_popcnt_epi16(s_a), 7), m7, 0xE4));
-        sb = _mm512_cvtepi16_epi8(_mm512_ternarylogic_epi32(s_b, _mm512_slli_epi16(_mm512_popcnt_epi16(s_b), 7), m7, 0xE4));
+        sa = sb = _mm256_setzero_si256(); /* its signs: iq2_negs_raw */
     } else { /* IQ2_S */
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
                                                _mm256_loadu_si256((const __m256i *)(pb + 2)), 1);
@@ -263,12 +261,14 @@ static inline __attribute__((always_inline)) void iq_negs(__m256i S, __mmask64 *
         neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
 }
 
-/* IQ2_XXS's iq_negs from super-block p's own words rather than the sign bytes of iq2_codes2 (made
- * after its compaction of indices and sign words): qword j of the words is sub-block j, 4 indices
- * then 4 7-bit sign indices, which iq_ksigns512's steps turn into sign bytes at bytes 0 .. 3 of
- * qword j, where iq_negs' vpshufbitqmb wants them (one row: 1.02-1.07x, alternated). */
-static inline __attribute__((always_inline)) void iq2xxs_negs(const uint8_t *p, __mmask64 *neg) {
-    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x20202020352e2720ll), _mm512_loadu_si512(p + 2));
+/* IQ2_XXS's and IQ2_XS's iq_negs from super-block p's own words rather than the sign bytes of
+ * iq2_codes2 (made after its compaction of the words): qword j of the words is sub-block j (IQ2_XXS:
+ * 4 indices then 4 7-bit sign indices; IQ2_XS: 4 words of a 9-bit index and a 7-bit sign index),
+ * which iq_ksigns512's steps turn into sign bytes at bytes 0 .. 3 of qword j, where iq_negs'
+ * vpshufbitqmb wants them (one row: IQ2_XXS 1.08-1.09x, IQ2_XS 1.02-1.06x, alternated). */
+static inline __attribute__((always_inline)) void iq2_negs_raw(const uint8_t *p, const int v, __mmask64 *neg) {
+    const long long at = v == IQ2_XXS ? 0x20202020352e2720ll : 0x2020202039291909ll; /* IQ2_XS: bits 9 .. 15 of 4 words */
+    const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(at), _mm512_loadu_si512(p + 2));
     const __m512i m7 = _mm512_set1_epi8(0x7f);
     const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
     const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
@@ -896,8 +896,8 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
                         _mm256_store_ps(hl[4 * q + i + h], iq_xxs_half_ls(ps[4 * q + i + h], v));
                     }
                     __mmask64 neg[4];
-                    if (v == IQ2_XXS)
-                        iq2xxs_negs(ps[4 * q + i + h], neg);
+                    if (v == IQ2_XXS || v == IQ2_XS)
+                        iq2_negs_raw(ps[4 * q + i + h], v, neg);
                     else
                         iq_negs(S[h], neg);
                     for (int r = 0; r < R; r++) {

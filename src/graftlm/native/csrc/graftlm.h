@@ -777,6 +777,10 @@ typedef struct { /* one owner's items left: [next, end) as (end << 32) | next, a
     char pad[56];
 } __attribute__((aligned(64))) gl_claim;
 
+/* Whether a region asked for nth threads claims its items: not on one thread (nothing to share;
+ * the drills excepted). */
+static inline int share_on(int nth) { return gl_dynamic >= 2 || (gl_dynamic == 1 && nth > 1); }
+
 /* The owners of a region asked for nth threads: nth, and the drill's absent one. */
 static inline int share_owners(int nth) { return nth + (gl_dynamic == 3); }
 

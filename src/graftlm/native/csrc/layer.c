@@ -420,9 +420,10 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
     }
     c.xg.xf = bufs->gath, c.xd.xf = bufs->act; /* (what float experts read) */
     const int owners = share_owners(nth);
-    gl_claim claims[gl_dynamic ? 3 * owners : 1];
+    const int on = share_on(nth);
+    gl_claim claims[on ? 3 * owners : 1];
     const int64_t items[3] = {c.nj, c.nj * mm_tasks(2 * L->n_ff), c.nj * mm_tasks(L->n_embd)};
-    for (int p = 0; p < 3 && gl_dynamic; p++) {
+    for (int p = 0; p < 3 && on; p++) {
         c.claims[p] = claims + p * owners;
         share_init(c.claims[p], items[p], nth);
     }

@@ -632,7 +632,7 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
 #endif
     if (many)
         for (int64_t i = 0; i < M; i++) b.two[i] = i + 1 < M && lora_same_slots(&pl, ns, T, i);
-    const int dyn = gl_dynamic && rows >= M && !b.xbf;
+    const int dyn = share_on(nth) && rows >= M && !b.xbf;
     gl_claim claims[dyn ? share_owners(nth) : 1];
     if (dyn) share_init(claims, tasks, nth);
     const proj_ctx c = {w, l, x, y, &b, &xb, &pl, dyn ? claims : NULL, M, T, rows, share_step(w),

@@ -108,6 +108,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_features": (_I64, []),
     "gl_set_pair_rows": (_I64, [_I64]),
     "gl_set_moe_jobs": (_I64, [_I64]),
+    "gl_set_dynamic": (_I64, [_I64]),
+    "gl_stolen_items": (_I64, []),
     "gl_release_threads": (_I64, []),
     "gl_set_amx_rows": (_I64, [_I64]),
     "gl_pack_u4": (_INT, [_INT, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT]),

@@ -17,7 +17,9 @@ exist (``-DGL_NO_ZMM``): their twins, tested on the machines that have both. ``i
 variant is loaded. ``GRAFTLM_PAIR_ROWS=N`` sets from how many rows of x the 512-bit kernels serve
 a product (``pair_rows()`` picks it by the CPU otherwise). Where the compiler targets a CPU with AMX
 and Linux grants the tiles' state, products of ``GRAFTLM_AMX_ROWS`` rows or more (default 24; 0:
-never) run on the tiles in bfloat16 (``amx()`` says whether they do).
+never) run on the tiles in bfloat16 (``amx()`` says whether they do). ``GRAFTLM_DYNAMIC=0`` keeps
+the decode products' static split over the threads, the twin of the claims they take as they go
+(``dynamic()``).
 
 Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, off x86-64, or with
 ``GRAFTLM_NATIVE=0``, ``library()`` is None and the quantized weights use torch's own kernels.
@@ -187,6 +189,7 @@ def loaded_library() -> ctypes.CDLL | None:
     abi.bind(lib)
     try:
         lib.gl_set_pair_rows(pair_rows())
+        lib.gl_set_dynamic(int(dynamic()))
         rows = amx_rows()
     except ValueError as exc:
         _REASON.append(str(exc))
@@ -211,6 +214,20 @@ def pair_rows() -> int:
             raise ValueError(f"GRAFTLM_PAIR_ROWS={raw!r}: expected a whole number of rows >= 1")
         return int(raw)
     return 1 if _cpu_vendor() == "GenuineIntel" else 2
+
+
+def dynamic() -> bool:
+    """Whether the decode products' threads claim their tasks as they go (csrc/graftlm.h's
+    share_take: each its static share first, then the rest of another's), or keep the static split
+    (GRAFTLM_DYNAMIC=0, read when the library loads): the same bits either way. On a VM that
+    deschedules a vCPU for milliseconds, the static split holds the step until that thread is back
+    and has done the rest of its half."""
+    raw = os.environ.get("GRAFTLM_DYNAMIC", "").strip().lower()
+    if raw in ("", "1", "on", "yes", "true"):
+        return True
+    if raw in ("0", "off", "no", "false"):
+        return False
+    raise ValueError(f"GRAFTLM_DYNAMIC={raw!r}: expected 0 or 1")
 
 
 def amx_rows() -> int:

@@ -293,6 +293,9 @@ typedef struct {
     xbuf xg, xd;
     expert_lora xl[2];
     int64_t nj, R;
+    gl_claim *claims[3]; /* the owners of the jobs, of the [gate; up] tasks, of the down tasks
+                          * (graftlm.h's share_take), or NULL: the static split */
+    int nth;
 } moe_ctx;
 
 /* Pairs [a0, a1)'s gathered rows quantized (and their dots of the adapters' A on [gate; up]). */
@@ -337,35 +340,50 @@ static void moe_mix(const moe_ctx *c, int64_t B, int64_t i0, int64_t i1, float *
     }
 }
 
-/* One thread's share of the experts' work (me of nt): by whole jobs (by_jobs: all of its jobs'
- * pairs through both products, no barrier until the mix), else each step split over the threads
- * with a barrier after it (pairs, then the tasks of the runs one after another). */
-static void moe_share(const moe_ctx *c, int by_jobs, int me, int nt) {
+/* Jobs [j0, j1) whole: their pairs [a0, a1) from their inputs to their outputs. */
+static void moe_jobs(const moe_ctx *c, int64_t j0, int64_t j1) {
     const gl_layer *L = c->L;
     const layer_bufs *bufs = c->bufs;
     const int64_t tgu = mm_tasks(2 * L->n_ff), tdn = mm_tasks(L->n_embd), *jobs = bufs->jobs;
-    int64_t a0, a1, t0, t1;
-    if (by_jobs) { /* jobs [j0, j1): their pairs [a0, a1), their tasks */
-        int64_t j0, j1;
-        static_chunk(c->nj, me, nt, &j0, &j1);
-        a0 = j1 > j0 ? jobs[3 * j0 + 1] : 0;
-        a1 = j1 > j0 ? jobs[3 * (j1 - 1) + 1] + jobs[3 * (j1 - 1) + 2] : 0;
-        moe_inputs(c, a0, a1);
-        expert_tasks(L->exp_gate_up, jobs, tgu, &c->xg, &c->xl[0], j0 * tgu, j1 * tgu, bufs->gu);
-        moe_gate(c, a0, a1);
-        expert_tasks(L->exp_down, jobs, tdn, &c->xd, &c->xl[1], j0 * tdn, j1 * tdn, bufs->y);
+    const int64_t a0 = jobs[3 * j0 + 1], a1 = jobs[3 * (j1 - 1) + 1] + jobs[3 * (j1 - 1) + 2];
+    moe_inputs(c, a0, a1);
+    expert_tasks(L->exp_gate_up, jobs, tgu, &c->xg, &c->xl[0], j0 * tgu, j1 * tgu, bufs->gu);
+    moe_gate(c, a0, a1);
+    expert_tasks(L->exp_down, jobs, tdn, &c->xd, &c->xl[1], j0 * tdn, j1 * tdn, bufs->y);
+}
+
+/* One product's tasks (tasks of each of the nj runs) as the thread claims them (claims: the
+ * product's owners; NULL: its static share). */
+static void moe_product(const moe_ctx *c, gl_claim *claims, const gl_weight *ws, int64_t tasks,
+                        const xbuf *x, const expert_lora *xl, float *y, int me, int nt) {
+    share_walk s = share_begin(claims, c->nth, c->nj * tasks, me, nt, share_step(&ws[0]));
+    int64_t t0, t1;
+    while (share_take(&s, &t0, &t1)) expert_tasks(ws, c->bufs->jobs, tasks, x, xl, t0, t1, y);
+}
+
+/* One thread's share of the experts' work (me of nt): by whole jobs (by_jobs: all of a job's
+ * pairs through both products, no barrier until the mix; claimed a job at a time, or its static
+ * share in one), else each step split over the threads with a barrier after it (pairs, then the
+ * tasks of the runs one after another, claimed as they go). A job is about 3 MiB of Qwen3-30B-A3B's
+ * weights: finer claims would need a job's products to wait for each other, which whole jobs do not. */
+static void moe_share(const moe_ctx *c, int by_jobs, int me, int nt) {
+    const gl_layer *L = c->L;
+    const layer_bufs *bufs = c->bufs;
+    const int64_t tgu = mm_tasks(2 * L->n_ff), tdn = mm_tasks(L->n_embd);
+    int64_t a0, a1;
+    if (by_jobs) {
+        share_walk s = share_begin(c->claims[0], c->nth, c->nj, me, nt, 1);
+        while (share_take(&s, &a0, &a1)) moe_jobs(c, a0, a1);
         return;
     }
     static_chunk(c->R, me, nt, &a0, &a1);
     moe_inputs(c, a0, a1);
 #pragma omp barrier
-    static_chunk(c->nj * tgu, me, nt, &t0, &t1);
-    expert_tasks(L->exp_gate_up, jobs, tgu, &c->xg, &c->xl[0], t0, t1, bufs->gu);
+    moe_product(c, c->claims[1], L->exp_gate_up, tgu, &c->xg, &c->xl[0], bufs->gu, me, nt);
 #pragma omp barrier
     moe_gate(c, a0, a1);
 #pragma omp barrier
-    static_chunk(c->nj * tdn, me, nt, &t0, &t1);
-    expert_tasks(L->exp_down, jobs, tdn, &c->xd, &c->xl[1], t0, t1, bufs->y);
+    moe_product(c, c->claims[2], L->exp_down, tdn, &c->xd, &c->xl[1], bufs->y, me, nt);
 }
 
 /* The routed FFN of B rows, h (B, n_embd) normed, into o (B, n_embd), as graftlm/models/moe.py's
@@ -388,7 +406,7 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
                     float *o, gl_scratch *sc, int nth) {
     proj_run(&L->router, h, B, 1, &L->l_router, bufs->logits, sc, nth); /* with its adapters' delta */
     for (int64_t b = 0; b < B; b++) add_bias(bufs->logits + b * L->n_expert, L->router_bias, L->n_expert);
-    moe_ctx c = {L, bufs, bufs->xg, bufs->xd, {bufs->xl[0], bufs->xl[1]}, 0, B * L->n_expert_used};
+    moe_ctx c = {L, bufs, bufs->xg, bufs->xd, {bufs->xl[0], bufs->xl[1]}, 0, B * L->n_expert_used, {NULL}, nth};
     c.nj = moe_route(L, h, B, bufs);
     /* the experts' adapters: each pair's scale row, each job's plan (what a pair's row has at a
      * nonzero scale on its expert) */
@@ -401,6 +419,14 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
             if (c.xl[p].src) expert_lora_plan(&c.xl[p], bufs->jobs, c.nj, bufs->psc);
     }
     c.xg.xf = bufs->gath, c.xd.xf = bufs->act; /* (what float experts read) */
+    const int owners = share_owners(nth);
+    const int on = share_on(nth);
+    gl_claim claims[on ? 3 * owners : 1];
+    const int64_t items[3] = {c.nj, c.nj * mm_tasks(2 * L->n_ff), c.nj * mm_tasks(L->n_embd)};
+    for (int p = 0; p < 3 && on; p++) {
+        c.claims[p] = claims + p * owners;
+        share_init(c.claims[p], items[p], nth);
+    }
 #pragma omp parallel num_threads(nth)
     {
         const int me = omp_get_thread_num(), nt = omp_get_num_threads();

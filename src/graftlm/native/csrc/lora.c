@@ -421,24 +421,194 @@ static int64_t proj_bytes(const gl_weight *w, const gl_lora_site *l, int64_t M, 
     return count.used;
 }
 
+/* What proj_run's threads share: the product, its buffers, the plan of its adapters' delta, and
+ * the tasks' owners (claims; NULL: the static split). rows: x's rows a pass over the tasks. */
+typedef struct {
+    const gl_weight *w;
+    const gl_lora_site *l;
+    const float *x;
+    float *y;
+    const proj_bufs *b;
+    const xbuf *xb;
+    const lora_plan *pl;
+    gl_claim *claims;
+    int64_t M, T, rows, step;
+    int one, many, base, nth;
+} proj_ctx;
+
+/* Rows [ra, rb)'s delta on tasks [tc, te)'s outputs, row by row (many rows: their s * A . x in
+ * av): each row reads a run of its parts' blocks in order while those outputs are in cache. */
+static void proj_delta(const proj_ctx *c, int64_t ra, int64_t rb, int64_t tc, int64_t te) {
+    const lora_plan *pl = c->pl;
+    const gl_lora_site *l = c->l;
+    const int64_t n = c->w->n, U = pl->U, ns = l->n, T = c->T;
+    const float *av = c->b->av;
+    float *y = c->y;
+    for (int64_t i = ra; i < rb; i++) {
+        const int64_t *ji = pl->js + (i / T) * ns, ci = pl->cnt[i / T];
+        if (ci == 0) continue;
+        const int pair = c->b->two[i] && i + 1 < rb; /* rows on the same adapters */
+        for (int64_t u = tc; u < te; u++) {
+#if GL_AMX
+            if (c->b->xbf && amx_task_whole(c->w, u)) continue; /* base and delta: done */
+#endif
+            if (pair && u * 32 + 32 <= n) {
+                lora_b_two(y + i * n, y + (i + 1) * n, av + i * U, av + (i + 1) * U, ji, ci, l, pl->off, u);
+            } else {
+                lora_b_block(y + i * n, av + i * U, ji, ci, l, pl->off, u, n);
+                if (pair) lora_b_block(y + (i + 1) * n, av + (i + 1) * U, ji, ci, l, pl->off, u, n);
+            }
+        }
+        i += pair;
+    }
+}
+
+/* The tasks a thread did whose one-row delta is still to add (it comes after them all): ranges
+ * in the order taken, a claim that continues the last one merged into it (its own share's, and a
+ * run stolen from the back of one owner, are one range each). */
+#define PROJ_RANGES 16
+typedef struct {
+    int64_t a[PROJ_RANGES], b[PROJ_RANGES];
+    int n;
+} task_ranges;
+
+/* One row: the dots (into xa) of the columns the blocks of `done` need (those of the parts that
+ * reach any block from the first range's start to the last's end), then the delta of B on those
+ * blocks' outputs; done emptied. */
+static void proj_one_delta(const proj_ctx *c, task_ranges *done, float *xa) {
+    if (done->n == 0) return;
+    const lora_plan *pl = c->pl;
+    int64_t lo = done->a[0], hi = done->b[0];
+    for (int r = 1; r < done->n; r++) {
+        lo = done->a[r] < lo ? done->a[r] : lo;
+        hi = done->b[r] > hi ? done->b[r] : hi;
+    }
+    lora_one_row(c->l, pl, c->xb, c->x, c->w->k, lo, hi, 1, xa, NULL, NULL, NULL);
+    for (int r = 0; r < done->n; r++)
+        for (int64_t t = done->a[r]; t < done->b[r]; t++)
+            lora_b_block(c->y, xa, pl->js, pl->cnt[0], c->l, pl->off, t, c->w->n);
+    done->n = 0;
+}
+
+static void ranges_add(task_ranges *r, int64_t a, int64_t b) {
+    if (r->n > 0 && (r->b[r->n - 1] == a || r->a[r->n - 1] == b)) {
+        r->a[r->n - 1] = a < r->a[r->n - 1] ? a : r->a[r->n - 1];
+        r->b[r->n - 1] = b > r->b[r->n - 1] ? b : r->b[r->n - 1];
+    } else {
+        r->a[r->n] = a, r->b[r->n++] = b;
+    }
+}
+
+/* One pass of rows [ra, rb) over the tasks the thread takes: the base product of each, the
+ * adapter lines of its own share asked for as it goes (walk, first pass), and with many rows the
+ * delta of every few tasks in a row (LORA_CHUNK bytes of outputs); one row's tasks listed in
+ * done (its delta added here only when the list is full: claims stolen here and there). */
+static void proj_pass(const proj_ctx *c, share_walk *s, int64_t ra, int64_t rb, line_walk *walk,
+                      int64_t lines, task_ranges *done, float *xa) {
+    const gl_weight *w = c->w;
+    const int64_t t0 = s->lo, t1 = s->hi, M = c->M;
+    const int64_t chunk = (LORA_CHUNK / (128 * (rb - ra))) > 1 ? LORA_CHUNK / (128 * (rb - ra)) : 1;
+    int64_t a, e, tc = 0, te = 0; /* the tasks whose delta is still to add: [tc, te) */
+    int got;
+    while ((got = share_take(s, &a, &e))) {
+        if (c->many && te != a) {
+            proj_delta(c, ra, rb, tc, te);
+            tc = a;
+        }
+        for (int64_t t = a; t < e; t++) {
+            if (ra == 0 && got == 1) prefetch_upto(walk, lines * (t - t0 + 1) / (t1 - t0));
+#if GL_AMX
+            const int tiles = c->b->xbf && amx_task_whole(w, t); /* base and delta: done */
+#else
+            const int tiles = 0;
+#endif
+            if (c->base && !tiles) mm_task(w, c->xb, M, ra, rb, t, c->y);
+            te = t + 1;
+            if (c->many && te - tc >= chunk) {
+                proj_delta(c, ra, rb, tc, te);
+                tc = te;
+            }
+        }
+        if (c->one) {
+            if (done->n == PROJ_RANGES) proj_one_delta(c, done, xa);
+            ranges_add(done, a, e);
+        }
+    }
+    if (c->many) proj_delta(c, ra, rb, tc, te);
+}
+
+/* One thread of proj_run's region (me of nt). */
+static void proj_thread(const proj_ctx *c, int me, int nt) {
+    const gl_weight *w = c->w;
+    const gl_lora_site *l = c->l;
+    const lora_plan *pl = c->pl;
+    const int64_t n = w->n, k = w->k, tasks = mm_tasks(n), M = c->M, U = pl->U, P = pl->P;
+    const int one = c->one;
+    share_walk s = share_begin(c->claims, c->nth, tasks, me, nt, c->step);
+    const int64_t t0 = s.lo, t1 = s.hi; /* its own share */
+    int64_t len[one ? 3 * P + 1 : 1];
+    float xa[one ? U : 1];
+    const char *at[one ? 3 * P + 1 : 1];
+    int nr = 0;
+    if (one) lora_one_row(l, pl, c->xb, c->x, k, t0, t1, 0, xa, at, len, &nr);
+    line_walk walk = {at, len, nr, 0, 0, 0};
+    int64_t lines = 0;
+    for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
+    if (c->many) { /* the threads split the rows: quantized, then their dots, then all wait */
+        const xbuf *xb = c->xb;
+        int64_t i0, i1, kb = k / 32;
+        static_chunk(M, me, nt, &i0, &i1);
+        if (xb->xq) quantize_blocks(c->x, i0 * kb, i1 * kb, xb->xq, xb->xu, xb->xd, xb->xs, xb->xs16);
+        lora_xa_rows(l, pl, xb, c->x, i0, i1, c->T, k, c->b->av);
+#pragma omp barrier
+    }
+#if GL_AMX
+    if (c->b->xbf) { /* the product first, all of it, in chunks of k (amx_tasks); the delta with it */
+        const lora_tiles lt = {(const lora_col *)c->b->cols, U, l ? l->bf : 0};
+        const amx_extra ex = {c->b->avb, (U + 31) / 32, lora_b_tiles, &lt};
+        if (c->many) {
+            int64_t i0, i1;
+            static_chunk((M + 31) / 32 * 32, me, nt, &i0, &i1);
+            lora_av_tiles(c->b->av, M, U, i0, i1, c->b->avb);
+#pragma omp barrier
+        }
+        if (t1 > t0) {
+            amx_begin();
+            amx_tasks(w, c->b->xbf, M, t0, t1, c->many ? &ex : NULL, c->y);
+            _tile_release();
+        }
+    }
+#endif
+    task_ranges done = {{0}, {0}, 0};
+    for (int64_t ra = 0; ra < M; ra += c->rows) { /* (claims: one pass) */
+        const int64_t rb = M - ra < c->rows ? M : ra + c->rows;
+        share_walk p = ra == 0 ? s : share_begin(NULL, c->nth, tasks, me, nt, c->step);
+        proj_pass(c, &p, ra, rb, &walk, lines, &done, xa);
+    }
+    if (one) proj_one_delta(c, &done, xa);
+}
+
 /* y (M, n) = x (M, k) @ W.T, plus the delta of l's adapters (T tokens a scale row) where a row
  * has any at a nonzero scale: one parallel region.
- *  1. Each thread computes its static share of the base outputs (tasks of 32 outputs, one block
- *     of B each). At one token a row it asks for the adapter lines it will read, spread over
- *     those tasks: the factors are small scattered reads that miss every cache after a layer of
- *     base weights has streamed through (in one burst, the prefetches were dropped; ahead of
- *     the base product, evicted by it).
- *  2. One row: after its tasks, each thread computes the dots of the columns its own blocks
- *     need (some twice, across the two threads, but no barrier) and adds B's delta to its
+ *  1. The threads compute the base outputs (tasks of 32 outputs, one block of B each), each
+ *     its static share in order, then (claims, gl_dynamic) what is left of the others' from
+ *     their back (share_take). At one token a row each asks for the adapter lines its own share
+ *     will read, spread over those tasks: the factors are small scattered reads that miss every
+ *     cache after a layer of base weights has streamed through (in one burst, the prefetches
+ *     were dropped; ahead of the base product, evicted by it).
+ *  2. One row: after its tasks, each thread computes the dots of the columns the blocks it did
+ *     need (some twice, across the two threads, but no barrier) and adds B's delta to those
  *     outputs, still in cache. More rows: first the threads split the rows' dots (each active
  *     adapter's A read once for each run of rows on it) and meet at a barrier; then each adds
- *     B's delta to every task's outputs right after computing them (at 512 rows a task's
+ *     B's delta to every few tasks' outputs right after computing them (at 512 rows a task's
  *     outputs are 64 KB: added later, they came back from memory).
- * Apart, the base product and the delta took three more barriers and one more fork. */
+ * Apart, the base product and the delta took three more barriers and one more fork. Claims only
+ * in one pass over the tasks and off the AMX tiles (a decode step's products); passes and tiles
+ * keep the static split. */
 static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, const gl_lora_site *l,
                      float *y, gl_scratch *sc, int nth) {
     _Static_assert(GT * 8 == 32, "a product task covers one 32-output block of B");
-    const int64_t n = w->n, k = w->k, tasks = mm_tasks(n);
+    const int64_t k = w->k, tasks = mm_tasks(w->n);
     const int64_t mark = sc->used;
     const proj_bufs b = proj_take(w, l, M, T, sc);
     const lora_plan pl = b.plan; /* listed by proj_take */
@@ -451,7 +621,6 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
      * 32 outputs, had the Q6_K product at 434 GOP/s; in passes of 96 rows, 590. On the AMX tiles
      * (b.xbf), one pass: a task's weights are dequantized once for all the rows. */
     const int64_t rows = M * k <= (1 << 19) || b.xbf ? M : ((1 << 19) / k + RC - 1) / RC * RC;
-    const int base = w->q != NULL; /* no weight: the delta alone, added to y (gl_lora) */
     xbuf xb = b.xb;
     xb.xf = x; /* (a float weight reads x as it is) */
     /* x quantized; with many rows and adapters by the threads of the region below, each its own
@@ -461,83 +630,15 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
     if (b.xbf) amx_x(x, M, k, b.xbf, nth);
     if (b.cols) lora_tile_cols(l, &pl, (lora_col *)b.cols);
 #endif
-    float *av = b.av;
-    char *two = b.two;
     if (many)
-        for (int64_t i = 0; i < M; i++) two[i] = i + 1 < M && lora_same_slots(&pl, ns, T, i);
+        for (int64_t i = 0; i < M; i++) b.two[i] = i + 1 < M && lora_same_slots(&pl, ns, T, i);
+    const int dyn = share_on(nth) && rows >= M && !b.xbf;
+    gl_claim claims[dyn ? share_owners(nth) : 1];
+    if (dyn) share_init(claims, tasks, nth);
+    const proj_ctx c = {w, l, x, y, &b, &xb, &pl, dyn ? claims : NULL, M, T, rows, share_step(w),
+                        one, many, w->q != NULL /* no weight: the delta alone (gl_lora) */, nth};
 #pragma omp parallel num_threads(nth)
-    {
-        const int me = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t t0, t1;
-        static_chunk(tasks, me, nt, &t0, &t1);
-        int64_t len[one ? 3 * P + 1 : 1];
-        float xa[one ? U : 1];
-        const char *at[one ? 3 * P + 1 : 1];
-        int nr = 0;
-        if (one) lora_one_row(l, &pl, &xb, x, k, t0, t1, 0, xa, at, len, &nr);
-        line_walk walk = {at, len, nr, 0, 0, 0};
-        int64_t lines = 0;
-        for (int i = 0; i < walk.nr; i++) lines += (len[i] + 63) / 64;
-        if (many) { /* the threads split the rows: quantized, then their dots, then all wait */
-            int64_t i0, i1, kb = k / 32;
-            static_chunk(M, me, nt, &i0, &i1);
-            if (xb.xq)
-                quantize_blocks(x, i0 * kb, i1 * kb, xb.xq, xb.xu, xb.xd, xb.xs, xb.xs16);
-            lora_xa_rows(l, &pl, &xb, x, i0, i1, T, k, av);
-#pragma omp barrier
-        }
-#if GL_AMX
-        if (b.xbf) { /* the product first, all of it, in chunks of k (amx_tasks); the delta with it */
-            const lora_tiles lt = {(const lora_col *)b.cols, U, l ? l->bf : 0};
-            const amx_extra ex = {b.avb, (U + 31) / 32, lora_b_tiles, &lt};
-            if (many) {
-                int64_t i0, i1;
-                static_chunk((M + 31) / 32 * 32, me, nt, &i0, &i1);
-                lora_av_tiles(av, M, U, i0, i1, b.avb);
-#pragma omp barrier
-            }
-            if (t1 > t0) {
-                amx_begin();
-                amx_tasks(w, b.xbf, M, t0, t1, many ? &ex : NULL, y);
-                _tile_release();
-            }
-        }
-#endif
-        for (int64_t ra = 0; ra < M; ra += rows) {
-            const int64_t rb = M - ra < rows ? M : ra + rows;
-            /* the delta every few tasks, row by row: each row then reads a run of its parts'
-             * blocks in order, while those tasks' outputs (LORA_CHUNK bytes of them) are still
-             * in cache */
-            const int64_t chunk = (LORA_CHUNK / (128 * (rb - ra))) > 1 ? LORA_CHUNK / (128 * (rb - ra)) : 1;
-            int64_t tc = t0;
-            for (int64_t t = t0; t < t1; t++) {
-                if (ra == 0) prefetch_upto(&walk, lines * (t - t0 + 1) / (t1 - t0));
-                const int tiles = b.xbf && amx_task_whole(w, t); /* base and delta: done */
-                if (base && !tiles) mm_task(w, &xb, M, ra, rb, t, y);
-                if (!many || (t + 1 - tc < chunk && t + 1 < t1)) continue;
-                for (int64_t i = ra; i < rb; i++) { /* tasks [tc, t]'s outputs, row by row */
-                    const int64_t *ji = pl.js + (i / T) * ns, ci = pl.cnt[i / T];
-                    if (ci == 0) continue;
-                    const int pair = two[i] && i + 1 < rb; /* rows on the same adapters */
-                    for (int64_t u = tc; u <= t; u++) {
-                        if (b.xbf && amx_task_whole(w, u)) continue;
-                        if (pair && u * 32 + 32 <= n) {
-                            lora_b_two(y + i * n, y + (i + 1) * n, av + i * U, av + (i + 1) * U, ji, ci, l, pl.off, u);
-                        } else {
-                            lora_b_block(y + i * n, av + i * U, ji, ci, l, pl.off, u, n);
-                            if (pair) lora_b_block(y + (i + 1) * n, av + (i + 1) * U, ji, ci, l, pl.off, u, n);
-                        }
-                    }
-                    i += pair;
-                }
-                tc = t + 1;
-            }
-        }
-        if (one) {
-            lora_one_row(l, &pl, &xb, x, k, t0, t1, 1, xa, NULL, NULL, NULL);
-            for (int64_t t = t0; t < t1; t++) lora_b_block(y, xa, pl.js, pl.cnt[0], l, pl.off, t, n);
-        }
-    }
+    proj_thread(&c, omp_get_thread_num(), omp_get_num_threads());
     sc->used = mark;
 }
 
@@ -565,3 +666,14 @@ void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x,
     const gl_weight none = {-1, 0, 32, 0, n_out, n_in, NULL, NULL, NULL};
     proj_alone(&none, x, M, T, l, y, nth);
 }
+
+/* Whether the decode products and the routed experts claim their work as they go (1) or keep the
+ * static split (0, their twin), or a drill of the tests (2, 3): graftlm.h's gl_dynamic. Returns
+ * the value it replaces. */
+int64_t gl_set_dynamic(int64_t on) {
+    const int64_t old = gl_dynamic;
+    gl_dynamic = on >= 0 && on <= 3 ? (int)on : 1;
+    return old;
+}
+
+int64_t gl_stolen_items(void) { return __atomic_load_n(&gl_stolen, __ATOMIC_RELAXED); }

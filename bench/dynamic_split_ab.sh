@@ -1,0 +1,16 @@
+#!/bin/bash
+# (GRAFTLM_DYNAMIC: csrc/graftlm.h share_take). 2 threads: wall ms/step; 1 thread: CPU ms/step (--cpu).
+# ROUNDS=6 LLAMA=... MOE=... PY=.venv/bin/python bench/dynamic_split_ab.sh
+# alternated A/B of GRAFTLM_DYNAMIC=0 / =1, rounds of every config; one line a run
+cd "$(dirname "$0")/.."
+L=${LLAMA:-/work/models/llama-1b-q4_k_m.gguf}; Q=${MOE:-/work/models/qwen3-30b-a3b-6l-q4_k_m.gguf}
+for r in $(seq ${ROUNDS:-6}); do
+  if [ $((r % 2)) = 1 ]; then order="0 1"; else order="1 0"; fi
+  for cfg in "llama 2" "moe 2" "llama 1" "moe 1"; do
+    set -- $cfg; m=$L; [ $1 = moe ] && m=$Q
+    for d in $order; do
+      out=$(GRAFTLM_DYNAMIC=$d PYTHONPATH=src ${PY:-.venv/bin/python} bench/decode_step.py 1 --model $m --steps 12 --threads $2 --cpu 2>&1 | grep "rows")
+      echo "round=$r model=$1 threads=$2 dynamic=$d $out"
+    done
+  done
+done

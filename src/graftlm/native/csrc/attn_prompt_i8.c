@@ -1,6 +1,6 @@
 /* Prompt attention's scores from int8 codes (VPDPBUSD: four products a lane, 64 an instruction
  * where VDPBF16PS does 32), SageAttention's way, where the CPU has AVX-512 VNNI and BF16 (ATTN_I8;
- * included by attn_prompt.c, whose tasks, softmax and P V in bfloat16 pairs these share).
+ * included by attn_prompt_bf16.c, whose tasks, softmax and P V in bfloat16 pairs these share).
  *
  * Semantics (tests/native/test_prompt_attention.py's twin does the same in PyTorch):
  *   mu[d]   = bf16(mean of key d over the row's context [lo, start + T))  once a call and kv head

@@ -526,6 +526,98 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
     if (nu == 2) pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 2);          \
     else pv_q8(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, &pf, GN, 4);
 
+/* pv_bf16's order of n values (a multiple of 32) back to theirs, in place. */
+static inline void decode_bf16_order(float *O, int64_t n) {
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < n; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(O + c), hi = _mm512_loadu_ps(O + c + 16);
+        _mm512_storeu_ps(O + c, _mm512_permutex2var_ps(lo, i0, hi));
+        _mm512_storeu_ps(O + c + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+}
+
+#if DECODE_Q8_DOTS /* (the VNNI of the keys' integer dots: a build without takes pv_q8) */
+#define DECODE_Q8_PV16 1
+/* The values' side of pv_q8 in 16-bit integers (VPDPWSSD: two products a lane, int32 sums), half
+ * the instructions: a step's weights of head g and block b, p'[i] = p[g][i] s_i, rounded to
+ * integers w = p' 32767 / c, c = pm[g] cb[b] (pm: the head's largest weight in the step, cb: the
+ * block's largest scale there; c >= every p'), an error of at most c / 65534 a weight: a step's 32
+ * at most 2^-11 pm max|v|, and as pm <= the step's sum of weights, an output value within 2^-11
+ * of the head's largest value of the exact one (the cache's own rounding: 2^-8 of its block's
+ * largest; measured: 2^-16 or less, the errors' signs mixed). Two keys' codes are interleaved by value (sign-extended to 16 bits, then unpacklo / unpackhi of words:
+ * pv_bf16's order of O, which decode_bf16_order puts back at the task's end) and meet the pair of
+ * their weights; a step's int32 sums times c / 32767 join O in float32. */
+static inline void q8_block_max(const float *vs, int nts, int64_t Dv, float *cb) {
+    for (int64_t b = 0; b < Dv / 32; b++) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int x = 0; x < nts; x++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(vs + (x * 32 + b) * 16));
+        cb[b] = _mm512_reduce_max_ps(mx);
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_q8w(float *O, const float *alpha, const float *P,
+                                                         int64_t pw, const char *const *V, const int64_t *n,
+                                                         int nts, int64_t rb, int64_t c0, int64_t Dv,
+                                                         const float *vs, const float *pm, const float *cb,
+                                                         pf_queue *pf, const int GN, const int NB) {
+    __m512i acc[4][4];
+    int16_t wq[4][2][DT + 2]; /* a tile's weights (the pair past its last key: 0) */
+    float wk[4][2], dk[4][2];
+    for (int g = 0; g < GN; g++)
+        for (int b = 0; b < NB; b++) {
+            const float c = pm[g] * cb[c0 / 32 + b];
+            wk[g][b] = c > 0.0f ? 32767.0f / c : 0.0f;
+            dk[g][b] = c / 32767.0f;
+            acc[g][2 * b] = acc[g][2 * b + 1] = _mm512_setzero_si512();
+        }
+    for (int x = 0; x < nts; x++) {
+        const char *Vx = V[x] + (c0 / 32) * 34 + 2;
+        for (int g = 0; g < GN; g++)
+            for (int b = 0; b < NB; b++) {
+                const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(P + g * pw + x * DT),
+                                               _mm512_mul_ps(_mm512_loadu_ps(vs + (x * 32 + c0 / 32 + b) * 16), _mm512_set1_ps(wk[g][b])));
+                _mm256_storeu_si256((__m256i *)wq[g][b], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(w)));
+                wq[g][b][DT] = wq[g][b][DT + 1] = 0;
+            }
+        for (int64_t i = 0; i < n[x]; i += 2) {
+            for (int f = 0; f < 2 * PF_Q8_PV; f++) pf_issue(pf);
+            const int two = i + 1 < n[x];
+            __m512i lo[2], hi[2];
+            for (int b = 0; b < NB; b++) {
+                const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Vx + i * rb + b * 34)));
+                const __m512i c = two ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Vx + (i + 1) * rb + b * 34)))
+                                      : _mm512_setzero_si512();
+                lo[b] = _mm512_unpacklo_epi16(a, c);
+                hi[b] = _mm512_unpackhi_epi16(a, c);
+            }
+            for (int g = 0; g < GN; g++)
+                for (int b = 0; b < NB; b++) {
+                    uint32_t pp;
+                    memcpy(&pp, &wq[g][b][i], 4);
+                    const __m512i pv = _mm512_set1_epi32((int)pp);
+                    acc[g][2 * b] = _mm512_dpwssd_epi32(acc[g][2 * b], lo[b], pv);
+                    acc[g][2 * b + 1] = _mm512_dpwssd_epi32(acc[g][2 * b + 1], hi[b], pv);
+                }
+        }
+    }
+    for (int g = 0; g < GN; g++) {
+        const __m512 a = _mm512_set1_ps(alpha[g]);
+        for (int u = 0; u < 2 * NB; u++) {
+            float *o = O + g * Dv + 16 * u;
+            const __m512 d = _mm512_set1_ps(dk[g][u / 2]);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[g][u]), _mm512_mul_ps(a, _mm512_loadu_ps(o))));
+        }
+    }
+}
+
+#define PVQ8W_NB(GN)                                                                   \
+    if (nu == 2) pv_q8w(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, pmx + g0, cb, &pf, GN, 1); \
+    else pv_q8w(Og, al, Pg, PW, Vt, nt, nts, vrb, c0, Dv, vsc, pmx + g0, cb, &pf, GN, 2);
+#else
+#define DECODE_Q8_PV16 0
+#endif
+
 #if ATTN_BF16
 /* A bfloat16 cache's task in bfloat16 pairs (VDPBF16PS: two products a lane, float32 sums), half
  * the instructions of float32 FMAs and no conversion of the cache's values: the query rounded to
@@ -629,17 +721,6 @@ static inline __attribute__((always_inline)) void pv_bf16(float *O, const float 
     for (int g = 0; g < GN; g++)
         for (int c = 0; c < NC; c++)
             for (int h = 0; h < 2; h++) _mm512_storeu_ps(O + g * Dv + c0 + 32 * c + 16 * h, acc[g][c][h]);
-}
-
-/* pv_bf16's order of n values (a multiple of 32) back to theirs, in place. */
-static inline void decode_bf16_order(float *O, int64_t n) {
-    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t c = 0; c < n; c += 32) {
-        const __m512 lo = _mm512_loadu_ps(O + c), hi = _mm512_loadu_ps(O + c + 16);
-        _mm512_storeu_ps(O + c, _mm512_permutex2var_ps(lo, i0, hi));
-        _mm512_storeu_ps(O + c + 16, _mm512_permutex2var_ps(lo, i1, hi));
-    }
 }
 
 #define PVB_NC(GN)                                                                     \
@@ -817,6 +898,9 @@ static inline __attribute__((always_inline)) void decode_task(
     const int kt = t != 3 ? t : 0;
     const int64_t vrb = kv_bytes(Dv, t);
     float vsc[t == 3 ? DECODE_STEP_Q8 * 32 * 16 : 1]; /* q8_0 values' scales (q8_value_scales) */
+#if DECODE_Q8_PV16
+    float cb[32], pmx[t == 3 ? G : 1]; /* q8_0 values: the blocks' largest scales, the heads' weights */
+#endif
     int64_t ahead = k0; /* the first position whose block is not prefetched */
     pf_queue pf = {NULL, NULL, {NULL}, {NULL}, 0, 0};
     for (int64_t j = k0; j < k1;) {
@@ -891,6 +975,9 @@ static inline __attribute__((always_inline)) void decode_task(
             }
             psum[g] = _mm512_reduce_add_ps(sum);
             mnew[g] = mn;
+#if DECODE_Q8_PV16
+            if (t == 3) pmx[g] = exp2f(mx - mn); /* (mx: -inf where every lane is masked) */
+#endif
         }
         /* alpha = 2^(m_old - m_new) of every head at once (0 where nothing was seen yet) */
         for (int64_t g = 0; g < G; g += 16) {
@@ -904,7 +991,12 @@ static inline __attribute__((always_inline)) void decode_task(
         }
         /* O = alpha O + P V: up to 4 heads x 64 values a pass, in registers (q8_0's: the
          * values' scales in the weights) */
-        if (t == 3) q8_value_scales(Vt, nt, nts, vrb, Dv, vsc);
+        if (t == 3) {
+            q8_value_scales(Vt, nt, nts, vrb, Dv, vsc);
+#if DECODE_Q8_PV16
+            q8_block_max(vsc, nts, Dv, cb);
+#endif
+        }
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             const int64_t gn = G - g0 < 4 ? G - g0 : 4;
             const float *al = alpha + g0, *Pg = P + g0 * PW;
@@ -914,10 +1006,17 @@ static inline __attribute__((always_inline)) void decode_task(
                 float *Og = O + g0 * Dv + c0;
                 if (t == 3) {
                     switch (gn) {
+#if DECODE_Q8_PV16
+                    case 1: PVQ8W_NB(1) break;
+                    case 2: PVQ8W_NB(2) break;
+                    case 3: PVQ8W_NB(3) break;
+                    default: PVQ8W_NB(4) break;
+#else
                     case 1: PVQ8_NU(1) break;
                     case 2: PVQ8_NU(2) break;
                     case 3: PVQ8_NU(3) break;
                     default: PVQ8_NU(4) break;
+#endif
                     }
                     continue;
                 }
@@ -931,6 +1030,9 @@ static inline __attribute__((always_inline)) void decode_task(
         }
         j = jend;
     }
+#if DECODE_Q8_PV16
+    if (t == 3) decode_bf16_order(O, G * Dv); /* pv_q8w's order of the values */
+#endif
     for (int64_t g = 0; g < G; g++) m[g] *= 0.69314718056f; /* the merge's base: e */
 }
 #else

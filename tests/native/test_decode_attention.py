@@ -9,7 +9,13 @@ Where the CPU has AVX-512 BF16 a bfloat16 cache's 512-bit kernel takes bfloat16 
 the query rounded to bfloat16, and each softmax weight before it meets the values. Its twin rounds
 the query alike and holds the output within the weights' rounding: an output value within 2^-8
 times the weighted sum of the values' magnitudes (each weight's relative rounding is at most 2^-9,
-and the output is the rounded weights' convex combination)."""
+and the output is the rounded weights' convex combination).
+
+With AVX-512 VNNI a q8_0 cache's values meet their weights in 16-bit integers (VPDPWSSD): each
+weight times its key's value scale, rounded to a fixed point of 2^-15 of the largest such product
+of its head in a step of 32 positions (an error of at most 2^-16 of it, 32 of them a step), so an
+output value is within 2^-11 of the head's largest value of the exact one: below the cache's own
+rounding of each value (2^-8 of its block's largest); measured, within 2^-16 or a little more."""
 
 from __future__ import annotations
 
@@ -119,15 +125,16 @@ def run_case(
 def twin(
     case: Case, kv: str, got: dict[str, torch.Tensor], q8_dots: bool = Q8_DOTS,
     bf16_pairs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """SDPA in float64 over the cache's values and the new token's (rotated and rounded as the
     cache holds them); with got["sinks"], primitives.attention's written-out softmax with them.
-    Also the weighted sum of the values' magnitudes (the scale of a weight's rounding).
+    Also the weighted sum of the values' magnitudes (the scale of a weight's rounding), and each
+    head's largest value (the scale of a fixed-point weight's).
     bf16_pairs: the query rounded to bfloat16 as the kernel rounds its rotated one."""
     _, _, h, hkv, _, window, cap, neox = case
     dtype = KV_TYPES[kv][0]
     d = int(got["d"])
-    outs, spreads = [], []
+    outs, spreads, flats = [], [], []
     for r in range(len(got["slots"])):
         s, p = int(got["slots"][r]), int(got["pos"][r])
         kn = _rounded(_rope(got["k"][r, 0].view(hkv, d), p, 10000.0, neox).float(), dtype)
@@ -153,8 +160,10 @@ def twin(
             p = torch.softmax(scores, -1)
         outs.append((p @ values).flatten())
         spreads.append((p @ values.abs()).flatten())
+        flat = values.abs().amax(-1).amax(-1, keepdim=True)  # (h, 1)
+        flats.append(flat.expand(h, values.shape[-1]).flatten())
     shape = (len(outs), 1, -1)
-    return torch.stack(outs).view(shape), torch.stack(spreads).view(shape)
+    return tuple(torch.stack(x).view(shape) for x in (outs, spreads, flats))  # type: ignore[return-value]
 
 
 def _check(
@@ -164,10 +173,13 @@ def _check(
     """The kernel's output against the twin's. bf16_pairs: the kernel that took got takes a
     bfloat16 cache in bfloat16 pairs (this CPU's 512-bit one where BF16_PAIRS)."""
     pairs = bf16_pairs and kv == "bf16"
-    want, spread = twin(case, kv, got, q8_dots, pairs)
+    want, spread, flat = twin(case, kv, got, q8_dots, pairs)
     out = got["out"].double()
     if pairs:  # within the weights' rounding
         err = (out - want).abs() - (2.0**-8 * spread + 3e-5)
+        assert float(err.max()) <= 0, f"{case[0]}: {float(err.max())} past the bound"
+    elif kv == "q8_0" and q8_dots:  # within the fixed-point weights' rounding
+        err = (out - want).abs() - (1.01 * 2.0**-11 * flat + 1e-5 * want.abs() + 3e-5)
         assert float(err.max()) <= 0, f"{case[0]}: {float(err.max())} past the bound"
     else:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=3e-5)

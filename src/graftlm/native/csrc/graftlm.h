@@ -6,8 +6,9 @@
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
  *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size, the same three
  *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place: exact dequantization, the products
- *   attn.c   RMS norm, RoPE, attention of decode steps and prompts through the KV cache, the
- *            gated activation
+ *   attn.c   RMS norm, RoPE, the KV cache's writes, the gated activation
+ *   attn_decode*.c  attention of decode steps through the KV cache (tiles, q8_0, bfloat16, the
+ *            tasks and the step); attn_prompt*.c: of prompts
  *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
  *   layer.c  a llama-style decoder layer's decode step, and a model's layers, in one call
  * Here: what crosses files. The structs Python mirrors, the exported functions, the vector helpers
@@ -131,8 +132,8 @@ typedef struct {
     const gl_lora_site *l_exp_gate_up, *l_exp_down;
 } gl_layer;
 
-/* One layer's attention through its KV cache (attn.c): the cache, the RoPE tables, the dimensions
- * and the scales, which a decode step's or a prompt's rows share. */
+/* One layer's attention through its KV cache (attn_decode.c, attn_prompt.c): the cache, the RoPE
+ * tables, the dimensions and the scales, which a decode step's or a prompt's rows share. */
 typedef struct {
     gl_kv kv;                   /* n_ctx = max_blocks * block positions a sequence */
     const float *cos_t, *sin_t; /* (n_ctx, rot / 2); prompts: unused (q comes rotated) */
@@ -236,7 +237,7 @@ GL_API void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, in
 GL_API void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
                      float *y, int nth);
 
-/* attn.c */
+/* attn.c (gl_attn_decode: attn_decode.c, gl_attn_prefill: attn_prompt.c) */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,
                         float *y, int nth);
 GL_API int gl_rope(const float *x, int64_t N, int64_t rs, int64_t H, int64_t D,
@@ -905,7 +906,7 @@ static inline __attribute__((always_inline)) void s8_group(
     const int8_t *q, const void *s, int h, int v, int64_t kb, const int8_t *xq, const uint8_t *xu,
     const float *xd, int R, float *y, int64_t ldy, int64_t nvalid);
 
-/* attn.c: gl_attn_decode in `work`, attn_decode_bytes(H, Hkv, D, Dv, B, nth) of it. */
+/* attn_decode.c: gl_attn_decode in `work`, attn_decode_bytes(H, Hkv, D, Dv, B, nth) of it. */
 #define GL_MAX_EXPERTS_USED 16 /* a routed layer's experts a token, at most (fused.py holds to it) */
 static void attn_decode_run(const gl_attn *a, const float *q, int64_t q_rs, const float *k,
                             int64_t k_rs, const float *v, int64_t v_rs, const int64_t *slots,

@@ -161,6 +161,8 @@ int64_t gl_abi_layout(const char **names, int64_t *values, int64_t cap) {
 #include "attn_decode.c"
 #include "attn_prompt.c"
 #include "lora.c"
+#include "lora_xa.c"
+#include "proj.c"
 #include "float.c"
 #include "iquant.c"
 #include "layer.c"

@@ -2,15 +2,18 @@
  *
  * graftlm.c includes the files of each concern, so the compiler sees (and inlines across) them all
  * as it saw the one file they were:
- *   quant.c  the weight formats: repacking, exact dequantization, the quantized products
- *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K), the same three
- *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size, the same three
- *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place: exact dequantization, the products
+ *   quant.c  the weight formats: repacking, exact dequantization; quant_mm.c their products
+ *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K); kquant_k4.c and
+ *            kquant_k16.c their products
+ *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size: dequantization and products
+ *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place (with iq_*.c): dequantization, products
  *   attn.c   RMS norm, RoPE, the KV cache's writes, the gated activation
  *   attn_decode*.c  attention of decode steps through the KV cache (tiles, q8_0, bfloat16, the
  *            tasks and the step); attn_prompt*.c: of prompts
- *   lora.c   the LoRA delta, and a projection that adds it to the base product in one pass
- *   layer.c  a llama-style decoder layer's decode step, and a model's layers, in one call
+ *   lora.c   the LoRA delta's layouts; lora_xa.c its s*A*x dots; proj.c a projection that adds
+ *            the delta to the base product in one pass (its tasks claimed by the threads)
+ *   layer.c  a llama-style decoder layer's decode step (moe.c: routed experts), and a model's
+ *            layers, in one call
  * Here: what crosses files. The structs Python mirrors, the exported functions, the vector helpers
  * more than one file uses, and the pieces one file takes from another (static: one unit).
  * AVX-512 variants of a helper or a kernel go beside it, behind #ifdef __AVX512F__ (__AVX512VNNI__,

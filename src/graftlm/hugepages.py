@@ -118,6 +118,14 @@ def _pooled(nbytes: int) -> torch.Tensor | None:
         return chunk[used : used + nbytes]
 
 
+def end_pool() -> None:
+    """Carve no further from the chunk being carved: a model's loader calls it when the model's
+    weights are packed, so no chunk holds two models' buffers (and the last chunk is unmapped
+    with the last of its model's buffers, not kept for the next load)."""
+    with _POOL_LOCK:
+        _POOL[0], _POOL[1] = None, 0
+
+
 def _huge(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pool: bool = False
 ) -> torch.Tensor | None:

@@ -100,9 +100,36 @@ def test_smaller_weight_buffers_share_huge_pages(monkeypatch: pytest.MonkeyPatch
     assert a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
     assert int(a.sum()) == 5 * 900_001 and int(b.sum()) == 9 * 1_800_000
     assert anon_huge_kib(a) > 0 and anon_huge_kib(b) > 0
+    chunk = a.untyped_storage().data_ptr()
+    assert b.untyped_storage().data_ptr() == chunk  # one mapping under both
     small = hugepages.empty(1000, dtype=torch.uint8)  # under POOL_MIN: torch's own
+    assert small.shape == (1000,) and small.untyped_storage().data_ptr() != chunk
+    assert small.untyped_storage().nbytes() == 1000
     z = hugepages.zeros(1 << 20, dtype=torch.uint8)  # zeros (the KV cache's) are not carved
-    assert not z.any() and small.shape == (1000,)
+    assert not z.any() and z.untyped_storage().data_ptr() != chunk
+
+
+@needs_thp
+def test_a_loaded_model_ends_its_chunk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No chunk holds two models' buffers: build_model ends the chunk being carved, so the next
+    buffer starts a chunk of its own (and the last chunk goes with its model)."""
+    from graftlm.gguf import GGUFFile
+    from graftlm.models import build_model
+
+    monkeypatch.delenv("GRAFTLM_HUGEPAGES", raising=False)
+    a = hugepages.empty(300_000, dtype=torch.uint8)
+    assert hugepages.empty(300_000, dtype=torch.uint8).untyped_storage().data_ptr() == (
+        a.untyped_storage().data_ptr()
+    )
+    hugepages.end_pool()
+    b = hugepages.empty(300_000, dtype=torch.uint8)
+    assert b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    from tiny_models import write_tiny_model
+
+    build_model(GGUFFile(write_tiny_model(tmp_path / "m.gguf")), 64)
+    assert hugepages._POOL[0] is None  # ended by the loader, whatever it carved
+    c = hugepages.empty(300_000, dtype=torch.uint8)
+    assert c.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
 
 
 def test_mapped_tensors_are_zeros_of_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from graftlm import hugepages
 from graftlm.config import build_config, whole_field
 from graftlm.errors import ModelFileError, UnsupportedArchitectureError
 from graftlm.gguf import GGUFFile
@@ -55,6 +56,7 @@ def build_model(
     try:
         return cls(cfg, w, n_ctx)
     finally:
+        hugepages.end_pool()  # the next model's small buffers: chunks of their own
         if w.bar is not None:
             w.bar.close()
 

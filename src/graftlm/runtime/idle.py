@@ -64,7 +64,8 @@ def settle_heap() -> None:
     collector's reach, so its full passes, which come every so often, no longer walk them (one
     took 100-400 ms with the GIL held, landing inside steps and adapter reads). Frozen objects
     are still freed when nothing refers to them; `unsettle_heap` before letting a model go, so
-    its cycles can be collected."""
+    its cycles can be collected. The freeze is the process's (one service a process settles it:
+    the server's)."""
     gc.collect()
     gc.freeze()
 

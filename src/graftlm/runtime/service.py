@@ -175,13 +175,16 @@ class EngineService:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread after the step in progress; requests still running are cancelled."""
+        stopped = True
         if self._thread is not None:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
+            stopped = not self._thread.is_alive()
             self._thread = None
         if self._engine is not None:
             self._engine.scheduler.max_running = self._cap_before
-        unsettle_heap()  # (a model let go after this is collectable whole)
+        if stopped:  # (not under a wake still loading: it would freeze again after this)
+            unsettle_heap()  # (a model let go after this is collectable whole)
 
     @property
     def alive(self) -> bool:

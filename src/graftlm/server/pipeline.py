@@ -12,6 +12,7 @@ same pieces (`collect`). Nothing here touches tensors.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -28,6 +29,8 @@ from graftlm.runtime.service import ErrorEvent, FinishEvent, Job, ProgressEvent,
 from graftlm.server.registry import Lease, UnknownModelError
 from graftlm.server.schemas import RequestLoraItem, SamplingFields
 from graftlm.server.state import ApiError, ServerState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,11 @@ async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int)
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone: the ASGI receive channel, its body read, next says
     `http.disconnect` (starlette's `is_disconnected` asks the same channel without waiting,
-    which a loop must then poll)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    which a loop must then poll). A channel that fails is not a client gone: the watch ends and
+    the answer goes on (its sending tells)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - any failure of the channel: stop watching it
+        log.debug("the receive channel failed; no longer watching it", exc_info=True)
+        await asyncio.Event().wait()  # (cancelled with the answer)

@@ -88,3 +88,28 @@ def test_the_switch_is_read_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAFTLM_DYNAMIC", "sometimes")
     with pytest.raises(ValueError, match="GRAFTLM_DYNAMIC='sometimes'"):
         build.dynamic()
+
+
+def test_one_row_ranges_flushed_when_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """proj.c's one-row delta is added over the ranges of tasks a thread did, flushed when its
+    PROJ_RANGES are full: built with room for one range, every claim after the first flushes
+    (stolen ones included); still the static split's bits, with an adapter and without."""
+    sys.path.insert(0, str(HERE))
+    import split_cases
+    from variants import variant_library
+
+    lib = variant_library(tmp_path, monkeypatch, "-DPROJ_RANGES=1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out: dict = {}  # type: ignore[type-arg]
+        stolen: dict = {}  # type: ignore[type-arg]
+        split_cases.products(lib, out, stolen)
+    finally:
+        torch.set_num_threads(threads)
+    assert stolen[3] > 0 and stolen[0] == 0, stolen
+    one_row = {k: v for k, v in out.items() if ":1x1:" in k and not k.endswith(":None")}
+    assert len(one_row) >= 2 * 7
+    for key, (static, *claimed) in out.items():
+        for way, o in enumerate(claimed, 1):
+            assert torch.equal(static, o), (key, way, float((static - o).abs().max()))

@@ -174,6 +174,7 @@ static inline __attribute__((always_inline)) void pv_q8(float *O, const float *a
  * largest; measured: 2^-16 or less, the errors' signs mixed). Two keys' codes are interleaved by value (sign-extended to 16 bits, then unpacklo / unpackhi of words:
  * pv_bf16's order of O, which decode_bf16_order puts back at the task's end) and meet the pair of
  * their weights; a step's int32 sums times c / 32767 join O in float32. */
+_Static_assert(DECODE_STEP_Q8 * DT == 32, "the bound above counts a step's 32 keys' rounding");
 static inline void q8_block_max(const float *vs, int nts, int64_t Dv, float *cb) {
     for (int64_t b = 0; b < Dv / 32; b++) {
         __m512 mx = _mm512_setzero_ps();
@@ -193,8 +194,10 @@ static inline __attribute__((always_inline)) void pv_q8w(float *O, const float *
     for (int g = 0; g < GN; g++)
         for (int b = 0; b < NB; b++) {
             const float c = pm[g] * cb[c0 / 32 + b];
-            wk[g][b] = c > 0.0f ? 32767.0f / c : 0.0f;
-            dk[g][b] = c / 32767.0f;
+            /* (c under 2^-100: weights of at most 2^-100 the head's largest, as 0; a finite wk) */
+            const int tiny = !(c > 0x1p-100f);
+            wk[g][b] = tiny ? 0.0f : 32767.0f / c;
+            dk[g][b] = tiny ? 0.0f : c / 32767.0f;
             acc[g][2 * b] = acc[g][2 * b + 1] = _mm512_setzero_si512();
         }
     for (int x = 0; x < nts; x++) {

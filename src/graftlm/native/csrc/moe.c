@@ -265,13 +265,13 @@ static void moe_run(const gl_layer *L, const float *h, int64_t B, const layer_bu
             if (c.xl[p].src) expert_lora_plan(&c.xl[p], bufs->jobs, c.nj, bufs->psc);
     }
     c.xg.xf = bufs->gath, c.xd.xf = bufs->act; /* (what float experts read) */
-    const int owners = share_owners(nth);
-    const int on = share_on(nth);
+    const int mode = share_mode();
+    const int owners = share_owners(nth, mode), on = share_on(nth, mode);
     gl_claim claims[on ? 3 * owners : 1];
     const int64_t items[3] = {c.nj, c.nj * mm_tasks(2 * L->n_ff), c.nj * mm_tasks(L->n_embd)};
     for (int p = 0; p < 3 && on; p++) {
         c.claims[p] = claims + p * owners;
-        share_init(c.claims[p], items[p], nth);
+        share_init(c.claims[p], items[p], nth, mode);
     }
 #pragma omp parallel num_threads(nth)
     {

@@ -134,7 +134,9 @@ static void proj_delta(const proj_ctx *c, int64_t ra, int64_t rb, int64_t tc, in
 /* The tasks a thread did whose one-row delta is still to add (it comes after them all): ranges
  * in the order taken, a claim that continues the last one merged into it (its own share's, and a
  * run stolen from the back of one owner, are one range each). */
+#ifndef PROJ_RANGES /* (a test builds it with 1: every range flushed) */
 #define PROJ_RANGES 16
+#endif
 typedef struct {
     int64_t a[PROJ_RANGES], b[PROJ_RANGES];
     int n;
@@ -300,9 +302,10 @@ static void proj_run(const gl_weight *w, const float *x, int64_t M, int64_t T, c
 #endif
     if (many)
         for (int64_t i = 0; i < M; i++) b.two[i] = i + 1 < M && lora_same_slots(&pl, ns, T, i);
-    const int dyn = share_on(nth) && rows >= M && !b.xbf;
-    gl_claim claims[dyn ? share_owners(nth) : 1];
-    if (dyn) share_init(claims, tasks, nth);
+    const int mode = share_mode();
+    const int dyn = share_on(nth, mode) && rows >= M && !b.xbf;
+    gl_claim claims[dyn ? share_owners(nth, mode) : 1];
+    if (dyn) share_init(claims, tasks, nth, mode);
     const proj_ctx c = {w, l, x, y, &b, &xb, &pl, dyn ? claims : NULL, M, T, rows, share_step(w),
                         one, many, w->q != NULL /* no weight: the delta alone (gl_lora) */, nth};
 #pragma omp parallel num_threads(nth)
@@ -340,7 +343,7 @@ void gl_lora(const gl_lora_site *l, int64_t n_in, int64_t n_out, const float *x,
  * the value it replaces. */
 int64_t gl_set_dynamic(int64_t on) {
     const int64_t old = gl_dynamic;
-    gl_dynamic = on >= 0 && on <= 3 ? (int)on : 1;
+    __atomic_store_n(&gl_dynamic, on >= 0 && on <= 3 ? (int)on : 1, __ATOMIC_RELAXED);
     return old;
 }
 

@@ -30,9 +30,9 @@ server on each traffic, the best or median round (`--stat`), graftlm's mixed/bas
 mixed / llama-server mixed (the issue's targets: mixed/base >= 0.85 at 16 distinct, >= 0.75 at
 64; mixed >= 3x llama-server's mixed).
 
-    .venv/bin/python bench/tenants_serve.py            # Llama-1B and Qwen2.5-1.5B, the matrix
-    .venv/bin/python bench/tenants_serve.py --write-only   # only write the missing adapters
-    .venv/bin/python bench/tenants_serve.py --shape llama-1b --distinct 1 4 --clients 4 \\
+    .venv/bin/python bench/tenants_serve.py --dir DIR              # Llama-1B and Qwen2.5-1.5B, the matrix
+    .venv/bin/python bench/tenants_serve.py --dir DIR --write-only # only write the missing adapters
+    .venv/bin/python bench/tenants_serve.py --dir DIR --shape llama-1b --distinct 1 4 --clients 4 \\
         --tokens 8 --rounds 1 --registered 16                       # a smoke run
 
 Run it on a quiet machine: the issue's matrix at the defaults takes about two hours (estimated
@@ -250,8 +250,9 @@ def main() -> int:
     p.add_argument("--shape", action="append", choices=sorted(SHAPES),
                    help="model shape, repeatable (default: llama-1b and qwen2.5-1.5b)")  # fmt: skip
     p.add_argument("--mix", default="q4_k_m", help="the model file's quant mix")
-    p.add_argument("--dir", type=Path, default=Path("/work/models"),
-                   help="where the models and adapters are (missing adapters written here)")  # fmt: skip
+    p.add_argument("--dir", type=Path, required=True,
+                   help="where the models and adapters are (bench/real_shapes.py's folder; "
+                        "missing adapters written here)")  # fmt: skip
     p.add_argument("--registered", type=int, default=256, help="adapters registered by name")
     p.add_argument("--distinct", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--clients", type=int, nargs="+", default=[16, 32])

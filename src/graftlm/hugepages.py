@@ -28,8 +28,14 @@ MIN_BYTES = 2 * HUGE  # smaller buffers hold at most one whole huge page: not wo
 # at 26.3 (the layer's order of products, one thread).
 POOL_MIN = 256 << 10
 POOL_CHUNK = 32 * HUGE  # a chunk wastes at most the rest of its last huge page: 2 MiB of 64
-_POOL_LOCK = threading.Lock()
-_POOL: list[torch.Tensor | int | None] = [None, 0]  # the chunk being carved, and its bytes taken
+
+
+class _Pool:
+    """The chunk being carved (_pooled): its part not handed out yet; None: none (the next
+    buffer maps a new chunk)."""
+
+    lock = threading.Lock()
+    rest: torch.Tensor | None = None
 
 
 def libc_madvise() -> Callable[[int, int, int], int] | None:
@@ -107,23 +113,22 @@ def _pooled(nbytes: int) -> torch.Tensor | None:
     while a tensor carved from it does: for weights, which live as long as their model."""
     if nbytes < POOL_MIN or nbytes >= MIN_BYTES or not enabled():
         return None
-    with _POOL_LOCK:
-        chunk, used = _POOL
-        assert isinstance(used, int)
-        if not isinstance(chunk, torch.Tensor) or used + nbytes > chunk.numel():
-            chunk, used = _mapped(POOL_CHUNK), 0
-            if chunk is None:
+    with _Pool.lock:
+        rest = _Pool.rest
+        if rest is None or rest.numel() < nbytes:
+            rest = _mapped(POOL_CHUNK)
+            if rest is None:
                 return None
-        _POOL[0], _POOL[1] = chunk, used + -(-nbytes // 4096) * 4096
-        return chunk[used : used + nbytes]
+        _Pool.rest = rest[-(-nbytes // 4096) * 4096 :]  # (the next piece 4 KiB aligned)
+        return rest[:nbytes]
 
 
 def end_pool() -> None:
     """Carve no further from the chunk being carved: a model's loader calls it when the model's
     weights are packed, so no chunk holds two models' buffers (and the last chunk is unmapped
     with the last of its model's buffers, not kept for the next load)."""
-    with _POOL_LOCK:
-        _POOL[0], _POOL[1] = None, 0
+    with _Pool.lock:
+        _Pool.rest = None
 
 
 def _huge(

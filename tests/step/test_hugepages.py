@@ -127,7 +127,7 @@ def test_a_loaded_model_ends_its_chunk(monkeypatch: pytest.MonkeyPatch, tmp_path
     from tiny_models import write_tiny_model
 
     build_model(GGUFFile(write_tiny_model(tmp_path / "m.gguf")), 64)
-    assert hugepages._POOL[0] is None  # ended by the loader, whatever it carved
+    assert hugepages._Pool.rest is None  # ended by the loader, whatever it carved
     c = hugepages.empty(300_000, dtype=torch.uint8)
     assert c.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
 

@@ -343,8 +343,7 @@ async def collect(request: Request, pieces: AsyncGenerator[Delta, None], n: int)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
+        if not task.done():  # (cancelled below)
             raise ApiError(499, "the client closed the connection", "client_closed")
     finally:
         for t in (task, gone):

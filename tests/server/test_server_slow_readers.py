@@ -61,7 +61,11 @@ def test_a_client_that_does_not_read_gives_its_slot_back(tmp_path: Path) -> None
         try:
             time.sleep(0.5)
             t0 = time.perf_counter()
-            r = httpx.post(url + "/completion", json={"prompt": "hi", "n_predict": 4}, timeout=600)
+            r = httpx.post(
+                url + "/completion",
+                json={"prompt": "hi", "n_predict": 4, "ignore_eos": True},
+                timeout=600,
+            )
             waited = time.perf_counter() - t0
             assert r.status_code == 200 and r.json()["tokens_predicted"] == 4, r.text
             metrics = httpx.get(url + "/metrics").text

@@ -94,13 +94,15 @@ def test_logprobs_shape_and_normalization(tiny: graftlm.Model) -> None:
     assert abs(float(lp[0].exp().sum()) - 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
 def test_requests_arriving_together_prefill_together(
-    qtype: str, tmp_path: pytest.TempPathFactory
+    qtype: str, packed: bool, tmp_path: pytest.TempPathFactory
 ) -> None:
     """Prompts of different lengths (one longer than the chunk), with different adapters, are
-    prefilled in shared, padded chunks and then decoded together: each continuation equals the
-    same request run alone (greedy), on a float32 and on a native-kernel model."""
+    prefilled in shared chunks (packed, or padded to the longest) and then decoded together:
+    each continuation equals the same request run alone (greedy), on a float32 and on a
+    native-kernel model."""
     from pathlib import Path
 
     from gguf import GGMLQuantizationType as Q
@@ -110,7 +112,8 @@ def test_requests_arriving_together_prefill_together(
     d = Path(str(tmp_path))
     m = graftlm.load(str(write_tiny_model(d / "m.gguf", spec)), ctx_size=96, n_seq=4)
     a = m.add_lora(write_tiny_adapter(d / "a.gguf", spec, seed=5), scale=0.0)
-    m.engine.chunk = 24  # chunks: [3 + 11 padded to 2 x 11], [24 of 30], [6 + 6, at start 24]
+    m.engine.chunk = 24
+    m.engine.scheduler.packed = packed
     prompts = [_ids(3, 1), _ids(11, 2), _ids(30, 3), _ids(6, 4)]
     loras = [{}, {a: 1.0}, {a: 0.5}, {a: -1.0}]
 
@@ -129,8 +132,10 @@ def test_requests_arriving_together_prefill_together(
         m.engine.step()
         steps += 1
     assert [r.generated for r in together] == alone
-    # three prefill steps (one request at a time: five); a request decodes in its prefill step
-    assert steps == 3 + 6
+    # the first 16 tokens of the 30 are cached by now (run alone): 14 left. Packed, 24 tokens a
+    # step: [3 + 11], [14 + 6]; padded: [3 + 11 padded to 2 x 11], [14], [6] (one request at a
+    # time: four); a request decodes in its prefill step
+    assert steps == (2 if packed else 3) + 6
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

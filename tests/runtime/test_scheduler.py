@@ -9,20 +9,66 @@ import sys
 from pathlib import Path
 
 import graftlm
+from graftlm.errors import RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
-from graftlm.runtime.scheduler import Request, Scheduler, SlotAllocator, StepPlan
+from graftlm.runtime.scheduler import Request, Scheduler, StepPlan
 
 SRC = Path(graftlm.__file__).parent
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+class SlotAllocator:
+    """One cache slot of the full context per sequence; the lowest free slot first, a freed
+    slot goes to the back. `borrow` lends a slot outside any sequence (a scoring pass)."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        self.free: list[int] = list(range(n_slots))
+        self._slot_of: dict[int, int] = {}  # request id -> slot
+
+    @property
+    def n_free(self) -> int:
+        return len(self.free)
+
+    def can_admit(self, seq: Request) -> bool:
+        return bool(self.free)
+
+    def admit(self, seq: Request) -> None:
+        self._slot_of[seq.id] = self.free.pop(0)
+        seq.n_prefilled = 0
+
+    def grow(self, seq: Request, n_tokens: int) -> bool:
+        return True  # a slot holds the whole context
+
+    def commit(self, seq: Request, n_written: int) -> None:
+        pass
+
+    def release(self, seq: Request) -> None:
+        self.free.append(self._slot_of.pop(seq.id))
+
+    def slot(self, seq: Request) -> int:
+        return self._slot_of[seq.id]
+
+    def borrow(self, n_tokens: int = 0) -> int:
+        if not self.free:
+            raise RequestError("no free sequence slot", "server_busy")
+        return self.free.pop(0)
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
 
 
 def _req(n: int) -> Request:
     return Request(list(range(1, n + 1)), PARAMS)
 
 
-def _scheduler(n_slots: int = 4, chunk: int = 8, max_running: int | None = None) -> Scheduler:
-    return Scheduler(SlotAllocator(n_slots), chunk, max_running)
+def _scheduler(
+    n_slots: int = 4, chunk: int = 8, max_running: int | None = None, packed: bool = True
+) -> Scheduler:
+    s = Scheduler(SlotAllocator(n_slots), chunk, max_running)
+    s.packed = packed
+    return s
 
 
 def _run(s: Scheduler, plan: StepPlan, max_tokens: int = 4) -> None:
@@ -87,9 +133,10 @@ def test_admission_stops_when_the_cache_is_full() -> None:
 
 
 def test_chunk_packing_counts_padding() -> None:
-    """The next piece of the first prompt, then as many more as fit in `chunk` tokens with every
-    row padded to the longest piece; one request decodes in the step its prompt ends."""
-    s = _scheduler(n_slots=4, chunk=24)
+    """Padded (GRAFTLM_PADDED_PREFILL=1): the next piece of the first prompt, then as many more
+    as fit in `chunk` tokens with every row padded to the longest piece; one request decodes in
+    the step its prompt ends."""
+    s = _scheduler(n_slots=4, chunk=24, packed=False)
     a, b, c, d = _req(3), _req(11), _req(30), _req(6)
     for r in (a, b, c, d):
         s.submit(r)
@@ -104,6 +151,30 @@ def test_chunk_packing_counts_padding() -> None:
         [(a, 0, 3), (b, 0, 11)],  # 2 x 11 <= 24; a third row of 24 would not fit
         [(c, 0, 24)],  # 2 x 24 > 24: c alone
         [(c, 24, 6), (d, 0, 6)],
+    ]
+    plan = s.plan()
+    assert plan.prefill == () and plan.decode == (a, b, c, d)
+
+
+def test_packed_chunks_count_their_own_tokens() -> None:
+    """Packed (the default): `chunk` counts the pieces' own tokens, and the last piece of a step
+    is what fits of its prompt: every step but the last computes `chunk` tokens."""
+    s = _scheduler(n_slots=4, chunk=24)
+    a, b, c, d = _req(3), _req(11), _req(30), _req(6)
+    for r in (a, b, c, d):
+        s.submit(r)
+    steps = []
+    for _ in range(3):
+        plan = s.plan()
+        steps.append([(x.seq, x.start, x.length) for x in plan.prefill])
+        assert plan.computed == sum(x.length for x in plan.prefill)
+        _run(s, plan, max_tokens=100)
+        if len(steps) == 1:
+            assert plan.decode == (a, b)  # both prompts ended here, c goes on
+    assert steps == [
+        [(a, 0, 3), (b, 0, 11), (c, 0, 10)],
+        [(c, 10, 20), (d, 0, 4)],
+        [(d, 4, 2)],
     ]
     plan = s.plan()
     assert plan.prefill == () and plan.decode == (a, b, c, d)

@@ -382,8 +382,11 @@ class Transformer:
 
     def forward(self, batch: Batch, all_logits: bool = False, hidden: bool = False) -> torch.Tensor:
         """Logits (B, T, n_vocab) with all_logits, else (B, n_vocab) at each row's last real token.
-        hidden: the final-norm hidden states (B, T, n_embd) instead (embeddings)."""
+        hidden: the final-norm hidden states (B, T, n_embd) instead (embeddings). A packed batch
+        (Batch.packed, B sequences) gives (B, n_vocab) at each sequence's last token."""
         assert self.cache is not None, "allocate_cache() first"
+        packing = batch.packing
+        assert packing is None or not (all_logits or hidden), "a packed batch: last logits only"
         x = self.embed(batch)
         y = self.native_layers(x, batch)
         if y is not None:
@@ -397,7 +400,8 @@ class Transformer:
         if not all_logits:
             x = x[batch.last_tokens].unsqueeze(1)  # (B, 1, n_embd)
         x = rms_norm(x, self.output_norm, self.cfg.rms_eps)
-        logits = self.output(x, batch)
+        # (packed: the B last tokens with their sequences' scale rows)
+        logits = self.output(x, batch if packing is None else packing.head)
         return logits if all_logits else logits[:, 0]
 
     @property

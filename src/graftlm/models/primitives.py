@@ -131,7 +131,11 @@ def attention(
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
     scores soft-capped (softcap) before the mask and the softmax (gemma-2); sinks (H,): one more
-    logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks)."""
+    logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks). A
+    packed batch (Batch.packed: q (N, 1, H, D)) attends sequence by sequence, each as it would
+    alone: its keys and values written, its queries against its own cache."""
+    if batch.packing is not None:
+        return _packed_attention(q, k, v, layer, batch, cache, scale, window, cap, sinks)
     rows = batch.index()
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
@@ -163,6 +167,31 @@ def attention(
         enable_gqa=q.shape[2] != keys.shape[1],
     )  # (B, H, T, Dv)
     return out.transpose(1, 2).flatten(2)
+
+
+def _packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: Batch,
+    cache: KVCache,
+    scale: float,
+    window: int,
+    cap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """attention of a packed batch: q (N, 1, H, D), k/v (N, 1, Hkv, D) -> (N, 1, H * Dv), each
+    sequence's rows (one real token each, in order) as a (1, n) row of its own; no padding is
+    computed or written to the cache."""
+    assert batch.packing is not None
+    outs, at = [], 0
+    for row in batch.packing.rows:
+        n = row.n_tokens
+        qr, kr, vr = (x[at : at + n].reshape(1, n, *x.shape[2:]) for x in (q, k, v))  # (1, n, h, d)
+        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks))
+        at += n
+    return torch.cat(outs, dim=1).view(at, 1, -1)
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The engine: one owner of the model and its cache, running the scheduler's plan each step.
 
 The scheduler (plain Python) decides what a step does; the engine turns that plan into one batch
-of tensors (prefill chunks of several prompts padded together, or one decode row per running
+of tensors (prefill chunks of several prompts packed together, or one decode row per running
 sequence, each row with its own adapter scales), runs `model.forward`, samples each row's token
 and updates the sequences. The CLI, the Python API and the HTTP server are all clients of it.
 """
@@ -102,7 +102,8 @@ class Engine:
 
     @property
     def chunk(self) -> int:
-        """The most prompt tokens one step prefills (padding counted), and a scoring pass's piece."""
+        """The most prompt tokens one step prefills (padding counted when the scheduler pads), and
+        a scoring pass's piece."""
         return self.scheduler.chunk
 
     @chunk.setter
@@ -286,7 +287,8 @@ class Engine:
             return plan
 
     def _prefill(self, chunks: Sequence[Chunk]) -> None:
-        """One padded batch of prompt chunks; a prompt that ends here samples its first token."""
+        """One batch of prompt chunks (packed, or padded to the longest: Scheduler.packed); a
+        prompt that ends here samples its first token."""
         lora = self.lora_rows([c.lora for c in chunks])
         slot = self.slots.slot
         for c in chunks:
@@ -295,9 +297,10 @@ class Engine:
         if len(chunks) == 1:
             c = chunks[0]
             batch = Batch.single(c.tokens, slot(c.seq), c.start, lora, self.device)
-        else:
-            batch = Batch.padded([c.tokens for c in chunks], [slot(c.seq) for c in chunks],
-                                 [c.start for c in chunks], lora, self.device)  # fmt: skip
+        else:  # (packed: the real tokens alone; the scheduler's `packed` counted them so)
+            make = Batch.packed if self.scheduler.packed else Batch.padded
+            batch = make([c.tokens for c in chunks], [slot(c.seq) for c in chunks],
+                         [c.start for c in chunks], lora, self.device)  # fmt: skip
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step
         for c, row in zip(chunks, logits, strict=True):
             req = c.seq

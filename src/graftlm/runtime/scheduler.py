@@ -7,8 +7,8 @@ turns the plan into a batch, runs the model, samples, and reports back (`finish`
 
 The plan names sequences and token ranges, never cache places: a `CacheAllocator` maps a
 sequence to where its keys and values live. The engine's is the paged cache's
-(`step/kv_allocator.py: PagedAllocator`); `SlotAllocator` here, one slot of the full context per
-sequence, serves tests of the scheduler alone.
+(`step/kv_allocator.py: PagedAllocator`); tests/runtime/test_scheduler.py's `SlotAllocator`, one
+slot of the full context per sequence, serves tests of the scheduler alone.
 
 - `can_admit(seq)` asks for the blocks of the sequence's first chunk (after looking its prompt
   up in the prefix cache, keyed by tokens and adapter settings; shared blocks cost nothing);
@@ -25,13 +25,13 @@ sequence, serves tests of the scheduler alone.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from graftlm.errors import RequestError
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 
 if TYPE_CHECKING:
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from graftlm.runtime.speculative import Drafter, DraftState, SpecParams, SynthDraws
 
 _ids = itertools.count()
+# Several prompts' chunks in one step are packed (the engine's Batch.packed: only real tokens are
+# computed, and `chunk` counts those); GRAFTLM_PADDED_PREFILL=1 pads them to the longest instead
+# (the old way, kept for A/B: bench/prefill_packing.py).
+PACKED_PREFILL = os.environ.get("GRAFTLM_PADDED_PREFILL", "") != "1"
 
 
 @dataclass(eq=False)
@@ -201,47 +205,6 @@ class CacheAllocator(Protocol):
     def give_back(self, slot: int) -> None: ...
 
 
-class SlotAllocator:
-    """One cache slot of the full context per sequence; the lowest free slot first, a freed
-    slot goes to the back. `borrow` lends a slot outside any sequence (a scoring pass)."""
-
-    def __init__(self, n_slots: int) -> None:
-        self.n_slots = n_slots
-        self.free: list[int] = list(range(n_slots))
-        self._slot_of: dict[int, int] = {}  # request id -> slot
-
-    @property
-    def n_free(self) -> int:
-        return len(self.free)
-
-    def can_admit(self, seq: Request) -> bool:
-        return bool(self.free)
-
-    def admit(self, seq: Request) -> None:
-        self._slot_of[seq.id] = self.free.pop(0)
-        seq.n_prefilled = 0
-
-    def grow(self, seq: Request, n_tokens: int) -> bool:
-        return True  # a slot holds the whole context
-
-    def commit(self, seq: Request, n_written: int) -> None:
-        pass
-
-    def release(self, seq: Request) -> None:
-        self.free.append(self._slot_of.pop(seq.id))
-
-    def slot(self, seq: Request) -> int:
-        return self._slot_of[seq.id]
-
-    def borrow(self, n_tokens: int = 0) -> int:
-        if not self.free:
-            raise RequestError("no free sequence slot", "server_busy")
-        return self.free.pop(0)
-
-    def give_back(self, slot: int) -> None:
-        self.free.append(slot)
-
-
 @dataclass(frozen=True)
 class Chunk:
     """Prompt tokens [start, end) of one sequence, prefilled in this step."""
@@ -266,7 +229,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step. `prefill`: the chunks of one padded prefill batch (rows padded to `width`).
+    """One step. `prefill`: the chunks of one prefill batch (packed: only their tokens computed;
+    else rows padded to `width`).
     `decode`: the sequences that decode one token, in admission order, including those whose
     prompt ends in this step's prefill (they decode in the same step, from the token their
     prompt's logits gave); one that ended on that token is skipped. `n_running`: sequences
@@ -278,10 +242,18 @@ class StepPlan:
     decode: tuple[Request, ...] = ()
     n_running: int = 0
     drafts: Mapping[int, list[int]] = field(default_factory=dict)
+    packed: bool = False
 
     @property
     def width(self) -> int:
         return max((c.length for c in self.prefill), default=0)
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens the prefill batch computes: its chunks' own, or padded to `width`."""
+        if self.packed or len(self.prefill) == 1:
+            return sum(c.length for c in self.prefill)
+        return len(self.prefill) * self.width
 
     @property
     def empty(self) -> bool:
@@ -293,7 +265,7 @@ class Scheduler:
 
     max_running: how many sequences run at once (default: every cache slot); the engine service
     sets it one below the slots so that a scoring pass always finds one. chunk: the most prompt
-    tokens one step prefills, padding counted."""
+    tokens one step prefills (padding counted when `packed` is off)."""
 
     def __init__(
         self,
@@ -314,6 +286,8 @@ class Scheduler:
         # llama-server's --context-shift: a sequence that fills its context drops half of it
         # (after its n_keep first tokens) and goes on, else it ends there
         self.context_shift = False
+        # several prompts' chunks packed (only real tokens computed and counted), else padded
+        self.packed = PACKED_PREFILL
 
     @property
     def busy(self) -> bool:
@@ -351,7 +325,7 @@ class Scheduler:
             if self._grow(prefill, decode):
                 break
         admitted = [r for r in admitted if r in self.running]
-        return StepPlan(tuple(admitted), prefill, decode, len(self.running))
+        return StepPlan(tuple(admitted), prefill, decode, len(self.running), packed=self.packed)
 
     def draft_room(self, plan: StepPlan) -> tuple[list[Request], list[int]]:
         """The decode rows of `plan` that may draft (not those whose prompt ends in its
@@ -439,10 +413,12 @@ class Scheduler:
 
     def _prefill(self) -> tuple[Chunk, ...]:
         """The next piece of the first prompt not yet prefilled, and of as many more as fit in
-        `chunk` tokens counted with padding (rows are padded to the longest piece), so that
-        requests arriving together start decoding together."""
+        `chunk` tokens, so that requests arriving together start decoding together. Packed, the
+        tokens are the pieces' own and the last piece may be part of what its prompt has left
+        (the step fills up); padded, they are counted with padding (rows padded to the longest
+        piece) and a piece that does not fit whole waits."""
         group: list[Chunk] = []
-        width = last = 0  # the rows' width, and the latest start among them
+        width = last = total = 0  # the rows' width, the latest start among them, their tokens
         for req in self.running:
             if req.n_prefilled >= len(req.fill):
                 continue
@@ -450,15 +426,23 @@ class Scheduler:
             edge = req.boundary_after(req.n_prefilled)  # an aLoRA start: the chunk ends there
             if edge is not None:
                 n = min(n, edge - req.n_prefilled)
+            if self.packed:  # the step's tokens fill up `chunk`: this prompt's piece, up to it
+                if total >= self.chunk:
+                    break
+                n = min(n, self.chunk - total)
             w = max(width, n)
             # (a padded row's positions run to its start + the width: within the context, where
             # RoPE has angles; a row starting past cached blocks may not take a long one's width)
-            if group and (
-                (len(group) + 1) * w > self.chunk or max(last, req.n_prefilled) + w > self.n_ctx
+            if (
+                group
+                and not self.packed
+                and (
+                    (len(group) + 1) * w > self.chunk or max(last, req.n_prefilled) + w > self.n_ctx
+                )
             ):
                 break
             group.append(Chunk(req, req.n_prefilled, n))
-            width, last = w, max(last, req.n_prefilled)
+            width, last, total = w, max(last, req.n_prefilled), total + n
         return tuple(group)
 
     def commit(self, plan: StepPlan) -> None:

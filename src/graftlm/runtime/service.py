@@ -444,8 +444,7 @@ class EngineService:
             # sequences in this step: those running, the ones admitted now included
             self.observer.on_step(plan.n_running, len(self.engine.running), self._n_waiting())
             real = sum(c.length for c in plan.prefill)
-            padded = len(plan.prefill) * plan.width
-            work = StepWork(len(plan.prefill), real, padded, len(plan.decode), cpu, wall)
+            work = StepWork(len(plan.prefill), real, plan.computed, len(plan.decode), cpu, wall)
             self.observer.on_work(work)
             self.observer.on_cache(self.cache_facts())
 

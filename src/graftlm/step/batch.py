@@ -1,9 +1,14 @@
-"""One forward step's batch: rectangular rows of tokens, each row one sequence.
+"""One forward step's batch: rectangular rows of tokens, each row one sequence, or packed.
 
 A row carries its cache slot, where it starts, how many of its T tokens are real, and (when any
 adapter is active in this step) the scale of every adapter slot for that row. Everything the model
 needs per step is computed here once, not per layer: positions and attention masks. Every tensor
 made here is on the device of `tokens` (the model's: the engine builds the batch there).
+
+A packed batch (`Batch.packed`: several prompt chunks in one step) holds only real tokens: N rows
+of one token each, every token its own slot, position and scale row, so that everything row-wise
+(projections, norms, adapters' deltas, RoPE) computes no padding; attention alone takes each
+sequence's tokens together (`Packing.rows`), as that sequence alone would.
 """
 
 from __future__ import annotations
@@ -38,6 +43,22 @@ class LoraRows:
         object.__setattr__(self, "scales", self.scales.to(torch.float32).contiguous())
 
 
+@dataclass(frozen=True)
+class Packing:
+    """What a packed batch keeps of its sequences (Batch.packed).
+
+    rows: each sequence's own (1, n) batch (its slot, start and tokens; no adapter), made once a
+        step: the attention of a packed step runs each one as the sequence prefilled alone.
+    head: (B, 1) the sequences' last tokens with their per-sequence scales: the batch the head
+        (the output projection) takes, after the last tokens' rows are picked out.
+    last: (B,) int64, each sequence's last token among the N packed rows.
+    """
+
+    rows: tuple[Batch, ...]
+    head: Batch
+    last: torch.Tensor
+
+
 class RowIndex(NamedTuple):
     """A step's rows as the native kernels index the cache with them: slots and starts as (B,)
     int64 and their maxima, made once a step (the kernels check them against the cache once,
@@ -59,6 +80,8 @@ class Batch:
     # the step's precision: exact float32 products (scoring: log-probabilities are the product)
     # or the fast kernels (generation); every projection of the step reads it from here
     exact: bool = False
+    # packed (Batch.packed): N rows of one real token each, and the sequences they came from
+    packing: Packing | None = None
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
@@ -95,8 +118,12 @@ class Batch:
 
     @cached_property
     def last_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, columns), each (B,): where each row's last real token sits in (B, T)."""
+        """(rows, columns), each (B,): where each row's last real token sits in (B, T) (packed:
+        each sequence's last token among the N rows of one token)."""
         dev = self.tokens.device
+        if self.packing is not None:
+            last = self.packing.last
+            return last, torch.zeros_like(last)
         rows = torch.arange(self.n_rows, device=dev)
         return rows, torch.tensor(self.lengths, dtype=torch.long, device=dev) - 1
 
@@ -114,6 +141,8 @@ class Batch:
 
     @cached_property
     def _decode(self) -> RowIndex | None:
+        if self.packing is not None:  # (one token a row, but prompt chunks: attention by sequence)
+            return None
         one_each = self.n_tokens == 1 and all(n == 1 for n in self.lengths)
         places = set(zip(self.slots, self.starts, strict=True))
         return self.index() if one_each and len(places) == len(self.slots) else None
@@ -161,6 +190,42 @@ class Batch:
         if device is not None:
             tokens = tokens.to(device)
         return cls(tokens, list(slots), list(starts), [len(r) for r in rows], lora)
+
+    @classmethod
+    def packed(
+        cls,
+        rows: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        starts: Sequence[int],
+        lora: LoraRows | None = None,
+        device: torch.device | None = None,
+    ) -> Batch:
+        """The real tokens of several sequences' chunks, (N, 1) in order (no padding): row i of
+        sequence b is its token at position starts[b] + i, with b's slot and b's scale row
+        (lora: (B, n_slots), one row a sequence, as for `padded`)."""
+        n = [len(r) for r in rows]
+        tokens = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=device)
+        tokens = tokens.view(-1, 1)  # (N, 1)
+        ends = torch.tensor(n, dtype=torch.long).cumsum(0)
+        last = (ends - 1).to(tokens.device)
+        seqs, at = [], 0
+        for k, slot, start in zip(n, slots, starts, strict=True):
+            seqs.append(cls(tokens[at : at + k].view(1, k), [slot], [start], [k]))
+            at += k
+        ends_at = [s + k - 1 for s, k in zip(starts, n, strict=True)]
+        head = cls(tokens[last], list(slots), ends_at, [1] * len(n), lora)
+        tokens_lora = None
+        if lora is not None:  # each token its sequence's scale row: (N, n_slots)
+            counts = torch.tensor(n, dtype=torch.long, device=lora.scales.device)
+            tokens_lora = LoraRows(lora.scales.repeat_interleave(counts, dim=0), lora.active)
+        return cls(
+            tokens,
+            [s for s, k in zip(slots, n, strict=True) for _ in range(k)],
+            [s + i for s, k in zip(starts, n, strict=True) for i in range(k)],
+            [1] * len(tokens),
+            tokens_lora,
+            packing=Packing(tuple(seqs), head, last),
+        )
 
     @classmethod
     def single(

@@ -217,7 +217,8 @@ class Batch:
         tokens_lora = None
         if lora is not None:  # each token its sequence's scale row: (N, n_slots)
             counts = torch.tensor(n, dtype=torch.long, device=lora.scales.device)
-            tokens_lora = LoraRows(lora.scales.repeat_interleave(counts, dim=0), lora.active)
+            scales = lora.scales.repeat_interleave(counts, dim=0, output_size=sum(n))
+            tokens_lora = LoraRows(scales, lora.active)
         return cls(
             tokens,
             [s for s, k in zip(slots, n, strict=True) for _ in range(k)],

@@ -11,6 +11,11 @@ read by the other). Scenarios:
 Before timing, each packed row's logits are checked against the same prompt prefilled alone
 (bit for bit: printed as the largest |difference|) and against the padded row's.
 
+--engine: the same prompts also as requests through the engine (one token each, prefix cache
+off), its scheduler planning their steps within --chunk tokens (padded: counted with padding,
+so 16 prompts of 36 padded take two steps at 512), padded and packed in turn: the CPU time of
+every step until each request has its first token.
+
 Printed: the medians over the rounds of milliseconds a step (one thread's CPU time, which the
 machine's other load does not inflate), the ratio packed / padded, and the tokens computed.
 
@@ -29,8 +34,11 @@ from collections.abc import Callable
 import torch
 
 import graftlm
+from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
-from graftlm.runtime.engine import lora_rows
+from graftlm.runtime.engine import Engine, lora_rows
+from graftlm.runtime.sampling import SamplingParams
+from graftlm.runtime.scheduler import Request
 from graftlm.step.batch import Batch
 
 Make = Callable[..., Batch]
@@ -49,6 +57,19 @@ def step(model: Transformer, make: Make, rows: list[list[int]], settings: list[d
     t0 = time.thread_time()
     logits = model.forward(batch)
     return logits, time.thread_time() - t0
+
+
+def served(eng: Engine, packed: bool, rows: list[list[int]], settings: list[dict[int, float]]):
+    """Every request's prefill through the engine's steps: (steps, CPU s)."""
+    eng.scheduler.packed = packed
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for ids, s in zip(rows, settings, strict=True):
+        eng.submit(Request(ids, params, AdapterSettings(s)))
+    steps, t0 = 0, time.thread_time()
+    while eng.busy:
+        eng.step()
+        steps += 1
+    return steps, time.thread_time() - t0
 
 
 def check(model: Transformer, rows: list[list[int]], settings: list[dict[int, float]]) -> None:
@@ -74,6 +95,8 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=27)
     ap.add_argument("--max-len", type=int, default=36)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--engine", action="store_true", help="also through the engine's steps")
+    ap.add_argument("--chunk", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(1)
     m = graftlm.load(args.model, threads=1, ctx_size=256, n_seq=args.prompts)
@@ -95,13 +118,23 @@ def main() -> None:
                 order = [("padded", Batch.padded), ("packed", Batch.packed)]
                 for way, make in order if r % 2 == 0 else order[::-1]:
                     times.setdefault((name, way), []).append(step(model, make, rows, settings)[1])
+        # (a fresh engine: the steps above laid the model's cache out anew)
+        eng = Engine(model, n_slots=len(rows), chunk=args.chunk, prefix_cache=False)
+        for r in range(args.rounds if args.engine else 0):
+            for name, settings in scen.items():
+                for packed in (False, True) if r % 2 == 0 else (True, False):
+                    way = "engine " + ("packed" if packed else "padded")
+                    n, t = served(eng, packed, rows, settings)
+                    times.setdefault((name, way), []).append(t)
+                    print(f"  round {r} {name} {way}: {n} steps, {t:.2f} s", flush=True)
     for name in scen:
-        pad = statistics.median(times[(name, "padded")])
-        pack = statistics.median(times[(name, "packed")])
-        print(
-            f"{name:6s} padded {pad * 1e3:8.1f} ms  packed {pack * 1e3:8.1f} ms  "
-            f"packed/padded {pack / pad:.3f}  (rounds {args.rounds})"
-        )
+        for kind in ("", "engine ") if args.engine else ("",):
+            pad = statistics.median(times[(name, kind + "padded")])
+            pack = statistics.median(times[(name, kind + "packed")])
+            print(
+                f"{kind}{name:6s} padded {pad * 1e3:8.1f} ms  packed {pack * 1e3:8.1f} ms  "
+                f"packed/padded {pack / pad:.3f}  (rounds {args.rounds})"
+            )
 
 
 if __name__ == "__main__":

@@ -126,14 +126,15 @@ typedef struct {
 #endif
 } prompt_chunk;
 
-/* Rows r0 .. r0 + nr - 1 (nr <= BR) of a chunk of NB blocks, their products z (q.k times c1, or
- * times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row r0 and
- * are left out of every store. */
+/* Rows r0 .. r0 + nr - 1 (nr <= R, R <= BR) of a chunk of NB blocks, their products z (q.k times
+ * c1, or times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row
+ * r0 and are left out of every store. */
 static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                      float *alpha, __m512 acc[BR][4], const int NB) {
+                                                                      float *alpha, __m512 acc[][4], const int NB,
+                                                                      const int R) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < BR; r++) {
+    for (int r = 0; r < R; r++) {
         alpha[r] = 1.0f;
         if (r >= nr) continue;
         const int64_t row = r0 + r, p = c->pr[row];
@@ -206,7 +207,7 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
     const __m512 f = _mm512_set1_ps(c->capped ? c->cs : c->c1);
     for (int r = 0; r < BR; r++)
         for (int x = 0; x < NB; x++) acc[r][x] = _mm512_mul_ps(acc[r][x], f);
-    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB);
+    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB, BR);
 }
 
 #include "attn_prompt_i8.c"

@@ -56,13 +56,14 @@ static void prompt_keys_q8(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, in
 }
 
 /* Rows r0 .. r0 + nr - 1 of a chunk of NB blocks: scores from the cache's codes, softmax. Half a
- * tile (BR / 2 rows) at a time: its int32 sums of a block and its float32 scores (BR / 2 x NB
- * each) and a block's keys fit the 32 registers. */
+ * tile (BR / 2 rows) at a time, softmax included: its int32 sums of a block and its float32
+ * scores (BR / 2 x NB each) and a block's keys fit the 32 registers (a whole tile's scores held
+ * past its first half left GCC no room for the keys: it loaded each again for every row). */
 static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_chunk *c, int64_t r0, int nr,
                                                                    float *alpha, const int NB) {
     const int64_t D4 = c->D / 4, nb = c->D / 32;
-    __m512 z[BR][4];
     for (int hf = 0; hf < BR; hf += BR / 2) {
+        __m512 z[BR / 2][4];
         const int32_t *q[BR / 2], *qs[BR / 2];
         const float *sq[BR / 2];
         for (int r = 0; r < BR / 2; r++) {
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_
             q[r] = (const int32_t *)c->Qq + row * D4;
             qs[r] = c->qs + row * nb;
             sq[r] = c->sQ + row * nb;
-            for (int x = 0; x < NB; x++) z[hf + r][x] = _mm512_setzero_ps();
+            for (int x = 0; x < NB; x++) z[r][x] = _mm512_setzero_ps();
         }
         for (int64_t b = 0; b < nb; b++) {
             __v16si acc[BR / 2][4];
@@ -78,7 +79,10 @@ static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_
                 for (int x = 0; x < NB; x++) acc[r][x] = (__v16si)_mm512_set1_epi32(qs[r][b]);
             for (int l = 0; l < 8; l++) {
                 __v16si k[4];
-                for (int x = 0; x < NB; x++) k[x] = (__v16si)_mm512_load_si512(c->Kq + (b * 8 + l) * PK + 16 * x);
+                for (int x = 0; x < NB; x++) {
+                    k[x] = (__v16si)_mm512_load_si512(c->Kq + (b * 8 + l) * PK + 16 * x);
+                    __asm__("" : "+v"(k[x])); /* held: GCC loads it again for every row otherwise */
+                }
                 for (int r = 0; r < BR / 2; r++) {
                     const __v16si qp = (__v16si)_mm512_set1_epi32(q[r][b * 8 + l]);
                     for (int x = 0; x < NB; x++) acc[r][x] = __builtin_ia32_vpdpbusd_v16si(acc[r][x], k[x], qp);
@@ -87,11 +91,11 @@ static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_
             for (int x = 0; x < NB; x++) {
                 const __m512 sk = _mm512_load_ps(c->sK + b * PK + 16 * x);
                 for (int r = 0; r < BR / 2; r++)
-                    z[hf + r][x] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][x]), sk),
-                                                   _mm512_set1_ps(sq[r][b]), z[hf + r][x]);
+                    z[r][x] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][x]), sk),
+                                              _mm512_set1_ps(sq[r][b]), z[r][x]);
             }
         }
+        prompt_softmax_bf16(c, r0 + hf, nr - hf, alpha + hf, z, NB, BR / 2);
     }
-    prompt_softmax_bf16(c, r0, nr, alpha, z, NB);
 }
 #endif

@@ -14,6 +14,10 @@ codes (csrc/attn_prompt_i8.c): the twin makes the same codes (the keys less thei
 per-key and per-query scales, rounded half to even in float32) and sums them exactly, so the same
 bound holds (the kernel's float32 mean may round to another bfloat16 than the twin's float64 one:
 that moves every score of a row alike, and a code where a product sits on a rounding's edge).
+Through a q8_0 cache on such a CPU the scores come from the cache's own codes whatever was asked
+(csrc/attn_prompt_q8.c, llama.cpp's q8_0 x q8_0): the twin rounds each query row to q8_0 as the
+cache rounds its keys, takes the keys as cached, and sums in float64; the values and weights as
+the bfloat16 route's, so the same bound holds.
 Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build keep float32 products: within
 float32's rounding of the twin."""
 
@@ -36,6 +40,12 @@ BF16_ATTN = "attn-bf16" in features()
 I8_ATTN = "attn-i8" in features()
 # a fast step's route here (int8 scores only where asked for: GRAFTLM_I8_ATTN=1)
 FAST = "i8" if I8_ATTN and ops.I8_ATTN_SCORES else "bf16" if BF16_ATTN else "f32"
+
+
+def fast(kv: str, route: str = FAST) -> str:
+    """A fast step's route through a cache of type kv: a q8_0 cache's own codes where the CPU
+    has AVX-512 VNNI and BF16, whatever else was asked."""
+    return "q8" if I8_ATTN and kv == "q8_0" and route != "f32" else route
 
 
 class Prompt(NamedTuple):
@@ -143,8 +153,9 @@ def int8_scores(q: torch.Tensor, k: torch.Tensor, lo: int) -> torch.Tensor:
 
 def twin(p: Prompt, kv: str, route: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The written-out attention in float64 (route "bf16": q, k and v rounded to bfloat16; "i8": v
-    rounded, the scores from int8 codes; "f32": as they are), and the weighted sum of the values'
-    magnitudes (the scale of a weight's rounding)."""
+    rounded, the scores from int8 codes; "q8": v rounded, q rounded to q8_0, k as cached; "f32":
+    as they are), and the weighted sum of the values' magnitudes (the scale of a weight's
+    rounding)."""
     q, keys, values, _, slots = _inputs(p, kv)
     d = q.shape[-1]
 
@@ -165,6 +176,9 @@ def twin(p: Prompt, kv: str, route: str) -> tuple[torch.Tensor, torch.Tensor]:
             if route == "i8":
                 lo = max(0, p0 - p.window + 1) if p.window else 0
                 scores = int8_scores(q[r, t0:t1].transpose(0, 1), k32, lo) * d**-0.5
+            elif route == "q8":
+                q8 = _rounded(q[r, t0:t1], torch.uint8).double().transpose(0, 1)
+                scores = (q8 @ k32.double().transpose(1, 2)) * d**-0.5
             else:
                 scores = (seen(q[r, t0:t1]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5
             if p.cap:
@@ -195,7 +209,7 @@ def _check(p: Prompt, kv: str, out: torch.Tensor, route: str) -> None:
 @pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
 def test_prompt_attention_equals_its_twin(p: Prompt, kv: str) -> None:
     torch.set_num_threads(2)
-    _check(p, kv, run(p, kv, exact=False), FAST)
+    _check(p, kv, run(p, kv, exact=False), fast(kv))
 
 
 @pytest.mark.parametrize("kv", TYPES)
@@ -236,6 +250,6 @@ def test_i8_scores_switched_on(monkeypatch: pytest.MonkeyPatch, p: Prompt, kv: s
         pytest.skip("no int8 scores on this CPU (AVX-512 VNNI and BF16)")
     monkeypatch.setattr(ops, "I8_ATTN_SCORES", True)
     torch.set_num_threads(2)
-    _check(p, kv, run(p, kv, exact=False), "i8")
+    _check(p, kv, run(p, kv, exact=False), fast(kv, "i8"))
     if p in CASES[:4]:  # bf16_scores: bfloat16 pairs where int8 codes would serve
-        _check(p, kv, run(p, kv, exact=False, bf16_scores=True), "bf16")
+        _check(p, kv, run(p, kv, exact=False, bf16_scores=True), fast(kv, "bf16"))

@@ -299,7 +299,9 @@ def attn_prefill(
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
     (gpt-oss). Where the CPU has AVX-512 VNNI too (features() "attn-i8") a fast step's scores
-    come from int8 codes (csrc/attn_prompt_i8.c); bf16_scores keeps them in bfloat16 pairs.
+    through a q8_0 cache always come from the cache's own codes against q8_0 queries, as
+    llama.cpp's (csrc/attn_prompt_q8.c); through other caches from int8 codes where
+    GRAFTLM_I8_ATTN=1 (csrc/attn_prompt_i8.c), which bf16_scores declines.
     """
     lib = library()
     kv = gl_kv(cache, layer)

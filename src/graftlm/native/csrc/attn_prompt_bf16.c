@@ -117,21 +117,24 @@ typedef struct {
     int mask, capped;
 #if ATTN_I8
     /* int8 scores (attn_prompt_i8.c): queries' codes + 128 (rows x D / 4) and scales, the keys'
-     * codes (D / 4 x PK), each key's -128 x its codes' sum and scale */
+     * codes (D / 4 x PK), each key's -128 x its codes' sum and scale; a q8_0 cache's scores
+     * (attn_prompt_q8.c): the queries' q8_0 codes (rows x D / 4), scales times f and -128 x
+     * codes' sums (rows x D / 32: sQ, qs), the keys' codes + 128 (Kq) and scales (D / 32 x PK) */
     const uint32_t *Qq, *Kq;
     const float *sQ, *sK;
-    const int32_t *kb;
+    const int32_t *kb, *qs;
 #endif
 } prompt_chunk;
 
-/* Rows r0 .. r0 + nr - 1 (nr <= BR) of a chunk of NB blocks, their products z (q.k times c1, or
- * times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row r0 and
- * are left out of every store. */
+/* Rows r0 .. r0 + nr - 1 (nr <= R, R <= BR) of a chunk of NB blocks, their products z (q.k times
+ * c1, or times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row
+ * r0 and are left out of every store. */
 static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                      float *alpha, __m512 acc[BR][4], const int NB) {
+                                                                      float *alpha, __m512 acc[][4], const int NB,
+                                                                      const int R) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < BR; r++) {
+    for (int r = 0; r < R; r++) {
         alpha[r] = 1.0f;
         if (r >= nr) continue;
         const int64_t row = r0 + r, p = c->pr[row];
@@ -204,10 +207,11 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
     const __m512 f = _mm512_set1_ps(c->capped ? c->cs : c->c1);
     for (int r = 0; r < BR; r++)
         for (int x = 0; x < NB; x++) acc[r][x] = _mm512_mul_ps(acc[r][x], f);
-    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB);
+    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB, BR);
 }
 
 #include "attn_prompt_i8.c"
+#include "attn_prompt_q8.c"
 
 /* O[rows r0 .., values c0 .. c0 + 16 NC) = alpha O + P V over the chunk's np pairs of keys. */
 static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_chunk *c, int64_t r0, int nr,
@@ -250,15 +254,25 @@ static void prompt_prefetch(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, i
 
 static inline int prompt_bf16_fits(const gl_attn *a) { return a->kv.block == DT && a->head_dim % 16 == 0; }
 
-/* One chunk's rows, BR at a time: scores (int8 codes where i8, else bfloat16 pairs), softmax,
- * O = alpha O + P V. */
-static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int i8) {
+/* How a chunk's scores are made: bfloat16 pairs, int8 codes of the keys less their mean
+ * (attn_prompt_i8.c), a q8_0 cache's own codes (attn_prompt_q8.c). */
+enum { SCORES_BF16, SCORES_I8, SCORES_Q8 };
+
+/* One chunk's rows, BR at a time: scores (as `scores` says), softmax, O = alpha O + P V. */
+static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int scores) {
     const int64_t D = c->D, np = (c->nk + 1) / 2;
     for (int64_t r0 = 0; r0 < rows; r0 += BR) {
         const int nr = rows - r0 < BR ? (int)(rows - r0) : BR;
         float alpha[BR];
 #if ATTN_I8
-        if (i8) {
+        if (scores == SCORES_Q8) {
+            switch (nb) {
+            case 1: prompt_scores_q8(c, r0, nr, alpha, 1); break;
+            case 2: prompt_scores_q8(c, r0, nr, alpha, 2); break;
+            case 3: prompt_scores_q8(c, r0, nr, alpha, 3); break;
+            default: prompt_scores_q8(c, r0, nr, alpha, 4); break;
+            }
+        } else if (scores == SCORES_I8) {
             switch (nb) {
             case 1: prompt_scores_i8(c, r0, nr, alpha, 1); break;
             case 2: prompt_scores_i8(c, r0, nr, alpha, 2); break;
@@ -268,7 +282,7 @@ static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, i
         } else
 #endif
         {
-            (void)i8;
+            (void)scores;
             switch (nb) {
             case 1: prompt_scores_bf16(c, r0, nr, alpha, 1); break;
             case 2: prompt_scores_bf16(c, r0, nr, alpha, 2); break;
@@ -304,10 +318,14 @@ static void prompt_rows_out(const gl_attn *a, const prompt_chunk *c, int64_t row
 
 #define A64(T, n) ((T *)aligned_alloc(64, (sizeof(T) * (size_t)(n) + 63) / 64 * 64))
 
-/* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from int8 codes where i8. */
+/* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from a q8_0 cache's codes
+ * where the CPU has VNNI (i8 or not), else from int8 codes where i8. */
 static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, const int64_t *starts,
                         int64_t B, int64_t T, float *out, int i8, int nth) {
     const gl_kv *kv = &a->kv;
+    const int q8 = ATTN_I8 && kv->type == 3;
+    i8 = i8 && !q8;
+    const int scores = q8 ? SCORES_Q8 : i8 ? SCORES_I8 : SCORES_BF16;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, D2 = D / 2;
     const int64_t window = a->window;
     const float l2e = 1.44269504088896341f;
@@ -333,17 +351,21 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
                           a->softcap > 0.0f ? a->scale / a->softcap : 0.0f, a->softcap * l2e, 0,
                           a->softcap > 0.0f,
 #if ATTN_I8
-                          NULL, NULL, NULL, NULL, NULL
+                          NULL, NULL, NULL, NULL, NULL, NULL
 #endif
         };
 #if ATTN_I8
         uint32_t *Qq = NULL, *Kq = NULL;
         float *sQ = NULL, *sK = NULL;
-        int32_t *kb = NULL;
-        if (i8) {
+        int32_t *kb = NULL, *qs = NULL;
+        if (i8 || q8) {
+            const int64_t nb32 = (D + 31) / 32;
             Qq = A64(uint32_t, rows_max * D / 4 + 16), Kq = A64(uint32_t, D / 4 * PK);
-            sQ = A64(float, rows_max), sK = A64(float, PK), kb = A64(int32_t, PK);
-            c.Qq = Qq, c.Kq = Kq, c.sQ = sQ, c.sK = sK, c.kb = kb;
+            sQ = A64(float, rows_max * nb32), sK = A64(float, PK * nb32), kb = A64(int32_t, PK);
+            qs = A64(int32_t, rows_max * nb32);
+            c.Qq = Qq, c.Kq = Kq, c.sQ = sQ, c.sK = sK, c.kb = kb, c.qs = qs;
+        }
+        if (i8) {
 #pragma omp for
             for (int64_t bg = 0; bg < B * Hkv; bg++) { /* over every key a row's queries see */
                 const int64_t p0 = starts[bg / Hkv], lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
@@ -361,7 +383,9 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
             for (int64_t r = 0; r < rows; r++) {
                 const float *x = q + ((b * T + t0 + r / group) * H + g * group + r % group) * D;
 #if ATTN_I8
-                if (i8)
+                if (q8)
+                    prompt_query_q8(x, D, c.capped ? c.cs : c.c1, Qq + r * (D / 4), sQ + r * (D / 32), qs + r * (D / 32));
+                else if (i8)
                     prompt_query_i8(x, D, Qq + r * (D / 4), sQ + r);
                 else
 #endif
@@ -383,18 +407,20 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
                     prompt_prefetch(kv, s, g, k1, n1, D);
                 }
 #if ATTN_I8
-                if (i8)
+                if (q8)
+                    prompt_keys_q8(kv, s, g, k0, nk, D, Kq, sK);
+                else if (i8)
                     prompt_keys_i8(kv, s, g, k0, nk, D, mus + bg * D, Kq, kb, sK, Kt, Kf);
                 else
 #endif
                     prompt_keys_bf16(kv, s, g, k0, nk, D, Kt2, Kf, Kt);
                 prompt_values_bf16(kv, s, g, k0, nk, D, Vt2, Vf);
-                prompt_chunk_rows(&c, rows, nb, i8);
+                prompt_chunk_rows(&c, rows, nb, scores);
             }
             prompt_rows_out(a, &c, rows, group, g, (const int64_t[3]){b, T, t0}, out);
         }
 #if ATTN_I8
-        free(Qq), free(Kq), free(sQ), free(sK), free(kb);
+        free(Qq), free(Kq), free(sQ), free(sK), free(kb), free(qs);
 #endif
         free(Qb), free(Kt2), free(Vt2), free(Pb), free(O), free(L), free(m), free(pr);
         free(Kf), free(Kt), free(Vf);

@@ -123,6 +123,6 @@ static inline __attribute__((always_inline)) void prompt_scores_i8(const prompt_
                                                   _mm512_load_ps(c->sK + 16 * x)),
                                     fr);
     }
-    prompt_softmax_bf16(c, r0, nr, alpha, z, NB);
+    prompt_softmax_bf16(c, r0, nr, alpha, z, NB, BR);
 }
 #endif

@@ -20,7 +20,8 @@ batch built, sampling, the prefix cache's bookkeeping), as a server steps them, 
 time is split: the model's forward against the rest, in wall time and in this thread's CPU time
 (run it with `--threads 1` on a shared machine: the CPU time is what holds). `--adapters FILE...`
 attaches adapters, and with `--engine` the rows are also run mixed, row r on adapter r mod N,
-alternated with the base:
+alternated with the base (`--each`: all rows on one adapter, each adapter in turn, as
+`adapter K`: an attention adapter against an expert adapter on an MoE model):
 
     .venv/bin/python bench/decode_step.py 16 32 --model DIR/llama-1b-q4_k_m.gguf --engine \
         --threads 1 --adapters DIR/llama-1b-lora-r16-s{2..17}.gguf
@@ -167,6 +168,9 @@ def main() -> None:
         help="with --adapters: mixed rows on the first K of them, for each K",
     )
     ap.add_argument(
+        "--each", action="store_true", help="with --adapters: every row on adapter k, for each k"
+    )
+    ap.add_argument(
         "--rounds", type=int, default=1, help="alternated rounds (with --engine), else timed runs"
     )
     ap.add_argument("--prompt", type=int, default=8, help="with --engine: prompt tokens")
@@ -183,8 +187,10 @@ def main() -> None:
     if args.engine:
         ids = [loaded.add_lora(path, 0.0) for path in args.adapters]
         kinds = {"base": [AdapterSettings()]}
-        for k in args.distinct or ([len(ids)] if ids else []):
+        for k in args.distinct or ([len(ids)] if ids and not args.each else []):
             kinds[f"mixed {k}"] = [AdapterSettings({i: 1.0}) for i in ids[:k]]
+        for k, i in enumerate(ids if args.each else []):
+            kinds[f"adapter {k}"] = [AdapterSettings({i: 1.0})]
         cpus: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for rnd in range(args.rounds):
             for b in args.rows:

@@ -2,6 +2,7 @@
 LoRA adapter on every projection, to time beside llama.cpp:
 
     python bench/real_shapes.py DIR --shape llama-1b --mix q4_k_m [--adapter]
+    python bench/real_shapes.py DIR --shape qwen3-30b-a3b-6l --adapter --expert-adapter --no-model
     python bench/real_shapes.py DIR --all            # every shape x q4_k_m, q5_k_m, q8_0
     python bench/real_shapes.py --list
 
@@ -313,12 +314,26 @@ def write_model(
 
 
 def write_adapter(
-    folder: Path, name: str, rank: int = 16, layers: int | None = None, seed: int = 1
+    folder: Path,
+    name: str,
+    rank: int = 16,
+    layers: int | None = None,
+    seed: int = 1,
+    experts: bool = False,
 ) -> Path:
     """A rank-16 float32 GGUF LoRA on every projection (the attention only for an MoE model);
-    seeds past 1 give other adapters of the same shape (`-s2`, `-s3`, ... in the name)."""
+    seeds past 1 give other adapters of the same shape (`-s2`, `-s3`, ... in the name).
+
+    experts (an MoE shape): also on every layer's routed experts' gate, up and down, in
+    llama.cpp's layout for `*_exps` tensors (convert_lora_to_gguf.py stacks the experts' factors
+    as the base stacks its weights; build_lora_mm_id multiplies them with ggml_mul_mat_id):
+    `blk.N.ffn_gate_exps.weight.lora_a` ne=[n_in, r, n_expert] and `.lora_b` ne=[r, n_out,
+    n_expert], numpy (n_expert, r, n_in) and (n_expert, n_out, r); file `NAME-experts-lora-rR`."""
     s = SHAPES[name] if layers is None else replace(SHAPES[name], n_layer=layers)
-    path = folder / f"{name}-lora-r{rank}{'' if seed == 1 else f'-s{seed}'}.gguf"
+    if experts and not s.n_expert:
+        raise ValueError(f"{name} has no routed experts to put an adapter on")
+    stem = f"{name}-experts-lora" if experts else f"{name}-lora"
+    path = folder / f"{stem}-r{rank}{'' if seed == 1 else f'-s{seed}'}.gguf"
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), s.arch)
     w.add_type("adapter")
@@ -326,11 +341,13 @@ def write_adapter(
     w.add_float32("adapter.lora.alpha", float(2 * rank))
     projections = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up",
                    "ffn_down"}  # fmt: skip
+    if experts:
+        projections |= set(EXPERT_ROLES)
     for tname, role, _, shape in tensors(s):
         if role in projections:
-            n_out, n_in = shape
-            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            b = (rng.standard_normal((n_out, rank)) * 0.01).astype(np.float32)
+            *stack, n_out, n_in = shape  # stack: [n_expert] for a routed tensor, else []
+            a = (rng.standard_normal((*stack, rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((*stack, n_out, rank)) * 0.01).astype(np.float32)
             base = tname.removesuffix(".weight")
             w.add_tensor(base + ".weight.lora_a", a)
             w.add_tensor(base + ".weight.lora_b", b)
@@ -355,6 +372,12 @@ def main() -> None:
     )
     ap.add_argument("--adapter", action="store_true", help="also write a rank-16 adapter")
     ap.add_argument("--adapters", type=int, default=1, help="how many (with --adapter)")
+    ap.add_argument(
+        "--expert-adapter",
+        action="store_true",
+        help="with --adapter on an MoE shape: the adapters also on the routed experts",
+    )
+    ap.add_argument("--no-model", action="store_true", help="write the adapters only")
     ap.add_argument("--all", action="store_true", help="every shape x q4_k_m, q5_k_m, q8_0")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -367,11 +390,13 @@ def main() -> None:
     shapes = sorted(SHAPES) if args.all else args.shape or ["llama-1b"]
     mixes = ["q4_k_m", "q5_k_m", "q8_0"] if args.all else args.mix or ["q4_k_m"]
     for name in shapes:
-        for mix in mixes:
+        for mix in mixes if not args.no_model else []:
             p = write_model(args.folder, name, mix, args.layers, ctx=args.ctx)
             print(f"{p}  {p.stat().st_size / 2**20:.0f} MiB")
         for seed in range(1, 1 + args.adapters * args.adapter):
-            print(write_adapter(args.folder, name, layers=args.layers, seed=seed))
+            p = write_adapter(args.folder, name, layers=args.layers, seed=seed,
+                              experts=args.expert_adapter)  # fmt: skip
+            print(f"{p}  {p.stat().st_size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

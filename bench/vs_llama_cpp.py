@@ -20,7 +20,8 @@ flash attention on, its fast path at depth), `--cache-type` sets both sides' KV 
 `--bandwidth` also measures the machine's read bandwidth (`bench/read_bandwidth.c`: 2 threads
 streaming through 1 GiB, the best of 5) before every run and after the last, and, for each
 decode test, the share of it each engine reaches: tokens/s x the bytes a token reads (every
-tensor of the file except an untied embedding, of which a token reads one row; at a depth, plus
+tensor of the file except an untied embedding, of which a token reads one row, of a routed
+tensor the experts a token uses, and with `--lora` the adapter's factors likewise; at a depth, plus
 the keys and values of every position before it, the average over the test's steps) / the higher of
 the two probes around that run; the median over the rounds, and their range.
 
@@ -134,19 +135,25 @@ class Bandwidth:
         return float(done.stdout.strip())
 
 
-def token_bytes(model: str) -> int:
+def token_bytes(model: str, lora: str | None = None) -> int:
     """The bytes one decode token reads: every tensor but an untied token embedding, and of a
-    mixture of experts' routed tensors (`*_exps`) the share of the experts a token uses."""
+    mixture of experts' routed tensors (`*_exps`) the share of the experts a token uses; with an
+    adapter, its factors too, as the file holds them (float32 from bench/real_shapes.py, what
+    llama.cpp reads; graftlm packs A as Q8_0 and B as bfloat16 on quantized projections, so it
+    reads about half of that), a routed tensor's (`blk.N.ffn_*_exps.weight.lora_a`, stacked over
+    the experts) at the same share."""
     from graftlm.gguf import GGUFFile
 
     f = GGUFFile(model)
     n_expert = f.get(f"{f.architecture}.expert_count", 0)
     share = f.get(f"{f.architecture}.expert_used_count", 0) / n_expert if n_expert else 1.0
     tied = "output.weight" not in f.tensors
+    files = [(f, tied)] + ([(GGUFFile(lora), True)] if lora is not None else [])
     total = sum(
         e.nbytes * (share if "_exps." in name else 1.0)
-        for name, e in f.tensors.items()
-        if tied or name != "token_embd.weight"
+        for g, keep_embd in files
+        for name, e in g.tensors.items()
+        if keep_embd or name != "token_embd.weight"
     )
     return int(total)
 
@@ -251,7 +258,7 @@ def compare(
                     probes.append(probe.measure())
                     bw[who].append(max(probes[-2:]))
         name = Path(model).name + ("" if lora is None else f" + {Path(lora).name}")
-        weights = token_bytes(model)
+        weights = token_bytes(model, lora)
         for test in runs["graftlm"][0]:
             a = statistics.median(r[test] for r in runs["llama.cpp"])
             b = statistics.median(r[test] for r in runs["graftlm"])

@@ -7,12 +7,11 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import PARALLEL, TinyServer
+from server_fixtures import PARALLEL, TinyServer, steps_wait_for_a_cancel, watch_inbox
 
 PROMPT = [12, 80, 31, 77, 140]
 
@@ -174,7 +173,7 @@ def test_mixed_batches_happen(server: TinyServer, monkeypatch: pytest.MonkeyPatc
                 all_in.set()
 
     async def run() -> None:
-        _watch_inbox(svc, monkeypatch, seen)
+        watch_inbox(svc, monkeypatch, seen)
         svc.call(lambda: all_in.wait(300))
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
             rs = await asyncio.gather(*(c.post("/completion", json=b) for b in bodies))
@@ -246,49 +245,12 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
     assert _metric(http, "graftlm_lora_adapter_wait_seconds_count") >= 1
 
 
-def _steps_wait_for_a_cancel(svc: Any, monkeypatch: pytest.MonkeyPatch, free: int = 5) -> None:
-    """After `free` engine steps, every step waits until a cancellation has been asked: the
-    request cannot end before its client's leaving is seen, however slow the machine (a
-    generation that ended first was no cancellation)."""
-    step = svc.engine.step
-    asked, n = threading.Event(), [0]
-
-    def gated() -> Any:
-        n[0] += 1
-        if n[0] > free:
-            assert asked.wait(300), "no cancellation was asked"
-        return step()
-
-    def seen(item: Any) -> None:
-        if isinstance(item, tuple) and item[0] == "cancel":
-            asked.set()
-
-    monkeypatch.setattr(svc.engine, "step", gated)
-    _watch_inbox(svc, monkeypatch, seen)
-
-
-def _watch_inbox(svc: Any, monkeypatch: pytest.MonkeyPatch, seen: Callable[[Any], None]) -> None:
-    """`seen` is told of everything put into the engine service's inbox (requests, calls,
-    cancellations) as it is put in."""
-    inbox = svc._inbox
-
-    class Watched:
-        def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
-            seen(item)
-            inbox.put(item, *args, **kwargs)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(inbox, name)
-
-    monkeypatch.setattr(svc, "_inbox", Watched())
-
-
 def test_client_disconnect_frees_the_slot(
     server: TinyServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
-    _steps_wait_for_a_cancel(svc, monkeypatch)
+    steps_wait_for_a_cancel(svc, monkeypatch)
     body = {
         "prompt": PROMPT,
         "n_predict": 900,
@@ -315,7 +277,7 @@ def test_non_streaming_client_that_leaves_is_cancelled(
 ) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
-    _steps_wait_for_a_cancel(svc, monkeypatch)  # (the 1000 tokens outlast the disconnect check)
+    steps_wait_for_a_cancel(svc, monkeypatch)  # (the 1000 tokens outlast the disconnect check)
     body = {"prompt": PROMPT, "n_predict": 1000, "temperature": 0, "ignore_eos": True}
     data = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").split(":")

@@ -77,7 +77,7 @@ def test_a_request_waits_for_room_instead_of_failing(
         await asyncio.sleep(0.3)
         assert not waiting.done()  # queued, not refused
         reg.release(held_a)
-        lease = await asyncio.wait_for(waiting, 10)
+        lease = await asyncio.wait_for(waiting, 120)
         assert reg.names["gamma"].resident and not reg.names["alpha"].resident
         reg.release(lease)
         reg.release(held_b)

@@ -241,7 +241,8 @@ def test_retyped_fields_load_and_serve_or_are_refused_by_name(
         value, hole, kind = _retyped(rng, original[which][key])
         p = h.write(tmp_path / f"{which}{i}.gguf", key, value, hole)
         what = f"case {i}: {which} {key} as {kind}"
-        t0 = time.perf_counter()
+        # (this thread's CPU time: the pauses of a loaded machine do not count)
+        t0 = time.thread_time()
         try:
             _serve(model, which, p)
             outcome = "served"
@@ -249,7 +250,7 @@ def test_retyped_fields_load_and_serve_or_are_refused_by_name(
             outcome = "refused"
             if _kind(value) != _kind(original[which][key]) and key not in str(exc):
                 unnamed.append(f"{what}: {str(exc)[:300]}")
-        assert time.perf_counter() - t0 < WALL, (what, time.perf_counter() - t0)
+        assert time.thread_time() - t0 < WALL, (what, time.thread_time() - t0)
         assert model.loras == [], what
         outcomes[f"{which} {outcome}"] = outcomes.get(f"{which} {outcome}", 0) + 1
         p.unlink()
@@ -298,10 +299,11 @@ def test_millions_of_strings_in_a_sparse_header_are_refused_at_once(
     n = MAX_ARRAY
     value = struct.pack("<IIQ", V.ARRAY, V.STRING, n)
     p = files["headers"]["model"].write(tmp_path / "many.gguf", "general.name", value, 8 * n)
-    t0 = time.perf_counter()
+    # (this thread's CPU time: the pauses of a loaded machine do not count)
+    t0 = time.thread_time()
     with pytest.raises(GraftError) as info:
         graftlm.load(str(p), ctx_size=32)
-    assert time.perf_counter() - t0 < 3
+    assert time.thread_time() - t0 < 3
     from graftlm.gguf.parse import MAX_ITEMS
 
     assert "general.name" in str(info.value) and f"limit of {MAX_ITEMS}" in str(info.value)

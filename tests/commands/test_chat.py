@@ -6,7 +6,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from graftlm.commands.chat import GREY, RESET, ChatSession, chat_loop, join_cont
 
 SPEC = TinySpec(n_ctx=16384)  # replies long enough to be stopped part way on any CPU
 PROMPT = r"\x1b\[\?2004h"  # prompt_toolkit turns bracketed paste on as each prompt starts
+PROMPT_END = r"\x1b\[\?2004l"  # and off as it ends (the line accepted)
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -64,7 +64,11 @@ def test_terminal_two_turns_ctrl_c_keeps_history_and_exit(chat_files: dict[str, 
         child.expect(PROMPT)
         for turn in ("tell me a long story", "and then?"):
             child.sendline(turn)
-            time.sleep(1.0)  # a reply of 12000 tokens takes seconds: stop it part way
+            # stop it part way once it streams (a reply of 12000 tokens takes seconds): the
+            # prompt ends (bracketed paste off) and the reply's first character comes; a fixed
+            # sleep let a loaded machine's Ctrl-C reach the line editor, which discards the line
+            child.expect(PROMPT_END)
+            child.expect(r"[\s\S]")
             child.sendintr()
             child.expect(r"\[reply stopped; the conversation keeps it\]")
             child.expect(PROMPT)

@@ -32,7 +32,7 @@ def test_a_deferred_scoring_call_runs_when_the_last_step_frees_its_slot(tmp_path
             scored = service.prompt_logprobs([1, 2, 3, 4], 2, AdapterSettings({}))
             events = [first] + [ev async for ev in stream]
             assert isinstance(events[-1], FinishEvent)
-            out = await asyncio.wait_for(asyncio.wrap_future(scored), 10)
+            out = await asyncio.wait_for(asyncio.wrap_future(scored), 120)
             assert [e["id"] for e in out] == [2, 3, 4]
 
         asyncio.run(go())

@@ -29,8 +29,9 @@ from tiny_models import TinySpec, write_tiny_model  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 UP_S = 300  # Ray and one replica starting on a busy two-core machine
-DOWN_S = 120  # Serve's replicas stopped (a few seconds each), then Ray's processes
-GONE_S = 30  # the agents Ray's raylet started exit after it
+# (bounds for a hang, not speeds: a descheduled VM can take ten times the usual)
+DOWN_S = 300  # Serve's replicas stopped (a few seconds each), then Ray's processes
+GONE_S = 120  # the agents Ray's raylet started exit after it
 
 
 def _free_port() -> int:

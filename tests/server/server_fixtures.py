@@ -4,19 +4,22 @@ its in-process reference model, and where the real fixtures and goldens are."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from tiny_models import TinySpec
 
 import graftlm
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
+from graftlm.runtime.service import EngineService
 from graftlm.server.app import ServerThread, create_app
 from graftlm.server.state import ServerState
 
@@ -81,3 +84,44 @@ def error_of(r: httpx.Response, status: int, *words: str) -> dict:
     for w in words:
         assert w in err["message"], (w, err["message"])
     return dict(err)
+
+
+def steps_wait_for_a_cancel(
+    svc: EngineService, monkeypatch: pytest.MonkeyPatch, free: int = 5
+) -> None:
+    """After `free` engine steps, every step waits until a cancellation has been asked: the
+    request cannot end before its client's leaving is seen, however slow the machine (a
+    generation that ended first was no cancellation)."""
+    step = svc.engine.step
+    asked, n = threading.Event(), [0]
+
+    def gated() -> Any:
+        n[0] += 1
+        if n[0] > free:
+            assert asked.wait(300), "no cancellation was asked"
+        return step()
+
+    def seen(item: Any) -> None:
+        if isinstance(item, tuple) and item[0] == "cancel":
+            asked.set()
+
+    monkeypatch.setattr(svc.engine, "step", gated)  # (the engine in use: not one woken later)
+    watch_inbox(svc, monkeypatch, seen)
+
+
+def watch_inbox(
+    svc: EngineService, monkeypatch: pytest.MonkeyPatch, seen: Callable[[Any], None]
+) -> None:
+    """`seen` is told of everything put into the engine service's inbox (requests, calls,
+    cancellations) as it is put in."""
+    inbox = svc._inbox
+
+    class Watched:
+        def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+            seen(item)
+            inbox.put(item, *args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inbox, name)
+
+    monkeypatch.setattr(svc, "_inbox", Watched())

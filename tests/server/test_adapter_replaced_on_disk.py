@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -45,10 +46,15 @@ def _registry(svc: EngineService, files: dict[str, Path], path: Path) -> Adapter
     return reg
 
 
-async def _evicted(reg: AdapterRegistry, name: str) -> None:
+async def _evicted(reg: AdapterRegistry, svc: EngineService, name: str) -> None:
+    """`name` evicted, and detached: the registry lets it go at once, the engine's thread
+    detaches it a moment later (waiting for the registry alone left the detach racing the
+    checks of what is attached)."""
+    adapter_id = reg.names[name].id
     reg.evict(name)
-    for _ in range(200):
-        if not reg.names[name].resident:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not reg.names[name].resident and adapter_id not in svc.adapters.attached:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{name} is still resident")
@@ -71,7 +77,7 @@ def test_a_file_broken_in_place_while_resident(
             f.write(b"\xff" * 56)
         assert await _served(reg, svc, "x") == before  # resident: served from memory
 
-        await _evicted(reg, "x")
+        await _evicted(reg, svc, "x")
         with pytest.raises(AdapterError) as exc:
             await reg.lease("x", None, BASE)
         msg = str(exc.value)
@@ -103,7 +109,7 @@ def test_a_valid_replacement_serves_its_own_weights_after_eviction(
 
         shutil.copyfile(tiny_files["beta"], path)  # rewritten in place with another adapter
         assert await _served(reg, svc, "x") == alpha  # the resident copy is unchanged
-        await _evicted(reg, "x")
+        await _evicted(reg, svc, "x")
         assert await _served(reg, svc, "x") == beta  # read again: the file as it is now
 
     asyncio.run(go())

@@ -95,7 +95,7 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 300  # (a start imports torch and loads the model)
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -110,22 +110,23 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
         r = httpx.post(
             url + "/v1/completions",
             json={"model": "alpha", "prompt": "the", "max_tokens": 4},
-            timeout=30,
+            timeout=120,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/props").json()["total_slots"] == 2
         # asleep, then loaded again by serve's own reload: the same answer through the adapter
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not httpx.get(url + "/props").json()["is_sleeping"]:
             assert time.monotonic() < deadline, "serve did not go to sleep"
             time.sleep(0.1)
         again = httpx.post(
             url + "/v1/completions",
             json={"model": "alpha", "prompt": "the", "max_tokens": 4},
-            timeout=30,
+            timeout=120,
         )
+        # (served: it woke. Whether it is awake when asked next is the machine's speed against
+        # the 0.5 s idle time: after a pause of the machine it sleeps again, so it is not asked)
         assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
-        assert httpx.get(url + "/props").json()["is_sleeping"] is False
     finally:
         proc.terminate()
         try:

@@ -222,7 +222,8 @@ def _llama_top_logprobs(base: Path, lora: Path, prompts: list[list[int]]) -> lis
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
+        deadline = time.monotonic() + 300  # (a bound for a hang: 30 s was tight at load)
+        while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(url + "/health", timeout=1)
                 break

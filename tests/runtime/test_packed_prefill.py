@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 import graftlm
+from graftlm.gguf import GGUFFile
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.engine import Engine, lora_rows
@@ -30,6 +31,8 @@ ROWS = [
     (9, 0, {0: 0.0}),  # a zero scale: the base's bits
     (12, 0, {0: -1.0, 1: 2.0}),
     (20, 16, {1: 1.0}),  # a prompt whose first block is in the cache
+    (7, 0, {2: 1.0}),  # the embedding's and the head's adapters too
+    (11, 0, {2: 0.5, 0: 1.0}),
 ]
 
 
@@ -42,7 +45,8 @@ def _ids(n: int, seed: int, vocab: int = 250) -> list[int]:
 def files(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[Path]]:
-    """A tiny llama of the param's projection type and two adapters for it."""
+    """A tiny llama of the param's projection type and three adapters for it, the third on
+    every kind of site (the embedding, the head, stacked and plain projections)."""
     qtype = Q[request.param]
     spec = TinySpec(
         qtype=qtype,
@@ -52,11 +56,18 @@ def files(
     )
     d = tmp_path_factory.mktemp("packed")
     adapters = [write_tiny_adapter(d / f"a{i}.gguf", spec, seed=5 + i) for i in range(2)]
-    return write_tiny_model(d / "m.gguf", spec), adapters
+    model = write_tiny_model(d / "m.gguf", spec)
+    n_vocab, e, hd = GGUFFile(model).tensors["token_embd.weight"].shape[0], 64, spec.head_dim
+    targets = {"token_embd": (n_vocab, e), "output": (e, n_vocab)}
+    for i in range(spec.n_layer):
+        targets |= {f"blk.{i}.attn_k": (e, spec.n_head_kv * hd), f"blk.{i}.ffn_gate": (e, 96)}
+        targets |= {f"blk.{i}.ffn_up": (e, 96), f"blk.{i}.attn_output": (spec.n_head * hd, e)}
+    adapters.append(write_tiny_adapter(d / "a2.gguf", spec, targets, seed=7))
+    return model, adapters
 
 
 def _load(files: tuple[Path, list[Path]], **kw: object) -> tuple[graftlm.Model, list[int]]:
-    """The model with both adapters attached (at scale 1; requests set their own)."""
+    """The model with its adapters attached (at scale 1; requests set their own)."""
     m = graftlm.load(str(files[0]), ctx_size=64, n_seq=len(ROWS), **kw)  # type: ignore[arg-type]
     return m, [m.add_lora(str(a)) for a in files[1]]
 

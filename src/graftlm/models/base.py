@@ -386,7 +386,9 @@ class Transformer:
         (Batch.packed, B sequences) gives (B, n_vocab) at each sequence's last token."""
         assert self.cache is not None, "allocate_cache() first"
         packing = batch.packing
-        assert packing is None or not (all_logits or hidden), "a packed batch: last logits only"
+        assert packing is None or not (all_logits or hidden), (
+            f"a packed batch gives last logits only (all_logits={all_logits}, hidden={hidden})"
+        )
         x = self.embed(batch)
         y = self.native_layers(x, batch)
         if y is not None:

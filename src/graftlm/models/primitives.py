@@ -128,18 +128,21 @@ def attention(
     window: int = 0,
     cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk: bool = False,
 ) -> torch.Tensor:
     """q (B, T, H, D), k/v (B, T, Hkv, D) -> (B, T, H * Dv), through the cache; cap > 0: the
     scores soft-capped (softcap) before the mask and the softmax (gemma-2); sinks (H,): one more
     logit a head in the softmax's denominator, with no value (gpt-oss's attention sinks). A
     packed batch (Batch.packed: q (N, 1, H, D)) attends sequence by sequence, each as it would
-    alone: its keys and values written, its queries against its own cache."""
+    alone: its keys and values written, its queries against its own cache. chunk: a prompt
+    chunk even where it is one token (a packed row): the native prompt kernel reads the cache in
+    place, where a lone token would gather its whole context in float32."""
     if batch.packing is not None:
         return _packed_attention(q, k, v, layer, batch, cache, scale, window, cap, sinks)
     rows = batch.index()
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
-    if batch.n_tokens > 1 and rows is not None:
+    if (batch.n_tokens > 1 or chunk) and rows is not None:
         # prompt chunks: causal blocks, rows at own starts
         # float32 products for exact steps and short contexts, bfloat16 pairs past them
         exact = batch.exact or rows.max_start + q.shape[1] < native_ops.BF16_ATTN_MIN_KEYS
@@ -185,11 +188,14 @@ def _packed_attention(
     sequence's rows (one real token each, in order) as a (1, n) row of its own; no padding is
     computed or written to the cache."""
     assert batch.packing is not None
+    n_rows = sum(row.n_tokens for row in batch.packing.rows)
+    if n_rows != q.shape[0]:
+        raise ValueError(f"a packed batch of {q.shape[0]} rows holds {n_rows} sequences' tokens")
     outs, at = [], 0
     for row in batch.packing.rows:
         n = row.n_tokens
         qr, kr, vr = (x[at : at + n].reshape(1, n, *x.shape[2:]) for x in (q, k, v))  # (1, n, h, d)
-        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks))
+        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks, True))
         at += n
     return torch.cat(outs, dim=1).view(at, 1, -1)
 

@@ -279,16 +279,16 @@ class Engine:
                 if rows:
                     plan = self.scheduler.keep_drafts(plan, self.drafter.propose(rows, room))
             if plan.prefill:
-                self._prefill(plan.prefill)
+                self._prefill(plan.prefill, plan.packed)
             decoding = [r for r in plan.decode if not r.done]  # a first token may have ended one
             if decoding:
                 self._decode(decoding, plan.drafts)
             self.scheduler.commit(plan)
             return plan
 
-    def _prefill(self, chunks: Sequence[Chunk]) -> None:
-        """One batch of prompt chunks (packed, or padded to the longest: Scheduler.packed); a
-        prompt that ends here samples its first token."""
+    def _prefill(self, chunks: Sequence[Chunk], packed: bool) -> None:
+        """One batch of prompt chunks (packed, or padded to the longest: as the plan was
+        budgeted, StepPlan.packed); a prompt that ends here samples its first token."""
         lora = self.lora_rows([c.lora for c in chunks])
         slot = self.slots.slot
         for c in chunks:
@@ -298,7 +298,7 @@ class Engine:
             c = chunks[0]
             batch = Batch.single(c.tokens, slot(c.seq), c.start, lora, self.device)
         else:  # (packed: the real tokens alone; the scheduler's `packed` counted them so)
-            make = Batch.packed if self.scheduler.packed else Batch.padded
+            make = Batch.packed if packed else Batch.padded
             batch = make([c.tokens for c in chunks], [slot(c.seq) for c in chunks],
                          [c.start for c in chunks], lora, self.device)  # fmt: skip
         logits = self.model.forward(batch).cpu()  # the samplers run on the CPU: one copy a step

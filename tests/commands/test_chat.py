@@ -48,6 +48,27 @@ def _chat_cmd(files: dict[str, Path], *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _expect_text(child: Any) -> str:
+    """Read past escape sequences to the first character outside one; return it.
+
+    prompt_toolkit (3.0.53) ends a prompt inside raw mode: its last render, then
+    Renderer.reset() turns bracketed paste off and may show the cursor (`\\x1b[?12l\\x1b[?25h`)
+    or reset its shape after that, all escape sequences; the chat writes nothing before the
+    reply's first piece, which it writes with its Ctrl-C handler in place."""
+    state = "text"
+    while True:
+        child.expect(r"[\s\S]")  # the next character, the buffer's first
+        c = child.after
+        if state == "text":
+            if c != "\x1b":
+                return str(c)
+            state = "esc"
+        elif state == "esc":
+            state = "csi" if c == "[" else "text"  # ESC [ ... a CSI; ESC x two characters
+        elif "@" <= c <= "~":  # a CSI's final byte
+            state = "text"
+
+
 def test_terminal_two_turns_ctrl_c_keeps_history_and_exit(chat_files: dict[str, Path]) -> None:
     pexpect = pytest.importorskip("pexpect")
     pytest.importorskip("prompt_toolkit")
@@ -64,11 +85,11 @@ def test_terminal_two_turns_ctrl_c_keeps_history_and_exit(chat_files: dict[str, 
         child.expect(PROMPT)
         for turn in ("tell me a long story", "and then?"):
             child.sendline(turn)
-            # stop it part way once it streams (a reply of 12000 tokens takes seconds): the
-            # prompt ends (bracketed paste off) and the reply's first character comes; a fixed
-            # sleep let a loaded machine's Ctrl-C reach the line editor, which discards the line
+            # stop it part way once it streams (a reply of 12000 tokens takes seconds), once the
+            # reply's first character has come: only then has the line editor left raw mode (a
+            # Ctrl-C before is a key for the next prompt) and the chat put in its handler
             child.expect(PROMPT_END)
-            child.expect(r"[\s\S]")
+            _expect_text(child)
             child.sendintr()
             child.expect(r"\[reply stopped; the conversation keeps it\]")
             child.expect(PROMPT)

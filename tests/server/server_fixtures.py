@@ -87,24 +87,37 @@ def error_of(r: httpx.Response, status: int, *words: str) -> dict:
 
 
 def steps_wait_for_a_cancel(
-    svc: EngineService, monkeypatch: pytest.MonkeyPatch, free: int = 5
+    svc: EngineService,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    free: int = 5,
 ) -> None:
     """After `free` engine steps, every step waits until a cancellation has been asked: the
     request cannot end before its client's leaving is seen, however slow the machine (a
-    generation that ended first was no cancellation)."""
+    generation that ended first was no cancellation).
+
+    The test's end releases the engine whatever happened (the server is the session's: a held
+    engine would time out every test after it), and a wait that ran out fails the test at its
+    teardown (the engine's step swallows the error: it only fails that step's requests)."""
     step = svc.engine.step
-    asked, n = threading.Event(), [0]
+    asked, n, failures = threading.Event(), [0], []
 
     def gated() -> Any:
         n[0] += 1
-        if n[0] > free:
-            assert asked.wait(300), "no cancellation was asked"
+        if n[0] > free and not asked.wait(300):
+            failures.append(f"step {n[0]}: no cancellation was asked in 300 s")
+            raise AssertionError(failures[-1])
         return step()
 
     def seen(item: Any) -> None:
         if isinstance(item, tuple) and item[0] == "cancel":
             asked.set()
 
+    def release() -> None:
+        asked.set()
+        assert not failures, failures
+
+    request.addfinalizer(release)
     monkeypatch.setattr(svc.engine, "step", gated)  # (the engine in use: not one woken later)
     watch_inbox(svc, monkeypatch, seen)
 

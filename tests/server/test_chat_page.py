@@ -161,14 +161,17 @@ def test_compare_streams_two_settings_side_by_side(browser: Any, server: TinySer
 
 
 def test_stop_cancels_the_reply_and_the_next_one_works(
-    browser: Any, server: TinyServer, monkeypatch: pytest.MonkeyPatch
+    browser: Any,
+    server: TinyServer,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     # After 40 steps the engine waits for the cancellation: the reply is still going when Stop
     # is clicked however slow the machine and the browser (5 ms a step was not enough under
     # load), and what was said before it stays well inside the context (a 700-token reply of the
     # random model becomes a 2000-token prompt, which the next turn's request is rightly refused
     # for).
-    steps_wait_for_a_cancel(server.state.service, monkeypatch, free=40)
+    steps_wait_for_a_cancel(server.state.service, monkeypatch, request, free=40)
     _open(browser, server.url)
     _settings(browser, temperature="0", max_tokens="300")
     browser.find_element(By.ID, "input").send_keys("Tell me everything")

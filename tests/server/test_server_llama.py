@@ -174,10 +174,14 @@ def test_mixed_batches_happen(server: TinyServer, monkeypatch: pytest.MonkeyPatc
 
     async def run() -> None:
         watch_inbox(svc, monkeypatch, seen)
-        svc.call(lambda: all_in.wait(300))
-        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
-            rs = await asyncio.gather(*(c.post("/completion", json=b) for b in bodies))
-        assert all(r.status_code == 200 for r in rs) and all_in.is_set()
+        held = svc.call(lambda: all_in.wait(300))  # the engine waits for all four
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+                rs = await asyncio.gather(*(c.post("/completion", json=b) for b in bodies))
+        finally:
+            all_in.set()  # (released whatever happened: the server is the session's)
+        assert held.result(timeout=60), "the four requests were not all in the inbox in 300 s"
+        assert all(r.status_code == 200 for r in rs)
 
     hist = server.state.metrics.batch_size
     before = {
@@ -246,11 +250,14 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
 
 
 def test_client_disconnect_frees_the_slot(
-    server: TinyServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+    server: TinyServer,
+    http: httpx.Client,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
-    steps_wait_for_a_cancel(svc, monkeypatch)
+    steps_wait_for_a_cancel(svc, monkeypatch, request)
     body = {
         "prompt": PROMPT,
         "n_predict": 900,
@@ -273,11 +280,12 @@ def test_client_disconnect_frees_the_slot(
 
 
 def test_non_streaming_client_that_leaves_is_cancelled(
-    server: TinyServer, monkeypatch: pytest.MonkeyPatch
+    server: TinyServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     svc = server.state.service
     cancelled = svc.n_cancelled
-    steps_wait_for_a_cancel(svc, monkeypatch)  # (the 1000 tokens outlast the disconnect check)
+    # (the 1000 tokens outlast the disconnect check)
+    steps_wait_for_a_cancel(svc, monkeypatch, request)
     body = {"prompt": PROMPT, "n_predict": 1000, "temperature": 0, "ignore_eos": True}
     data = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").split(":")

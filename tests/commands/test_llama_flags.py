@@ -23,7 +23,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("flags") / "tiny.gguf", TinySpec())
 
 
-def _graftlm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _graftlm(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -m graftlm ARGS`; `timeout` a hang's bound (the native library is built before
+    any test: only a call with its own fresh GRAFTLM_CACHE compiles, and is given more)."""
     full = dict(os.environ)
     full["PYTHONPATH"] = str(SRC) + os.pathsep + full.get("PYTHONPATH", "")
     full.update(env or {})
@@ -32,9 +36,7 @@ def _graftlm(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         capture_output=True,
         text=True,
         env=full,
-        # (a hang's bound: a first compile of the native kernels, as test_slow_paths_are_announced
-        # asks, took 103 s wall for 41 s of CPU at load 7.5; the native tests give theirs 900 s)
-        timeout=900,
+        timeout=timeout,
     )
 
 
@@ -119,7 +121,9 @@ def test_version_names_torch_and_the_native_kernels() -> None:
 def test_slow_paths_are_announced(tiny: Path, tmp_path: Path) -> None:
     """A first compile says so; no compiler (an empty PATH) or GRAFTLM_NATIVE=0 warns once."""
     args = ("run", "-m", str(tiny), "-p", "hi", "-n", "2", "--temp", "0")
-    fresh = _graftlm(*args, env={"GRAFTLM_CACHE": str(tmp_path / "cache")})
+    # (a first compile of the native kernels took 103 s wall for 41 s of CPU at load 7.5; the
+    # native tests give theirs 900 s)
+    fresh = _graftlm(*args, env={"GRAFTLM_CACHE": str(tmp_path / "cache")}, timeout=900)
     assert fresh.returncode == 0, fresh.stderr
     if "native kernels are off" not in fresh.stderr:  # this machine can build them
         assert fresh.stderr.count("compiling native kernels (once)...") == 1

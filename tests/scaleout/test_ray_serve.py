@@ -32,7 +32,7 @@ SPEC = TinySpec(n_ctx=4096)  # long answers: a replica is killed mid-request
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ADAPTERS = ["a1", "a2", "a3", "a4"]
 PROMPT = "the quick brown fox"
-TIMEOUT = httpx.Timeout(600.0)  # a hang's bound (4000 tokens take ~8 s here, unloaded)
+TIMEOUT = httpx.Timeout(300.0)  # a hang's bound (4000 tokens take ~8 s here, unloaded)
 
 
 def _free_port() -> int:
@@ -319,7 +319,7 @@ def test_a_killed_replica_fails_only_its_own_requests(app: str) -> None:
     assert victim in reports, (victim, list(reports))
     ray.kill(ray.get_actor(reports[victim]["actor_name"], namespace="serve"), no_restart=True)
     for t in threads:
-        t.join(timeout=600)
+        t.join(timeout=300)
     assert not any(t.is_alive() for t in threads), "a request hung on a dead replica"
     failed = 0
     for name in (first, second):

@@ -40,11 +40,12 @@ def _with_config(tmp_path: Path, edit: dict[str, Any] | str) -> Path:
 
 def _refused(model: graftlm.Model, d: Path, *needles: str) -> str:
     before = [dict(x) for x in model.loras]
-    # (this thread's CPU time: the pauses of a loaded machine do not count)
-    t0 = time.thread_time()
+    # (the CPU time of all the process's threads, torch's and the native kernels' too: the
+    # pauses of a loaded machine do not count)
+    t0 = time.process_time()
     with pytest.raises(AdapterError) as info:
         model.add_lora(d)
-    assert time.thread_time() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert model.loras == before
     for n in needles:
         assert n in str(info.value), str(info.value)
@@ -165,11 +166,12 @@ def test_mutated_configs_load_or_fail_cleanly(llama: graftlm.Model, tmp_path: Pa
     for i in range(60):
         edit = {rng.choice(keys): rng.choice(values)}
         d = _with_config(tmp_path / str(i), edit)
-        # (this thread's CPU time: the pauses of a loaded machine do not count)
-        t0 = time.thread_time()
+        # (the CPU time of all the process's threads, torch's and the native kernels' too: the
+        # pauses of a loaded machine do not count)
+        t0 = time.process_time()
         try:
             llama.remove_lora(llama.add_lora(d))
         except AdapterError:
             pass
-        assert time.thread_time() - t0 < 5, edit
+        assert time.process_time() - t0 < 5, edit
         assert len(llama.loras) == n

@@ -3,13 +3,15 @@ its in-process reference model, and where the real fixtures and goldens are."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from graftlm.runtime.service import EngineService
 from graftlm.server.app import ServerThread, create_app
 from graftlm.server.state import ServerState
 
+T = TypeVar("T")
 SPEC = TinySpec(n_ctx=1024)
 PARALLEL = 6
 SHARED = Path(__file__).resolve().parents[3] / "shared"
@@ -73,6 +76,32 @@ def serving(state: ServerState) -> Iterator[str]:
     finally:
         srv.stop()
         state.service.close()
+
+
+def wait_until(
+    pred: Callable[[], T], timeout: float, what: str | Callable[[], str], every: float = 0.02
+) -> T:
+    """pred()'s first true value, asked every `every` s; once `timeout` s have passed, an
+    AssertionError naming `what` (a callable: told at that moment, to say what was still
+    missing). The timeout is a hang's bound, never a speed."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{timeout:g} s waiting for {what() if callable(what) else what}")
+        time.sleep(every)
+    return value
+
+
+async def await_until(
+    pred: Callable[[], T], timeout: float, what: str | Callable[[], str], every: float = 0.01
+) -> T:
+    """wait_until for a coroutine: the event loop runs while it waits."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{timeout:g} s waiting for {what() if callable(what) else what}")
+        await asyncio.sleep(every)
+    return value
 
 
 def error_of(r: httpx.Response, status: int, *words: str) -> dict:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+from server_fixtures import await_until
 
 from graftlm.errors import AdapterError
 from graftlm.runtime.sampling import SamplingParams
@@ -52,12 +52,23 @@ async def _evicted(reg: AdapterRegistry, svc: EngineService, name: str) -> None:
     checks of what is attached)."""
     adapter_id = reg.names[name].id
     reg.evict(name)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not reg.names[name].resident and adapter_id not in svc.adapters.attached:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{name} is still resident")
+
+    def missing() -> str:
+        left = [
+            what
+            for what, still in [
+                ("the registry to let it go", reg.names[name].resident),
+                ("the engine to detach it", adapter_id in svc.adapters.attached),
+            ]
+            if still
+        ]
+        return f"{name}'s eviction (adapter id {adapter_id}): {' and '.join(left)}"
+
+    await await_until(
+        lambda: not reg.names[name].resident and adapter_id not in svc.adapters.attached,
+        60,
+        missing,
+    )
 
 
 def test_a_file_broken_in_place_while_resident(

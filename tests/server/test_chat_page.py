@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import TinyServer, steps_wait_for_a_cancel
+from server_fixtures import TinyServer, steps_wait_for_a_cancel, wait_until
 
 from graftlm.server.app import ServerThread, create_app
 from graftlm.server.state import ServerState
@@ -25,6 +24,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 DRIVERS = ("chromedriver",)
+PAGE_S = 120  # how long the page may take to show something (a hang's bound)
 
 
 def _find(names: tuple[str, ...]) -> str | None:
@@ -54,21 +54,13 @@ def browser() -> Iterator[Any]:
         d.quit()
 
 
-def _wait(what: Callable[[], Any], timeout: float = 120.0, message: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {message or what}")
-
-
 def _open(browser: Any, url: str) -> None:
     browser.get(url + "/")
     browser.execute_script("localStorage.clear()")
     browser.get(url + "/")
-    _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text, message="the status")
+    wait_until(
+        lambda: "adapter" in browser.find_element(By.ID, "status").text, PAGE_S, "the status"
+    )
 
 
 def _set(browser: Any, selector: str, value: str, event: str = "change") -> None:
@@ -90,7 +82,11 @@ def _send(browser: Any, text: str) -> None:
     box = browser.find_element(By.ID, "input")
     box.send_keys(text)
     browser.find_element(By.ID, "send").click()
-    _wait(lambda: browser.execute_script("return document.body.dataset.busy") == "0")
+    wait_until(
+        lambda: browser.execute_script("return document.body.dataset.busy") == "0",
+        PAGE_S,
+        "the page to be idle",
+    )
 
 
 def _replies(browser: Any) -> list[str]:
@@ -141,14 +137,16 @@ def test_page_streams_and_the_adapter_picker_changes_the_answer(
 
     # the conversation survives a reload (localStorage)
     browser.refresh()
-    _wait(lambda: _replies(browser) == [adapted], message="the history after a reload")
+    wait_until(lambda: _replies(browser) == [adapted], PAGE_S, "the history after a reload")
 
 
 def test_compare_streams_two_settings_side_by_side(browser: Any, server: TinyServer) -> None:
     _open(browser, server.url)
     _settings(browser, temperature="0", max_tokens="12")
     _set(browser, "#mode", "compare")
-    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2)
+    wait_until(
+        lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2, PAGE_S, "two columns"
+    )
     _set(browser, ".column[data-index='1'] .adapter input[type=range]", "1", event="input")
     _send(browser, "Hi there")
     want = [
@@ -168,17 +166,21 @@ def test_stop_cancels_the_reply_and_the_next_one_works(
 ) -> None:
     # After 40 steps the engine waits for the cancellation: the reply is still going when Stop
     # is clicked however slow the machine and the browser (5 ms a step was not enough under
-    # load), and what was said before it stays well inside the context (a 700-token reply of the
-    # random model becomes a 2000-token prompt, which the next turn's request is rightly refused
-    # for).
+    # load), and it holds some 40 tokens then, which as the next turn's prompt stay well inside
+    # the 1024-token context (the random model's text re-tokenizes into ~3 times as many tokens:
+    # a 700-token reply became a 2000-token prompt, which the next turn was rightly refused for).
     steps_wait_for_a_cancel(server.state.service, monkeypatch, request, free=40)
     _open(browser, server.url)
     _settings(browser, temperature="0", max_tokens="300")
     browser.find_element(By.ID, "input").send_keys("Tell me everything")
     browser.find_element(By.ID, "send").click()
-    _wait(lambda: any(len(r) > 3 for r in _replies(browser)), message="the first pieces")
+    wait_until(lambda: any(len(r) > 3 for r in _replies(browser)), PAGE_S, "the first pieces")
     browser.find_element(By.ID, "stop").click()
-    _wait(lambda: browser.execute_script("return document.body.dataset.busy") == "0")
+    wait_until(
+        lambda: browser.execute_script("return document.body.dataset.busy") == "0",
+        PAGE_S,
+        "the page to be idle",
+    )
     stopped = browser.find_elements(By.CSS_SELECTOR, ".message.assistant.stopped")
     assert len(stopped) == 1
     _settings(browser, max_tokens="4")
@@ -206,15 +208,19 @@ def test_api_key_entered_once_in_the_page(browser: Any, server: TinyServer) -> N
         browser.execute_script("localStorage.clear()")
         browser.get(srv.url + "/")
         error = browser.find_element(By.ID, "error")
-        _wait(lambda: "401" in error.text, message="the 401")
+        wait_until(lambda: "401" in error.text, PAGE_S, "the 401")
         assert "API key" in error.text and browser.find_element(By.ID, "settings").is_displayed()
         _set(browser, "#api-key", "sesame")
-        _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)
+        wait_until(
+            lambda: "adapter" in browser.find_element(By.ID, "status").text, PAGE_S, "the status"
+        )
         _settings(browser, temperature="0", max_tokens="4")
         _send(browser, "Hello")
         assert len(_replies(browser)) == 1 and error.text == ""
         browser.get(srv.url + "/")  # kept for the next visit
-        _wait(lambda: "adapter" in browser.find_element(By.ID, "status").text)
+        wait_until(
+            lambda: "adapter" in browser.find_element(By.ID, "status").text, PAGE_S, "the status"
+        )
 
 
 def test_the_picker_alone_selects_an_adapter_and_compare_columns_differ(
@@ -245,9 +251,13 @@ def test_the_picker_alone_selects_an_adapter_and_compare_columns_differ(
 
     browser.find_element(By.ID, "new-chat").click()
     _set(browser, "#mode", "compare")
-    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2)
+    wait_until(
+        lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 2, PAGE_S, "two columns"
+    )
     browser.find_element(By.ID, "add-column").click()
-    _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 3)
+    wait_until(
+        lambda: len(browser.find_elements(By.CSS_SELECTOR, ".column")) == 3, PAGE_S, "three columns"
+    )
     for index, model in enumerate(("tiny", "alpha", "beta")):
         _set(browser, f".column[data-index='{index}'] select.model", model)
     _send(browser, prompt)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_fixtures import wait_until
 
 from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules, parse_size
 
@@ -115,10 +116,12 @@ def test_serve_subprocess(tiny_files: dict[str, Path]) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/props").json()["total_slots"] == 2
         # asleep, then loaded again by serve's own reload: the same answer through the adapter
-        deadline = time.monotonic() + 120
-        while not httpx.get(url + "/props").json()["is_sleeping"]:
-            assert time.monotonic() < deadline, "serve did not go to sleep"
-            time.sleep(0.1)
+        wait_until(
+            lambda: httpx.get(url + "/props").json()["is_sleeping"],
+            120,
+            "serve to sleep",
+            every=0.1,
+        )
         again = httpx.post(
             url + "/v1/completions",
             json={"model": "alpha", "prompt": "the", "max_tokens": 4},

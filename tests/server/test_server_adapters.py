@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-import time
 from contextlib import aclosing
 from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import SPEC, TinyServer, error_of
+from server_fixtures import SPEC, TinyServer, await_until, error_of, wait_until
 from tiny_models import write_tiny_adapter
 
 import graftlm
@@ -192,9 +191,7 @@ def test_replacing_an_adapter_leaves_running_requests_alone(
                 if isinstance(ev, FinishEvent):
                     assert ev.n_generated == n
         reg.release(lease)
-        deadline = time.monotonic() + 60
-        while old_id in _attached(svc) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await await_until(lambda: old_id not in _attached(svc), 60, f"adapter {old_id}'s detach")
         assert old_id not in _attached(svc) and old_id not in reg.by_id
         assert tokens == ref_run(old_ref)
         lease2 = await reg.lease("x", None, BASE)
@@ -260,9 +257,7 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
         gone = not any(e.name == "gamma" for e in registry.by_id.values())
         return gone and set(service.adapters.attached) == set(registry.by_id)
 
-    deadline = time.monotonic() + 60
-    while not settled() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(settled, 60, "gamma let go and detached", every=0.01)
     assert not any(e.name == "gamma" for e in registry.by_id.values())
     assert set(service.adapters.attached) == set(registry.by_id)
 
@@ -325,10 +320,8 @@ def test_reads_take_turns_but_a_hung_one_lets_the_next_start(
         monkeypatch.setattr(svc, "prepare_adapter", watched)
         reg.read_alone_s = 1.0
         hung = asyncio.ensure_future(reg.lease("alpha", None, BASE))
-        deadline = time.monotonic() + 60
-        while not running:  # (alpha's read has begun: beta queues behind it)
-            assert time.monotonic() < deadline, "the first read never started"
-            await asyncio.sleep(0.001)
+        # (alpha's read has begun: beta queues behind it)
+        await await_until(lambda: running, 60, "the first read to start", every=0.001)
         lease = await asyncio.wait_for(reg.lease("beta", None, BASE), 120)  # past the hung read
         assert reg.names["beta"].resident and not reg.names["alpha"].resident
         assert most[0] == 2  # (beside the hung one, after read_alone_s)

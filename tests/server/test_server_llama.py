@@ -6,12 +6,17 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import PARALLEL, TinyServer, steps_wait_for_a_cancel, watch_inbox
+from server_fixtures import (
+    PARALLEL,
+    TinyServer,
+    steps_wait_for_a_cancel,
+    wait_until,
+    watch_inbox,
+)
 
 PROMPT = [12, 80, 31, 77, 140]
 
@@ -271,9 +276,7 @@ def test_client_disconnect_frees_the_slot(
             seen += line.startswith("data: ")
             if seen >= 3:
                 break
-    deadline = time.monotonic() + 120
-    while (svc.n_running or svc.engine.busy) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: not (svc.n_running or svc.engine.busy), 120, "the engine to be idle")
     assert svc.n_cancelled == cancelled + 1
     assert not svc.engine.running and len(svc.engine.free_slots) == svc.engine.n_slots
     assert _completion(http, prompt=PROMPT, n_predict=2)["tokens_predicted"] == 2
@@ -292,16 +295,11 @@ def test_non_streaming_client_that_leaves_is_cancelled(
     with socket.create_connection((host, int(port)), timeout=10) as sock:  # a client that leaves
         head = f"POST /completion HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         sock.sendall(head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        deadline = time.monotonic() + 120
-        while svc.n_running == 0 and time.monotonic() < deadline:  # until it is generating
-            time.sleep(0.002)
+        wait_until(lambda: svc.n_running, 120, "the request to be generating", every=0.002)
         assert svc.n_running == 1
-    deadline = time.monotonic() + 120
-    while svc.n_cancelled == cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: svc.n_cancelled != cancelled, 120, "the cancellation")
     assert svc.n_cancelled == cancelled + 1
-    while svc.engine.busy and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: not svc.engine.busy, 120, "the engine to be idle")
     assert len(svc.engine.free_slots) == svc.engine.n_slots
 
 

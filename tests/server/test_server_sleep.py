@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import PARALLEL, SPEC, error_of, serving
+from server_fixtures import PARALLEL, SPEC, error_of, serving, wait_until
 
 import graftlm
 from graftlm.runtime.service import EngineService
@@ -47,10 +47,7 @@ def _sleeping(url: str) -> bool:
 
 
 def _wait_asleep(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not _sleeping(url):
-        assert time.monotonic() < deadline, "the server did not go to sleep"
-        time.sleep(0.05)
+    wait_until(lambda: _sleeping(url), timeout, "the server to go to sleep", every=0.05)
 
 
 @contextmanager

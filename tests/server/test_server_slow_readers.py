@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
 from pathlib import Path
 
 import httpx
-from server_fixtures import serving
+from server_fixtures import serving, wait_until
 from tiny_models import TinySpec, write_tiny_model
 
 import graftlm
@@ -55,10 +54,8 @@ def test_a_client_that_does_not_read_gives_its_slot_back(tmp_path: Path) -> None
     with serving(state) as url:
         silent = _silent_stream(url)  # holds the one slot
         try:
-            deadline = time.monotonic() + 300
-            while svc.n_running == 0:  # (until the engine runs it, however loaded the machine)
-                assert time.monotonic() < deadline, "the silent stream never started"
-                time.sleep(0.01)
+            # (until the engine runs it, however loaded the machine)
+            wait_until(lambda: svc.n_running, 300, "the silent stream to start", every=0.01)
             r = httpx.post(
                 url + "/completion",
                 json={"prompt": "hi", "n_predict": 4, "ignore_eos": True},

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from server_fixtures import wait_until
 from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
 
 import graftlm
@@ -213,9 +214,7 @@ def test_soak_concurrent_adapters_equal_alone(soak: Soak) -> None:
     assert mean_rows > 4 and wide > 0, steps
 
     # the server is left clean: every slot back, no lease held, nothing queued or cancelled
-    deadline = time.monotonic() + 120
-    while (svc.engine.busy or svc.n_running) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: not (svc.engine.busy or svc.n_running), 120, "the engine to empty")
     assert not svc.engine.busy and len(svc.engine.free_slots) == svc.engine.n_slots
     assert all(e.refs == 0 for e in registry.by_id.values())
     assert svc.n_cancelled == cancelled

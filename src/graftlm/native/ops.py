@@ -38,6 +38,10 @@ BF16_ATTN_MIN_KEYS = 2048
 # (bench/prompt_attention_error.py: 1.6e-2 against 5.9e-3 on SmolLM2's real heads), and forced on
 # at every length it moved SmolLM2's golden mean |d log-prob| from 0.0243 to 0.0269.
 I8_ATTN_SCORES = os.environ.get("GRAFTLM_I8_ATTN", "").startswith("1")
+# Through a q8_0 cache the scores come from the cache's own codes against q8_0 queries (as
+# llama.cpp's with a q8_0 K cache; csrc/attn_prompt_q8.c) unless GRAFTLM_Q8_ATTN=0 (read once):
+# 0.88-0.89x the kernel time (Llama-1B at depth 4,096 and 16,384, 1 thread). MEASURED: see below.
+Q8_ATTN_SCORES = not os.environ.get("GRAFTLM_Q8_ATTN", "").startswith("0")
 
 
 def decode_head_dims(d: int, dv: int) -> bool:
@@ -299,9 +303,9 @@ def attn_prefill(
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
     (gpt-oss). Where the CPU has AVX-512 VNNI too (features() "attn-i8") a fast step's scores
-    through a q8_0 cache always come from the cache's own codes against q8_0 queries, as
-    llama.cpp's (csrc/attn_prompt_q8.c); through other caches from int8 codes where
-    GRAFTLM_I8_ATTN=1 (csrc/attn_prompt_i8.c), which bf16_scores declines.
+    through a q8_0 cache come from the cache's own codes against q8_0 queries, as llama.cpp's
+    (csrc/attn_prompt_q8.c; Q8_ATTN_SCORES), through other caches from int8 codes where
+    GRAFTLM_I8_ATTN=1 (csrc/attn_prompt_i8.c); bf16_scores: bfloat16 pairs instead, either way.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -323,11 +327,13 @@ def attn_prefill(
         or (sinks is not None and not _sinks_ok(sinks, h))
     ):
         return None
+    int8 = I8_ATTN_SCORES or (Q8_ATTN_SCORES and cache.type_code == 3 and d % 32 == 0)
+    mode = 1 if exact else 2 if bf16_scores or not int8 else 0  # gl_attn_prefill's exact
     out = q.new_empty(b, t, h * d)
     n_pos = cache.max_blocks * cache.block
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
-        out.data_ptr(), 1 if exact else 2 if bf16_scores or not I8_ATTN_SCORES else 0, threads(),
+        out.data_ptr(), mode, threads(),
     )  # fmt: skip
     return out

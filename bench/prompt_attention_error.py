@@ -1,6 +1,8 @@
 """The prompt attention's error at depth, route by route (gl_attn_prefill: bfloat16 scores,
-exact=2, against int8 scores, exact=0), relative to its float32 products (exact=1): per head,
-||out - out_f32|| / ||out_f32|| over a chunk's queries.
+exact=2, against int8 scores, exact=0: through a q8_0 cache "q8", the cache's own codes),
+relative to its float32 products (exact=1): per head, ||out - out_f32|| / ||out_f32|| over a
+chunk's queries. --logprobs: the real model's log-probabilities on each route, through an f16 and
+a q8_0 cache (see logprobs).
 
 Synthetic: Llama-1B's heads (32/8 of 64) over a random f16 cache, plain and with outlier key
 channels (a few dims of every key carry a large shared offset and spread, as real models' keys

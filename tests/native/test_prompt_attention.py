@@ -14,8 +14,8 @@ codes (csrc/attn_prompt_i8.c): the twin makes the same codes (the keys less thei
 per-key and per-query scales, rounded half to even in float32) and sums them exactly, so the same
 bound holds (the kernel's float32 mean may round to another bfloat16 than the twin's float64 one:
 that moves every score of a row alike, and a code where a product sits on a rounding's edge).
-Through a q8_0 cache on such a CPU the scores come from the cache's own codes whatever was asked
-(csrc/attn_prompt_q8.c, llama.cpp's q8_0 x q8_0): the twin rounds each query row to q8_0 as the
+Through a q8_0 cache on such a CPU the scores come from the cache's own codes unless bfloat16
+scores are asked for (csrc/attn_prompt_q8.c, llama.cpp's q8_0 x q8_0): the twin rounds each query row to q8_0 as the
 cache rounds its keys, takes the keys as cached, and sums in float64; the values and weights as
 the bfloat16 route's, so the same bound holds.
 Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build keep float32 products: within

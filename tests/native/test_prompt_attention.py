@@ -14,8 +14,8 @@ codes (csrc/attn_prompt_i8.c): the twin makes the same codes (the keys less thei
 per-key and per-query scales, rounded half to even in float32) and sums them exactly, so the same
 bound holds (the kernel's float32 mean may round to another bfloat16 than the twin's float64 one:
 that moves every score of a row alike, and a code where a product sits on a rounding's edge).
-Through a q8_0 cache on such a CPU the scores come from the cache's own codes whatever was asked
-(csrc/attn_prompt_q8.c, llama.cpp's q8_0 x q8_0): the twin rounds each query row to q8_0 as the
+Through a q8_0 cache on such a CPU the scores come from the cache's own codes unless bfloat16
+scores are asked for (csrc/attn_prompt_q8.c, llama.cpp's q8_0 x q8_0): the twin rounds each query row to q8_0 as the
 cache rounds its keys, takes the keys as cached, and sums in float64; the values and weights as
 the bfloat16 route's, so the same bound holds.
 Exact steps, CPUs without AVX512-BF16 and a -DGL_NO_BF16_ATTN build keep float32 products: within
@@ -44,8 +44,8 @@ FAST = "i8" if I8_ATTN and ops.I8_ATTN_SCORES else "bf16" if BF16_ATTN else "f32
 
 def fast(kv: str, route: str = FAST) -> str:
     """A fast step's route through a cache of type kv: a q8_0 cache's own codes where the CPU
-    has AVX-512 VNNI and BF16, whatever else was asked."""
-    return "q8" if I8_ATTN and kv == "q8_0" and route != "f32" else route
+    has AVX-512 VNNI and BF16 (unless GRAFTLM_Q8_ATTN=0; bf16_scores asks for "bf16")."""
+    return "q8" if I8_ATTN and ops.Q8_ATTN_SCORES and kv == "q8_0" and route != "f32" else route
 
 
 class Prompt(NamedTuple):
@@ -70,6 +70,7 @@ CASES = [
     Prompt("rows at their own starts", 40, [0, 70, 3], 8, 2, 64),
     Prompt("qwen's group of 6", 100, [300], 12, 2, 128),
     Prompt("no group, a tail of 16", 33, [10], 3, 3, 80),
+    Prompt("three q8_0 blocks", 40, [50], 4, 2, 96),
     Prompt("gemma-3's window", 300, [400], 4, 1, 256, window=256),
     Prompt("a window inside a block", 40, [20], 4, 2, 64, window=5),
     Prompt("gemma-2's soft-cap", 70, [129], 8, 4, 256, cap=50.0),
@@ -252,4 +253,16 @@ def test_i8_scores_switched_on(monkeypatch: pytest.MonkeyPatch, p: Prompt, kv: s
     torch.set_num_threads(2)
     _check(p, kv, run(p, kv, exact=False), fast(kv, "i8"))
     if p in CASES[:4]:  # bf16_scores: bfloat16 pairs where int8 codes would serve
-        _check(p, kv, run(p, kv, exact=False, bf16_scores=True), fast(kv, "bf16"))
+        _check(p, kv, run(p, kv, exact=False, bf16_scores=True), "bf16")
+
+
+@pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
+def test_q8_0_cache_bfloat16_scores(monkeypatch: pytest.MonkeyPatch, p: Prompt) -> None:
+    """Through a q8_0 cache, bf16_scores (and GRAFTLM_Q8_ATTN=0: ops.Q8_ATTN_SCORES) take
+    bfloat16 pairs, not the cache's codes."""
+    if not BF16_ATTN:
+        pytest.skip("no bfloat16 pairs on this CPU (AVX-512 BF16)")
+    torch.set_num_threads(2)
+    _check(p, "q8_0", run(p, "q8_0", exact=False, bf16_scores=True), "bf16")
+    monkeypatch.setattr(ops, "Q8_ATTN_SCORES", False)
+    _check(p, "q8_0", run(p, "q8_0", exact=False), "bf16")

@@ -38,6 +38,19 @@ BF16_ATTN_MIN_KEYS = 2048
 # (bench/prompt_attention_error.py: 1.6e-2 against 5.9e-3 on SmolLM2's real heads), and forced on
 # at every length it moved SmolLM2's golden mean |d log-prob| from 0.0243 to 0.0269.
 I8_ATTN_SCORES = os.environ.get("GRAFTLM_I8_ATTN", "").startswith("1")
+# Through a q8_0 cache the scores come from the cache's own codes against q8_0 queries (as
+# llama.cpp's with a q8_0 K cache; csrc/attn_prompt_q8.c) unless GRAFTLM_Q8_ATTN=0 (read once):
+# 0.88-0.89x the kernel time (Llama-1B at depth 4,096 and 16,384, 1 thread). On the real models
+# (bench/prompt_attention_error.py --logprobs --tokens 3584: README and docs, scoring exact but for
+# the prompt attention of chunks past 2,048 keys; mean |d log-prob| over float32's top-20 at the
+# 1,536 positions past 2,048, top-1 agreement) the q8 route's error against the q8_0 cache's float32
+# attention is 1.13x the bfloat16 route's on SmolLM2 (3.71e-2 against 3.28e-2; top-1 0.984/0.991)
+# and 1.39x on gemma-3-270m (4.42e-2 against 3.17e-2; 0.982/0.986), of the order of the q8_0
+# cache's own effect (exact, against an f16 cache: 2.98e-2, 3.94e-2), not far under it; against
+# the f16 cache's float32 attention 3.61e-2 against 3.40e-2 (SmolLM2) and 4.94e-2 against 4.05e-2
+# (gemma-3), top-1 0.988/0.989 and 0.983/0.980 (an f16 cache's bfloat16 route: 1.55e-2, 1.02e-2).
+# Kept on for llama.cpp's parity (its q8_0 K cache rounds the queries to q8_0 alike).
+Q8_ATTN_SCORES = not os.environ.get("GRAFTLM_Q8_ATTN", "").startswith("0")
 
 
 def decode_head_dims(d: int, dv: int) -> bool:
@@ -299,9 +312,9 @@ def attn_prefill(
     prompt attention takes bfloat16 pairs (features() "attn-bf16"), for Batch.exact steps.
     sinks (H,) float32: one more logit a head in each softmax's denominator, with no value
     (gpt-oss). Where the CPU has AVX-512 VNNI too (features() "attn-i8") a fast step's scores
-    through a q8_0 cache always come from the cache's own codes against q8_0 queries, as
-    llama.cpp's (csrc/attn_prompt_q8.c); through other caches from int8 codes where
-    GRAFTLM_I8_ATTN=1 (csrc/attn_prompt_i8.c), which bf16_scores declines.
+    through a q8_0 cache come from the cache's own codes against q8_0 queries, as llama.cpp's
+    (csrc/attn_prompt_q8.c; Q8_ATTN_SCORES), through other caches from int8 codes where
+    GRAFTLM_I8_ATTN=1 (csrc/attn_prompt_i8.c); bf16_scores: bfloat16 pairs instead, either way.
     """
     lib = library()
     kv = gl_kv(cache, layer)
@@ -323,11 +336,13 @@ def attn_prefill(
         or (sinks is not None and not _sinks_ok(sinks, h))
     ):
         return None
+    int8 = I8_ATTN_SCORES or (Q8_ATTN_SCORES and cache.type_code == 3 and d % 32 == 0)  # 3: q8_0
+    mode = 1 if exact else 2 if bf16_scores or not int8 else 0  # gl_attn_prefill's exact
     out = q.new_empty(b, t, h * d)
     n_pos = cache.max_blocks * cache.block
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))
     lib.gl_attn_prefill(
         ctypes.byref(attn), q.data_ptr(), rows.slots.data_ptr(), rows.starts.data_ptr(), b, t,
-        out.data_ptr(), 1 if exact else 2 if bf16_scores or not I8_ATTN_SCORES else 0, threads(),
+        out.data_ptr(), mode, threads(),
     )  # fmt: skip
     return out

@@ -41,9 +41,9 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
  * past a task's last query or before its window are never touched: causal prompts do half the
  * work of a masked full product. Fast steps (exact 0; 2: scores in bfloat16 pairs too) where the
  * CPU has AVX-512 BF16 take the same tasks in bfloat16 tiles (prompt_bf16, attn_prompt_bf16.c),
- * their scores from int8 codes where it has AVX-512 VNNI too (exact 0: attn_prompt_i8.c; a q8_0
- * cache's own codes at exact 0 or 2: attn_prompt_q8.c); exact
- * steps (exact 1), other CPUs and a -DGL_NO_BF16_ATTN build these float32 FMAs. */
+ * their scores from int8 codes where it has AVX-512 VNNI too and exact is 0 (attn_prompt_i8.c; a
+ * q8_0 cache's from its own codes: attn_prompt_q8.c); exact steps (exact 1), other CPUs and a
+ * -DGL_NO_BF16_ATTN build these float32 FMAs. */
 #define PQ 16 /* the fewest queries a task */
 #define PR 64 /* the score rows a task aims at */
 #define PK 64

@@ -258,6 +258,15 @@ static inline int prompt_bf16_fits(const gl_attn *a) { return a->kv.block == DT 
  * (attn_prompt_i8.c), a q8_0 cache's own codes (attn_prompt_q8.c). */
 enum { SCORES_BF16, SCORES_I8, SCORES_Q8 };
 
+/* A tile's scores by f, its NB (1 to 4 blocks of 16 keys) a constant */
+#define PROMPT_SCORES(f) \
+    switch (nb) { \
+    case 1: f(c, r0, nr, alpha, 1); break; \
+    case 2: f(c, r0, nr, alpha, 2); break; \
+    case 3: f(c, r0, nr, alpha, 3); break; \
+    default: f(c, r0, nr, alpha, 4); break; \
+    }
+
 /* One chunk's rows, BR at a time: scores (as `scores` says), softmax, O = alpha O + P V. */
 static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int scores) {
     const int64_t D = c->D, np = (c->nk + 1) / 2;
@@ -265,31 +274,14 @@ static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, i
         const int nr = rows - r0 < BR ? (int)(rows - r0) : BR;
         float alpha[BR];
 #if ATTN_I8
-        if (scores == SCORES_Q8) {
-            switch (nb) {
-            case 1: prompt_scores_q8(c, r0, nr, alpha, 1); break;
-            case 2: prompt_scores_q8(c, r0, nr, alpha, 2); break;
-            case 3: prompt_scores_q8(c, r0, nr, alpha, 3); break;
-            default: prompt_scores_q8(c, r0, nr, alpha, 4); break;
-            }
-        } else if (scores == SCORES_I8) {
-            switch (nb) {
-            case 1: prompt_scores_i8(c, r0, nr, alpha, 1); break;
-            case 2: prompt_scores_i8(c, r0, nr, alpha, 2); break;
-            case 3: prompt_scores_i8(c, r0, nr, alpha, 3); break;
-            default: prompt_scores_i8(c, r0, nr, alpha, 4); break;
-            }
-        } else
+        if (scores == SCORES_Q8)
+            PROMPT_SCORES(prompt_scores_q8)
+        else if (scores == SCORES_I8)
+            PROMPT_SCORES(prompt_scores_i8)
+        else
 #endif
-        {
-            (void)scores;
-            switch (nb) {
-            case 1: prompt_scores_bf16(c, r0, nr, alpha, 1); break;
-            case 2: prompt_scores_bf16(c, r0, nr, alpha, 2); break;
-            case 3: prompt_scores_bf16(c, r0, nr, alpha, 3); break;
-            default: prompt_scores_bf16(c, r0, nr, alpha, 4); break;
-            }
-        }
+            PROMPT_SCORES(prompt_scores_bf16)
+        (void)scores;
         int64_t c0 = 0;
         for (; c0 + 64 <= D; c0 += 64) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 4);
         for (; c0 + 32 <= D; c0 += 32) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 2);
@@ -318,17 +310,74 @@ static void prompt_rows_out(const gl_attn *a, const prompt_chunk *c, int64_t row
 
 #define A64(T, n) ((T *)aligned_alloc(64, (sizeof(T) * (size_t)(n) + 63) / 64 * 64))
 
+/* A thread's buffers for tasks of up to rows_max rows (see prompt_chunk; Kf, Kt, Vf: float32
+ * tiles where the cache is q8_0 or the scores int8 codes; the int8 ones where codes). */
+typedef struct {
+    uint32_t *Qb, *Kt2, *Vt2, *Pb, *Qq, *Kq;
+    float *O, *L, *m, *Kf, *Kt, *Vf, *sQ, *sK;
+    int64_t *pr;
+    int32_t *kb, *qs;
+} prompt_bufs;
+
+static prompt_bufs prompt_bufs_new(int64_t rows_max, int64_t D, int floats, int codes) {
+    prompt_bufs w = {0};
+    w.Qb = A64(uint32_t, rows_max * D / 2 + 16), w.Kt2 = A64(uint32_t, D / 2 * PK);
+    w.Vt2 = A64(uint32_t, PK / 2 * D), w.Pb = A64(uint32_t, rows_max * PK / 2);
+    w.O = A64(float, rows_max * D), w.L = A64(float, rows_max * 16), w.m = A64(float, rows_max);
+    w.pr = A64(int64_t, rows_max);
+    if (floats) w.Kf = A64(float, D * PK), w.Kt = A64(float, D * PK), w.Vf = A64(float, D * PK);
+    if (codes) {
+        const int64_t nb32 = (D + 31) / 32;
+        w.Qq = A64(uint32_t, rows_max * D / 4 + 16), w.Kq = A64(uint32_t, D / 4 * PK);
+        w.sQ = A64(float, rows_max * nb32), w.sK = A64(float, PK * nb32), w.kb = A64(int32_t, PK);
+        w.qs = A64(int32_t, rows_max * nb32);
+    }
+    return w;
+}
+
+static void prompt_bufs_free(prompt_bufs *w) {
+    free(w->Qb), free(w->Kt2), free(w->Vt2), free(w->Pb), free(w->O), free(w->L), free(w->m);
+    free(w->pr), free(w->Kf), free(w->Kt), free(w->Vf), free(w->Qq), free(w->Kq), free(w->sQ);
+    free(w->sK), free(w->kb), free(w->qs);
+}
+
+/* A task's chunk over a thread's buffers (k0, nk and mask set chunk by chunk). */
+static prompt_chunk prompt_chunk_of(const gl_attn *a, const prompt_bufs *w) {
+    const float l2e = 1.44269504088896341f, cap = a->softcap;
+    prompt_chunk c = {w->Qb, w->Kt2, w->Vt2, w->Pb, w->m, w->L, w->O, w->pr, a->head_dim, 0, 0, a->window,
+                      a->scale * l2e, cap > 0.0f ? a->scale / cap : 0.0f, cap * l2e, 0, cap > 0.0f,
+#if ATTN_I8
+                      w->Qq, w->Kq, w->sQ, w->sK, w->kb, w->qs
+#endif
+    };
+    return c;
+}
+
+/* Row r's query x (D) as the scores take it: bfloat16 pairs, int8 codes or q8_0 blocks. */
+static void prompt_query(const prompt_chunk *c, const prompt_bufs *w, const float *x, int64_t r, int scores) {
+    const int64_t D = c->D;
+#if ATTN_I8
+    if (scores == SCORES_Q8)
+        prompt_query_q8(x, D, c->capped ? c->cs : c->c1, w->Qq + r * (D / 4), w->sQ + r * (D / 32), w->qs + r * (D / 32));
+    else if (scores == SCORES_I8)
+        prompt_query_i8(x, D, w->Qq + r * (D / 4), w->sQ + r);
+    else
+#endif
+        bf16_row(x, D, (uint16_t *)(w->Qb + r * (D / 2)));
+    (void)scores;
+}
+
 /* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from a q8_0 cache's codes
  * where the CPU has VNNI (i8 or not), else from int8 codes where i8. */
 static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, const int64_t *starts,
                         int64_t B, int64_t T, float *out, int i8, int nth) {
     const gl_kv *kv = &a->kv;
-    const int q8 = ATTN_I8 && kv->type == 3;
+    /* int8 scores asked for (exact 0): a q8_0 cache's own codes where its rows are whole blocks */
+    const int q8 = ATTN_I8 && i8 && kv->type == 3 && a->head_dim % 32 == 0;
     i8 = i8 && !q8;
     const int scores = q8 ? SCORES_Q8 : i8 ? SCORES_I8 : SCORES_BF16;
-    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, D2 = D / 2;
+    const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim;
     const int64_t window = a->window;
-    const float l2e = 1.44269504088896341f;
     /* a task reads its kv head's context once for all its rows: the more rows, the fewer reads
      * and conversions (Llama-1B at depth 4,096, 1 thread: 1.95 ns a query-key at 64 rows, 1.81
      * at 256; at 16,384 512 rows are about 0.975x 256's, bench/prompt_attention_ab.py) */
@@ -341,30 +390,10 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
 #pragma omp parallel num_threads(nth)
     {
         const unsigned csr = ftz_begin();
-        uint32_t *Qb = A64(uint32_t, rows_max * D2 + 16), *Kt2 = A64(uint32_t, D2 * PK);
-        uint32_t *Vt2 = A64(uint32_t, PK / 2 * D), *Pb = A64(uint32_t, rows_max * PK / 2);
-        float *O = A64(float, rows_max * D), *L = A64(float, rows_max * 16), *m = A64(float, rows_max);
-        int64_t *pr = A64(int64_t, rows_max);
-        float *Kf = NULL, *Kt = NULL, *Vf = NULL; /* q8_0's (and int8 codes') float32 tiles */
-        if (kv->type == 3 || i8) Kf = A64(float, D * PK), Kt = A64(float, D * PK), Vf = A64(float, D * PK);
-        prompt_chunk c = {Qb, Kt2, Vt2, Pb, m, L, O, pr, D, 0, 0, window, a->scale * l2e,
-                          a->softcap > 0.0f ? a->scale / a->softcap : 0.0f, a->softcap * l2e, 0,
-                          a->softcap > 0.0f,
+        prompt_bufs w = prompt_bufs_new(rows_max, D, kv->type == 3 || i8, i8 || q8);
+        prompt_chunk c = prompt_chunk_of(a, &w);
+        float *Kf = w.Kf, *Kt = w.Kt, *Vf = w.Vf; /* q8_0's (and int8 codes') float32 tiles */
 #if ATTN_I8
-                          NULL, NULL, NULL, NULL, NULL, NULL
-#endif
-        };
-#if ATTN_I8
-        uint32_t *Qq = NULL, *Kq = NULL;
-        float *sQ = NULL, *sK = NULL;
-        int32_t *kb = NULL, *qs = NULL;
-        if (i8 || q8) {
-            const int64_t nb32 = (D + 31) / 32;
-            Qq = A64(uint32_t, rows_max * D / 4 + 16), Kq = A64(uint32_t, D / 4 * PK);
-            sQ = A64(float, rows_max * nb32), sK = A64(float, PK * nb32), kb = A64(int32_t, PK);
-            qs = A64(int32_t, rows_max * nb32);
-            c.Qq = Qq, c.Kq = Kq, c.sQ = sQ, c.sK = sK, c.kb = kb, c.qs = qs;
-        }
         if (i8) {
 #pragma omp for
             for (int64_t bg = 0; bg < B * Hkv; bg++) { /* over every key a row's queries see */
@@ -381,20 +410,12 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
             const int64_t t0 = qb * pq, nq = T - t0 < pq ? T - t0 : pq, rows = nq * group;
             /* row r: query t0 + r / group of head g * group + r % group */
             for (int64_t r = 0; r < rows; r++) {
-                const float *x = q + ((b * T + t0 + r / group) * H + g * group + r % group) * D;
-#if ATTN_I8
-                if (q8)
-                    prompt_query_q8(x, D, c.capped ? c.cs : c.c1, Qq + r * (D / 4), sQ + r * (D / 32), qs + r * (D / 32));
-                else if (i8)
-                    prompt_query_i8(x, D, Qq + r * (D / 4), sQ + r);
-                else
-#endif
-                    bf16_row(x, D, (uint16_t *)(Qb + r * D2));
-                pr[r] = p0 + t0 + r / group;
-                m[r] = -INFINITY;
+                prompt_query(&c, &w, q + ((b * T + t0 + r / group) * H + g * group + r % group) * D, r, scores);
+                w.pr[r] = p0 + t0 + r / group;
+                w.m[r] = -INFINITY;
             }
-            memset(O, 0, sizeof(float) * (size_t)(rows * D));
-            memset(L, 0, sizeof(float) * (size_t)(rows * 16));
+            memset(w.O, 0, sizeof(float) * (size_t)(rows * D));
+            memset(w.L, 0, sizeof(float) * (size_t)(rows * 16));
             const int64_t pmin = p0 + t0, pmax = p0 + t0 + nq - 1;
             const int64_t klo = window > 0 && pmin - window + 1 > 0 ? pmin - window + 1 : 0;
             for (int64_t k0 = klo / DT * DT; k0 <= pmax; k0 += PK) {
@@ -408,22 +429,18 @@ static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, 
                 }
 #if ATTN_I8
                 if (q8)
-                    prompt_keys_q8(kv, s, g, k0, nk, D, Kq, sK);
+                    prompt_keys_q8(kv, s, g, k0, nk, D, w.Kq, w.sK);
                 else if (i8)
-                    prompt_keys_i8(kv, s, g, k0, nk, D, mus + bg * D, Kq, kb, sK, Kt, Kf);
+                    prompt_keys_i8(kv, s, g, k0, nk, D, mus + bg * D, w.Kq, w.kb, w.sK, Kt, Kf);
                 else
 #endif
-                    prompt_keys_bf16(kv, s, g, k0, nk, D, Kt2, Kf, Kt);
-                prompt_values_bf16(kv, s, g, k0, nk, D, Vt2, Vf);
+                    prompt_keys_bf16(kv, s, g, k0, nk, D, w.Kt2, Kf, Kt);
+                prompt_values_bf16(kv, s, g, k0, nk, D, w.Vt2, Vf);
                 prompt_chunk_rows(&c, rows, nb, scores);
             }
             prompt_rows_out(a, &c, rows, group, g, (const int64_t[3]){b, T, t0}, out);
         }
-#if ATTN_I8
-        free(Qq), free(Kq), free(sQ), free(sK), free(kb), free(qs);
-#endif
-        free(Qb), free(Kt2), free(Vt2), free(Pb), free(O), free(L), free(m), free(pr);
-        free(Kf), free(Kt), free(Vf);
+        prompt_bufs_free(&w);
         ftz_end(csr);
     }
     free(mus);

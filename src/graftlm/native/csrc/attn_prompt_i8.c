@@ -101,8 +101,8 @@ static inline __attribute__((always_inline)) void prompt_scores_i8(const prompt_
     const int64_t D4 = c->D / 4;
     const uint32_t *q[BR];
     for (int r = 0; r < BR; r++) q[r] = c->Qq + (r0 + (r < nr ? r : 0)) * D4;
-    /* int32 vectors as the builtin takes them: through __m512i (64-bit lanes) GCC copies every
-     * sum through the stack each step */
+    /* int32 vectors (cast for the intrinsic: the same code as GCC's builtin): held as __m512i
+     * (64-bit lanes) GCC copies every sum through the stack each step */
     __v16si acc[BR][4];
     for (int r = 0; r < BR; r++)
         for (int x = 0; x < NB; x++) acc[r][x] = (__v16si)_mm512_setzero_si512();
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void prompt_scores_i8(const prompt_
         for (int x = 0; x < NB; x++) k[x] = (__v16si)_mm512_load_si512(c->Kq + i * PK + 16 * x);
         for (int r = 0; r < BR; r++) {
             const __v16si qp = (__v16si)_mm512_set1_epi32((int)q[r][i]);
-            for (int x = 0; x < NB; x++) acc[r][x] = __builtin_ia32_vpdpbusd_v16si(acc[r][x], qp, k[x]);
+            for (int x = 0; x < NB; x++) acc[r][x] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][x], (__m512i)qp, (__m512i)k[x]);
         }
     }
     const float f = c->capped ? c->cs : c->c1;

@@ -62,7 +62,8 @@ static void prompt_keys_q8(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, in
 static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_chunk *c, int64_t r0, int nr,
                                                                    float *alpha, const int NB) {
     const int64_t D4 = c->D / 4, nb = c->D / 32;
-    for (int hf = 0; hf < BR; hf += BR / 2) {
+    for (int r = nr; r < BR; r++) alpha[r] = 1.0f; /* rows past nr: none (a second half skipped) */
+    for (int hf = 0; hf < nr; hf += BR / 2) {
         __m512 z[BR / 2][4];
         const int32_t *q[BR / 2], *qs[BR / 2];
         const float *sq[BR / 2];
@@ -85,7 +86,7 @@ static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_
                 }
                 for (int r = 0; r < BR / 2; r++) {
                     const __v16si qp = (__v16si)_mm512_set1_epi32(q[r][b * 8 + l]);
-                    for (int x = 0; x < NB; x++) acc[r][x] = __builtin_ia32_vpdpbusd_v16si(acc[r][x], k[x], qp);
+                    for (int x = 0; x < NB; x++) acc[r][x] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][x], (__m512i)k[x], (__m512i)qp);
                 }
             }
             for (int x = 0; x < NB; x++) {

@@ -569,7 +569,7 @@ static inline __m512 cat_ps(__m256 lo, __m256 hi) {
 /* ... and their scores from int8 codes (VPDPBUSD: four products a lane, int32 sums) where the CPU
  * has AVX-512 VNNI too (attn_prompt_i8.c): the keys less their mean over the context, each key
  * and each query in int8 with its own scale; the weights and values stay bfloat16. A q8_0
- * cache's scores come from its own codes and q8_0 queries (attn_prompt_q8.c) on the same CPUs.
+ * cache's int8 scores come from its own codes and q8_0 queries (attn_prompt_q8.c).
  * -DGL_NO_I8_ATTN keeps the bfloat16 scores. */
 #if ATTN_BF16 && GL_VNNI512 && !defined(GL_NO_I8_ATTN)
 #define ATTN_I8 1

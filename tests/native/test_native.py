@@ -600,6 +600,13 @@ BF16_ATTN = "attn-bf16" in features()
 PREFILL_RTOL, PREFILL_ATOL = (1e-2, 8e-3) if BF16_ATTN else (1e-5, 2e-5)
 
 
+def q8_scores(kv: str, exact: bool) -> bool:
+    """Whether a prompt step's scores through this cache come from a q8_0 cache's own codes
+    against q8_0 queries (csrc/attn_prompt_q8.c): fast steps where the CPU has AVX-512 VNNI and
+    BF16, unless GRAFTLM_Q8_ATTN=0."""
+    return "attn-i8" in features() and ops.Q8_ATTN_SCORES and kv == "q8_0" and not exact
+
+
 def _as_attn(x: torch.Tensor) -> torch.Tensor:
     """x as the prompt attention's products see it."""
     return x.to(torch.bfloat16).float() if BF16_ATTN else x
@@ -733,7 +740,8 @@ def test_native_prefill_attention_equals_masked_sdpa(
     out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
     kc, vc = _rounded(dense, kv_dtype(kv)), _rounded(dense.flip(-1), kv_dtype(kv))
-    ref = _masked_sdpa(_as_attn(q), _as_attn(kc), _as_attn(vc), slots, starts, d**-0.5, window)
+    q_seen = _rounded(q, torch.uint8) if q8_scores(kv, False) else q  # (queries as q8_0)
+    ref = _masked_sdpa(_as_attn(q_seen), _as_attn(kc), _as_attn(vc), slots, starts, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=PREFILL_RTOL, atol=PREFILL_ATOL)
     # an exact step's (scoring's) products are float32 on every CPU
     exact = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window, exact=True)

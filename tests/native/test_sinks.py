@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_decode_attention import TYPES, Case, _check, run_case, variant_outputs
-from test_native import BF16_ATTN, PREFILL_ATOL, PREFILL_RTOL, _paged, _rounded, _rows
+from test_native import BF16_ATTN, PREFILL_ATOL, PREFILL_RTOL, _paged, _rounded, _rows, q8_scores
 
 from graftlm.native import library, ops
 from graftlm.step.kv_cache import KV_TYPES
@@ -72,9 +72,10 @@ def run_prompt(p: Prompt, kv: str, exact: bool, sinks: torch.Tensor | None) -> t
     return out
 
 
-def prompt_twin(p: Prompt, kv: str, bf16: bool) -> torch.Tensor:
+def prompt_twin(p: Prompt, kv: str, bf16: bool, q8: bool = False) -> torch.Tensor:
     """The written-out softmax with sinks in float64 over the cache's values (and q, k, v as
-    bfloat16 where the kernel's products take bfloat16 pairs)."""
+    bfloat16 where the kernel's products take bfloat16 pairs; q8: the scores of q rounded to
+    q8_0 against the keys as cached, a q8_0 cache's own codes' route, csrc/attn_prompt_q8.c)."""
     t, h, hkv, d, starts, window = p
     g = torch.Generator().manual_seed(t + len(starts))
     dense = torch.randn(3, hkv, max(starts) + t + 3, d, generator=g)
@@ -84,6 +85,7 @@ def prompt_twin(p: Prompt, kv: str, bf16: bool) -> torch.Tensor:
     def seen(x: torch.Tensor) -> torch.Tensor:
         return (x.to(torch.bfloat16).float() if bf16 else x).double()
 
+    cached = _rounded(dense, KV_TYPES[kv][0]).double()
     keys = seen(_rounded(dense, KV_TYPES[kv][0]))
     values = seen(_rounded(dense.flip(-1), KV_TYPES[kv][0]))  # (_paged's V: K reversed)
     sink = sinks_of(h).double().view(h, 1, 1).expand(h, t, 1)
@@ -94,7 +96,12 @@ def prompt_twin(p: Prompt, kv: str, bf16: bool) -> torch.Tensor:
         mask = (key <= pos) & ((pos - key < window) if window else True)
         k = keys[s, :, : p0 + t].repeat_interleave(h // hkv, 0)  # (h, L, d)
         v = values[s, :, : p0 + t].repeat_interleave(h // hkv, 0)
-        scores = (seen(q[r]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5  # (h, t, L)
+        if q8:  # (h, t, d) against the keys as cached
+            k8 = cached[s, :, : p0 + t].repeat_interleave(h // hkv, 0)
+            q8r = _rounded(q[r], torch.uint8).double().transpose(0, 1)
+            scores = (q8r @ k8.transpose(1, 2)) * d**-0.5
+        else:
+            scores = (seen(q[r]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5  # (h, t, L)
         scores = scores.masked_fill(~mask, float("-inf"))
         prob = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
         outs.append((prob @ v).transpose(0, 1).flatten(1))  # (t, h * d)
@@ -108,7 +115,8 @@ def test_prefill_attention_with_sinks_equals_its_twin(p: Prompt, kv: str, exact:
     out = run_prompt(p, kv, exact, sinks_of(p[1]))
     bf16 = BF16_ATTN and not exact
     rtol, atol = (PREFILL_RTOL, PREFILL_ATOL) if bf16 else (1e-5, 2e-5)
-    torch.testing.assert_close(out.double(), prompt_twin(p, kv, bf16), rtol=rtol, atol=atol)
+    ref = prompt_twin(p, kv, bf16, q8_scores(kv, exact))
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("kv", TYPES)

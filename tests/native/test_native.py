@@ -603,8 +603,9 @@ PREFILL_RTOL, PREFILL_ATOL = (1e-2, 8e-3) if BF16_ATTN else (1e-5, 2e-5)
 def q8_scores(kv: str, exact: bool) -> bool:
     """Whether a prompt step's scores through this cache come from a q8_0 cache's own codes
     against q8_0 queries (csrc/attn_prompt_q8.c): fast steps where the CPU has AVX-512 VNNI and
-    BF16, unless GRAFTLM_Q8_ATTN=0."""
-    return "attn-i8" in features() and ops.Q8_ATTN_SCORES and kv == "q8_0" and not exact
+    BF16 and ops.prompt_route asks for them."""
+    route = ops.prompt_route(3, 64, exact)
+    return "attn-i8" in features() and route == "q8" and kv == "q8_0"
 
 
 def _as_attn(x: torch.Tensor) -> torch.Tensor:
@@ -740,8 +741,11 @@ def test_native_prefill_attention_equals_masked_sdpa(
     out = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window)
     assert out is not None
     kc, vc = _rounded(dense, kv_dtype(kv)), _rounded(dense.flip(-1), kv_dtype(kv))
-    q_seen = _rounded(q, torch.uint8) if q8_scores(kv, False) else q  # (queries as q8_0)
-    ref = _masked_sdpa(_as_attn(q_seen), _as_attn(kc), _as_attn(vc), slots, starts, d**-0.5, window)
+    if q8_scores(kv, False):  # exact products of q as q8_0 and the keys as cached
+        q_seen, k_seen = _rounded(q, torch.uint8), kc
+    else:
+        q_seen, k_seen = _as_attn(q), _as_attn(kc)
+    ref = _masked_sdpa(q_seen, k_seen, _as_attn(vc), slots, starts, d**-0.5, window)
     torch.testing.assert_close(out, ref, rtol=PREFILL_RTOL, atol=PREFILL_ATOL)
     # an exact step's (scoring's) products are float32 on every CPU
     exact = ops.attn_prefill(q, cache, 0, _rows(slots, starts, t), d**-0.5, window, exact=True)

@@ -44,8 +44,10 @@ FAST = "i8" if I8_ATTN and ops.I8_ATTN_SCORES else "bf16" if BF16_ATTN else "f32
 
 def fast(kv: str, route: str = FAST) -> str:
     """A fast step's route through a cache of type kv: a q8_0 cache's own codes where the CPU
-    has AVX-512 VNNI and BF16 (unless GRAFTLM_Q8_ATTN=0; bf16_scores asks for "bf16")."""
-    return "q8" if I8_ATTN and ops.Q8_ATTN_SCORES and kv == "q8_0" and route != "f32" else route
+    has AVX-512 VNNI and BF16 and int8 scores are asked for (ops.prompt_route: by default, unless
+    GRAFTLM_Q8_ATTN=0 without GRAFTLM_I8_ATTN=1; bf16_scores asks for "bf16")."""
+    q8 = ops.prompt_route(3, 64, False) == "q8"
+    return "q8" if I8_ATTN and q8 and kv == "q8_0" and route != "f32" else route
 
 
 class Prompt(NamedTuple):
@@ -265,4 +267,5 @@ def test_q8_0_cache_bfloat16_scores(monkeypatch: pytest.MonkeyPatch, p: Prompt) 
     torch.set_num_threads(2)
     _check(p, "q8_0", run(p, "q8_0", exact=False, bf16_scores=True), "bf16")
     monkeypatch.setattr(ops, "Q8_ATTN_SCORES", False)
+    monkeypatch.setattr(ops, "I8_ATTN_SCORES", False)  # (which asks for int8 scores everywhere)
     _check(p, "q8_0", run(p, "q8_0", exact=False), "bf16")

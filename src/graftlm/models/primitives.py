@@ -195,7 +195,7 @@ def _packed_attention(
     for row in batch.packing.rows:
         n = row.n_tokens
         qr, kr, vr = (x[at : at + n].reshape(1, n, *x.shape[2:]) for x in (q, k, v))  # (1, n, h, d)
-        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks, True))
+        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks, chunk=True))
         at += n
     return torch.cat(outs, dim=1).view(at, 1, -1)
 

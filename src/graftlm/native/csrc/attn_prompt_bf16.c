@@ -288,6 +288,7 @@ static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, i
         for (; c0 < D; c0 += 16) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 1);
     }
 }
+#undef PROMPT_SCORES
 
 /* The outputs of a task's rows: O / l (with gpt-oss's sinks in the denominator). */
 static void prompt_rows_out(const gl_attn *a, const prompt_chunk *c, int64_t rows, int64_t group,
@@ -368,7 +369,8 @@ static void prompt_query(const prompt_chunk *c, const prompt_bufs *w, const floa
 }
 
 /* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from a q8_0 cache's codes
- * where the CPU has VNNI (i8 or not), else from int8 codes where i8. */
+ * where int8 scores are asked for (i8: exact 0) and the CPU has VNNI, else from int8 codes of
+ * the keys less their mean where asked for, else bfloat16 pairs. */
 static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, const int64_t *starts,
                         int64_t B, int64_t T, float *out, int i8, int nth) {
     const gl_kv *kv = &a->kv;

@@ -54,11 +54,11 @@ Q8_ATTN_SCORES = not os.environ.get("GRAFTLM_Q8_ATTN", "").startswith("0")
 
 
 def prompt_route(type_code: int, d: int, exact: bool, bf16_scores: bool = False) -> str:
-    """Which scores a prompt step asks gl_attn_prefill for, through a cache of this type (3:
-    q8_0) and head dim: "f32" (exact), "bf16", or int8 scores, which the kernel takes from a q8_0
-    cache's own codes ("q8": whole 32-value blocks) or from the keys' codes less their mean ("i8",
-    GRAFTLM_I8_ATTN=1). GRAFTLM_I8_ATTN=1 asks for int8 scores through every cache, so a q8_0
-    cache then takes "q8" even with GRAFTLM_Q8_ATTN=0. Where the CPU lacks AVX-512 VNNI and BF16
+    """Which scores a prompt step asks gl_attn_prefill for (PROMPT_MODES), through a cache of
+    this type (3: q8_0) and head dim: "f32" (exact), "bf16", or int8 scores: a q8_0 cache's own
+    codes ("q8": whole 32-value blocks) or the keys' codes less their mean ("i8",
+    GRAFTLM_I8_ATTN=1). GRAFTLM_I8_ATTN=1 asks for int8 scores through every cache, a q8_0 cache's
+    own codes there even with GRAFTLM_Q8_ATTN=0. Where the CPU lacks AVX-512 VNNI and BF16
     (features() "attn-i8") the kernel answers "bf16" or float32 for all but "f32"; the callers'
     twins check features() for that."""
     q8 = type_code == 3 and d % 32 == 0
@@ -67,6 +67,9 @@ def prompt_route(type_code: int, d: int, exact: bool, bf16_scores: bool = False)
     if bf16_scores or not (I8_ATTN_SCORES or (Q8_ATTN_SCORES and q8)):
         return "bf16"
     return "q8" if q8 else "i8"
+
+
+PROMPT_MODES = {"i8": 0, "f32": 1, "bf16": 2, "q8": 3}  # gl_attn_prefill's `exact`, route by route
 
 
 def decode_head_dims(d: int, dv: int) -> bool:
@@ -352,8 +355,7 @@ def attn_prefill(
         or (sinks is not None and not _sinks_ok(sinks, h))
     ):
         return None
-    route = prompt_route(cache.type_code, d, exact, bf16_scores)
-    mode = {"f32": 1, "bf16": 2}.get(route, 0)  # gl_attn_prefill's exact: 0 asks for int8 scores
+    mode = PROMPT_MODES[prompt_route(cache.type_code, d, exact, bf16_scores)]
     out = q.new_empty(b, t, h * d)
     n_pos = cache.max_blocks * cache.block
     attn = GlAttn(kv, None, None, h, hkv, d, d, n_pos, 0, 0, window, scale, softcap, _ptr(sinks))

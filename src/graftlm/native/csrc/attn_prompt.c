@@ -39,11 +39,11 @@ static void kv_gather(const gl_kv *kv, void *base, int64_t s, int64_t h, int64_t
  * 16 keys (AVX-512: 32) of FMAs with every operand a load or a broadcast; softmax
  * is online (flash attention): running max m and sum l per row, O rescaled when m grows. Blocks
  * past a task's last query or before its window are never touched: causal prompts do half the
- * work of a masked full product. Fast steps (exact 0; 2: scores in bfloat16 pairs too) where the
- * CPU has AVX-512 BF16 take the same tasks in bfloat16 tiles (prompt_bf16, attn_prompt_bf16.c),
- * their scores from int8 codes where it has AVX-512 VNNI too and exact is 0 (attn_prompt_i8.c; a
- * q8_0 cache's from its own codes: attn_prompt_q8.c); exact steps (exact 1), other CPUs and a
- * -DGL_NO_BF16_ATTN build these float32 FMAs. */
+ * work of a masked full product. Fast steps (exact 0, 2 or 3) where the CPU has AVX-512 BF16 take
+ * the same tasks in bfloat16 tiles (prompt_bf16, attn_prompt_bf16.c), their scores in bfloat16
+ * pairs (2) or, where it has AVX-512 VNNI too, from int8 codes: of the keys less their mean (0,
+ * attn_prompt_i8.c) or a q8_0 cache's own (3, attn_prompt_q8.c); exact steps (exact 1), other
+ * CPUs and a -DGL_NO_BF16_ATTN build these float32 FMAs. */
 #define PQ 16 /* the fewest queries a task */
 #define PR 64 /* the score rows a task aims at */
 #define PK 64
@@ -119,8 +119,12 @@ void gl_attn_prefill(const gl_attn *a, const float *q, const int64_t *slots,
                      const int64_t *starts, int64_t B, int64_t T, float *out, int64_t exact,
                      int nth) {
 #if ATTN_BF16
-    if (exact != 1 && prompt_bf16_fits(a)) { /* fast steps: bfloat16 tiles (int8 scores: 0) */
-        prompt_bf16(a, q, slots, starts, B, T, out, ATTN_I8 && exact == 0, nth);
+    if (exact != 1 && prompt_bf16_fits(a)) { /* fast steps: bfloat16 tiles */
+        /* int8 scores where the CPU has VNNI: 0 the keys' codes less their mean, 3 a q8_0 cache's
+         * own (its rows whole blocks: else the keys' codes) */
+        const int q8 = exact == 3 && a->kv.type == 3 && a->head_dim % 32 == 0;
+        const int scores = !ATTN_I8 ? SCORES_BF16 : q8 ? SCORES_Q8 : exact == 0 || exact == 3 ? SCORES_I8 : SCORES_BF16;
+        prompt_bf16(a, q, slots, starts, B, T, out, scores, nth);
         return;
     }
 #endif

@@ -368,16 +368,12 @@ static void prompt_query(const prompt_chunk *c, const prompt_bufs *w, const floa
     (void)scores;
 }
 
-/* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores from a q8_0 cache's codes
- * where int8 scores are asked for (i8: exact 0) and the CPU has VNNI, else from int8 codes of
- * the keys less their mean where asked for, else bfloat16 pairs. */
+/* gl_attn_prefill's tasks (see there) in bfloat16 tiles, their scores as `scores` says (SCORES_*:
+ * gl_attn_prefill's choice). */
 static void prompt_bf16(const gl_attn *a, const float *q, const int64_t *slots, const int64_t *starts,
-                        int64_t B, int64_t T, float *out, int i8, int nth) {
+                        int64_t B, int64_t T, float *out, int scores, int nth) {
     const gl_kv *kv = &a->kv;
-    /* int8 scores asked for (exact 0): a q8_0 cache's own codes where its rows are whole blocks */
-    const int q8 = ATTN_I8 && i8 && kv->type == 3 && a->head_dim % 32 == 0;
-    i8 = i8 && !q8;
-    const int scores = q8 ? SCORES_Q8 : i8 ? SCORES_I8 : SCORES_BF16;
+    const int q8 = scores == SCORES_Q8, i8 = scores == SCORES_I8;
     const int64_t H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim;
     const int64_t window = a->window;
     /* a task reads its kv head's context once for all its rows: the more rows, the fewer reads

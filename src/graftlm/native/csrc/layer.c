@@ -8,8 +8,7 @@
  * (row, expert) pair's row of h gathered in the experts' order (gath, (B K, n_embd)), its row,
  * expert and weight, its gate/up outputs (gu, (B K, 2 n_ff)), gated activations (act,
  * (B K, n_ff)) and outputs (y, (B K, n_embd)), the experts' runs of pairs (jobs) and the quantized inputs of
- * both products (xg, xd); each pair's previous pair of the same row (prev: its quantized input is
- * that pair's, copied where a thread quantized it already). */
+ * both products (xg, xd). */
 /* The routed experts' adapters on one of their products ([gate; up] or down) in a step where
  * some row has one at a nonzero scale (src: the layer's n_expert sites; NULL: no delta): each
  * job's (a run of pairs on one expert, moe_run's) site, its scales the pairs' rows (psc); its
@@ -35,7 +34,6 @@ typedef struct {
     void *work;
     float *logits, *weight, *row_w, *gath, *gu, *act, *y;
     int64_t *chosen, *rows, *row_e, *jobs;
-    int64_t *prev, *last; /* each pair's earlier pair of the same row (-1: none); per row, scratch */
     xbuf xg, xd;
     expert_lora xl[2]; /* the experts' adapters on [gate; up], on down */
     float *psc;        /* (R, ld): each pair's row of the step's scale table */
@@ -101,8 +99,6 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
         b.rows = scratch_take(s, i * R);
         b.row_e = scratch_take(s, i * R);
         b.row_w = scratch_take(s, f * R);
-        b.prev = scratch_take(s, i * R);
-        b.last = scratch_take(s, i * B);
         b.jobs = scratch_take(s, i * 3 * L->n_expert);
         b.gath = scratch_take(s, f * R * d);
         b.gu = scratch_take(s, f * R * 2 * ff);

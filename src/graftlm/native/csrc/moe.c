@@ -119,15 +119,12 @@ static int64_t moe_route(const gl_layer *L, const float *h, int64_t B, const lay
         for (int64_t j = 0; j < K; j++) w[j] /= total;
     }
     int64_t nj = 0, R = 0;
-    for (int64_t b = 0; b < B; b++) bufs->last[b] = -1;
     for (int64_t e = 0; e < E; e++) {
         const int64_t r0 = R;
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < K; j++)
                 if (bufs->chosen[b * K + j] == e) {
                     bufs->rows[R] = b;
-                    bufs->prev[R] = bufs->last[b];
-                    bufs->last[b] = R;
                     bufs->row_e[R] = e;
                     bufs->row_w[R] = bufs->weight[b * K + j];
                     memcpy(bufs->gath + R * d, h + b * d, sizeof(float) * (size_t)d);
@@ -170,28 +167,11 @@ typedef struct {
     int nth;
 } moe_ctx;
 
-/* Pair r's quantized row of k values (of x's) a copy of pair p's. */
-static void xbuf_copy_row(const xbuf *x, int64_t p, int64_t r, int64_t k) {
-    const int64_t kb = k / 32;
-    memcpy(x->xq + r * k, x->xq + p * k, (size_t)k);
-    if (x->xu) memcpy(x->xu + r * k, x->xu + p * k, (size_t)k);
-    memcpy(x->xd + r * kb, x->xd + p * kb, sizeof(float) * (size_t)kb);
-    memcpy(x->xs + r * kb, x->xs + p * kb, sizeof(float) * (size_t)kb);
-    memcpy(x->xs16 + r * 2 * kb, x->xs16 + p * 2 * kb, sizeof(float) * (size_t)(2 * kb));
-}
-
-/* Pairs [a0, a1)'s gathered rows quantized (and their dots of the adapters' A on [gate; up]): a
- * row's first pair in the range quantizes it, its later pairs there (its other experts: up to
- * n_expert_used) copy that pair's blocks, the same bytes. */
+/* Pairs [a0, a1)'s gathered rows quantized (and their dots of the adapters' A on [gate; up]). */
 static void moe_inputs(const moe_ctx *c, int64_t a0, int64_t a1) {
-    const int64_t d = c->L->n_embd, kb = d / 32, *prev = c->bufs->prev;
+    const int64_t d = c->L->n_embd;
     const xbuf *xg = &c->xg;
-    for (int64_t r = a0; r < a1 && xg->xq; r++) {
-        if (prev[r] >= a0)
-            xbuf_copy_row(xg, prev[r], r, d);
-        else
-            quantize_blocks(c->bufs->gath, r * kb, (r + 1) * kb, xg->xq, xg->xu, xg->xd, xg->xs, xg->xs16);
-    }
+    if (xg->xq) quantize_blocks(c->bufs->gath, a0 * (d / 32), a1 * (d / 32), xg->xq, xg->xu, xg->xd, xg->xs, xg->xs16);
     if (c->xl[0].src) expert_lora_xa(&c->xl[0], c->bufs->jobs, c->nj, xg, c->bufs->gath, d, a0, a1);
 }
 

@@ -4,12 +4,13 @@ over the cache."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from graftlm.native import ops as native_ops
-from graftlm.step.batch import Batch
+from graftlm.step.batch import Batch, Packing
 from graftlm.step.kv_cache import KVCache
 
 
@@ -138,7 +139,12 @@ def attention(
     chunk even where it is one token (a packed row): the native prompt kernel reads the cache in
     place, where a lone token would gather its whole context in float32."""
     if batch.packing is not None:
-        return _packed_attention(q, k, v, layer, batch, cache, scale, window, cap, sinks)
+        return _by_sequence(
+            q, k, v, batch.packing,
+            lambda qr, kr, vr, row: attention(
+                qr, kr, vr, layer, row, cache, scale, window, cap, sinks, chunk=True
+            ),
+        )  # fmt: skip
     rows = batch.index()
     if rows is None or not native_ops.kv_write(cache, layer, rows, k, v):
         cache.write(layer, batch, k, v)
@@ -172,31 +178,23 @@ def attention(
     return out.transpose(1, 2).flatten(2)
 
 
-def _packed_attention(
+def _by_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layer: int,
-    batch: Batch,
-    cache: KVCache,
-    scale: float,
-    window: int,
-    cap: float,
-    sinks: torch.Tensor | None,
+    packing: Packing,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Batch], torch.Tensor],
 ) -> torch.Tensor:
     """attention of a packed batch: q (N, 1, H, D), k/v (N, 1, Hkv, D) -> (N, 1, H * Dv), each
-    sequence's rows (one real token each, in order) as a (1, n) row of its own; no padding is
-    computed or written to the cache."""
-    assert batch.packing is not None
-    n_rows = sum(row.n_tokens for row in batch.packing.rows)
-    if n_rows != q.shape[0]:
-        raise ValueError(f"a packed batch of {q.shape[0]} rows holds {n_rows} sequences' tokens")
+    sequence's rows (one real token each, in order) attended as a (1, n) row of its own; no
+    padding is computed or written to the cache."""
     outs, at = [], 0
-    for row in batch.packing.rows:
+    for row in packing.rows:
         n = row.n_tokens
         qr, kr, vr = (x[at : at + n].reshape(1, n, *x.shape[2:]) for x in (q, k, v))  # (1, n, h, d)
-        outs.append(attention(qr, kr, vr, layer, row, cache, scale, window, cap, sinks, chunk=True))
+        outs.append(attend(qr, kr, vr, row))
         at += n
+    assert at == q.shape[0], f"a packed batch of {q.shape[0]} rows holds {at} sequences' tokens"
     return torch.cat(outs, dim=1).view(at, 1, -1)
 
 

@@ -132,21 +132,28 @@ def test_admission_stops_when_the_cache_is_full() -> None:
     assert s.plan().admitted == (reqs[2],)
 
 
+def _three_prefills(s: Scheduler) -> tuple[list[Request], list[StepPlan], list[list[tuple]]]:
+    """Prompts of 3, 11, 30 and 6 tokens submitted, then three steps run: the requests, the
+    plans and each step's prefill pieces (sequence, start, length)."""
+    reqs = [_req(3), _req(11), _req(30), _req(6)]
+    for r in reqs:
+        s.submit(r)
+    plans, steps = [], []
+    for _ in range(3):
+        plan = s.plan()
+        plans.append(plan)
+        steps.append([(x.seq, x.start, x.length) for x in plan.prefill])
+        _run(s, plan, max_tokens=100)
+    return reqs, plans, steps
+
+
 def test_chunk_packing_counts_padding() -> None:
     """Padded (GRAFTLM_PADDED_PREFILL=1): the next piece of the first prompt, then as many more
     as fit in `chunk` tokens with every row padded to the longest piece; one request decodes in
     the step its prompt ends."""
     s = _scheduler(n_slots=4, chunk=24, packed=False)
-    a, b, c, d = _req(3), _req(11), _req(30), _req(6)
-    for r in (a, b, c, d):
-        s.submit(r)
-    steps = []
-    for _ in range(3):
-        plan = s.plan()
-        steps.append([(x.seq, x.start, x.length) for x in plan.prefill])
-        _run(s, plan, max_tokens=100)
-        if len(steps) == 1:
-            assert plan.width == 11 and plan.decode == (a, b)  # both prompts ended here
+    (a, b, c, d), plans, steps = _three_prefills(s)
+    assert plans[0].width == 11 and plans[0].decode == (a, b)  # both prompts ended here
     assert steps == [
         [(a, 0, 3), (b, 0, 11)],  # 2 x 11 <= 24; a third row of 24 would not fit
         [(c, 0, 24)],  # 2 x 24 > 24: c alone
@@ -160,17 +167,9 @@ def test_packed_chunks_count_their_own_tokens() -> None:
     """Packed (the default): `chunk` counts the pieces' own tokens, and the last piece of a step
     is what fits of its prompt: every step but the last computes `chunk` tokens."""
     s = _scheduler(n_slots=4, chunk=24)
-    a, b, c, d = _req(3), _req(11), _req(30), _req(6)
-    for r in (a, b, c, d):
-        s.submit(r)
-    steps = []
-    for _ in range(3):
-        plan = s.plan()
-        steps.append([(x.seq, x.start, x.length) for x in plan.prefill])
-        assert plan.computed == sum(x.length for x in plan.prefill)
-        _run(s, plan, max_tokens=100)
-        if len(steps) == 1:
-            assert plan.decode == (a, b)  # both prompts ended here, c goes on
+    (a, b, c, d), plans, steps = _three_prefills(s)
+    assert all(p.computed == sum(x.length for x in p.prefill) for p in plans)
+    assert plans[0].decode == (a, b)  # both prompts ended here, c goes on
     assert steps == [
         [(a, 0, 3), (b, 0, 11), (c, 0, 10)],
         [(c, 10, 20), (d, 0, 4)],

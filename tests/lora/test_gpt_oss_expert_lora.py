@@ -13,12 +13,7 @@ and malformed expert adapters refused with the tensor and its dimensions.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,9 +22,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from llama_reference import LLAMA_SERVER, llama_top_logprobs
 from made_families import made_dir
 from safetensors.torch import load_file, save_file
-from shared_data import SHARED, TINY
+from shared_data import TINY
 
 import graftlm
 from graftlm.errors import AdapterError
@@ -190,9 +186,6 @@ def test_native_decode_layer_adds_the_expert_delta(
         torch.testing.assert_close(f, k, rtol=1e-4, atol=1e-4)
 
 
-LLAMA_SERVER = SHARED / "llama.cpp" / "bin" / "llama-server"
-
-
 def test_llama_cpp_applies_the_converted_adapter(made: dict[str, Any]) -> None:
     """llama-server with the converted file as --lora: the next token's top-10 log-probabilities
     after prompts of 5, 40 and 200 tokens within 1e-4 of graftlm's with the adapter (which moves
@@ -201,7 +194,7 @@ def test_llama_cpp_applies_the_converted_adapter(made: dict[str, Any]) -> None:
         pytest.skip(f"{LLAMA_SERVER} is not here")
     ids = torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     prompts = [ids[:n] for n in (5, 40, 200)]
-    theirs = _llama_top_logprobs(made["base"], made["tmp"] / "lora.gguf", prompts)
+    theirs = llama_top_logprobs(made["base"], prompts, made["tmp"] / "lora.gguf")
     ours = graftlm.load(made["base"], ctx_size=256, reference=True)
     i = ours.add_lora(made["tmp"] / "lora.gguf", 0.0)
     for p, top in zip(prompts, theirs, strict=True):
@@ -209,40 +202,6 @@ def test_llama_cpp_applies_the_converted_adapter(made: dict[str, Any]) -> None:
         off = torch.log_softmax(ours.logits(p, lora=[{"id": i, "scale": 0.0}])[-1].float(), -1)
         assert max(abs(on[t].item() - lp) for t, lp in top.items()) < 1e-4
         assert max(abs(off[t].item() - lp) for t, lp in top.items()) > 0.1
-
-
-def _llama_top_logprobs(base: Path, lora: Path, prompts: list[list[int]]) -> list[dict[int, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "LD_LIBRARY_PATH": str(LLAMA_SERVER.parent)}
-    cmd = [str(LLAMA_SERVER), "-m", str(base), "--lora", str(lora), "--host", "127.0.0.1",
-           "--port", str(port), "-t", "1", "-c", "256", "-np", "1", "-ctk", "f32", "-ctv", "f32",
-           "-fa", "off"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # (a bound for a hang: 30 s was tight at load)
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    pytest.skip(f"llama-server exited with {proc.returncode}")
-                time.sleep(0.1)
-        out = []
-        for ids in prompts:
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 10, "temperature": 0,
-                    "cache_prompt": False}  # fmt: skip
-            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
-            top = json.load(urllib.request.urlopen(req, timeout=60))["completion_probabilities"]
-            out.append({t["id"]: t["logprob"] for t in top[0]["top_logprobs"]})
-        return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 # -- convert-lora ------------------------------------------------------------------------------

@@ -5,12 +5,6 @@ the errors of a malformed file."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +25,7 @@ from families import (
     rewrite_gguf,
     spy_served,
 )
-from shared_data import SHARED
+from llama_reference import LLAMA_SERVER, llama_top_logprobs
 
 from graftlm.errors import ModelFileError
 from graftlm.gguf import GGUFFile
@@ -310,42 +304,6 @@ def test_mxfp4_experts_match_transformers_on_the_same_weights(tmp_path: Path) ->
 
 
 # -- llama.cpp on the same files ---------------------------------------------------------------
-LLAMA_SERVER = SHARED / "llama.cpp" / "bin" / "llama-server"
-
-
-def _llama_top_logprobs(path: Path, prompts: list[list[int]]) -> list[dict[int, float]]:
-    """llama-server's top-10 log-probabilities of the next token after each prompt (float32
-    keys and values, no flash attention: the computation graftlm's reference path makes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "LD_LIBRARY_PATH": str(LLAMA_SERVER.parent)}
-    cmd = [str(LLAMA_SERVER), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-           "-t", "1", "-c", "256", "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # (a bound for a hang: 30 s was tight at load)
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    pytest.skip(f"llama-server exited with {proc.returncode}")
-                time.sleep(0.1)
-        out = []
-        for ids in prompts:
-            body = {"prompt": ids, "n_predict": 1, "n_probs": 10, "temperature": 0,
-                    "cache_prompt": False}  # fmt: skip
-            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
-            top = json.load(urllib.request.urlopen(req, timeout=60))["completion_probabilities"]
-            out.append({t["id"]: t["logprob"] for t in top[0]["top_logprobs"]})
-        return out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("kind", ["f32", "mxfp4"])
@@ -361,7 +319,7 @@ def test_matches_llama_cpp_on_the_same_file(kind: str, tmp_path: Path) -> None:
         path = _mxfp4_file(tmp_path / "mxfp4.gguf")
     ids = torch.randint(3, 1000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     prompts = [ids[:n] for n in (5, 40, 200)]
-    theirs = _llama_top_logprobs(path, prompts)
+    theirs = llama_top_logprobs(path, prompts)
     model = build_model(GGUFFile(path), 256, prefer="reference")
     for ids, top in zip(prompts, theirs, strict=True):
         model.allocate_cache(1, dtype=torch.float32)

@@ -4,12 +4,43 @@ import pytest
 import torch
 
 from graftlm.errors import RequestError
-from graftlm.runtime.sampling import Sampler, SamplingParams, penalty_window
+from graftlm.runtime.sampling import Sampler, SamplingParams, argmax, penalty_window
 
 
 def test_greedy_is_argmax() -> None:
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+def _rows(kind: str, gen: torch.Generator) -> torch.Tensor:
+    """(3, 517) logits of one kind: ties among few values, NaNs, infinities, all -inf, signed
+    zeros, or plain random."""
+    x = torch.randn(3, 517, generator=gen)
+    if kind == "ties":
+        return torch.randint(-2, 2, (3, 517), generator=gen).float()
+    if kind == "nan":
+        x[x > 1.2] = float("nan")
+    elif kind == "inf":
+        x[x > 1.0] = float("inf")
+    elif kind == "-inf":
+        x[:] = float("-inf")
+    elif kind == "zeros":
+        x = torch.where(x > 0, torch.tensor(0.0), torch.tensor(-0.0))
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "nan", "inf", "-inf", "zeros"])
+def test_argmax_is_torchs(kind: str) -> None:
+    """The fast argmax (numpy's, on CPU float32) against its twin torch.argmax: the same index,
+    the first maximum or the first NaN, on rows, one row, a strided view, and other dtypes."""
+    gen = torch.Generator().manual_seed(len(kind))
+    for _ in range(20):
+        x = _rows(kind, gen)
+        for t in (x, x[1], x[:, ::3], x.T, x.to(torch.bfloat16), x.double()):
+            got = argmax(t)
+            assert got.dtype is torch.int64 and got.shape == t.shape[:-1], (t.shape, t.dtype)
+            assert torch.equal(got, torch.argmax(t, dim=-1)), (kind, t.shape, t.dtype)
+    assert Sampler(SamplingParams(temperature=0))(torch.tensor([1.0, float("nan"), 2.0])) == 1
 
 
 def test_top_k_one_is_greedy_at_any_temperature() -> None:

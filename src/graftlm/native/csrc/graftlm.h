@@ -728,6 +728,36 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
     nibble_dots2_lut(wa, wb, h5, NULL, xq, kb, b, R, s32);
 }
 
+/* A tile's rows of x as s8_pair addresses them: row r's block b of codes at q + 32 b + 8 o[r],
+ * its scale at xd + b and o[r] bytes on (o[r] = 4 r kb, laundered each block so that the compiler
+ * neither hoists 8 o[r] as a second register a row nor keeps a pointer a row and array): one
+ * register a row, where the pointers a row and array had spilled to vector registers, a VMOVQ
+ * back before every broadcast of x (about half a VPDPBUSD slot each on a Zen 4 core: 12 with 12
+ * dots, 136 GMAC/s of 234). Q8_0 640 x 2048 one thread, with S8_CORR_KB: 1.08x at 16 rows, 1.11x
+ * at 512. The nibble pairs (k4, u4, mx4) took it too and gained nothing (8 rows and their scales'
+ * pointers spill a few still). */
+typedef struct {
+    int64_t o[8];
+} xrows;
+static inline __attribute__((always_inline)) void xrows_at(xrows *xo, int64_t kb, int R) {
+    for (int r = 0; r < R; r++) {
+        xo->o[r] = 4 * r * kb;
+        __asm__("" : "+r"(xo->o[r]));
+    }
+}
+/* Row r's 4 bytes at byte `at` of block b of codes q (xrows). */
+static inline __attribute__((always_inline)) int32_t xrow_i4(const xrows *xo, const void *q, int r, int64_t b, int at) {
+    int32_t v;
+    memcpy(&v, (const char *)q + 32 * b + 8 * xo->o[r] + at, 4);
+    return v;
+}
+/* Row r's float of block b of scales a (xd, xs: a float a block). */
+static inline __attribute__((always_inline)) float xrow_f(const xrows *xo, const float *a, int r, int64_t b) {
+    float v;
+    memcpy(&v, (const char *)(a + b) + xo->o[r], 4);
+    return v;
+}
+
 /* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */
 static inline void store_pair(const __m512 *acc, int R, float *ya, float *yb, int64_t ldy) {
     for (int r = 0; r < R; r++) {

@@ -734,8 +734,9 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
  * register a row, where the pointers a row and array had spilled to vector registers, a VMOVQ
  * back before every broadcast of x (about half a VPDPBUSD slot each on a Zen 4 core: 12 with 12
  * dots, 136 GMAC/s of 234). Q8_0 640 x 2048 one thread, with S8_CORR_KB: 1.08x at 16 rows, 1.11x
- * at 512. The nibble pairs (k4, u4, mx4) took it too and gained nothing (8 rows and their scales'
- * pointers spill a few still). */
+ * at 512. Not taken elsewhere: the nibble pairs (k4, u4, mx4) gained nothing with it (Q4_K
+ * 0.99-1.02x, Q5_K 0.96x), the k16 pairs lost (Q6_K 0.80x at 16 rows), and for Q4_K even its
+ * scales from one pointer for all 8 rows (a wrong product, as a bound) ran 1.004-1.009x. */
 typedef struct {
     int64_t o[8];
 } xrows;

@@ -19,6 +19,12 @@ the machine's read bandwidth a core takes) and whether the two gave the same bit
 
     .venv/bin/python bench/kernels.py --against /tmp/main.so --types IQ3_XXS IQ2_XXS --rows 1 2 4 8 16 64
 
+With --types naming only SHAPES' types (one of them not a k-quant, or --cached),
+--against runs SHAPES' products the same way (each through its kernel's C function, gl_mm_u4,
+gl_mm_k4 ..), their weights in cache: the kernels' arithmetic rather than memory.
+
+    .venv/bin/python bench/kernels.py --against /tmp/main.so --types Q4_K Q4_1 Q8_0 Q6_K --rows 16 512
+
 With --types Q4_K and/or Q6_K only, --against runs the k-quants' products (gl_mm_k4, gl_mm_k6) the
 same way, on K_SHAPES: Qwen3-30B-A3B's expert matrices, the same k on big matrices, Llama-1B's FFN
 gate and output head, each in enough copies that every call reads its weight from memory (the GB/s
@@ -180,6 +186,54 @@ def kquant_against(other: str, types: list[str], rows: list[int], rounds: int) -
                   f"| {ga:.2f} | {gb:.2f} | {'same' if same else 'DIFFER'} |", flush=True)  # fmt: skip
 
 
+def shapes_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
+    """The products of SHAPES' types named by `types` (weights in cache: the kernels' arithmetic)
+    through the same C function of the library `other` (A) and of this tree's (B), alternated,
+    one thread, on the same packed weights (the kernel's bound arguments, _args)."""
+    from graftlm.native import build, library
+
+    ours = library()
+    if ours is None:
+        raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
+    # both loaded and set alike (with this tree's as graftlm loaded it on one side, an unchanged
+    # kernel read 1.13-1.19x at 512 rows three runs in a row: Q4_1 3072x576)
+    libs = [ctypes.CDLL(other), ctypes.CDLL(ours._name)]
+    for lib in libs:
+        lib.gl_set_pair_rows(build.pair_rows())
+        lib.gl_set_dynamic(int(build.dynamic()))
+    rng = np.random.default_rng(0)
+    print("| type | n_out x n_in | M | A GMAC/s | B GMAC/s | B / A | bits |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for qtype, n, k in SHAPES:
+        if qtype.name not in types:
+            continue
+        kern = QWeight.from_gguf(random_blocks(qtype, (n, k), rng), qtype, (n, k))._k
+        if not hasattr(kern, "_fn"):
+            continue
+        fns = [getattr(lib, kern._fn.__name__) for lib in libs]
+        for fn in fns:
+            fn.argtypes, fn.restype = kern._fn.argtypes, kern._fn.restype
+        for m in rows:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ys = [np.empty((m, n), np.float32) for _ in fns]
+            args = [(x.ctypes.data, m, *kern._args, y.ctypes.data, 1) for y in ys]
+            for fn, a in zip(fns, args, strict=True):
+                fn(*a)
+            same = np.array_equal(ys[0].view(np.int32), ys[1].view(np.int32))
+            reps = max(2, int(4e7 / (m * n * k)))
+            times: list[list[float]] = [[], []]
+            for r in range(rounds):
+                for i in (0, 1) if r % 2 == 0 else (1, 0):
+                    fn, a = fns[i], args[i]
+                    t0 = time.thread_time()
+                    for _ in range(reps):
+                        fn(*a)
+                    times[i].append((time.thread_time() - t0) / reps)
+            ga, gb = (m * n * k / statistics.median(t) / 1e9 for t in times)
+            print(f"| {qtype.name} | {n}x{k} | {m} | {ga:.1f} | {gb:.1f} | {gb / ga:.3f} "
+                  f"| {'same' if same else 'DIFFER'} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16, 64, 128, 512])
@@ -187,9 +241,14 @@ def main() -> None:
     ap.add_argument("--types", nargs="*", help="only these GGUF types (e.g. MXFP4)")
     ap.add_argument("--against", help="a library file: the A/B against it (above)")
     ap.add_argument("--rounds", type=int, default=7, help="with --against: alternated rounds")
+    ap.add_argument("--cached", action="store_true", help="with --against: SHAPES' Q4_K, Q6_K too")
     args = ap.parse_args()
-    if args.against and args.types and set(args.types) <= {"Q4_K", "Q6_K"}:
+    shape_types = {t.name for t, _, _ in SHAPES}
+    if args.against and args.types and set(args.types) <= {"Q4_K", "Q6_K"} and not args.cached:
         kquant_against(args.against, args.types, args.rows, args.rounds)
+        return
+    if args.against and args.types and set(args.types) <= shape_types:
+        shapes_against(args.against, args.types, args.rows, args.rounds)
         return
     if args.against:
         grid_against(

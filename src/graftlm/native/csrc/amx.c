@@ -146,7 +146,7 @@ static void amx_block(const gl_weight *w, int64_t g, int64_t b, uint16_t *out) {
     for (int c = 0; c < 4; c++) { /* chunk c: values 4 c .. 4 c + 3 (lo) and 16 + 4 c .. (hi) */
         __m512i lo, hi;
         if (v6 >= 0)
-            k16_codes2(v6, wa, wb, c, &lo, &hi);
+            k16_codes2(v6, wa, wb, c, 0, &lo, &hi);
         else
             nibbles2(wa, wb, c, h5, &lo, &hi);
         amx_rows4(lo, 0, a[0], m[0], out + 64 * c);

@@ -635,36 +635,49 @@ static inline void q6_high(const uint8_t *p, __m256i *lo, __m256i *hi) {
 }
 
 #if GL_VNNI512
-/* q6_high of two groups' chunks (pa: the low 256 bits, pb: the high). */
-static inline void q6_high2(const uint8_t *pa, const uint8_t *pb, __m512i *lo, __m512i *hi) {
+/* Rows of x from which the pair kernels take the fifth (and Q6_K's sixth) bits by shifts and
+ * masks rather than GFNI's affine transforms: on a Zen 4 core a 512-bit VGF2P8AFFINEQB takes a
+ * slot of the pipes VPDPBUSD runs on, as a multiply does (12 dpbusd with 12 of them: 117 GMAC/s
+ * of 234), a shift none and a mask or blend a small share (232, 217), so at 8 rows a block's 8
+ * transforms cost an eighth of its 64 dots (Q5_K 640 x 2048, one thread: 1.055x at 16 rows,
+ * 1.068x at 512; Q5_0 1.03x at 16). One row (Intel's decode, through the pairs) keeps the
+ * transforms, as measured there. */
+#define BITS_BY_SHIFT_ROWS 2
+
+/* q6_high of two groups' chunks (pa: the low 256 bits, pb: the high); shift: by shifts and masks
+ * even with GFNI (BITS_BY_SHIFT_ROWS). */
+static inline __attribute__((always_inline)) void q6_high2(const uint8_t *pa, const uint8_t *pb, int shift,
+                                                           __m512i *lo, __m512i *hi) {
     const __m512i v = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pa))),
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)pb)), 1);
 #if defined(__GFNI__)
-    const long long l0 = Q6_MATRIX(0), l2 = Q6_MATRIX(2), h4 = Q6_MATRIX(4), h6 = Q6_MATRIX(6);
-    *lo = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set_epi64(l2, l2, l0, l0, l2, l2, l0, l0), 0);
-    *hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set_epi64(h6, h6, h4, h4, h6, h6, h4, h4), 0);
-#else
+    if (!shift) {
+        const long long l0 = Q6_MATRIX(0), l2 = Q6_MATRIX(2), h4 = Q6_MATRIX(4), h6 = Q6_MATRIX(6);
+        *lo = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set_epi64(l2, l2, l0, l0, l2, l2, l0, l0), 0);
+        *hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set_epi64(h6, h6, h4, h4, h6, h6, h4, h4), 0);
+        return;
+    }
+#endif
     const __m512i m = _mm512_set1_epi8(0x30);
     *lo = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, _mm512_slli_epi16(v, 4), _mm512_slli_epi16(v, 2)), m);
     *hi = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, v, _mm512_srli_epi16(v, 2)), m);
-#endif
 }
 
-/* fifth_at of two groups' blocks (the low 256 bits, the high), the same way. */
-static inline __attribute__((always_inline)) __m512i fifth_at2(__m512i f, int s) {
+/* fifth_at of two groups' blocks (the low 256 bits, the high), the same way (shift: as q6_high2's). */
+static inline __attribute__((always_inline)) __m512i fifth_at2(__m512i f, int s, int shift) {
 #if defined(__GFNI__)
-    return _mm512_gf2p8affine_epi64_epi8(f, _mm512_set1_epi64(FIFTH_MATRIX(s)), 0);
-#else
+    if (!shift) return _mm512_gf2p8affine_epi64_epi8(f, _mm512_set1_epi64(FIFTH_MATRIX(s)), 0);
+#endif
     const __m512i m = _mm512_set1_epi8(0x10);
     return _mm512_and_si512(s <= 4 ? _mm512_slli_epi16(f, 4 - s) : _mm512_srli_epi16(f, s - 4), m);
-#endif
 }
 
 /* The codes of chunk c (32 bytes: 4 of every row's 32 values, low nibbles then high) of two
- * groups' blocks wa, wb: lo and hi, with h5 the fifth bits after the 128 code bytes (u5, k5). */
-static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, const uint8_t *wb, int c,
-                                                           int h5, __m512i *lo, __m512i *hi) {
+ * groups' blocks wa, wb: lo and hi, with h5 the fifth bits after the 128 code bytes (u5, k5;
+ * shift: as q6_high2's). */
+static inline __attribute__((always_inline)) void nibbles2_at(const uint8_t *wa, const uint8_t *wb, int c,
+                                                              int h5, int shift, __m512i *lo, __m512i *hi) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i raw = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 32 * c)),
                                _mm256_loadu_si256((const __m256i *)(wb + 32 * c)));
@@ -673,9 +686,14 @@ static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, co
     if (h5) {
         const __m512i f = cat_si(_mm256_loadu_si256((const __m256i *)(wa + 128)),
                                  _mm256_loadu_si256((const __m256i *)(wb + 128)));
-        *lo = _mm512_or_si512(*lo, fifth_at2(f, 2 * c));
-        *hi = _mm512_or_si512(*hi, fifth_at2(f, 2 * c + 1));
+        *lo = _mm512_or_si512(*lo, fifth_at2(f, 2 * c, shift));
+        *hi = _mm512_or_si512(*hi, fifth_at2(f, 2 * c + 1, shift));
     }
+}
+
+static inline __attribute__((always_inline)) void nibbles2(const uint8_t *wa, const uint8_t *wb, int c,
+                                                           int h5, __m512i *lo, __m512i *hi) {
+    nibbles2_at(wa, wb, c, h5, 0, lo, hi);
 }
 
 /* s32[r] = the int32 dots of block b of two 4- (h5: 5-) bit groups wa, wb with row r's block of x
@@ -689,7 +707,7 @@ static inline __attribute__((always_inline)) void nibble_dots2_lut(const uint8_t
     for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         __m512i lo, hi;
-        nibbles2(wa, wb, c, h5, &lo, &hi);
+        nibbles2_at(wa, wb, c, h5, R >= BITS_BY_SHIFT_ROWS, &lo, &hi);
         if (tbl) {
             lo = _mm512_shuffle_epi8(*tbl, lo);
             hi = _mm512_shuffle_epi8(*tbl, hi);
@@ -708,6 +726,37 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
                                                                int h5, const int8_t *xq, int64_t kb,
                                                                int64_t b, int R, __m512i *s32) {
     nibble_dots2_lut(wa, wb, h5, NULL, xq, kb, b, R, s32);
+}
+
+/* A tile's rows of x as s8_pair addresses them: row r's block b of codes at q + 32 b + 8 o[r],
+ * its scale at xd + b and o[r] bytes on (o[r] = 4 r kb, laundered each block so that the compiler
+ * neither hoists 8 o[r] as a second register a row nor keeps a pointer a row and array): one
+ * register a row, where the pointers a row and array had spilled to vector registers, a VMOVQ
+ * back before every broadcast of x (about half a VPDPBUSD slot each on a Zen 4 core: 12 with 12
+ * dots, 136 GMAC/s of 234). Q8_0 640 x 2048 one thread, with S8_CORR_KB: 1.08x at 16 rows, 1.11x
+ * at 512. Not taken elsewhere: the nibble pairs (k4, u4, mx4) gained nothing with it (Q4_K
+ * 0.99-1.02x, Q5_K 0.96x), the k16 pairs lost (Q6_K 0.80x at 16 rows), and for Q4_K even its
+ * scales from one pointer for all 8 rows (a wrong product, as a bound) ran 1.004-1.009x. */
+typedef struct {
+    int64_t o[8];
+} xrows;
+static inline __attribute__((always_inline)) void xrows_at(xrows *xo, int64_t kb, int R) {
+    for (int r = 0; r < R; r++) {
+        xo->o[r] = 4 * r * kb;
+        __asm__("" : "+r"(xo->o[r]));
+    }
+}
+/* Row r's 4 bytes at byte `at` of block b of codes q (xrows). */
+static inline __attribute__((always_inline)) int32_t xrow_i4(const xrows *xo, const void *q, int r, int64_t b, int at) {
+    int32_t v;
+    memcpy(&v, (const char *)q + 32 * b + 8 * xo->o[r] + at, 4);
+    return v;
+}
+/* Row r's float of block b of scales a (xd, xs: a float a block). */
+static inline __attribute__((always_inline)) float xrow_f(const xrows *xo, const float *a, int r, int64_t b) {
+    float v;
+    memcpy(&v, (const char *)(a + b) + xo->o[r], 4);
+    return v;
 }
 
 /* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */

@@ -92,11 +92,11 @@ static inline __attribute__((always_inline)) void k16_group(
 /* The codes of chunk c of two k16 groups' blocks wa, wb as the dots take them (Q6_K: with their
  * fifth and sixth bits). */
 static inline __attribute__((always_inline)) void k16_codes2(int v, const uint8_t *wa, const uint8_t *wb,
-                                                             int c, __m512i *lo, __m512i *hi) {
+                                                             int c, int shift, __m512i *lo, __m512i *hi) {
     nibbles2(wa, wb, c, 0, lo, hi);
     if (v == V_Q6) {
         __m512i lh, hh;
-        q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, &lh, &hh);
+        q6_high2(wa + 128 + 16 * c, wb + 128 + 16 * c, shift, &lh, &hh);
         *lo = _mm512_or_si512(*lo, lh);
         *hi = _mm512_or_si512(*hi, hh);
     }
@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void k16_pair(
         for (int r = 0; r < R; r++) lo32[r] = hi32[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             __m512i lo, hi;
-            k16_codes2(v, wa, wb, c, &lo, &hi);
+            k16_codes2(v, wa, wb, c, R >= BITS_BY_SHIFT_ROWS, &lo, &hi);
             k16_dots2(lo, hi, xq, kb, b, c, R, lo32, hi32);
         }
         k16_fold2(s0, s1, m0, m1, xd, xs16, kb, b, R, lo32, hi32, acc);
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void k16_unpack(int v, const uint8_
         const int64_t b = sb * 8 + i;
         const uint8_t *wa = qa + b * bs, *wb = qb + b * bs, *sa = wa + at_sc, *sbp = wb + at_sc;
         k16_scales2(v, dsv, dmv, sa, sbp, u->s[i], u->m[i]);
-        for (int c = 0; c < 4; c++) k16_codes2(v, wa, wb, c, &u->code[i][c][0], &u->code[i][c][1]);
+        for (int c = 0; c < 4; c++) k16_codes2(v, wa, wb, c, 1, &u->code[i][c][0], &u->code[i][c][1]);
     }
 }
 

@@ -175,6 +175,25 @@ def test_pairs_at_one_row_match_the_256_bit_kernels() -> None:
         lib.gl_set_pair_rows(before)
 
 
+@pytest.mark.parametrize("k", [8192, 8448])
+def test_pairs_keeping_their_corrections_match_one_row_at_a_time(k: int) -> None:
+    """An s8 weight's pairs (Q8_0, IQ4_NL, IQ4_XS) sum each block's corrections once a task, in
+    the first tile of rows that takes the pair, and read them in its other tiles, up to 256 blocks
+    a row (k 8192); past that (8448) each tile sums its own. Both, at 7 and 13 rows (two and three
+    tiles): the same bits as each row alone."""
+    if library() is None:
+        pytest.skip("native kernels unavailable here")
+    for qt in (Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS):
+        raw, _ = gguf_tensor(qt, (SHAPE[0], k), seed=5)
+        w = QWeight.from_gguf(raw, qt, (SHAPE[0], k), name="w")
+        assert w.kernel.startswith("native"), (qt.name, w.kernel)
+        for m in (7, 13):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(m)])
+            together = w.matmul(x)
+            assert torch.equal(together, alone), (qt.name, m, float((together - alone).abs().max()))
+
+
 def test_this_process_products_are_native() -> None:
     """The in-process weights of the comparison above are the native kernels (not a fallback
     that would make the comparison vacuous)."""

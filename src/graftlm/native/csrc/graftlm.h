@@ -588,7 +588,6 @@ static int64_t gl_amx_rows = 0;
 #define GL_AMX 0
 #endif
 
-
 /* The fifth bits of 5-bit codes (quant.c's u5, kquant.c's k5): the 32 bytes after a block's 128
  * code bytes, byte L for lane L of its chunks (row L / 4, value L % 4 of a chunk), bit 2 c the
  * fifth bit of chunk c's low-nibble value, bit 2 c + 1 its high-nibble value's. One load a block,
@@ -726,37 +725,6 @@ static inline __attribute__((always_inline)) void nibble_dots2(const uint8_t *wa
                                                                int h5, const int8_t *xq, int64_t kb,
                                                                int64_t b, int R, __m512i *s32) {
     nibble_dots2_lut(wa, wb, h5, NULL, xq, kb, b, R, s32);
-}
-
-/* A tile's rows of x as s8_pair addresses them: row r's block b of codes at q + 32 b + 8 o[r],
- * its scale at xd + b and o[r] bytes on (o[r] = 4 r kb, laundered each block so that the compiler
- * neither hoists 8 o[r] as a second register a row nor keeps a pointer a row and array): one
- * register a row, where the pointers a row and array had spilled to vector registers, a VMOVQ
- * back before every broadcast of x (about half a VPDPBUSD slot each on a Zen 4 core: 12 with 12
- * dots, 136 GMAC/s of 234). Q8_0 640 x 2048 one thread, with S8_CORR_KB: 1.08x at 16 rows, 1.11x
- * at 512. Not taken elsewhere: the nibble pairs (k4, u4, mx4) gained nothing with it (Q4_K
- * 0.99-1.02x, Q5_K 0.96x), the k16 pairs lost (Q6_K 0.80x at 16 rows), and for Q4_K even its
- * scales from one pointer for all 8 rows (a wrong product, as a bound) ran 1.004-1.009x. */
-typedef struct {
-    int64_t o[8];
-} xrows;
-static inline __attribute__((always_inline)) void xrows_at(xrows *xo, int64_t kb, int R) {
-    for (int r = 0; r < R; r++) {
-        xo->o[r] = 4 * r * kb;
-        __asm__("" : "+r"(xo->o[r]));
-    }
-}
-/* Row r's 4 bytes at byte `at` of block b of codes q (xrows). */
-static inline __attribute__((always_inline)) int32_t xrow_i4(const xrows *xo, const void *q, int r, int64_t b, int at) {
-    int32_t v;
-    memcpy(&v, (const char *)q + 32 * b + 8 * xo->o[r] + at, 4);
-    return v;
-}
-/* Row r's float of block b of scales a (xd, xs: a float a block). */
-static inline __attribute__((always_inline)) float xrow_f(const xrows *xo, const float *a, int r, int64_t b) {
-    float v;
-    memcpy(&v, (const char *)(a + b) + xo->o[r], 4);
-    return v;
 }
 
 /* A pair kernel's R rows of 16 outputs: the low 8 to ya, the high 8 to yb (rows ldy apart). */

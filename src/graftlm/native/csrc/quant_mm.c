@@ -238,6 +238,37 @@ static inline __attribute__((always_inline)) void s8_chunks2(const int8_t *wa, c
     }
 }
 
+/* A tile's rows of x as s8_pair addresses them: row r's block b of codes at q + 32 b + 8 o[r],
+ * its scale at xd + b and o[r] bytes on (o[r] = 4 r kb, laundered each block so that the compiler
+ * neither hoists 8 o[r] as a second register a row nor keeps a pointer a row and array): one
+ * register a row, where the pointers a row and array had spilled to vector registers, a VMOVQ
+ * back before every broadcast of x (about half a VPDPBUSD slot each on a Zen 4 core: 12 with 12
+ * dots, 136 GMAC/s of 234). Q8_0 640 x 2048 one thread, with S8_CORR_KB: 1.08x at 16 rows, 1.11x
+ * at 512. Not taken elsewhere: the nibble pairs (k4, u4, mx4) gained nothing with it (Q4_K
+ * 0.99-1.02x, Q5_K 0.96x), the k16 pairs lost (Q6_K 0.80x at 16 rows), and for Q4_K even its
+ * scales from one pointer for all 8 rows (a wrong product, as a bound) ran 1.004-1.009x. */
+typedef struct {
+    int64_t o[8];
+} xrows;
+static inline __attribute__((always_inline)) void xrows_at(xrows *xo, int64_t kb, int R) {
+    for (int r = 0; r < R; r++) {
+        xo->o[r] = 4 * r * kb;
+        __asm__("" : "+r"(xo->o[r]));
+    }
+}
+/* Row r's 4 bytes at byte `at` of block b of codes q (xrows). */
+static inline __attribute__((always_inline)) int32_t xrow_i4(const xrows *xo, const void *q, int r, int64_t b, int at) {
+    int32_t v;
+    memcpy(&v, (const char *)q + 32 * b + 8 * xo->o[r] + at, 4);
+    return v;
+}
+/* Row r's float of block b of scales a (xd, xs: a float a block). */
+static inline __attribute__((always_inline)) float xrow_f(const xrows *xo, const float *a, int r, int64_t b) {
+    float v;
+    memcpy(&v, (const char *)(a + b) + xo->o[r], 4);
+    return v;
+}
+
 /* s8_group for two whole groups at once (qa, sa, ya: group g; qb, sb, yb: g + 1), in 512-bit
  * vectors: the same sums and float steps per output, so the same bits. cb: NULL, or the pair's
  * corrections (128 times each output's sum of codes a block: of the weights alone), kb of them,
@@ -319,14 +350,114 @@ static xbuf xbuf_take(gl_scratch *s, int64_t M, int64_t k, int s8) {
         WITH_ROWS_HV(R, F, 0, S8_Q8)                                                               \
     }
 
-/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of rows [ra, rb) of
- * x. The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
-static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
-                    float *y) {
+/* mm_task for a u4 / u5 weight (kind 0): tiles of MT rows, each over the task's groups, two
+ * whole ones at a time in the pair kernels. */
+static __attribute__((noinline)) void u4_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra,
+                                              int64_t rb, int64_t t, float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, groups = (n + 7) / 8;
     const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
     const int h = (int)w->half;
     const int64_t ss = h ? 2 : 4; /* bytes per stored scale */
+    const uint8_t *qs = (const uint8_t *)w->q;
+    const int h5 = (int)w->small;
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
+        const int8_t *xt = xb->xq + r0 * k;
+        const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const uint8_t *qg = qs + g * kb * U4_BYTES(h5);
+            const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#if GL_VNNI512
+            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
+                const uint8_t *qh = qg + kb * U4_BYTES(h5);
+                const void *dh = (const char *)dg + kb * 8 * ss, *mh = (const char *)mg + kb * 8 * ss;
+#define U4P(RR) u4_pair(qg, qh, dg, dh, mg, mh, h, h5, kb, xt, dt, st, RR, yo, yo + 8, n)
+                WITH_ROWS(R, U4P)
+#undef U4P
+                g++;
+                continue;
+            }
+#endif
+#define U4H(RR) u4_group(qg, dg, mg, 1, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define U4F(RR) u4_group(qg, dg, mg, 0, 0, kb, xt, dt, st, RR, yo, n, nv)
+#define U5H(RR) u4_group(qg, dg, mg, 1, 1, kb, xt, dt, st, RR, yo, n, nv)
+#define U5F(RR) u4_group(qg, dg, mg, 0, 1, kb, xt, dt, st, RR, yo, n, nv)
+            if (h5) {
+                if (h) {
+                    WITH_ROWS(R, U5H)
+                } else {
+                    WITH_ROWS(R, U5F)
+                }
+            } else if (h) {
+                WITH_ROWS(R, U4H)
+            } else {
+                WITH_ROWS(R, U4F)
+            }
+#undef U4H
+#undef U4F
+#undef U5H
+#undef U5F
+        }
+    }
+}
+
+/* mm_task for an s8 weight (kind 1), as u4_task. */
+static __attribute__((noinline)) void s8_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra,
+                                              int64_t rb, int64_t t, float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, groups = (n + 7) / 8;
+    const int64_t g1 = t * GT + GT < groups ? t * GT + GT : groups;
+    const int h = (int)w->half;
+    /* s8: a scale per 32 values (IQ4_XS: made from its super-block's) */
+    const int8_t *q = (const int8_t *)w->q;
+    const int v = (int)w->small;
+    const int64_t bs = S8_BYTES(v), sg_bytes = s8_scale_bytes(w);
+#if GL_VNNI512
+    /* the task's pairs' corrections, summed by the first tile of rows that takes a pair for the
+     * rest (at most S8_CORR_KB blocks a row: 32 KB of stack; beyond, each tile sums them as one
+     * tile does); filled[s]: pair s's are there (not "the first tile": a pair_at that answered
+     * otherwise for it, gl_pair_rows changed meanwhile, would leave them unwritten) */
+    __m512i corrs[GT / 2][S8_CORR_KB];
+    int filled[GT / 2] = {0};
+    const int keep = rb - ra > MT && kb <= S8_CORR_KB;
+#endif
+    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
+        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
+        const int8_t *xt = xb->xq + r0 * k;
+        const uint8_t *ut = xb->xu ? xb->xu + r0 * k : NULL;
+        const float *dt = xb->xd + r0 * kb;
+        for (int64_t g = t * GT; g < g1; g++) {
+            const int8_t *qg = q + g * kb * bs;
+            const void *sg = (const char *)w->d + g * sg_bytes;
+            float *yo = y + r0 * n + g * 8;
+            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
+#if GL_VNNI512
+            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
+                const int8_t *qh = qg + kb * bs;
+                const void *sh = (const char *)sg + sg_bytes;
+                const int64_t slot = (g - t * GT) / 2;
+                __m512i *cb = keep ? corrs[slot] : NULL;
+                const int fill = !filled[slot];
+#define S8P(HH, VV, RR) s8_pair(qg, qh, sg, sh, HH, VV, kb, ut, dt, RR, yo, yo + 8, n, cb, fill)
+                S8_BY_VARIANT(S8P)
+#undef S8P
+                filled[slot] = 1;
+                g++;
+                continue;
+            }
+#endif
+#define S8G(HH, VV, RR) s8_group(qg, sg, HH, VV, kb, xt, ut, dt, RR, yo, n, nv)
+            S8_BY_VARIANT(S8G)
+#undef S8G
+        }
+    }
+}
+
+/* One task of y (M, n) = x (M, k) @ W.T: the outputs [8 GT t, 8 GT (t + 1)) of rows [ra, rb) of
+ * x. The tasks split the output rows, so the task's weights stay in L1 across the tiles of x. */
+static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
+                    float *y) {
     if (w->kind == 2 || w->kind == 3) {
         (w->kind == 2 ? k4_task : k6_task)(w, xb, M, ra, rb, t, y);
         return;
@@ -344,88 +475,10 @@ static void mm_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
         return;
     }
     if (w->kind == 0) {
-        const uint8_t *qs = (const uint8_t *)w->q;
-        const int h5 = (int)w->small;
-        for (int64_t r0 = ra; r0 < rb; r0 += MT) {
-            const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
-            const int8_t *xt = xb->xq + r0 * k;
-            const float *dt = xb->xd + r0 * kb, *st = xb->xs + r0 * kb;
-            for (int64_t g = t * GT; g < g1; g++) {
-                const uint8_t *qg = qs + g * kb * U4_BYTES(h5);
-                const void *dg = (const char *)w->d + g * kb * 8 * ss, *mg = (const char *)w->m + g * kb * 8 * ss;
-                float *yo = y + r0 * n + g * 8;
-                const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#if GL_VNNI512
-                if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
-                    const uint8_t *qh = qg + kb * U4_BYTES(h5);
-                    const void *dh = (const char *)dg + kb * 8 * ss, *mh = (const char *)mg + kb * 8 * ss;
-#define U4P(RR) u4_pair(qg, qh, dg, dh, mg, mh, h, h5, kb, xt, dt, st, RR, yo, yo + 8, n)
-                    WITH_ROWS(R, U4P)
-#undef U4P
-                    g++;
-                    continue;
-                }
-#endif
-#define U4H(RR) u4_group(qg, dg, mg, 1, 0, kb, xt, dt, st, RR, yo, n, nv)
-#define U4F(RR) u4_group(qg, dg, mg, 0, 0, kb, xt, dt, st, RR, yo, n, nv)
-#define U5H(RR) u4_group(qg, dg, mg, 1, 1, kb, xt, dt, st, RR, yo, n, nv)
-#define U5F(RR) u4_group(qg, dg, mg, 0, 1, kb, xt, dt, st, RR, yo, n, nv)
-                if (h5) {
-                    if (h) {
-                        WITH_ROWS(R, U5H)
-                    } else {
-                        WITH_ROWS(R, U5F)
-                    }
-                } else if (h) {
-                    WITH_ROWS(R, U4H)
-                } else {
-                    WITH_ROWS(R, U4F)
-                }
-#undef U4H
-#undef U4F
-#undef U5H
-#undef U5F
-            }
-        }
+        u4_task(w, xb, M, ra, rb, t, y);
         return;
     }
-    /* s8: a scale per 32 values (IQ4_XS: made from its super-block's) */
-    const int8_t *q = (const int8_t *)w->q;
-    const int v = (int)w->small;
-    const int64_t bs = S8_BYTES(v), sg_bytes = s8_scale_bytes(w);
-#if GL_VNNI512
-    /* the task's pairs' corrections, summed by its first tile of rows for the rest (at most
-     * S8_CORR_KB blocks a row: 32 KB of stack; beyond, each tile sums them as one tile does) */
-    __m512i corrs[GT / 2][S8_CORR_KB];
-    const int keep = rb - ra > MT && kb <= S8_CORR_KB;
-#endif
-    for (int64_t r0 = ra; r0 < rb; r0 += MT) {
-        const int R = rb - r0 < MT ? (int)(rb - r0) : MT;
-        const int8_t *xt = xb->xq + r0 * k;
-        const uint8_t *ut = xb->xu ? xb->xu + r0 * k : NULL;
-        const float *dt = xb->xd + r0 * kb;
-        for (int64_t g = t * GT; g < g1; g++) {
-            const int8_t *qg = q + g * kb * bs;
-            const void *sg = (const char *)w->d + g * sg_bytes;
-            float *yo = y + r0 * n + g * 8;
-            const int64_t nv = n - g * 8 < 8 ? n - g * 8 : 8;
-#if GL_VNNI512
-            if (pair_at(M, g, g1, n)) { /* two whole groups: 512 bits */
-                const int8_t *qh = qg + kb * bs;
-                const void *sh = (const char *)sg + sg_bytes;
-                __m512i *cb = keep ? corrs[(g - t * GT) / 2] : NULL;
-#define S8P(HH, VV, RR) s8_pair(qg, qh, sg, sh, HH, VV, kb, ut, dt, RR, yo, yo + 8, n, cb, r0 == ra)
-                S8_BY_VARIANT(S8P)
-#undef S8P
-                g++;
-                continue;
-            }
-#endif
-#define S8G(HH, VV, RR) s8_group(qg, sg, HH, VV, kb, xt, ut, dt, RR, yo, n, nv)
-            S8_BY_VARIANT(S8G)
-#undef S8G
-        }
-    }
+    s8_task(w, xb, M, ra, rb, t, y); /* kind 1 */
 }
 
 /* y (M, n) = x (M, k) @ W.T for a u4 (h5: u5) weight (qs, d, m) of n rows. */

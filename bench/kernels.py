@@ -199,8 +199,12 @@ def shapes_against(other: str, types: list[str], rows: list[int], rounds: int) -
     # kernel read 1.13-1.19x at 512 rows three runs in a row: Q4_1 3072x576)
     libs = [ctypes.CDLL(other), ctypes.CDLL(ours._name)]
     for lib in libs:
+        for setter in ("gl_set_pair_rows", "gl_set_dynamic", "gl_set_amx_rows"):
+            fn = getattr(lib, setter)
+            fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
         lib.gl_set_pair_rows(build.pair_rows())
         lib.gl_set_dynamic(int(build.dynamic()))
+        lib.gl_set_amx_rows(build.amx_rows())  # (an AMX CPU's tiles on both sides, or neither)
     rng = np.random.default_rng(0)
     print("| type | n_out x n_in | M | A GMAC/s | B GMAC/s | B / A | bits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -208,7 +212,7 @@ def shapes_against(other: str, types: list[str], rows: list[int], rounds: int) -
         if qtype.name not in types:
             continue
         kern = QWeight.from_gguf(random_blocks(qtype, (n, k), rng), qtype, (n, k))._k
-        if not hasattr(kern, "_fn"):
+        if getattr(kern, "_fn", None) is None:
             continue
         fns = [getattr(lib, kern._fn.__name__) for lib in libs]
         for fn in fns:

@@ -40,6 +40,20 @@ def test_argmax_is_torchs(kind: str) -> None:
             got = argmax(t)
             assert got.dtype is torch.int64 and got.shape == t.shape[:-1], (t.shape, t.dtype)
             assert torch.equal(got, torch.argmax(t, dim=-1)), (kind, t.shape, t.dtype)
+
+
+def test_argmax_of_a_vocabulary_row_in_inference_mode() -> None:
+    """As the engine calls it: a head's rows of gpt-oss's 201,088 logits made under
+    inference_mode, one row and a batch, ties and a late NaN included."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        x = torch.randn(4, 201_088, generator=gen)
+        x[1, 150_000] = x[1, 9] = x[1].max() + 1.0  # a tie: the first one
+        x[2, 200_000] = float("nan")
+        for t in (x, x[0], x[3]):
+            assert t.is_inference()
+            assert torch.equal(argmax(t), torch.argmax(t, dim=-1)), t.shape
+        assert int(argmax(x[1])) == 9
     assert Sampler(SamplingParams(temperature=0))(torch.tensor([1.0, float("nan"), 2.0])) == 1
 
 

@@ -88,12 +88,7 @@ def iq_call(
 
 def grid_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
     """The grid quants' products of the library `other` (A) and this tree's (B), alternated."""
-    from graftlm.native import library
-
-    ours = library()
-    if ours is None:
-        raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
-    libs = [ctypes.CDLL(other), ours]
+    libs = both_libraries(other)
     for lib in libs:
         lib.gl_mm_iq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                  ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
@@ -136,15 +131,30 @@ K_SHAPES = [(Q.Q4_K, 1536, 2048, 96), (Q.Q6_K, 2048, 768, 96), (Q.Q4_K, 2048, 76
             (Q.Q6_K, 128256, 2048, 1)]  # fmt: skip
 
 
-def kquant_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
-    """The k-quants' products (gl_mm_k4, gl_mm_k6) of the library `other` (A) and this tree's (B),
-    alternated, one thread, on the same packed weights (the layout is the same in both)."""
-    from graftlm.native import library
+def both_libraries(other: str) -> list[ctypes.CDLL]:
+    """The library `other` (A) and this tree's (B), both loaded by ctypes and set alike (pair
+    rows, task claims, AMX rows): with this tree's as graftlm loaded it on one side, an unchanged
+    kernel read 1.13-1.19x at 512 rows three runs in a row (Q4_1 3072x576)."""
+    from graftlm.native import build, library
 
     ours = library()
     if ours is None:
         raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
-    libs = [ctypes.CDLL(other), ours]
+    libs = [ctypes.CDLL(other), ctypes.CDLL(ours._name)]
+    for lib in libs:
+        for setter in ("gl_set_pair_rows", "gl_set_dynamic", "gl_set_amx_rows"):
+            fn = getattr(lib, setter)
+            fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
+        lib.gl_set_pair_rows(build.pair_rows())
+        lib.gl_set_dynamic(int(build.dynamic()))
+        lib.gl_set_amx_rows(build.amx_rows())  # (an AMX CPU's tiles on both sides, or neither)
+    return libs
+
+
+def kquant_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:
+    """The k-quants' products (gl_mm_k4, gl_mm_k6) of the library `other` (A) and this tree's (B),
+    alternated, one thread, on the same packed weights (the layout is the same in both)."""
+    libs = both_libraries(other)
     for lib in libs:
         for fn in (lib.gl_mm_k4, lib.gl_mm_k6):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -190,21 +200,7 @@ def shapes_against(other: str, types: list[str], rows: list[int], rounds: int) -
     """The products of SHAPES' types named by `types` (weights in cache: the kernels' arithmetic)
     through the same C function of the library `other` (A) and of this tree's (B), alternated,
     one thread, on the same packed weights (the kernel's bound arguments, _args)."""
-    from graftlm.native import build, library
-
-    ours = library()
-    if ours is None:
-        raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
-    # both loaded and set alike (with this tree's as graftlm loaded it on one side, an unchanged
-    # kernel read 1.13-1.19x at 512 rows three runs in a row: Q4_1 3072x576)
-    libs = [ctypes.CDLL(other), ctypes.CDLL(ours._name)]
-    for lib in libs:
-        for setter in ("gl_set_pair_rows", "gl_set_dynamic", "gl_set_amx_rows"):
-            fn = getattr(lib, setter)
-            fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
-        lib.gl_set_pair_rows(build.pair_rows())
-        lib.gl_set_dynamic(int(build.dynamic()))
-        lib.gl_set_amx_rows(build.amx_rows())  # (an AMX CPU's tiles on both sides, or neither)
+    libs = both_libraries(other)
     rng = np.random.default_rng(0)
     print("| type | n_out x n_in | M | A GMAC/s | B GMAC/s | B / A | bits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -251,9 +251,14 @@ def main() -> None:
         shapes_against(args.against, args.types, args.rows, args.rounds)
         return
     if args.against:
-        grid_against(
-            args.against, args.types or [t.name for t in GRID_TYPES], args.rows, args.rounds
-        )
+        grid = {t.name for t in GRID_TYPES}
+        if args.types and not set(args.types) <= grid:  # (each A/B takes its own set of types)
+            raise SystemExit(
+                f"--against with --types {' '.join(args.types)}: name types of one of "
+                f"Q4_K Q6_K (the k-quants from memory); {' '.join(sorted(shape_types))} "
+                f"(SHAPES, in cache); {' '.join(sorted(grid))} (the grid quants)"
+            )
+        grid_against(args.against, args.types or sorted(grid), args.rows, args.rounds)
         return
     torch.set_num_threads(args.threads)
     if unavailable_reason():

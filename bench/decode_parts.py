@@ -10,6 +10,12 @@ which a separate read probe (bench/read_bandwidth.c, run before and after) canno
 whose bandwidth moves by a third from minute to minute.
 
     .venv/bin/python bench/decode_parts.py --model DIR/gpt-oss-20b-mxfp4.gguf [--threads 1] [--rounds 15]
+    .venv/bin/python bench/decode_parts.py --model DIR/llama-1b-q4_k_m-ctx40960.gguf --depth 16384 \
+        --cache-type q8_0 --threads 2
+
+With --depth D the sequence holds D positions of random keys and values first, and the layers'
+and the step's reads take in the cache blocks its attention reads (the issue's "weight + cache
+bytes a token"), so their share is that of a decode step at depth.
 
 With one thread the times are this thread's CPU time (a shared machine's descheduling is not
 counted), with more, wall time: run those on a quiet machine. Each part's products are called one
@@ -31,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from decode_step import fill_cache
 
 import graftlm
 from graftlm.models import Transformer
@@ -38,6 +45,7 @@ from graftlm.models.moe import Experts, GatedExperts
 from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.quant import QWeight
 from graftlm.step.batch import Batch
+from graftlm.step.kv_cache import KV_TYPES, KVCache
 
 
 def reader(folder: Path) -> Callable[[torch.Tensor, int], None]:
@@ -61,6 +69,24 @@ def reader(folder: Path) -> Callable[[torch.Tensor, int], None]:
 def buffers(w: QWeight) -> list[torch.Tensor]:
     """The tensors a weight's product reads (its kernel's), small ones left out."""
     return [t for t in w._k.tensors() if t.numel() * t.element_size() >= 4096]
+
+
+def nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def kv_buffers(cache: KVCache, positions: int) -> list[torch.Tensor]:
+    """The cache's key and value blocks that slot 0's first `positions` lie in, as views of
+    each pool (a run of consecutive blocks one view)."""
+    n = -(-positions // cache.block)
+    blocks = cache.tables[0, :n].long().tolist()
+    runs: list[tuple[int, int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return [pool[a:e] for pool in (*cache.k, *cache.v) for a, e in runs]
 
 
 def parts(model: Transformer, n_used: int, n_expert: int) -> dict[str, list[QWeight]]:
@@ -91,12 +117,22 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--depth", type=int, default=0, help="positions the sequence holds")
+    ap.add_argument("--cache-type", default="f16", choices=sorted(KV_TYPES))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     read = reader(Path(tempfile.mkdtemp()))
-    loaded = graftlm.load(args.model, ctx_size=max(256, args.rounds * 4 + 64), n_seq=1)
+    ctx = args.depth + args.rounds * 4 + 64
+    loaded = graftlm.load(args.model, ctx_size=max(256, ctx), n_seq=1, cache_type=args.cache_type)
     model, cfg = loaded.model, loaded.model.cfg
+    if model.n_ctx < ctx:
+        raise SystemExit(f"{args.model}: --depth {args.depth} needs {ctx} positions; the model is "
+                         f"built for {model.n_ctx} (its context_length)")  # fmt: skip
+    if args.depth:
+        fill_cache(model.cache, args.depth)
+    # (the steps' positions run from the depth to about 2 a round past it: the middle, read)
+    kv = kv_buffers(model.cache, max(16, args.depth) + args.rounds)
     by_part = parts(model, cfg.n_expert_used, cfg.n_expert)
     flush = torch.ones(64 << 20, dtype=torch.uint8)  # read between runs: no part starts in cache
     # each width's row of x made before any timing (not inside it: a randn a call, 8-15 us)
@@ -107,12 +143,11 @@ def main() -> None:
         for w in ws:
             w.matmul(xs[w.shape[1]])
 
-    def reads(ws: list[QWeight]) -> None:
-        for w in ws:
-            for t in buffers(w):
-                read(t, args.threads)
+    def reads(ts: list[torch.Tensor]) -> None:
+        for t in ts:
+            read(t, args.threads)
 
-    pos = [16]
+    pos = [max(16, args.depth)]
 
     def step() -> None:
         i = pos[0]
@@ -126,10 +161,15 @@ def main() -> None:
         pos[0] += 1
         model.native_layers(x, Batch(torch.tensor([[5]]), [0], [i], [1]))
 
-    every = [w for ws in by_part.values() for w in ws]
-    in_layers = [w for name, ws in by_part.items() if name != "output" for w in ws]
-    runs: dict[str, tuple[Callable[[], None], Callable[[], None], list[QWeight]]] = {
-        name: (lambda ws=ws: products(ws), lambda ws=ws: reads(ws), ws)
+    def bufs(ws: list[QWeight]) -> list[torch.Tensor]:
+        return [t for w in ws for t in buffers(w)]
+
+    # the step and the layers read the cache's keys and values too (at depth: what they are for)
+    every = bufs([w for ws in by_part.values() for w in ws]) + kv
+    in_layers = bufs([w for name, ws in by_part.items() if name != "output" for w in ws]) + kv
+    part_bufs = {name: bufs(ws) for name, ws in by_part.items()}
+    runs: dict[str, tuple[Callable[[], None], Callable[[], None], list[torch.Tensor]]] = {
+        name: (lambda ws=ws: products(ws), lambda ts=part_bufs[name]: reads(ts), part_bufs[name])
         for name, ws in by_part.items()
     }
     if model.fused_stack() is not None:
@@ -147,13 +187,15 @@ def main() -> None:
                     f()
                     times.setdefault((name, kind), []).append(clock() - t0)
     what = "CPU time, one thread" if args.threads == 1 else f"wall time, {args.threads} threads"
-    print(f"{Path(args.model).name}: medians of {args.rounds} alternated rounds, {what}\n")
+    depth = f", depth {args.depth} ({args.cache_type} cache: {nbytes(kv) / 1e6:,.1f} MB)"
+    print(f"{Path(args.model).name}: medians of {args.rounds} alternated rounds, {what}"
+          f"{depth if args.depth else ''}\n")  # fmt: skip
     print("| part | MB | products ms | GB/s | read ms | GB/s | share |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, (_, _, ws) in runs.items():
-        nb = sum(t.numel() * t.element_size() for w in ws for t in buffers(w))
+    for name, (_, _, ts) in runs.items():
+        nb = nbytes(ts)
         p, r = (statistics.median(times[(name, k)]) for k in ("products", "read"))
-        print(f"| {name} ({len(ws)}) | {nb / 1e6:,.1f} | {p * 1e3:.2f} | {nb / p / 1e9:.1f} | "
+        print(f"| {name} | {nb / 1e6:,.1f} | {p * 1e3:.2f} | {nb / p / 1e9:.1f} | "
               f"{r * 1e3:.2f} | {nb / r / 1e9:.1f} | {r / p:.0%} |")  # fmt: skip
 
 

@@ -53,7 +53,7 @@ from graftlm.quant import QWeight
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
 from synth_tensors import gguf_tensor, random_blocks  # noqa: E402
 
-SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_0, 2048, 640),
+SHAPES = [(Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536), (Q.Q4_K, 640, 2048), (Q.Q5_K, 640, 2048), (Q.Q5_0, 2048, 640),
           (Q.Q6_K, 640, 2048), (Q.Q8_0, 4096, 640)]  # fmt: skip
 SHAPES += [(Q.MXFP4, 5760, 2880), (Q.MXFP4, 2880, 2880)]  # gpt-oss-20b's experts: [gate; up], down
 # an expert's stacked gate and up, its down, and the attention's Q (Qwen3-30B-A3B)

@@ -200,10 +200,10 @@ static __attribute__((noinline)) void k16_pair_next(const uint8_t *qa, const uin
 
 #if GL_VNNI512
 /* Many rows (a prompt): k16_pair's work, with each super-block's codes and scales of the two
- * groups unpacked once for a chunk of up to RC rows (k16_unpack) instead of once for every tile
+ * groups unpacked once for a chunk of up to K16_RC rows (k16_unpack) instead of once for every tile
  * of MT rows. The unpacking (nibbles, the fifth and sixth bits, the float scales) took more
  * instructions a row than the dots themselves; the tiles now only load it. The accumulators of
- * the chunk's rows wait in acc (RC x 16 floats) between super-blocks. Per output the same sums
+ * the chunk's rows wait in acc (K16_RC x 16 floats) between super-blocks. Per output the same sums
  * and float steps in the same order as k16_pair, so the same bits. */
 typedef struct {
     __m512i code[8][4][2];  /* block, chunk, lo / hi: the codes as the dots take them */
@@ -249,14 +249,20 @@ static inline __attribute__((always_inline)) void k16_tile(const k16_unpacked *u
     for (int r = 0; r < R; r++) _mm512_store_ps(acc_m + 16 * r, acc[r]);
 }
 
-/* Groups g and g + 1 (qa, da; qb, db) for rows [r0, r1) of x, in chunks of RC rows. */
+/* Rows a chunk of k16_pair_rows (a multiple of MT, at least RC): each super-block is unpacked
+ * once for them (12 vectors a block stored). At RC's 48 rows the unpacking was 7% of Q6_K
+ * 640 x 2048's time at 512 rows and 11% at 64 (one thread, in cache: a probe that unpacked only
+ * the first super-block); 96: 1.02-1.03x at 512 rows, 1.04-1.06x at 64 (one chunk, where 48 made
+ * two); 192 no more than 1.01x beyond. */
+#define K16_RC 96
+/* Groups g and g + 1 (qa, da; qb, db) for rows [r0, r1) of x, in chunks of K16_RC rows. */
 static void k16_pair_rows(int v, const uint8_t *qa, const uint8_t *qb, const uint16_t *da,
                           const uint16_t *db, int64_t kb, const xbuf *xb, int64_t k, int64_t r0,
                           int64_t r1, float *ya, float *yb, int64_t ldy) {
     k16_unpacked u __attribute__((aligned(64)));
-    float acc_m[RC * 16] __attribute__((aligned(64)));
-    for (int64_t c0 = r0; c0 < r1; c0 += RC) {
-        const int64_t nr = r1 - c0 < RC ? r1 - c0 : RC;
+    float acc_m[K16_RC * 16] __attribute__((aligned(64)));
+    for (int64_t c0 = r0; c0 < r1; c0 += K16_RC) {
+        const int64_t nr = r1 - c0 < K16_RC ? r1 - c0 : K16_RC;
         memset(acc_m, 0, sizeof(float) * 16 * (size_t)nr);
         for (int64_t sb = 0; sb < kb / 8; sb++) {
             k16_unpack(v, qa, qb, da, db, sb, &u);

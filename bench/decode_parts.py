@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from decode_step import fill_cache
+from decode_step import fill_cache, room_for
 
 import graftlm
 from graftlm.models import Transformer
@@ -126,9 +126,7 @@ def main() -> None:
     ctx = args.depth + args.rounds * 4 + 64
     loaded = graftlm.load(args.model, ctx_size=max(256, ctx), n_seq=1, cache_type=args.cache_type)
     model, cfg = loaded.model, loaded.model.cfg
-    if model.n_ctx < ctx:
-        raise SystemExit(f"{args.model}: --depth {args.depth} needs {ctx} positions; the model is "
-                         f"built for {model.n_ctx} (its context_length)")  # fmt: skip
+    room_for(model, ctx, f"{args.model}: --depth {args.depth}")
     if args.depth:
         fill_cache(model.cache, args.depth)
     # (the steps' positions run from the depth to about 2 a round past it: the middle, read)

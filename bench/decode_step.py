@@ -47,11 +47,21 @@ from vs_llama_cpp import Bandwidth, kv_bytes, token_bytes
 
 import graftlm
 from graftlm.lora.settings import AdapterSettings
+from graftlm.models import Transformer
 from graftlm.runtime.engine import Engine
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.scheduler import Request
 from graftlm.step.batch import Batch
 from graftlm.step.kv_cache import KV_TYPES, KVCache, q8_0_pack
+
+
+def room_for(model: Transformer, need: int, what: str) -> None:
+    """Exit with a message when `what` needs more positions than the model is built for (the
+    file's training context caps it: models.context_size), where a step past it would fail in
+    the RoPE tables."""
+    if model.n_ctx < need:
+        sys.exit(f"{what} needs {need} positions; the model is built for {model.n_ctx} "
+                 "(its context_length)")  # fmt: skip
 
 
 def fill_cache(cache: KVCache, depth: int) -> None:
@@ -178,19 +188,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n, depth = max(args.rows), args.depth
-    loaded = graftlm.load(
-        args.model,
-        ctx_size=max(256, depth + args.steps * (args.rounds + 1) + 16),
-        n_seq=n,
-        cache_type=args.cache_type,
-    )
-    model = loaded.model
     need = depth + args.steps * (args.rounds + 1) + 16
-    if model.n_ctx < need:  # the file's training context caps the model's (models.context_size)
-        sys.exit(
-            f"{args.model}: --depth {depth} with {args.steps} steps x {args.rounds + 1} needs "
-            f"{need} positions; the model is built for {model.n_ctx} (its context_length)"
-        )
+    loaded = graftlm.load(args.model, ctx_size=max(256, need), n_seq=n, cache_type=args.cache_type)
+    model = loaded.model
+    room_for(
+        model, need, f"{args.model}: --depth {depth} with {args.steps} steps x {args.rounds + 1}"
+    )
     if args.engine:
         ids = [loaded.add_lora(path, 0.0) for path in args.adapters]
         kinds = {"base": [AdapterSettings()]}

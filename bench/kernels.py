@@ -131,24 +131,31 @@ K_SHAPES = [(Q.Q4_K, 1536, 2048, 96), (Q.Q6_K, 2048, 768, 96), (Q.Q4_K, 2048, 76
             (Q.Q6_K, 128256, 2048, 1)]  # fmt: skip
 
 
+def load_alike(path: str) -> ctypes.CDLL:
+    """A build of the native library loaded by ctypes and set as graftlm sets its own (pair rows,
+    task claims, AMX rows), so that two builds compared are compared alike."""
+    from graftlm.native import build
+
+    lib = ctypes.CDLL(path)
+    for setter in ("gl_set_pair_rows", "gl_set_dynamic", "gl_set_amx_rows"):
+        fn = getattr(lib, setter)
+        fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
+    lib.gl_set_pair_rows(build.pair_rows())
+    lib.gl_set_dynamic(int(build.dynamic()))
+    lib.gl_set_amx_rows(build.amx_rows())  # (an AMX CPU's tiles on both sides, or neither)
+    return lib
+
+
 def both_libraries(other: str) -> list[ctypes.CDLL]:
-    """The library `other` (A) and this tree's (B), both loaded by ctypes and set alike (pair
-    rows, task claims, AMX rows): with this tree's as graftlm loaded it on one side, an unchanged
-    kernel read 1.13-1.19x at 512 rows three runs in a row (Q4_1 3072x576)."""
-    from graftlm.native import build, library
+    """The library `other` (A) and this tree's (B), both by load_alike: with this tree's as
+    graftlm loaded it on one side, an unchanged kernel read 1.13-1.19x at 512 rows three runs in
+    a row (Q4_1 3072x576)."""
+    from graftlm.native import library
 
     ours = library()
     if ours is None:
         raise SystemExit(f"native kernels unavailable: {unavailable_reason()}")
-    libs = [ctypes.CDLL(other), ctypes.CDLL(ours._name)]
-    for lib in libs:
-        for setter in ("gl_set_pair_rows", "gl_set_dynamic", "gl_set_amx_rows"):
-            fn = getattr(lib, setter)
-            fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
-        lib.gl_set_pair_rows(build.pair_rows())
-        lib.gl_set_dynamic(int(build.dynamic()))
-        lib.gl_set_amx_rows(build.amx_rows())  # (an AMX CPU's tiles on both sides, or neither)
-    return libs
+    return [load_alike(other), load_alike(ours._name)]
 
 
 def kquant_against(other: str, types: list[str], rows: list[int], rounds: int) -> None:

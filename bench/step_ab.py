@@ -22,11 +22,11 @@ import statistics
 import time
 
 import torch
+from kernels import load_alike
 
 import graftlm
 import graftlm.native.layer_calls as layer_calls
 from graftlm.native import abi
-from graftlm.native.build import amx_rows, dynamic, pair_rows
 from graftlm.step.batch import Batch
 
 
@@ -46,12 +46,8 @@ def main() -> None:
     model = graftlm.load(args.model, ctx_size=max(256, need), n_seq=args.rows).model
     libs = {}
     for name, path in (("A", args.a), ("B", args.b)):
-        lib = ctypes.CDLL(path)
-        abi.bind(lib)
-        lib.gl_set_pair_rows(pair_rows())
-        lib.gl_set_dynamic(int(dynamic()))
-        lib.gl_set_amx_rows(amx_rows())
-        libs[name] = lib
+        libs[name] = load_alike(path)
+        abi.bind(libs[name])  # (every entry point's types: the layers' call goes through them)
     head = model.output.weight._k
     fn_name = head._fn.__name__
 

@@ -278,8 +278,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES])
     args = ap.parse_args()
     ours = build.library()
-    if ours is None:
-        raise SystemExit("native kernels unavailable")
+    if ours is None or "zmm-vnni" not in build.features():
+        raise SystemExit("xq256 needs the library's 512-bit VNNI build (AVX-512 VNNI, GL_VNNI512)")
     lib = load_alike(ours._name)
     lib.gl_mm_k4.argtypes = [P, I64, I64, P, P, ctypes.c_int, I64, P, ctypes.c_int]
     rng = np.random.default_rng(0)

@@ -249,8 +249,12 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
         server.ref_tokens(prompt, 8, {"delta": 1.0})
     )
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
-    gone = complete("gamma")  # an unloaded name is served by the base, as llama-server does
-    assert gone.status_code == 200 and gone.json()["model"] == "tiny"
+    # an unloaded adapter's name is a 404 naming it (as vLLM's), not the base's answer that a
+    # name never registered gets without --strict-model-names (as llama-server's)
+    error_of(complete("gamma"), 404, "'gamma' was unloaded")
+    by_name = {"prompt": prompt, "max_tokens": 2, "lora": [{"name": "gamma", "scale": 1.0}]}
+    error_of(http.post("/v1/completions", json=by_name), 404, "'gamma' (it was unloaded)")
+    assert complete("tiny").status_code == 200
     registry, service = server.state.registry, server.state.service
 
     def settled() -> bool:  # (the registry lets it go at once; the engine detaches it later)
@@ -260,6 +264,41 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
     wait_until(settled, 60, "gamma let go and detached", every=0.01)
     assert not any(e.name == "gamma" for e in registry.by_id.values())
     assert set(service.adapters.attached) == set(registry.by_id)
+    r = http.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "gamma", "lora_path": str(server.adapters["gamma"])},
+    )
+    assert r.status_code == 200, r.text  # loaded again: served again
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(
+        server.ref_tokens(prompt, 8, {"gamma": 1.0})
+    )
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+
+
+def test_errors_list_a_few_of_many_adapters(svc: EngineService, tmp_path: Path) -> None:
+    """With hundreds of adapters registered, an unknown name's 404 names it and the first 20
+    (each cut to 64 characters) and says how many more, where it listed every one."""
+    one = write_tiny_adapter(tmp_path / "one.gguf", SPEC)
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        for i in range(300):
+            reg.add_module(f"tenant-{i:03d}-" + "x" * (100 if i == 0 else 8), str(one))
+        for call in (
+            lambda: reg.lease("nope", None, BASE),  # (the base's name listed first: 281 more)
+            lambda: reg.lease(None, None, BASE, {"nope": 1.0}),
+            lambda: reg.unload("nope"),
+            lambda: reg.warm("nope"),
+        ):
+            with pytest.raises(RequestError) as exc:
+                await call()
+            msg = str(exc.value)
+            assert "'nope'" in msg and re.search(r"\(and 28[01] more: GET /v1/models\)$", msg)
+            assert "tenant-018-" in msg and "tenant-020-" not in msg, msg
+            assert "tenant-000-" + "x" * 50 + "..." in msg and len(msg) < 1000, msg
+        assert not reg.by_id
+
+    asyncio.run(go())
 
 
 def test_a_slow_adapter_read_ends_its_request_with_a_503(

@@ -40,6 +40,13 @@ class UnknownModelError(RequestError):
         super().__init__(message, "model_not_found")
 
 
+def names_text(names: list[str], most: int = 20) -> str:
+    """The first `most` names (each cut to 64 characters) and how many more: short however many."""
+    shown = ", ".join(n if len(n) <= 64 else n[:61] + "..." for n in names[:most])
+    more = f" (and {len(names) - most} more: GET /v1/models)" if len(names) > most else ""
+    return (shown or "none") + more
+
+
 @dataclass
 class AdapterEntry:
     name: str
@@ -93,6 +100,8 @@ class AdapterRegistry:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
+        # unloaded, not loaded again: a 404, never the base's answer (as an unknown name's)
+        self.unloaded: set[str] = set()
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
         # callables(name, load, wait) told after each attach on first use: the seconds it took to
@@ -179,17 +188,17 @@ class AdapterRegistry:
         if model is not None and model not in base_names:
             entry = self.names.get(model)
             if entry is None:
-                known = sorted(base_names) + sorted(self.names)
-                raise UnknownModelError(
-                    f"the model {model!r} does not exist; available: {', '.join(known)}"
-                )
+                known = names_text(sorted(base_names) + sorted(self.names))
+                what = "was unloaded" if model in self.unloaded else "does not exist"
+                raise UnknownModelError(f"the model {model[:200]!r} {what}; available: {known}")
         extra: list[tuple[AdapterEntry, float]] = []
         for name, scale in (by_name or {}).items():
             e = self.names.get(name)
             if e is None:
+                what = " (it was unloaded)" if name in self.unloaded else ""
                 raise UnknownModelError(
-                    f"lora: no adapter named {name!r}; adapters: "
-                    f"{', '.join(sorted(self.names)) or 'none'}"
+                    f"lora: no adapter named {name[:200]!r}{what}; adapters: "
+                    f"{names_text(sorted(self.names))}"
                 )
             extra.append((e, scale))
         held: list[AdapterEntry] = []
@@ -269,6 +278,7 @@ class AdapterRegistry:
         await self._ensure(entry, acquire=False)
         old = self.names.get(name)
         self.names[name] = entry
+        self.unloaded.discard(name)
         if old is not None:
             self._retire(old)
         return entry
@@ -277,9 +287,10 @@ class AdapterRegistry:
         entry = self.names.get(name)
         if entry is None:
             raise UnknownModelError(
-                f"no adapter named {name!r}; loaded: {', '.join(sorted(self.names)) or 'none'}"
+                f"no adapter named {name[:200]!r}; loaded: {names_text(sorted(self.names))}"
             )
         del self.names[name]
+        self.unloaded.add(name)
         self._retire(entry)
 
     def rebind(self, name: str, path: str) -> None:
@@ -289,6 +300,7 @@ class AdapterRegistry:
         if old is not None and old.path == path and not old.retired:
             return
         self.names[name] = AdapterEntry(name, path)
+        self.unloaded.discard(name)
         if old is not None:
             self._retire(old)
 
@@ -297,9 +309,9 @@ class AdapterRegistry:
         for a name the registry does not know."""
         entry = self.names.get(name)
         if entry is None:
-            raise UnknownModelError(
-                f"the model {name!r} does not exist; adapters: {', '.join(sorted(self.names))}"
-            )
+            what = "was unloaded" if name in self.unloaded else "does not exist"
+            known = names_text(sorted(self.names))
+            raise UnknownModelError(f"the model {name[:200]!r} {what}; adapters: {known}")
         entry.evicted = False
         await self._ensure(entry, acquire=False)
         return entry

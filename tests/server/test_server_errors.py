@@ -240,6 +240,37 @@ def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: P
     assert "bad" not in names
 
 
+ODD_NAMES = [
+    ("a\x00b", "U+0000"),
+    ("line\nbreak", "U+000A"),
+    ("tab\tname", "U+0009"),
+    ("abc\u202edef", "U+202E"),  # right-to-left override: shows as another name
+    (" ", "white space"),
+    ("padded ", "white space"),
+    ("x" * 257, "at most 256"),
+]
+
+
+@pytest.mark.parametrize("name,words", ODD_NAMES, ids=[repr(n[0])[:12] for n in ODD_NAMES])
+def test_runtime_adapter_names_that_cannot_be_shown_are_400(
+    server: TinyServer, http: httpx.Client, name: str, words: str
+) -> None:
+    """A name that /v1/models, /metrics and the logs cannot show as it is: a 400 naming the
+    field, nothing loaded (they were all loaded)."""
+    path = str(server.adapters["gamma"])
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    _check(r, 400, "lora_name", words)
+    assert name not in server.state.registry.names
+
+
+def test_runtime_adapter_names_of_any_script_load(server: TinyServer, http: httpx.Client) -> None:
+    path = str(server.adapters["gamma"])
+    for name in ("org/adapter-v1.2", "名前", "x" * 256):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        assert r.status_code == 200, r.text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+
+
 def test_a_request_whose_logits_blow_up_fails_alone(server: TinyServer) -> None:
     """Requests in the same steps as one whose adapter scale makes its logits inf or nan: that
     one gets a 400 naming the cause, the others their usual tokens, and the server its slots."""

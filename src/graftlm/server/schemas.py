@@ -10,9 +10,18 @@ not used are listed in `IGNORED` (and in docs/server.md): each is one that chang
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
@@ -443,10 +452,24 @@ class DetokenizeRequest(Body):
     model: str | None = None  # vLLM's; any value
 
 
+def _adapter_name(name: str) -> str:
+    """A name that the API, /metrics and the logs show as it is: no control or format characters
+    (a NUL, a newline, a right-to-left override), not blank, no white space around it."""
+    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _UNSHOWN})
+    if bad:
+        raise ValueError(f"an adapter name may not hold control characters ({', '.join(bad[:8])})")
+    if name != name.strip():
+        raise ValueError("an adapter name may not be blank or start or end with white space")
+    return name
+
+
+_UNSHOWN = ("Cc", "Cf", "Zl", "Zp")
+
+
 class LoadLoraRequest(Body):
     """POST /v1/load_lora_adapter (vLLM)."""
 
-    lora_name: Annotated[str, Field(min_length=1)]
+    lora_name: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_adapter_name)]
     lora_path: Annotated[str, Field(min_length=1)]
 
 

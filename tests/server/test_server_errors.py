@@ -8,10 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_fixtures import SPEC, TinyServer, serving
 from server_fixtures import error_of as _check
+from tiny_models import write_tiny_adapter
 
 import graftlm
 from graftlm.server.app import build_state
@@ -231,6 +233,13 @@ def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: P
         400,
         "adapter",
     )
+    d, qo = SPEC.n_embd, SPEC.n_head * SPEC.head_dim
+    empty = (np.zeros((0, d), np.float32), np.zeros((qo, 0), np.float32))
+    rank0 = write_tiny_adapter(
+        tmp_path / "r0.gguf", SPEC, {"blk.0.attn_q": (d, qo)}, overrides={"blk.0.attn_q": empty}
+    )  # (was a 500: ZeroDivisionError)
+    load = {"lora_name": "bad", "lora_path": str(rank0)}
+    _check(http.post("/v1/load_lora_adapter", json=load), 400, "'bad'", "rank 0", "r0.gguf")
     _check(
         http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}),
         404,

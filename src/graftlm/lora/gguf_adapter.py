@@ -273,6 +273,8 @@ def _fit(
         bad.append(
             f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
         )
+    elif ra == 0:  # (its scale alpha / r would divide by zero)
+        bad.append(f"rank 0: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} hold no values")
     return bad
 
 

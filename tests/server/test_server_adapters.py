@@ -61,6 +61,39 @@ def test_lru_eviction_never_takes_an_adapter_in_use(
     asyncio.run(go())
 
 
+def test_a_request_for_more_adapters_than_max_loras_is_refused_at_once(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """A request naming more adapters at once than --max-loras holds (counting the pinned ones
+    it does not use) can never run: it is refused at once, nothing attached or held, where it
+    held two adapters while it waited for the budget's room and then got a 503 'retry'."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        for model, names in ((None, ["alpha", "beta", "gamma"]), ("alpha", ["beta", "gamma"])):
+            with pytest.raises(RequestError) as exc:
+                await reg.lease(model, None, BASE, {n: 0.5 for n in names})
+            assert exc.value.code == "too_many_adapters"
+            assert "uses 3 adapters at once (alpha, beta, gamma)" in str(exc.value)
+            assert "at most 2 can be attached (--max-loras 2)" in str(exc.value)
+            assert not reg.by_id and all(e.refs == 0 for e in reg.names.values())
+        reg.release(await reg.lease("alpha", None, BASE, {"beta": 0.5}))  # two: served
+        pinned = reg.preload(str(tiny_files["delta"]), 0.0, "delta")
+        with pytest.raises(RequestError) as exc:  # (delta holds one place for good)
+            await reg.lease(None, None, BASE, {"alpha": 0.5, "beta": 0.5})
+        assert "at most 1 can be attached beside 1 pinned (--max-loras 2)" in str(exc.value)
+        alpha_id, delta_id = reg.names["alpha"].id, pinned.id
+        assert alpha_id is not None and delta_id is not None
+        with pytest.raises(RequestError) as exc:  # by ids too: alpha and delta, and beta
+            await reg.lease(None, {alpha_id: 1.0, delta_id: 1.0}, BASE, {"beta": 0.5})
+        assert "uses 3 adapters at once (alpha, beta, delta)" in str(exc.value)
+        lease = await reg.lease("alpha", {delta_id: 1.0}, BASE)  # alpha and delta: served
+        assert lease.labels == ["alpha", "delta"]
+        reg.release(lease)
+
+    asyncio.run(go())
+
+
 def test_a_request_waits_for_room_instead_of_failing(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,51 +30,15 @@ from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import EngineService
+from graftlm.server.adapter_entries import (
+    AdapterEntry,
+    Lease,
+    UnknownModelError,
+    count_problem,
+    names_text,
+)
 
-
-class UnknownModelError(RequestError):
-    """The `model` field names neither the base nor an adapter (HTTP 404)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "model_not_found")
-
-
-def names_text(names: list[str], most: int = 20) -> str:
-    """The first `most` names (each cut to 64 characters) and how many more: short however many."""
-    shown = ", ".join(n if len(n) <= 64 else n[:61] + "..." for n in names[:most])
-    more = f" (and {len(names) - most} more: GET /v1/models)" if len(names) > most else ""
-    return (shown or "none") + more
-
-
-@dataclass
-class AdapterEntry:
-    name: str
-    path: str
-    pinned: bool = False
-    id: int | None = None  # slot id while attached
-    facts: AdapterFacts | None = None
-    refs: int = 0  # running requests using it
-    last_used: float = 0.0
-    retired: bool = False  # replaced or unloaded: dropped when its last request ends
-    evicted: bool = False  # `evict`ed while in use: detached when its last request ends
-    loading: asyncio.Task[int] | None = None
-    # requests waiting for its attach: it is not evicted until they hold it (or it came and
-    # went before they woke up, again and again, under a budget thrashed by other adapters)
-    waiting: int = 0
-
-    @property
-    def resident(self) -> bool:
-        return self.id is not None
-
-
-@dataclass
-class Lease:
-    """The adapter settings one request runs with and the adapters it holds."""
-
-    lora: AdapterSettings
-    entries: list[AdapterEntry] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
-    released: bool = False
+__all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
 
 class AdapterRegistry:
@@ -201,6 +164,10 @@ class AdapterRegistry:
                     f"{names_text(sorted(self.names))}"
                 )
             extra.append((e, scale))
+        needed = [e for e, _ in extra] + ([entry] if entry is not None else [])
+        too_many = count_problem(needed, lora, self.by_id, self.max_loras)
+        if too_many is not None:  # (before anything is attached or held)
+            raise RequestError(too_many, "too_many_adapters")
         held: list[AdapterEntry] = []
         named: dict[int, float] = {}
         listed: dict[int, float] = {}

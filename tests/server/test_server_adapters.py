@@ -94,6 +94,27 @@ def test_a_request_for_more_adapters_than_max_loras_is_refused_at_once(
     asyncio.run(go())
 
 
+def test_lora_modules_names_follow_the_runtime_rule(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """--lora-modules names follow load_lora_adapter's rule (they were all registered)."""
+    reg = AdapterRegistry(svc)
+    path = str(tiny_files["alpha"])
+    for name, words in (
+        ("", "may not be empty"),
+        ("bad\nname", "control characters (U+000A)"),
+        ("a\u202eb", "control characters (U+202E)"),
+        (" padded", "white space"),
+        ("x" * 257, "at most 256 characters, got 257"),
+    ):
+        with pytest.raises(ValueError) as exc:
+            reg.add_module(name, path)
+        assert str(exc.value).startswith("--lora-modules ") and words in str(exc.value)
+    assert not reg.names
+    reg.add_module("org/名前-v1", path)
+    assert list(reg.names) == ["org/名前-v1"]
+
+
 def test_a_request_waits_for_room_instead_of_failing(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:

@@ -37,6 +37,7 @@ from graftlm.server.adapter_entries import (
     count_problem,
     names_text,
 )
+from graftlm.server.names import name_problem
 
 __all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
@@ -93,8 +94,9 @@ class AdapterRegistry:
 
     def add_module(self, name: str, path: str) -> AdapterEntry:
         """Register a named adapter (vLLM's --lora-modules); it is attached on first use."""
-        if not name:
-            raise ValueError(f"--lora-modules: empty name for {path!r}")
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"--lora-modules {name[:300]!r}={path}: {problem}")
         if name in self.names:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         if not Path(path).exists():

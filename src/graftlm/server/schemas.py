@@ -10,7 +10,6 @@ not used are listed in `IGNORED` (and in docs/server.md): each is one that chang
 from __future__ import annotations
 
 import json
-import unicodedata
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -25,6 +24,7 @@ from pydantic import (
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
+from graftlm.server.names import name_problem
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N_PROBS = 100  # /completion's n_probs (2**70 made a 187 MB answer of the whole vocabulary)
@@ -453,17 +453,10 @@ class DetokenizeRequest(Body):
 
 
 def _adapter_name(name: str) -> str:
-    """A name that the API, /metrics and the logs show as it is: no control or format characters
-    (a NUL, a newline, a right-to-left override), not blank, no white space around it."""
-    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _UNSHOWN})
-    if bad:
-        raise ValueError(f"an adapter name may not hold control characters ({', '.join(bad[:8])})")
-    if name != name.strip():
-        raise ValueError("an adapter name may not be blank or start or end with white space")
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
     return name
-
-
-_UNSHOWN = ("Cc", "Cf", "Zl", "Zp")
 
 
 class LoadLoraRequest(Body):

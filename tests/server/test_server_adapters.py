@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import SPEC, TinyServer, await_until, error_of, wait_until
+from server_fixtures import FIXTURES, SPEC, TinyServer, await_until, error_of, wait_until
 from tiny_models import write_tiny_adapter
 
 import graftlm
@@ -203,6 +203,36 @@ def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:
         with pytest.raises(AdapterError, match="rank 8"):
             await reg.lease("big", None, BASE)
         assert not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_max_lora_rank_refuses_from_the_header_before_reading(
+    svc: EngineService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter above --max-lora-rank (GGUF or PEFT) is refused from its header: none of its
+    factors is read, packed or held (they were, then refused); one at the limit loads."""
+    big = write_tiny_adapter(tmp_path / "r8.gguf", SPEC, rank=8)
+    peft = FIXTURES / "smollm2" / "caps"  # r = 4 (another base: refused before that is seen)
+    reads: list[str] = []
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda path: reads.append(str(path)) or real(path))
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc, max_rank=3)
+        reg.add_module("big", str(big))
+        reg.add_module("peft", str(peft))
+        for name, rank in (("big", 8), ("peft", 4)):
+            with pytest.raises(AdapterError) as exc:
+                await reg.lease(name, None, BASE)
+            assert f"adapter {name!r}: " in str(exc.value)
+            assert f"rank {rank} or more (its header) is above --max-lora-rank 3" in str(exc.value)
+        with pytest.raises(AdapterError, match="rank 8 or more"):
+            reg.preload(str(big), 0.0)
+        assert reads == [] and not reg.by_id
+        reg.max_rank = 8
+        reg.release(await reg.lease("big", None, BASE))  # at the limit: read and attached
+        assert reads == [str(big)]
 
     asyncio.run(go())
 

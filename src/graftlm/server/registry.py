@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread, rank_floor
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
@@ -80,6 +80,7 @@ class AdapterRegistry:
     # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
         """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
+        self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
         adapter_id = self.service.attach(prepared, float(scale)).result()
@@ -368,6 +369,7 @@ class AdapterRegistry:
         def read() -> PreparedAdapter:
             started.append(time.perf_counter())
             with one_thread():  # (the cores are the engine's)
+                self._check_rank_floor(entry.path)  # (before the factors are read)
                 return self.service.prepare_adapter(entry.path)
 
         try:
@@ -385,6 +387,12 @@ class AdapterRegistry:
                 "adapter_load_timeout",
             ) from None
         return prepared, time.perf_counter() - started[0]
+
+    def _check_rank_floor(self, path: str) -> None:
+        if self.max_rank is not None and (floor := rank_floor(path)) > self.max_rank:
+            raise AdapterError(
+                f"{path}: rank {floor} or more (its header) is above --max-lora-rank {self.max_rank}"
+            )
 
     def _check_rank(self, facts: AdapterFacts) -> None:
         if self.max_rank is not None and facts.rank > self.max_rank:

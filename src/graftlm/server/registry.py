@@ -12,6 +12,8 @@ attached while a step is in flight, beside the step (`EngineService.attach`).
   one that a running request uses or that has a nonzero global scale.
 - Loading a new adapter under a name in use retires the old one: requests already running keep
   it (and its id) until they end; new requests get the new one under a new id.
+- A name unloaded is remembered until it is loaded again: a request for it is a 404, never the
+  base's answer (which a name never registered gets without --strict-model-names).
 
 A request takes a `Lease` (the adapter scales it runs with, fixed at admission) and releases it
 when it ends; that is what keeps its adapters resident.

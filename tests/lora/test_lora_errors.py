@@ -121,6 +121,14 @@ def test_rank_zero_is_refused_by_name(model: graftlm.Model, tmp_path: Path) -> N
     assert said is not None and "ne=[8, 0, 4]" in said and "rank 0" in said
 
 
+def test_an_adapter_without_tensors_is_refused(model: graftlm.Model, tmp_path: Path) -> None:
+    """It was attached, changing nothing, under whatever name it was served (a PEFT directory
+    without tensors, and `graftlm convert` of either, were refused)."""
+    _refused(
+        model, write_tiny_adapter(tmp_path / "empty.gguf", targets={}), "holds no LoRA tensors"
+    )
+
+
 def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> None:
     p = write_tiny_adapter(
         tmp_path / "a.gguf",

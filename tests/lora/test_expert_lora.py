@@ -409,6 +409,31 @@ def test_peft_refusals_name_the_module_and_dimensions(made: dict[str, Any], tmp_
         assert torch.equal(ours.logits(IDS), logits)
 
 
+def test_peft_expert_factors_that_are_not_floating_point(
+    made: dict[str, Any], tmp_path: Path
+) -> None:
+    """An integer expert factor (both forms: target_parameters and per-expert modules) is
+    refused by its dtype, named with its tensor; it was read as float32 and attached."""
+    from safetensors.torch import load_file
+
+    ours = graftlm.load(made["base"], ctx_size=64, reference=True)
+    logits = ours.logits(IDS)
+    for kind, part in (("params", ".experts.lora_B"), ("linear", ".experts.0.")):
+        src = made["tmp"] / kind
+        bad = tmp_path / kind
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+        tensors = load_file(str(src / "adapter_model.safetensors"))
+        key = next(k for k in tensors if part in k and "layers.1." in k and "lora_B" in k)
+        tensors[key] = (tensors[key] * 100).to(torch.int16)
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(AdapterError) as exc:
+            ours.add_lora(bad)
+        assert f"lora_B {key!r} has dtype I16; a factor must be one of F32" in str(exc.value)
+        assert ours.loras == []
+        assert torch.equal(ours.logits(IDS), logits)
+
+
 def test_expert_adapter_on_a_dense_base_is_refused(made: dict[str, Any]) -> None:
     ours = graftlm.load(TINY / "qwen3" / "model-f32.gguf", ctx_size=64, reference=True)
     with pytest.raises(AdapterError) as exc:

@@ -105,6 +105,30 @@ def test_truncated_and_missing_adapter(model: graftlm.Model, tmp_path: Path) -> 
     _refused(model, tmp_path / "missing.gguf", "no such file")
 
 
+def test_rank_zero_is_refused_by_name(model: graftlm.Model, tmp_path: Path) -> None:
+    """A pair of rank 0 (its scale alpha / r divided by zero: a ZeroDivisionError, a 500 from
+    the server) is a problem naming the tensor and its dimensions; and a stacked expert pair."""
+    from graftlm.lora.convert_experts import stacked_problem
+
+    empty = (np.zeros((0, D), np.float32), np.zeros((QO, 0), np.float32))
+    path = write_tiny_adapter(
+        tmp_path / "r0.gguf", targets={"blk.0.attn_q": (D, QO)}, overrides={"blk.0.attn_q": empty}
+    )
+    _refused(
+        model, path, f"blk.0.attn_q.weight: rank 0: lora_a ne=[{D}, 0] and lora_b ne=[0, {QO}]"
+    )
+    said = stacked_problem("blk.0.ffn_up_exps", (4, 0, 8), (4, 16, 0), None)
+    assert said is not None and "ne=[8, 0, 4]" in said and "rank 0" in said
+
+
+def test_an_adapter_without_tensors_is_refused(model: graftlm.Model, tmp_path: Path) -> None:
+    """It was attached, changing nothing, under whatever name it was served (a PEFT directory
+    without tensors, and `graftlm convert` of either, were refused)."""
+    _refused(
+        model, write_tiny_adapter(tmp_path / "empty.gguf", targets={}), "holds no LoRA tensors"
+    )
+
+
 def test_adapter_metadata_is_listed(model: graftlm.Model, tmp_path: Path) -> None:
     p = write_tiny_adapter(
         tmp_path / "a.gguf",

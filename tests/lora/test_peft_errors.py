@@ -131,6 +131,31 @@ def test_rank_must_match_the_config(llama: graftlm.Model, tmp_path: Path) -> Non
     assert "v_proj" in msg
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.bool])
+def test_factors_that_are_not_floating_point(
+    llama: graftlm.Model, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """An integer or boolean factor (a quantized export without its scales, a mislabeled
+    header) is refused by its dtype, named with its tensor; it was read as float32 of its
+    integers and attached."""
+
+    def cast(t: dict[str, torch.Tensor]) -> None:
+        t[Q + ".lora_A.weight"] = (t[Q + ".lora_A.weight"] * 100).to(dtype)
+
+    msg = refused(llama, variant(tmp_path, tensors=cast))
+    name = {torch.int8: "I8", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
+    assert f"lora_A '{Q}.lora_A.weight' has dtype {name}; a factor must be one of F32" in msg
+    assert "lora_B" not in msg  # (B is float32: only A is named)
+
+
+def test_half_precision_factors_load(llama: graftlm.Model, tmp_path: Path) -> None:
+    def half(t: dict[str, torch.Tensor]) -> None:
+        for k in t:
+            t[k] = t[k].to(torch.bfloat16 if "lora_A" in k else torch.float16)
+
+    llama.remove_lora(llama.add_lora(variant(tmp_path, tensors=half)))
+
+
 def test_tensor_not_selected_by_the_config(llama: graftlm.Model, tmp_path: Path) -> None:
     msg = refused(llama, variant(tmp_path, config=lambda c: c.update(layers_to_transform=[1])))
     assert "'model.layers.0.self_attn.q_proj': not selected by target_modules" in msg

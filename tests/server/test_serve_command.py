@@ -13,7 +13,12 @@ import httpx
 import pytest
 from server_fixtures import wait_until
 
-from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules, parse_size
+from graftlm.commands.serve_args import (
+    add_serve_arguments,
+    check_lora_limits,
+    parse_lora_modules,
+    parse_size,
+)
 
 
 def test_parse_size() -> None:
@@ -60,6 +65,30 @@ def test_flags_and_defaults() -> None:
     assert a.max_body_size == 8 * 2**20 and a.lora_dir == [] and a.lora_wait == 60.0
     b = p.parse_args("--lora-dir /a --lora-dir /b --lora-wait 5 --max-body-size 1M".split())
     assert b.lora_dir == ["/a", "/b"] and b.lora_wait == 5.0 and b.max_body_size == 2**20
+
+
+def test_lora_limits_below_1_are_refused_before_the_load(tmp_path: Path) -> None:
+    """Each started a server that then refused (or held up for --lora-wait) every adapter
+    request, or 403'd every runtime load."""
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    check_lora_limits(p.parse_args(["--max-loras", "1", "--max-lora-memory", "1K"]))
+    check_lora_limits(p.parse_args(["--lora-dir", "/nonexistent"]))  # (runtime loads are off)
+    for flags, words in (
+        ("--max-loras 0", "--max-loras 0: must be at least 1"),
+        ("--max-loras -3", "--max-loras -3: must be at least 1"),
+        ("--max-lora-rank 0", "--max-lora-rank 0: must be at least 1"),
+        ("--max-lora-memory 0", "--max-lora-memory 0: must be at least 1"),
+        ("--lora-wait -1", "--lora-wait -1.0: must be 0 or more"),
+        ("--lora-wait nan", "--lora-wait nan: must be 0 or more"),
+        (f"--allow-runtime-lora --lora-dir {tmp_path / 'none'}", "none: no such directory"),
+    ):
+        with pytest.raises(ValueError) as exc:
+            check_lora_limits(p.parse_args(flags.split()))
+        assert words in str(exc.value)
+    cmd = [sys.executable, "-m", "graftlm.commands.serve", "-m", "none.gguf", "--max-loras", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # (no model needed)
+    assert out.returncode == 1 and "--max-loras 0: must be at least 1" in out.stderr, out.stderr
 
 
 def _free_port() -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import SPEC, TinyServer, await_until, error_of, wait_until
+from server_fixtures import FIXTURES, SPEC, TinyServer, await_until, error_of, wait_until
 from tiny_models import write_tiny_adapter
 
 import graftlm
@@ -59,6 +59,60 @@ def test_lru_eviction_never_takes_an_adapter_in_use(
         assert _attached(svc) == set(reg.by_id)
 
     asyncio.run(go())
+
+
+def test_a_request_for_more_adapters_than_max_loras_is_refused_at_once(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """A request naming more adapters at once than --max-loras holds (counting the pinned ones
+    it does not use) can never run: it is refused at once, nothing attached or held, where it
+    held two adapters while it waited for the budget's room and then got a 503 'retry'."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        for model, names in ((None, ["alpha", "beta", "gamma"]), ("alpha", ["beta", "gamma"])):
+            with pytest.raises(RequestError) as exc:
+                await reg.lease(model, None, BASE, {n: 0.5 for n in names})
+            assert exc.value.code == "too_many_adapters"
+            assert "uses 3 adapters at once (alpha, beta, gamma)" in str(exc.value)
+            assert "at most 2 can be attached (--max-loras 2)" in str(exc.value)
+            assert not reg.by_id and all(e.refs == 0 for e in reg.names.values())
+        reg.release(await reg.lease("alpha", None, BASE, {"beta": 0.5}))  # two: served
+        pinned = reg.preload(str(tiny_files["delta"]), 0.0, "delta")
+        with pytest.raises(RequestError) as exc:  # (delta holds one place for good)
+            await reg.lease(None, None, BASE, {"alpha": 0.5, "beta": 0.5})
+        assert "at most 1 can be attached beside 1 pinned (--max-loras 2)" in str(exc.value)
+        alpha_id, delta_id = reg.names["alpha"].id, pinned.id
+        assert alpha_id is not None and delta_id is not None
+        with pytest.raises(RequestError) as exc:  # by ids too: alpha and delta, and beta
+            await reg.lease(None, {alpha_id: 1.0, delta_id: 1.0}, BASE, {"beta": 0.5})
+        assert "uses 3 adapters at once (alpha, beta, delta)" in str(exc.value)
+        lease = await reg.lease("alpha", {delta_id: 1.0}, BASE)  # alpha and delta: served
+        assert lease.labels == ["alpha", "delta"]
+        reg.release(lease)
+
+    asyncio.run(go())
+
+
+def test_lora_modules_names_follow_the_runtime_rule(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """--lora-modules names follow load_lora_adapter's rule (they were all registered)."""
+    reg = AdapterRegistry(svc)
+    path = str(tiny_files["alpha"])
+    for name, words in (
+        ("", "may not be empty"),
+        ("bad\nname", "control characters (U+000A)"),
+        ("a\u202eb", "control characters (U+202E)"),
+        (" padded", "white space"),
+        ("x" * 257, "at most 256 characters, got 257"),
+    ):
+        with pytest.raises(ValueError) as exc:
+            reg.add_module(name, path)
+        assert str(exc.value).startswith("--lora-modules ") and words in str(exc.value)
+    assert not reg.names
+    reg.add_module("org/名前-v1", path)
+    assert list(reg.names) == ["org/名前-v1"]
 
 
 def test_a_request_waits_for_room_instead_of_failing(
@@ -149,6 +203,36 @@ def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:
         with pytest.raises(AdapterError, match="rank 8"):
             await reg.lease("big", None, BASE)
         assert not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_max_lora_rank_refuses_from_the_header_before_reading(
+    svc: EngineService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter above --max-lora-rank (GGUF or PEFT) is refused from its header: none of its
+    factors is read, packed or held (they were, then refused); one at the limit loads."""
+    big = write_tiny_adapter(tmp_path / "r8.gguf", SPEC, rank=8)
+    peft = FIXTURES / "smollm2" / "caps"  # r = 4 (another base: refused before that is seen)
+    reads: list[str] = []
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda path: reads.append(str(path)) or real(path))
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc, max_rank=3)
+        reg.add_module("big", str(big))
+        reg.add_module("peft", str(peft))
+        for name, rank in (("big", 8), ("peft", 4)):
+            with pytest.raises(AdapterError) as exc:
+                await reg.lease(name, None, BASE)
+            assert f"adapter {name!r}: " in str(exc.value)
+            assert f"rank {rank} or more (its header) is above --max-lora-rank 3" in str(exc.value)
+        with pytest.raises(AdapterError, match="rank 8 or more"):
+            reg.preload(str(big), 0.0)
+        assert reads == [] and not reg.by_id
+        reg.max_rank = 8
+        reg.release(await reg.lease("big", None, BASE))  # at the limit: read and attached
+        assert reads == [str(big)]
 
     asyncio.run(go())
 
@@ -249,8 +333,12 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
         server.ref_tokens(prompt, 8, {"delta": 1.0})
     )
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
-    gone = complete("gamma")  # an unloaded name is served by the base, as llama-server does
-    assert gone.status_code == 200 and gone.json()["model"] == "tiny"
+    # an unloaded adapter's name is a 404 naming it (as vLLM's), not the base's answer that a
+    # name never registered gets without --strict-model-names (as llama-server's)
+    error_of(complete("gamma"), 404, "'gamma' was unloaded")
+    by_name = {"prompt": prompt, "max_tokens": 2, "lora": [{"name": "gamma", "scale": 1.0}]}
+    error_of(http.post("/v1/completions", json=by_name), 404, "'gamma' (it was unloaded)")
+    assert complete("tiny").status_code == 200
     registry, service = server.state.registry, server.state.service
 
     def settled() -> bool:  # (the registry lets it go at once; the engine detaches it later)
@@ -260,6 +348,41 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
     wait_until(settled, 60, "gamma let go and detached", every=0.01)
     assert not any(e.name == "gamma" for e in registry.by_id.values())
     assert set(service.adapters.attached) == set(registry.by_id)
+    r = http.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "gamma", "lora_path": str(server.adapters["gamma"])},
+    )
+    assert r.status_code == 200, r.text  # loaded again: served again
+    assert complete("gamma").json()["choices"][0]["text"] == server.ref.detokenize(
+        server.ref_tokens(prompt, 8, {"gamma": 1.0})
+    )
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+
+
+def test_errors_list_a_few_of_many_adapters(svc: EngineService, tmp_path: Path) -> None:
+    """With hundreds of adapters registered, an unknown name's 404 names it and the first 20
+    (each cut to 64 characters) and says how many more, where it listed every one."""
+    one = write_tiny_adapter(tmp_path / "one.gguf", SPEC)
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        for i in range(300):
+            reg.add_module(f"tenant-{i:03d}-" + "x" * (100 if i == 0 else 8), str(one))
+        for call in (
+            lambda: reg.lease("nope", None, BASE),  # (the base's name listed first: 281 more)
+            lambda: reg.lease(None, None, BASE, {"nope": 1.0}),
+            lambda: reg.unload("nope"),
+            lambda: reg.warm("nope"),
+        ):
+            with pytest.raises(RequestError) as exc:
+                await call()
+            msg = str(exc.value)
+            assert "'nope'" in msg and re.search(r"\(and 28[01] more: GET /v1/models\)$", msg)
+            assert "tenant-018-" in msg and "tenant-020-" not in msg, msg
+            assert "tenant-000-" + "x" * 50 + "..." in msg and len(msg) < 1000, msg
+        assert not reg.by_id
+
+    asyncio.run(go())
 
 
 def test_a_slow_adapter_read_ends_its_request_with_a_503(

@@ -8,10 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from server_fixtures import SPEC, TinyServer, serving
 from server_fixtures import error_of as _check
+from tiny_models import write_tiny_adapter
 
 import graftlm
 from graftlm.server.app import build_state
@@ -231,6 +233,13 @@ def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: P
         400,
         "adapter",
     )
+    d, qo = SPEC.n_embd, SPEC.n_head * SPEC.head_dim
+    empty = (np.zeros((0, d), np.float32), np.zeros((qo, 0), np.float32))
+    rank0 = write_tiny_adapter(
+        tmp_path / "r0.gguf", SPEC, {"blk.0.attn_q": (d, qo)}, overrides={"blk.0.attn_q": empty}
+    )  # (was a 500: ZeroDivisionError)
+    load = {"lora_name": "bad", "lora_path": str(rank0)}
+    _check(http.post("/v1/load_lora_adapter", json=load), 400, "'bad'", "rank 0", "r0.gguf")
     _check(
         http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}),
         404,
@@ -238,6 +247,37 @@ def test_runtime_lora_errors(server: TinyServer, http: httpx.Client, tmp_path: P
     )
     names = {m["id"] for m in http.get("/v1/models").json()["data"]}
     assert "bad" not in names
+
+
+ODD_NAMES = [
+    ("a\x00b", "U+0000"),
+    ("line\nbreak", "U+000A"),
+    ("tab\tname", "U+0009"),
+    ("abc\u202edef", "U+202E"),  # right-to-left override: shows as another name
+    (" ", "white space"),
+    ("padded ", "white space"),
+    ("x" * 257, "at most 256"),
+]
+
+
+@pytest.mark.parametrize("name,words", ODD_NAMES, ids=[repr(n[0])[:12] for n in ODD_NAMES])
+def test_runtime_adapter_names_that_cannot_be_shown_are_400(
+    server: TinyServer, http: httpx.Client, name: str, words: str
+) -> None:
+    """A name that /v1/models, /metrics and the logs cannot show as it is: a 400 naming the
+    field, nothing loaded (they were all loaded)."""
+    path = str(server.adapters["gamma"])
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    _check(r, 400, "lora_name", words)
+    assert name not in server.state.registry.names
+
+
+def test_runtime_adapter_names_of_any_script_load(server: TinyServer, http: httpx.Client) -> None:
+    path = str(server.adapters["gamma"])
+    for name in ("org/adapter-v1.2", "名前", "x" * 256):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        assert r.status_code == 200, r.text
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
 
 
 def test_a_request_whose_logits_blow_up_fails_alone(server: TinyServer) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules
+from graftlm.commands.serve_args import add_serve_arguments, check_lora_limits, parse_lora_modules
 from graftlm.commands.spec_args import spec_config
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ def _checked_flags(args: argparse.Namespace) -> _Flags:
     modules = parse_lora_modules(args.lora_modules)
     if args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be at least 1")
+    check_lora_limits(args)
     kv_type = cache_type(args) or DEFAULT_KV_TYPE  # -ctk / -ctv, checked before the load
     speculative = spec_config(args)  # checked before the load too
     template_kwargs = chat_template_kwargs(args)

@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.commands.lora_args import add_lora_arguments
@@ -38,6 +39,25 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def check_lora_limits(args: argparse.Namespace) -> None:
+    """The adapter budget's flags, before the model loads: a limit below 1 let the server start
+    and then refused or held up every adapter request; a --lora-dir that is no directory 403'd
+    every runtime load."""
+    for flag, value in (
+        ("--max-loras", args.max_loras),
+        ("--max-lora-rank", args.max_lora_rank),
+        ("--max-lora-memory", args.max_lora_memory),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    if not args.lora_wait >= 0:  # (nan too)
+        raise ValueError(f"--lora-wait {args.lora_wait}: must be 0 or more seconds")
+    if args.allow_runtime_lora:
+        for d in args.lora_dir:
+            if not Path(d).is_dir():
+                raise ValueError(f"--lora-dir {d}: no such directory")
 
 
 def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]:

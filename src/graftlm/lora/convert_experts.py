@@ -63,6 +63,8 @@ def stacked_problem(
         bad.append(f"lora_a has {a_shape[0]} experts and lora_b {b_shape[0]}")
     if a_shape[1] != b_shape[2]:
         bad.append(f"ranks differ: {a_shape[1]} and {b_shape[2]}")
+    elif a_shape[1] == 0:
+        bad.append("rank 0: they hold no values")
     shape = base.lookup(name) if base is not None else None
     if isinstance(shape, str):
         bad.append(shape)

@@ -91,6 +91,8 @@ def read_gguf_adapter(path: str | Path, model: Base, base_tensors: set[str]) -> 
         )
     problems: list[str] = []
     alpha, task_name, prompt_prefix, invocation = _lora_metadata(f, problems)
+    if not f.tensors:  # (as PEFT directories and `graftlm convert`: it would change nothing)
+        problems.append("holds no LoRA tensors")
     # each piece in file order; a dense pair's delta is its index among `dense` until every pair
     # is checked, then all are read together (_read_dense)
     placed: list[tuple[str, slice, slice, Delta | int]] = []
@@ -273,6 +275,8 @@ def _fit(
         bad.append(
             f"ranks differ: lora_a {_ne(a_e)} has rank {ra}, lora_b {_ne(b_e)} has rank {rb}"
         )
+    elif ra == 0:  # (its scale alpha / r would divide by zero)
+        bad.append(f"rank 0: lora_a {_ne(a_e)} and lora_b {_ne(b_e)} hold no values")
     return bad
 
 

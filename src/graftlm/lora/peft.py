@@ -29,7 +29,7 @@ from graftlm.errors import AdapterError
 from graftlm.lora.adapter import EMBEDDING, Delta, ResolvedAdapter, hidden_size, refusal
 from graftlm.lora.arch_rules import ARCH_RULES, PERMUTED_KINDS, arch_rules, hf_to_gguf, permute_rows
 from graftlm.lora.gguf_adapter import combine
-from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
+from graftlm.lora.peft_base import BaseInfo, LoraPair, dtype_problems, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
 from graftlm.lora.peft_experts import read_experts
 from graftlm.lora.targets import resolve_target
@@ -270,6 +270,7 @@ def _read_pair(
     else:
         names = ("n_vocab", "n_embd") if embd else ("input size", "output size")
         bad += fit_problems(sa, sb, n_in, n_out, r_cfg, names)
+    bad += dtype_problems(st, parts["a"][0], parts["b"][0])
     if bad:
         problems.append(f"{where} -> {gname}.weight: " + "; ".join(bad))
         return None

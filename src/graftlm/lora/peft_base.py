@@ -128,6 +128,24 @@ class LoraPair:
         return self.base == EMBEDDING
 
 
+# the safetensors dtypes a factor may have: floating point, read as float32
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2")
+
+
+def dtype_problems(st: Any, a_key: str, b_key: str) -> list[str]:
+    """How the factors' dtypes (from the header: nothing is read) fail to be floating point ([]
+    where both are): an integer or boolean factor, as a quantized export or a mislabeled header
+    has, would be taken for other numbers than it holds."""
+    bad = []
+    for half, key in (("lora_A", a_key), ("lora_B", b_key)):
+        dtype = st.get_slice(key).get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            bad.append(
+                f"{half} {key!r} has dtype {dtype}; a factor must be one of {', '.join(FLOAT_DTYPES)}"
+            )
+    return bad
+
+
 def fit_problems(
     sa: list[int],
     sb: list[int],

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from graftlm.lora.arch_rules import ARCH_RULES, gate_up_rows
-from graftlm.lora.peft_base import BaseInfo, LoraPair, fit_problems
+from graftlm.lora.peft_base import BaseInfo, LoraPair, dtype_problems, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig
 
 # every family's per-expert nn.Linear names (arch_rules.ExpertLinears): "w1" -> "ffn_gate_exps"
@@ -101,6 +101,10 @@ def _factors(
     sb = list(st.get_slice(parts["b"][0]).get_shape())
     if len(sa) != 2 or len(sb) != 2:
         problems.append(f"{where}: lora_A {sa} and lora_B {sb} must both be 2-D")
+        return None
+    bad = dtype_problems(st, parts["a"][0], parts["b"][0])
+    if bad:
+        problems.append(f"{where}: " + "; ".join(bad))
         return None
     r_cfg, alpha = cfg.rank_alpha(module)
     return _Factors(module, where, parts["a"][0], parts["b"][0], sa, sb, r_cfg, alpha)

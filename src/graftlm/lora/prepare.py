@@ -76,6 +76,36 @@ def prepare_adapter(adapters: AdapterSet, path: str | Path) -> PreparedAdapter:
     return PreparedAdapter(AdapterFacts.of(resolved), resolved)
 
 
+def rank_floor(path: str | Path) -> int:
+    """A bound from below on an adapter's rank, from its file's header alone (no factor is
+    read): over its A factors, the largest of each one's smallest dimension (the rank is one of
+    its dimensions); 0 where the header does not tell (the full read says why). An adapter whose
+    floor is past a rank limit is past it, and is refused before anything is read."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            from safetensors import safe_open
+
+            from graftlm.lora.peft import peft_files
+
+            with safe_open(str(peft_files(p)[1]), "pt") as st:
+                # (not the target_parameters form, whose A stacks the experts: (r n_expert, n_in))
+                shapes = [
+                    st.get_slice(k).get_shape()
+                    for k in st.keys()  # noqa: SIM118 - a safetensors handle, not a dict
+                    if k.endswith(("lora_A.weight", "lora_embedding_A"))
+                    and ".experts.lora_A" not in k
+                ]
+        else:
+            from graftlm.gguf import GGUFFile
+
+            f = GGUFFile(p)
+            shapes = [list(e.shape) for n, e in f.tensors.items() if n.endswith(".lora_a")]
+    except Exception:  # noqa: BLE001 - an unreadable header: the full read names the problem
+        return 0
+    return max((min(s) for s in shapes if s), default=0)
+
+
 @functools.cache
 def _openmp() -> Any:
     """The OpenMP runtime torch loaded (libgomp's soname finds the copy already in the process),

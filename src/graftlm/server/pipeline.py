@@ -255,6 +255,7 @@ async def admit(state: ServerState, model: str | None, lora: list[RequestLoraIte
         and not state.config.strict_model_names
         and model not in state.base_names
         and model not in state.registry.names
+        and model not in state.registry.unloaded  # (an adapter's name: never the base's answer)
     ):
         model = None  # as llama-server: a name it does not know is served by the base model
     try:

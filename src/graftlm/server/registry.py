@@ -12,6 +12,8 @@ attached while a step is in flight, beside the step (`EngineService.attach`).
   one that a running request uses or that has a nonzero global scale.
 - Loading a new adapter under a name in use retires the old one: requests already running keep
   it (and its id) until they end; new requests get the new one under a new id.
+- A name unloaded is remembered until it is loaded again: a request for it is a 404, never the
+  base's answer (which a name never registered gets without --strict-model-names).
 
 A request takes a `Lease` (the adapter scales it runs with, fixed at admission) and releases it
 when it ends; that is what keeps its adapters resident.
@@ -23,52 +25,23 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread, rank_floor
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import EngineService
+from graftlm.server.adapter_entries import (
+    AdapterEntry,
+    Lease,
+    UnknownModelError,
+    count_problem,
+    names_text,
+)
+from graftlm.server.names import name_problem
 
-
-class UnknownModelError(RequestError):
-    """The `model` field names neither the base nor an adapter (HTTP 404)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "model_not_found")
-
-
-@dataclass
-class AdapterEntry:
-    name: str
-    path: str
-    pinned: bool = False
-    id: int | None = None  # slot id while attached
-    facts: AdapterFacts | None = None
-    refs: int = 0  # running requests using it
-    last_used: float = 0.0
-    retired: bool = False  # replaced or unloaded: dropped when its last request ends
-    evicted: bool = False  # `evict`ed while in use: detached when its last request ends
-    loading: asyncio.Task[int] | None = None
-    # requests waiting for its attach: it is not evicted until they hold it (or it came and
-    # went before they woke up, again and again, under a budget thrashed by other adapters)
-    waiting: int = 0
-
-    @property
-    def resident(self) -> bool:
-        return self.id is not None
-
-
-@dataclass
-class Lease:
-    """The adapter settings one request runs with and the adapters it holds."""
-
-    lora: AdapterSettings
-    entries: list[AdapterEntry] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
-    released: bool = False
+__all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
 
 class AdapterRegistry:
@@ -93,6 +66,8 @@ class AdapterRegistry:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.names: dict[str, AdapterEntry] = {}  # current name -> entry
+        # unloaded, not loaded again: a 404, never the base's answer (as an unknown name's)
+        self.unloaded: set[str] = set()
         self.by_id: dict[int, AdapterEntry] = {}  # every attached adapter, retired ones included
         self.on_change: list[Any] = []  # callables(resident, nbytes) told after each change
         # callables(name, load, wait) told after each attach on first use: the seconds it took to
@@ -107,6 +82,7 @@ class AdapterRegistry:
     # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
         """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
+        self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
         adapter_id = self.service.attach(prepared, float(scale)).result()
@@ -121,8 +97,9 @@ class AdapterRegistry:
 
     def add_module(self, name: str, path: str) -> AdapterEntry:
         """Register a named adapter (vLLM's --lora-modules); it is attached on first use."""
-        if not name:
-            raise ValueError(f"--lora-modules: empty name for {path!r}")
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"--lora-modules {name[:300]!r}={path}: {problem}")
         if name in self.names:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         if not Path(path).exists():
@@ -179,19 +156,23 @@ class AdapterRegistry:
         if model is not None and model not in base_names:
             entry = self.names.get(model)
             if entry is None:
-                known = sorted(base_names) + sorted(self.names)
-                raise UnknownModelError(
-                    f"the model {model!r} does not exist; available: {', '.join(known)}"
-                )
+                known = names_text(sorted(base_names) + sorted(self.names))
+                what = "was unloaded" if model in self.unloaded else "does not exist"
+                raise UnknownModelError(f"the model {model[:200]!r} {what}; available: {known}")
         extra: list[tuple[AdapterEntry, float]] = []
         for name, scale in (by_name or {}).items():
             e = self.names.get(name)
             if e is None:
+                what = " (it was unloaded)" if name in self.unloaded else ""
                 raise UnknownModelError(
-                    f"lora: no adapter named {name!r}; adapters: "
-                    f"{', '.join(sorted(self.names)) or 'none'}"
+                    f"lora: no adapter named {name[:200]!r}{what}; adapters: "
+                    f"{names_text(sorted(self.names))}"
                 )
             extra.append((e, scale))
+        needed = [e for e, _ in extra] + ([entry] if entry is not None else [])
+        too_many = count_problem(needed, lora, self.by_id, self.max_loras)
+        if too_many is not None:  # (before anything is attached or held)
+            raise RequestError(too_many, "too_many_adapters")
         held: list[AdapterEntry] = []
         named: dict[int, float] = {}
         listed: dict[int, float] = {}
@@ -269,6 +250,7 @@ class AdapterRegistry:
         await self._ensure(entry, acquire=False)
         old = self.names.get(name)
         self.names[name] = entry
+        self.unloaded.discard(name)
         if old is not None:
             self._retire(old)
         return entry
@@ -277,9 +259,10 @@ class AdapterRegistry:
         entry = self.names.get(name)
         if entry is None:
             raise UnknownModelError(
-                f"no adapter named {name!r}; loaded: {', '.join(sorted(self.names)) or 'none'}"
+                f"no adapter named {name[:200]!r}; loaded: {names_text(sorted(self.names))}"
             )
         del self.names[name]
+        self.unloaded.add(name)
         self._retire(entry)
 
     def rebind(self, name: str, path: str) -> None:
@@ -289,6 +272,7 @@ class AdapterRegistry:
         if old is not None and old.path == path and not old.retired:
             return
         self.names[name] = AdapterEntry(name, path)
+        self.unloaded.discard(name)
         if old is not None:
             self._retire(old)
 
@@ -297,9 +281,9 @@ class AdapterRegistry:
         for a name the registry does not know."""
         entry = self.names.get(name)
         if entry is None:
-            raise UnknownModelError(
-                f"the model {name!r} does not exist; adapters: {', '.join(sorted(self.names))}"
-            )
+            what = "was unloaded" if name in self.unloaded else "does not exist"
+            known = names_text(sorted(self.names))
+            raise UnknownModelError(f"the model {name[:200]!r} {what}; adapters: {known}")
         entry.evicted = False
         await self._ensure(entry, acquire=False)
         return entry
@@ -387,6 +371,7 @@ class AdapterRegistry:
         def read() -> PreparedAdapter:
             started.append(time.perf_counter())
             with one_thread():  # (the cores are the engine's)
+                self._check_rank_floor(entry.path)  # (before the factors are read)
                 return self.service.prepare_adapter(entry.path)
 
         try:
@@ -404,6 +389,12 @@ class AdapterRegistry:
                 "adapter_load_timeout",
             ) from None
         return prepared, time.perf_counter() - started[0]
+
+    def _check_rank_floor(self, path: str) -> None:
+        if self.max_rank is not None and (floor := rank_floor(path)) > self.max_rank:
+            raise AdapterError(
+                f"{path}: rank {floor} or more (its header) is above --max-lora-rank {self.max_rank}"
+            )
 
     def _check_rank(self, facts: AdapterFacts) -> None:
         if self.max_rank is not None and facts.rank > self.max_rank:

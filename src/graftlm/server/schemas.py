@@ -12,10 +12,19 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from graftlm.runtime.constraints import Constraint, ConstraintError
 from graftlm.runtime.speculative import SpecParams
+from graftlm.server.names import name_problem
 
 NonNegInt = Annotated[int, Field(ge=0)]
 MAX_N_PROBS = 100  # /completion's n_probs (2**70 made a 187 MB answer of the whole vocabulary)
@@ -443,10 +452,17 @@ class DetokenizeRequest(Body):
     model: str | None = None  # vLLM's; any value
 
 
+def _adapter_name(name: str) -> str:
+    problem = name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
 class LoadLoraRequest(Body):
     """POST /v1/load_lora_adapter (vLLM)."""
 
-    lora_name: Annotated[str, Field(min_length=1)]
+    lora_name: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_adapter_name)]
     lora_path: Annotated[str, Field(min_length=1)]
 
 

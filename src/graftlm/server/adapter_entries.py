@@ -1,0 +1,80 @@
+"""What the adapter registry (registry.py) keeps for each adapter and each request, and how it
+words what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from graftlm.errors import RequestError
+from graftlm.lora.prepare import AdapterFacts
+from graftlm.lora.settings import AdapterSettings
+
+
+class UnknownModelError(RequestError):
+    """The `model` field names neither the base nor an adapter (HTTP 404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "model_not_found")
+
+
+def names_text(names: list[str], most: int = 20) -> str:
+    """The first `most` names (each cut to 64 characters) and how many more: short however many."""
+    shown = ", ".join(n if len(n) <= 64 else n[:61] + "..." for n in names[:most])
+    more = f" (and {len(names) - most} more: GET /v1/models)" if len(names) > most else ""
+    return (shown or "none") + more
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    path: str
+    pinned: bool = False
+    id: int | None = None  # slot id while attached
+    facts: AdapterFacts | None = None
+    refs: int = 0  # running requests using it
+    last_used: float = 0.0
+    retired: bool = False  # replaced or unloaded: dropped when its last request ends
+    evicted: bool = False  # `evict`ed while in use: detached when its last request ends
+    loading: asyncio.Task[int] | None = None
+    # requests waiting for its attach: it is not evicted until they hold it (or it came and
+    # went before they woke up, again and again, under a budget thrashed by other adapters)
+    waiting: int = 0
+
+    @property
+    def resident(self) -> bool:
+        return self.id is not None
+
+
+@dataclass
+class Lease:
+    """The adapter settings one request runs with and the adapters it holds."""
+
+    lora: AdapterSettings
+    entries: list[AdapterEntry] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)  # names of the adapters in use ([]: the base)
+    released: bool = False
+
+
+def count_problem(
+    named: Iterable[AdapterEntry],
+    lora: Mapping[int, float] | None,
+    by_id: Mapping[int, AdapterEntry],
+    max_loras: int | None,
+) -> str | None:
+    """Why a request that needs the adapters `named` and those of ids `lora` at once can never
+    have them resident under `max_loras` (pinned ones it does not use hold their places for
+    good), or None: it would wait for room that no request's end makes."""
+    if max_loras is None:
+        return None
+    need = {id(e): e.name for e in named}
+    need |= {id(e): e.name for i in lora or {} if (e := by_id.get(i)) is not None}
+    pinned = sum(1 for e in by_id.values() if e.pinned and id(e) not in need)
+    if len(need) + pinned <= max_loras:
+        return None
+    beside = f" beside {pinned} pinned" if pinned else ""
+    return (
+        f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
+        f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"
+    )

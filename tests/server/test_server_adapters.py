@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -138,6 +139,58 @@ def test_a_request_waits_for_room_instead_of_failing(
     asyncio.run(go())
 
 
+def test_two_requests_never_hold_part_of_their_adapters_while_waiting(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Under --max-loras 2, A needs {alpha, beta} and B needs {gamma, delta}: each took its
+    first adapter, then both waited for room the other held, and both got a 503 (a hold-and-wait
+    deadlock; with the short wait here, A's 503 came first). A request takes all of its adapters
+    at once or none, first come first served: A is served, then B when A ends."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.add_module("delta", str(tiny_files["delta"]))
+        first = asyncio.ensure_future(reg.lease(None, None, BASE, {"alpha": 0.5, "beta": 0.5}))
+        second = asyncio.ensure_future(reg.lease(None, None, BASE, {"gamma": 0.5, "delta": 0.5}))
+        lease_a = await asyncio.wait_for(first, 120)
+        assert sorted(lease_a.labels) == ["alpha", "beta"]
+        assert not second.done()  # (B holds nothing while it waits for room A holds)
+        assert reg.names["gamma"].refs == 0 and reg.names["delta"].refs == 0
+        reg.release(lease_a)
+        lease_b = await asyncio.wait_for(second, 120)
+        assert sorted(lease_b.labels) == ["delta", "gamma"]
+        assert not reg.names["alpha"].resident and not reg.names["beta"].resident
+        reg.release(lease_b)
+        assert _attached(svc) == set(reg.by_id)
+
+    asyncio.run(go())
+
+
+def test_a_request_waiting_for_room_is_not_overtaken(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Requests are given room in arrival order: while B waits for room that alpha's request
+    holds, a later request for alpha (resident) queues behind B, where it took alpha at once
+    and, one such request after another, could keep B waiting until its 503."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s = 30.0
+        first = await reg.lease("alpha", None, BASE)
+        big = asyncio.ensure_future(reg.lease(None, None, BASE, {"beta": 1.0, "gamma": 1.0}))
+        await asyncio.sleep(0.3)  # (B has read its adapters and waits for room)
+        small = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.2)
+        assert not small.done()  # behind B
+        reg.release(first)
+        lease_b = await asyncio.wait_for(big, 120)
+        assert sorted(lease_b.labels) == ["beta", "gamma"] and not small.done()
+        reg.release(lease_b)
+        reg.release(await asyncio.wait_for(small, 120))
+
+    asyncio.run(go())
+
+
 def test_an_adapter_just_attached_waits_for_its_requests(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:
@@ -188,8 +241,40 @@ def test_memory_budget_in_bytes(
             assert reg.resident_bytes <= nbytes * 2.5 and len(reg.by_id) <= 2
         small = AdapterRegistry(svc, max_bytes=nbytes // 2)
         small.add_module("alpha", str(tiny_files["alpha"]))
-        with pytest.raises(AdapterError, match="budget"):
+        with pytest.raises(RequestError, match="budget") as exc:
             await small.lease("alpha", None, BASE)
+        assert exc.value.code == "adapters_too_large"  # (a 400)
+
+    asyncio.run(go())
+
+
+def test_adapters_that_together_pass_the_memory_budget_are_refused_at_once(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Two adapters that each fit --max-lora-memory but not together: the request is a 400
+    naming them, their sizes and the limit, nothing attached or held, where it held the first
+    while it waited --lora-wait for room no request's end could make, then got a 503."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        reg.release(await reg.lease("alpha", None, BASE))
+        nbytes = reg.resident_bytes
+        reg = _registry(svc, tiny_files, max_bytes=nbytes * 3 // 2)
+        reg.room_wait_s = 30.0  # (it waited this long before)
+        reg.release(await reg.lease("gamma", None, BASE))  # one alone fits
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as exc:
+            await reg.lease("alpha", None, BASE, {"beta": 0.5})
+        assert time.monotonic() - t0 < 20
+        assert exc.value.code == "adapters_too_large"
+        text = str(exc.value)
+        assert (
+            f"take {2 * nbytes} bytes at once (alpha: {nbytes} bytes, beta: {nbytes} bytes)" in text
+        )
+        assert f"the LoRA budget is {nbytes * 3 // 2} bytes (--max-lora-memory)" in text
+        assert not reg.names["alpha"].resident and not reg.names["beta"].resident
+        assert all(e.refs == 0 and e.loading is None for e in reg.names.values())
+        reg.release(await reg.lease("beta", None, BASE))  # each alone: served
 
     asyncio.run(go())
 

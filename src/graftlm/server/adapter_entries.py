@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from graftlm.errors import RequestError
-from graftlm.lora.prepare import AdapterFacts
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
 from graftlm.lora.settings import AdapterSettings
 
 
@@ -26,6 +26,10 @@ def names_text(names: list[str], most: int = 20) -> str:
     return (shown or "none") + more
 
 
+# an adapter read and checked: (it, the seconds its read took, when its request asked for it)
+Read = tuple[PreparedAdapter, float, float]
+
+
 @dataclass
 class AdapterEntry:
     name: str
@@ -37,7 +41,8 @@ class AdapterEntry:
     last_used: float = 0.0
     retired: bool = False  # replaced or unloaded: dropped when its last request ends
     evicted: bool = False  # `evict`ed while in use: detached when its last request ends
-    loading: asyncio.Task[int] | None = None
+    loading: asyncio.Task[Read] | None = None  # its read, until it lands
+    landing: asyncio.Task[int] | None = None  # its attach, its room held
     # requests waiting for its attach: it is not evicted until they hold it (or it came and
     # went before they woke up, again and again, under a budget thrashed by other adapters)
     waiting: int = 0
@@ -77,4 +82,26 @@ def count_problem(
     return (
         f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
         f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"
+    )
+
+
+def memory_problem(
+    sizes: Mapping[str, int],
+    named: Iterable[AdapterEntry],
+    resident: Iterable[AdapterEntry],
+    max_bytes: int,
+) -> str | None:
+    """Why a request whose adapters take `sizes` bytes (name -> bytes, those known) can never
+    have them resident at once under `max_bytes` beside the pinned adapters it does not use, or
+    None."""
+    need = {id(e) for e in named}
+    pinned = sum(e.facts.nbytes for e in resident if e.pinned and id(e) not in need and e.facts)
+    total = sum(sizes.values())
+    if total + pinned <= max_bytes:
+        return None
+    each = ", ".join(f"{n[:64]}: {b} bytes" for n, b in sorted(sizes.items())[:20])
+    beside = f" beside {pinned} bytes of pinned adapters" if pinned else ""
+    return (
+        f"this request's adapters take {total} bytes at once ({each}){beside}; "
+        f"the LoRA budget is {max_bytes} bytes (--max-lora-memory)"
     )

@@ -279,6 +279,33 @@ def test_adapters_that_together_pass_the_memory_budget_are_refused_at_once(
     asyncio.run(go())
 
 
+def test_a_global_scale_that_overflows_every_request_is_refused(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """POST /lora-adapters with a scale of 1e30 was taken, and every request at the global
+    scales then got a 400 'logits not finite' until they were reset. A scale at which the
+    adapter's delta on an input of +-1 values leaves float16's range is a 400 naming the adapter
+    and the largest magnitude it takes; scales short of that (4, -1) are taken as before."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        entry = await reg.load("fresh-alpha", str(tiny_files["alpha"]))
+        assert entry.id is not None and entry.facts is not None and entry.facts.reach > 0
+        for huge in (1e30, -1e30):
+            with pytest.raises(RequestError) as exc:
+                await reg.set_scales({entry.id: huge})
+            assert exc.value.code == "invalid_scale"
+            assert f"adapter {entry.id} (fresh-alpha): scale {huge:g}" in str(exc.value)
+            assert "can be at most" in str(exc.value)
+            assert reg.adapters.scales().get(entry.id, 0.0) == 0.0
+        for fine in (4.0, -1.0, 0.0):
+            await reg.set_scales({entry.id: fine})
+            assert reg.adapters.scales().get(entry.id, 0.0) == fine
+        await reg.unload("fresh-alpha")
+
+    asyncio.run(go())
+
+
 def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:
     big = write_tiny_adapter(tmp_path / "r8.gguf", SPEC, rank=8)
 

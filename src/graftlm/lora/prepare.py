@@ -32,6 +32,7 @@ class AdapterFacts:
     prompt_prefix: str
     n_tensors: int
     invocation_tokens: tuple[int, ...] = ()  # activated LoRA's; () for a plain LoRA
+    reach: float = 0.0  # ResolvedAdapter.reach: the largest delta output on +-1 inputs, scale 1
 
     @classmethod
     def of(cls, resolved: ResolvedAdapter) -> AdapterFacts:
@@ -44,6 +45,7 @@ class AdapterFacts:
             prompt_prefix=resolved.prompt_prefix,
             n_tensors=resolved.n_tensors,
             invocation_tokens=tuple(resolved.invocation_tokens),
+            reach=float(resolved.reach),
         )
 
 

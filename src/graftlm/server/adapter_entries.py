@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from graftlm.errors import RequestError
+from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
 from graftlm.lora.settings import AdapterSettings
 
@@ -104,4 +105,20 @@ def memory_problem(
     return (
         f"this request's adapters take {total} bytes at once ({each}){beside}; "
         f"the LoRA budget is {max_bytes} bytes (--max-lora-memory)"
+    )
+
+
+def scale_overflow(entry: AdapterEntry, scale: float) -> str | None:
+    """Why `scale` cannot be an adapter's global scale, or None: past F16_MAX / its reach, its
+    delta on an input of +-1 values leaves float16's range, and every request at the global
+    scales would end in a 400 'logits not finite' until they were reset (llama-server and PEFT
+    take any number; a request's own scale still may, the request being the only one hurt)."""
+    reach = entry.facts.reach if entry.facts is not None else 0.0
+    if abs(scale) * reach <= F16_MAX:
+        return None
+    return (
+        f"adapter {entry.id} ({entry.name[:64]}): scale {scale:g} takes its delta to "
+        f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
+        f"({F16_MAX:g}): every request at the global scales would overflow; its scale can be at "
+        f"most {F16_MAX / reach:.4g} in magnitude"
     )

@@ -45,6 +45,7 @@ from graftlm.server.adapter_entries import (
     count_problem,
     memory_problem,
     names_text,
+    scale_overflow,
 )
 from graftlm.server.adapter_reads import AdapterReads
 from graftlm.server.names import name_problem
@@ -239,6 +240,10 @@ class AdapterRegistry(AdapterReads):
     async def set_scales(self, items: Mapping[int, float]) -> None:
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
+        for i, scale in scales.items():
+            problem = scale_overflow(self.by_id[i], scale)
+            if problem is not None:
+                raise RequestError(f"lora: {problem}", "invalid_scale")
         await asyncio.wrap_future(self.service.set_scales(scales))
         self._freed.set()  # an adapter at global scale 0 may now be evicted
 

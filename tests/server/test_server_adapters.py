@@ -17,6 +17,7 @@ from tiny_models import write_tiny_adapter
 
 import graftlm
 from graftlm.errors import AdapterError, RequestError
+from graftlm.lora.prepare import bytes_floor
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import AdapterRegistry
@@ -345,6 +346,41 @@ def test_max_lora_rank_refuses_from_the_header_before_reading(
         reg.max_rank = 8
         reg.release(await reg.lease("big", None, BASE))  # at the limit: read and attached
         assert reads == [str(big)]
+
+    asyncio.run(go())
+
+
+def test_max_lora_memory_refuses_from_the_header_before_reading(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter whose header already shows more bytes than --max-lora-memory (its A factors, a
+    byte an element at least) is refused before its factors are read (they were read, checked
+    and packed, then refused); one between that floor and its packed size is refused after."""
+    path = str(tiny_files["gamma"])
+    reads: list[str] = []
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda p: reads.append(str(p)) or real(p))
+    floor = bytes_floor(path)
+
+    async def go() -> None:
+        probe = AdapterRegistry(svc)
+        probe.add_module("gamma", path)
+        probe.release(await probe.lease("gamma", None, BASE))
+        nbytes = probe.resident_bytes
+        await probe.unload("gamma")
+        assert 0 < floor <= nbytes, (floor, nbytes)
+        reads.clear()
+        reg = AdapterRegistry(svc, max_bytes=floor - 1)
+        reg.add_module("gamma", path)
+        with pytest.raises(RequestError) as exc:
+            await reg.lease("gamma", None, BASE)
+        assert exc.value.code == "adapters_too_large" and reads == []
+        assert f"adapter 'gamma': {path}: {floor} bytes or more once read" in str(exc.value)
+        assert f"LoRA budget of {floor - 1} bytes (--max-lora-memory)" in str(exc.value)
+        reg.max_bytes = nbytes - 1  # (past the floor: read, then refused)
+        with pytest.raises(RequestError, match="budget"):
+            await reg.lease("gamma", None, BASE)
+        assert reads == [path] and not reg.by_id
 
     asyncio.run(go())
 

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread, rank_floor
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, bytes_floor, one_thread, rank_floor
 from graftlm.server.adapter_entries import AdapterEntry, Read
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ class AdapterReads:
 
     service: EngineService
     max_rank: int | None
+    max_bytes: int | None
     load_timeout_s: float  # the longest a request waits for an adapter's read
     read_alone_s: float  # how long a read has the reader to itself (`_read`)
     _reading: asyncio.Semaphore
@@ -51,6 +52,8 @@ class AdapterReads:
             self._check_rank(prepared.facts)
         except AdapterError as e:  # the file names the path: the request knows the name
             raise AdapterError(f"adapter {entry.name!r}: {e}") from e
+        except RequestError as e:
+            raise RequestError(f"adapter {entry.name!r}: {e}", e.code) from e
         return prepared, read, t0
 
     async def _read(self, entry: AdapterEntry) -> tuple[PreparedAdapter, float]:
@@ -71,6 +74,7 @@ class AdapterReads:
             started.append(time.perf_counter())
             with one_thread():  # (the cores are the engine's)
                 self._check_rank_floor(entry.path)  # (before the factors are read)
+                self._check_bytes_floor(entry.path)
                 return self.service.prepare_adapter(entry.path)
 
         try:
@@ -93,6 +97,15 @@ class AdapterReads:
         if self.max_rank is not None and (floor := rank_floor(path)) > self.max_rank:
             raise AdapterError(
                 f"{path}: rank {floor} or more (its header) is above --max-lora-rank {self.max_rank}"
+            )
+
+    def _check_bytes_floor(self, path: str) -> None:
+        if self.max_bytes is not None and (floor := bytes_floor(path)) > self.max_bytes:
+            raise RequestError(
+                f"{path}: {floor} bytes or more once read (its header: its A factors, a byte an "
+                f"element at least), more than the whole LoRA budget of {self.max_bytes} bytes "
+                "(--max-lora-memory)",
+                "adapters_too_large",
             )
 
     def _check_rank(self, facts: AdapterFacts) -> None:

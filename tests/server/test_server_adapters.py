@@ -4,6 +4,7 @@ a running request, and vLLM's runtime load/unload API over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -381,6 +382,41 @@ def test_max_lora_memory_refuses_from_the_header_before_reading(
         with pytest.raises(RequestError, match="budget"):
             await reg.lease("gamma", None, BASE)
         assert reads == [path] and not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_one_file_loaded_under_two_names_is_one_resident_copy(
+    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """load_lora_adapter of the same file (path, size, mtime) under two names attached two
+    copies (1000 names: 1000 copies, unbounded without --max-loras). The names now share one:
+    unloading one leaves the other served; a file changed on disk is a copy of its own."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        path = tmp_path / "same.gguf"
+        path.write_bytes(tiny_files["alpha"].read_bytes())
+        one = await reg.load("one", str(path))
+        size = reg.resident_bytes
+        two = await reg.load("two", str(tmp_path / "." / "same.gguf"))
+        assert two is one and len(reg.by_id) == 1 and reg.resident_bytes == size
+        lease = await reg.lease("two", None, BASE)
+        assert lease.lora == {one.id: 1.0}
+        reg.release(lease)
+        await reg.unload("one")
+        assert one.resident and not one.retired
+        reg.release(await reg.lease("two", None, BASE))  # still served
+        mtime = path.stat().st_mtime_ns
+        path.write_bytes(tiny_files["beta"].read_bytes())  # changed on disk: not the same file
+        os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # (a later mtime, however coarse)
+        three = await reg.load("three", str(path))
+        assert three is not one and len(reg.by_id) == 2
+        await reg.unload("two")
+        await asyncio.sleep(0.05)
+        assert one.retired and not one.resident and set(reg.by_id) == {three.id}
+        assert _attached(svc) == set(reg.by_id)
+        await reg.unload("three")
 
     asyncio.run(go())
 

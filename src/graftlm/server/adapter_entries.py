@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from graftlm.errors import RequestError
 from graftlm.lora.adapter import F16_MAX
@@ -18,6 +19,17 @@ class UnknownModelError(RequestError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "model_not_found")
+
+
+def file_identity(path: str) -> tuple[str, int, int] | None:
+    """(resolved path, size, mtime in ns) of an adapter file, or None (a PEFT folder, a path that
+    cannot be read: the read says why)."""
+    try:
+        p = Path(path).resolve()
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p), st.st_size, st.st_mtime_ns) if p.is_file() else None
 
 
 def names_text(names: list[str], most: int = 20) -> str:
@@ -47,6 +59,9 @@ class AdapterEntry:
     # requests waiting for its attach: it is not evicted until they hold it (or it came and
     # went before they woke up, again and again, under a budget thrashed by other adapters)
     waiting: int = 0
+    # (resolved path, size, mtime) of a runtime load's file: another name loading the same file
+    # shares this entry, one resident copy
+    identity: tuple[str, int, int] | None = None
 
     @property
     def resident(self) -> bool:

@@ -43,6 +43,7 @@ from graftlm.server.adapter_entries import (
     Read,
     UnknownModelError,
     count_problem,
+    file_identity,
     memory_problem,
     names_text,
     scale_overflow,
@@ -250,14 +251,18 @@ class AdapterRegistry(AdapterReads):
     # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:
         """vLLM's load_lora_adapter: attach now (a broken file fails here); a name already in use
-        is replaced, the old adapter staying with the requests that use it."""
-        entry = AdapterEntry(name, path)
+        is replaced, the old adapter staying with the requests that use it. A file another name
+        loaded (same resolved path, size and mtime) is not read again: the names share its one
+        resident copy (its id, its global scale, and the first name in metrics' labels)."""
+        ident = file_identity(path)
+        same = [e for e in self.names.values() if ident and e.identity == ident and not e.retired]
+        entry = same[0] if same else AdapterEntry(name, path, identity=ident)
         await self._take([entry], hold=False)
         old = self.names.get(name)
         self.names[name] = entry
         self.unloaded.discard(name)
         if old is not None:
-            self._retire(old)
+            self._unname(old)
         return entry
 
     async def unload(self, name: str) -> None:
@@ -268,7 +273,7 @@ class AdapterRegistry(AdapterReads):
             )
         del self.names[name]
         self.unloaded.add(name)
-        self._retire(entry)
+        self._unname(entry)
 
     def rebind(self, name: str, path: str) -> None:
         """`name` is `path` from now on, attached on first use (an adapter under the name is
@@ -279,7 +284,7 @@ class AdapterRegistry(AdapterReads):
         self.names[name] = AdapterEntry(name, path)
         self.unloaded.discard(name)
         if old is not None:
-            self._retire(old)
+            self._unname(old)
 
     async def warm(self, name: str) -> AdapterEntry:
         """Attach a named adapter now, without a request (a router's load); UnknownModelError
@@ -304,6 +309,11 @@ class AdapterRegistry(AdapterReads):
             entry.evicted = True
             return
         self._drop_later(entry)
+
+    def _unname(self, entry: AdapterEntry) -> None:
+        """A name no longer maps to `entry`: retired unless another name shares it."""
+        if not any(e is entry for e in self.names.values()):
+            self._retire(entry)
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True

@@ -304,6 +304,9 @@ def test_a_global_scale_that_overflows_every_request_is_refused(
             await reg.set_scales({entry.id: fine})
             assert reg.adapters.scales().get(entry.id, 0.0) == fine
         await reg.unload("fresh-alpha")
+        with pytest.raises(AdapterError, match=r"--lora-scaled .*alpha.gguf: scale 1e\+30 takes"):
+            reg.preload(str(tiny_files["alpha"]), 1e30)  # (it was attached at 1e30)
+        assert len(reg.by_id) == 0
 
     asyncio.run(go())
 

@@ -123,16 +123,16 @@ def memory_problem(
     )
 
 
-def scale_overflow(entry: AdapterEntry, scale: float) -> str | None:
+def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str | None:
     """Why `scale` cannot be an adapter's global scale, or None: past F16_MAX / its reach, its
     delta on an input of +-1 values leaves float16's range, and every request at the global
     scales would end in a 400 'logits not finite' until they were reset (llama-server and PEFT
     take any number; a request's own scale still may, the request being the only one hurt)."""
-    reach = entry.facts.reach if entry.facts is not None else 0.0
+    reach = facts.reach if facts is not None else 0.0
     if abs(scale) * reach <= F16_MAX:
         return None
     return (
-        f"adapter {entry.id} ({entry.name[:64]}): scale {scale:g} takes its delta to "
+        f"{what}: scale {scale:g} takes its delta to "
         f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
         f"({F16_MAX:g}): every request at the global scales would overflow; its scale can be at "
         f"most {F16_MAX / reach:.4g} in magnitude"

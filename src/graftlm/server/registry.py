@@ -97,6 +97,9 @@ class AdapterRegistry(AdapterReads):
         self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
+        problem = scale_overflow(f"--lora-scaled {path}", prepared.facts, float(scale))
+        if problem is not None:
+            raise AdapterError(problem)
         adapter_id = self.service.attach(prepared, float(scale)).result()
         entry = AdapterEntry(
             self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True
@@ -242,7 +245,8 @@ class AdapterRegistry(AdapterReads):
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
         for i, scale in scales.items():
-            problem = scale_overflow(self.by_id[i], scale)
+            e = self.by_id[i]
+            problem = scale_overflow(f"adapter {i} ({e.name[:64]})", e.facts, scale)
             if problem is not None:
                 raise RequestError(f"lora: {problem}", "invalid_scale")
         await asyncio.wrap_future(self.service.set_scales(scales))

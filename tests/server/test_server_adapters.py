@@ -424,6 +424,28 @@ def test_one_file_loaded_under_two_names_is_one_resident_copy(
     asyncio.run(go())
 
 
+def test_a_read_whose_request_went_is_not_kept(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request cancelled while its adapter is read (a client gone): the read ends in its
+    thread and is not kept, since a prepared adapter that has not landed is in no budget."""
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda p: time.sleep(0.3) or real(p))
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        gone = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        entry = reg.names["alpha"]
+        assert entry.loading is not None
+        await await_until(lambda: entry.loading is None, 30, "the read to be let go")
+        assert not entry.resident
+        reg.release(await reg.lease("alpha", None, BASE))  # read again, served
+
+    asyncio.run(go())
+
+
 def test_replacing_an_adapter_leaves_running_requests_alone(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:

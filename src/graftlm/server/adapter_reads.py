@@ -5,6 +5,7 @@ thread, one read at a time, each read shared by the requests that need it, check
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -39,9 +40,11 @@ class AdapterReads:
             task = e.loading
             try:
                 out[id(e)] = await asyncio.shield(task)
-            except BaseException:
-                if task.done() and e.loading is task:  # (read again by the next request)
+            except BaseException:  # (a read failed is read again by the next request)
+                if task.done() and e.loading is task:
                     e.loading = None
+                elif e.loading is task:  # this request went (cancelled): the read goes on
+                    task.add_done_callback(functools.partial(_forget, e))
                 raise
         return out
 
@@ -113,3 +116,10 @@ class AdapterReads:
             raise AdapterError(
                 f"{facts.path}: rank {facts.rank} is above --max-lora-rank {self.max_rank}"
             )
+
+
+def _forget(entry: AdapterEntry, task: asyncio.Task[Read]) -> None:
+    """A read whose request went is not kept (a prepared adapter is counted in no budget until
+    it lands): a request that shared it has it already; the next one reads again."""
+    if entry.loading is task and entry.landing is None:
+        entry.loading = None

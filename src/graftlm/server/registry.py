@@ -265,6 +265,13 @@ class AdapterRegistry:
         self.unloaded.add(name)
         self._retire(entry)
 
+    def forget(self, name: str) -> None:
+        """`name` is unloaded elsewhere (another replica): a 404 here too from now on, whether
+        or not this registry ever held it."""
+        if name in self.names:
+            self._retire(self.names.pop(name))
+        self.unloaded.add(name)
+
     def rebind(self, name: str, path: str) -> None:
         """`name` is `path` from now on, attached on first use (an adapter under the name is
         retired: the requests using it keep it)."""

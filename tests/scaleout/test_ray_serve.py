@@ -356,4 +356,12 @@ def test_app_builder_and_flag_checks(files: dict[str, Path]) -> None:
     for flags in (["--replicas", "0"], ["--min-replicas", "3", "--max-replicas", "2"]):
         with pytest.raises(ValueError, match="replicas"):
             spec_of(_args(files, files["model"].parent, *flags))
+    # the adapter budget's flags and --lora-modules' names, as graftlm serve checks them
+    for flags, words in (
+        (["--max-lora-rank", "0"], "--max-lora-rank 0"),
+        (["--lora-wait", "-1"], "--lora-wait"),
+        (["--lora-modules", "a\tb=x.gguf"], "U\\+0009"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            spec_of(_args(files, files["model"].parent, *flags))
     assert main(["--replicas", "0"]) == 1

@@ -33,7 +33,7 @@ def test_parse_size() -> None:
 def test_parse_lora_modules() -> None:
     groups = [["a=/x/a.gguf", "b=/x/b"], ['{"name": "c", "path": "/x/c.gguf"}']]
     assert parse_lora_modules(groups) == [("a", "/x/a.gguf"), ("b", "/x/b"), ("c", "/x/c.gguf")]
-    for bad in ("noequals", "=path", "name=", '{"name": "x"}'):
+    for bad in ("noequals", "=path", "name=", '{"name": "x"}', "a\nb=/x/a.gguf", " a=/x/a.gguf"):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules([[bad]])
 

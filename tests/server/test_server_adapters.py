@@ -547,6 +547,9 @@ def test_runtime_load_and_unload_over_http(server: TinyServer) -> None:
     error_of(complete("gamma"), 404, "'gamma' was unloaded")
     by_name = {"prompt": prompt, "max_tokens": 2, "lora": [{"name": "gamma", "scale": 1.0}]}
     error_of(http.post("/v1/completions", json=by_name), 404, "'gamma' (it was unloaded)")
+    # a name unloaded elsewhere (another replica told this one), never held here: a 404 too
+    server.state.registry.forget("elsewhere")
+    error_of(complete("elsewhere"), 404, "'elsewhere' was unloaded")
     assert complete("tiny").status_code == 200
     registry, service = server.state.registry, server.state.service
 

@@ -256,7 +256,9 @@ ODD_NAMES = [
     ("abc\u202edef", "U+202E"),  # right-to-left override: shows as another name
     (" ", "white space"),
     ("padded ", "white space"),
-    ("x" * 257, "at most 256"),
+    ("x" * 257, "got 257"),
+    ("a\u2066b", "U+2066"),  # a bidirectional isolate
+    ("a\u200bb", "U+200B"),  # a zero-width space: shows as "ab"
 ]
 
 
@@ -274,7 +276,8 @@ def test_runtime_adapter_names_that_cannot_be_shown_are_400(
 
 def test_runtime_adapter_names_of_any_script_load(server: TinyServer, http: httpx.Client) -> None:
     path = str(server.adapters["gamma"])
-    for name in ("org/adapter-v1.2", "名前", "x" * 256):
+    # Persian with a zero-width non-joiner; an emoji sequence joined by zero-width joiners
+    for name in ("org/adapter-v1.2", "名前", "x" * 256, "می\u200cخواهم", "👩\u200d💻"):
         r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         assert r.status_code == 200, r.text
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200

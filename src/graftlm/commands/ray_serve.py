@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from graftlm.commands.serve_args import add_serve_arguments, parse_lora_modules
+from graftlm.commands.serve_args import add_serve_arguments, check_lora_limits, parse_lora_modules
 
 
 def add_ray_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,8 +82,7 @@ def spec_of(args: argparse.Namespace) -> Any:
     from graftlm.scaleout.spec import ScaleSpec
 
     threads = args.threads if args.threads and args.threads > 0 else 1
-    if args.max_loras is not None and args.max_loras < 1:
-        raise ValueError(f"--max-loras {args.max_loras}: must be at least 1")
+    check_lora_limits(args)
     spec = ScaleSpec(
         build_state=partial(serving_state, _replica_args(args)),
         threads=threads,

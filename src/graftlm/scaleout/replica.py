@@ -147,8 +147,7 @@ class Replica:
                 if self.catalog.get(name, "") == path:
                     continue
                 if path is None:
-                    if name in reg.names:
-                        await reg.unload(name)
+                    reg.forget(name)  # (a replica started after the unload: a 404 here too)
                 else:
                     reg.rebind(name, path)
             self.catalog, self.version = dict(catalog), version
@@ -196,7 +195,8 @@ class Replica:
             if self.state.config.strict_model_names:
                 body = json.dumps(ApiError.of(exc).body()).encode()
                 return [Head(404, [(b"content-type", b"application/json")]), body], False
-            return None, True
+            # (an unloaded name: the app answers its 404, not the base)
+            return None, adapter not in self.state.registry.unloaded
         except Exception as exc:  # noqa: BLE001 - answered as the server answers it
             err = ApiError.of(exc)
             body = json.dumps(err.body()).encode()

@@ -6,8 +6,14 @@ from __future__ import annotations
 import unicodedata
 
 MAX_NAME = 256
-# control, format (a right-to-left override), line and paragraph separators: shown as other text
-_UNSHOWN = ("Cc", "Cf", "Zl", "Zp")
+# control characters, line and paragraph separators: not shown as themselves
+_UNSHOWN = ("Cc", "Zl", "Zp")
+# format characters that make a name show as another (bidirectional controls) or as the same
+# name without them (zero-width space, word joiner, byte order mark); other format characters
+# stay allowed: Persian and other scripts spell with the zero-width (non-)joiner, emoji
+# sequences and tag flags are made of them
+_HIDING = {0x061C, 0x200B, 0x200E, 0x200F, 0x2060, 0xFEFF, *range(0x202A, 0x202F)}
+_HIDING |= set(range(0x2066, 0x206A))
 
 
 def name_problem(name: str) -> str | None:
@@ -17,9 +23,18 @@ def name_problem(name: str) -> str | None:
         return "an adapter name may not be empty"
     if len(name) > MAX_NAME:
         return f"an adapter name has at most {MAX_NAME} characters, got {len(name)}"
-    bad = sorted({f"U+{ord(c):04X}" for c in name if unicodedata.category(c) in _UNSHOWN})
+    bad = sorted(
+        {
+            f"U+{ord(c):04X}"
+            for c in name
+            if unicodedata.category(c) in _UNSHOWN or ord(c) in _HIDING
+        }
+    )
     if bad:
-        return f"an adapter name may not hold control characters ({', '.join(bad[:8])})"
+        return (
+            "an adapter name may not hold control, separator or bidirectional characters "
+            f"({', '.join(bad[:8])})"
+        )
     if name != name.strip():
         return "an adapter name may not be blank or start or end with white space"
     return None

@@ -279,6 +279,13 @@ class AdapterRegistry(AdapterReads):
         self.unloaded.add(name)
         self._unname(entry)
 
+    def forget(self, name: str) -> None:
+        """`name` is unloaded elsewhere (another replica): a 404 here too from now on, whether
+        or not this registry ever held it."""
+        if name in self.names:
+            self._retire(self.names.pop(name))
+        self.unloaded.add(name)
+
     def rebind(self, name: str, path: str) -> None:
         """`name` is `path` from now on, attached on first use (an adapter under the name is
         retired: the requests using it keep it)."""

@@ -462,7 +462,9 @@ def _adapter_name(name: str) -> str:
 class LoadLoraRequest(Body):
     """POST /v1/load_lora_adapter (vLLM)."""
 
-    lora_name: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_adapter_name)]
+    lora_name: Annotated[
+        str, Field(min_length=1), AfterValidator(_adapter_name)
+    ]  # (its length too)
     lora_path: Annotated[str, Field(min_length=1)]
 
 

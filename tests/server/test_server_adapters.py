@@ -105,8 +105,8 @@ def test_lora_modules_names_follow_the_runtime_rule(
     path = str(tiny_files["alpha"])
     for name, words in (
         ("", "may not be empty"),
-        ("bad\nname", "control characters (U+000A)"),
-        ("a\u202eb", "control characters (U+202E)"),
+        ("bad\nname", "bidirectional characters (U+000A)"),
+        ("a\u202eb", "bidirectional characters (U+202E)"),
         (" padded", "white space"),
         ("x" * 257, "at most 256 characters, got 257"),
     ):
@@ -415,6 +415,9 @@ def test_one_file_loaded_under_two_names_is_one_resident_copy(
         os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # (a later mtime, however coarse)
         three = await reg.load("three", str(path))
         assert three is not one and len(reg.by_id) == 2
+        assert await reg.load("four", str(path)) is three
+        reg.forget("four")  # (unloaded on another replica: the name goes, its copy stays)
+        assert three.resident and not three.retired and "four" in reg.unloaded
         await reg.unload("two")
         await asyncio.sleep(0.05)
         assert one.retired and not one.resident and set(reg.by_id) == {three.id}

@@ -137,3 +137,22 @@ def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str |
         f"({F16_MAX:g}): every request at the global scales would overflow; its scale can be at "
         f"most {F16_MAX / reach:.4g} in magnitude"
     )
+
+
+def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:
+    """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
+    out = []
+    for i, e in sorted(by_id.items()):
+        f = e.facts
+        out.append(
+            {
+                "id": i,
+                "path": e.path,
+                "scale": scales.get(i, 0.0),
+                "task_name": f.task_name if f else "",
+                "prompt_prefix": f.prompt_prefix if f else "",
+                "alora_invocation_tokens": list(f.invocation_tokens) if f else [],
+                "name": e.name,
+            }
+        )
+    return out

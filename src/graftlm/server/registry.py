@@ -42,6 +42,7 @@ from graftlm.server.adapter_entries import (
     Lease,
     Read,
     UnknownModelError,
+    adapter_list,
     count_problem,
     file_identity,
     memory_problem,
@@ -136,22 +137,7 @@ class AdapterRegistry(AdapterReads):
 
     def adapter_list(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
-        out = []
-        scales = self.adapters.scales()
-        for i, e in sorted(self.by_id.items()):
-            f = e.facts
-            out.append(
-                {
-                    "id": i,
-                    "path": e.path,
-                    "scale": scales.get(i, 0.0),
-                    "task_name": f.task_name if f else "",
-                    "prompt_prefix": f.prompt_prefix if f else "",
-                    "alora_invocation_tokens": list(f.invocation_tokens) if f else [],
-                    "name": e.name,
-                }
-            )
-        return out
+        return adapter_list(self.by_id, self.adapters.scales())
 
     # -- requests --
     async def lease(
@@ -283,7 +269,7 @@ class AdapterRegistry(AdapterReads):
         """`name` is unloaded elsewhere (another replica): a 404 here too from now on, whether
         or not this registry ever held it."""
         if name in self.names:
-            self._retire(self.names.pop(name))
+            self._unname(self.names.pop(name))
         self.unloaded.add(name)
 
     def rebind(self, name: str, path: str) -> None:

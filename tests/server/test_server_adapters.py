@@ -4,8 +4,10 @@ a running request, and vLLM's runtime load/unload API over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from tiny_models import write_tiny_adapter
 
 import graftlm
 from graftlm.errors import AdapterError, RequestError
+from graftlm.lora.prepare import bytes_floor
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
 from graftlm.server.registry import AdapterRegistry
@@ -102,8 +105,8 @@ def test_lora_modules_names_follow_the_runtime_rule(
     path = str(tiny_files["alpha"])
     for name, words in (
         ("", "may not be empty"),
-        ("bad\nname", "control characters (U+000A)"),
-        ("a\u202eb", "control characters (U+202E)"),
+        ("bad\nname", "bidirectional characters (U+000A)"),
+        ("a\u202eb", "bidirectional characters (U+202E)"),
         (" padded", "white space"),
         ("x" * 257, "at most 256 characters, got 257"),
     ):
@@ -134,6 +137,58 @@ def test_a_request_waits_for_room_instead_of_failing(
         assert reg.names["gamma"].resident and not reg.names["alpha"].resident
         reg.release(lease)
         reg.release(held_b)
+
+    asyncio.run(go())
+
+
+def test_two_requests_never_hold_part_of_their_adapters_while_waiting(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Under --max-loras 2, A needs {alpha, beta} and B needs {gamma, delta}: each took its
+    first adapter, then both waited for room the other held, and both got a 503 (a hold-and-wait
+    deadlock; with the short wait here, A's 503 came first). A request takes all of its adapters
+    at once or none, first come first served: A is served, then B when A ends."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.add_module("delta", str(tiny_files["delta"]))
+        first = asyncio.ensure_future(reg.lease(None, None, BASE, {"alpha": 0.5, "beta": 0.5}))
+        second = asyncio.ensure_future(reg.lease(None, None, BASE, {"gamma": 0.5, "delta": 0.5}))
+        lease_a = await asyncio.wait_for(first, 120)
+        assert sorted(lease_a.labels) == ["alpha", "beta"]
+        assert not second.done()  # (B holds nothing while it waits for room A holds)
+        assert reg.names["gamma"].refs == 0 and reg.names["delta"].refs == 0
+        reg.release(lease_a)
+        lease_b = await asyncio.wait_for(second, 120)
+        assert sorted(lease_b.labels) == ["delta", "gamma"]
+        assert not reg.names["alpha"].resident and not reg.names["beta"].resident
+        reg.release(lease_b)
+        assert _attached(svc) == set(reg.by_id)
+
+    asyncio.run(go())
+
+
+def test_a_request_waiting_for_room_is_not_overtaken(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Requests are given room in arrival order: while B waits for room that alpha's request
+    holds, a later request for alpha (resident) queues behind B, where it took alpha at once
+    and, one such request after another, could keep B waiting until its 503."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s = 30.0
+        first = await reg.lease("alpha", None, BASE)
+        big = asyncio.ensure_future(reg.lease(None, None, BASE, {"beta": 1.0, "gamma": 1.0}))
+        await asyncio.sleep(0.3)  # (B has read its adapters and waits for room)
+        small = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.2)
+        assert not small.done()  # behind B
+        reg.release(first)
+        lease_b = await asyncio.wait_for(big, 120)
+        assert sorted(lease_b.labels) == ["beta", "gamma"] and not small.done()
+        reg.release(lease_b)
+        reg.release(await asyncio.wait_for(small, 120))
 
     asyncio.run(go())
 
@@ -188,8 +243,70 @@ def test_memory_budget_in_bytes(
             assert reg.resident_bytes <= nbytes * 2.5 and len(reg.by_id) <= 2
         small = AdapterRegistry(svc, max_bytes=nbytes // 2)
         small.add_module("alpha", str(tiny_files["alpha"]))
-        with pytest.raises(AdapterError, match="budget"):
+        with pytest.raises(RequestError, match="budget") as exc:
             await small.lease("alpha", None, BASE)
+        assert exc.value.code == "adapters_too_large"  # (a 400)
+
+    asyncio.run(go())
+
+
+def test_adapters_that_together_pass_the_memory_budget_are_refused_at_once(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """Two adapters that each fit --max-lora-memory but not together: the request is a 400
+    naming them, their sizes and the limit, nothing attached or held, where it held the first
+    while it waited --lora-wait for room no request's end could make, then got a 503."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        reg.release(await reg.lease("alpha", None, BASE))
+        nbytes = reg.resident_bytes
+        reg = _registry(svc, tiny_files, max_bytes=nbytes * 3 // 2)
+        reg.room_wait_s = 30.0  # (it waited this long before)
+        reg.release(await reg.lease("gamma", None, BASE))  # one alone fits
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as exc:
+            await reg.lease("alpha", None, BASE, {"beta": 0.5})
+        assert time.monotonic() - t0 < 20
+        assert exc.value.code == "adapters_too_large"
+        text = str(exc.value)
+        assert (
+            f"take {2 * nbytes} bytes at once (alpha: {nbytes} bytes, beta: {nbytes} bytes)" in text
+        )
+        assert f"the LoRA budget is {nbytes * 3 // 2} bytes (--max-lora-memory)" in text
+        assert not reg.names["alpha"].resident and not reg.names["beta"].resident
+        assert all(e.refs == 0 and e.loading is None for e in reg.names.values())
+        reg.release(await reg.lease("beta", None, BASE))  # each alone: served
+
+    asyncio.run(go())
+
+
+def test_a_global_scale_that_overflows_every_request_is_refused(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """POST /lora-adapters with a scale of 1e30 was taken, and every request at the global
+    scales then got a 400 'logits not finite' until they were reset. A scale at which the
+    adapter's delta on an input of +-1 values leaves float16's range is a 400 naming the adapter
+    and the largest magnitude it takes; scales short of that (4, -1) are taken as before."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        entry = await reg.load("fresh-alpha", str(tiny_files["alpha"]))
+        assert entry.id is not None and entry.facts is not None and entry.facts.reach > 0
+        for huge in (1e30, -1e30):
+            with pytest.raises(RequestError) as exc:
+                await reg.set_scales({entry.id: huge})
+            assert exc.value.code == "invalid_scale"
+            assert f"adapter {entry.id} (fresh-alpha): scale {huge:g}" in str(exc.value)
+            assert "can be at most" in str(exc.value)
+            assert reg.adapters.scales().get(entry.id, 0.0) == 0.0
+        for fine in (4.0, -1.0, 0.0):
+            await reg.set_scales({entry.id: fine})
+            assert reg.adapters.scales().get(entry.id, 0.0) == fine
+        await reg.unload("fresh-alpha")
+        with pytest.raises(AdapterError, match=r"--lora-scaled .*alpha.gguf: scale 1e\+30 takes"):
+            reg.preload(str(tiny_files["alpha"]), 1e30)  # (it was attached at 1e30)
+        assert len(reg.by_id) == 0
 
     asyncio.run(go())
 
@@ -233,6 +350,101 @@ def test_max_lora_rank_refuses_from_the_header_before_reading(
         reg.max_rank = 8
         reg.release(await reg.lease("big", None, BASE))  # at the limit: read and attached
         assert reads == [str(big)]
+
+    asyncio.run(go())
+
+
+def test_max_lora_memory_refuses_from_the_header_before_reading(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter whose header already shows more bytes than --max-lora-memory (its A factors, a
+    byte an element at least) is refused before its factors are read (they were read, checked
+    and packed, then refused); one between that floor and its packed size is refused after."""
+    path = str(tiny_files["gamma"])
+    reads: list[str] = []
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda p: reads.append(str(p)) or real(p))
+    floor = bytes_floor(path)
+
+    async def go() -> None:
+        probe = AdapterRegistry(svc)
+        probe.add_module("gamma", path)
+        probe.release(await probe.lease("gamma", None, BASE))
+        nbytes = probe.resident_bytes
+        await probe.unload("gamma")
+        assert 0 < floor <= nbytes, (floor, nbytes)
+        reads.clear()
+        reg = AdapterRegistry(svc, max_bytes=floor - 1)
+        reg.add_module("gamma", path)
+        with pytest.raises(RequestError) as exc:
+            await reg.lease("gamma", None, BASE)
+        assert exc.value.code == "adapters_too_large" and reads == []
+        assert f"adapter 'gamma': {path}: {floor} bytes or more once read" in str(exc.value)
+        assert f"LoRA budget of {floor - 1} bytes (--max-lora-memory)" in str(exc.value)
+        reg.max_bytes = nbytes - 1  # (past the floor: read, then refused)
+        with pytest.raises(RequestError, match="budget"):
+            await reg.lease("gamma", None, BASE)
+        assert reads == [path] and not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_one_file_loaded_under_two_names_is_one_resident_copy(
+    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """load_lora_adapter of the same file (path, size, mtime) under two names attached two
+    copies (1000 names: 1000 copies, unbounded without --max-loras). The names now share one:
+    unloading one leaves the other served; a file changed on disk is a copy of its own."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        path = tmp_path / "same.gguf"
+        path.write_bytes(tiny_files["alpha"].read_bytes())
+        one = await reg.load("one", str(path))
+        size = reg.resident_bytes
+        two = await reg.load("two", str(tmp_path / "." / "same.gguf"))
+        assert two is one and len(reg.by_id) == 1 and reg.resident_bytes == size
+        lease = await reg.lease("two", None, BASE)
+        assert lease.lora == {one.id: 1.0}
+        reg.release(lease)
+        await reg.unload("one")
+        assert one.resident and not one.retired
+        reg.release(await reg.lease("two", None, BASE))  # still served
+        mtime = path.stat().st_mtime_ns
+        path.write_bytes(tiny_files["beta"].read_bytes())  # changed on disk: not the same file
+        os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # (a later mtime, however coarse)
+        three = await reg.load("three", str(path))
+        assert three is not one and len(reg.by_id) == 2
+        assert await reg.load("four", str(path)) is three
+        reg.forget("four")  # (unloaded on another replica: the name goes, its copy stays)
+        assert three.resident and not three.retired and "four" in reg.unloaded
+        await reg.unload("two")
+        await asyncio.sleep(0.05)
+        assert one.retired and not one.resident and set(reg.by_id) == {three.id}
+        assert _attached(svc) == set(reg.by_id)
+        await reg.unload("three")
+
+    asyncio.run(go())
+
+
+def test_a_read_whose_request_went_is_not_kept(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request cancelled while its adapter is read (a client gone): the read ends in its
+    thread and is not kept, since a prepared adapter that has not landed is in no budget."""
+    real = svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda p: time.sleep(0.3) or real(p))
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        gone = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        entry = reg.names["alpha"]
+        assert entry.loading is not None
+        await await_until(lambda: entry.loading is None, 30, "the read to be let go")
+        assert not entry.resident
+        reg.release(await reg.lease("alpha", None, BASE))  # read again, served
 
     asyncio.run(go())
 

@@ -132,6 +132,8 @@ class ResolvedAdapter:
     prompt_prefix: str = ""
     invocation_tokens: list[int] = field(default_factory=list)
     source: str = "gguf"  # "gguf" or "peft"
+    # the largest output of a delta on an input of +-1 values, at scale 1 (check_values')
+    reach: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -143,12 +145,17 @@ class ResolvedAdapter:
         input of +-1 values (about the scale of a normalized activation) leaves float16's range,
         where the KV cache and the activations overflow (alpha / r folded in). A file whose
         declared alignment does not match where its writer put the data reads as such values.
-        Each file tensor (a part of a stacked delta) is checked and named on its own."""
-        if _all_within(self.deltas):
+        Each file tensor (a part of a stacked delta) is checked and named on its own. Keeps
+        the largest reach (`reach`): a global scale past F16_MAX / reach overflows every use."""
+        within = _all_within(self.deltas)
+        if within is not None:
+            self.reach = within
             return
         problems = []
         for name, d in sorted(self.deltas.items()):
-            if _reach(d.a, d.b, name == EMBEDDING) <= F16_MAX:  # nan and inf fail it too
+            reach = _reach(d.a, d.b, name == EMBEDDING)
+            if reach <= F16_MAX:  # nan and inf fail it too
+                self.reach = max(self.reach, reach)
                 continue
             for where, a, b in _pieces(name, d):
                 a, b = a.double(), b.double()
@@ -170,16 +177,17 @@ class ResolvedAdapter:
             )
 
 
-def _all_within(deltas: dict[str, Delta]) -> bool:
-    """Whether every projection's delta is clearly within check_values' limit: their reaches
-    computed together, the deltas of one shape as one batched product (a few tensor operations
+def _all_within(deltas: dict[str, Delta]) -> float | None:
+    """The largest reach of the deltas where every projection's delta is clearly within
+    check_values' limit, else None: their reaches computed together, the deltas of one shape as one batched product (a few tensor operations
     an adapter, not a few a projection), with a margin for the batched sums' other rounding.
-    False sends check_values to its exact per-delta test."""
+    None sends check_values to its exact per-delta test."""
     groups: dict[tuple[int, ...], list[Delta]] = {}
     for name, d in deltas.items():
         if name == EMBEDDING or d.a.dtype != d.b.dtype:
-            return False
+            return None
         groups.setdefault((*d.a.shape, *d.b.shape), []).append(d)
+    most = 0.0
     for group in groups.values():
         a, b = torch.stack([d.a for d in group]), torch.stack([d.b for d in group])
         if not a.numel() or not b.numel():
@@ -187,8 +195,9 @@ def _all_within(deltas: dict[str, Delta]) -> bool:
         x = _signs(a.shape[2], a.dtype).expand(a.shape[0], -1).unsqueeze(2)  # (G, n_in, 1)
         reach = float(torch.bmm(b, torch.bmm(a, x)).abs().max())
         if not reach <= F16_MAX * 0.999:  # nan and inf fail it too
-            return False
-    return True
+            return None
+        most = max(most, reach)
+    return most
 
 
 def _pieces(name: str, d: Delta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -32,6 +32,7 @@ class AdapterFacts:
     prompt_prefix: str
     n_tensors: int
     invocation_tokens: tuple[int, ...] = ()  # activated LoRA's; () for a plain LoRA
+    reach: float = 0.0  # ResolvedAdapter.reach: the largest delta output on +-1 inputs, scale 1
 
     @classmethod
     def of(cls, resolved: ResolvedAdapter) -> AdapterFacts:
@@ -44,6 +45,7 @@ class AdapterFacts:
             prompt_prefix=resolved.prompt_prefix,
             n_tensors=resolved.n_tensors,
             invocation_tokens=tuple(resolved.invocation_tokens),
+            reach=float(resolved.reach),
         )
 
 
@@ -81,6 +83,27 @@ def rank_floor(path: str | Path) -> int:
     read): over its A factors, the largest of each one's smallest dimension (the rank is one of
     its dimensions); 0 where the header does not tell (the full read says why). An adapter whose
     floor is past a rank limit is past it, and is refused before anything is read."""
+    return max((min(s) for s in _a_shapes(path) if s), default=0)
+
+
+def bytes_floor(path: str | Path) -> int:
+    """A bound from below on the bytes an adapter holds once read and packed (AdapterFacts'
+    nbytes, what --max-lora-memory counts), from its file's header alone: every element of its
+    A factors takes a byte at least (Q8_0 codes; bfloat16 or float32 elsewhere), B's may take
+    none (a column that is zero in B is packed in no part: an untrained adapter's B is zero),
+    so the header gives no more; 0 where it does not tell (the full read says why)."""
+    total = 0
+    for shape in _a_shapes(path, experts=True):
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def _a_shapes(path: str | Path, experts: bool = False) -> list[list[int]]:
+    """The shapes of an adapter's A factors in its header ([] where it cannot be read); PEFT's
+    stacked-expert A ((r n_expert, n_in)) only with experts."""
     p = Path(path)
     try:
         if p.is_dir():
@@ -94,7 +117,7 @@ def rank_floor(path: str | Path) -> int:
                     st.get_slice(k).get_shape()
                     for k in st.keys()  # noqa: SIM118 - a safetensors handle, not a dict
                     if k.endswith(("lora_A.weight", "lora_embedding_A"))
-                    and ".experts.lora_A" not in k
+                    and (experts or ".experts.lora_A" not in k)
                 ]
         else:
             from graftlm.gguf import GGUFFile
@@ -102,8 +125,8 @@ def rank_floor(path: str | Path) -> int:
             f = GGUFFile(p)
             shapes = [list(e.shape) for n, e in f.tensors.items() if n.endswith(".lora_a")]
     except Exception:  # noqa: BLE001 - an unreadable header: the full read names the problem
-        return 0
-    return max((min(s) for s in shapes if s), default=0)
+        return []
+    return shapes
 
 
 @functools.cache

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from graftlm.errors import RequestError
-from graftlm.lora.prepare import AdapterFacts
+from graftlm.lora.adapter import F16_MAX
+from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
 from graftlm.lora.settings import AdapterSettings
 
 
@@ -19,11 +21,26 @@ class UnknownModelError(RequestError):
         super().__init__(message, "model_not_found")
 
 
+def file_identity(path: str) -> tuple[str, int, int] | None:
+    """(resolved path, size, mtime in ns) of an adapter file, or None (a PEFT folder, a path that
+    cannot be read: the read says why)."""
+    try:
+        p = Path(path).resolve()
+        st = p.stat()
+    except OSError:
+        return None
+    return (str(p), st.st_size, st.st_mtime_ns) if p.is_file() else None
+
+
 def names_text(names: list[str], most: int = 20) -> str:
     """The first `most` names (each cut to 64 characters) and how many more: short however many."""
     shown = ", ".join(n if len(n) <= 64 else n[:61] + "..." for n in names[:most])
     more = f" (and {len(names) - most} more: GET /v1/models)" if len(names) > most else ""
     return (shown or "none") + more
+
+
+# an adapter read and checked: (it, the seconds its read took, when its request asked for it)
+Read = tuple[PreparedAdapter, float, float]
 
 
 @dataclass
@@ -37,10 +54,14 @@ class AdapterEntry:
     last_used: float = 0.0
     retired: bool = False  # replaced or unloaded: dropped when its last request ends
     evicted: bool = False  # `evict`ed while in use: detached when its last request ends
-    loading: asyncio.Task[int] | None = None
+    loading: asyncio.Task[Read] | None = None  # its read, until it lands
+    landing: asyncio.Task[int] | None = None  # its attach, its room held
     # requests waiting for its attach: it is not evicted until they hold it (or it came and
     # went before they woke up, again and again, under a budget thrashed by other adapters)
     waiting: int = 0
+    # (resolved path, size, mtime) of a runtime load's file: another name loading the same file
+    # shares this entry, one resident copy
+    identity: tuple[str, int, int] | None = None
 
     @property
     def resident(self) -> bool:
@@ -78,3 +99,60 @@ def count_problem(
         f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
         f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"
     )
+
+
+def memory_problem(
+    sizes: Mapping[str, int],
+    named: Iterable[AdapterEntry],
+    resident: Iterable[AdapterEntry],
+    max_bytes: int,
+) -> str | None:
+    """Why a request whose adapters take `sizes` bytes (name -> bytes, those known) can never
+    have them resident at once under `max_bytes` beside the pinned adapters it does not use, or
+    None."""
+    need = {id(e) for e in named}
+    pinned = sum(e.facts.nbytes for e in resident if e.pinned and id(e) not in need and e.facts)
+    total = sum(sizes.values())
+    if total + pinned <= max_bytes:
+        return None
+    each = ", ".join(f"{n[:64]}: {b} bytes" for n, b in sorted(sizes.items())[:20])
+    beside = f" beside {pinned} bytes of pinned adapters" if pinned else ""
+    return (
+        f"this request's adapters take {total} bytes at once ({each}){beside}; "
+        f"the LoRA budget is {max_bytes} bytes (--max-lora-memory)"
+    )
+
+
+def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str | None:
+    """Why `scale` cannot be an adapter's global scale, or None: past F16_MAX / its reach, its
+    delta on an input of +-1 values leaves float16's range, and every request at the global
+    scales would end in a 400 'logits not finite' until they were reset (llama-server and PEFT
+    take any number; a request's own scale still may, the request being the only one hurt)."""
+    reach = facts.reach if facts is not None else 0.0
+    if abs(scale) * reach <= F16_MAX:
+        return None
+    return (
+        f"{what}: scale {scale:g} takes its delta to "
+        f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
+        f"({F16_MAX:g}): every request at the global scales would overflow; its scale can be at "
+        f"most {F16_MAX / reach:.4g} in magnitude"
+    )
+
+
+def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:
+    """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
+    out = []
+    for i, e in sorted(by_id.items()):
+        f = e.facts
+        out.append(
+            {
+                "id": i,
+                "path": e.path,
+                "scale": scales.get(i, 0.0),
+                "task_name": f.task_name if f else "",
+                "prompt_prefix": f.prompt_prefix if f else "",
+                "alora_invocation_tokens": list(f.invocation_tokens) if f else [],
+                "name": e.name,
+            }
+        )
+    return out

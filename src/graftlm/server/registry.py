@@ -16,7 +16,12 @@ attached while a step is in flight, beside the step (`EngineService.attach`).
   base's answer (which a name never registered gets without --strict-model-names).
 
 A request takes a `Lease` (the adapter scales it runs with, fixed at admission) and releases it
-when it ends; that is what keeps its adapters resident.
+when it ends; that is what keeps its adapters resident. It takes all of its adapters at once or
+none (`_take`): room is made for one request at a time, in arrival order, for all it lacks
+together, so no request waits holding part of what it needs (two such could wait on each other
+until both got 503s), and one waiting for room is not overtaken. A request that can never fit
+(more adapters than --max-loras, more bytes than --max-lora-memory, beside the pinned ones) is
+a 400 at once.
 """
 
 from __future__ import annotations
@@ -29,22 +34,28 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
-from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, one_thread, rank_floor
+from graftlm.lora.prepare import PreparedAdapter
 from graftlm.lora.settings import AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
     AdapterEntry,
     Lease,
+    Read,
     UnknownModelError,
+    adapter_list,
     count_problem,
+    file_identity,
+    memory_problem,
     names_text,
+    scale_overflow,
 )
+from graftlm.server.adapter_reads import AdapterReads
 from graftlm.server.names import name_problem
 
 __all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
 
-class AdapterRegistry:
+class AdapterRegistry(AdapterReads):
     def __init__(
         self,
         service: EngineService,
@@ -73,7 +84,9 @@ class AdapterRegistry:
         # callables(name, load, wait) told after each attach on first use: the seconds it took to
         # read, check, pack and attach, and those it waited for room (or for another attach)
         self.on_attach: list[Any] = []
-        self._attach_lock = asyncio.Lock()  # room is made for one attach at a time
+        # room is made for one request at a time, in arrival order (asyncio.Lock is FIFO)
+        self._admission = asyncio.Lock()
+        self._room_wanted = False  # a request waits for room: the others queue behind it
         # attaches on their way to the engine: the room made for them, held until they land
         self._reserved = 0
         self._reserved_bytes = 0
@@ -85,6 +98,9 @@ class AdapterRegistry:
         self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
+        problem = scale_overflow(f"--lora-scaled {path}", prepared.facts, float(scale))
+        if problem is not None:
+            raise AdapterError(problem)
         adapter_id = self.service.attach(prepared, float(scale)).result()
         entry = AdapterEntry(
             self._free_name(name or Path(path).name.removesuffix(".gguf")), path, pinned=True
@@ -121,22 +137,7 @@ class AdapterRegistry:
 
     def adapter_list(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
-        out = []
-        scales = self.adapters.scales()
-        for i, e in sorted(self.by_id.items()):
-            f = e.facts
-            out.append(
-                {
-                    "id": i,
-                    "path": e.path,
-                    "scale": scales.get(i, 0.0),
-                    "task_name": f.task_name if f else "",
-                    "prompt_prefix": f.prompt_prefix if f else "",
-                    "alora_invocation_tokens": list(f.invocation_tokens) if f else [],
-                    "name": e.name,
-                }
-            )
-        return out
+        return adapter_list(self.by_id, self.adapters.scales())
 
     # -- requests --
     async def lease(
@@ -173,20 +174,10 @@ class AdapterRegistry:
         too_many = count_problem(needed, lora, self.by_id, self.max_loras)
         if too_many is not None:  # (before anything is attached or held)
             raise RequestError(too_many, "too_many_adapters")
-        held: list[AdapterEntry] = []
-        named: dict[int, float] = {}
-        listed: dict[int, float] = {}
-        try:
-            if entry is not None:
-                named[await self._ensure(entry)] = 1.0  # acquired: stays resident
-                held.append(entry)
-            for e, scale in extra:
-                listed[await self._ensure(e)] = scale
-                held.append(e)
-        except BaseException:
-            for e in held:
-                e.refs -= 1
-            raise
+        held = list({id(e): e for e in needed}.values())
+        await self._take(held)  # all of them resident and held, or none held
+        named = {entry.id: 1.0} if entry is not None and entry.id is not None else {}
+        listed = {e.id: scale for e, scale in extra if e.id is not None}
         if lora is not None:
             listed.update(lora)  # (a later entry wins, as in the list)
         # from here on nothing awaits: the ids checked below cannot go away before they are held
@@ -239,20 +230,29 @@ class AdapterRegistry:
     async def set_scales(self, items: Mapping[int, float]) -> None:
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
+        for i, scale in scales.items():
+            e = self.by_id[i]
+            problem = scale_overflow(f"adapter {i} ({e.name[:64]})", e.facts, scale)
+            if problem is not None:
+                raise RequestError(f"lora: {problem}", "invalid_scale")
         await asyncio.wrap_future(self.service.set_scales(scales))
         self._freed.set()  # an adapter at global scale 0 may now be evicted
 
     # -- loading and eviction --
     async def load(self, name: str, path: str) -> AdapterEntry:
         """vLLM's load_lora_adapter: attach now (a broken file fails here); a name already in use
-        is replaced, the old adapter staying with the requests that use it."""
-        entry = AdapterEntry(name, path)
-        await self._ensure(entry, acquire=False)
+        is replaced, the old adapter staying with the requests that use it. A file another name
+        loaded (same resolved path, size and mtime) is not read again: the names share its one
+        resident copy (its id, its global scale, and the first name in metrics' labels)."""
+        ident = file_identity(path)
+        same = [e for e in self.names.values() if ident and e.identity == ident and not e.retired]
+        entry = same[0] if same else AdapterEntry(name, path, identity=ident)
+        await self._take([entry], hold=False)
         old = self.names.get(name)
         self.names[name] = entry
         self.unloaded.discard(name)
         if old is not None:
-            self._retire(old)
+            self._unname(old)
         return entry
 
     async def unload(self, name: str) -> None:
@@ -263,13 +263,13 @@ class AdapterRegistry:
             )
         del self.names[name]
         self.unloaded.add(name)
-        self._retire(entry)
+        self._unname(entry)
 
     def forget(self, name: str) -> None:
         """`name` is unloaded elsewhere (another replica): a 404 here too from now on, whether
         or not this registry ever held it."""
         if name in self.names:
-            self._retire(self.names.pop(name))
+            self._unname(self.names.pop(name))
         self.unloaded.add(name)
 
     def rebind(self, name: str, path: str) -> None:
@@ -281,7 +281,7 @@ class AdapterRegistry:
         self.names[name] = AdapterEntry(name, path)
         self.unloaded.discard(name)
         if old is not None:
-            self._retire(old)
+            self._unname(old)
 
     async def warm(self, name: str) -> AdapterEntry:
         """Attach a named adapter now, without a request (a router's load); UnknownModelError
@@ -292,7 +292,7 @@ class AdapterRegistry:
             known = names_text(sorted(self.names))
             raise UnknownModelError(f"the model {name[:200]!r} {what}; adapters: {known}")
         entry.evicted = False
-        await self._ensure(entry, acquire=False)
+        await self._take([entry], hold=False)
         return entry
 
     def evict(self, name: str) -> None:
@@ -307,52 +307,101 @@ class AdapterRegistry:
             return
         self._drop_later(entry)
 
+    def _unname(self, entry: AdapterEntry) -> None:
+        """A name no longer maps to `entry`: retired unless another name shares it."""
+        if not any(e is entry for e in self.names.values()):
+            self._retire(entry)
+
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
         if entry.resident and entry.refs == 0:
             self._drop_later(entry)
 
-    async def _ensure(self, entry: AdapterEntry, acquire: bool = True) -> int:
-        """Attach the entry if needed; with acquire, take a reference in the same breath (nothing
-        can evict it between the attach and the reference)."""
+    async def _take(self, needed: list[AdapterEntry], hold: bool = True) -> None:
+        """Every adapter of `needed` resident and, with hold, held (a reference each): all at
+        once or none. A request that held some while it waited for room for the others could
+        wait on another doing the same, both until their 503s. The reads go first, holding
+        nothing; then room is made for all of a request's adapters together, one request at a
+        time in arrival order (`_admission`). A request whose adapters are all resident goes
+        ahead, unless one waits for room: it would hold what that one waits for."""
         for _ in range(8):
-            if entry.id is not None:
-                if acquire:
-                    entry.refs += 1
-                return entry.id
-            if entry.loading is None:
-                entry.loading = asyncio.ensure_future(self._attach(entry))
-            task = entry.loading
-            entry.waiting += 1
+            if not self._room_wanted and all(e.id is not None for e in needed):
+                break
+            read = await self._read_all(needed)
             try:
-                await asyncio.shield(task)
+                self._check_memory(needed, read)
+                await self._bring(needed, read)
             finally:
-                entry.waiting -= 1
-                if task.done() and entry.loading is task:
-                    entry.loading = None
-        raise RequestError(
-            f"adapter {entry.name!r} was evicted again and again: too many adapters in use",
-            "adapter_memory_busy",
-        )
+                for e in needed:  # (a prepared adapter not attached is not kept)
+                    if e.loading is not None and e.loading.done() and e.id is None:
+                        e.loading = None
+            if all(e.id is not None for e in needed):  # (no await from here to the refs)
+                break
+        else:
+            raise RequestError(
+                f"adapters {names_text([e.name for e in needed])} were evicted again and again: "
+                "too many adapters in use",
+                "adapter_memory_busy",
+            )
+        if hold:
+            for e in needed:
+                e.refs += 1
 
-    async def _attach(self, entry: AdapterEntry) -> int:
-        t0 = time.perf_counter()
+    def _check_memory(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
+        """A RequestError (400) when the adapters of `needed` whose sizes are known (resident,
+        just read, or attached before) and the pinned ones beside them are over --max-lora-memory:
+        no request's end makes that room."""
+        if self.max_bytes is None:
+            return
+        sizes = {}
+        for e in needed:
+            facts = read[id(e)][0].facts if id(e) in read else e.facts
+            if facts is not None:
+                sizes[e.name] = facts.nbytes
+        problem = memory_problem(sizes, needed, self.by_id.values(), self.max_bytes)
+        if problem is not None:
+            raise RequestError(problem, "adapters_too_large")
+
+    async def _bring(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
+        """Room for the adapters of `needed` just read, made at once, and their attaches
+        (landings) started; returns when every landing of `needed` has ended. Those resident are
+        kept from eviction meanwhile (`waiting`)."""
+        marked = False
         try:
-            prepared, read = await self._read(entry)
-            self._check_rank(prepared.facts)
-        except AdapterError as e:  # the file names the path: the request knows the name
-            raise AdapterError(f"adapter {entry.name!r}: {e}") from e
-        nbytes = prepared.facts.nbytes
-        async with self._attach_lock:  # the room, made and held for this attach
-            await self._make_room(nbytes, entry.name)
-            self._reserved += 1
-            self._reserved_bytes += nbytes
-        t1 = time.perf_counter()  # (before it: waiting for room, or for another attach)
-        try:  # outside the lock: attaches that have their room reach the engine together
+            async with self._admission:
+                for e in needed:  # (marked only here: one queued must not hold what it needs)
+                    e.waiting += 1
+                marked = True
+                missing = [
+                    e for e in needed if e.id is None and e.landing is None and id(e) in read
+                ]
+                sizes = [read[id(e)][0].facts.nbytes for e in missing]
+                if missing:
+                    await self._make_room(len(missing), sum(sizes), [e.name for e in missing])
+                for e, nbytes in zip(missing, sizes, strict=True):
+                    self._reserved += 1
+                    self._reserved_bytes += nbytes
+                    e.loading = None
+                    e.landing = asyncio.ensure_future(self._land(e, *read[id(e)], nbytes))
+            # outside the admission: attaches that have their room reach the engine together
+            landings = [e.landing for e in needed if e.landing is not None]
+            if landings:
+                await asyncio.gather(*(asyncio.shield(t) for t in landings))
+        finally:
+            for e in needed if marked else ():
+                e.waiting -= 1
+
+    async def _land(
+        self, entry: AdapterEntry, prepared: PreparedAdapter, read: float, t0: float, nbytes: int
+    ) -> int:
+        """Attach a prepared adapter in the room held for it."""
+        t1 = time.perf_counter()  # (from t0 to here, less the read: waiting)
+        try:
             adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
         finally:
             self._reserved -= 1
             self._reserved_bytes -= nbytes
+            entry.landing = None
         entry.id, entry.facts = adapter_id, prepared.facts
         self.by_id[adapter_id] = entry
         self._changed()
@@ -361,96 +410,53 @@ class AdapterRegistry:
             fn(entry.name, read + t2 - t1, t1 - t0 - read)
         return adapter_id
 
-    async def _read(self, entry: AdapterEntry) -> tuple[PreparedAdapter, float]:
-        """The adapter read, checked and packed in a worker thread (off the event loop and the
-        engine thread), and the seconds the read itself took.
-
-        One read at a time: reads hold the interpreter's lock most of the time, so side by side
-        they only take turns, every one of them ending late (16 arriving together each took
-        ~20 times as long as one alone), and each turn they take from the engine's thread slows
-        its step. In turn, the first ends as soon as it would alone, and the time a read queued
-        behind others is waiting, not reading. A read that takes longer than `read_alone_s`
-        (a slow disk, a network mount) lets the next one start beside it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.load_timeout_s
-        started: list[float] = []
-
-        def read() -> PreparedAdapter:
-            started.append(time.perf_counter())
-            with one_thread():  # (the cores are the engine's)
-                self._check_rank_floor(entry.path)  # (before the factors are read)
-                return self.service.prepare_adapter(entry.path)
-
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._reading.acquire()
-                try:
-                    job = loop.run_in_executor(None, read)
-                    await asyncio.wait([job], timeout=self.read_alone_s)
-                finally:
-                    self._reading.release()
-                prepared = await job
-        except TimeoutError:  # (the read goes on in its thread; this request no longer waits)
-            raise RequestError(
-                f"reading adapter {entry.name!r} took more than {self.load_timeout_s:g} s",
-                "adapter_load_timeout",
-            ) from None
-        return prepared, time.perf_counter() - started[0]
-
-    def _check_rank_floor(self, path: str) -> None:
-        if self.max_rank is not None and (floor := rank_floor(path)) > self.max_rank:
-            raise AdapterError(
-                f"{path}: rank {floor} or more (its header) is above --max-lora-rank {self.max_rank}"
-            )
-
-    def _check_rank(self, facts: AdapterFacts) -> None:
-        if self.max_rank is not None and facts.rank > self.max_rank:
-            raise AdapterError(
-                f"{facts.path}: rank {facts.rank} is above --max-lora-rank {self.max_rank}"
-            )
-
-    async def _make_room(self, nbytes: int, name: str) -> None:
+    async def _make_room(self, count: int, nbytes: int, names: list[str]) -> None:
+        """Room for `count` more adapters of `nbytes` together, evicting idle ones (least
+        recently used first); waits up to room_wait_s for requests to release theirs."""
         if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise AdapterError(
-                f"adapter {name!r} needs {nbytes} bytes, "
-                f"more than the whole LoRA budget of {self.max_bytes} bytes"
+            raise RequestError(
+                f"adapters {names_text(names)} need {nbytes} bytes, "
+                f"more than the whole LoRA budget of {self.max_bytes} bytes",
+                "adapters_too_large",
             )
 
         def over() -> bool:  # (counting the room held for attaches on their way)
             held = self.resident_bytes + self._reserved_bytes + nbytes
             too_big = self.max_bytes is not None and held > self.max_bytes
-            too_many = (
-                self.max_loras is not None and len(self.by_id) + self._reserved + 1 > self.max_loras
-            )
-            return too_big or too_many
+            n = len(self.by_id) + self._reserved + count
+            return too_big or (self.max_loras is not None and n > self.max_loras)
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.room_wait_s
-        while over():
-            scales = self.adapters.scales()
-            idle = [
-                e
-                for e in self.by_id.values()
-                if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
-            ]
-            if idle:
-                # unlinked now, detached on the engine's thread at the next step's boundary:
-                # nobody waits for a step to end here (the attach this room is for goes in
-                # before that when a step is in flight, beside it: the model holds the
-                # adapter it replaces until the step ends)
-                self._drop_later(min(idle, key=lambda e: e.last_used))
-                continue
-            left = deadline - loop.time()
-            if left <= 0:  # queued as long as we wait: then the client hears why
-                raise RequestError(
-                    f"no room for adapter {name!r}: the LoRA budget "
-                    f"({self._budget_text()}) stayed held by adapters in use for "
-                    f"{self.room_wait_s:g} s; retry when requests end",
-                    "adapter_memory_busy",
-                )
-            self._freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left)
+        try:
+            while over():
+                scales = self.adapters.scales()
+                idle = [
+                    e
+                    for e in self.by_id.values()
+                    if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
+                ]
+                if idle:
+                    # unlinked now, detached on the engine's thread at the next step's boundary:
+                    # nobody waits for a step to end here (the attach this room is for goes in
+                    # before that when a step is in flight, beside it: the model holds the
+                    # adapter it replaces until the step ends)
+                    self._drop_later(min(idle, key=lambda e: e.last_used))
+                    continue
+                left = deadline - loop.time()
+                if left <= 0:  # queued as long as we wait: then the client hears why
+                    raise RequestError(
+                        f"no room for adapters {names_text(names)}: the LoRA budget "
+                        f"({self._budget_text()}) stayed held by adapters in use for "
+                        f"{self.room_wait_s:g} s; retry when requests end",
+                        "adapter_memory_busy",
+                    )
+                self._room_wanted = True  # (requests arriving now queue behind this one)
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), left)
+        finally:
+            self._room_wanted = False
 
     def _budget_text(self) -> str:
         parts = []

@@ -126,6 +126,18 @@ def test_converted_gguf_stacks_the_experts(made: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["params", "linear", "gguf"])
+def test_rank_floor_from_the_header_is_the_rank(made: dict[str, Any], kind: str) -> None:
+    """--max-lora-rank's check before the read: the header's floor of every form of expert
+    adapter is its rank (PEFT's second target parameter saves its stacked A under
+    `experts.base_layer.lora_A`: its (r n_expert, n_in) read as a rank of r n_expert refused a
+    rank-R adapter under a limit above R)."""
+    from graftlm.lora.prepare import rank_floor
+
+    floor, tensor = rank_floor(made["tmp"] / ("lora.gguf" if kind == "gguf" else kind))
+    assert floor == R, tensor
+
+
+@pytest.mark.parametrize("kind", ["params", "linear", "gguf"])
 def test_matches_peft(made: dict[str, Any], kind: str) -> None:
     path = made["tmp"] / ("lora.gguf" if kind == "gguf" else kind)
     ours = graftlm.load(made["base"], ctx_size=64, reference=True)

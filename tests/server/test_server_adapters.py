@@ -97,6 +97,33 @@ def test_a_request_for_more_adapters_than_max_loras_is_refused_at_once(
     asyncio.run(go())
 
 
+def test_pinned_adapters_past_max_loras_are_refused_at_start(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """More pinned adapters (--lora) than --max-loras: refused when the second is given, where
+    the server started and then refused every request, a base one too, as too many adapters."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=1)
+        delta = reg.preload(str(tiny_files["delta"]), 0.0, "delta")
+        with pytest.raises(AdapterError, match="more pinned adapters .* than --max-loras 1"):
+            reg.preload(str(tiny_files["alpha"]), 0.0, "alpha-pinned")
+        assert set(reg.by_id) == {delta.id} and "alpha-pinned" not in reg.names
+        reg.release(await reg.lease(None, None, BASE))  # a base request: served
+        lease = await reg.lease("delta", None, BASE)
+        # delta unloaded while a request uses it: it holds its place only until that request
+        # ends, so a request for alpha waits for it (it was refused as too many adapters)
+        await reg.unload("delta")
+        waiting = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+        await asyncio.sleep(0.05)
+        reg.release(lease)
+        got = await waiting
+        assert got.labels == ["alpha"] and set(reg.by_id) == {reg.names["alpha"].id}
+        reg.release(got)
+
+    asyncio.run(go())
+
+
 def test_lora_modules_names_follow_the_runtime_rule(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:

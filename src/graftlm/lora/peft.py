@@ -31,7 +31,7 @@ from graftlm.lora.arch_rules import ARCH_RULES, PERMUTED_KINDS, arch_rules, hf_t
 from graftlm.lora.gguf_adapter import combine
 from graftlm.lora.peft_base import BaseInfo, LoraPair, dtype_problems, fit_problems
 from graftlm.lora.peft_config import CONFIG_FILE, PeftConfig, parse_config
-from graftlm.lora.peft_experts import read_experts
+from graftlm.lora.peft_experts import read_experts, stacked_experts_module
 from graftlm.lora.targets import resolve_target
 
 if TYPE_CHECKING:
@@ -216,6 +216,22 @@ def _refusal_head(d: Path, raw: Any, st: Any, keys: list[str], base: BaseInfo) -
         f"{d}: cannot attach PEFT adapter{' ' + made_for if made_for else ''} to {base.arch} "
         f"base {base.path!r}{base_width}:"
     )
+
+
+def a_factor_shapes(d: Path, experts: bool) -> list[tuple[str, list[int]]]:
+    """The A factors of a PEFT directory's weights file, (key, shape), from its header alone
+    (nothing read); the stacked-expert form of `target_parameters` (A of (r n_expert, n_in),
+    under `...mlp.experts[.base_layer...]`) only with `experts`. Raises what the header's
+    reader raises."""
+    out = []
+    with safe_open(str(peft_files(d)[1]), "pt") as st:
+        for key in st.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            module, part, _ = _split_key(key)
+            if module is None or part != "a":
+                continue
+            if experts or not stacked_experts_module(module):
+                out.append((key, list(st.get_slice(key).get_shape())))
+    return out
 
 
 def _split_key(key: str) -> tuple[str | None, str, bool]:

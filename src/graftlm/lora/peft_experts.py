@@ -55,6 +55,12 @@ class _Factors:
     alpha: float
 
 
+def stacked_experts_module(module: str) -> bool:
+    """Whether a PEFT module name is the `target_parameters` form on a layer's experts (its A
+    stacks the experts' factors), as read_experts reads it."""
+    return _EXPERT_PARAMS.fullmatch(module) is not None
+
+
 def read_experts(
     st: Any,
     module: str,

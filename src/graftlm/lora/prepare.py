@@ -78,12 +78,14 @@ def prepare_adapter(adapters: AdapterSet, path: str | Path) -> PreparedAdapter:
     return PreparedAdapter(AdapterFacts.of(resolved), resolved)
 
 
-def rank_floor(path: str | Path) -> int:
+def rank_floor(path: str | Path) -> tuple[int, str]:
     """A bound from below on an adapter's rank, from its file's header alone (no factor is
-    read): over its A factors, the largest of each one's smallest dimension (the rank is one of
-    its dimensions); 0 where the header does not tell (the full read says why). An adapter whose
-    floor is past a rank limit is past it, and is refused before anything is read."""
-    return max((min(s) for s in _a_shapes(path) if s), default=0)
+    read), and the tensor that gives it: over its A factors, the largest of each one's smallest
+    dimension (the rank is one of its dimensions); (0, "") where the header does not tell (the
+    full read says why). An adapter whose floor is past a rank limit is past it, and is refused
+    before anything is read."""
+    found = [(min(shape), f"{key} {shape}") for key, shape in _a_shapes(path) if shape]
+    return max(found, default=(0, ""))
 
 
 def bytes_floor(path: str | Path) -> int:
@@ -93,7 +95,7 @@ def bytes_floor(path: str | Path) -> int:
     none (a column that is zero in B is packed in no part: an untrained adapter's B is zero),
     so the header gives no more; 0 where it does not tell (the full read says why)."""
     total = 0
-    for shape in _a_shapes(path, experts=True):
+    for _, shape in _a_shapes(path, experts=True):
         n = 1
         for d in shape:
             n *= int(d)
@@ -101,32 +103,21 @@ def bytes_floor(path: str | Path) -> int:
     return total
 
 
-def _a_shapes(path: str | Path, experts: bool = False) -> list[list[int]]:
-    """The shapes of an adapter's A factors in its header ([] where it cannot be read); PEFT's
-    stacked-expert A ((r n_expert, n_in)) only with experts."""
+def _a_shapes(path: str | Path, experts: bool = False) -> list[tuple[str, list[int]]]:
+    """An adapter's A factors in its header, (tensor, shape) ([] where it cannot be read);
+    PEFT's stacked-expert A ((r n_expert, n_in)) only with experts."""
     p = Path(path)
     try:
         if p.is_dir():
-            from safetensors import safe_open
+            from graftlm.lora.peft import a_factor_shapes
 
-            from graftlm.lora.peft import peft_files
+            return a_factor_shapes(p, experts)
+        from graftlm.gguf import GGUFFile
 
-            with safe_open(str(peft_files(p)[1]), "pt") as st:
-                # (not the target_parameters form, whose A stacks the experts: (r n_expert, n_in))
-                shapes = [
-                    st.get_slice(k).get_shape()
-                    for k in st.keys()  # noqa: SIM118 - a safetensors handle, not a dict
-                    if k.endswith(("lora_A.weight", "lora_embedding_A"))
-                    and (experts or ".experts.lora_A" not in k)
-                ]
-        else:
-            from graftlm.gguf import GGUFFile
-
-            f = GGUFFile(p)
-            shapes = [list(e.shape) for n, e in f.tensors.items() if n.endswith(".lora_a")]
+        f = GGUFFile(p)
+        return [(n, list(e.shape)) for n, e in f.tensors.items() if n.endswith(".lora_a")]
     except Exception:  # noqa: BLE001 - an unreadable header: the full read names the problem
         return []
-    return shapes
 
 
 @functools.cache

@@ -91,7 +91,8 @@ def count_problem(
         return None
     need = {id(e): e.name for e in named}
     need |= {id(e): e.name for i in lora or {} if (e := by_id.get(i)) is not None}
-    pinned = sum(1 for e in by_id.values() if e.pinned and id(e) not in need)
+    # (a pinned adapter unloaded but still in use leaves when its requests end)
+    pinned = sum(1 for e in by_id.values() if e.pinned and not e.retired and id(e) not in need)
     if len(need) + pinned <= max_loras:
         return None
     beside = f" beside {pinned} pinned" if pinned else ""

@@ -97,9 +97,13 @@ class AdapterReads:
         return prepared, time.perf_counter() - started[0]
 
     def _check_rank_floor(self, path: str) -> None:
-        if self.max_rank is not None and (floor := rank_floor(path)) > self.max_rank:
+        if self.max_rank is None:
+            return
+        floor, tensor = rank_floor(path)
+        if floor > self.max_rank:
             raise AdapterError(
-                f"{path}: rank {floor} or more (its header) is above --max-lora-rank {self.max_rank}"
+                f"{path}: tensor {tensor}: rank {floor} or more (its header) is above "
+                f"--max-lora-rank {self.max_rank}"
             )
 
     def _check_bytes_floor(self, path: str) -> None:

@@ -95,6 +95,12 @@ class AdapterRegistry(AdapterReads):
     # -- setup (before serving) --
     def preload(self, path: str, scale: float, name: str | None = None) -> AdapterEntry:
         """Attach a pinned adapter now (blocking; before the server starts). Raises AdapterError."""
+        pinned = sum(1 for e in self.by_id.values() if e.pinned)
+        if self.max_loras is not None and pinned >= self.max_loras:
+            raise AdapterError(
+                f"--lora {path}: more pinned adapters (--lora, --lora-scaled) than --max-loras "
+                f"{self.max_loras}; pinned adapters are never evicted"
+            )
         self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)

@@ -2,8 +2,10 @@
 in float64 over the cache's own values: every cache type, chunks of 1, 15, 16, 17 and 4,095
 queries, a chunk reaching 16,384 positions, chunks after earlier ones (whole blocks below the
 diagonal), rows at their own starts, scattered blocks, GQA groups of 1 to 6 heads, head sizes of
-16 to 256 (80: a 16-value tail), sliding windows (one inside a block), gemma-2's soft-cap and
-gpt-oss's sinks. (QK-norm and RoPE come before: the kernel takes q and the cache as they are.)
+16 to 256 (80: a 16-value tail), sliding windows (one inside a block), gemma-2's soft-cap,
+gpt-oss's sinks, keys whose scores keep growing (past the lazy max's margin: csrc/
+attn_prompt_lazy.c). (QK-norm and RoPE come before: the kernel takes q and the cache as they
+are.)
 
 Fast steps where the CPU has AVX-512 BF16 take bfloat16 tiles (VDPBF16PS): q, k and v rounded to
 bfloat16, and each softmax weight before it meets the values. Their twin rounds q, k and v alike
@@ -60,6 +62,7 @@ class Prompt(NamedTuple):
     window: int = 0
     cap: float = 0.0
     sinks: bool = False
+    rise: float = 0.0  # > 0: key j scaled by 1 + rise * j / n_ctx (scores that keep growing)
 
 
 CASES = [
@@ -78,6 +81,7 @@ CASES = [
     Prompt("gemma-2's soft-cap", 70, [129], 8, 4, 256, cap=50.0),
     Prompt("a tight soft-cap", 50, [0], 4, 2, 32, cap=2.0),
     Prompt("gpt-oss's sinks and window", 50, [100], 8, 2, 64, window=32, sinks=True),
+    Prompt("keys growing past a lazy max", 40, [2000], 4, 2, 64, rise=6.0),
 ]
 TYPES = list(KV_TYPES)
 
@@ -106,6 +110,8 @@ def _inputs(
                     n_blocks=2 * n_slots * -(-n_ctx // 16) + 1)  # fmt: skip
     order = (torch.randperm(cache.n_blocks - 1, generator=g) + 1).tolist()
     keys = torch.randn(n_slots, p.hkv, n_ctx, d, generator=g)
+    if p.rise:  # a row's max grows chunk after chunk: weights past the lazy softmax's margin
+        keys *= 1 + p.rise * torch.arange(n_ctx).view(1, 1, -1, 1) / n_ctx
     values = torch.randn(n_slots, p.hkv, n_ctx, d, generator=g)
     for s in range(n_slots):
         blocks = order[s * cache.max_blocks : (s + 1) * cache.max_blocks]

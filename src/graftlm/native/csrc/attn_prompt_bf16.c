@@ -11,9 +11,10 @@
  * float32 path's; a register tile is BR score rows x a block's keys, its scores never leave the
  * registers: scaled into base 2, soft-capped, masked only in the blocks a mask reaches (the
  * diagonal's, a window's edges, a block's last positions past the chunk; every block below
- * the diagonal is whole), the online softmax's max and weights, the weights rounded to bfloat16
- * pairs (their sums l are the rounded weights', so the output stays a convex combination of the
- * values), then O = alpha O + P V for the same rows. */
+ * the diagonal is whole), the online softmax's max and weights (lazily where no mask reaches:
+ * attn_prompt_lazy.c), the weights rounded to bfloat16 pairs (their sums l are the rounded
+ * weights', so the output stays a convex combination of the values), then O = alpha O + P V for
+ * the same rows, after the next tile's softmax. */
 #define BR 6 /* score rows a register tile */
 #define PRB 512 /* the score rows a task aims at (fewer where the tasks would not fill the threads) */
 
@@ -93,10 +94,10 @@ static void prompt_values_bf16(const gl_kv *kv, int64_t s, int64_t h, int64_t k0
     }
 }
 
-/* 2^x for 16 floats x <= 0 (below -126: 0) to a relative 7.5e-5, a cubic on x - floor(x) (one
+/* 2^x for 16 floats x (below -126: 0) to a relative 7.5e-5, a cubic on x - floor(x) (one
 VREDUCEPS) and VSCALEFPS's 2^floor(x): the softmax's weights, rounded to bfloat16 next (2^-9),
 need no more, and the products' pipes are this kernel's limit (5 vector operations, where a
-clamp, a rounding and a subtraction took 7). */
+clamp, a rounding and a subtraction took 7). x may pass 0 (lazy weights, attn_prompt_lazy.c). */
 static inline __m512 exp2_w(__m512 x) {
     const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* [0, 1) */
     __m512 y = _mm512_set1_ps(7.802334e-2f);
@@ -126,23 +127,28 @@ typedef struct {
 #endif
 } prompt_chunk;
 
-/* Rows r0 .. r0 + nr - 1 (nr <= R, R <= BR) of a chunk of NB blocks, their products z (q.k times
- * c1, or times cs where soft-capped): softmax, weights into Pb. A tile's missing rows repeat row
- * r0 and are left out of every store. */
-static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                      float *alpha, __m512 acc[][4], const int NB,
-                                                                      const int R) {
+#include "attn_prompt_lazy.c" /* prompt_weights_lazy */
+
+/* Rows r0 .. r0 + nr - 1 (nr <= R, R <= BR) of a chunk of NB blocks, their products z (times f: q.k
+ * times c1, or times cs where soft-capped): softmax, weights into Pb; alpha: each row's rescaling
+ * of O (nr may pass R: rows past R are another call's). A tile's missing rows repeat row r0 and
+ * are left out of every store. Returns whether a row's alpha is not 1. */
+static inline __attribute__((always_inline)) int prompt_softmax_bf16(const prompt_chunk *c, int64_t r0, int nr,
+                                                                     float *alpha, __m512 acc[][4], const float f,
+                                                                     const int NB, const int R) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < R; r++) {
-        alpha[r] = 1.0f;
-        if (r >= nr) continue;
+    int scaled = 0;
+    for (int r = 0; r < R; r++) alpha[r] = 1.0f;
+    if (!c->mask && !c->capped && nr >= R && prompt_weights_lazy(c, r0, acc, f, NB, R)) return 0;
+    for (int r = 0; r < nr && r < R; r++) {
         const int64_t row = r0 + r, p = c->pr[row];
         __m512 v[4];
         __mmask16 vis[4];
         __m512 mxv = ninf;
         for (int x = 0; x < NB; x++) {
-            v[x] = c->capped ? _mm512_mul_ps(tanh512(acc[r][x]), _mm512_set1_ps(c->cc)) : acc[r][x];
+            v[x] = f != 1.0f ? _mm512_mul_ps(acc[r][x], _mm512_set1_ps(f)) : acc[r][x];
+            if (c->capped) v[x] = _mm512_mul_ps(tanh512(v[x]), _mm512_set1_ps(c->cc));
             vis[x] = 0xFFFF;
             if (c->mask) { /* keys [lo, min(p, k0 + nk - 1)] of the chunk */
                 const int64_t lo = c->window > 0 ? p - c->window + 1 : 0;
@@ -161,7 +167,7 @@ static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prom
             continue;
         }
         const float mn = mx > mo ? mx : mo;
-        if (mn > mo) alpha[r] = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
+        if (mn > mo) alpha[r] = mo == -INFINITY ? 0.0f : exp2f(mo - mn), scaled = 1;
         c->m[row] = mn;
         const __m512 mv = _mm512_set1_ps(mn);
         __m512 sum = _mm512_setzero_ps();
@@ -185,11 +191,13 @@ static inline __attribute__((always_inline)) void prompt_softmax_bf16(const prom
         float *L = c->L + row * 16;
         _mm512_store_ps(L, _mm512_fmadd_ps(_mm512_load_ps(L), _mm512_set1_ps(alpha[r]), sum));
     }
+    return scaled;
 }
 
-/* Rows r0 .. r0 + nr - 1 of a chunk of NB blocks: scores in bfloat16 pairs, softmax. */
-static inline __attribute__((always_inline)) void prompt_scores_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                     float *alpha, const int NB) {
+/* Rows r0 .. r0 + nr - 1 of a chunk of NB blocks: scores in bfloat16 pairs, softmax (returns
+ * whether a row rescales O). */
+static inline __attribute__((always_inline)) int prompt_scores_bf16(const prompt_chunk *c, int64_t r0, int nr,
+                                                                    float *alpha, const int NB) {
     const int64_t D2 = c->D / 2;
     const uint32_t *q[BR];
     for (int r = 0; r < BR; r++) q[r] = c->Qb + (r0 + (r < nr ? r : 0)) * D2;
@@ -204,19 +212,17 @@ static inline __attribute__((always_inline)) void prompt_scores_bf16(const promp
             for (int x = 0; x < NB; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], qp, k[x]);
         }
     }
-    const __m512 f = _mm512_set1_ps(c->capped ? c->cs : c->c1);
-    for (int r = 0; r < BR; r++)
-        for (int x = 0; x < NB; x++) acc[r][x] = _mm512_mul_ps(acc[r][x], f);
-    prompt_softmax_bf16(c, r0, nr, alpha, acc, NB, BR);
+    return prompt_softmax_bf16(c, r0, nr, alpha, acc, c->capped ? c->cs : c->c1, NB, BR);
 }
 
 #include "attn_prompt_i8.c"
 #include "attn_prompt_q8.c"
 
-/* O[rows r0 .., values c0 .. c0 + 16 NC) = alpha O + P V over the chunk's np pairs of keys. */
+/* O[rows r0 .., values c0 .. c0 + 16 NC) = alpha O + P V over the chunk's np pairs of keys
+ * (scaled: whether an alpha is not 1). */
 static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_chunk *c, int64_t r0, int nr,
-                                                                 const float *alpha, int64_t np, int64_t c0,
-                                                                 const int NC) {
+                                                                 const float *alpha, int scaled, int64_t np,
+                                                                 int64_t c0, const int NC) {
     const int64_t D = c->D;
     const uint32_t *pb[BR];
     float *o[BR];
@@ -226,7 +232,8 @@ static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_ch
         pb[r] = c->Pb + row * (PK / 2);
         o[r] = c->O + row * D + c0;
         const __m512 al = _mm512_set1_ps(alpha[r]);
-        for (int u = 0; u < NC; u++) acc[r][u] = _mm512_mul_ps(al, _mm512_load_ps(o[r] + 16 * u));
+        for (int u = 0; u < NC; u++)
+            acc[r][u] = scaled ? _mm512_mul_ps(al, _mm512_load_ps(o[r] + 16 * u)) : _mm512_load_ps(o[r] + 16 * u);
     }
     for (int64_t i = 0; i < np; i++) {
         __m512bh v[4];
@@ -236,8 +243,12 @@ static inline __attribute__((always_inline)) void prompt_pv_bf16(const prompt_ch
             for (int u = 0; u < NC; u++) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], pp, v[u]);
         }
     }
-    for (int r = 0; r < nr && r < BR; r++)
-        for (int u = 0; u < NC; u++) _mm512_store_ps(o[r] + 16 * u, acc[r][u]);
+    if (nr == BR) /* (one test: GCC copied the sums through the stack for the rows' tests) */
+        for (int r = 0; r < BR; r++)
+            for (int u = 0; u < NC; u++) _mm512_store_ps(o[r] + 16 * u, acc[r][u]);
+    else
+        for (int r = 0; r < nr && r < BR; r++)
+            for (int u = 0; u < NC; u++) _mm512_store_ps(o[r] + 16 * u, acc[r][u]);
 }
 
 /* The cache lines of the nk keys and values of (slot s, kv head h) from position k0 (a block's
@@ -258,34 +269,46 @@ static inline int prompt_bf16_fits(const gl_attn *a) { return a->kv.block == DT 
  * (attn_prompt_i8.c), a q8_0 cache's own codes (attn_prompt_q8.c). */
 enum { SCORES_BF16, SCORES_I8, SCORES_Q8 };
 
-/* A tile's scores by f, its NB (1 to 4 blocks of 16 keys) a constant */
-#define PROMPT_SCORES(f) \
+/* A tile's scores by f into alpha and scaled, its NB (1 to 4 blocks of 16 keys) a constant */
+#define PROMPT_SCORES(f, alpha, scaled) \
     switch (nb) { \
-    case 1: f(c, r0, nr, alpha, 1); break; \
-    case 2: f(c, r0, nr, alpha, 2); break; \
-    case 3: f(c, r0, nr, alpha, 3); break; \
-    default: f(c, r0, nr, alpha, 4); break; \
+    case 1: scaled = f(c, r0, nr, alpha, 1); break; \
+    case 2: scaled = f(c, r0, nr, alpha, 2); break; \
+    case 3: scaled = f(c, r0, nr, alpha, 3); break; \
+    default: scaled = f(c, r0, nr, alpha, 4); break; \
     }
 
-/* One chunk's rows, BR at a time: scores (as `scores` says), softmax, O = alpha O + P V. */
-static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int scores) {
+/* O = alpha O + P V for rows r0 .. r0 + nr - 1 of a chunk (D values: 64, 32 and 16 at a time). */
+static void prompt_pv_rows(const prompt_chunk *c, int64_t r0, int nr, const float *alpha, int scaled) {
     const int64_t D = c->D, np = (c->nk + 1) / 2;
-    for (int64_t r0 = 0; r0 < rows; r0 += BR) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) prompt_pv_bf16(c, r0, nr, alpha, scaled, np, c0, 4);
+    for (; c0 + 32 <= D; c0 += 32) prompt_pv_bf16(c, r0, nr, alpha, scaled, np, c0, 2);
+    for (; c0 < D; c0 += 16) prompt_pv_bf16(c, r0, nr, alpha, scaled, np, c0, 1);
+}
+
+/* One chunk's rows, BR at a time: scores (as `scores` says), softmax, O = alpha O + P V, each
+ * tile's P V after the next tile's softmax (the weights' 64-byte stores long done when P V
+ * loads them a pair at a time: 0.93x the kernel's time where each tile's followed its own). */
+static void prompt_chunk_rows(const prompt_chunk *c, int64_t rows, int64_t nb, int scores) {
+    float alpha[2][BR];
+    int scaled[2], t = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += BR, t ^= 1) {
         const int nr = rows - r0 < BR ? (int)(rows - r0) : BR;
-        float alpha[BR];
 #if ATTN_I8
         if (scores == SCORES_Q8)
-            PROMPT_SCORES(prompt_scores_q8)
+            PROMPT_SCORES(prompt_scores_q8, alpha[t], scaled[t])
         else if (scores == SCORES_I8)
-            PROMPT_SCORES(prompt_scores_i8)
+            PROMPT_SCORES(prompt_scores_i8, alpha[t], scaled[t])
         else
 #endif
-            PROMPT_SCORES(prompt_scores_bf16)
+            PROMPT_SCORES(prompt_scores_bf16, alpha[t], scaled[t])
         (void)scores;
-        int64_t c0 = 0;
-        for (; c0 + 64 <= D; c0 += 64) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 4);
-        for (; c0 + 32 <= D; c0 += 32) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 2);
-        for (; c0 < D; c0 += 16) prompt_pv_bf16(c, r0, nr, alpha, np, c0, 1);
+        if (r0 > 0) prompt_pv_rows(c, r0 - BR, BR, alpha[t ^ 1], scaled[t ^ 1]);
+    }
+    if (rows > 0) {
+        const int64_t r0 = (rows - 1) / BR * BR;
+        prompt_pv_rows(c, r0, (int)(rows - r0), alpha[t ^ 1], scaled[t ^ 1]);
     }
 }
 #undef PROMPT_SCORES

@@ -96,8 +96,8 @@ static void prompt_keys_i8(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, in
 }
 
 /* Rows r0 .. r0 + nr - 1 of a chunk of NB blocks: scores from int8 codes, softmax. */
-static inline __attribute__((always_inline)) void prompt_scores_i8(const prompt_chunk *c, int64_t r0, int nr,
-                                                                   float *alpha, const int NB) {
+static inline __attribute__((always_inline)) int prompt_scores_i8(const prompt_chunk *c, int64_t r0, int nr,
+                                                                  float *alpha, const int NB) {
     const int64_t D4 = c->D / 4;
     const uint32_t *q[BR];
     for (int r = 0; r < BR; r++) q[r] = c->Qq + (r0 + (r < nr ? r : 0)) * D4;
@@ -123,6 +123,6 @@ static inline __attribute__((always_inline)) void prompt_scores_i8(const prompt_
                                                   _mm512_load_ps(c->sK + 16 * x)),
                                     fr);
     }
-    prompt_softmax_bf16(c, r0, nr, alpha, z, NB, BR);
+    return prompt_softmax_bf16(c, r0, nr, alpha, z, 1.0f, NB, BR);
 }
 #endif

@@ -59,9 +59,10 @@ static void prompt_keys_q8(const gl_kv *kv, int64_t s, int64_t h, int64_t k0, in
  * tile (BR / 2 rows) at a time, softmax included: its int32 sums of a block and its float32
  * scores (BR / 2 x NB each) and a block's keys fit the 32 registers (a whole tile's scores held
  * past its first half left GCC no room for the keys: it loaded each again for every row). */
-static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_chunk *c, int64_t r0, int nr,
-                                                                   float *alpha, const int NB) {
+static inline __attribute__((always_inline)) int prompt_scores_q8(const prompt_chunk *c, int64_t r0, int nr,
+                                                                  float *alpha, const int NB) {
     const int64_t D4 = c->D / 4, nb = c->D / 32;
+    int scaled = 0;
     for (int r = nr; r < BR; r++) alpha[r] = 1.0f; /* rows past nr: none (a second half skipped) */
     for (int hf = 0; hf < nr; hf += BR / 2) {
         __m512 z[BR / 2][4];
@@ -96,7 +97,8 @@ static inline __attribute__((always_inline)) void prompt_scores_q8(const prompt_
                                               _mm512_set1_ps(sq[r][b]), z[r][x]);
             }
         }
-        prompt_softmax_bf16(c, r0 + hf, nr - hf, alpha + hf, z, NB, BR / 2);
+        scaled |= prompt_softmax_bf16(c, r0 + hf, nr - hf, alpha + hf, z, 1.0f, NB, BR / 2);
     }
+    return scaled;
 }
 #endif

@@ -82,6 +82,8 @@ CASES = [
     Prompt("a tight soft-cap", 50, [0], 4, 2, 32, cap=2.0),
     Prompt("gpt-oss's sinks and window", 50, [100], 8, 2, 64, window=32, sinks=True),
     Prompt("keys growing past a lazy max", 40, [2000], 4, 2, 64, rise=6.0),
+    Prompt("gpt-oss's sinks, no window", 40, [2000], 8, 2, 64, sinks=True),
+    Prompt("one query, chunks of 32 keys", 1, [2015], 12, 2, 64),
 ]
 TYPES = list(KV_TYPES)
 
@@ -218,6 +220,16 @@ def _check(p: Prompt, kv: str, out: torch.Tensor, route: str) -> None:
 @pytest.mark.parametrize("p", CASES, ids=[c.name for c in CASES])
 def test_prompt_attention_equals_its_twin(p: Prompt, kv: str) -> None:
     torch.set_num_threads(2)
+    _check(p, kv, run(p, kv, exact=False), fast(kv))
+
+
+@pytest.mark.parametrize("kv", TYPES)
+def test_a_lazy_max_far_behind_falls_back(kv: str) -> None:
+    """Keys whose scores grow far past a row's lazy max (a fast route's weights against a max
+    that lags): a lazy max that never fell back overflows (NaN on every route). A fast route's
+    case only: float32 scores near 1,000 round by ~1e-4, past the exact route's bound."""
+    torch.set_num_threads(2)
+    p = Prompt("keys growing far past a lazy max", 40, [2000], 4, 2, 64, rise=200.0)
     _check(p, kv, run(p, kv, exact=False), fast(kv))
 
 

@@ -102,6 +102,16 @@ def count_problem(
     )
 
 
+def budget_text(nbytes: int, max_bytes: int | None, count: int, max_loras: int | None) -> str:
+    """How much of the LoRA budget is held: "N/M bytes, n/m adapters" (the limits set)."""
+    parts = []
+    if max_bytes is not None:
+        parts.append(f"{nbytes}/{max_bytes} bytes")
+    if max_loras is not None:
+        parts.append(f"{count}/{max_loras} adapters")
+    return ", ".join(parts)
+
+
 def memory_problem(
     sizes: Mapping[str, int],
     named: Iterable[AdapterEntry],

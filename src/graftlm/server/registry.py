@@ -19,7 +19,8 @@ A request takes a `Lease` (the adapter scales it runs with, fixed at admission) 
 when it ends; that is what keeps its adapters resident. It takes all of its adapters at once or
 none (`_take`): room is made for one request at a time, in arrival order, for all it lacks
 together, so no request waits holding part of what it needs (two such could wait on each other
-until both got 503s), and one waiting for room is not overtaken. A request that can never fit
+until both got 503s), and one waiting for room is not overtaken by another that needs room (one
+whose adapters are all resident takes them at once). A request that can never fit
 (more adapters than --max-loras, more bytes than --max-lora-memory, beside the pinned ones) is
 a 400 at once.
 """
@@ -43,6 +44,7 @@ from graftlm.server.adapter_entries import (
     Read,
     UnknownModelError,
     adapter_list,
+    budget_text,
     count_problem,
     file_identity,
     memory_problem,
@@ -86,7 +88,6 @@ class AdapterRegistry(AdapterReads):
         self.on_attach: list[Any] = []
         # room is made for one request at a time, in arrival order (asyncio.Lock is FIFO)
         self._admission = asyncio.Lock()
-        self._room_wanted = False  # a request waits for room: the others queue behind it
         # attaches on their way to the engine: the room made for them, held until they land
         self._reserved = 0
         self._reserved_bytes = 0
@@ -180,12 +181,16 @@ class AdapterRegistry(AdapterReads):
         too_many = count_problem(needed, lora, self.by_id, self.max_loras)
         if too_many is not None:  # (before anything is attached or held)
             raise RequestError(too_many, "too_many_adapters")
-        held = list({id(e): e for e in needed}.values())
+        # the adapters `lora` names by id are taken with the others (an unknown id refused now)
+        if lora:
+            self.adapters.settings(lora, among=self.by_id, where="lora: ")
+        by_id = [(self.by_id[i], s) for i, s in (lora or {}).items()]
+        held = list({id(e): e for e in needed + [e for e, _ in by_id]}.values())
         await self._take(held)  # all of them resident and held, or none held
         named = {entry.id: 1.0} if entry is not None and entry.id is not None else {}
         listed = {e.id: scale for e, scale in extra if e.id is not None}
-        if lora is not None:
-            listed.update(lora)  # (a later entry wins, as in the list)
+        # (a later entry wins, as in the list; one evicted and attached again meanwhile: its new id)
+        listed.update({e.id: s for e, s in by_id if e.id is not None})
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
             if not listed and lora is None and entry is None:
@@ -328,13 +333,14 @@ class AdapterRegistry(AdapterReads):
         once or none. A request that held some while it waited for room for the others could
         wait on another doing the same, both until their 503s. The reads go first, holding
         nothing; then room is made for all of a request's adapters together, one request at a
-        time in arrival order (`_admission`). A request whose adapters are all resident goes
-        ahead, unless one waits for room: it would hold what that one waits for."""
+        time in arrival order (`_admission`). A request whose adapters are all resident takes
+        them at once, with no await, even while another waits for room (throughput first: one
+        for the base or for adapters in use never queues behind a read or an eviction)."""
         for _ in range(8):
-            if not self._room_wanted and all(e.id is not None for e in needed):
+            if all(e.id is not None for e in needed):
                 break
-            read = await self._read_all(needed)
             try:
+                read = await self._read_all(needed)
                 self._check_memory(needed, read)
                 await self._bring(needed, read)
             finally:
@@ -404,6 +410,9 @@ class AdapterRegistry(AdapterReads):
         t1 = time.perf_counter()  # (from t0 to here, less the read: waiting)
         try:
             adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
+        except BaseException:
+            self._freed.set()  # (its room is free again)
+            raise
         finally:
             self._reserved -= 1
             self._reserved_bytes -= nbytes
@@ -434,43 +443,32 @@ class AdapterRegistry(AdapterReads):
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.room_wait_s
-        try:
-            while over():
-                scales = self.adapters.scales()
-                idle = [
-                    e
-                    for e in self.by_id.values()
-                    if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
-                ]
-                if idle:
-                    # unlinked now, detached on the engine's thread at the next step's boundary:
-                    # nobody waits for a step to end here (the attach this room is for goes in
-                    # before that when a step is in flight, beside it: the model holds the
-                    # adapter it replaces until the step ends)
-                    self._drop_later(min(idle, key=lambda e: e.last_used))
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:  # queued as long as we wait: then the client hears why
-                    raise RequestError(
-                        f"no room for adapters {names_text(names)}: the LoRA budget "
-                        f"({self._budget_text()}) stayed held by adapters in use for "
-                        f"{self.room_wait_s:g} s; retry when requests end",
-                        "adapter_memory_busy",
-                    )
-                self._room_wanted = True  # (requests arriving now queue behind this one)
-                self._freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), left)
-        finally:
-            self._room_wanted = False
-
-    def _budget_text(self) -> str:
-        parts = []
-        if self.max_bytes is not None:
-            parts.append(f"{self.resident_bytes}/{self.max_bytes} bytes")
-        if self.max_loras is not None:
-            parts.append(f"{len(self.by_id)}/{self.max_loras} adapters")
-        return ", ".join(parts)
+        while over():
+            scales = self.adapters.scales()
+            idle = [
+                e
+                for e in self.by_id.values()
+                if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
+            ]
+            if idle:
+                # unlinked now, detached on the engine's thread at the next step's boundary:
+                # nobody waits for a step to end here (the attach this room is for goes in
+                # before that when a step is in flight, beside it: the model holds the
+                # adapter it replaces until the step ends)
+                self._drop_later(min(idle, key=lambda e: e.last_used))
+                continue
+            left, k = deadline - loop.time(), self.max_loras
+            if left <= 0:  # queued as long as we wait: then the client hears why
+                held = budget_text(self.resident_bytes, self.max_bytes, len(self.by_id), k)
+                raise RequestError(
+                    f"no room for adapters {names_text(names)}: the LoRA budget "
+                    f"({held}) stayed held by adapters in use for "
+                    f"{self.room_wait_s:g} s; retry when requests end",
+                    "adapter_memory_busy",
+                )
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
 
     def _unlink(self, entry: AdapterEntry) -> int | None:
         """Take the entry out of the resident set at once (nobody can lease it from here on);
@@ -489,6 +487,7 @@ class AdapterRegistry(AdapterReads):
         adapter_id = self._unlink(entry)
         if adapter_id is None:
             return
+        self._freed.set()  # (a request waiting for room may now have it)
         task = asyncio.ensure_future(asyncio.wrap_future(self.service.detach(adapter_id)))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)

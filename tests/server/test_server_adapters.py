@@ -410,7 +410,7 @@ def test_a_global_scale_that_overflows_every_request_is_refused(
                 await reg.set_scales({entry.id: huge})
             assert exc.value.code == "invalid_scale"
             assert f"adapter {entry.id} (fresh-alpha): scale {huge:g}" in str(exc.value)
-            assert "can be at most" in str(exc.value)
+            assert "a bound for one input of +-1 values, not a guarantee" in str(exc.value)
             assert reg.adapters.scales().get(entry.id, 0.0) == 0.0
         for fine in (4.0, -1.0, 0.0):
             await reg.set_scales({entry.id: fine})
@@ -535,6 +535,97 @@ def test_one_file_loaded_under_two_names_is_one_resident_copy(
         assert one.retired and not one.resident and set(reg.by_id) == {three.id}
         assert _attached(svc) == set(reg.by_id)
         await reg.unload("three")
+
+    asyncio.run(go())
+
+
+def _gated_reads(svc: EngineService, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Adapter reads wait in their thread until the event returned is set."""
+    gate, real = threading.Event(), svc.prepare_adapter
+    monkeypatch.setattr(svc, "prepare_adapter", lambda p: gate.wait(60) and real(p))
+    return gate
+
+
+def test_a_shared_copy_unloaded_while_another_name_loads_it(
+    svc: EngineService,
+    tiny_files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "one" loaded, then evicted; "two" loads the same file (a read: it awaits) while "one" is
+    unloaded: "two" was bound to the retired entry (dropped after every request, read again on
+    the next). Then the shared copy is named by a name that still maps to it ("one" unloaded or
+    reused: its labels, /lora-adapters and the errors said "one")."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        path = tmp_path / "same.gguf"
+        path.write_bytes(tiny_files["alpha"].read_bytes())
+        one = await reg.load("one", str(path))
+        reg.evict("one")
+        assert not one.resident
+        gate = _gated_reads(svc, monkeypatch)
+        loading = asyncio.ensure_future(reg.load("two", str(path)))
+        await await_until(lambda: one.loading is not None, 30, "the read of two")
+        await reg.unload("one")
+        gate.set()
+        two = await asyncio.wait_for(loading, 60)
+        assert two is one and not two.retired and two.resident and two.name == "two"
+        lease = await reg.lease("two", None, BASE)
+        assert lease.labels == ["two"]
+        reg.release(lease)
+        assert two.resident  # (kept: not read again on the next request)
+        three = await reg.load("three", str(path))
+        assert three is two
+        await reg.load("two", str(tiny_files["beta"]))  # the name reused for another file
+        assert three.name == "three" and reg.names["two"] is not three
+        assert {row["name"] for row in reg.adapter_list()} == {"two", "three"}
+        await reg.unload("two")
+        await reg.unload("three")
+
+    asyncio.run(go())
+
+
+def test_an_adapter_unloaded_while_it_was_read_is_not_left_attached(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router's warm of alpha, alpha unloaded while it is read: it landed and stayed attached,
+    nameless, held by nobody, until the server stopped."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files)
+        alpha = reg.names["alpha"]
+        gate = _gated_reads(svc, monkeypatch)
+        warming = asyncio.ensure_future(reg.warm("alpha"))
+        await await_until(lambda: alpha.loading is not None, 30, "alpha's read")
+        await reg.unload("alpha")
+        gate.set()
+        await asyncio.wait_for(warming, 60)
+        assert alpha.retired and not alpha.resident and not reg.by_id
+
+    asyncio.run(go())
+
+
+def test_adapters_at_a_global_scale_count_as_kept_when_a_request_cannot_fit(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """--max-loras 2, alpha at a nonzero global scale (never evicted): a request for beta and
+    gamma together can never fit, a 400 at once naming why, where it waited for its 503."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s = 600.0
+        alpha = reg.names["alpha"]
+        reg.release(await reg.lease("alpha", None, BASE))
+        assert alpha.id is not None
+        await reg.set_scales({alpha.id: 0.5})
+        with pytest.raises(RequestError, match="at a nonzero global scale") as exc:
+            await asyncio.wait_for(reg.lease(None, None, BASE, {"beta": 1.0, "gamma": 1.0}), 60)
+        assert exc.value.code == "too_many_adapters"
+        assert all(e.refs == 0 and e.loading is None for e in reg.names.values())
+        await reg.set_scales({})
+        lease = await reg.lease(None, None, BASE, {"beta": 1.0, "gamma": 1.0})  # now it fits
+        reg.release(lease)
 
     asyncio.run(go())
 

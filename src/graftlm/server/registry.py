@@ -47,7 +47,6 @@ from graftlm.server.adapter_entries import (
     budget_text,
     count_problem,
     file_identity,
-    memory_problem,
     names_text,
     scale_overflow,
 )
@@ -178,7 +177,7 @@ class AdapterRegistry(AdapterReads):
                 )
             extra.append((e, scale))
         needed = [e for e, _ in extra] + ([entry] if entry is not None else [])
-        too_many = count_problem(needed, lora, self.by_id, self.max_loras)
+        too_many = count_problem(needed, lora, self.by_id, self.max_loras, self.adapters.scales())
         if too_many is not None:  # (before anything is attached or held)
             raise RequestError(too_many, "too_many_adapters")
         # the adapters `lora` names by id are taken with the others (an unknown id refused now)
@@ -259,8 +258,11 @@ class AdapterRegistry(AdapterReads):
         same = [e for e in self.names.values() if ident and e.identity == ident and not e.retired]
         entry = same[0] if same else AdapterEntry(name, path, identity=ident)
         await self._take([entry], hold=False)
+        entry.retired = False  # (the name sharing it may have been unloaded meanwhile)
         old = self.names.get(name)
         self.names[name] = entry
+        if self.names.get(entry.name) is not entry:  # (its first name unloaded meanwhile)
+            entry.name = name
         self.unloaded.discard(name)
         if old is not None:
             self._unname(old)
@@ -304,6 +306,7 @@ class AdapterRegistry(AdapterReads):
             raise UnknownModelError(f"the model {name[:200]!r} {what}; adapters: {known}")
         entry.evicted = False
         await self._take([entry], hold=False)
+        self._drop_if_unused(entry)  # (unloaded meanwhile)
         return entry
 
     def evict(self, name: str) -> None:
@@ -319,9 +322,13 @@ class AdapterRegistry(AdapterReads):
         self._drop_later(entry)
 
     def _unname(self, entry: AdapterEntry) -> None:
-        """A name no longer maps to `entry`: retired unless another name shares it."""
-        if not any(e is entry for e in self.names.values()):
+        """A name no longer maps to `entry`: retired unless another name shares it, which then
+        names it (metrics' labels, /lora-adapters, the errors)."""
+        others = [n for n, e in self.names.items() if e is entry]
+        if not others:
             self._retire(entry)
+        elif entry.name not in others:
+            entry.name = others[0]
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
@@ -359,20 +366,10 @@ class AdapterRegistry(AdapterReads):
             for e in needed:
                 e.refs += 1
 
-    def _check_memory(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
-        """A RequestError (400) when the adapters of `needed` whose sizes are known (resident,
-        just read, or attached before) and the pinned ones beside them are over --max-lora-memory:
-        no request's end makes that room."""
-        if self.max_bytes is None:
-            return
-        sizes = {}
-        for e in needed:
-            facts = read[id(e)][0].facts if id(e) in read else e.facts
-            if facts is not None:
-                sizes[e.name] = facts.nbytes
-        problem = memory_problem(sizes, needed, self.by_id.values(), self.max_bytes)
-        if problem is not None:
-            raise RequestError(problem, "adapters_too_large")
+    def _drop_if_unused(self, entry: AdapterEntry) -> None:
+        """Detach an adapter retired while it was read or landing, once nobody holds it."""
+        if entry.retired and entry.resident and entry.refs == 0 and entry.waiting == 0:
+            self._drop_later(entry)
 
     async def _bring(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
         """Room for the adapters of `needed` just read, made at once, and their attaches
@@ -420,6 +417,7 @@ class AdapterRegistry(AdapterReads):
         entry.id, entry.facts = adapter_id, prepared.facts
         self.by_id[adapter_id] = entry
         self._changed()
+        self._drop_if_unused(entry)  # (retired meanwhile, its requests gone)
         t2 = time.perf_counter()
         for fn in self.on_attach:
             fn(entry.name, read + t2 - t1, t1 - t0 - read)

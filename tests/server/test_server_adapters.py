@@ -86,7 +86,10 @@ def test_a_request_for_more_adapters_than_max_loras_is_refused_at_once(
         pinned = reg.preload(str(tiny_files["delta"]), 0.0, "delta")
         with pytest.raises(RequestError) as exc:  # (delta holds one place for good)
             await reg.lease(None, None, BASE, {"alpha": 0.5, "beta": 0.5})
-        assert "at most 1 can be attached beside 1 pinned (--max-loras 2)" in str(exc.value)
+        assert (
+            "at most 1 can be attached beside 1 pinned or at a global scale, never evicted "
+            "(--max-loras 2)" in str(exc.value)
+        )
         alpha_id, delta_id = reg.names["alpha"].id, pinned.id
         assert alpha_id is not None and delta_id is not None
         with pytest.raises(RequestError) as exc:  # by ids too: alpha and delta, and beta
@@ -285,23 +288,25 @@ def test_a_failed_read_drops_the_reads_of_the_others(
 def test_an_adapter_evicted_by_hand_wakes_a_request_waiting_for_room(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:
-    """--max-loras 1, alpha at a nonzero global scale (never evicted to make room), a request
-    for beta waiting: a router's evict of alpha freed the room without waking it, and it waited
-    out --lora-wait for its 503."""
+    """--max-loras 2, alpha at a nonzero global scale (never evicted to make room) and gamma in
+    use, a request for beta waiting: a router's evict of alpha freed the room without waking it,
+    and it waited out --lora-wait for its 503."""
 
     async def go() -> None:
-        reg = _registry(svc, tiny_files, max_loras=1)
+        reg = _registry(svc, tiny_files, max_loras=2)
         reg.room_wait_s = 600.0
         alpha, beta = reg.names["alpha"], reg.names["beta"]
         reg.release(await reg.lease("alpha", None, BASE))
         assert alpha.id is not None
         await reg.set_scales({alpha.id: 0.5})
+        held_c = await reg.lease("gamma", None, BASE)
         waiting = asyncio.ensure_future(reg.lease("beta", None, BASE))
         await await_until(lambda: beta.waiting > 0, 30, "beta's request to wait for room")
         reg.evict("alpha")
         lease = await asyncio.wait_for(waiting, 60)  # (not room_wait_s)
         assert lease.labels == ["beta"] and not alpha.resident
         reg.release(lease)
+        reg.release(held_c)
         await reg.set_scales({})
 
     asyncio.run(go())
@@ -619,7 +624,7 @@ def test_adapters_at_a_global_scale_count_as_kept_when_a_request_cannot_fit(
         reg.release(await reg.lease("alpha", None, BASE))
         assert alpha.id is not None
         await reg.set_scales({alpha.id: 0.5})
-        with pytest.raises(RequestError, match="at a nonzero global scale") as exc:
+        with pytest.raises(RequestError, match="never evicted") as exc:
             await asyncio.wait_for(reg.lease(None, None, BASE, {"beta": 1.0, "gamma": 1.0}), 60)
         assert exc.value.code == "too_many_adapters"
         assert all(e.refs == 0 and e.loading is None for e in reg.names.values())

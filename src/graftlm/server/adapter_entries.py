@@ -102,7 +102,7 @@ def count_problem(
     pinned = sum(1 for e in by_id.values() if kept(e, scales) and id(e) not in need)
     if len(need) + pinned <= max_loras:
         return None
-    beside = f" beside {pinned} pinned or at a nonzero global scale" if pinned else ""
+    beside = f" beside {pinned} pinned or at a global scale, never evicted" if pinned else ""
     return (
         f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
         f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"

@@ -179,9 +179,10 @@ class ResolvedAdapter:
 
 def _all_within(deltas: dict[str, Delta]) -> float | None:
     """The largest reach of the deltas where every projection's delta is clearly within
-    check_values' limit, else None: their reaches computed together, the deltas of one shape as one batched product (a few tensor operations
-    an adapter, not a few a projection), with a margin for the batched sums' other rounding.
-    None sends check_values to its exact per-delta test."""
+    check_values' limit, else None: their reaches computed together, the deltas of one shape as
+    one batched product (a few tensor operations an adapter, not a few a projection), with a
+    margin for the batched sums' other rounding. None sends check_values to its exact per-delta
+    test."""
     groups: dict[tuple[int, ...], list[Delta]] = {}
     for name, d in deltas.items():
         if name == EMBEDDING or d.a.dtype != d.b.dtype:

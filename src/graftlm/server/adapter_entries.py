@@ -78,28 +78,45 @@ class Lease:
     released: bool = False
 
 
+def kept(entry: AdapterEntry, scales: Mapping[int, float]) -> bool:
+    """Whether a resident adapter is never evicted: pinned, or at a nonzero global scale (until
+    the scales change). One unloaded leaves when its requests end."""
+    at_scale = entry.id is not None and scales.get(entry.id, 0.0) != 0.0
+    return not entry.retired and (entry.pinned or at_scale)
+
+
 def count_problem(
     named: Iterable[AdapterEntry],
     lora: Mapping[int, float] | None,
     by_id: Mapping[int, AdapterEntry],
     max_loras: int | None,
+    scales: Mapping[int, float],
 ) -> str | None:
     """Why a request that needs the adapters `named` and those of ids `lora` at once can never
-    have them resident under `max_loras` (pinned ones it does not use hold their places for
-    good), or None: it would wait for room that no request's end makes."""
+    have them resident under `max_loras` (those it does not use that are never evicted hold their
+    places: `kept`), or None: it would wait for room that no request's end makes."""
     if max_loras is None:
         return None
     need = {id(e): e.name for e in named}
     need |= {id(e): e.name for i in lora or {} if (e := by_id.get(i)) is not None}
-    # (a pinned adapter unloaded but still in use leaves when its requests end)
-    pinned = sum(1 for e in by_id.values() if e.pinned and not e.retired and id(e) not in need)
+    pinned = sum(1 for e in by_id.values() if kept(e, scales) and id(e) not in need)
     if len(need) + pinned <= max_loras:
         return None
-    beside = f" beside {pinned} pinned" if pinned else ""
+    beside = f" beside {pinned} pinned or at a global scale, never evicted" if pinned else ""
     return (
         f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
         f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"
     )
+
+
+def budget_text(nbytes: int, max_bytes: int | None, count: int, max_loras: int | None) -> str:
+    """How much of the LoRA budget is held: "N/M bytes, n/m adapters" (the limits set)."""
+    parts = []
+    if max_bytes is not None:
+        parts.append(f"{nbytes}/{max_bytes} bytes")
+    if max_loras is not None:
+        parts.append(f"{count}/{max_loras} adapters")
+    return ", ".join(parts)
 
 
 def memory_problem(
@@ -107,17 +124,22 @@ def memory_problem(
     named: Iterable[AdapterEntry],
     resident: Iterable[AdapterEntry],
     max_bytes: int,
+    scales: Mapping[int, float],
 ) -> str | None:
     """Why a request whose adapters take `sizes` bytes (name -> bytes, those known) can never
-    have them resident at once under `max_bytes` beside the pinned adapters it does not use, or
-    None."""
+    have them resident at once under `max_bytes` beside the adapters it does not use that are
+    never evicted (`kept`), or None."""
     need = {id(e) for e in named}
-    pinned = sum(e.facts.nbytes for e in resident if e.pinned and id(e) not in need and e.facts)
+    pinned = sum(
+        e.facts.nbytes for e in resident if kept(e, scales) and id(e) not in need and e.facts
+    )
     total = sum(sizes.values())
     if total + pinned <= max_bytes:
         return None
     each = ", ".join(f"{n[:64]}: {b} bytes" for n, b in sorted(sizes.items())[:20])
-    beside = f" beside {pinned} bytes of pinned adapters" if pinned else ""
+    beside = (
+        f" beside {pinned} bytes of adapters pinned or at a nonzero global scale" if pinned else ""
+    )
     return (
         f"this request's adapters take {total} bytes at once ({each}){beside}; "
         f"the LoRA budget is {max_bytes} bytes (--max-lora-memory)"
@@ -135,8 +157,9 @@ def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str |
     return (
         f"{what}: scale {scale:g} takes its delta to "
         f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
-        f"({F16_MAX:g}): every request at the global scales would overflow; its scale can be at "
-        f"most {F16_MAX / reach:.4g} in magnitude"
+        f"({F16_MAX:g}): every request at the global scales would overflow; on such an input "
+        f"its scale stays within range up to {F16_MAX / reach:.4g} in magnitude (a bound for one "
+        "input of +-1 values, not a guarantee for every input)"
     )
 
 

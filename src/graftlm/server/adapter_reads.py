@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, bytes_floor, one_thread, rank_floor
-from graftlm.server.adapter_entries import AdapterEntry, Read
+from graftlm.server.adapter_entries import AdapterEntry, Read, memory_problem
 
 if TYPE_CHECKING:
+    from graftlm.lora.adapter_set import AdapterSet
     from graftlm.runtime.service import EngineService
 
 
@@ -26,6 +28,8 @@ class AdapterReads:
     load_timeout_s: float  # the longest a request waits for an adapter's read
     read_alone_s: float  # how long a read has the reader to itself (`_read`)
     _reading: asyncio.Semaphore
+    by_id: dict[int, AdapterEntry]
+    adapters: AdapterSet
 
     async def _read_all(self, needed: list[AdapterEntry]) -> dict[int, Read]:
         """The adapters of `needed` that are neither resident nor landing, read and checked,
@@ -47,6 +51,23 @@ class AdapterReads:
                     task.add_done_callback(functools.partial(_forget, e))
                 raise
         return out
+
+    def _check_memory(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
+        """A RequestError (400) when the adapters of `needed` whose sizes are known (resident,
+        just read, or attached before) and the pinned ones beside them are over --max-lora-memory:
+        no request's end makes that room."""
+        if self.max_bytes is None:
+            return
+        sizes = {}
+        for e in needed:
+            facts = read[id(e)][0].facts if id(e) in read else e.facts
+            if facts is not None:
+                sizes[e.name] = facts.nbytes
+        problem = memory_problem(
+            sizes, needed, self.by_id.values(), self.max_bytes, self.adapters.scales()
+        )
+        if problem is not None:
+            raise RequestError(problem, "adapters_too_large")
 
     async def _read_checked(self, entry: AdapterEntry) -> Read:
         t0 = time.perf_counter()

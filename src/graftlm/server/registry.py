@@ -19,7 +19,8 @@ A request takes a `Lease` (the adapter scales it runs with, fixed at admission) 
 when it ends; that is what keeps its adapters resident. It takes all of its adapters at once or
 none (`_take`): room is made for one request at a time, in arrival order, for all it lacks
 together, so no request waits holding part of what it needs (two such could wait on each other
-until both got 503s), and one waiting for room is not overtaken. A request that can never fit
+until both got 503s), and one waiting for room is not overtaken by another that needs room (one
+whose adapters are all resident takes them at once). A request that can never fit
 (more adapters than --max-loras, more bytes than --max-lora-memory, beside the pinned ones) is
 a 400 at once.
 """
@@ -43,9 +44,9 @@ from graftlm.server.adapter_entries import (
     Read,
     UnknownModelError,
     adapter_list,
+    budget_text,
     count_problem,
     file_identity,
-    memory_problem,
     names_text,
     scale_overflow,
 )
@@ -86,7 +87,6 @@ class AdapterRegistry(AdapterReads):
         self.on_attach: list[Any] = []
         # room is made for one request at a time, in arrival order (asyncio.Lock is FIFO)
         self._admission = asyncio.Lock()
-        self._room_wanted = False  # a request waits for room: the others queue behind it
         # attaches on their way to the engine: the room made for them, held until they land
         self._reserved = 0
         self._reserved_bytes = 0
@@ -177,15 +177,19 @@ class AdapterRegistry(AdapterReads):
                 )
             extra.append((e, scale))
         needed = [e for e, _ in extra] + ([entry] if entry is not None else [])
-        too_many = count_problem(needed, lora, self.by_id, self.max_loras)
+        too_many = count_problem(needed, lora, self.by_id, self.max_loras, self.adapters.scales())
         if too_many is not None:  # (before anything is attached or held)
             raise RequestError(too_many, "too_many_adapters")
-        held = list({id(e): e for e in needed}.values())
+        # the adapters `lora` names by id are taken with the others (an unknown id refused now)
+        if lora:
+            self.adapters.settings(lora, among=self.by_id, where="lora: ")
+        by_id = [(self.by_id[i], s) for i, s in (lora or {}).items()]
+        held = list({id(e): e for e in needed + [e for e, _ in by_id]}.values())
         await self._take(held)  # all of them resident and held, or none held
         named = {entry.id: 1.0} if entry is not None and entry.id is not None else {}
         listed = {e.id: scale for e, scale in extra if e.id is not None}
-        if lora is not None:
-            listed.update(lora)  # (a later entry wins, as in the list)
+        # (a later entry wins, as in the list; one evicted and attached again meanwhile: its new id)
+        listed.update({e.id: s for e, s in by_id if e.id is not None})
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
             if not listed and lora is None and entry is None:
@@ -254,8 +258,11 @@ class AdapterRegistry(AdapterReads):
         same = [e for e in self.names.values() if ident and e.identity == ident and not e.retired]
         entry = same[0] if same else AdapterEntry(name, path, identity=ident)
         await self._take([entry], hold=False)
+        entry.retired = False  # (the name sharing it may have been unloaded meanwhile)
         old = self.names.get(name)
         self.names[name] = entry
+        if self.names.get(entry.name) is not entry:  # (its first name unloaded meanwhile)
+            entry.name = name
         self.unloaded.discard(name)
         if old is not None:
             self._unname(old)
@@ -299,6 +306,7 @@ class AdapterRegistry(AdapterReads):
             raise UnknownModelError(f"the model {name[:200]!r} {what}; adapters: {known}")
         entry.evicted = False
         await self._take([entry], hold=False)
+        self._drop_if_unused(entry)  # (unloaded meanwhile)
         return entry
 
     def evict(self, name: str) -> None:
@@ -314,9 +322,13 @@ class AdapterRegistry(AdapterReads):
         self._drop_later(entry)
 
     def _unname(self, entry: AdapterEntry) -> None:
-        """A name no longer maps to `entry`: retired unless another name shares it."""
-        if not any(e is entry for e in self.names.values()):
+        """A name no longer maps to `entry`: retired unless another name shares it, which then
+        names it (metrics' labels, /lora-adapters, the errors)."""
+        others = [n for n, e in self.names.items() if e is entry]
+        if not others:
             self._retire(entry)
+        elif entry.name not in others:
+            entry.name = others[0]
 
     def _retire(self, entry: AdapterEntry) -> None:
         entry.retired = True
@@ -328,13 +340,14 @@ class AdapterRegistry(AdapterReads):
         once or none. A request that held some while it waited for room for the others could
         wait on another doing the same, both until their 503s. The reads go first, holding
         nothing; then room is made for all of a request's adapters together, one request at a
-        time in arrival order (`_admission`). A request whose adapters are all resident goes
-        ahead, unless one waits for room: it would hold what that one waits for."""
+        time in arrival order (`_admission`). A request whose adapters are all resident takes
+        them at once, with no await, even while another waits for room (throughput first: one
+        for the base or for adapters in use never queues behind a read or an eviction)."""
         for _ in range(8):
-            if not self._room_wanted and all(e.id is not None for e in needed):
+            if all(e.id is not None for e in needed):
                 break
-            read = await self._read_all(needed)
             try:
+                read = await self._read_all(needed)
                 self._check_memory(needed, read)
                 await self._bring(needed, read)
             finally:
@@ -353,20 +366,10 @@ class AdapterRegistry(AdapterReads):
             for e in needed:
                 e.refs += 1
 
-    def _check_memory(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
-        """A RequestError (400) when the adapters of `needed` whose sizes are known (resident,
-        just read, or attached before) and the pinned ones beside them are over --max-lora-memory:
-        no request's end makes that room."""
-        if self.max_bytes is None:
-            return
-        sizes = {}
-        for e in needed:
-            facts = read[id(e)][0].facts if id(e) in read else e.facts
-            if facts is not None:
-                sizes[e.name] = facts.nbytes
-        problem = memory_problem(sizes, needed, self.by_id.values(), self.max_bytes)
-        if problem is not None:
-            raise RequestError(problem, "adapters_too_large")
+    def _drop_if_unused(self, entry: AdapterEntry) -> None:
+        """Detach an adapter retired while it was read or landing, once nobody holds it."""
+        if entry.retired and entry.resident and entry.refs == 0 and entry.waiting == 0:
+            self._drop_later(entry)
 
     async def _bring(self, needed: list[AdapterEntry], read: Mapping[int, Read]) -> None:
         """Room for the adapters of `needed` just read, made at once, and their attaches
@@ -404,6 +407,9 @@ class AdapterRegistry(AdapterReads):
         t1 = time.perf_counter()  # (from t0 to here, less the read: waiting)
         try:
             adapter_id = await asyncio.wrap_future(self.service.attach(prepared))
+        except BaseException:
+            self._freed.set()  # (its room is free again)
+            raise
         finally:
             self._reserved -= 1
             self._reserved_bytes -= nbytes
@@ -411,6 +417,7 @@ class AdapterRegistry(AdapterReads):
         entry.id, entry.facts = adapter_id, prepared.facts
         self.by_id[adapter_id] = entry
         self._changed()
+        self._drop_if_unused(entry)  # (retired meanwhile, its requests gone)
         t2 = time.perf_counter()
         for fn in self.on_attach:
             fn(entry.name, read + t2 - t1, t1 - t0 - read)
@@ -434,43 +441,32 @@ class AdapterRegistry(AdapterReads):
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.room_wait_s
-        try:
-            while over():
-                scales = self.adapters.scales()
-                idle = [
-                    e
-                    for e in self.by_id.values()
-                    if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
-                ]
-                if idle:
-                    # unlinked now, detached on the engine's thread at the next step's boundary:
-                    # nobody waits for a step to end here (the attach this room is for goes in
-                    # before that when a step is in flight, beside it: the model holds the
-                    # adapter it replaces until the step ends)
-                    self._drop_later(min(idle, key=lambda e: e.last_used))
-                    continue
-                left = deadline - loop.time()
-                if left <= 0:  # queued as long as we wait: then the client hears why
-                    raise RequestError(
-                        f"no room for adapters {names_text(names)}: the LoRA budget "
-                        f"({self._budget_text()}) stayed held by adapters in use for "
-                        f"{self.room_wait_s:g} s; retry when requests end",
-                        "adapter_memory_busy",
-                    )
-                self._room_wanted = True  # (requests arriving now queue behind this one)
-                self._freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), left)
-        finally:
-            self._room_wanted = False
-
-    def _budget_text(self) -> str:
-        parts = []
-        if self.max_bytes is not None:
-            parts.append(f"{self.resident_bytes}/{self.max_bytes} bytes")
-        if self.max_loras is not None:
-            parts.append(f"{len(self.by_id)}/{self.max_loras} adapters")
-        return ", ".join(parts)
+        while over():
+            scales = self.adapters.scales()
+            idle = [
+                e
+                for e in self.by_id.values()
+                if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
+            ]
+            if idle:
+                # unlinked now, detached on the engine's thread at the next step's boundary:
+                # nobody waits for a step to end here (the attach this room is for goes in
+                # before that when a step is in flight, beside it: the model holds the
+                # adapter it replaces until the step ends)
+                self._drop_later(min(idle, key=lambda e: e.last_used))
+                continue
+            left, k = deadline - loop.time(), self.max_loras
+            if left <= 0:  # queued as long as we wait: then the client hears why
+                held = budget_text(self.resident_bytes, self.max_bytes, len(self.by_id), k)
+                raise RequestError(
+                    f"no room for adapters {names_text(names)}: the LoRA budget "
+                    f"({held}) stayed held by adapters in use for "
+                    f"{self.room_wait_s:g} s; retry when requests end",
+                    "adapter_memory_busy",
+                )
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
 
     def _unlink(self, entry: AdapterEntry) -> int | None:
         """Take the entry out of the resident set at once (nobody can lease it from here on);
@@ -489,6 +485,7 @@ class AdapterRegistry(AdapterReads):
         adapter_id = self._unlink(entry)
         if adapter_id is None:
             return
+        self._freed.set()  # (a request waiting for room may now have it)
         task = asyncio.ensure_future(asyncio.wrap_future(self.service.detach(adapter_id)))
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)

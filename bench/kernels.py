@@ -109,13 +109,7 @@ def grid_against(other: str, types: list[str], rows: list[int], rounds: int) -> 
                 call()
             same = np.array_equal(ys[0].view(np.int32), ys[1].view(np.int32))
             reps = max(1, int(2e7 / (m * n * k)))
-            times: list[list[float]] = [[], []]
-            for r in range(rounds):
-                for i in (0, 1) if r % 2 == 0 else (1, 0):
-                    t0 = time.thread_time()
-                    for _ in range(reps):
-                        calls[i]()
-                    times[i].append((time.thread_time() - t0) / reps)
+            times = timed(calls, reps, rounds)
             a, b = (m * n * k / statistics.median(t) / 1e9 for t in times)
             gbs = raw.nbytes / statistics.median(times[1]) / 1e9
             print(f"| {qtype.name} | {n}x{k} | {m} | {a:.1f} | {b:.1f} | {b / a:.2f} | {gbs:.1f} "
@@ -129,6 +123,18 @@ def grid_against(other: str, types: list[str], rows: list[int], rounds: int) -> 
 K_SHAPES = [(Q.Q4_K, 1536, 2048, 96), (Q.Q6_K, 2048, 768, 96), (Q.Q4_K, 2048, 768, 96),
             (Q.Q4_K, 16384, 2048, 8), (Q.Q6_K, 16384, 768, 12), (Q.Q4_K, 8192, 2048, 12),
             (Q.Q6_K, 128256, 2048, 1)]  # fmt: skip
+
+
+def timed(calls: list[Callable[[], object]], reps: int, rounds: int) -> list[list[float]]:
+    """Seconds of this thread's CPU time a call, per round, the calls alternated A B, B A, .."""
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            t0 = time.thread_time()
+            for _ in range(reps):
+                calls[i]()
+            times[i].append((time.thread_time() - t0) / reps)
+    return times
 
 
 def load_alike(path: str) -> ctypes.CDLL:

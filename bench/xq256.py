@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from graftlm.quant import QWeight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # synth_tensors
-from kernels import load_alike  # noqa: E402
+from kernels import load_alike, timed  # noqa: E402
 from synth_tensors import random_blocks  # noqa: E402
 
 SHAPES = [(2048, 8192), (8192, 2048), (2048, 2048)]  # n_out x n_in
@@ -184,18 +183,6 @@ def check(proto: ctypes.CDLL, w: Q4K, x: np.ndarray, cols: np.ndarray | None = N
             f"xq256 {w.n}x{k} M={m}: {len(bad)} outputs differ from product_ref, first {bad[:3]}"
         )
     return f"{w.n}x{k} M={m}: same bits ({mine.size} outputs)"
-
-
-def timed(calls: list[Callable[[], object]], reps: int, rounds: int) -> list[list[float]]:
-    """Seconds of this thread's CPU time a call, per round, the calls alternated A B, B A, .."""
-    times: list[list[float]] = [[] for _ in calls]
-    for r in range(rounds):
-        for i in (0, 1) if r % 2 == 0 else (1, 0):
-            t0 = time.thread_time()
-            for _ in range(reps):
-                calls[i]()
-            times[i].append((time.thread_time() - t0) / reps)
-    return times
 
 
 def errors(y: np.ndarray, ref: np.ndarray) -> str:

@@ -127,6 +127,22 @@ typedef struct {
 #endif
 } prompt_chunk;
 
+/* Weights e0, e1 of two 16-key blocks (a pair: e1 unused for a chunk's odd last block) stored
+ * to pb as bfloat16 pairs (2i, 2i + 1) in key order, and the rounded weights' sums added to sum. */
+static inline __attribute__((always_inline)) __m512 weights_store(uint32_t *pb, __m512 e0, __m512 e1,
+                                                                  const int pair, __m512 sum) {
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
+    __m512i w;
+    if (pair) {
+        w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(pb, w);
+    } else {
+        w = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e0)), _mm256_setzero_si256(), 1);
+        _mm256_storeu_si256((__m256i *)pb, _mm512_castsi512_si256(w));
+    }
+    return _mm512_dpbf16_ps(sum, (__m512bh)w, ones);
+}
+
 #include "attn_prompt_lazy.c" /* prompt_weights_lazy */
 
 /* Rows r0 .. r0 + nr - 1 (nr <= R, R <= BR) of a chunk of NB blocks, their products z (times f: q.k
@@ -171,22 +187,14 @@ static inline __attribute__((always_inline)) int prompt_softmax_bf16(const promp
         c->m[row] = mn;
         const __m512 mv = _mm512_set1_ps(mn);
         __m512 sum = _mm512_setzero_ps();
-        const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
         for (int x = 0; x < NB; x += 2) {
-            __m512 e0 = exp2_w(_mm512_sub_ps(v[x], mv));
+            __m512 e0 = exp2_w(_mm512_sub_ps(v[x], mv)), e1 = e0;
             if (c->mask) e0 = _mm512_maskz_mov_ps(vis[x], e0);
-            __m512i w;
             if (x + 1 < NB) {
-                __m512 e1 = exp2_w(_mm512_sub_ps(v[x + 1], mv));
+                e1 = exp2_w(_mm512_sub_ps(v[x + 1], mv));
                 if (c->mask) e1 = _mm512_maskz_mov_ps(vis[x + 1], e1);
-                w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* pairs (2i, 2i + 1) in key order */
-                _mm512_storeu_si512(pb + 8 * x, w);
-            } else {
-                w = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e0));
-                w = _mm512_inserti64x4(w, _mm256_setzero_si256(), 1);
-                _mm256_storeu_si256((__m256i *)(pb + 8 * x), _mm512_castsi512_si256(w));
             }
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)w, ones); /* the rounded weights' sums */
+            sum = weights_store(pb + 8 * x, e0, e1, x + 1 < NB, sum);
         }
         float *L = c->L + row * 16;
         _mm512_store_ps(L, _mm512_fmadd_ps(_mm512_load_ps(L), _mm512_set1_ps(alpha[r]), sum));

@@ -33,21 +33,13 @@ static inline __attribute__((always_inline)) int prompt_weights_lazy(const promp
         sum[r] = _mm512_setzero_ps();
     }
     const __m512 fv = _mm512_set1_ps(f), big = _mm512_set1_ps(LAZY_SUM);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3F803F80); /* bfloat16 pairs (1, 1) */
     __mmask16 past = 0;
     for (int x = 0; x < NB; x += 2)
         for (int r = 0; r < R; r++) {
             uint32_t *pb = c->Pb + (r0 + r) * (PK / 2) + 8 * x;
             const __m512 e0 = exp2_w(_mm512_fmsub_ps(z[r][x], fv, mv[r]));
-            __m512i w;
-            if (x + 1 < NB) { /* pairs (2i, 2i + 1) in key order */
-                w = (__m512i)_mm512_cvtne2ps_pbh(exp2_w(_mm512_fmsub_ps(z[r][x + 1], fv, mv[r])), e0);
-                _mm512_storeu_si512(pb, w);
-            } else {
-                w = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(e0)), _mm256_setzero_si256(), 1);
-                _mm256_storeu_si256((__m256i *)pb, _mm512_castsi512_si256(w));
-            }
-            sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)w, ones); /* the rounded weights' sums */
+            const __m512 e1 = x + 1 < NB ? exp2_w(_mm512_fmsub_ps(z[r][x + 1], fv, mv[r])) : e0;
+            sum[r] = weights_store(pb, e0, e1, x + 1 < NB, sum[r]);
             if (x + 2 >= NB) past |= _mm512_cmp_ps_mask(sum[r], big, _CMP_NLE_UQ);
         }
     if (past) return 0;

@@ -19,7 +19,7 @@ from graftlm.commands import add_chat_template_arguments, add_device_argument
 from graftlm.commands.lora_args import add_lora_arguments
 from graftlm.commands.serve_options import add_http_arguments
 from graftlm.commands.spec_args import add_spec_arguments
-from graftlm.server.names import name_problem
+from graftlm.server.names import module_problem
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -80,9 +80,8 @@ def parse_lora_modules(groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]
                 raise ValueError(f"--lora-modules {item!r}: expected name=path")
             out.append((name, path))
     for name, path in out:  # (before the model loads, and before Ray starts for ray-serve)
-        problem = name_problem(name)
-        if problem is not None:
-            raise ValueError(f"--lora-modules {name[:300]!r}={path}: {problem}")
+        if (problem := module_problem(name, path)) is not None:
+            raise ValueError(problem)
     return out
 
 

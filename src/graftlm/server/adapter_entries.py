@@ -85,6 +85,15 @@ def kept(entry: AdapterEntry, scales: Mapping[int, float]) -> bool:
     return not entry.retired and (entry.pinned or at_scale)
 
 
+def _kept_beside(
+    entries: Iterable[AdapterEntry], need: Iterable[AdapterEntry], scales: Mapping[int, float]
+) -> list[AdapterEntry]:
+    """The adapters of `entries` that a request needing `need` does not use and that are never
+    evicted (`kept`): they hold their places beside it for good."""
+    used = {id(e) for e in need}
+    return [e for e in entries if kept(e, scales) and id(e) not in used]
+
+
 def count_problem(
     named: Iterable[AdapterEntry],
     lora: Mapping[int, float] | None,
@@ -97,14 +106,15 @@ def count_problem(
     places: `kept`), or None: it would wait for room that no request's end makes."""
     if max_loras is None:
         return None
-    need = {id(e): e.name for e in named}
-    need |= {id(e): e.name for i in lora or {} if (e := by_id.get(i)) is not None}
-    pinned = sum(1 for e in by_id.values() if kept(e, scales) and id(e) not in need)
+    need = {id(e): e for e in named}
+    need |= {id(e): e for i in lora or {} if (e := by_id.get(i)) is not None}
+    pinned = len(_kept_beside(by_id.values(), need.values(), scales))
     if len(need) + pinned <= max_loras:
         return None
     beside = f" beside {pinned} pinned or at a global scale, never evicted" if pinned else ""
     return (
-        f"this request uses {len(need)} adapters at once ({names_text(sorted(need.values()))}); "
+        f"this request uses {len(need)} adapters at once "
+        f"({names_text(sorted(e.name for e in need.values()))}); "
         f"at most {max_loras - pinned} can be attached{beside} (--max-loras {max_loras})"
     )
 
@@ -129,10 +139,7 @@ def memory_problem(
     """Why a request whose adapters take `sizes` bytes (name -> bytes, those known) can never
     have them resident at once under `max_bytes` beside the adapters it does not use that are
     never evicted (`kept`), or None."""
-    need = {id(e) for e in named}
-    pinned = sum(
-        e.facts.nbytes for e in resident if kept(e, scales) and id(e) not in need and e.facts
-    )
+    pinned = sum(e.facts.nbytes for e in _kept_beside(resident, named, scales) if e.facts)
     total = sum(sizes.values())
     if total + pinned <= max_bytes:
         return None

@@ -38,3 +38,9 @@ def name_problem(name: str) -> str | None:
     if name != name.strip():
         return "an adapter name may not be blank or start or end with white space"
     return None
+
+
+def module_problem(name: str, path: str) -> str | None:
+    """Why `--lora-modules name=path` cannot be registered under its name (None where it can)."""
+    problem = name_problem(name)
+    return None if problem is None else f"--lora-modules {name[:300]!r}={path}: {problem}"

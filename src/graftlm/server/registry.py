@@ -51,7 +51,7 @@ from graftlm.server.adapter_entries import (
     scale_overflow,
 )
 from graftlm.server.adapter_reads import AdapterReads
-from graftlm.server.names import name_problem
+from graftlm.server.names import module_problem
 
 __all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
@@ -119,9 +119,8 @@ class AdapterRegistry(AdapterReads):
 
     def add_module(self, name: str, path: str) -> AdapterEntry:
         """Register a named adapter (vLLM's --lora-modules); it is attached on first use."""
-        problem = name_problem(name)
-        if problem is not None:
-            raise ValueError(f"--lora-modules {name[:300]!r}={path}: {problem}")
+        if (problem := module_problem(name, path)) is not None:
+            raise ValueError(problem)
         if name in self.names:
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
         if not Path(path).exists():

@@ -238,6 +238,50 @@ def test_requests_for_resident_adapters_do_not_queue_behind_one_waiting_for_room
     asyncio.run(go())
 
 
+def test_a_request_waiting_for_room_is_served_under_steady_traffic_on_resident_adapters(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """--max-loras 2, gamma at a global scale, a steady stream of requests for alpha (each
+    begins before the one before it ends), a request for beta waiting for room: every request
+    for alpha took it at once, alpha was never idle, and beta's request waited out --lora-wait
+    for its 503. Once beta's has waited past its share of --lora-wait (0 here), a new request
+    for alpha queues behind it: alpha drains, beta is served, then the queued request; requests
+    for the base (at the global scales) and for gamma (never evicted) are never held."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s, reg.starve_share = 10.0, 0.0
+        alpha, beta, gamma = (reg.names[n] for n in ("alpha", "beta", "gamma"))
+        reg.release(await reg.lease("gamma", None, BASE))
+        assert gamma.id is not None
+        await reg.set_scales({gamma.id: 0.5})
+        prev = await reg.lease("alpha", None, BASE)
+        waiter = asyncio.ensure_future(reg.lease("beta", None, BASE))
+        await await_until(lambda: reg.room_wait_since is not None, 30, "beta's wait for room")
+        nxt = None
+        while not waiter.done():
+            nxt = step = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+            # it took alpha, or it queued behind beta's request: then the one before it ends
+            await await_until(lambda s=step: s.done() or reg.queued == 2, 30, "the next request")
+            for model in (None, "gamma"):  # (never held)
+                other = _at_once(reg.lease(model, None, BASE))
+                assert other.labels == ["gamma"]
+                reg.release(other)
+            reg.release(prev)
+            if not nxt.done():
+                break
+            prev = await nxt
+        lease_b = await asyncio.wait_for(waiter, 120)  # (a 503 here: starved)
+        assert lease_b.labels == ["beta"] and not alpha.resident and nxt is not None
+        assert not nxt.done() and reg.queued == 1
+        reg.release(lease_b)
+        last = await asyncio.wait_for(nxt, 120)
+        assert last.labels == ["alpha"] and alpha.resident and not beta.resident
+        reg.release(last)
+
+    asyncio.run(go())
+
+
 def test_an_adapter_named_by_id_is_not_evicted_for_its_own_request(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:

@@ -20,7 +20,9 @@ when it ends; that is what keeps its adapters resident. It takes all of its adap
 none (`_take`): room is made for one request at a time, in arrival order, for all it lacks
 together, so no request waits holding part of what it needs (two such could wait on each other
 until both got 503s), and one waiting for room is not overtaken by another that needs room (one
-whose adapters are all resident takes them at once). A request that can never fit
+whose adapters are all resident takes them at once, unless one waiting for room has waited
+past a quarter of --lora-wait and it would take an adapter that one could evict: then it queues
+behind it, `AdapterRoom.yields`). A request that can never fit
 (more adapters than --max-loras, more bytes than --max-lora-memory, beside the pinned ones) is
 a 400 at once.
 """
@@ -28,7 +30,6 @@ a 400 at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,19 +45,19 @@ from graftlm.server.adapter_entries import (
     Read,
     UnknownModelError,
     adapter_list,
-    budget_text,
     count_problem,
     file_identity,
     names_text,
     scale_overflow,
 )
 from graftlm.server.adapter_reads import AdapterReads
+from graftlm.server.adapter_room import AdapterRoom
 from graftlm.server.names import module_problem
 
 __all__ = ["AdapterEntry", "AdapterRegistry", "Lease", "UnknownModelError"]
 
 
-class AdapterRegistry(AdapterReads):
+class AdapterRegistry(AdapterReads, AdapterRoom):
     def __init__(
         self,
         service: EngineService,
@@ -69,6 +70,12 @@ class AdapterRegistry(AdapterReads):
         self.service = service
         # how long a request waits for adapters in use to be released before its 503
         self.room_wait_s = room_wait_s
+        # the share of room_wait_s the request making room waits before it stops others from
+        # taking the adapters it could evict (`AdapterRoom.yields`)
+        self.starve_share = 0.25
+        self.room_wait_since: float | None = None
+        # requests waiting for their adapters: for reads, for the admission, room or attaches
+        self.queued = 0
         self.load_timeout_s = load_timeout_s  # the longest a request waits for an adapter's read
         self.read_alone_s = 1.0  # how long a read has the reader to itself (`_read`)
         self._reading = asyncio.Semaphore(1)
@@ -136,10 +143,6 @@ class AdapterRegistry(AdapterReads):
         return out
 
     # -- facts --
-    @property
-    def resident_bytes(self) -> int:
-        return sum(e.facts.nbytes for e in self.by_id.values() if e.facts is not None)
-
     def adapter_list(self) -> list[dict[str, Any]]:
         """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
         return adapter_list(self.by_id, self.adapters.scales())
@@ -341,10 +344,22 @@ class AdapterRegistry(AdapterReads):
         nothing; then room is made for all of a request's adapters together, one request at a
         time in arrival order (`_admission`). A request whose adapters are all resident takes
         them at once, with no await, even while another waits for room (throughput first: one
-        for the base or for adapters in use never queues behind a read or an eviction)."""
+        for the base or for adapters in use never queues behind a read or an eviction), unless
+        that one has waited long enough to hold it (`yields`): then it queues behind it."""
+        if (hold and self.yields(needed)) or any(e.id is None for e in needed):
+            self.queued += 1
+            try:
+                await self._arrive(needed)
+            finally:
+                self.queued -= 1
+        if hold:  # (no await since every one of them was seen resident)
+            for e in needed:
+                e.refs += 1
+
+    async def _arrive(self, needed: list[AdapterEntry]) -> None:
+        """Every adapter of `needed` read and attached, through the admission at least once;
+        returns (no await after) when all of them are resident."""
         for _ in range(8):
-            if all(e.id is not None for e in needed):
-                break
             try:
                 read = await self._read_all(needed)
                 self._check_memory(needed, read)
@@ -353,17 +368,13 @@ class AdapterRegistry(AdapterReads):
                 for e in needed:  # (a prepared adapter not attached is not kept)
                     if e.loading is not None and e.loading.done() and e.id is None:
                         e.loading = None
-            if all(e.id is not None for e in needed):  # (no await from here to the refs)
-                break
-        else:
-            raise RequestError(
-                f"adapters {names_text([e.name for e in needed])} were evicted again and again: "
-                "too many adapters in use",
-                "adapter_memory_busy",
-            )
-        if hold:
-            for e in needed:
-                e.refs += 1
+            if all(e.id is not None for e in needed):
+                return
+        raise RequestError(
+            f"adapters {names_text([e.name for e in needed])} were evicted again and again: "
+            "too many adapters in use",
+            "adapter_memory_busy",
+        )
 
     def _drop_if_unused(self, entry: AdapterEntry) -> None:
         """Detach an adapter retired while it was read or landing, once nobody holds it."""
@@ -421,74 +432,3 @@ class AdapterRegistry(AdapterReads):
         for fn in self.on_attach:
             fn(entry.name, read + t2 - t1, t1 - t0 - read)
         return adapter_id
-
-    async def _make_room(self, count: int, nbytes: int, names: list[str]) -> None:
-        """Room for `count` more adapters of `nbytes` together, evicting idle ones (least
-        recently used first); waits up to room_wait_s for requests to release theirs."""
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise RequestError(
-                f"adapters {names_text(names)} need {nbytes} bytes, "
-                f"more than the whole LoRA budget of {self.max_bytes} bytes",
-                "adapters_too_large",
-            )
-
-        def over() -> bool:  # (counting the room held for attaches on their way)
-            held = self.resident_bytes + self._reserved_bytes + nbytes
-            too_big = self.max_bytes is not None and held > self.max_bytes
-            n = len(self.by_id) + self._reserved + count
-            return too_big or (self.max_loras is not None and n > self.max_loras)
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.room_wait_s
-        while over():
-            scales = self.adapters.scales()
-            idle = [
-                e
-                for e in self.by_id.values()
-                if not e.pinned and e.refs == 0 and e.waiting == 0 and e.id not in scales
-            ]
-            if idle:
-                # unlinked now, detached on the engine's thread at the next step's boundary:
-                # nobody waits for a step to end here (the attach this room is for goes in
-                # before that when a step is in flight, beside it: the model holds the
-                # adapter it replaces until the step ends)
-                self._drop_later(min(idle, key=lambda e: e.last_used))
-                continue
-            left, k = deadline - loop.time(), self.max_loras
-            if left <= 0:  # queued as long as we wait: then the client hears why
-                held = budget_text(self.resident_bytes, self.max_bytes, len(self.by_id), k)
-                raise RequestError(
-                    f"no room for adapters {names_text(names)}: the LoRA budget "
-                    f"({held}) stayed held by adapters in use for "
-                    f"{self.room_wait_s:g} s; retry when requests end",
-                    "adapter_memory_busy",
-                )
-            self._freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left)
-
-    def _unlink(self, entry: AdapterEntry) -> int | None:
-        """Take the entry out of the resident set at once (nobody can lease it from here on);
-        its slot id, still to be detached, or None when it was not attached."""
-        adapter_id = entry.id
-        if adapter_id is None:
-            return None
-        entry.id = None
-        entry.evicted = False
-        del self.by_id[adapter_id]
-        self._changed()
-        return adapter_id
-
-    def _drop_later(self, entry: AdapterEntry) -> None:
-        # unlinked now, not when the task first runs: a lease in between would take it
-        adapter_id = self._unlink(entry)
-        if adapter_id is None:
-            return
-        self._freed.set()  # (a request waiting for room may now have it)
-        task = asyncio.ensure_future(asyncio.wrap_future(self.service.detach(adapter_id)))
-        self._drops.add(task)
-        task.add_done_callback(self._drops.discard)
-
-    def _changed(self) -> None:
-        for fn in self.on_change:
-            fn(len(self.by_id), self.resident_bytes)

@@ -162,8 +162,8 @@ def test_a_request_waits_for_room_instead_of_failing(
         held_a = await reg.lease("alpha", None, BASE)
         held_b = await reg.lease("beta", None, BASE)
         waiting = asyncio.ensure_future(reg.lease("gamma", None, BASE))
-        await asyncio.sleep(0.3)
-        assert not waiting.done()  # queued, not refused
+        await await_until(lambda: reg.room_wait_since is not None, 60, "gamma's wait for room")
+        assert not waiting.done() and reg.queued == 1  # queued, not refused
         reg.release(held_a)
         lease = await asyncio.wait_for(waiting, 120)
         assert reg.names["gamma"].resident and not reg.names["alpha"].resident

@@ -20,6 +20,7 @@ from tiny_models import write_tiny_adapter
 
 import graftlm
 from graftlm.errors import AdapterError, RequestError
+from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import bytes_floor
 from graftlm.runtime.sampling import SamplingParams
 from graftlm.runtime.service import EngineService, FinishEvent, Job, TokenEvent
@@ -470,6 +471,72 @@ def test_a_global_scale_that_overflows_every_request_is_refused(
         assert len(reg.by_id) == 0
 
     asyncio.run(go())
+
+
+def test_adapters_whose_global_scales_overflow_only_together_are_refused(
+    svc: EngineService, tmp_path: Path
+) -> None:
+    """Two adapters on one attn_q, each at 90% of the largest global scale it takes alone: each
+    scale was checked alone and both were taken, and every request at the global scales could
+    then overflow where their deltas add up. POST /lora-adapters refuses the pair (a 400
+    naming both adapters and scales, the scales left as they were), as --lora-scaled does at
+    start (next test); one on another layer's attn_q beside it (deltas that never add up) is
+    taken, as are the two at half those scales."""
+    shape = (SPEC.n_embd, SPEC.n_head * SPEC.head_dim)
+    paths = {
+        "q1": write_tiny_adapter(tmp_path / "q1.gguf", SPEC, {"blk.0.attn_q": shape}, seed=3),
+        "q2": write_tiny_adapter(tmp_path / "q2.gguf", SPEC, {"blk.0.attn_q": shape}, seed=4),
+        "other": write_tiny_adapter(tmp_path / "o.gguf", SPEC, {"blk.1.attn_q": shape}, seed=5),
+    }
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        entries = {name: await reg.load(name, str(path)) for name, path in paths.items()}
+        ids, near = {}, {}
+        for name, e in entries.items():
+            assert e.id is not None and e.facts is not None and e.facts.reach > 0
+            ids[name], near[name] = e.id, 0.9 * F16_MAX / e.facts.reach
+            await reg.set_scales({e.id: near[name]})  # each alone: taken
+        q1, q2 = (entries[n].facts for n in ("q1", "q2"))
+        assert q1 is not None and q2 is not None
+        (site,) = q1.reaches  # blk.0's attn_q (in the model's fused projection)
+        assert near["q1"] * q1.reaches[site] + near["q2"] * q2.reaches[site] > F16_MAX
+        await reg.set_scales({ids["q1"]: near["q1"], ids["other"]: -near["other"]})
+        with pytest.raises(RequestError) as exc:
+            await reg.set_scales({ids["q1"]: near["q1"], ids["q2"]: -near["q2"]})
+        assert exc.value.code == "invalid_scale"
+        words = str(exc.value)
+        assert f"adapter {ids['q1']} (q1) at scale {near['q1']:g}, " in words
+        assert f"adapter {ids['q2']} (q2) at scale {-near['q2']:g}: " in words
+        assert f"together their deltas on {site} reach" in words and "other" not in words
+        assert dict(reg.adapters.scales()) == {ids["q1"]: near["q1"], ids["other"]: -near["other"]}
+        await reg.set_scales({ids["q1"]: near["q1"] / 2, ids["q2"]: near["q2"] / 2})
+
+    asyncio.run(go())
+
+
+def test_adapters_whose_lora_scaled_overflow_only_together_are_refused_at_start(
+    svc: EngineService, tmp_path: Path
+) -> None:
+    """--lora-scaled a.gguf S --lora-scaled b.gguf S on the same projection, each within range
+    alone: both were attached, every request at the global scales at risk. The second is
+    refused at start, naming both adapters and their scales; at a third of S it is taken."""
+    on_q = {"blk.0.attn_q": (SPEC.n_embd, SPEC.n_head * SPEC.head_dim)}
+    a = write_tiny_adapter(tmp_path / "a.gguf", SPEC, targets=on_q, seed=3)
+    b = write_tiny_adapter(tmp_path / "b.gguf", SPEC, targets=on_q, seed=3)  # (the same)
+    reg = AdapterRegistry(svc)
+    limit = F16_MAX / svc.prepare_adapter(str(a)).facts.reach
+    first = reg.preload(str(a), 0.75 * limit)
+    assert first.facts is not None
+    with pytest.raises(AdapterError) as exc:
+        reg.preload(str(b), -0.75 * limit)
+    words = str(exc.value)
+    assert f"--lora-scaled {a} at scale {0.75 * limit:g}, " in words
+    assert f"--lora-scaled {b} at scale {-0.75 * limit:g}: " in words
+    assert f"together their deltas on {next(iter(first.facts.reaches))} reach" in words
+    assert len(reg.by_id) == 1
+    reg.preload(str(b), 0.25 * limit)
+    assert len(reg.by_id) == 2
 
 
 def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:

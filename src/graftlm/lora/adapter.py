@@ -132,13 +132,19 @@ class ResolvedAdapter:
     prompt_prefix: str = ""
     invocation_tokens: list[int] = field(default_factory=list)
     source: str = "gguf"  # "gguf" or "peft"
-    # the largest output of a delta on an input of +-1 values, at scale 1 (check_values')
-    reach: float = 0.0
+    # each delta's reach (check_values'): its largest output on an input of +-1 values at
+    # scale 1; the embedding's, a bound on the delta of any token's row
+    reaches: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(d.nbytes for d in self.deltas.values())
+
+    @property
+    def reach(self) -> float:
+        """The largest reach of its deltas: a global scale past F16_MAX / reach overflows."""
+        return max(self.reaches.values(), default=0.0)
 
     def check_values(self) -> None:
         """Refuse factors that would break every use: inf or nan, or a delta whose output on an
@@ -146,16 +152,17 @@ class ResolvedAdapter:
         where the KV cache and the activations overflow (alpha / r folded in). A file whose
         declared alignment does not match where its writer put the data reads as such values.
         Each file tensor (a part of a stacked delta) is checked and named on its own. Keeps
-        the largest reach (`reach`): a global scale past F16_MAX / reach overflows every use."""
+        each delta's reach (`reaches`): a global scale past F16_MAX / reach overflows every use,
+        and adapters at global scales overflow together where their reaches' sum does."""
         within = _all_within(self.deltas)
         if within is not None:
-            self.reach = within
+            self.reaches = within
             return
         problems = []
         for name, d in sorted(self.deltas.items()):
             reach = _reach(d.a, d.b, name == EMBEDDING)
             if reach <= F16_MAX:  # nan and inf fail it too
-                self.reach = max(self.reach, reach)
+                self.reaches[name] = reach
                 continue
             for where, a, b in _pieces(name, d):
                 a, b = a.double(), b.double()
@@ -177,28 +184,28 @@ class ResolvedAdapter:
             )
 
 
-def _all_within(deltas: dict[str, Delta]) -> float | None:
-    """The largest reach of the deltas where every projection's delta is clearly within
-    check_values' limit, else None: their reaches computed together, the deltas of one shape as
-    one batched product (a few tensor operations an adapter, not a few a projection), with a
-    margin for the batched sums' other rounding. None sends check_values to its exact per-delta
-    test."""
-    groups: dict[tuple[int, ...], list[Delta]] = {}
+def _all_within(deltas: dict[str, Delta]) -> dict[str, float] | None:
+    """The reach of each delta where every projection's delta is clearly within check_values'
+    limit, else None: their reaches computed together, the deltas of one shape as one batched
+    product (a few tensor operations an adapter, not a few a projection), with a margin for the
+    batched sums' other rounding. None sends check_values to its exact per-delta test."""
+    groups: dict[tuple[int, ...], list[tuple[str, Delta]]] = {}
     for name, d in deltas.items():
         if name == EMBEDDING or d.a.dtype != d.b.dtype:
             return None
-        groups.setdefault((*d.a.shape, *d.b.shape), []).append(d)
-    most = 0.0
+        groups.setdefault((*d.a.shape, *d.b.shape), []).append((name, d))
+    out: dict[str, float] = {}
     for group in groups.values():
-        a, b = torch.stack([d.a for d in group]), torch.stack([d.b for d in group])
+        a, b = torch.stack([d.a for _, d in group]), torch.stack([d.b for _, d in group])
         if not a.numel() or not b.numel():
+            out.update((name, 0.0) for name, _ in group)
             continue
         x = _signs(a.shape[2], a.dtype).expand(a.shape[0], -1).unsqueeze(2)  # (G, n_in, 1)
-        reach = float(torch.bmm(b, torch.bmm(a, x)).abs().max())
-        if not reach <= F16_MAX * 0.999:  # nan and inf fail it too
+        reach = torch.bmm(b, torch.bmm(a, x)).abs().amax(dim=(1, 2))  # (G,)
+        if not float(reach.max()) <= F16_MAX * 0.999:  # nan and inf fail it too
             return None
-        most = max(most, reach)
-    return most
+        out.update(zip((name for name, _ in group), reach.tolist(), strict=True))
+    return out
 
 
 def _pieces(name: str, d: Delta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

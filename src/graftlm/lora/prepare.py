@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ class AdapterFacts:
     n_tensors: int
     invocation_tokens: tuple[int, ...] = ()  # activated LoRA's; () for a plain LoRA
     reach: float = 0.0  # ResolvedAdapter.reach: the largest delta output on +-1 inputs, scale 1
+    # ResolvedAdapter.reaches: each projection's (and the embedding's) reach
+    reaches: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, resolved: ResolvedAdapter) -> AdapterFacts:
@@ -46,6 +48,7 @@ class AdapterFacts:
             n_tensors=resolved.n_tensors,
             invocation_tokens=tuple(resolved.invocation_tokens),
             reach=float(resolved.reach),
+            reaches=dict(resolved.reaches),
         )
 
 

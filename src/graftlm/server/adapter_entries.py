@@ -170,6 +170,37 @@ def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str |
     )
 
 
+def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> str | None:
+    """Why adapters cannot have these global scales together ((what names one, its facts, its
+    scale)), or None: one past its own range (`scale_overflow`), or where several apply
+    together, a projection (or the embedding) where the sum of their reaches times their scales'
+    magnitudes leaves float16's range (each alone may be within it): every request at the
+    global scales would overflow there. The sum bounds their summed deltas on the input each
+    reach is measured on, as each reach does one delta's."""
+    for what, facts, scale in scaled:
+        if (problem := scale_overflow(what, facts, scale)) is not None:
+            return problem
+    totals: dict[str, float] = {}
+    for _, facts, scale in scaled:
+        for site, reach in (facts.reaches if facts is not None else {}).items():
+            totals[site] = totals.get(site, 0.0) + abs(scale) * reach
+    where = max(totals, key=lambda k: totals[k], default=None)
+    if where is None or totals[where] <= F16_MAX:
+        return None
+    named = [
+        f"{what} at scale {scale:g}"
+        for what, facts, scale in scaled
+        if facts is not None and scale != 0.0 and facts.reaches.get(where, 0.0) > 0.0
+    ]
+    return (
+        f"{', '.join(named)}: together their deltas on {where} reach {totals[where]:.3g} on an "
+        f"input of +-1 values (the sum of each one's reach there times its scale), past "
+        f"float16's range ({F16_MAX:g}): every request at the global scales would overflow, "
+        "though each is within range alone (a bound for one input of +-1 values, not a "
+        "guarantee for every input)"
+    )
+
+
 def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:
     """llama-server's GET /lora-adapters: the attached adapters and their global scales."""
     out = []

@@ -48,7 +48,7 @@ from graftlm.server.adapter_entries import (
     count_problem,
     file_identity,
     names_text,
-    scale_overflow,
+    together_overflow,
 )
 from graftlm.server.adapter_reads import AdapterReads
 from graftlm.server.adapter_room import AdapterRoom
@@ -111,8 +111,13 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         self._check_rank_floor(path)
         prepared = self.service.prepare_adapter(path)
         self._check_rank(prepared.facts)
-        problem = scale_overflow(f"--lora-scaled {path}", prepared.facts, float(scale))
-        if problem is not None:
+        # (with the adapters at global scales before it: they apply together)
+        at_scale = [
+            (f"--lora-scaled {self.by_id[i].path}", self.by_id[i].facts, s)
+            for i, s in self.adapters.scales().items()
+        ]
+        scaled = [*at_scale, (f"--lora-scaled {path}", prepared.facts, float(scale))]
+        if (problem := together_overflow(scaled)) is not None:
             raise AdapterError(problem)
         adapter_id = self.service.attach(prepared, float(scale)).result()
         entry = AdapterEntry(
@@ -242,11 +247,12 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
     async def set_scales(self, items: Mapping[int, float]) -> None:
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
-        for i, scale in scales.items():
-            e = self.by_id[i]
-            problem = scale_overflow(f"adapter {i} ({e.name[:64]})", e.facts, scale)
-            if problem is not None:
-                raise RequestError(f"lora: {problem}", "invalid_scale")
+        scaled = [
+            (f"adapter {i} ({self.by_id[i].name[:64]})", self.by_id[i].facts, scale)
+            for i, scale in scales.items()
+        ]
+        if (problem := together_overflow(scaled)) is not None:  # (they apply together)
+            raise RequestError(f"lora: {problem}", "invalid_scale")
         await asyncio.wrap_future(self.service.set_scales(scales))
         self._freed.set()  # an adapter at global scale 0 may now be evicted
 

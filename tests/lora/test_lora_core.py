@@ -175,3 +175,30 @@ def test_site_computes_nothing_for_inactive_slots() -> None:
     y = torch.randn(1, 1, 6)
     out = site.add_delta(y, torch.randn(1, 1, 8), LoraRows(torch.zeros(1, 3), (2,)))
     assert out is y  # slot 2 is not here: no work, the same tensor back
+
+
+def test_the_embedding_reach_bounds_every_tokens_row_as_tightly_as_its_rows_allow(
+    model: graftlm.Model, tmp_path: Path
+) -> None:
+    """The embedding delta's reach (the float16-range refusal's) was sum over r of max |A[:, r]|
+    max |B[:, r]|, as if one token held every column's largest value: r times too loose for an
+    adapter whose tokens each use one column. It is max over tokens t of sum over r of
+    |A[t, r]| max |B[:, r]|: still a bound on every token's row, equal to the largest row there."""
+    spec, n_vocab = TinySpec(), model.config.n_vocab
+    target = {"token_embd": (n_vocab, spec.n_embd)}
+    one_hot = torch.zeros(n_vocab, 4)  # torch (n_vocab, r): token t uses column t % 4 alone
+    one_hot[torch.arange(n_vocab), torch.arange(n_vocab) % 4] = 1.0
+    flat = (one_hot.numpy(), torch.full((spec.n_embd, 4), 3.0).numpy())
+    for seed, over in ((1, None), (2, {"token_embd": flat})):
+        path = tmp_path / f"e{seed}.gguf"
+        write_tiny_adapter(path, spec, target, alpha=4.0, seed=seed, overrides=over)  # (r = 4)
+        resolved = model.adapters.load(path)
+        d = resolved.deltas["token_embd"]
+        a, b = d.a.double(), d.b.double()  # (n_vocab, r), (n_embd, r)
+        largest = float((a @ b.T).abs().max())  # every token's row, exactly
+        loose = float((a.abs().amax(dim=0) * b.abs().amax(dim=0)).sum())
+        bound = resolved.reaches["token_embd"]
+        assert largest <= bound * (1 + 1e-6) and bound <= loose * (1 + 1e-6)
+        if over is not None:
+            assert bound == pytest.approx(3.0) and largest == pytest.approx(3.0)
+            assert loose == pytest.approx(12.0)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from server_fixtures import FIXTURES, SPEC, TinyServer, await_until, error_of, wait_until
 from tiny_models import write_tiny_adapter
@@ -537,6 +538,38 @@ def test_adapters_whose_lora_scaled_overflow_only_together_are_refused_at_start(
     assert len(reg.by_id) == 1
     reg.preload(str(b), 0.25 * limit)
     assert len(reg.by_id) == 2
+
+
+def test_an_embedding_adapters_scale_is_refused_only_past_its_rows_bound(
+    svc: EngineService, tmp_path: Path
+) -> None:
+    """An embedding LoRA whose tokens each use one of its 4 columns (every row of its delta at
+    most 3): its reach was bounded by 12 (every column's largest value, summed), and a global
+    scale of F16_MAX / 6, rows at half of float16's range, was refused as past it. Bounded by
+    3 now: that scale is taken; F16_MAX / 2, rows at 1.5 times the range, is still refused."""
+    n_vocab = int(svc.adapters.model.seams.n_vocab)
+    one_hot = np.zeros((n_vocab, 4), np.float32)  # (n_vocab, r): token t uses column t % 4
+    one_hot[np.arange(n_vocab), np.arange(n_vocab) % 4] = 1.0
+    factors = {"token_embd": (one_hot, np.full((SPEC.n_embd, 4), 3.0, np.float32))}
+    path = write_tiny_adapter(
+        tmp_path / "e.gguf",
+        SPEC,
+        {"token_embd": (n_vocab, SPEC.n_embd)},
+        alpha=4.0,
+        overrides=factors,
+    )
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        entry = await reg.load("embed", str(path))
+        assert entry.id is not None and entry.facts is not None
+        await reg.set_scales({entry.id: F16_MAX / 6})  # (refused: "takes its delta to 1.31e+05")
+        assert entry.facts.reach == pytest.approx(3.0)
+        assert reg.adapters.scales() == {entry.id: F16_MAX / 6}
+        with pytest.raises(RequestError, match=r"\(embed\): scale 32752 takes its delta to 9"):
+            await reg.set_scales({entry.id: F16_MAX / 2})
+
+    asyncio.run(go())
 
 
 def test_max_lora_rank(svc: EngineService, tmp_path: Path) -> None:

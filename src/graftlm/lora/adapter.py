@@ -227,12 +227,14 @@ F16_MAX = 65504.0
 
 def _reach(a: torch.Tensor, b: torch.Tensor, embedding: bool) -> float:
     """The largest output of a delta on a fixed input of +-1 values (a projection), or a bound
-    on any token's row (the embedding: sum over the rank of max |B| times max |A|), in the
-    factors' type (an overflow in float32 reads as inf: past the limit either way)."""
+    on any token's row (the embedding, A (n_vocab, r), B (n_embd, r): token t's row is
+    B @ A[t], each of its values at most sum over r of |A[t, r]| max |B[:, r]|; the largest
+    over the tokens), in the factors' type (an overflow in float32 reads as inf: past the limit
+    either way)."""
     if not a.numel() or not b.numel():
         return 0.0
     if embedding:
-        return float((b.abs().amax(dim=0) * a.abs().amax(dim=0)).sum())
+        return float((a.abs() @ b.abs().amax(dim=0)).max())  # (n_vocab,) bounds: the largest
     return float((b @ (a @ _signs(a.shape[1], a.dtype))).abs().max())
 
 

@@ -244,6 +244,7 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
         "graftlm_time_per_output_token_seconds_bucket",
         "graftlm_lora_adapters_resident",
         "graftlm_lora_adapter_bytes",
+        "graftlm_lora_requests_waiting",
     ):
         assert name in text, name
     assert 'adapter="beta"' in text and 'adapter="base"' in text
@@ -252,6 +253,7 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
     assert _metric(http, "graftlm_lora_adapter_load_seconds_count") >= 1
     assert _metric(http, "graftlm_lora_adapter_load_seconds_sum") > 0
     assert _metric(http, "graftlm_lora_adapter_wait_seconds_count") >= 1
+    assert _metric(http, "graftlm_lora_requests_waiting") == 0  # (none now)
 
 
 def test_client_disconnect_frees_the_slot(

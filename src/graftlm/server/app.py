@@ -130,6 +130,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.graft = state
     state.registry.on_change.append(state.metrics.adapters)
     state.registry.on_attach.append(state.metrics.adapter_loaded)
+    registry = state.registry
+    state.metrics.adapter_queue.set_function(lambda: registry.queued)
     state.metrics.adapters(len(state.registry.by_id), state.registry.resident_bytes)
 
     @app.exception_handler(ApiError)

@@ -144,6 +144,12 @@ class Metrics:
         self.adapter_bytes = Gauge(
             "graftlm_lora_adapter_bytes", "Bytes held by attached LoRA adapters", registry=r
         )
+        self.adapter_queue = Gauge(  # (read when scraped: `set_function`)
+            "graftlm_lora_requests_waiting",
+            "Requests waiting for their adapters: for reads, for room under --max-loras / "
+            "--max-lora-memory (adapters of running requests stay), or for attaches",
+            registry=r,
+        )
 
     def _cache_metrics(self, r: CollectorRegistry) -> None:
         """The paged KV cache and its prefix cache."""

@@ -262,9 +262,9 @@ def test_a_request_waiting_for_room_is_served_under_steady_traffic_on_resident_a
         await await_until(lambda: reg.room_wait_since is not None, 30, "beta's wait for room")
         nxt = None
         while not waiter.done():
-            nxt = step = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+            nxt = asyncio.ensure_future(reg.lease("alpha", None, BASE))
             # it took alpha, or it queued behind beta's request: then the one before it ends
-            await await_until(lambda s=step: s.done() or reg.queued == 2, 30, "the next request")
+            await await_until(lambda n=nxt: n.done() or reg.queued == 2, 30, "the next request")
             for model in (None, "gamma"):  # (never held)
                 other = _at_once(reg.lease(model, None, BASE))
                 assert other.labels == ["gamma"]

@@ -221,7 +221,7 @@ def test_requests_for_resident_adapters_do_not_queue_behind_one_waiting_for_room
 
     async def go() -> None:
         reg = _registry(svc, tiny_files, max_loras=1)
-        reg.room_wait_s = 30.0
+        reg.room_wait_s = 3600.0  # (its quarter, when alpha's would be held back, never reached)
         alpha, beta = reg.names["alpha"], reg.names["beta"]
         first = await reg.lease("alpha", None, BASE)
         other = asyncio.ensure_future(reg.lease("beta", None, BASE))
@@ -280,6 +280,121 @@ def test_a_request_waiting_for_room_is_served_under_steady_traffic_on_resident_a
         last = await asyncio.wait_for(nxt, 120)
         assert last.labels == ["alpha"] and alpha.resident and not beta.resident
         reg.release(last)
+
+    asyncio.run(go())
+
+
+async def _held_behind_beta(
+    reg: AdapterRegistry, behind: tuple[str, ...] = ()
+) -> tuple[Lease, asyncio.Future[Lease], list[asyncio.Future[Lease]], asyncio.Future[Lease]]:
+    """gamma at a global scale, alpha held, a request for beta waiting for room, requests for
+    the adapters `behind` queued behind it for the admission, and then one for alpha held back
+    by the rule (beta's wait past its share: 0). Returns the lease on alpha, beta's request,
+    those queued behind it, and alpha's."""
+    gamma = reg.names["gamma"]
+    reg.release(await reg.lease("gamma", None, BASE))
+    assert gamma.id is not None
+    await reg.set_scales({gamma.id: 0.5})
+    prev = await reg.lease("alpha", None, BASE)
+    waiter = asyncio.ensure_future(reg.lease("beta", None, BASE))
+    await await_until(lambda: reg.room_wait_since is not None, 60, "beta's wait for room")
+    queued = [asyncio.ensure_future(reg.lease(name, None, BASE)) for name in behind]
+    # (read, and queued for the admission: asyncio.Lock's own queue)
+    in_line = len(behind)
+    await await_until(
+        lambda: len(reg._admission._waiters or ()) == in_line, 60, "the requests behind beta's"
+    )
+    assert reg.queued == 1 + len(behind)
+    reg.starve_share = 0.0
+    held = asyncio.ensure_future(reg.lease("alpha", None, BASE))
+    await await_until(lambda: reg.queued == 2 + len(behind), 60, "alpha's to be held back")
+    assert not held.done() and reg.names["alpha"].refs == 1  # (it holds nothing)
+    return prev, waiter, queued, held
+
+
+def test_a_request_held_back_waits_for_the_wait_for_room_not_the_requests_queued_for_room(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """--max-loras 3: gamma at a global scale, alpha and delta held; a request for beta waits
+    for room, one for a0 queues behind it for the admission, and then one for alpha is held
+    back by the rule. It joined the admission's queue: when beta's request was served (delta
+    released), it waited out a0's request too (room held by alpha's own lease: until a0's
+    503), each room-needer ahead of it up to --lora-wait. Now it waits for beta's wait alone,
+    outside that queue: it is served once beta's is, while a0's still waits."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=3)
+        for name in ("delta", "a0"):
+            reg.add_module(name, str(tiny_files[name]))
+        reg.room_wait_s = 20.0
+        spare = await reg.lease("delta", None, BASE)
+        prev, waiter, (for_a0,), held = await _held_behind_beta(reg, ("a0",))
+        # a wait for room begun from here (a0's) is not past its share at once, as served
+        reg.starve_share = 0.25
+        reg.release(spare)  # beta's room: delta evicted
+        lease_b = await asyncio.wait_for(waiter, 120)
+        assert lease_b.labels == ["beta"] and not reg.names["delta"].resident
+        await await_until(lambda: held.done() or for_a0.done(), 120, "alpha's or a0's request")
+        assert held.done() and not for_a0.done()  # (before: a0's 503 came first)
+        lease_a = held.result()
+        assert lease_a.labels == ["alpha"] and reg.names["alpha"].refs == 2 and reg.queued == 1
+        reg.release(lease_a)
+        reg.release(prev)
+        lease_0 = await asyncio.wait_for(for_a0, 120)  # alpha evicted for it
+        assert lease_0.labels == ["a0"] and not reg.names["alpha"].resident
+        reg.release(lease_0)
+        reg.release(lease_b)
+
+    asyncio.run(go())
+
+
+def test_a_request_held_back_is_served_at_once_when_the_wait_for_room_is_cancelled(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> None:
+    """A request for alpha held back by beta's wait for room (--lora-wait 600 s): beta's
+    request is cancelled (its client went); alpha's is served then, not at beta's deadline,
+    and nothing is left waiting."""
+
+    async def go() -> None:
+        reg = _registry(svc, tiny_files, max_loras=2)
+        reg.room_wait_s = 600.0
+        prev, waiter, _, held = await _held_behind_beta(reg)
+        waiter.cancel()
+        await await_until(held.done, 60, "alpha's request")  # (not 600 s)
+        lease = held.result()
+        assert waiter.cancelled() and lease.labels == ["alpha"] and reg.names["alpha"].refs == 2
+        assert reg.room_wait_since is None and reg.queued == 0 and reg._room_wait is None
+        assert reg.names["beta"].waiting == 0 and not reg.names["beta"].resident
+        reg.release(lease)
+        reg.release(prev)
+
+    asyncio.run(go())
+
+
+def test_a_request_held_back_whose_file_went_meanwhile_hears_which_file(
+    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """A request for alpha arrived while alpha was resident, held back by beta's wait for
+    room; alpha, released, was evicted for beta, and its file was removed meanwhile: read
+    again, it fails with a 400 naming the adapter and the file (as any read)."""
+    path = tmp_path / "alpha.gguf"
+    path.write_bytes(tiny_files["alpha"].read_bytes())
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc, room_wait_s=600.0, max_loras=2)
+        for name, file in (("alpha", path), ("beta", tiny_files["beta"])):
+            reg.add_module(name, str(file))
+        reg.add_module("gamma", str(tiny_files["gamma"]))
+        prev, waiter, _, held = await _held_behind_beta(reg)
+        path.unlink()
+        reg.release(prev)
+        lease_b = await asyncio.wait_for(waiter, 120)
+        assert not reg.names["alpha"].resident
+        with pytest.raises(AdapterError) as exc:
+            await asyncio.wait_for(held, 120)
+        assert f"adapter 'alpha': {path}: no such file" in str(exc.value)
+        assert reg.queued == 0 and reg.names["alpha"].refs == 0
+        reg.release(lease_b)
 
     asyncio.run(go())
 

@@ -224,7 +224,9 @@ def test_tokenize_detokenize_template(server: TinyServer, http: httpx.Client) ->
     ] == server.ref.apply_chat_template(messages)
 
 
-def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
+def test_health_props_metrics(
+    server: TinyServer, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     props = http.get("/props").json()
     assert (
@@ -254,6 +256,28 @@ def test_health_props_metrics(server: TinyServer, http: httpx.Client) -> None:
     assert _metric(http, "graftlm_lora_adapter_load_seconds_sum") > 0
     assert _metric(http, "graftlm_lora_adapter_wait_seconds_count") >= 1
     assert _metric(http, "graftlm_lora_requests_waiting") == 0  # (none now)
+    # a runtime load whose read is held back: counted while it waits, then no more
+    registry = server.state.registry
+    gate, real = threading.Event(), registry.service.prepare_adapter
+    monkeypatch.setattr(registry.service, "prepare_adapter", lambda p: gate.wait(60) and real(p))
+    body = {"lora_name": "waits-for-its-read", "lora_path": str(server.adapters["delta"])}
+    answers: list[httpx.Response] = []
+
+    def load() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as other:
+            answers.append(other.post("/v1/load_lora_adapter", json=body))
+
+    loading = threading.Thread(target=load)
+    loading.start()
+    try:
+        wait_until(lambda: registry.queued == 1, 60, "the load to wait for its read")
+        assert _metric(http, "graftlm_lora_requests_waiting") == 1
+    finally:
+        gate.set()
+        loading.join(60)
+    assert answers and answers[0].status_code == 200, answers
+    assert _metric(http, "graftlm_lora_requests_waiting") == 0
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": body["lora_name"]}).is_success
 
 
 def test_client_disconnect_frees_the_slot(

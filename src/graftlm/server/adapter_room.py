@@ -1,7 +1,8 @@
 """How the adapter registry (registry.py) makes room under its budget: idle adapters evicted,
 least recently used first; a request that needs room waits for adapters in use to be released,
-and, once it has waited past a share of that wait (`starve_share`), is not starved by requests that keep taking the
-adapters it could evict."""
+and, once it has waited past a share of that wait (`starve_share`), is not starved by requests
+that keep taking the adapters it could evict (they wait for its wait to end: `yields`,
+`_held_back`)."""
 
 from __future__ import annotations
 
@@ -44,22 +45,25 @@ class AdapterRoom:
     # when the request making room (at most one: it holds the admission) began to wait for
     # adapters in use to be released; None while none waits
     room_wait_since: float | None
+    # that wait's end (set however it ends: room, 503 or cancellation) and its deadline, for the
+    # requests it holds back (`_held_back`); None while none waits
+    _room_wait: tuple[asyncio.Event, float] | None
 
     @property
     def resident_bytes(self) -> int:
         return sum(e.facts.nbytes for e in self.by_id.values() if e.facts is not None)
 
     def yields(self, needed: list[AdapterEntry]) -> bool:
-        """Whether a request whose adapters `needed` are all resident queues behind the request
+        """Whether a request whose adapters `needed` are all resident is held back by the request
         making room instead of taking them at once: the rule that bounds that one's wait.
 
-        It does when that request has waited for room more than `starve_share` (a quarter) of
+        It is when that request has waited for room more than `starve_share` (a quarter) of
         --lora-wait and one of `needed` is an adapter it could evict (`evictable`): from then on
         no new request holds such an adapter, so those in use drain as their requests end and
-        room appears, however steady the traffic on them. A request for the
-        base, or for adapters pinned, at a nonzero global scale or those the waiting request
-        needs itself, never queues; before the threshold none does (throughput first: one for
-        adapters in use never waits behind a read or an eviction)."""
+        room appears, however steady the traffic on them. A request for the base, or for
+        adapters pinned, at a nonzero global scale or those the waiting request needs itself,
+        is never held back; before the threshold none is (throughput first: one for adapters
+        in use never waits behind a read or an eviction)."""
         since = self.room_wait_since
         if since is None:
             return False
@@ -67,6 +71,26 @@ class AdapterRoom:
             return False
         scales = self.adapters.scales()
         return any(evictable(e, scales) for e in needed)
+
+    async def _held_back(self, needed: list[AdapterEntry]) -> None:
+        """Wait while `yields(needed)` holds the request back: until the wait for room that holds
+        it ends (room made, its 503, or its request gone), at most until that wait's deadline,
+        holding nothing (the adapters stay evictable) and outside the admission (it does not
+        wait out the requests queued there for room). Then it is asked again from the start:
+        a wait for room begun since can hold it back in turn, once past its own share; the
+        same wait never holds it twice. Returns (no await after) when it is not held back, or
+        when one of `needed` is no longer resident (evicted for that room: it is read again
+        and queues for the admission as a new request would)."""
+        loop = asyncio.get_running_loop()
+        seen: asyncio.Event | None = None
+        while all(e.id is not None for e in needed) and self.yields(needed):
+            assert self._room_wait is not None  # (set with room_wait_since)
+            ended, deadline = self._room_wait
+            if ended is seen:  # (past its deadline, its end not yet run: it ends now)
+                return
+            seen = ended
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), max(0.0, deadline - loop.time()))
 
     async def _make_room(self, count: int, nbytes: int, names: list[str]) -> None:
         """Room for `count` more adapters of `nbytes` together, evicting idle ones (least
@@ -108,11 +132,15 @@ class AdapterRoom:
                     )
                 if self.room_wait_since is None:
                     self.room_wait_since = loop.time()
+                    self._room_wait = (asyncio.Event(), deadline)
                 self._freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), left)
         finally:
             self.room_wait_since = None
+            if self._room_wait is not None:  # (the requests it held back go on)
+                self._room_wait[0].set()
+                self._room_wait = None
 
     def _unlink(self, entry: AdapterEntry) -> int | None:
         """Take the entry out of the resident set at once (nobody can lease it from here on);

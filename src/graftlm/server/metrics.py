@@ -146,8 +146,9 @@ class Metrics:
         )
         self.adapter_queue = Gauge(  # (read when scraped: `set_function`)
             "graftlm_lora_requests_waiting",
-            "Requests waiting for their adapters: for reads, for room under --max-loras / "
-            "--max-lora-memory (adapters of running requests stay), or for attaches",
+            "Requests waiting for their adapters: to be read, for room under --max-loras / "
+            "--max-lora-memory (adapters of running requests stay), to be attached, or held "
+            "back by a request waiting for room; runtime loads and a router's warms among them",
             registry=r,
         )
 

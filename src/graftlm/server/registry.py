@@ -21,8 +21,8 @@ none (`_take`): room is made for one request at a time, in arrival order, for al
 together, so no request waits holding part of what it needs (two such could wait on each other
 until both got 503s), and one waiting for room is not overtaken by another that needs room (one
 whose adapters are all resident takes them at once, unless one waiting for room has waited
-past a quarter of --lora-wait and it would take an adapter that one could evict: then it queues
-behind it, `AdapterRoom.yields`). A request that can never fit
+past a quarter of --lora-wait and it would take an adapter that one could evict: then it waits
+for that one's wait to end, `AdapterRoom.yields`). A request that can never fit
 (more adapters than --max-loras, more bytes than --max-lora-memory, beside the pinned ones) is
 a 400 at once.
 """
@@ -74,7 +74,9 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         # taking the adapters it could evict (`AdapterRoom.yields`)
         self.starve_share = 0.25
         self.room_wait_since: float | None = None
-        # requests waiting for their adapters: for reads, for the admission, room or attaches
+        self._room_wait: tuple[asyncio.Event, float] | None = None  # (its end and deadline)
+        # requests waiting for their adapters: for reads, for the admission, room or attaches,
+        # or held back by the one waiting for room (`yields`); load() and warm() among them
         self.queued = 0
         self.load_timeout_s = load_timeout_s  # the longest a request waits for an adapter's read
         self.read_alone_s = 1.0  # how long a read has the reader to itself (`_read`)
@@ -350,9 +352,25 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         nothing; then room is made for all of a request's adapters together, one request at a
         time in arrival order (`_admission`). A request whose adapters are all resident takes
         them at once, with no await, even while another waits for room (throughput first: one
-        for the base or for adapters in use never queues behind a read or an eviction), unless
-        that one has waited long enough to hold it (`yields`): then it queues behind it."""
-        if (hold and self.yields(needed)) or any(e.id is None for e in needed):
+        for the base or for adapters in use never queues behind a read or an eviction).
+
+        Unless the rule holds it back (`yields`: the one waiting for room has waited past its
+        share of --lora-wait and could evict one of `needed`): then it waits for that one's
+        wait to end, holding nothing, outside the admission (not behind the requests queued
+        there for room), and is taken again from the start (`_held_back`). The order kept: it
+        is not served before that one; after it, it is served at once if its adapters are
+        still resident, and otherwise it is read again and joins the admission behind those
+        that arrived while it waited, as a new request would (its place is not kept). Read
+        again, an adapter whose file was removed or broken since its first read fails this
+        request (a 4xx/5xx naming the adapter and the file, as any read), where it would have
+        been served had it not been held back."""
+        if hold and all(e.id is not None for e in needed) and self.yields(needed):
+            self.queued += 1
+            try:
+                await self._held_back(needed)
+            finally:
+                self.queued -= 1
+        if any(e.id is None for e in needed):
             self.queued += 1
             try:
                 await self._arrive(needed)

@@ -631,6 +631,44 @@ def test_adapters_whose_global_scales_overflow_only_together_are_refused(
     asyncio.run(go())
 
 
+def test_adapters_on_disjoint_rows_of_a_fused_projection_do_not_add_up(
+    svc: EngineService, tmp_path: Path
+) -> None:
+    """A Q-only and a V-only adapter on blk.0 (one fused QKV projection in the model), each at
+    90% of the largest global scale it takes alone: their reaches were summed on the fused
+    projection (up to twice the true bound) and the pair refused, though their deltas reach
+    disjoint rows (Q's, V's) and never add up. The pair is taken; Q-only beside a Q-and-V
+    adapter (rows shared) is still refused."""
+    hd = SPEC.head_dim
+    n_q, n_kv = SPEC.n_head * hd, SPEC.n_head_kv * hd
+    on_q = {"blk.0.attn_q": (SPEC.n_embd, n_q)}
+    on_v = {"blk.0.attn_v": (SPEC.n_embd, n_kv)}
+    paths = {
+        "q": write_tiny_adapter(tmp_path / "q.gguf", SPEC, on_q, seed=3),
+        "v": write_tiny_adapter(tmp_path / "v.gguf", SPEC, on_v, seed=4),
+        "qv": write_tiny_adapter(tmp_path / "qv.gguf", SPEC, {**on_q, **on_v}, seed=5),
+    }
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        entries = {name: await reg.load(name, str(path)) for name, path in paths.items()}
+        ids, near = {}, {}
+        for name, e in entries.items():
+            assert e.id is not None and e.facts is not None and e.facts.reach > 0
+            ids[name], near[name] = e.id, 0.9 * F16_MAX / e.facts.reach
+        q, v, qv = (entries[n].facts for n in ("q", "v", "qv"))
+        assert q is not None and v is not None and qv is not None
+        (site,) = q.reaches
+        assert set(v.reaches) == {site} and near["q"] * q.reach + near["v"] * v.reach > F16_MAX
+        assert q.rows[site] == (0, n_q) and v.rows[site] == (n_q + n_kv, n_q + 2 * n_kv)
+        await reg.set_scales({ids["q"]: near["q"], ids["v"]: -near["v"]})  # (refused before)
+        assert dict(reg.adapters.scales()) == {ids["q"]: near["q"], ids["v"]: -near["v"]}
+        with pytest.raises(RequestError, match=f"together their deltas on {site} reach"):
+            await reg.set_scales({ids["q"]: near["q"], ids["qv"]: near["qv"]})
+
+    asyncio.run(go())
+
+
 def test_adapters_whose_lora_scaled_overflow_only_together_are_refused_at_start(
     svc: EngineService, tmp_path: Path
 ) -> None:

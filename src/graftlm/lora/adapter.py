@@ -135,6 +135,9 @@ class ResolvedAdapter:
     # each delta's reach (check_values'): its largest output on an input of +-1 values at
     # scale 1; the embedding's, a bound on the delta of any token's row
     reaches: dict[str, float] = field(default_factory=dict)
+    # the output rows [lo, hi) each projection's delta reaches (first to last not 0 on the
+    # reach's input: a Q-only delta on a fused QKV projection reaches Q's); absent: all of them
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -156,7 +159,7 @@ class ResolvedAdapter:
         and adapters at global scales overflow together where their reaches' sum does."""
         within = _all_within(self.deltas)
         if within is not None:
-            self.reaches = within
+            self.reaches, self.rows = within
             return
         problems = []
         for name, d in sorted(self.deltas.items()):
@@ -184,28 +187,39 @@ class ResolvedAdapter:
             )
 
 
-def _all_within(deltas: dict[str, Delta]) -> dict[str, float] | None:
-    """The reach of each delta where every projection's delta is clearly within check_values'
-    limit, else None: their reaches computed together, the deltas of one shape as one batched
-    product (a few tensor operations an adapter, not a few a projection), with a margin for the
-    batched sums' other rounding. None sends check_values to its exact per-delta test."""
+def _all_within(
+    deltas: dict[str, Delta],
+) -> tuple[dict[str, float], dict[str, tuple[int, int]]] | None:
+    """The reach of each delta and the output rows it reaches (`ResolvedAdapter.rows`) where
+    every projection's delta is clearly within check_values' limit, else None: their reaches
+    computed together, the deltas of one shape as one batched product (a few tensor operations
+    an adapter, not a few a projection), with a margin for the batched sums' other rounding.
+    None sends check_values to its exact per-delta test (which keeps no rows: all of them)."""
     groups: dict[tuple[int, ...], list[tuple[str, Delta]]] = {}
     for name, d in deltas.items():
         if name == EMBEDDING or d.a.dtype != d.b.dtype:
             return None
         groups.setdefault((*d.a.shape, *d.b.shape), []).append((name, d))
     out: dict[str, float] = {}
+    rows: dict[str, tuple[int, int]] = {}
     for group in groups.values():
         a, b = torch.stack([d.a for _, d in group]), torch.stack([d.b for _, d in group])
         if not a.numel() or not b.numel():
             out.update((name, 0.0) for name, _ in group)
             continue
         x = _signs(a.shape[2], a.dtype).expand(a.shape[0], -1).unsqueeze(2)  # (G, n_in, 1)
-        reach = torch.bmm(b, torch.bmm(a, x)).abs().amax(dim=(1, 2))  # (G,)
+        y = torch.bmm(b, torch.bmm(a, x)).squeeze(2).abs()  # (G, n_out)
+        reach = y.amax(dim=1)  # (G,)
         if not float(reach.max()) <= F16_MAX * 0.999:  # nan and inf fail it too
             return None
         out.update(zip((name for name, _ in group), reach.tolist(), strict=True))
-    return out
+        # the rows each reaches on that input (a row it leaves at 0 there adds nothing to a sum)
+        touched = (y != 0).to(torch.int8)  # (G, n_out)
+        first = touched.argmax(dim=1).tolist()  # (0 for a delta that reaches no row)
+        last = (touched.shape[1] - touched.flip(1).argmax(dim=1)).tolist()
+        for (name, _), lo, hi, some in zip(group, first, last, reach.tolist(), strict=True):
+            rows[name] = (int(lo), int(hi)) if some > 0 else (0, 0)
+    return out, rows
 
 
 def _pieces(name: str, d: Delta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

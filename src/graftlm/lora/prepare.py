@@ -35,6 +35,8 @@ class AdapterFacts:
     reach: float = 0.0  # ResolvedAdapter.reach: the largest delta output on +-1 inputs, scale 1
     # ResolvedAdapter.reaches: each projection's (and the embedding's) reach
     reaches: Mapping[str, float] = field(default_factory=dict, hash=False)
+    # ResolvedAdapter.rows: the output rows [lo, hi) each projection's delta reaches
+    rows: Mapping[str, tuple[int, int]] = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, resolved: ResolvedAdapter) -> AdapterFacts:
@@ -49,6 +51,7 @@ class AdapterFacts:
             invocation_tokens=tuple(resolved.invocation_tokens),
             reach=float(resolved.reach),
             reaches=dict(resolved.reaches),
+            rows=dict(resolved.rows),
         )
 
 

@@ -4,6 +4,7 @@ words what it refuses."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,14 +177,18 @@ def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> s
     together, a projection (or the embedding) where the sum of their reaches times their scales'
     magnitudes leaves float16's range (each alone may be within it): every request at the
     global scales would overflow there. The sum bounds their summed deltas on the input each
-    reach is measured on, as each reach does one delta's."""
+    reach is measured on, as each reach does one delta's; only deltas that reach the same
+    output rows add up (a Q-only and a V-only adapter on one fused QKV projection do not:
+    `AdapterFacts.rows`)."""
     for what, facts, scale in scaled:
         if (problem := scale_overflow(what, facts, scale)) is not None:
             return problem
-    totals: dict[str, float] = {}
+    spans: dict[str, list[tuple[float, float, float]]] = {}  # site -> (lo, hi, |scale| x reach)
     for _, facts, scale in scaled:
         for site, reach in (facts.reaches if facts is not None else {}).items():
-            totals[site] = totals.get(site, 0.0) + abs(scale) * reach
+            lo, hi = facts.rows.get(site, (0, math.inf)) if facts is not None else (0, math.inf)
+            spans.setdefault(site, []).append((lo, hi, abs(scale) * reach))
+    totals = {site: _most_on_one_row(parts) for site, parts in spans.items()}
     where = max(totals, key=lambda k: totals[k], default=None)
     if where is None or totals[where] <= F16_MAX:
         return None
@@ -199,6 +204,12 @@ def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> s
         "though each is within range alone (a bound for one input of +-1 values, not a "
         "guarantee for every input)"
     )
+
+
+def _most_on_one_row(parts: list[tuple[float, float, float]]) -> float:
+    """The largest sum of the values of the spans [lo, hi) that share a row."""
+    starts = {lo for lo, hi, _ in parts if lo < hi}
+    return max((sum(v for lo, hi, v in parts if lo <= x < hi) for x in starts), default=0.0)
 
 
 def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:

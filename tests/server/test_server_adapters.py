@@ -41,6 +41,16 @@ def _attached(svc: EngineService) -> set[int]:
     return set(svc.adapters.attached)
 
 
+async def _settled(svc: EngineService, reg: AdapterRegistry) -> None:
+    """The engine attaches exactly the registry's resident adapters, once the detaches the
+    registry asked for (on the engine thread, after the release that freed them) have landed."""
+    await await_until(
+        lambda: _attached(svc) == set(reg.by_id),
+        60,
+        lambda: f"attached {sorted(_attached(svc))} against resident {sorted(reg.by_id)}",
+    )
+
+
 def test_lru_eviction_never_takes_an_adapter_in_use(
     svc: EngineService, tiny_files: dict[str, Path]
 ) -> None:
@@ -51,7 +61,8 @@ def test_lru_eviction_never_takes_an_adapter_in_use(
         reg.release(await reg.lease("beta", None, BASE))
         held_c = await reg.lease("gamma", None, BASE)  # evicts alpha, the least recently used
         assert not a.resident and b.resident and c.resident
-        assert _attached(svc) == set(reg.by_id) and len(reg.by_id) == 2
+        assert len(reg.by_id) == 2
+        await _settled(svc, reg)
         held_a = await reg.lease("alpha", None, BASE)  # gamma is in use: beta goes
         assert a.resident and not b.resident and c.resident
         with pytest.raises(RequestError) as exc:  # both resident adapters are in use
@@ -63,7 +74,7 @@ def test_lru_eviction_never_takes_an_adapter_in_use(
         lease = await reg.lease("beta", None, BASE)
         assert b.resident and lease.lora == {b.id: 1.0} and lease.labels == ["beta"]
         reg.release(lease)
-        assert _attached(svc) == set(reg.by_id)
+        await _settled(svc, reg)
 
     asyncio.run(go())
 
@@ -197,7 +208,7 @@ def test_two_requests_never_hold_part_of_their_adapters_while_waiting(
         assert sorted(lease_b.labels) == ["delta", "gamma"]
         assert not reg.names["alpha"].resident and not reg.names["beta"].resident
         reg.release(lease_b)
-        assert _attached(svc) == set(reg.by_id)
+        await _settled(svc, reg)
 
     asyncio.run(go())
 
@@ -501,7 +512,8 @@ def test_an_adapter_just_attached_waits_for_its_requests(
         for r in range(4):
             many = [one(names[(i + r) % 4]) for i in range(16)]
             assert sorted(await asyncio.wait_for(asyncio.gather(*many), 60)) == sorted(names * 4)
-            assert len(reg.by_id) <= 2 and _attached(svc) == set(reg.by_id)
+            assert len(reg.by_id) <= 2
+            await _settled(svc, reg)
 
     asyncio.run(go())
 
@@ -833,9 +845,12 @@ def test_one_file_loaded_under_two_names_is_one_resident_copy(
         reg.forget("four")  # (unloaded on another replica: the name goes, its copy stays)
         assert three.resident and not three.retired and "four" in reg.unloaded
         await reg.unload("two")
-        await asyncio.sleep(0.05)
-        assert one.retired and not one.resident and set(reg.by_id) == {three.id}
-        assert _attached(svc) == set(reg.by_id)
+        await await_until(
+            lambda: one.retired and not one.resident and set(reg.by_id) == {three.id},
+            60,
+            "two's unload",
+        )
+        await _settled(svc, reg)
         await reg.unload("three")
 
     asyncio.run(go())

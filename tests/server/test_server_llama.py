@@ -234,6 +234,7 @@ def test_health_props_metrics(
         and props["default_generation_settings"]["n_ctx"] == server.state.service.n_ctx
     )
     _completion(http, prompt=PROMPT, n_predict=3, model="beta")
+    _completion(http, prompt=PROMPT, n_predict=3)  # (the base's labels, when run alone)
     text = http.get("/metrics").text
     for name in (
         "graftlm_requests_total",

@@ -30,6 +30,10 @@
 
 #include "iq_grids.h"
 
+#ifndef XIQ_PF
+#define XIQ_PF 1 /* tiles ahead the kernel asks for (< 0: none; iq_tiles.c has the A/B) */
+#endif
+
 int64_t xiq_tile_bytes(int v, int expl) {
     return v == 0 ? (expl ? 1120 : 1056) : (expl ? 1632 : 1568);
 }
@@ -138,7 +142,8 @@ static inline __attribute__((always_inline)) void group(const uint8_t *tl, int64
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *p = tl + sb * tb;
-        for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)p + 8 * tb + o, _MM_HINT_T0);
+        if (XIQ_PF >= 0)
+            for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)p + XIQ_PF * tb + o, _MM_HINT_T0);
         const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 8 * ub)));
         for (int u = 0; u < 8; u++) {
             const uint8_t *pu = p + u * ub;

@@ -11,6 +11,9 @@ kernel) than the library's gl_mm_iq, which reads the file's super-blocks in plac
    copies of the weight in turn, 96 MiB of them, 3x the L3); ns an output's super-block.
 
     PYTHONPATH=src .venv/bin/python bench/xiq.py [--rows 1 2 3 4] [--rounds 21]
+
+With --library: the library's tiles (gl_pack_iq, gl_mm_iq_tiles: this kernel integrated, the
+lanes past 4 rows) against gl_mm_iq in place, the same bits checked, the same table.
 """
 
 from __future__ import annotations
@@ -331,12 +334,62 @@ def speeds(lib: ctypes.CDLL, proto: ctypes.CDLL, names: list[str], shapes: list[
             del w
 
 
+def pooled(
+    fn: Callable[..., None], pool: np.ndarray, x: np.ndarray, v: int, n: int
+) -> tuple[Callable[[], None], np.ndarray]:
+    """A call of fn (gl_mm_iq's arguments) on x taking pool's copies of a weight in turn; its y."""
+    m, k = x.shape
+    y = np.empty((m, n), np.float32)
+    turn = [0]
+
+    def call() -> None:
+        turn[0] = (turn[0] + 1) % len(pool)
+        fn(x.ctypes.data, m, k, pool[turn[0]].ctypes.data, v, n, y.ctypes.data, 1)
+
+    return call, y
+
+
+def library_ab(lib: ctypes.CDLL, names: list[str], shapes: list[tuple[int, int]], rows: list[int],
+               rounds: int, rng: np.random.Generator) -> None:  # fmt: skip
+    """The library's own tiles (gl_pack_iq, gl_mm_iq_tiles: xiq.c's kernel integrated, the lanes
+    past 4 rows) against gl_mm_iq in place: the same bits, then ns an output's super-block a row,
+    one thread, alternated, in cache and out of cache."""
+    print("| type | n_out x n_in | where | M | in place ns | tiles ns | ratio | tiles spread |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        for n, k in shapes:
+            w = Weight(name, n, k, rng)
+            tiles = np.empty_like(w.raw)
+            assert lib.gl_pack_iq(w.v, w.raw.ctypes.data, n, k, tiles.ctypes.data, 1) == 0
+            for where in ("cache", "memory"):
+                copies = 1 if where == "cache" else max(2, POOL // w.raw.nbytes)
+                pools = [np.stack([a] * copies) for a in (w.raw, tiles)]
+                for m in rows:
+                    x = rng.standard_normal((m, k)).astype(np.float32)
+                    (fa, ya), (fb, yb) = (
+                        pooled(f, q, x, w.v, n)
+                        for f, q in zip((lib.gl_mm_iq, lib.gl_mm_iq_tiles), pools, strict=True)
+                    )
+                    fa(), fb()
+                    if not np.array_equal(ya.view(np.int32), yb.view(np.int32)):
+                        raise SystemExit(
+                            f"{name} {n}x{k} M={m}: gl_mm_iq_tiles differs from gl_mm_iq"
+                        )
+                    units = n * k / 256 * m
+                    ta, tb = timed([fa, fb], max(1, int(4e6 / units)), rounds)
+                    a, b = (statistics.median(t) / units * 1e9 for t in (ta, tb))
+                    sp = f"{min(tb) / units * 1e9:.2f}-{max(tb) / units * 1e9:.2f}"
+                    print(f"| {name} | {n}x{k} | {where} | {m} | {a:.2f} | {b:.2f} | {a / b:.3f} | {sp} |",
+                          flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4])
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--types", nargs="*", default=list(TYPES))
     ap.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES])
+    ap.add_argument("--library", action="store_true", help="the library's tiles against in place")
     args = ap.parse_args()
     ours = build.library()
     if ours is None or "zmm-vnni" not in build.features():
@@ -347,6 +400,16 @@ def main() -> None:
     lib.gl_mm_iq.argtypes = [P, I64, I64, P, ctypes.c_int, I64, P, ctypes.c_int]
     lib.gl_mm_iq.restype = None
     rng = np.random.default_rng(0)
+    shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes]
+    if args.library:
+        lib.gl_pack_iq.argtypes = [ctypes.c_int, P, I64, I64, P, ctypes.c_int]
+        lib.gl_mm_iq_tiles.argtypes = lib.gl_mm_iq.argtypes
+        lib.gl_mm_iq_tiles.restype = None
+        print(
+            "## one thread, alternated: gl_mm_iq (in place) against gl_mm_iq_tiles (the library's tiles)"
+        )
+        library_ab(lib, args.types, shapes, args.rows, args.rounds, rng)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         proto = load_prototype(Path(tmp))
         print("## the check (tiles against gguf, xiq_mm against its twin and gl_mm_iq)")
@@ -354,7 +417,6 @@ def main() -> None:
             for n, k, m in CHECK_SHAPES:
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 print(check(lib, proto, Weight(name, n, k, rng), x, full=True), flush=True)
-        shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes]
         print("\n## one thread, alternated: A gl_mm_iq (in place), B xiq_mm (tiles, the file's sign "
               "words), C xiq_mm (tiles, explicit signs); ns an output's super-block a row")  # fmt: skip
         speeds(lib, proto, args.types, shapes, args.rows, args.rounds, rng)

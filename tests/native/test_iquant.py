@@ -133,6 +133,20 @@ def test_tiles_are_the_file_in_place_bit_for_bit(
         ), m
 
 
+@pytest.mark.skipif(not TILES, reason="the build takes no tiles (AVX-512 VBMI)")
+def test_a_large_weights_tiles_packed_on_threads_are_one_threads() -> None:
+    """gl_pack_iq shares a weight of 64M values or more among its threads: the same tiles."""
+    n, k = 4104, 16384  # 2^26 values and a padded group
+    raw = np.random.default_rng(5).integers(0, 256, (n, k // 256 * 66), dtype=np.uint8)
+    lib = library()
+    assert lib is not None
+    one, two = np.empty((n + 8, raw.shape[1]), np.uint8), np.empty((n + 8, raw.shape[1]), np.uint8)
+    assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, one.ctypes.data, 1) == 0
+    assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, two.ctypes.data, 2) == 0
+    assert np.array_equal(one, two)
+    assert lib.gl_pack_iq(1, raw.ctypes.data, n, k, one.ctypes.data, 1) == 1  # IQ2_XS: in place
+
+
 @pytest.mark.parametrize("mix", ["iq2_xxs", "iq2_xs", "iq3_xxs"])
 def test_routed_experts_of_grid_types_run_in_the_native_layers(
     mix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

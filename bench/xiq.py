@@ -13,7 +13,8 @@ kernel) than the library's gl_mm_iq, which reads the file's super-blocks in plac
     PYTHONPATH=src .venv/bin/python bench/xiq.py [--rows 1 2 3 4] [--rounds 21]
 
 With --library: the library's tiles (gl_pack_iq, gl_mm_iq_tiles: this kernel integrated, the
-lanes past 4 rows) against gl_mm_iq in place, the same bits checked, the same table.
+lanes past 4 rows) against gl_mm_iq in place, the same bits checked, the same table; with
+--against LIB.so too: against that build's gl_mm_iq_tiles (the same tiles).
 """
 
 from __future__ import annotations
@@ -350,11 +351,13 @@ def pooled(
 
 
 def library_ab(lib: ctypes.CDLL, names: list[str], shapes: list[tuple[int, int]], rows: list[int],
-               rounds: int, rng: np.random.Generator) -> None:  # fmt: skip
+               rounds: int, rng: np.random.Generator, other: ctypes.CDLL | None = None) -> None:  # fmt: skip
     """The library's own tiles (gl_pack_iq, gl_mm_iq_tiles: xiq.c's kernel integrated, the lanes
-    past 4 rows) against gl_mm_iq in place: the same bits, then ns an output's super-block a row,
-    one thread, alternated, in cache and out of cache."""
-    print("| type | n_out x n_in | where | M | in place ns | tiles ns | ratio | tiles spread |")
+    past 4 rows) against gl_mm_iq in place (other: against other's gl_mm_iq_tiles on the same
+    tiles): the same bits, then ns an output's super-block a row, one thread, alternated, in cache
+    and out of cache."""
+    a_name = "in place" if other is None else "other's tiles"
+    print(f"| type | n_out x n_in | where | M | {a_name} ns | tiles ns | ratio | tiles spread |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in names:
         for n, k in shapes:
@@ -363,12 +366,13 @@ def library_ab(lib: ctypes.CDLL, names: list[str], shapes: list[tuple[int, int]]
             assert lib.gl_pack_iq(w.v, w.raw.ctypes.data, n, k, tiles.ctypes.data, 1) == 0
             for where in ("cache", "memory"):
                 copies = 1 if where == "cache" else max(2, POOL // w.raw.nbytes)
-                pools = [np.stack([a] * copies) for a in (w.raw, tiles)]
+                pools = [np.stack([a] * copies) for a in (w.raw if other is None else tiles, tiles)]
+                fn_a = lib.gl_mm_iq if other is None else other.gl_mm_iq_tiles
                 for m in rows:
                     x = rng.standard_normal((m, k)).astype(np.float32)
                     (fa, ya), (fb, yb) = (
                         pooled(f, q, x, w.v, n)
-                        for f, q in zip((lib.gl_mm_iq, lib.gl_mm_iq_tiles), pools, strict=True)
+                        for f, q in zip((fn_a, lib.gl_mm_iq_tiles), pools, strict=True)
                     )
                     fa(), fb()
                     if not np.array_equal(ya.view(np.int32), yb.view(np.int32)):
@@ -390,6 +394,7 @@ def main() -> None:
     ap.add_argument("--types", nargs="*", default=list(TYPES))
     ap.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES])
     ap.add_argument("--library", action="store_true", help="the library's tiles against in place")
+    ap.add_argument("--against", help="with --library: another build's gl_mm_iq_tiles (a .so path)")
     args = ap.parse_args()
     ours = build.library()
     if ours is None or "zmm-vnni" not in build.features():
@@ -403,12 +408,13 @@ def main() -> None:
     shapes = [(int(s.split("x")[0]), int(s.split("x")[1])) for s in args.shapes]
     if args.library:
         lib.gl_pack_iq.argtypes = [ctypes.c_int, P, I64, I64, P, ctypes.c_int]
-        lib.gl_mm_iq_tiles.argtypes = lib.gl_mm_iq.argtypes
-        lib.gl_mm_iq_tiles.restype = None
-        print(
-            "## one thread, alternated: gl_mm_iq (in place) against gl_mm_iq_tiles (the library's tiles)"
-        )
-        library_ab(lib, args.types, shapes, args.rows, args.rounds, rng)
+        other = load_alike(args.against) if args.against else None
+        for li in (lib,) if other is None else (lib, other):
+            li.gl_mm_iq_tiles.argtypes = lib.gl_mm_iq.argtypes
+            li.gl_mm_iq_tiles.restype = None
+        a_is = "gl_mm_iq, in place" if other is None else f"{args.against}'s gl_mm_iq_tiles"
+        print(f"## one thread, alternated: A {a_is}, B this tree's gl_mm_iq_tiles")
+        library_ab(lib, args.types, shapes, args.rows, args.rounds, rng, other)
         return
     with tempfile.TemporaryDirectory() as tmp:
         proto = load_prototype(Path(tmp))

@@ -16,7 +16,8 @@
  * (4 rows against iq_group); IQ3_XXS one row 1.24-1.30x in cache, 1.13-1.71x out of cache, 2-4
  * rows 1.18-1.34x. Tried in the prototype: each unit's 8 sign masks stored (8 bits an entry, 70
  * and 102 bytes a super-block): 1.09-1.16x more at one row in cache, from memory 1.00-1.08x
- * (IQ2_XXS) and 0.84-0.89x (IQ3_XXS): not kept, the tiles are the file's bytes. */
+ * (IQ2_XXS) and 0.84-0.89x (IQ3_XXS): not kept, the tiles are the file's bytes. Two VPDPBUSD
+ * chains a unit and row (even and odd m, added): 0.94-1.13x, no gain (alternated, busy machine). */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]

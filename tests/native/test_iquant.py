@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from synth_tensors import random_blocks
 
 import graftlm
-from graftlm.native import library, unavailable_reason
+from graftlm.native import features, library, unavailable_reason
 from graftlm.native.build import CSRC
 from graftlm.quant import QWeight
 from graftlm.quant.formats import GRID_FORMATS
@@ -101,6 +101,52 @@ def test_a_rows_product_is_the_same_bits_alone_or_among_others(qtype: Q) -> None
         assert torch.equal(w.matmul(x[:m]), alone[:m])
 
 
+TILES = "iq-tiles" in features()
+
+
+@pytest.mark.skipif(not TILES, reason="the build takes no tiles (AVX-512 VBMI)")
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_XXS], ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 768), (48, 2560), (1, 512)], ids=str)
+def test_tiles_are_the_file_in_place_bit_for_bit(
+    qtype: Q, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """IQ2_XXS and IQ3_XXS regrouped into tiles of 16 outputs (a last group padded): the same
+    dequantization (the twin's bits), rows and products of every row count (the tiles' few-row
+    kernel up to 4, their lanes past it) as the file's super-blocks read in place."""
+    n, k = shape
+    raw = random_blocks(qtype, shape, np.random.default_rng(n + k))
+    tiled = QWeight.from_gguf(raw, qtype, shape, name="w")
+    monkeypatch.setenv("GRAFTLM_IQ_TILES", "0")
+    in_place = QWeight.from_gguf(raw, qtype, shape, name="w")
+    assert tiled._k.tiles and not in_place._k.tiles  # type: ignore[attr-defined]
+    assert tiled.nbytes == -(-n // 16) * 16 * raw.shape[1]  # the file's bytes, and the padding
+    twin = GRID_FORMATS[qtype].dequantize_rows(torch.from_numpy(raw))
+    assert torch.equal(tiled.dequantize().view(torch.int32), twin.view(torch.int32))
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(tiled.rows(ids).view(torch.int32), twin[ids].view(torch.int32))
+    g = torch.Generator().manual_seed(n)
+    for m in (*range(1, 10), 13, 33, 130):
+        x = torch.randn(m, k, generator=g)
+        x[0, 32:64] = 0
+        assert torch.equal(
+            tiled.matmul(x).view(torch.int32), in_place.matmul(x).view(torch.int32)
+        ), m
+
+
+@pytest.mark.skipif(not TILES, reason="the build takes no tiles (AVX-512 VBMI)")
+def test_a_large_weights_tiles_packed_on_threads_are_one_threads() -> None:
+    """gl_pack_iq shares a weight of 64M values or more among its threads: the same tiles."""
+    n, k = 4104, 16384  # 2^26 values and a padded group
+    raw = np.random.default_rng(5).integers(0, 256, (n, k // 256 * 66), dtype=np.uint8)
+    lib = library()
+    assert lib is not None
+    one, two = np.empty((n + 8, raw.shape[1]), np.uint8), np.empty((n + 8, raw.shape[1]), np.uint8)
+    assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, one.ctypes.data, 1) == 0
+    assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, two.ctypes.data, 2) == 0
+    assert np.array_equal(one, two)
+    assert lib.gl_pack_iq(1, raw.ctypes.data, n, k, one.ctypes.data, 1) == 1  # IQ2_XS: in place
+
+
 @pytest.mark.parametrize("mix", ["iq2_xxs", "iq2_xs", "iq3_xxs"])
 def test_routed_experts_of_grid_types_run_in_the_native_layers(
     mix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -139,6 +185,15 @@ def test_routed_experts_of_grid_types_run_in_the_native_layers(
     served = stack_calls(monkeypatch)
     fused = run()
     assert served[-3:] == [True] * 3
+    if TILES and mix != "iq2_xs":  # its IQ2_XXS or IQ3_XXS experts in tiles: the same bits in place
+        experts = [
+            w for b in model.blocks for w in (*b.ffn_gate_up_exps.stacked, *b.ffn_down_exps.weights)
+        ]
+        assert any(w._k.tiles for w in experts)  # type: ignore[attr-defined]
+        monkeypatch.setenv("GRAFTLM_IQ_TILES", "0")
+        model = graftlm.load(path, ctx_size=64, n_seq=2, cache_type="f32").model
+        for a, b in zip(fused, run(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
     monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     one_by_one = run()
     monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)

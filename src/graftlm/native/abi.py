@@ -131,6 +131,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_mm_k6": (None, [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT]),
     "gl_deq_iq": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_iq": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
+    "gl_pack_iq": (_INT, [_INT, _P, _I64, _I64, _P, _INT]),  # v, raw, n, k, out, threads
+    "gl_deq_iq_tiles": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
+    "gl_mm_iq_tiles": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
     "gl_rms_norm": (None, [_P, _I64, _I64, _P, _F, _P, _INT]),
     # x, N, rs, H, D, pos, cos, sin, n_pos, rot, neox, out, threads
     "gl_rope": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _INT, _P, _INT]),

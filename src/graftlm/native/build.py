@@ -274,6 +274,7 @@ FEATURES = (
     "amx",
     "attn-bf16",
     "attn-i8",
+    "iq-tiles",  # IQ2_XXS and IQ3_XXS regrouped into tiles at load (AVX-512 VBMI: csrc/iquant.c)
 )
 
 

@@ -17,6 +17,8 @@ Q8_0               native-s8     int8 codes + the file's float16 d per 32 (1.0x)
 Q6_K               native-k16    the super-blocks regrouped by 8 rows (1.0x)
 Q3_K, Q2_K         native-k16    the same, the codes in 4 bits (1.35x, 1.95x)
 MXFP4              native-mx4    the 4-bit codes + the file's E8M0 exponent per 32 (1.0x)
+IQ2_XXS, IQ3_XXS   native-iq     the super-blocks regrouped by 16 rows (AVX-512 VBMI; 1.0x)
+IQ2_*, IQ3_*       native-iq     the file's super-blocks in place, zero-copy (1.0x)
 =================  ============  ==========================================================
 
 Otherwise, and for every other type:

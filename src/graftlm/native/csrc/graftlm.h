@@ -6,7 +6,8 @@
  *   kquant.c the K-quant formats kept at the file's size (Q4_K, Q5_K, Q6_K); kquant_k4.c and
  *            kquant_k16.c their products
  *   mxfp4.c  MXFP4 (gpt-oss's experts) at the file's size: dequantization and products
- *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place (with iq_*.c): dequantization, products
+ *   iquant.c the grid quants (IQ2_*, IQ3_*) read in place, IQ2_XXS and IQ3_XXS as tiles (with iq_*.c):
+ *            dequantization, products
  *   attn.c   RMS norm, RoPE, the KV cache's writes, the gated activation
  *   attn_decode*.c  attention of decode steps through the KV cache (tiles, q8_0, bfloat16, the
  *            tasks and the step); attn_prompt*.c: of prompts
@@ -53,7 +54,8 @@ typedef struct {
     int64_t kind; /* 0: u4 / u5 (q = qs, d, m), 1: s8 (q, d = scales), 2: k4 / k5, 3: k6 / k3 / k2 (q, d: kquant.c),
                    * 4: float rows as stored (q; half 0 float16, 1 bfloat16, 2 float32: float.c),
                    * 5: MXFP4 regrouped by 8 rows (q: mxfp4.c),
-                   * 6: the grid quants' super-blocks as stored (q; small the type: iquant.c) */
+                   * 6: the grid quants' super-blocks as stored, or (half 1) IQ2_XXS's and IQ3_XXS's as
+                   *    tiles of 16 outputs (q; small the type: iquant.c) */
     /* small: the 5-bit codes of u5 and k5 (a fifth-bit plane after each block's 4-bit codes); kind
      * 1's variant (0 Q8_0; 1 IQ4_NL, 2 IQ4_XS: 4-bit codes of IQ4_NL's table, quant.c); kind 3's
      * (0 Q6_K, 1 Q3_K, 2 Q2_K) */
@@ -239,6 +241,13 @@ GL_API void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, in
                       int64_t nrows, float *out, int nth);
 GL_API void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
                      float *y, int nth);
+/* IQ2_XXS and IQ3_XXS as tiles of 16 outputs (iquant.c; gl_pack_iq: 0, or 1 where this build
+ * takes none and the weight stays in place) */
+GL_API int gl_pack_iq(int v, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out, int nth);
+GL_API void gl_deq_iq_tiles(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0,
+                            int64_t nrows, float *out, int nth);
+GL_API void gl_mm_iq_tiles(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
+                           float *y, int nth);
 
 /* attn.c (gl_attn_decode: attn_decode.c, gl_attn_prefill: attn_prompt.c) */
 GL_API void gl_rms_norm(const float *x, int64_t rows, int64_t n, const float *w, float eps,

@@ -1,4 +1,5 @@
-/* The grid quants' products of one to a few rows (a part of iquant.c, which includes it). */
+/* The grid quants' products of one to a few rows, read in place (a part of iquant.c, which includes
+ * it; IQ2_XXS and IQ3_XXS in tiles: iq_tiles.c). */
 
 #if IQ_VBMI
 /* ---------------- one to a few rows (iq_group_few): a value order of its own

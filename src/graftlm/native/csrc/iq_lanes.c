@@ -270,12 +270,12 @@ static inline __attribute__((always_inline)) void iq_lane_scales(const uint8_t *
 }
 
 /* iq_lanes_fill_t's IQ3 types: T[m] byte 4 o + e output o's index of entry 4 m + e (chunk 4 m + e),
- * vd the 16 outputs' d. */
+ * A[ib] dword o output o's sub-block ib's sign word (IQ3_XXS: 4 7-bit sign indices and ls; IQ3_S:
+ * its 32 sign bits), vd the 16 outputs' d; p the outputs' super-blocks (IQ3_S only: its qh, scales). */
 static inline __attribute__((always_inline)) void iq3_lanes(const uint8_t *const *p, const int v, const __m512i *T,
-                                                            __m512 vd, iq_lanes *L) {
+                                                            const __m512i *A, __m512 vd, iq_lanes *L) {
     const __m512 half = _mm512_set1_ps(0.5f);
-    __m512i A[8], q0, q1;
-    iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A); /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
+    __m512i q0, q1;
     if (v == IQ3_S) iq_qwords(p, 66, &q0, &q1); /* qh: bit 8 of entry e's index at its bit e */
     const __m512i mag = _mm512_load_si512(v == IQ3_XXS ? IQ3XXS_MAG64 : IQ3S_MAG64);
     for (int m = 0; m < 16; m += 2) {
@@ -303,6 +303,31 @@ static inline __attribute__((always_inline)) void iq3_lanes(const uint8_t *const
     }
 }
 
+/* iq_lanes_fill_t's IQ2_XXS: T[2 ib] dword o output o's 4 indices of sub-block ib, T[2 ib + 1] its
+ * sign word (4 7-bit sign indices and ls), vd the 16 outputs' d. */
+static inline __attribute__((always_inline)) void iq2xxs_lanes(const __m512i *T, __m512 vd, iq_lanes *L) {
+    const __m512i mag = _mm512_load_si512(IQ2XXS_MAG64);
+    for (int ib = 0; ib < 8; ib++) {
+        const __m512i pl[2] = {iq_look256(IQ2XXS_CODE[0], T[2 * ib]), iq_look256(IQ2XXS_CODE[1], T[2 * ib])};
+        iq2_chunks(pl, iq_ksigns512(T[2 * ib + 1]), mag, ib, L);
+        const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(T[2 * ib + 1], 28));
+        const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(_mm512_set1_ps(0.5f), ls)), _mm512_set1_ps(0.25f));
+        _mm512_store_ps(L->s[2 * ib], db);
+        _mm512_store_ps(L->s[2 * ib + 1], db);
+    }
+}
+
+/* the lanes' nc: -128 times each unit's sum of values (VNNI's xu dots) */
+static inline __attribute__((always_inline)) void iq_lanes_nc(const int v, iq_lanes *L) {
+    const int units = IQ_UNITS(v), cpu = 64 / units;
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int u = 0; u < units; u++) {
+        __m512i s = _mm512_setzero_si512();
+        for (int c = 0; c < cpu; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[u * cpu + c]));
+        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(_mm512_setzero_si512(), s));
+    }
+}
+
 /* iq_lanes_fill with VBMI: the 16 outputs' grid indices and sign words
  * transposed (16 x 16 dwords, 4 bytes of an output a lane), not their 256 values each, then
  * looked up and cut straight into the lanes, a chunk's sign bits picked from its outputs'
@@ -312,20 +337,12 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
                                                                   iq_lanes *L) {
     uint16_t dh[16];
     for (int o = 0; o < 16; o++) dh[o] = rd16(p[o]);
-    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), half = _mm512_set1_ps(0.5f);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
     __m512i T[16];
     for (int o = 0; o < 16; o++) T[o] = _mm512_loadu_si512(p[o] + 2);
     transpose16((__m512 *)T); /* T[m] dword o: output o's dword m of bytes [2, 66) */
     if (v == IQ2_XXS) { /* T[2 ib]: sub-block ib's 4 indices, T[2 ib + 1]: its signs and ls */
-        const __m512i mag = _mm512_load_si512(IQ2XXS_MAG64);
-        for (int ib = 0; ib < 8; ib++) {
-            const __m512i pl[2] = {iq_look256(IQ2XXS_CODE[0], T[2 * ib]), iq_look256(IQ2XXS_CODE[1], T[2 * ib])};
-            iq2_chunks(pl, iq_ksigns512(T[2 * ib + 1]), mag, ib, L);
-            const __m512 ls = _mm512_cvtepi32_ps(_mm512_srli_epi32(T[2 * ib + 1], 28));
-            const __m512 db = _mm512_mul_ps(_mm512_mul_ps(vd, _mm512_add_ps(half, ls)), _mm512_set1_ps(0.25f));
-            _mm512_store_ps(L->s[2 * ib], db);
-            _mm512_store_ps(L->s[2 * ib + 1], db);
-        }
+        iq2xxs_lanes(T, vd, L);
     } else if (v == IQ2_XS || v == IQ2_S) {
         const __m512i mag = _mm512_load_si512(v == IQ2_XS ? IQ2XS_MAG64 : IQ2S_MAG64);
         __m512i q0, q1;
@@ -354,120 +371,26 @@ static inline __attribute__((always_inline)) void iq_lanes_fill_t(const uint8_t 
         }
         iq_lane_scales(p, v, L->s);
     } else {
-        iq3_lanes(p, v, T, vd, L);
+        __m512i A[8]; /* A[ib] dword o: output o's sub-block ib's signs (and ls) */
+        iq_dwords8(p, v == IQ3_XXS ? 66 : 74, A);
+        iq3_lanes(p, v, T, A, vd, L);
     }
-#if GL_VNNI
-    const int units = IQ_UNITS(v), cpu = 64 / units;
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
-    for (int u = 0; u < units; u++) {
-        __m512i s = _mm512_setzero_si512();
-        for (int c = 0; c < cpu; c++) s = DPBUSD512(s, bias, _mm512_load_si512(L->w[u * cpu + c]));
-        _mm512_store_si512(L->nc[u], _mm512_sub_epi32(_mm512_setzero_si512(), s));
-    }
-#endif
-}
-#endif
-
-/* acc[o] of R rows (accm: R x IQ_W floats; first: start from 0) += super-block sb of the lanes L
- * against the rows r0 .. r0 + R - 1 of x (xb). */
-static inline __attribute__((always_inline)) void iq_lanes_dots(const iq_lanes *L, const int v, int64_t sb,
-                                                                const xbuf *xb, int64_t r0, int64_t k,
-                                                                const int R, float *accm, int first) {
-    const int units = IQ_UNITS(v), cpu = 64 / units;
-    const int64_t kb = k / 32;
-    const float *xd = xb->xd + r0 * kb + sb * 8;
-#if GL_VNNI
-    /* x's 256 values as unsigned bytes (every caller takes xu for kind 6 with VNNI: xbuf_take) */
-    const uint8_t *xu = xb->xu + r0 * k + sb * 256;
-#else
-    const int8_t *xq = xb->xq + r0 * k + sb * 256;
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-#if IQ_W == 16
-    __m512 acc[IQ_MT];
-    for (int r = 0; r < R; r++) acc[r] = first ? _mm512_setzero_ps() : _mm512_load_ps(accm + r * 16);
-    for (int u = 0; u < units; u++) {
-        __m512i I[IQ_MT];
-        const __m512i nc = _mm512_load_si512(L->nc[u]);
-        for (int r = 0; r < R; r++) I[r] = nc;
-        for (int c = u * cpu; c < u * cpu + cpu; c++) {
-            const __m512i wv = _mm512_load_si512(L->w[c]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD512(I[r], _mm512_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
-        }
-        const __m512 s = _mm512_load_ps(L->s[u * (16 / units)]);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I[r]), _mm512_mul_ps(s, _mm512_set1_ps(xd[r * kb + u * cpu / 8])), acc[r]);
-    }
-    for (int r = 0; r < R; r++) _mm512_store_ps(accm + r * 16, acc[r]);
-#else
-    __m256 acc[IQ_MT];
-    for (int r = 0; r < R; r++) acc[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(accm + r * 8);
-    for (int u = 0; u < units; u++) {
-        __m256i I[IQ_MT];
-        for (int c = u * cpu; c < u * cpu + cpu; c++) {
-            const __m256i wv = _mm256_load_si256((const __m256i *)L->w[c]);
-#if GL_VNNI
-            if (c == u * cpu)
-                for (int r = 0; r < R; r++) I[r] = _mm256_load_si256((const __m256i *)L->nc[u]);
-            for (int r = 0; r < R; r++) I[r] = DPBUSD(I[r], _mm256_set1_epi32((int)rd32(xu + r * k + 4 * c)), wv);
-#else
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            for (int r = 0; r < R; r++) {
-                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32((int)rd32((const uint8_t *)xq + r * k + 4 * c)), wv);
-                const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-                I[r] = c == u * cpu ? d : _mm256_add_epi32(I[r], d);
-            }
-#endif
-        }
-        const __m256 s = _mm256_load_ps(L->s[u * (16 / units)]);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[r]), _mm256_mul_ps(s, _mm256_set1_ps(xd[r * kb + u * cpu / 8])), acc[r]);
-    }
-    for (int r = 0; r < R; r++) _mm256_store_ps(accm + r * 8, acc[r]);
-#endif
+    iq_lanes_nc(v, L);
 }
 
-/* The outputs [og, og + nv) (nv <= IQ_W) of rows [ra, rb) of x: each super-block of the group
- * unpacked into lanes once for every IQ_RC rows. */
-static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, const int v, const xbuf *xb,
-                                                           int64_t ra, int64_t rb, int64_t og, int nv,
-                                                           float *y) {
-    const int64_t n = w->n, k = w->k, nsb = k / 256, bytes = IQ_BYTES(v), rowbytes = nsb * bytes;
-    const uint8_t *row[IQ_W]; /* the outputs past nv repeat the last (their sums are dropped) */
-    for (int o = 0; o < IQ_W; o++) row[o] = (const uint8_t *)w->q + (og + (o < nv ? o : nv - 1)) * rowbytes;
-    iq_lanes L __attribute__((aligned(64)));
-    float acc[IQ_RC * IQ_W] __attribute__((aligned(64)));
-    for (int64_t r0 = ra; r0 < rb; r0 += IQ_RC) {
-        const int64_t r1 = rb - r0 < IQ_RC ? rb : r0 + IQ_RC;
-        for (int64_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *p[IQ_W];
-            for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
-            iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
-#if IQ_VBMI && IQ_W == 16
-            iq_lanes_fill_t(p, v, &L);
-#else
-            iq_lanes_fill(p, v, &L);
-#endif
-            for (int64_t t0 = r0; t0 < r1; t0 += IQ_MT) {
-                const int R = r1 - t0 < IQ_MT ? (int)(r1 - t0) : IQ_MT;
-                float *am = acc + (t0 - r0) * IQ_W;
-#define IQD(RR) iq_lanes_dots(&L, v, sb, xb, t0, k, RR, am, sb == 0)
-                switch (R) {
-#if IQ_MT == 8
-                case 8: IQD(8); break;
-                case 7: IQD(7); break;
-                case 6: IQD(6); break;
-                case 5: IQD(5); break;
-#endif
-                case 4: IQD(4); break;
-                case 3: IQD(3); break;
-                case 2: IQD(2); break;
-                default: IQD(1); break;
-                }
-#undef IQD
-            }
-        }
-        for (int64_t r = r0; r < r1; r++)
-            memcpy(y + r * n + og, acc + (r - r0) * IQ_W, sizeof(float) * (size_t)nv);
+/* iq_lanes_fill from a tile t of IQ2_XXS or IQ3_XXS (iquant.c's tiles: T and A as they are stored) */
+static inline __attribute__((always_inline)) void iq_lanes_fill_tiles(const uint8_t *t, const int v, iq_lanes *L) {
+    const int64_t ub = IQ_TILE_UNIT(v);
+    const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 8 * ub)));
+    __m512i T[16], A[8];
+    for (int u = 0; u < 8; u++) { /* IQ2_XXS: unit u's indices, sign words; IQ3_XXS: indices (two), sign words */
+        T[2 * u] = _mm512_loadu_si512(t + u * ub), T[2 * u + 1] = _mm512_loadu_si512(t + u * ub + 64);
+        if (v == IQ3_XXS) A[u] = _mm512_loadu_si512(t + u * ub + 128);
     }
+    if (v == IQ2_XXS)
+        iq2xxs_lanes(T, vd, L);
+    else
+        iq3_lanes(NULL, v, T, A, vd, L);
+    iq_lanes_nc(v, L);
 }
+#endif

@@ -23,6 +23,18 @@
  * 128 entries a vpermi2b), cut into a byte a value and the magnitudes looked up (vpermb); the
  * sign bytes from the 7-bit indices with their parity (vpopcntb). One row of x went from ~9-11
  * GMAC/s a core (Zen 4) to ~19-21 with them, and to ~24-28 with iq_group_few's order of values.
+ *
+ * The tiles (gl_weight.half 1: IQ2_XXS and IQ3_XXS where the build has VBMI, gl_pack_iq at load;
+ * else half 0, the file's super-blocks in place): the same bytes regrouped, 16 outputs' super-
+ * blocks sb as one tile (16 x 66 or 98 bytes), a group's tiles one after another, the groups of
+ * 16 outputs in order (the last padded with zero super-blocks). A tile is its 8 units (32 values,
+ * one scale), IQ_TILE_UNIT bytes each, then the 16 outputs' float16 d:
+ *   IQ2_XXS: 64 bytes of grid indices (byte 4 o + i: output o's index of the unit's entry i),
+ *            64 of sign words (dword o: output o's word of 4 7-bit sign indices and ls);
+ *   IQ3_XXS: two vectors of indices (vector s, byte 4 o + i: entry 4 s + i of the unit), the
+ *            sign words likewise;
+ * what iq_lanes_fill_t transposed out of the 16 super-blocks, stored so (iq_tiles.c's few rows,
+ * iq_group's lanes, gl_deq_iq_tiles).
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -30,6 +42,7 @@
 /* gl_weight.small: the type; IQ_BYTES its super-block's bytes */
 enum { IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S };
 #define IQ_BYTES(v) ((v) == IQ2_XXS ? 66 : (v) == IQ2_XS ? 74 : (v) == IQ2_S ? 82 : (v) == IQ3_XXS ? 98 : 110)
+#define IQ_TILE_UNIT(v) ((v) == IQ2_XXS ? 128 : 192) /* a tile's bytes a unit (IQ2_XXS, IQ3_XXS) */
 
 static inline uint32_t rd32(const uint8_t *p) {
     uint32_t u;
@@ -132,9 +145,13 @@ static inline __m256i iq_signs(uint32_t sg) {
 
 /* the products in lanes of outputs (iq_group) */
 #include "iq_lanes.c"
+#include "iq_group.c"
 
 /* one to a few rows (iq_group_few) */
 #include "iq_few.c"
+
+/* the tiles' one to a few rows (iq_tiles_few) */
+#include "iq_tiles.c"
 
 /* The outputs [og, og + nv) of rows [ra, rb) of x of one type: iq_group, or iq_group_few for up to
  * IQ_FEW_ROWS rows where it is built; each a function of its own for each type: inlined all five
@@ -160,7 +177,7 @@ static inline __m256i iq_signs(uint32_t sg) {
     IQ_FEW_OF(V, NAME)                                                                                   \
     static __attribute__((noinline)) void NAME##_lanes(const gl_weight *w, const xbuf *xb, int64_t ra,   \
                                                        int64_t rb, int64_t og, int nv, float *y) {       \
-        iq_group(w, V, xb, ra, rb, og, nv, y);                                                           \
+        iq_group(w, V, 0, xb, ra, rb, og, nv, y);                                                        \
     }                                                                                                    \
     static void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, int64_t og, int nv, float *y) { \
         IQ_FEW_CALL(V, NAME)                                                                             \
@@ -175,6 +192,33 @@ IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
 #undef IQ_FEW_CALL
 #undef IQ_OUTPUTS_OF
 
+/* The same from the tiles (gl_weight.half 1, IQ2_XXS and IQ3_XXS with VBMI): iq_tiles_few up to
+ * IQ_FEW rows (4 rows of IQ2_XXS 1.35-1.45x the lanes in the prototype, bench/xiq.py), the lanes
+ * past them. */
+#if IQ_VBMI
+#define IQ_TILES_OF(V, NAME)                                                                             \
+    static __attribute__((noinline)) void NAME##_few(const gl_weight *w, const xbuf *xb, int64_t ra,     \
+                                                     int64_t rb, int64_t og, int nv, float *y) {         \
+        iq_tiles_rows(w, V, xb, ra, rb, og, nv, y);                                                      \
+    }                                                                                                    \
+    static __attribute__((noinline)) void NAME##_lanes(const gl_weight *w, const xbuf *xb, int64_t ra,   \
+                                                       int64_t rb, int64_t og, int nv, float *y) {       \
+        iq_group(w, V, 1, xb, ra, rb, og, nv, y);                                                        \
+    }                                                                                                    \
+    static void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, int64_t og, int nv, float *y) { \
+        if (rb - ra <= IQ_FEW)                                                                           \
+            NAME##_few(w, xb, ra, rb, og, nv, y);                                                        \
+        else                                                                                             \
+            NAME##_lanes(w, xb, ra, rb, og, nv, y);                                                      \
+    }
+IQ_TILES_OF(IQ2_XXS, iq_tiles_iq2_xxs)
+IQ_TILES_OF(IQ3_XXS, iq_tiles_iq3_xxs)
+#undef IQ_TILES_OF
+#define IQ_TILED(w, NAME) ((w)->half ? iq_tiles_##NAME : iq_outputs_##NAME)
+#else
+#define IQ_TILED(w, NAME) iq_outputs_##NAME
+#endif
+
 /* mm_task for a grid-quant weight (kind 6, small = the type): the outputs [8 GT t, 8 GT (t + 1))
  * of rows [ra, rb) of x, IQ_W at a time. */
 static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, int64_t rb, int64_t t,
@@ -185,65 +229,98 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     for (int64_t og = o0; og < o1; og += IQ_W) {
         const int nv = o1 - og < IQ_W ? (int)(o1 - og) : IQ_W;
         switch (v) {
-        case IQ2_XXS: iq_outputs_iq2_xxs(w, xb, ra, rb, og, nv, y); break;
+        case IQ2_XXS: IQ_TILED(w, iq2_xxs)(w, xb, ra, rb, og, nv, y); break;
         case IQ2_XS: iq_outputs_iq2_xs(w, xb, ra, rb, og, nv, y); break;
         case IQ2_S: iq_outputs_iq2_s(w, xb, ra, rb, og, nv, y); break;
-        case IQ3_XXS: iq_outputs_iq3_xxs(w, xb, ra, rb, og, nv, y); break;
+        case IQ3_XXS: IQ_TILED(w, iq3_xxs)(w, xb, ra, rb, og, nv, y); break;
         default: iq_outputs_iq3_s(w, xb, ra, rb, og, nv, y); break;
         }
     }
 }
 
-/* One row of k values of type v, dequantized: gguf's (scale * grid) * sign, in float32. */
-static inline __attribute__((always_inline)) void iq_deq_row(const uint8_t *wr, const int v, int64_t k,
-                                                             float *out) {
-    const int64_t bytes = IQ_BYTES(v);
+/* Super-block p of type v dequantized into out (256 values): gguf's (scale * grid) * sign, in float32. */
+static inline __attribute__((always_inline)) void iq_deq_sb(const uint8_t *p, const int v, float *out) {
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (int64_t sb = 0; sb < k / 256; sb++) {
-        const uint8_t *p = wr + sb * bytes;
-        float s[16];
-        __m256 a, b;
-        iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-        _mm256_storeu_ps(s, a);
-        _mm256_storeu_ps(s + 8, b);
-        for (int ib = 0; ib < 8; ib++) {
-            uint32_t sg;
-            uint8_t mag[32];
-            _mm256_storeu_si256((__m256i *)mag, iq_sub(p, v, ib, &sg));
-            float *o = out + sb * 256 + ib * 32;
-            for (int j = 0; j < 4; j++) { /* 8 values: their sign bits -> -1.0 / 1.0 */
-                const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(sg >> (8 * j))), bit), bit);
-                const __m256 sign = _mm256_or_ps(one, _mm256_castsi256_ps(_mm256_slli_epi32(set, 31)));
-                const __m256 gv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mag + 8 * j))));
-                const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(s[2 * ib + j / 2]), gv);
-                _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(wv, sign));
-            }
+    float s[16];
+    __m256 a, b;
+    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
+    _mm256_storeu_ps(s, a);
+    _mm256_storeu_ps(s + 8, b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t sg;
+        uint8_t mag[32];
+        _mm256_storeu_si256((__m256i *)mag, iq_sub(p, v, ib, &sg));
+        float *o = out + ib * 32;
+        for (int j = 0; j < 4; j++) { /* 8 values: their sign bits -> -1.0 / 1.0 */
+            const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(sg >> (8 * j))), bit), bit);
+            const __m256 sign = _mm256_or_ps(one, _mm256_castsi256_ps(_mm256_slli_epi32(set, 31)));
+            const __m256 gv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mag + 8 * j))));
+            const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(s[2 * ib + j / 2]), gv);
+            _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(wv, sign));
         }
     }
 }
 
-static inline __attribute__((always_inline)) void iq_deq_rows(const uint8_t *q, const int v, int64_t k, const int64_t *ids, int64_t row0,
-                        int64_t i0, int64_t i1, float *out) {
-    const int64_t rowbytes = k / 256 * IQ_BYTES(v);
-    for (int64_t i = i0; i < i1; i++) iq_deq_row(q + (ids ? ids[i] : row0 + i) * rowbytes, v, k, out + i * k);
+/* An output's super-block (the file's bytes) and its lane l of a tile of type v (IQ2_XXS, IQ3_XXS):
+ * src into dst, to_tile 1: src the super-block, dst the tile; 0: src the tile, dst the super-block. */
+static void iq_tile_copy(const int v, int l, const uint8_t *src, uint8_t *dst, const int to_tile) {
+    const int64_t ub = IQ_TILE_UNIT(v);
+#define IQ_MOVE(fo, to, nb) (to_tile ? memcpy(dst + (to), src + (fo), nb) : memcpy(dst + (fo), src + (to), nb))
+    IQ_MOVE(0, 8 * ub + 2 * l, 2); /* d */
+    for (int u = 0; u < 8; u++) {
+        IQ_MOVE(2 + 8 * u, u * ub + 4 * l, 4);       /* the unit's first 4 indices */
+        IQ_MOVE(6 + 8 * u, u * ub + 64 + 4 * l, 4);  /* IQ2_XXS: its sign word; IQ3_XXS: its next 4 indices */
+        if (v == IQ3_XXS) IQ_MOVE(66 + 4 * u, u * ub + 128 + 4 * l, 4); /* its sign word */
+    }
+#undef IQ_MOVE
 }
 
-/* out (nrows, k) = rows ids[i] (ids NULL: row0 + i) of the type-v weight q, dequantized. */
-void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0, int64_t nrows,
-               float *out, int nth) {
+/* out rows [i0, i1) of the weight q (tiles: in tiles, else in place); row i is ids[i] (NULL: row0 + i). */
+static inline __attribute__((always_inline)) void iq_deq_rows(const uint8_t *q, const int v, const int tiles, int64_t k,
+                                                              const int64_t *ids, int64_t row0, int64_t i0, int64_t i1,
+                                                              float *out) {
+    const int64_t nsb = k / 256, bytes = IQ_BYTES(v);
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t o = ids ? ids[i] : row0 + i;
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t sbuf[IQ_BYTES(IQ3_S)];
+            const uint8_t *p = q + (o * nsb + sb) * bytes;
+            if (tiles) { /* lane o % 16 of the tile of its group and sb */
+                iq_tile_copy(v, (int)(o % 16), q + (o / 16 * nsb + sb) * 16 * bytes, sbuf, 0);
+                p = sbuf;
+            }
+            iq_deq_sb(p, v, out + i * k + sb * 256);
+        }
+    }
+}
+
+static void iq_deq(const uint8_t *q, int v, int tiles, int64_t k, const int64_t *ids, int64_t row0, int64_t nrows,
+                   float *out, int nth) {
 #pragma omp parallel num_threads(nth) if (nrows * k >= 65536)
     {
         int64_t i0, i1;
         static_chunk(nrows, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
         switch (v) {
-        case IQ2_XXS: iq_deq_rows(q, IQ2_XXS, k, ids, row0, i0, i1, out); break;
-        case IQ2_XS: iq_deq_rows(q, IQ2_XS, k, ids, row0, i0, i1, out); break;
-        case IQ2_S: iq_deq_rows(q, IQ2_S, k, ids, row0, i0, i1, out); break;
-        case IQ3_XXS: iq_deq_rows(q, IQ3_XXS, k, ids, row0, i0, i1, out); break;
-        default: iq_deq_rows(q, IQ3_S, k, ids, row0, i0, i1, out); break;
+        case IQ2_XXS: iq_deq_rows(q, IQ2_XXS, tiles, k, ids, row0, i0, i1, out); break;
+        case IQ2_XS: iq_deq_rows(q, IQ2_XS, 0, k, ids, row0, i0, i1, out); break;
+        case IQ2_S: iq_deq_rows(q, IQ2_S, 0, k, ids, row0, i0, i1, out); break;
+        case IQ3_XXS: iq_deq_rows(q, IQ3_XXS, tiles, k, ids, row0, i0, i1, out); break;
+        default: iq_deq_rows(q, IQ3_S, 0, k, ids, row0, i0, i1, out); break;
         }
     }
+}
+
+/* out (nrows, k) = rows ids[i] (ids NULL: row0 + i) of the type-v weight q, dequantized. */
+void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0, int64_t nrows,
+               float *out, int nth) {
+    iq_deq(q, v, 0, k, ids, row0, nrows, out, nth);
+}
+
+/* The same from gl_pack_iq's tiles. */
+void gl_deq_iq_tiles(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0, int64_t nrows,
+                     float *out, int nth) {
+    iq_deq(q, v, 1, k, ids, row0, nrows, out, nth);
 }
 
 /* y (M, n) = x (M, k) @ W.T for a grid-quant weight q of type v (the file's rows of n rows). */
@@ -251,4 +328,32 @@ void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int
               int nth) {
     const gl_weight w = {6, 0, 256, v, n, k, q, NULL, NULL};
     proj_alone(&w, x, M, 1, NULL, y, nth);
+}
+
+/* The same from gl_pack_iq's tiles. */
+void gl_mm_iq_tiles(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n, float *y,
+                    int nth) {
+    const gl_weight w = {6, 1, 256, v, n, k, q, NULL, NULL};
+    proj_alone(&w, x, M, 1, NULL, y, nth);
+}
+
+/* The n rows of k values of type v (raw: the file's, one after another) as tiles into out
+ * ((n + 15) / 16 * 16 rows' bytes; the last group's outputs past n zero): 0; 1 where this build
+ * or this type takes none (the weight then stays in place: without VBMI, and types other than
+ * IQ2_XXS and IQ3_XXS). */
+int gl_pack_iq(int v, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out, int nth) {
+    if (!IQ_VBMI || (v != IQ2_XXS && v != IQ3_XXS)) return 1;
+    const int64_t nsb = k / 256, bytes = IQ_BYTES(v), groups = (n + 15) / 16;
+    static const uint8_t zero[IQ_BYTES(IQ3_S)];
+    /* threads only for a large weight: one copies ~3 GB/s, and two on a busy machine waited on
+     * each other (a 6 MB weight 0.16x; loading Qwen3-30B-A3B-6l IQ2_XXS took 12-13 s of CPU with
+     * them on every expert, 4.6 s without, 2.6-3.1 s in place) */
+#pragma omp parallel for num_threads(nth) if (n * k >= (1 << 26))
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t sb = 0; sb < nsb; sb++)
+            for (int l = 0; l < 16; l++) {
+                const int64_t o = 16 * g + l;
+                iq_tile_copy(v, l, o < n ? raw + (o * nsb + sb) * bytes : zero, out + (g * nsb + sb) * 16 * bytes, 1);
+            }
+    return 0;
 }

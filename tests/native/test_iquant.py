@@ -52,7 +52,7 @@ def test_the_grids_header_is_gguf_pys_tables() -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("shape", [(37, 768), (8, 256), (1, 512)], ids=str)
+@pytest.mark.parametrize("shape", [(37, 768), (8, 256), (1, 512), (1, 256)], ids=str)
 def test_native_dequantization_is_the_twins_bit_for_bit(qtype: Q, shape: tuple[int, int]) -> None:
     raw = random_blocks(qtype, shape, np.random.default_rng(shape[0]))
     w = QWeight.from_gguf(raw, qtype, shape, name="w")

@@ -341,8 +341,13 @@ GRID_FORMATS: dict[GGMLQuantizationType, GridFormat] = {}
 
 
 def _u32(b: torch.Tensor) -> torch.Tensor:
-    """(nb, 4 x) bytes -> (nb, x) int64: the little-endian uint32 they spell."""
-    return b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    """(nb, 4 x) bytes -> (nb, x) int64: the little-endian uint32 they spell. One block's
+    slice past its float16 d counts as contiguous with the block's offset and stride: copied,
+    as a view as int32 needs both aligned."""
+    b = b.contiguous()
+    if b.storage_offset() % 4 or b.stride(0) % 4:
+        b = b.clone(memory_format=torch.contiguous_format)
+    return b.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
 def _ksigns(i: torch.Tensor) -> torch.Tensor:

@@ -257,10 +257,15 @@ def test_health_props_metrics(
     assert _metric(http, "graftlm_lora_adapter_load_seconds_sum") > 0
     assert _metric(http, "graftlm_lora_adapter_wait_seconds_count") >= 1
     assert _metric(http, "graftlm_lora_requests_waiting") == 0  # (none now)
-    # a runtime load whose read is held back: counted while it waits, then no more
+    # a runtime load waiting for its read: counted while it waits, then no more
     registry = server.state.registry
     gate, real = threading.Event(), registry.service.prepare_adapter
-    monkeypatch.setattr(registry.service, "prepare_adapter", lambda p: gate.wait(60) and real(p))
+
+    def gated(path: str) -> Any:
+        assert gate.wait(60), "the test never let the read go"
+        return real(path)
+
+    monkeypatch.setattr(registry.service, "prepare_adapter", gated)
     body = {"lora_name": "waits-for-its-read", "lora_path": str(server.adapters["delta"])}
     answers: list[httpx.Response] = []
 

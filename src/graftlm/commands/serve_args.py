@@ -237,7 +237,10 @@ def _add_named_adapter_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         metavar="SECONDS",
-        help="how long a request waits for adapter memory held by other requests (then a 503)",
+        help="how long a request waits for adapter memory held by other requests (then a 503); "
+        "past a quarter of it, new requests for adapters it could evict wait for it; one whose "
+        "adapter it evicted is read again and queues behind each request that needed room "
+        "meanwhile, each waiting up to this long (the worst case: several such waits)",
     )
 
 

@@ -183,33 +183,37 @@ def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> s
     for what, facts, scale in scaled:
         if (problem := scale_overflow(what, facts, scale)) is not None:
             return problem
-    spans: dict[str, list[tuple[float, float, float]]] = {}  # site -> (lo, hi, |scale| x reach)
-    for _, facts, scale in scaled:
+    # site -> (lo, hi, |scale| x reach, which adapter at which scale)
+    spans: dict[str, list[tuple[float, float, float, str]]] = {}
+    for what, facts, scale in scaled:
         for site, reach in (facts.reaches if facts is not None else {}).items():
             lo, hi = facts.rows.get(site, (0, math.inf)) if facts is not None else (0, math.inf)
-            spans.setdefault(site, []).append((lo, hi, abs(scale) * reach))
-    totals = {site: _most_on_one_row(parts) for site, parts in spans.items()}
-    where = max(totals, key=lambda k: totals[k], default=None)
-    if where is None or totals[where] <= F16_MAX:
+            spans.setdefault(site, []).append(
+                (lo, hi, abs(scale) * reach, f"{what} at scale {scale:g}")
+            )
+    worst = {site: _most_on_one_row([p[:3] for p in parts]) for site, parts in spans.items()}
+    where = max(worst, key=lambda k: worst[k][0], default=None)
+    if where is None or worst[where][0] <= F16_MAX:
         return None
-    named = [
-        f"{what} at scale {scale:g}"
-        for what, facts, scale in scaled
-        if facts is not None and scale != 0.0 and facts.reaches.get(where, 0.0) > 0.0
-    ]
+    total, row = worst[where]
+    on = [p for p in spans[where] if p[0] <= row < p[1] and p[2] > 0.0]
+    first, end = max(p[0] for p in on), min(p[1] for p in on)  # (the rows all of `on` reach)
+    rows = f"rows [{first:g}, {end:g}) of {where}" if end < math.inf else where
     return (
-        f"{', '.join(named)}: together their deltas on {where} reach {totals[where]:.3g} on an "
-        f"input of +-1 values (the sum of each one's reach there times its scale), past "
+        f"{', '.join(p[3] for p in on)}: together their deltas on {rows} reach {total:.3g} on "
+        f"an input of +-1 values (their reaches there times their scales, summed), past "
         f"float16's range ({F16_MAX:g}): every request at the global scales would overflow, "
         "though each is within range alone (a bound for one input of +-1 values, not a "
         "guarantee for every input)"
     )
 
 
-def _most_on_one_row(parts: list[tuple[float, float, float]]) -> float:
-    """The largest sum of the values of the spans [lo, hi) that share a row."""
-    starts = {lo for lo, hi, _ in parts if lo < hi}
-    return max((sum(v for lo, hi, v in parts if lo <= x < hi) for x in starts), default=0.0)
+def _most_on_one_row(parts: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """The largest sum of the values of the spans [lo, hi) that share a row, and that row (the
+    first of the rows with that sum): (0, 0) for none."""
+    starts = sorted({lo for lo, hi, _ in parts if lo < hi})
+    sums = [(sum(v for lo, hi, v in parts if lo <= x < hi), x) for x in starts]
+    return max(sums, key=lambda s: s[0], default=(0.0, 0.0))
 
 
 def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:

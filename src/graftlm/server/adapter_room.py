@@ -54,8 +54,9 @@ class AdapterRoom:
         return sum(e.facts.nbytes for e in self.by_id.values() if e.facts is not None)
 
     def yields(self, needed: list[AdapterEntry]) -> bool:
-        """Whether a request whose adapters `needed` are all resident is held back by the request
-        making room instead of taking them at once: the rule that bounds that one's wait.
+        """Whether a request for the adapters `needed` is held back by the request making room
+        instead of taking them at once: the rule that bounds that one's wait. Never while one
+        of `needed` is not resident (that request reads it and queues for the admission).
 
         It is when that request has waited for room more than `starve_share` (a quarter) of
         --lora-wait and one of `needed` is an adapter it could evict (`evictable`): from then on
@@ -65,7 +66,7 @@ class AdapterRoom:
         is never held back; before the threshold none is (throughput first: one for adapters
         in use never waits behind a read or an eviction)."""
         since = self.room_wait_since
-        if since is None:
+        if since is None or any(e.id is None for e in needed):
             return False
         if asyncio.get_running_loop().time() - since < self.room_wait_s * self.starve_share:
             return False
@@ -83,7 +84,7 @@ class AdapterRoom:
         and queues for the admission as a new request would)."""
         loop = asyncio.get_running_loop()
         seen: asyncio.Event | None = None
-        while all(e.id is not None for e in needed) and self.yields(needed):
+        while self.yields(needed):
             assert self._room_wait is not None  # (set with room_wait_since)
             ended, deadline = self._room_wait
             if ended is seen:  # (past its deadline, its end not yet run: it ends now)

@@ -96,6 +96,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         self.on_attach: list[Any] = []
         # room is made for one request at a time, in arrival order (asyncio.Lock is FIFO)
         self._admission = asyncio.Lock()
+        self.admitting = 0  # requests in the admission (at most one) or queued for it
         # attaches on their way to the engine: the room made for them, held until they land
         self._reserved = 0
         self._reserved_bytes = 0
@@ -364,7 +365,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         again, an adapter whose file was removed or broken since its first read fails this
         request (a 4xx/5xx naming the adapter and the file, as any read), where it would have
         been served had it not been held back."""
-        if hold and all(e.id is not None for e in needed) and self.yields(needed):
+        if hold and self.yields(needed):
             self.queued += 1
             try:
                 await self._held_back(needed)
@@ -411,21 +412,25 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         kept from eviction meanwhile (`waiting`)."""
         marked = False
         try:
-            async with self._admission:
-                for e in needed:  # (marked only here: one queued must not hold what it needs)
-                    e.waiting += 1
-                marked = True
-                missing = [
-                    e for e in needed if e.id is None and e.landing is None and id(e) in read
-                ]
-                sizes = [read[id(e)][0].facts.nbytes for e in missing]
-                if missing:
-                    await self._make_room(len(missing), sum(sizes), [e.name for e in missing])
-                for e, nbytes in zip(missing, sizes, strict=True):
-                    self._reserved += 1
-                    self._reserved_bytes += nbytes
-                    e.loading = None
-                    e.landing = asyncio.ensure_future(self._land(e, *read[id(e)], nbytes))
+            self.admitting += 1
+            try:
+                async with self._admission:
+                    for e in needed:  # (marked only here: one queued must not hold what it needs)
+                        e.waiting += 1
+                    marked = True
+                    missing = [
+                        e for e in needed if e.id is None and e.landing is None and id(e) in read
+                    ]
+                    sizes = [read[id(e)][0].facts.nbytes for e in missing]
+                    if missing:
+                        await self._make_room(len(missing), sum(sizes), [e.name for e in missing])
+                    for e, nbytes in zip(missing, sizes, strict=True):
+                        self._reserved += 1
+                        self._reserved_bytes += nbytes
+                        e.loading = None
+                        e.landing = asyncio.ensure_future(self._land(e, *read[id(e)], nbytes))
+            finally:
+                self.admitting -= 1
             # outside the admission: attaches that have their room reach the engine together
             landings = [e.landing for e in needed if e.landing is not None]
             if landings:

@@ -19,6 +19,7 @@ from graftlm.lora.settings import AdapterSettings
 from graftlm.models import Transformer, build_model, context_size
 from graftlm.native import release_threads
 from graftlm.native.heap import hold_freed_memory, use_huge_pages
+from graftlm.quant.native_tables import iq_in_place
 from graftlm.resources import default_model_path
 from graftlm.runtime.constraints import Constraint
 from graftlm.runtime.device import resolve_device
@@ -109,9 +110,7 @@ def load(
     file = GGUFFile(default_model_path() if path is None else path)
     n_ctx = context_size(file, ctx_size)
     prefer = "reference" if reference else "fast"
-    model = build_model(file, n_ctx, prefer=prefer, progress=progress)
-    if dev.type != "cpu":
-        model.to(dev)
+    model = _build_on(dev, file, n_ctx, prefer, progress)
     tokenizer = Tokenizer.from_file(file)
     kv_type = cache_type or ("f32" if reference else DEFAULT_KV_TYPE)
     if cache_bytes is not None:
@@ -177,10 +176,20 @@ def _load_draft(
         list(draft_file.get("tokenizer.ggml.tokens") or []),
         str(path),
     )
-    draft = build_model(draft_file, n_ctx, prefer=prefer)
-    if dev.type != "cpu":
-        draft.to(dev)
-    return draft
+    return _build_on(dev, draft_file, n_ctx, prefer)
+
+
+def _build_on(
+    dev: torch.device, file: GGUFFile, n_ctx: int, prefer: str, progress: bool = False
+) -> Transformer:
+    """The model of a file on dev: built on the CPU, then moved; bound for another device, its
+    grid-quant weights stay the file's bytes (iq_in_place: no tiles packed only to be dropped)."""
+    if dev.type == "cpu":
+        return build_model(file, n_ctx, prefer=prefer, progress=progress)
+    with iq_in_place():
+        model = build_model(file, n_ctx, prefer=prefer, progress=progress)
+    model.to(dev)
+    return model
 
 
 class Model:

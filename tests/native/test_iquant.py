@@ -106,7 +106,7 @@ TILES = "iq-tiles" in features()
 
 @pytest.mark.skipif(not TILES, reason="the build takes no tiles (AVX-512 VBMI)")
 @pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ3_XXS], ids=lambda q: q.name)
-@pytest.mark.parametrize("shape", [(37, 768), (48, 2560), (1, 512)], ids=str)
+@pytest.mark.parametrize("shape", [(37, 768), (48, 2560), (1, 512), (17, 256)], ids=str)
 def test_tiles_are_the_file_in_place_bit_for_bit(
     qtype: Q, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,7 +144,52 @@ def test_a_large_weights_tiles_packed_on_threads_are_one_threads() -> None:
     assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, one.ctypes.data, 1) == 0
     assert lib.gl_pack_iq(0, raw.ctypes.data, n, k, two.ctypes.data, 2) == 0
     assert np.array_equal(one, two)
+    # the last group's 8 pad outputs: zero super-blocks (d 0, indices and sign words 0) in each
+    # tile (8 units of 64 index bytes, then 64 of sign words, byte 4 o + i output o's; then the
+    # 16 float16 d)
+    tiles = one[n // 16 * 16 :].reshape(k // 256, 16 * 66)
+    assert not np.any(tiles[:, 8 * 128 + 16 : 8 * 128 + 32])  # d of outputs 8 .. 15
+    assert np.any(tiles[:, 8 * 128 : 8 * 128 + 16])  # (those of the 8 real ones: random bytes)
+    units = tiles[:, : 8 * 128].reshape(k // 256, 8, 2, 64)
+    assert not np.any(units[..., 32:])
     assert lib.gl_pack_iq(1, raw.ctypes.data, n, k, one.ctypes.data, 1) == 1  # IQ2_XS: in place
+
+
+def _tiny_moe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mix: str) -> Path:
+    """bench/real_shapes.py's Qwen3-MoE shrunk (its grid mixes: the five types between them)."""
+    from dataclasses import replace
+
+    rs = _module(ROOT / "bench" / "real_shapes.py")
+    small = replace(rs.SHAPES["qwen3-30b-a3b-6l"], d=256, n_head=4, n_head_kv=2, head_dim=64,  # type: ignore[attr-defined]
+                    ff=256, n_layer=2, vocab=512, n_expert=8, n_expert_used=2)  # fmt: skip
+    monkeypatch.setitem(rs.SHAPES, "tiny-moe", small)  # type: ignore[attr-defined]
+    return Path(rs.write_model(tmp_path, "tiny-moe", mix))  # type: ignore[attr-defined]
+
+
+def test_a_model_bound_for_another_device_packs_no_tiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device other than the CPU: the IQ2_XXS / IQ3_XXS weights stay the file's bytes in place
+    while the model is built (its weights are dequantized from them and moved), no tiles packed
+    into host memory first; on the CPU the same file's weights are tiles where the build has them."""
+    from graftlm.quant.native_tables import NativeIQKernel
+
+    path = _tiny_moe(tmp_path, monkeypatch, "iq2_xxs")
+    built: list[NativeIQKernel] = []
+    build = NativeIQKernel.build.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type[NativeIQKernel], *args: object) -> object:
+        built.append(build(cls, *args))
+        return built[-1]
+
+    monkeypatch.setattr(NativeIQKernel, "build", classmethod(spy))
+    graftlm.load(path, ctx_size=64, n_seq=2, device="meta")
+    assert built and not any(k.tiles for k in built)
+    assert all(k.keeps_source for k in built)
+    built.clear()
+    graftlm.load(path, ctx_size=64, n_seq=2, cache_type="f32")
+    assert built and any(k.tiles for k in built) == TILES
+    assert all(k.keeps_source != k.tiles for k in built)
 
 
 @pytest.mark.parametrize("mix", ["iq2_xxs", "iq2_xs", "iq3_xxs"])
@@ -154,18 +199,12 @@ def test_routed_experts_of_grid_types_run_in_the_native_layers(
     """A small Qwen3-MoE of one of bench/real_shapes.py's grid mixes (the five types between
     them; Q5_K output): every decode step in one native call, bit-identical to one call a layer
     and within 1e-4 of the composed blocks."""
-    from dataclasses import replace
-
     from spies import stack_calls
 
     from graftlm.models.base import Transformer
     from graftlm.step.batch import Batch
 
-    rs = _module(ROOT / "bench" / "real_shapes.py")
-    small = replace(rs.SHAPES["qwen3-30b-a3b-6l"], d=256, n_head=4, n_head_kv=2, head_dim=64,  # type: ignore[attr-defined]
-                    ff=256, n_layer=2, vocab=512, n_expert=8, n_expert_used=2)  # fmt: skip
-    monkeypatch.setitem(rs.SHAPES, "tiny-moe", small)  # type: ignore[attr-defined]
-    path = rs.write_model(tmp_path, "tiny-moe", mix)  # type: ignore[attr-defined]
+    path = _tiny_moe(tmp_path, monkeypatch, mix)
     model = graftlm.load(path, ctx_size=64, n_seq=2, cache_type="f32").model
     assert model.fused_stack() is not None
     for blk in model.blocks:

@@ -131,6 +131,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_mm_k6": (None, [_P, _I64, _I64, _P, _P, _INT, _I64, _P, _INT]),
     "gl_deq_iq": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_iq": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),
+    "gl_iq_tiles": (_INT, []),  # 1 where the build takes gl_pack_iq's tiles
     "gl_pack_iq": (_INT, [_INT, _P, _I64, _I64, _P, _INT]),  # v, raw, n, k, out, threads
     "gl_deq_iq_tiles": (None, [_P, _INT, _I64, _P, _I64, _I64, _P, _INT]),
     "gl_mm_iq_tiles": (None, [_P, _I64, _I64, _P, _INT, _I64, _P, _INT]),

@@ -87,7 +87,7 @@ class Kernel(ABC):
 
     name: str
     row_multiple: ClassVar[int] = 1  # float32 chunks start at multiples of this row count
-    keeps_source: ClassVar[bool] = False  # whether it holds views of the GGUF bytes
+    keeps_source: bool = False  # whether it holds views of the GGUF bytes (an instance may say)
     # whether the fast product rounds x (int8 per 32 values: the native integer products), so an
     # adapter's fast form on the same projection may round too (lora.packed's compact form)
     rounds_x: ClassVar[bool] = False

@@ -14,6 +14,9 @@ dequantization bit-exact with ``gguf.quants.dequantize``).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from gguf import GGMLQuantizationType
@@ -74,10 +77,26 @@ class NativeMX4Kernel(NativeKernel):
 
 
 # ---- IQ2_XXS .. IQ3_S (csrc/iquant.c) -------------------------------------------------------
+_IN_PLACE: ContextVar[bool] = ContextVar("graftlm_iq_in_place", default=False)
+
+
+@contextmanager
+def iq_in_place() -> Iterator[None]:
+    """IQ2_XXS and IQ3_XXS weights built inside stay the file's bytes in place, no tiles: a model
+    bound for another device (api.load's --device cuda), whose weights are dequantized from them
+    once and moved, packs nothing into host memory first."""
+    token = _IN_PLACE.set(True)
+    try:
+        yield
+    finally:
+        _IN_PLACE.reset(token)
+
+
 def iq_tiles_wanted() -> bool:
     """Whether IQ2_XXS and IQ3_XXS weights are regrouped into tiles at load where the native
-    build takes them (GRAFTLM_IQ_TILES=0 keeps them in place: the A/B of bench/decode_parts.py)."""
-    return os.environ.get("GRAFTLM_IQ_TILES", "1") != "0"
+    build takes them (GRAFTLM_IQ_TILES=0 keeps them in place: the A/B of bench/decode_parts.py;
+    so does iq_in_place)."""
+    return os.environ.get("GRAFTLM_IQ_TILES", "1") != "0" and not _IN_PLACE.get()
 
 
 class NativeIQKernel(NativeKernel):
@@ -106,6 +125,7 @@ class NativeIQKernel(NativeKernel):
         super().__init__(shape)
         # (n_out, row bytes), the file's bytes; tiles: (n_out rounded up to 16, row bytes), regrouped
         self.q, self.variant, self.tiles = q, variant, tiles
+        self.keeps_source = not tiles  # tiles: a copy, the file's bytes released
         n, k = shape
         self._view = GlWeight(6, int(tiles), 256, variant, n, k, q.data_ptr(), None, None)
         lib = loaded_library()
@@ -120,13 +140,14 @@ class NativeIQKernel(NativeKernel):
     @classmethod
     def build(cls, raw: torch.Tensor, qtype: QType, shape: Shape) -> Kernel:
         variant, raw = cls.VARIANT[T(qtype)], raw.contiguous()
-        if T(qtype) in cls.TILED and iq_tiles_wanted():
-            lib = library()
-            assert lib is not None
+        lib = library()
+        assert lib is not None
+        if T(qtype) in cls.TILED and iq_tiles_wanted() and lib.gl_iq_tiles():
             n, k = shape
             q = hugepages.empty(-(-n // 16) * 16 * row_bytes(qtype, k), dtype=torch.uint8)
-            if lib.gl_pack_iq(variant, raw.data_ptr(), n, k, q.data_ptr(), threads()) == 0:
-                return NativeIQTilesKernel(q.view(-1, row_bytes(qtype, k)), shape, variant, True)
+            bad = lib.gl_pack_iq(variant, raw.data_ptr(), n, k, q.data_ptr(), threads())
+            assert bad == 0, (qtype, shape)
+            return cls(q.view(-1, row_bytes(qtype, k)), shape, variant, True)
         return cls(raw, shape, variant)
 
     def _deq(self, ids: torch.Tensor | None, row0: int, count: int) -> torch.Tensor:
@@ -140,9 +161,3 @@ class NativeIQKernel(NativeKernel):
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.q,)
-
-
-class NativeIQTilesKernel(NativeIQKernel):
-    """NativeIQKernel's IQ2_XXS and IQ3_XXS in tiles: a copy, the file's bytes released."""
-
-    keeps_source = False

@@ -86,7 +86,7 @@ int64_t gl_features(void) {
 #if ATTN_I8
     f |= 128;
 #endif
-    if (gl_pack_iq(0, NULL, 0, 256, NULL, 1) == 0) f |= 256; /* IQ2_XXS's tiles taken (none packed) */
+    if (gl_iq_tiles()) f |= 256; /* IQ2_XXS's and IQ3_XXS's tiles taken */
     return f;
 }
 

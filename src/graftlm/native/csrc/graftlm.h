@@ -241,8 +241,9 @@ GL_API void gl_deq_iq(const uint8_t *q, int v, int64_t k, const int64_t *ids, in
                       int64_t nrows, float *out, int nth);
 GL_API void gl_mm_iq(const float *x, int64_t M, int64_t k, const uint8_t *q, int v, int64_t n,
                      float *y, int nth);
-/* IQ2_XXS and IQ3_XXS as tiles of 16 outputs (iquant.c; gl_pack_iq: 0, or 1 where this build
- * takes none and the weight stays in place) */
+/* IQ2_XXS and IQ3_XXS as tiles of 16 outputs (iquant.c; gl_iq_tiles: 1 where this build takes
+ * them; gl_pack_iq: 0, or 1 where this build takes none and the weight stays in place) */
+GL_API int gl_iq_tiles(void);
 GL_API int gl_pack_iq(int v, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out, int nth);
 GL_API void gl_deq_iq_tiles(const uint8_t *q, int v, int64_t k, const int64_t *ids, int64_t row0,
                             int64_t nrows, float *out, int nth);

@@ -81,6 +81,20 @@ static inline __attribute__((always_inline)) void iq2_negs_raw(const uint8_t *p,
         neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
 }
 
+/* IQ3 entries' code bytes of values 0, 1 (a) and 2, 3 (b) -> V[0 .. 3]: a through t[0], t[1],
+ * then b (tables t: iq_tables; iq3_vals and iq_tiles_vals) */
+static inline __attribute__((always_inline)) void iq3_codes_vals(__m512i a, __m512i b, const __m512i *t, __m512i *V) {
+    V[0] = _mm512_permutexvar_epi8(a, t[0]), V[1] = _mm512_permutexvar_epi8(a, t[1]);
+    V[2] = _mm512_permutexvar_epi8(b, t[0]), V[3] = _mm512_permutexvar_epi8(b, t[1]);
+}
+
+/* IQ2 entries' 16-bit codes c -> V[0 .. 3]: c through t[0 .. 2], then c >> 6 through t[0] (tables
+ * t: iq_tables; iq2_vals2 and iq_tiles_vals) */
+static inline __attribute__((always_inline)) void iq2_codes_vals(__m512i c, const __m512i *t, __m512i *V) {
+    for (int k = 0; k < 3; k++) V[k] = _mm512_permutexvar_epi8(c, t[k]);
+    V[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
+}
+
 /* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
 static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, const int v, const __m512i *t, __m512i *V,
                                                            __m256i *S) {
@@ -95,8 +109,7 @@ static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, con
         a = iq_look512(IQ3S_PAIR[0], idx, qh), b = iq_look512(IQ3S_PAIR[1], idx, qh);
         *S = _mm256_loadu_si256((const __m256i *)(p + 74));
     }
-    V[0] = _mm512_permutexvar_epi8(a, t[0]), V[1] = _mm512_permutexvar_epi8(a, t[1]);
-    V[2] = _mm512_permutexvar_epi8(b, t[0]), V[3] = _mm512_permutexvar_epi8(b, t[1]);
+    iq3_codes_vals(a, b, t, V);
 }
 
 /* Two IQ2 super-blocks pa, pb's V[k] (Va, Vb) and sign bytes (*Sa, *Sb). */
@@ -112,12 +125,8 @@ static inline __attribute__((always_inline)) void iq2_vals2(const uint8_t *pa, c
     const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(0x20)); /* entries 32 .. 63 */
     const __m512i ca = _mm512_permutex2var_epi8(lo, ia, hi);
     const __m512i cb = _mm512_permutex2var_epi8(lo, ib, hi);
-    for (int h = 0; h < 2; h++) {
-        const __m512i c = h ? cb : ca;
-        __m512i *V = h ? Vb : Va;
-        for (int k = 0; k < 3; k++) V[k] = _mm512_permutexvar_epi8(c, t[k]);
-        V[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
-    }
+    iq2_codes_vals(ca, t, Va);
+    iq2_codes_vals(cb, t, Vb);
 }
 
 #define IQ_FEW 4 /* rows of x iq_group_few takes at most */

@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void iq_group(const gl_weight *w, c
             const uint8_t *p[IQ_W];
             for (int o = 0; o < IQ_W; o++) p[o] = row[o] + sb * bytes;
             iq_prefetch_next(row[0] + IQ_W * rowbytes, sb, bytes);
-#if IQ_VBMI && IQ_W == 16
+#if IQ_VBMI /* (with GL_VNNI512: IQ_W 16) */
             if (tiles)
                 iq_lanes_fill_tiles(row[0] + sb * IQ_W * bytes, v, &L);
             else

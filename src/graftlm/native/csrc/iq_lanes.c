@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void iq_lanes_fill(const uint8_t *c
 #endif
 }
 
-#if IQ_VBMI && IQ_W == 16
+#if IQ_VBMI /* (with GL_VNNI512: IQ_W 16) */
 /* The sign mask of a chunk (bit 4 o + i: output o's value i of the chunk negative) from S (dword o:
  * output o's 32 sign bits of the chunk's 32 values, the chunk's at bits [4 c, 4 c + 4)). */
 static inline __mmask64 iq_chunk_neg(__m512i S, int c) {

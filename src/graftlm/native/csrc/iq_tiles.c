@@ -41,17 +41,13 @@ static inline __attribute__((always_inline)) void iq_tiles_vals(const uint8_t *p
     if (v == IQ2_XXS) { /* the entries' code bytes of values 0 .. 3 (lo), 4 .. 7 (hi) */
         const __m512i idx = _mm512_loadu_si512(pu);
         const __m512i lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
-        for (int h = 0; h < 2; h++) {
-            const __m512i c = h ? hi : lo;
-            for (int k = 0; k < 3; k++) V[4 * h + k] = _mm512_permutexvar_epi8(c, t[k]);
-            V[4 * h + 3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
-        }
+        iq2_codes_vals(lo, t, V);
+        iq2_codes_vals(hi, t, V + 4);
     } else { /* vector s: the codes of values 0, 1 (a), 2, 3 (b) of the entries 4 s + i */
         for (int s = 0; s < 2; s++) {
             const __m512i idx = _mm512_loadu_si512(pu + 64 * s);
             const __m512i a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
-            V[4 * s] = _mm512_permutexvar_epi8(a, t[0]), V[4 * s + 1] = _mm512_permutexvar_epi8(a, t[1]);
-            V[4 * s + 2] = _mm512_permutexvar_epi8(b, t[0]), V[4 * s + 3] = _mm512_permutexvar_epi8(b, t[1]);
+            iq3_codes_vals(a, b, t, V + 4 * s);
         }
     }
 }

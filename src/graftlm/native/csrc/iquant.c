@@ -341,8 +341,12 @@ void gl_mm_iq_tiles(const float *x, int64_t M, int64_t k, const uint8_t *q, int 
  * ((n + 15) / 16 * 16 rows' bytes; the last group's outputs past n zero): 0; 1 where this build
  * or this type takes none (the weight then stays in place: without VBMI, and types other than
  * IQ2_XXS and IQ3_XXS). */
+/* 1 where this build takes IQ2_XXS's and IQ3_XXS's tiles (VBMI), else 0: asked before a
+ * buffer is made for gl_pack_iq. */
+int gl_iq_tiles(void) { return IQ_VBMI; }
+
 int gl_pack_iq(int v, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out, int nth) {
-    if (!IQ_VBMI || (v != IQ2_XXS && v != IQ3_XXS)) return 1;
+    if (!gl_iq_tiles() || (v != IQ2_XXS && v != IQ3_XXS)) return 1;
     const int64_t nsb = k / 256, bytes = IQ_BYTES(v), groups = (n + 15) / 16;
     static const uint8_t zero[IQ_BYTES(IQ3_S)];
     /* threads only for a large weight: one copies ~3 GB/s, and two on a busy machine waited on

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,25 +18,69 @@ import graftlm
 
 pytestmark = pytest.mark.real
 
+# Shared by the teacher forcing and the decode path's f16 cases (the default cache: the same
+# load), which each loaded the model and scored every case on the same path; both real models'
+# scoring of all cases was a fifth of this file's time (gemma-3: 25 s of a 30 s test at load 3).
+_MODELS: dict[tuple[str, str], tuple[graftlm.Model, dict[str, int]]] = {}
+_SCORED: dict[tuple[str, str], list[tuple[list[float], list[int]]]] = {}
 
-def _compare(model: graftlm.Model, fixtures: Path, data: dict) -> dict[str, float]:
-    ids_of: dict[str, int] = {}
-    for name in data["adapters_loaded"]:
-        if (fixtures / name).exists():
-            ids_of[name] = model.add_lora(fixtures / name, scale=0.0)
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_loads() -> Iterator[None]:
+    yield
+    _MODELS.clear()
+    _SCORED.clear()
+
+
+def _model(
+    which: str, cache_type: str, request: pytest.FixtureRequest
+) -> tuple[graftlm.Model, dict[str, int]]:
+    """The real model with this cache type and the fixture adapters it has (at scale 0, in the
+    golden's order): their ids by file name. Kept for the module for the default cache (f16)."""
+    if (which, cache_type) in _MODELS:
+        return _MODELS[which, cache_type]
+    path = request.getfixturevalue(f"{which}_file")
+    model = graftlm.load(path, ctx_size=1024, cache_type=cache_type)
+    data = golden(f"{which}_generate.json")
+    ids_of = {
+        n: model.add_lora(FIXTURES / which / n, scale=0.0)
+        for n in data["adapters_loaded"]
+        if (FIXTURES / which / n).exists()
+    }
+    if cache_type == "f16":
+        _MODELS[which, cache_type] = model, ids_of
+    return model, ids_of
+
+
+def _scored(
+    which: str, cache_type: str, request: pytest.FixtureRequest
+) -> list[tuple[list[float], list[int]]]:
+    """Each golden case scored in one teacher-forced pass (the float32 scoring path): at each
+    generated step, the log-probability of llama.cpp's token and the top token."""
+    if (which, cache_type) not in _SCORED:
+        model, ids_of = _model(which, cache_type, request)
+        out = []
+        for case in golden(f"{which}_generate.json")["cases"]:
+            lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
+            ids = case["prompt_ids"] + case["generated_ids"]
+            n = len(case["prompt_ids"])
+            lp = torch.log_softmax(model.logits(ids, lora=lora)[n - 1 : -1].float(), -1)
+            picked = [float(row[step["id"]]) for row, step in zip(lp, case["steps"], strict=False)]
+            out.append((picked, [int(row.argmax()) for row in lp]))
+        _SCORED[which, cache_type] = out
+    return _SCORED[which, cache_type]
+
+
+def _compare(scored: list[tuple[list[float], list[int]]], data: dict) -> dict[str, float]:
     diffs: list[float] = []
     top1_checked = top1_agree = 0
-    for case in data["cases"]:
-        lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
-        ids = case["prompt_ids"] + case["generated_ids"]
-        n = len(case["prompt_ids"])
-        lp = torch.log_softmax(model.logits(ids, lora=lora)[n - 1 : -1].float(), -1)
-        for row, step in zip(lp, case["steps"], strict=False):
-            diffs.append(abs(float(row[step["id"]]) - step["logprob"]))
+    for case, (picked, top) in zip(data["cases"], scored, strict=True):
+        for lp, best, step in zip(picked, top, case["steps"], strict=False):
+            diffs.append(abs(lp - step["logprob"]))
             (t0, l0), (_, l1) = step["top"][0], step["top"][1]
             if l0 - l1 > 0.3:
                 top1_checked += 1
-                top1_agree += int(int(row.argmax()) == t0)
+                top1_agree += int(best == t0)
     return {
         "mean": sum(diffs) / len(diffs),
         "max": max(diffs),
@@ -47,9 +92,7 @@ def _compare(model: graftlm.Model, fixtures: Path, data: dict) -> dict[str, floa
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_golden_teacher_forcing(which: str, request: pytest.FixtureRequest) -> None:
-    path = request.getfixturevalue(f"{which}_file")
-    model = graftlm.load(path, ctx_size=1024)
-    r = _compare(model, FIXTURES / which, golden(f"{which}_generate.json"))
+    r = _compare(_scored(which, "f16", request), golden(f"{which}_generate.json"))
     print(f"{which}: {r}")
     assert r["n"] > 200
     assert r["mean"] <= 0.06, r
@@ -101,18 +144,12 @@ def test_golden_through_the_decode_path(
     step 14) is at 0.45 even in float32."""
     from graftlm.step.batch import Batch
 
-    path = request.getfixturevalue(f"{which}_file")
-    model = graftlm.load(path, ctx_size=1024, cache_type=cache_type)
+    model, ids_of = _model(which, cache_type, request)
     data = golden(f"{which}_generate.json")
-    ids_of = {
-        n: model.add_lora(FIXTURES / which / n, scale=0.0)
-        for n in data["adapters_loaded"]
-        if (FIXTURES / which / n).exists()
-    }
     diffs: list[float] = []
     twin: list[float] = []
     checked = agree = 0
-    for case in data["cases"]:
+    for case, (ref, _) in zip(data["cases"], _scored(which, cache_type, request), strict=True):
         lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
         rows = model.engine.lora_rows([model.adapters.settings(lora)])
         prompt, ids = case["prompt_ids"], case["prompt_ids"] + case["generated_ids"]
@@ -125,10 +162,9 @@ def test_golden_through_the_decode_path(
         finally:
             model.engine.slots.give_back(slot)
         lp = torch.log_softmax(torch.stack(out).float(), -1)
-        ref = torch.log_softmax(model.logits(ids, lora=lora)[len(prompt) - 1 : -1].float(), -1)
-        for row, ref_row, step in zip(lp, ref, case["steps"], strict=True):
+        for row, ref_lp, step in zip(lp, ref, case["steps"], strict=True):
             diffs.append(abs(float(row[step["id"]]) - step["logprob"]))
-            twin.append(abs(float(row[step["id"]]) - float(ref_row[step["id"]])))
+            twin.append(abs(float(row[step["id"]]) - ref_lp))
             (t0, l0), (_, l1) = step["top"][0], step["top"][1]
             if l0 - l1 > 0.3:
                 checked += 1

@@ -1,5 +1,11 @@
 """The native library built with a switch (-DGL_NO_...), for the tests that check here the path
-another CPU takes: built into the test's own cache, bound, and served in place of this CPU's."""
+another CPU takes: bound, and served in place of this CPU's.
+
+A variant is built into the library's own cache (build.cache_dir()), keyed as the library's own
+build is (every file of csrc/, the flags, the compiler, the CPU): each variant is compiled once for
+a version of the sources, whichever tests ask for it and in however many runs (36 s of CPU a
+compile here), as the AVX2, ymm and nogfni variants the subprocess tests load already are. Until
+they were, each test compiled its variant into its own folder, -DGL_NO_BF16_ATTN twice a run."""
 
 from __future__ import annotations
 
@@ -11,12 +17,16 @@ import pytest
 from graftlm.native import abi, build, ops
 
 
-def variant_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str) -> ctypes.CDLL:
-    """The library built with `flags`, which `ops` serves until the test ends."""
+def variant_path(*flags: str) -> Path:
+    """The library built with `flags` (from the cache if there)."""
     cc = build._compiler()
     assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    lib = ctypes.CDLL(str(build._build(cc, flags)))
+    return build._build(cc, flags)
+
+
+def variant_library(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ctypes.CDLL:
+    """The library built with `flags`, which `ops` serves until the test ends."""
+    lib = ctypes.CDLL(str(variant_path(*flags)))
     abi.bind(lib)
     monkeypatch.setattr(ops, "library", lambda: lib)
     return lib

@@ -192,23 +192,21 @@ def test_decode_attention_equals_its_twin(case: Case, kv: str) -> None:
     _check(case, kv, run_case(case, kv))
 
 
-def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_q8_0_keys_in_float32_where_the_cpu_has_no_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     """The 512-bit kernel's q8_0 keys without integer dots (an AVX-512 CPU without VNNI): built
     here with -DGL_NO_Q8_DOTS, every case against the twin with the query unquantized."""
     if not Q8_DOTS:
         pytest.skip("this CPU's kernel is that one: the tests above")
     from variants import variant_library  # (tests/: not on a subprocess's path)
 
-    variant_library(tmp_path, monkeypatch, "-DGL_NO_Q8_DOTS")
+    variant_library(monkeypatch, "-DGL_NO_Q8_DOTS")
     torch.set_num_threads(2)
     for case in CASES:
         _check(case, "q8_0", run_case(case, "q8_0"), q8_dots=False)
 
 
 def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The 512-bit kernel's bfloat16 cache in float32 arithmetic (an AVX-512 CPU without BF16):
     built here with -DGL_NO_BF16_ATTN, every case against the twin with the query unrounded."""
@@ -216,7 +214,7 @@ def test_bfloat16_cache_in_float32_where_the_cpu_has_no_bf16(
         pytest.skip("this CPU's kernel is that one: the tests above")
     from variants import variant_library  # (tests/: not on a subprocess's path)
 
-    variant_library(tmp_path, monkeypatch, "-DGL_NO_BF16_ATTN")
+    variant_library(monkeypatch, "-DGL_NO_BF16_ATTN")
     torch.set_num_threads(2)
     for case in CASES:
         _check(case, "bf16", run_case(case, "bf16"), bf16_pairs=False)

@@ -90,7 +90,7 @@ def test_the_switch_is_read_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
         build.dynamic()
 
 
-def test_one_row_ranges_flushed_when_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_row_ranges_flushed_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
     """proj.c's one-row delta is added over the ranges of tasks a thread did, flushed when its
     PROJ_RANGES are full: built with room for one range, every claim after the first flushes
     (stolen ones included); still the static split's bits, with an adapter and without."""
@@ -98,7 +98,7 @@ def test_one_row_ranges_flushed_when_full(tmp_path: Path, monkeypatch: pytest.Mo
     import split_cases
     from variants import variant_library
 
-    lib = variant_library(tmp_path, monkeypatch, "-DPROJ_RANGES=1")
+    lib = variant_library(monkeypatch, "-DPROJ_RANGES=1")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

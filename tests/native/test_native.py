@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -193,13 +194,40 @@ def test_disabled_and_missing_compiler_fall_back(monkeypatch: pytest.MonkeyPatch
 
 
 def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
+    """A build lands whole in $GRAFTLM_CACHE/native (no .partial left), is not made again while
+    the sources, the flags and the compiler stay the same, and is made anew when a source or a
+    flag changes. The compiler is a stand-in that logs its calls and copies the library this
+    session loaded (each real compile is 36 s of CPU here): a real one into a fresh cache, every
+    run, is test_slow_paths_are_announced's (tests/commands/test_llama_flags.py), the same
+    `_build`, as is the session's first build wherever the sources changed."""
     cc = build._compiler()
     assert cc is not None
-    first = build._build(cc)
-    assert first.parent == tmp_path / "native" and first.exists()
+    loaded = build._build(cc)  # (the session's library, from the cache)
+    calls, stand_in, csrc = tmp_path / "calls", tmp_path / "cc", tmp_path / "csrc"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "stand-in cc 1"; exit 0; }\n'
+        f'echo "$*" >> "{calls}"\n'
+        f'while [ $# -gt 1 ]; do [ "$1" = -o ] && cp "{loaded}" "$2"; shift; done\n'
+    )
+    stand_in.chmod(0o755)
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    monkeypatch.setattr(build, "SOURCE", csrc / build.SOURCE.name)
+    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path / "cache"))
+    first = build._build(str(stand_in))
+    assert first.parent == tmp_path / "cache" / "native" and first.exists()
+    assert first.read_bytes() == loaded.read_bytes()
     mtime = first.stat().st_mtime_ns
-    assert build._build(cc) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert build._build(str(stand_in)) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    made = calls.read_text().splitlines()
+    assert len(made) == 1 and made[0].startswith(" ".join(build.FLAGS))
+    assert made[0].endswith(str(csrc / "graftlm.c"))
+    other = build._build(str(stand_in), ("-DGL_COUNT_ALLOC",))  # another flag
+    with open(csrc / "graftlm.h", "a") as f:
+        f.write("\n")  # another source
+    edited = build._build(str(stand_in))
+    assert len({first, other, edited}) == 3 and len(calls.read_text().splitlines()) == 3
     assert not list(first.parent.glob("*.partial"))
 
 
@@ -647,15 +675,13 @@ def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
     before it. A step that finds the scratch in use (another thread on the same model) takes a
     block of its own and leaves the scratch alone."""
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
+    from variants import variant_path
 
     from graftlm.models.base import Transformer
     from graftlm.native import abi
     from graftlm.native import layer_calls as native_layer
 
-    cc = build._compiler()
-    assert cc is not None
-    monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path))
-    counting = ctypes.CDLL(str(build._build(cc, ("-DGL_COUNT_ALLOC",))))
+    counting = ctypes.CDLL(str(variant_path("-DGL_COUNT_ALLOC")))
     abi.bind(counting)
     lib = library()
     assert lib is not None and lib.gl_alloc_count() == -1  # the library in use counts nothing

@@ -25,7 +25,6 @@ float32's rounding of the twin."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -247,14 +246,14 @@ def test_exact_prompt_attention_is_float32(p: Prompt, kv: str) -> None:
     ids=["no-bf16", "no-vnni"],
 )
 def test_fast_steps_where_the_cpu_lacks_a_feature(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str, route: str
+    monkeypatch: pytest.MonkeyPatch, flag: str, route: str
 ) -> None:
     """A fast step on an AVX-512 CPU without BF16 (built here with -DGL_NO_BF16_ATTN: float32,
     every case against the unrounded twin) or without VNNI (-DGL_NO_I8_ATTN: the scores in
     bfloat16 pairs even with int8 scores asked for, against the bfloat16 twin)."""
     if not (BF16_ATTN if route == "f32" else I8_ATTN):
         pytest.skip("this CPU's kernel is that one: the tests above")
-    variant_library(tmp_path, monkeypatch, flag)
+    variant_library(monkeypatch, flag)
     monkeypatch.setattr(ops, "I8_ATTN_SCORES", True)  # (what the variant must refuse)
     torch.set_num_threads(2)
     for p in CASES:

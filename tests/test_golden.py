@@ -53,12 +53,16 @@ def _model(
 
 
 def _scored(
-    which: str, cache_type: str, request: pytest.FixtureRequest
+    which: str,
+    cache_type: str,
+    request: pytest.FixtureRequest,
+    loaded: tuple[graftlm.Model, dict[str, int]] | None = None,
 ) -> list[tuple[list[float], list[int]]]:
     """Each golden case scored in one teacher-forced pass (the float32 scoring path): at each
-    generated step, the log-probability of llama.cpp's token and the top token."""
+    generated step, the log-probability of llama.cpp's token and the top token. `loaded`: the
+    caller's model of this file and cache type (not kept for the module), not loaded again."""
     if (which, cache_type) not in _SCORED:
-        model, ids_of = _model(which, cache_type, request)
+        model, ids_of = loaded or _model(which, cache_type, request)
         out = []
         for case in golden(f"{which}_generate.json")["cases"]:
             lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
@@ -149,7 +153,8 @@ def test_golden_through_the_decode_path(
     diffs: list[float] = []
     twin: list[float] = []
     checked = agree = 0
-    for case, (ref, _) in zip(data["cases"], _scored(which, cache_type, request), strict=True):
+    scored = _scored(which, cache_type, request, (model, ids_of))
+    for case, (ref, _) in zip(data["cases"], scored, strict=True):
         lora = [{"id": ids_of[a["file"]], "scale": a["scale"]} for a in case["adapters"]]
         rows = model.engine.lora_rows([model.adapters.settings(lora)])
         prompt, ids = case["prompt_ids"], case["prompt_ids"] + case["generated_ids"]

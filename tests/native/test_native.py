@@ -223,12 +223,29 @@ def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     made = calls.read_text().splitlines()
     assert len(made) == 1 and made[0].startswith(" ".join(build.FLAGS))
     assert made[0].endswith(str(csrc / "graftlm.c"))
+    out = made[0].split(" -o ")[1].split()[0]  # written beside the target, then renamed
+    assert Path(out).parent == first.parent and out.endswith(".so.partial")
     other = build._build(str(stand_in), ("-DGL_COUNT_ALLOC",))  # another flag
     with open(csrc / "graftlm.h", "a") as f:
         f.write("\n")  # another source
     edited = build._build(str(stand_in))
     assert len({first, other, edited}) == 3 and len(calls.read_text().splitlines()) == 3
     assert not list(first.parent.glob("*.partial"))
+    # another compiler (its --version): built anew; one that fails half way leaves nothing
+    stand_in.write_text(stand_in.read_text().replace("stand-in cc 1", "stand-in cc 2"))
+    assert build._build(str(stand_in)) != edited and len(calls.read_text().splitlines()) == 4
+    broken = tmp_path / "broken-cc"
+    broken.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "broken cc"; exit 0; }\n'
+        'while [ $# -gt 1 ]; do [ "$1" = -o ] && echo half > "$2"; shift; done\n'
+        'echo "error: out of memory" >&2; exit 1\n'
+    )
+    broken.chmod(0o755)
+    before = set(first.parent.iterdir())
+    with pytest.raises(OSError, match=r"could not build graftlm\.c: error: out of memory"):
+        build._build(str(broken))
+    assert set(first.parent.iterdir()) == before  # no library, no .partial
 
 
 def test_scales_stay_float16_only_when_exact() -> None:

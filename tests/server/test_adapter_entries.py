@@ -19,7 +19,7 @@ from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import AdapterFacts, bytes_floor
 from graftlm.runtime.service import EngineService
-from graftlm.server.adapter_entries import together_overflow
+from graftlm.server.adapter_entries import AdapterEntry, together_overflow
 from graftlm.server.registry import AdapterRegistry
 
 
@@ -190,6 +190,19 @@ def test_a_global_scale_that_overflows_every_request_is_refused(
     asyncio.run(go())
 
 
+async def _near_their_limits(
+    reg: AdapterRegistry, paths: dict[str, Path]
+) -> tuple[dict[str, AdapterEntry], dict[str, int], dict[str, float]]:
+    """The adapters loaded by name, their ids, and 90% of the largest global scale each takes
+    alone (its delta's reach on a +-1 input times the scale: F16_MAX)."""
+    entries = {name: await reg.load(name, str(path)) for name, path in paths.items()}
+    ids, near = {}, {}
+    for name, e in entries.items():
+        assert e.id is not None and e.facts is not None and e.facts.reach > 0
+        ids[name], near[name] = e.id, 0.9 * F16_MAX / e.facts.reach
+    return entries, ids, near
+
+
 def test_adapters_whose_global_scales_overflow_only_together_are_refused(
     svc: EngineService, tmp_path: Path
 ) -> None:
@@ -208,12 +221,9 @@ def test_adapters_whose_global_scales_overflow_only_together_are_refused(
 
     async def go() -> None:
         reg = AdapterRegistry(svc)
-        entries = {name: await reg.load(name, str(path)) for name, path in paths.items()}
-        ids, near = {}, {}
-        for name, e in entries.items():
-            assert e.id is not None and e.facts is not None and e.facts.reach > 0
-            ids[name], near[name] = e.id, 0.9 * F16_MAX / e.facts.reach
-            await reg.set_scales({e.id: near[name]})  # each alone: taken
+        entries, ids, near = await _near_their_limits(reg, paths)
+        for name in entries:
+            await reg.set_scales({ids[name]: near[name]})  # each alone: taken
         q1, q2 = (entries[n].facts for n in ("q1", "q2"))
         assert q1 is not None and q2 is not None
         (site,) = q1.reaches  # blk.0's attn_q (in the model's fused projection)
@@ -254,11 +264,7 @@ def test_adapters_on_disjoint_rows_of_a_fused_projection_do_not_add_up(
 
     async def go() -> None:
         reg = AdapterRegistry(svc)
-        entries = {name: await reg.load(name, str(path)) for name, path in paths.items()}
-        ids, near = {}, {}
-        for name, e in entries.items():
-            assert e.id is not None and e.facts is not None and e.facts.reach > 0
-            ids[name], near[name] = e.id, 0.9 * F16_MAX / e.facts.reach
+        entries, ids, near = await _near_their_limits(reg, paths)
         q, v, qv = (entries[n].facts for n in ("q", "v", "qv"))
         assert q is not None and v is not None and qv is not None
         (site,) = q.reaches

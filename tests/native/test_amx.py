@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
+from layer_twins import q8_x
 from synth_tensors import gguf_tensor
 
 from graftlm.native import amx, build, library
@@ -103,14 +104,6 @@ def test_rows_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             build.amx_rows()
 
 
-def _q8_x(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the int8 dots of A round it, per 32 values (test_native's twin of it)."""
-    v = x.reshape(-1, 32)
-    amax = v.abs().amax(dim=1, keepdim=True)
-    q = torch.where(amax > 0, torch.round(v * (127 / torch.where(amax > 0, amax, 1))), 0)
-    return (q * (amax / 127)).reshape(x.shape)
-
-
 @pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q8_0])
 def test_lora_delta_on_the_tiles(qt: Q) -> None:
     """A projection with adapters at 48 rows: the delta's s * A . x (int8 dots, as at any row
@@ -144,7 +137,7 @@ def test_lora_delta_on_the_tiles(qt: Q) -> None:
     for slot, (a, b) in ((1, (a1, b1)), (2, (a2, b2))):
         aq = torch.from_numpy(quants.dequantize(quants.quantize(a.numpy(), Q.Q8_0), Q.Q8_0))
         scale = torch.tensor(table)[:, slot].view(3, 1, 1)
-        av = scale * (_q8_x(x) @ aq.T)
+        av = scale * (q8_x(x) @ aq.T)
         tiles = av.bfloat16().float() @ b.bfloat16().float().T
         vnni = av @ b.bfloat16().float().T
         want[..., :64] += tiles[..., :64]

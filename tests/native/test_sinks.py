@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_twins import (
+    BF16_ATTN,
+    PREFILL_ATOL,
+    PREFILL_RTOL,
+    paged_cache,
+    q8_scores,
+    rounded,
+    row_index,
+)
 from test_decode_attention import TYPES, Case, _check, run_case, variant_outputs
-from test_native import BF16_ATTN, PREFILL_ATOL, PREFILL_RTOL, _paged, _rounded, _rows, q8_scores
 
 from graftlm.native import library, ops
 from graftlm.step.kv_cache import KV_TYPES
@@ -63,10 +71,10 @@ def run_prompt(p: Prompt, kv: str, exact: bool, sinks: torch.Tensor | None) -> t
     g = torch.Generator().manual_seed(t + len(starts))
     dense = torch.randn(3, hkv, max(starts) + t + 3, d, generator=g)
     q = torch.randn(len(starts), t, h, d, generator=g) * 2
-    cache = _paged(dense, KV_TYPES[kv][0], seed=t)
+    cache = paged_cache(dense, KV_TYPES[kv][0], seed=t)
     slots = [2, 0][: len(starts)]
     out = ops.attn_prefill(
-        q, cache, 0, _rows(slots, starts, t), d**-0.5, window, exact=exact, sinks=sinks
+        q, cache, 0, row_index(slots, starts, t), d**-0.5, window, exact=exact, sinks=sinks
     )
     assert out is not None
     return out
@@ -85,9 +93,9 @@ def prompt_twin(p: Prompt, kv: str, bf16: bool, q8: bool = False) -> torch.Tenso
     def seen(x: torch.Tensor) -> torch.Tensor:
         return (x.to(torch.bfloat16).float() if bf16 else x).double()
 
-    cached = _rounded(dense, KV_TYPES[kv][0]).double()
-    keys = seen(_rounded(dense, KV_TYPES[kv][0]))
-    values = seen(_rounded(dense.flip(-1), KV_TYPES[kv][0]))  # (_paged's V: K reversed)
+    cached = rounded(dense, KV_TYPES[kv][0]).double()
+    keys = seen(rounded(dense, KV_TYPES[kv][0]))
+    values = seen(rounded(dense.flip(-1), KV_TYPES[kv][0]))  # (paged_cache's V: K reversed)
     sink = sinks_of(h).double().view(h, 1, 1).expand(h, t, 1)
     outs = []
     for r, (s, p0) in enumerate(zip(slots, starts, strict=True)):
@@ -98,7 +106,7 @@ def prompt_twin(p: Prompt, kv: str, bf16: bool, q8: bool = False) -> torch.Tenso
         v = values[s, :, : p0 + t].repeat_interleave(h // hkv, 0)
         if q8:  # (h, t, d) against the keys as cached
             k8 = cached[s, :, : p0 + t].repeat_interleave(h // hkv, 0)
-            q8r = _rounded(q[r], torch.uint8).double().transpose(0, 1)
+            q8r = rounded(q[r], torch.uint8).double().transpose(0, 1)
             scores = (q8r @ k8.transpose(1, 2)) * d**-0.5
         else:
             scores = (seen(q[r]).transpose(0, 1) @ k.transpose(1, 2)) * d**-0.5  # (h, t, L)

@@ -337,14 +337,14 @@ void gl_mm_iq_tiles(const float *x, int64_t M, int64_t k, const uint8_t *q, int 
     proj_alone(&w, x, M, 1, NULL, y, nth);
 }
 
-/* The n rows of k values of type v (raw: the file's, one after another) as tiles into out
- * ((n + 15) / 16 * 16 rows' bytes; the last group's outputs past n zero): 0; 1 where this build
- * or this type takes none (the weight then stays in place: without VBMI, and types other than
- * IQ2_XXS and IQ3_XXS). */
 /* 1 where this build takes IQ2_XXS's and IQ3_XXS's tiles (VBMI), else 0: asked before a
  * buffer is made for gl_pack_iq. */
 int gl_iq_tiles(void) { return IQ_VBMI; }
 
+/* The n rows of k values of type v (raw: the file's, one after another) as tiles into out
+ * ((n + 15) / 16 * 16 rows' bytes; the last group's outputs past n zero): 0; 1 where this build
+ * or this type takes none (the weight then stays in place: without VBMI, and types other than
+ * IQ2_XXS and IQ3_XXS). */
 int gl_pack_iq(int v, const uint8_t *raw, int64_t n, int64_t k, uint8_t *out, int nth) {
     if (!gl_iq_tiles() || (v != IQ2_XXS && v != IQ3_XXS)) return 1;
     const int64_t nsb = k / 256, bytes = IQ_BYTES(v), groups = (n + 15) / 16;

@@ -42,12 +42,15 @@ class AdapterRoom:
     _reserved: int
     _reserved_bytes: int
     _drops: set[asyncio.Future[Any]]
-    # when the request making room (at most one: it holds the admission) began to wait for
-    # adapters in use to be released; None while none waits
-    room_wait_since: float | None
-    # that wait's end (set however it ends: room, 503 or cancellation) and its deadline, for the
-    # requests it holds back (`_held_back`); None while none waits
-    _room_wait: tuple[asyncio.Event, float] | None
+    # the wait of the request making room (at most one: it holds the admission) for adapters in
+    # use to be released: its end (set however it ends: room, 503 or cancellation, for the
+    # requests it holds back: `_held_back`), when it began and its deadline; None while none waits
+    _room_wait: tuple[asyncio.Event, float, float] | None
+
+    @property
+    def room_wait_since(self) -> float | None:
+        """When the request making room began to wait for adapters in use; None while none waits."""
+        return None if self._room_wait is None else self._room_wait[1]
 
     @property
     def resident_bytes(self) -> int:
@@ -85,8 +88,8 @@ class AdapterRoom:
         loop = asyncio.get_running_loop()
         seen: asyncio.Event | None = None
         while self.yields(needed):
-            assert self._room_wait is not None  # (set with room_wait_since)
-            ended, deadline = self._room_wait
+            assert self._room_wait is not None  # (room_wait_since is its start)
+            ended, _, deadline = self._room_wait
             if ended is seen:  # (past its deadline, its end not yet run: it ends now)
                 return
             seen = ended
@@ -131,14 +134,12 @@ class AdapterRoom:
                         f"{self.room_wait_s:g} s; retry when requests end",
                         "adapter_memory_busy",
                     )
-                if self.room_wait_since is None:
-                    self.room_wait_since = loop.time()
-                    self._room_wait = (asyncio.Event(), deadline)
+                if self._room_wait is None:
+                    self._room_wait = (asyncio.Event(), loop.time(), deadline)
                 self._freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), left)
         finally:
-            self.room_wait_since = None
             if self._room_wait is not None:  # (the requests it held back go on)
                 self._room_wait[0].set()
                 self._room_wait = None

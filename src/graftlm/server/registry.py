@@ -73,8 +73,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         # the share of room_wait_s the request making room waits before it stops others from
         # taking the adapters it could evict (`AdapterRoom.yields`)
         self.starve_share = 0.25
-        self.room_wait_since: float | None = None
-        self._room_wait: tuple[asyncio.Event, float] | None = None  # (its end and deadline)
+        self._room_wait: tuple[asyncio.Event, float, float] | None = None  # (end, start, deadline)
         # requests waiting for their adapters: for reads, for the admission, room or attaches,
         # or held back by the one waiting for room (`yields`); load() and warm() among them
         self.queued = 0

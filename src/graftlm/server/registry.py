@@ -30,8 +30,9 @@ a 400 at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -365,20 +366,23 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         request (a 4xx/5xx naming the adapter and the file, as any read), where it would have
         been served had it not been held back."""
         if hold and self.yields(needed):
-            self.queued += 1
-            try:
+            with self._queued():
                 await self._held_back(needed)
-            finally:
-                self.queued -= 1
         if any(e.id is None for e in needed):
-            self.queued += 1
-            try:
+            with self._queued():
                 await self._arrive(needed)
-            finally:
-                self.queued -= 1
         if hold:  # (no await since every one of them was seen resident)
             for e in needed:
                 e.refs += 1
+
+    @contextlib.contextmanager
+    def _queued(self) -> Iterator[None]:
+        """A request counted in `queued` (graftlm_lora_requests_waiting) while it waits."""
+        self.queued += 1
+        try:
+            yield
+        finally:
+            self.queued -= 1
 
     async def _arrive(self, needed: list[AdapterEntry]) -> None:
         """Every adapter of `needed` read and attached, through the admission at least once;

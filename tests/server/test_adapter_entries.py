@@ -281,6 +281,73 @@ def test_adapters_on_disjoint_rows_of_a_fused_projection_do_not_add_up(
     asyncio.run(go())
 
 
+def test_a_requests_own_scales_that_overflow_together_are_refused(
+    svc: EngineService, tmp_path: Path
+) -> None:
+    """A request's own adapters (`lora` by id or by name, an adapter named as the model at
+    scale 1) replace the global scales for that request: they were not checked against
+    float16's range at all, and two on one attn_q at 90% of their limits each ran until their
+    logits overflowed. Checked together now, as the global scales are: a 400 invalid_scale
+    naming the adapters, their scales and the rows, nothing held, the adapters still attached
+    and the global scales as they were. The global scales never count beside a request's own
+    (q1 at its global scale beside a request for q2 alone: served), deltas on other rows never
+    add up (q1 and other), and one past its own limit alone is refused too."""
+    shape = (SPEC.n_embd, SPEC.n_head * SPEC.head_dim)
+    on_q, on_q1 = {"blk.0.attn_q": shape}, {"blk.1.attn_q": shape}
+    paths = {
+        "q1": write_tiny_adapter(tmp_path / "q1.gguf", SPEC, on_q, seed=3),
+        "q2": write_tiny_adapter(tmp_path / "q2.gguf", SPEC, on_q, seed=4),
+        "other": write_tiny_adapter(tmp_path / "o.gguf", SPEC, on_q1, seed=5),
+    }
+    # two at 60% of float16's range at scale 1 (alpha / r folded in): each fine as the model
+    for name, seed in (("big1", 3), ("big2", 4)):
+        reach = svc.prepare_adapter(str(paths[f"q{seed - 2}"])).facts.reach
+        alpha = 8.0 * 0.6 * F16_MAX / reach  # (write_tiny_adapter's alpha is 8)
+        paths[name] = write_tiny_adapter(tmp_path / f"{name}.gguf", SPEC, on_q, 4, alpha, seed)
+
+    async def go() -> None:
+        reg = AdapterRegistry(svc)
+        entries, ids, near = await _near_their_limits(reg, paths)
+        await reg.set_scales({ids["q1"]: near["q1"]})
+        before = dict(reg.adapters.scales())
+        for lora, by_name, model in (
+            ({ids["q1"]: near["q1"], ids["q2"]: -near["q2"]}, None, None),
+            ({ids["q1"]: near["q1"]}, {"q2": near["q2"]}, None),
+            (None, {"q1": near["q1"], "q2": near["q2"]}, None),
+            (None, {"big2": 1.0}, "big1"),
+        ):
+            with pytest.raises(RequestError) as exc:
+                await reg.lease(model, lora, BASE, by_name)
+            assert exc.value.code == "invalid_scale"
+            words = str(exc.value)
+            one, two = ("big1", "big2") if model else ("q1", "q2")
+            assert f"adapter {ids[one]} ({one}) at scale " in words
+            assert f"adapter {ids[two]} ({two}) at scale " in words
+            (site,) = entries[one].facts.reaches  # type: ignore[union-attr]
+            lo, hi = entries[one].facts.rows[site]  # type: ignore[union-attr]
+            assert f"together their deltas on rows [{lo}, {hi}) of {site} reach" in words
+            assert "this request would overflow, though each is within range alone" in words
+            assert all(e.refs == 0 and e.resident for e in entries.values())
+            assert dict(reg.adapters.scales()) == before
+        with pytest.raises(RequestError) as exc:
+            await reg.lease(None, {ids["q2"]: 1e30}, BASE)
+        assert exc.value.code == "invalid_scale"
+        assert f"adapter {ids['q2']} (q2): scale 1e+30 takes its delta to" in str(exc.value)
+        assert "this request would overflow; on such an input" in str(exc.value)
+        for model, lora, labels in (
+            (None, {ids["q2"]: near["q2"]}, ["q2"]),  # (q1 at its global scale: not beside)
+            (None, {ids["q1"]: near["q1"], ids["other"]: -near["other"]}, ["other", "q1"]),
+            (None, {ids["q1"]: near["q1"] / 2, ids["q2"]: near["q2"] / 2}, ["q1", "q2"]),
+            ("big1", None, ["big1"]),
+            (None, None, ["q1"]),  # (the global scales)
+        ):
+            lease = await reg.lease(model, lora, BASE)
+            assert lease.labels == labels
+            reg.release(lease)
+
+    asyncio.run(go())
+
+
 def test_together_overflow_sums_the_deltas_that_share_a_row() -> None:
     """together_overflow on facts alone: deltas on disjoint row spans of one projection are not
     summed; one with no span recorded (its rows unknown: every row) is summed with each, and

@@ -11,11 +11,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 from server_fixtures import SPEC, TinyServer, serving
 from server_fixtures import error_of as _check
 from tiny_models import write_tiny_adapter
 
 import graftlm
+from graftlm.lora.adapter import _signs  # (the input reaches are measured on)
 from graftlm.server.app import build_state
 from graftlm.server.state import ServerConfig
 
@@ -283,19 +285,46 @@ def test_runtime_adapter_names_of_any_script_load(server: TinyServer, http: http
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
 
 
-def test_a_request_whose_logits_blow_up_fails_alone(server: TinyServer) -> None:
+def _unseen_adapter(path: Path) -> Path:
+    """An adapter on blk.0's attn_v whose A rows (each +-0.5 on two inputs that the fixed +-1
+    input the registry measures reaches on holds at the same sign) give 0 on that input: its
+    reach there is 0, so no scale of it is refused up front, while on the model's activations
+    its delta is not 0 (the check is a bound for one input, not a guarantee for every input)."""
+    n_in, n_out, rank = SPEC.n_embd, SPEC.n_head_kv * SPEC.head_dim, 4
+    signs = _signs(n_in, torch.float32).numpy()
+    a = np.zeros((rank, n_in), np.float32)
+    for r in range(rank):
+        same = np.flatnonzero(signs == signs[r])  # (inputs of row r's sign)
+        i, j = r, int(same[same > r][0])
+        a[r, i], a[r, j] = 0.5, -0.5
+    b = np.random.default_rng(7).standard_normal((n_out, rank)).astype(np.float32) * 0.2
+    target = {"blk.0.attn_v": (n_in, n_out)}
+    return write_tiny_adapter(path, SPEC, target, overrides={"blk.0.attn_v": (a, b)})
+
+
+def test_a_request_whose_logits_blow_up_fails_alone(
+    server: TinyServer, tmp_path: Path, http: httpx.Client
+) -> None:
     """Requests in the same steps as one whose adapter scale makes its logits inf or nan: that
-    one gets a 400 naming the cause, the others their usual tokens, and the server its slots."""
+    one gets a 400 naming the cause, the others their usual tokens, and the server its slots.
+    (A scale past an adapter's reach is refused before the request runs: test_adapter_entries;
+    this adapter's reach on the check's input is 0, so its 3e38 runs and blows up.)"""
+    path = _unseen_adapter(tmp_path / "unseen.gguf")
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "unseen", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
     ids = [5, 6, 7, 8]
     good = {"model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-    bad = {**good, "lora": [{"id": 0, "scale": 3e38}]}
+    bad = {**good, "lora": [{"name": "unseen", "scale": 3e38}]}
 
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
             bodies = [good, bad, {**bad, "temperature": 1.0}, good]
             return await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
 
-    rs = asyncio.run(go())
+    try:
+        rs = asyncio.run(go())
+    finally:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "unseen"}).is_success
     for r in (rs[1], rs[2]):
         _check(r, 400, "not finite", "3e+38")
     want = server.ref.detokenize(server.ref_tokens(ids, 5))

@@ -154,34 +154,42 @@ def memory_problem(
     )
 
 
-def scale_overflow(what: str, facts: AdapterFacts | None, scale: float) -> str | None:
-    """Why `scale` cannot be an adapter's global scale, or None: past F16_MAX / its reach, its
-    delta on an input of +-1 values leaves float16's range, and every request at the global
-    scales would end in a 400 'logits not finite' until they were reset (llama-server and PEFT
-    take any number; a request's own scale still may, the request being the only one hurt)."""
+GLOBAL = "every request at the global scales"  # (those a global scale past range hurts)
+
+
+def scale_overflow(
+    what: str, facts: AdapterFacts | None, scale: float, who: str = GLOBAL
+) -> str | None:
+    """Why `scale` cannot be an adapter's scale, or None: past F16_MAX / its reach, its delta on
+    an input of +-1 values leaves float16's range, and every request at the global scales would
+    end in a 400 'logits not finite' until they were reset (llama-server and PEFT take any
+    number). `who` names those that would overflow: a request's own scales are checked too
+    (`AdapterRegistry.lease`), a clear 400 before its prompt is computed."""
     reach = facts.reach if facts is not None else 0.0
     if abs(scale) * reach <= F16_MAX:
         return None
     return (
         f"{what}: scale {scale:g} takes its delta to "
         f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
-        f"({F16_MAX:g}): every request at the global scales would overflow; on such an input "
-        f"its scale stays within range up to {F16_MAX / reach:.4g} in magnitude (a bound for one "
-        "input of +-1 values, not a guarantee for every input)"
+        f"({F16_MAX:g}): {who} would overflow; on such an input its scale stays within range "
+        f"up to {F16_MAX / reach:.4g} in magnitude (a bound for one input of +-1 values, not a "
+        "guarantee for every input)"
     )
 
 
-def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> str | None:
-    """Why adapters cannot have these global scales together ((what names one, its facts, its
-    scale)), or None: one past its own range (`scale_overflow`), or where several apply
-    together, a projection (or the embedding) where the sum of their reaches times their scales'
-    magnitudes leaves float16's range (each alone may be within it): every request at the
-    global scales would overflow there. The sum bounds their summed deltas on the input each
-    reach is measured on, as each reach does one delta's; only deltas that reach the same
-    output rows add up (a Q-only and a V-only adapter on one fused QKV projection do not:
-    `AdapterFacts.rows`)."""
+def together_overflow(
+    scaled: list[tuple[str, AdapterFacts | None, float]], who: str = GLOBAL
+) -> str | None:
+    """Why adapters cannot have these scales together ((what names one, its facts, its scale)),
+    or None: one past its own range (`scale_overflow`), or where several apply together, a
+    projection (or the embedding) where the sum of their reaches times their scales' magnitudes
+    leaves float16's range (each alone may be within it): `who` (every request at the global
+    scales, or the one request whose own scales they are) would overflow there. The sum bounds
+    their summed deltas on the input each reach is measured on, as each reach does one delta's;
+    only deltas that reach the same output rows add up (a Q-only and a V-only adapter on one
+    fused QKV projection do not: `AdapterFacts.rows`)."""
     for what, facts, scale in scaled:
-        if (problem := scale_overflow(what, facts, scale)) is not None:
+        if (problem := scale_overflow(what, facts, scale, who)) is not None:
             return problem
     # site -> (lo, hi, |scale| x reach, which adapter at which scale)
     spans: dict[str, list[tuple[float, float, float, str]]] = {}
@@ -202,9 +210,8 @@ def together_overflow(scaled: list[tuple[str, AdapterFacts | None, float]]) -> s
     return (
         f"{', '.join(p[3] for p in on)}: together their deltas on {rows} reach {total:.3g} on "
         f"an input of +-1 values (their reaches there times their scales, summed), past "
-        f"float16's range ({F16_MAX:g}): every request at the global scales would overflow, "
-        "though each is within range alone (a bound for one input of +-1 values, not a "
-        "guarantee for every input)"
+        f"float16's range ({F16_MAX:g}): {who} would overflow, though each is within range "
+        "alone (a bound for one input of +-1 values, not a guarantee for every input)"
     )
 
 

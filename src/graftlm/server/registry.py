@@ -38,7 +38,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import PreparedAdapter
-from graftlm.lora.settings import AdapterSettings
+from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
     AdapterEntry,
@@ -167,7 +167,8 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
 
         model: None or a base name -> the base with the global scales (or `lora` if given); an
         adapter's name -> that adapter at scale 1 (plus `lora`, if given). `lora` is checked
-        here, once: RequestError for an id that is not attached or a scale out of range.
+        here, once: RequestError for an id that is not attached or a scale out of range, or
+        (invalid_scale) scales whose deltas leave float16's range, alone or together.
         `by_name`: more adapters by name -> scale (attached on first use, as `model`'s)."""
         entry: AdapterEntry | None = None
         if model is not None and model not in base_names:
@@ -203,17 +204,17 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         # from here on nothing awaits: the ids checked below cannot go away before they are held
         try:
             if not listed and lora is None and entry is None:
-                settings = self._global_scales()
-            else:
+                settings = self._global_scales()  # (checked together when they were set)
+            else:  # (the request's own: they replace the global scales, every other at 0)
                 settings = self.adapters.settings(
                     listed if listed or lora is not None else None,
                     base=named,
                     among=self.by_id,
                     where="lora: ",
                 )
+                self._check_own(settings)
         except Exception:
-            for e in held:
-                e.refs -= 1
+            self.release(Lease(NO_ADAPTERS, held))  # (attached they stay, as after a request)
             raise
         for i in settings:
             e = self.by_id[i]
@@ -225,6 +226,17 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
             e.last_used = now
         labels = sorted({self.by_id[i].name for i in settings})
         return Lease(settings, held, labels)
+
+    def _check_own(self, settings: AdapterSettings) -> None:
+        """A request's own adapter scales, checked together as the global ones are (they apply
+        together, in its rows alone): RequestError invalid_scale naming the adapters, their
+        scales and the rows where their deltas leave float16's range."""
+        scaled = [
+            (f"adapter {i} ({self.by_id[i].name[:64]})", self.by_id[i].facts, scale)
+            for i, scale in settings.items()
+        ]
+        if (problem := together_overflow(scaled, "this request")) is not None:
+            raise RequestError(f"lora: {problem}", "invalid_scale")
 
     def release(self, lease: Lease) -> None:
         if lease.released:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -138,13 +139,9 @@ def test_disabled_and_missing_compiler_fall_back(monkeypatch: pytest.MonkeyPatch
     assert library() is not None
 
 
-def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A build lands whole in $GRAFTLM_CACHE/native (no .partial left), is not made again while
-    the sources, the flags and the compiler stay the same, and is made anew when a source or a
-    flag changes. The compiler is a stand-in that logs its calls and copies the library this
-    session loaded (each real compile is 36 s of CPU here): a real one into a fresh cache, every
-    run, is test_slow_paths_are_announced's (tests/commands/test_llama_flags.py), the same
-    `_build`, as is the session's first build wherever the sources changed."""
+def _stand_in_cc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Path]:
+    """A stand-in compiler that logs its calls and copies the library this session loaded, over
+    a copy of csrc/ (build.CSRC) and a cache under tmp_path: (it, its log, that library)."""
     cc = build._compiler()
     assert cc is not None
     loaded = build._build(cc)  # (the session's library, from the cache)
@@ -160,6 +157,18 @@ def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(build, "CSRC", csrc)
     monkeypatch.setattr(build, "SOURCE", csrc / build.SOURCE.name)
     monkeypatch.setenv("GRAFTLM_CACHE", str(tmp_path / "cache"))
+    return stand_in, calls, loaded
+
+
+def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build lands whole in $GRAFTLM_CACHE/native (no .partial left), is not made again while
+    the sources, the flags and the compiler stay the same, and is made anew when a source or a
+    flag changes. The compiler is a stand-in that logs its calls and copies the library this
+    session loaded (each real compile is 36 s of CPU here): a real one into a fresh cache, every
+    run, is test_slow_paths_are_announced's (tests/commands/test_llama_flags.py), the same
+    `_build`, as is the session's first build wherever the sources changed."""
+    stand_in, calls, loaded = _stand_in_cc(tmp_path, monkeypatch)
+    csrc = build.CSRC
     first = build._build(str(stand_in))
     assert first.parent == tmp_path / "cache" / "native" and first.exists()
     assert first.read_bytes() == loaded.read_bytes()
@@ -191,6 +200,55 @@ def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(OSError, match=r"could not build graftlm\.c: error: out of memory"):
         build._build(str(broken))
     assert set(first.parent.iterdir()) == before  # no library, no .partial
+
+
+def test_the_build_cache_is_pruned_after_a_compile_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One library a source version and variant piled up in the cache, never removed (a dev
+    machine's: hundreds, 240 MB). After a compile, libraries not used for PRUNE_DAYS days and
+    .so.partial files of compiles killed over a day ago are removed; recent ones, one being
+    written now, and other files stay. A cache hit prunes nothing and refreshes its own file's
+    mtime when it is a day old, so a library in use is never taken; one pruned by another
+    process between the look and the dlopen is built anew (`_open`)."""
+    stand_in, calls, _ = _stand_in_cc(tmp_path, monkeypatch)
+    day = build.DAY_S
+    used = build._build(str(stand_in))
+    cache = used.parent
+    ages = {  # name -> days since its mtime
+        "graftlm-0123456789abcdef.so": build.PRUNE_DAYS + 1,  # (gone after a compile)
+        "graftlm-fedcba9876543210.so": build.PRUNE_DAYS - 1,
+        "tmpkilled.so.partial": build.PARTIAL_DAYS + 0.5,  # (gone after a compile)
+        "tmpwriting.so.partial": 0.01,
+        "graftlm-0123456789abcdef.so.asm.txt": 400,  # (not the cache's: kept)
+    }
+    now = time.time()
+    for name, days in ages.items():
+        (cache / name).write_bytes(b"x")
+        os.utime(cache / name, (now - days * day, now - days * day))
+    os.utime(used, (now - 40 * day, now - 40 * day))
+    assert build._build(str(stand_in)) == used  # a hit: nothing pruned, its mtime refreshed
+    assert sorted(p.name for p in cache.iterdir()) == sorted([*ages, used.name])
+    assert time.time() - used.stat().st_mtime < 60
+    fresh = used.stat().st_mtime_ns
+    assert build._build(str(stand_in)) == used and used.stat().st_mtime_ns == fresh  # (a day)
+    other = build._build(str(stand_in), ("-DGL_COUNT_ALLOC",))  # a compile: pruned
+    kept = {"graftlm-fedcba9876543210.so", "tmpwriting.so.partial"}
+    kept |= {"graftlm-0123456789abcdef.so.asm.txt", used.name, other.name}
+    assert {p.name for p in cache.iterdir()} == kept
+    assert len(calls.read_text().splitlines()) == 2
+    # pruned by another process after the look, before the dlopen: built again and loaded
+    real = build._build
+
+    def pruned_at_once(cc: str, extra: tuple[str, ...] = ()) -> Path:
+        path = real(cc, extra)
+        if len(calls.read_text().splitlines()) == 2:
+            path.unlink()
+        return path
+
+    monkeypatch.setattr(build, "_build", pruned_at_once)
+    assert build._open(str(stand_in)).gl_features() >= 0
+    assert len(calls.read_text().splitlines()) == 3 and used.exists()
 
 
 def test_scales_stay_float16_only_when_exact() -> None:

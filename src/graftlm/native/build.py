@@ -4,6 +4,11 @@ once per machine with the system C compiler and load it with ctypes.
 The library is cached under ``$GRAFTLM_CACHE/native`` (default ``~/.cache/graftlm/native``), keyed
 by every file of ``csrc/``, the flags, the compiler and the CPU, so a rebuild happens only when one
 of them changes; it is written to a temporary name and renamed, so a half-written file is never loaded.
+Each source version and variant leaves its own file, so after a compile (never on a cache hit:
+that stays a stat and a dlopen) the cache is pruned (`_prune`): libraries not used for
+``PRUNE_DAYS`` days and the ``.so.partial`` files of compiles killed more than a day ago are
+removed. A cache hit refreshes its file's mtime (at most once a day), so a library in use stays;
+one unused that long, pruned by another process between the look and the dlopen, is built anew.
 It links the OpenMP runtime torch has already loaded (same soname), so both share one thread pool.
 Before its first use, the library's struct layout and the prototypes of ``csrc/graftlm.h`` are
 checked against ``abi.py``, the one Python description of the ABI: a library that disagrees is
@@ -28,6 +33,7 @@ Native kernels are optional: without a C compiler, on a CPU without AVX2/FMA, of
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -37,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +61,10 @@ ISA_FLAGS = {
     "nogfni": ["-mno-gfni"],
     "avx2": ["-mno-avx512f", "-mno-avxvnni", "-mno-gfni"],
 }
+
+PRUNE_DAYS = 30  # a cached library not used for this long is removed after a compile
+PARTIAL_DAYS = 1  # a .so.partial this old is a killed compile's (one takes seconds to a minute)
+DAY_S = 86400.0
 
 _REASON: list[str] = []
 _ENABLED = [True]
@@ -116,7 +127,7 @@ def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
         key.update(part)
     out_dir = cache_dir()
     target = out_dir / f"graftlm-{key.hexdigest()[:16]}.so"
-    if target.exists():
+    if _cached(target):
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.partial")
@@ -133,7 +144,47 @@ def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _prune(out_dir, target)
     return target
+
+
+def _open(cc: str) -> ctypes.CDLL:
+    """The library built (or found in the cache) and loaded; built again if another process
+    pruned it between `_build`'s look and the dlopen (it had not been used for PRUNE_DAYS)."""
+    path = _build(cc)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        if path.exists():
+            raise
+        return ctypes.CDLL(str(_build(cc)))
+
+
+def _cached(target: Path) -> bool:
+    """Whether the library is in the cache; its mtime refreshed when a day old, so that `_prune`
+    (of libraries unused for PRUNE_DAYS) never takes one in use. A cache that cannot be
+    written (a shared, read-only one) is used as it is."""
+    try:
+        age = time.time() - target.stat().st_mtime
+    except OSError:
+        return False
+    if age > DAY_S:
+        with contextlib.suppress(OSError):
+            os.utime(target)
+    return True
+
+
+def _prune(out_dir: Path, keep: Path) -> None:
+    """Remove the cached libraries (`graftlm-*.so`) not used for PRUNE_DAYS days (their mtime,
+    refreshed by `_cached`) and `*.so.partial` files older than PARTIAL_DAYS (a killed compile's;
+    one being written now is younger), all but `keep`. Errors are ignored: another process may
+    be pruning the same files."""
+    now = time.time()
+    for pattern, days in (("graftlm-*.so", PRUNE_DAYS), ("*.so.partial", PARTIAL_DAYS)):
+        for path in out_dir.glob(pattern):
+            with contextlib.suppress(OSError):
+                if path != keep and now - path.stat().st_mtime > days * DAY_S:
+                    path.unlink()
 
 
 def library() -> ctypes.CDLL | None:
@@ -178,7 +229,7 @@ def loaded_library() -> ctypes.CDLL | None:
         _REASON.append("no C compiler (cc, gcc or clang) on PATH")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = _open(cc)
     except OSError as exc:
         _REASON.append(str(exc))
         return None

@@ -191,14 +191,19 @@ def together_overflow(
     for what, facts, scale in scaled:
         if (problem := scale_overflow(what, facts, scale, who)) is not None:
             return problem
+    # (checked on every request that sets its own scales: the sum of their largest reaches
+    # bounds every site's sum, and settles the usual case without a look at the sites)
+    if sum(abs(s) * f.reach for _, f, s in scaled if f is not None) <= F16_MAX:
+        return None
     # site -> (lo, hi, |scale| x reach, which adapter at which scale)
     spans: dict[str, list[tuple[float, float, float, str]]] = {}
     for what, facts, scale in scaled:
-        for site, reach in (facts.reaches if facts is not None else {}).items():
-            lo, hi = facts.rows.get(site, (0, math.inf)) if facts is not None else (0, math.inf)
-            spans.setdefault(site, []).append(
-                (lo, hi, abs(scale) * reach, f"{what} at scale {scale:g}")
-            )
+        if facts is None or scale == 0.0:
+            continue
+        label = f"{what} at scale {scale:g}"
+        for site, reach in facts.reaches.items():
+            lo, hi = facts.rows.get(site, (0, math.inf))
+            spans.setdefault(site, []).append((lo, hi, abs(scale) * reach, label))
     worst = {site: _most_on_one_row([p[:3] for p in parts]) for site, parts in spans.items()}
     where = max(worst, key=lambda k: worst[k][0], default=None)
     if where is None or worst[where][0] <= F16_MAX:

@@ -10,23 +10,22 @@ they were, each test compiled its variant into its own folder, -DGL_NO_BF16_ATTN
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 
 from graftlm.native import abi, build, ops
 
 
-def variant_path(*flags: str) -> Path:
-    """The library built with `flags` (from the cache if there)."""
+def variant_open(*flags: str) -> ctypes.CDLL:
+    """The library built with `flags` (from the cache if there), loaded (`build._open`)."""
     cc = build._compiler()
     assert cc is not None
-    return build._build(cc, flags)
+    return build._open(cc, flags)
 
 
 def variant_library(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ctypes.CDLL:
     """The library built with `flags`, which `ops` serves until the test ends."""
-    lib = ctypes.CDLL(str(variant_path(*flags)))
+    lib = variant_open(*flags)
     abi.bind(lib)
     monkeypatch.setattr(ops, "library", lambda: lib)
     return lib

@@ -4,7 +4,6 @@ layers: test_native_layer.py; attention: test_native_attention.py."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import time
@@ -277,13 +276,13 @@ def test_a_decode_step_allocates_nothing_once_its_scratch_has_grown(
     before it. A step that finds the scratch in use (another thread on the same model) takes a
     block of its own and leaves the scratch alone."""
     from tiny_models import TinySpec, write_tiny_adapter, write_tiny_model
-    from variants import variant_path
+    from variants import variant_open
 
     from graftlm.models.base import Transformer
     from graftlm.native import abi
     from graftlm.native import layer_calls as native_layer
 
-    counting = ctypes.CDLL(str(variant_path("-DGL_COUNT_ALLOC")))
+    counting = variant_open("-DGL_COUNT_ALLOC")
     abi.bind(counting)
     lib = library()
     assert lib is not None and lib.gl_alloc_count() == -1  # the library in use counts nothing

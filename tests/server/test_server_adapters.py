@@ -1,7 +1,7 @@
 """The adapter registry: one file under two names, replacement under a running request, reads
 that fail, hang or take turns, and vLLM's runtime load/unload API over HTTP. Refusals of what can
-never fit and float16-range scales: test_adapter_entries.py; waiting for room and eviction:
-test_adapter_room.py."""
+never fit: test_adapter_entries.py; of scales past float16's range: test_adapter_scales.py;
+waiting for room and eviction: test_adapter_room.py."""
 
 from __future__ import annotations
 

@@ -307,7 +307,7 @@ def test_a_request_whose_logits_blow_up_fails_alone(
 ) -> None:
     """Requests in the same steps as one whose adapter scale makes its logits inf or nan: that
     one gets a 400 naming the cause, the others their usual tokens, and the server its slots.
-    (A scale past an adapter's reach is refused before the request runs: test_adapter_entries;
+    (A scale past an adapter's reach is refused before the request runs: test_adapter_scales;
     this adapter's reach on the check's input is 0, so its 3e38 runs and blows up.)"""
     path = _unseen_adapter(tmp_path / "unseen.gguf")
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "unseen", "lora_path": str(path)})
@@ -331,6 +331,29 @@ def test_a_request_whose_logits_blow_up_fails_alone(
     assert [r.json()["choices"][0]["text"] for r in (rs[0], rs[3])] == [want, want]
     svc = server.state.service
     assert svc.alive and not svc.engine.running and len(svc.engine.free_slots) == svc.engine.n_slots
+
+
+def test_a_requests_own_scale_past_its_adapters_range_is_a_400(
+    server: TinyServer, tmp_path: Path, http: httpx.Client
+) -> None:
+    """A request's own `lora` scale at which the adapter's delta leaves float16's range on the
+    registry's +-1 input is refused before its prompt runs: a 400 invalid_scale naming the
+    adapter and its scale, the adapter still attached, and the next request served."""
+    d, qo = SPEC.n_embd, SPEC.n_head * SPEC.head_dim
+    path = write_tiny_adapter(tmp_path / "big.gguf", SPEC, {"blk.0.attn_q": (d, qo)})
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+    try:
+        r = http.post("/v1/completions", json={**body, "lora": [{"name": "big", "scale": 3e38}]})
+        err = _check(r, 400, "big", "scale 3e+38", "this request would overflow")
+        assert err["code"] == "invalid_scale", err
+        names = {m["id"] for m in http.get("/v1/models").json()["data"]}
+        assert "big" in names
+        r = http.post("/v1/completions", json={**body, "lora": [{"name": "big", "scale": 0.5}]})
+        assert r.status_code == 200, r.text
+    finally:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).is_success
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

@@ -38,6 +38,14 @@ class AdapterFacts:
     # ResolvedAdapter.rows: the output rows [lo, hi) each projection's delta reaches
     rows: Mapping[str, tuple[int, int]] = field(default_factory=dict, hash=False)
 
+    def __post_init__(self) -> None:
+        # (`together_overflow` settles the usual case on `reach` as the largest of `reaches`)
+        if self.reaches and self.reach < max(self.reaches.values()):
+            raise ValueError(
+                f"{self.path}: reach {self.reach:g} below its largest projection's "
+                f"{max(self.reaches.values()):g}"
+            )
+
     @classmethod
     def of(cls, resolved: ResolvedAdapter) -> AdapterFacts:
         return cls(

@@ -7,8 +7,9 @@ of them changes; it is written to a temporary name and renamed, so a half-writte
 Each source version and variant leaves its own file, so after a compile (never on a cache hit:
 that stays a stat and a dlopen) the cache is pruned (`_prune`): libraries not used for
 ``PRUNE_DAYS`` days and the ``.so.partial`` files of compiles killed more than a day ago are
-removed. A cache hit refreshes its file's mtime (at most once a day), so a library in use stays;
-one unused that long, pruned by another process between the look and the dlopen, is built anew.
+removed. A cache hit refreshes its file's mtime (at most once a day), so a library being looked up
+and loaded is not taken between the two (one loaded more than PRUNE_DAYS ago may be unlinked: its
+mapping stays); one pruned by another process between the look and the dlopen is built anew.
 It links the OpenMP runtime torch has already loaded (same soname), so both share one thread pool.
 Before its first use, the library's struct layout and the prototypes of ``csrc/graftlm.h`` are
 checked against ``abi.py``, the one Python description of the ABI: a library that disagrees is
@@ -148,16 +149,14 @@ def _build(cc: str, extra: tuple[str, ...] = ()) -> Path:
     return target
 
 
-def _open(cc: str) -> ctypes.CDLL:
-    """The library built (or found in the cache) and loaded; built again if another process
-    pruned it between `_build`'s look and the dlopen (it had not been used for PRUNE_DAYS)."""
-    path = _build(cc)
+def _open(cc: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The library (built with `extra`, as `_build`) built or found in the cache, and loaded;
+    looked up and loaded once more where the dlopen fails (another process may have pruned the
+    file between `_build`'s look and the dlopen, and another built it again meanwhile)."""
     try:
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(_build(cc, extra)))
     except OSError:
-        if path.exists():
-            raise
-        return ctypes.CDLL(str(_build(cc)))
+        return ctypes.CDLL(str(_build(cc, extra)))
 
 
 def _cached(target: Path) -> bool:

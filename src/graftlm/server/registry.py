@@ -41,6 +41,7 @@ from graftlm.lora.prepare import PreparedAdapter
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
+    GLOBAL,
     AdapterEntry,
     Lease,
     Read,
@@ -212,7 +213,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
                     among=self.by_id,
                     where="lora: ",
                 )
-                self._check_own(settings)
+                self._check_scales(settings, "this request")
         except Exception:
             self.release(Lease(NO_ADAPTERS, held))  # (attached they stay, as after a request)
             raise
@@ -227,15 +228,15 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         labels = sorted({self.by_id[i].name for i in settings})
         return Lease(settings, held, labels)
 
-    def _check_own(self, settings: AdapterSettings) -> None:
-        """A request's own adapter scales, checked together as the global ones are (they apply
-        together, in its rows alone): RequestError invalid_scale naming the adapters, their
-        scales and the rows where their deltas leave float16's range."""
+    def _check_scales(self, settings: AdapterSettings, who: str = GLOBAL) -> None:
+        """Adapter scales that apply together (the global ones, or a request's own, which replace
+        them in its rows): RequestError invalid_scale naming the adapters, their scales and the
+        rows where their deltas leave float16's range, alone or together (`together_overflow`)."""
         scaled = [
             (f"adapter {i} ({self.by_id[i].name[:64]})", self.by_id[i].facts, scale)
             for i, scale in settings.items()
         ]
-        if (problem := together_overflow(scaled, "this request")) is not None:
+        if (problem := together_overflow(scaled, who)) is not None:
             raise RequestError(f"lora: {problem}", "invalid_scale")
 
     def release(self, lease: Lease) -> None:
@@ -262,12 +263,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
     async def set_scales(self, items: Mapping[int, float]) -> None:
         """POST /lora-adapters: these scales, every other adapter at 0 (checked here, once)."""
         scales = self.adapters.settings(items, among=self.by_id, where="lora: ")
-        scaled = [
-            (f"adapter {i} ({self.by_id[i].name[:64]})", self.by_id[i].facts, scale)
-            for i, scale in scales.items()
-        ]
-        if (problem := together_overflow(scaled)) is not None:  # (they apply together)
-            raise RequestError(f"lora: {problem}", "invalid_scale")
+        self._check_scales(scales)  # (they apply together)
         await asyncio.wrap_future(self.service.set_scales(scales))
         self._freed.set()  # an adapter at global scale 0 may now be evicted
 

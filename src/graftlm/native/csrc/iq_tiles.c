@@ -17,7 +17,26 @@
  * rows 1.18-1.34x. Tried in the prototype: each unit's 8 sign masks stored (8 bits an entry, 70
  * and 102 bytes a super-block): 1.09-1.16x more at one row in cache, from memory 1.00-1.08x
  * (IQ2_XXS) and 0.84-0.89x (IQ3_XXS): not kept, the tiles are the file's bytes. Two VPDPBUSD
- * chains a unit and row (even and odd m, added): 0.94-1.13x, no gain (alternated, busy machine). */
+ * chains a unit and row (even and odd m, added): 0.94-1.13x, no gain (alternated, busy machine);
+ * again on a quiet one: two 1.01x, four 0.98-1.00x (not the chain's latency).
+ *
+ * One row of IQ2_XXS has a kernel of its own (iq2_tiles_one, below: no sign masks): against the
+ * one above, one thread, alternated (768 x 2048, 2048 x 768, 2048 x 2048, Zen 4), in cache
+ * 6.15-6.27 -> 5.28-5.42 ns an output's super-block (1.16-1.17x; 2048 x 2048 5.58 -> 4.77), from
+ * memory 1.15-1.18x, the same bits. On Zen 4 (measured, 512-bit ops): VPDPBUSD, vptestmb,
+ * vpshufbitqmb, vpmovb2m, vpmultishiftqb, vgf2p8affineqb and kmovq k, m64 / k, r64 share two
+ * pipes (together one a cycle); vpermb, vpermi2b and vpshufb two others, one of them shared with
+ * the first (the two kinds together 1.5 a cycle); adds, logic, blends and masked subtractions any
+ * of four (two a cycle); vpbroadcastd from memory is a load. A unit of the kernel above takes ~21
+ * of the first kind and ~18 of the second for one row (8 of the first its sign masks); left out
+ * one at a time (wrong results, timing only): the masks 1.21x, the value lookups 1.40x, the scales
+ * 1.04x, iq_tiles_x's permutation 1.006x (so hoisting x's order out of the groups was not worth it).
+ * iq2_tiles_one's unit takes ~15 and ~16 (~35 cycles for 16 outputs against ~46): its x work once a
+ * super-block 5% of its time, the scales 8%, the shifts of the upper pairs 4% (vpmultishiftqb
+ * for them: 1.00x). Tried and dropped: x's sign bits from its own order by shifts and masks in
+ * place of IQ2_ONE_SIGN_PERM and pdep 0.97x; the unit loop unrolled 2 or 8 1.00-1.02x; two groups
+ * (32 outputs) a call sharing x's work 0.99-1.01x in cache and 0.60-0.76x from memory (two
+ * streams of tiles at once); the tiles' tables made per group of 16 outputs cost 1%. */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]
@@ -123,13 +142,11 @@ static inline __attribute__((always_inline)) void iq_tiles_few(const gl_weight *
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        float o16[16];
-        _mm512_storeu_ps(o16, acc[r]);
-        memcpy(y + (ra + r) * n + og, o16, sizeof(float) * (size_t)nv);
-    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (ra + r) * n + og, (__mmask16)((1u << nv) - 1), acc[r]);
 }
 
+#ifdef __GFNI__
+#define IQ2_ONE 1 /* iq2_tiles_one needs vgf2p8affineqb (the nogfni build: iq_tiles_few) */
 /* ---------------- IQ2_XXS, one row (iq2_tiles_one): the signs in the values
  *
  * A row's time went to the sign masks (8 vptestmb a unit, on the pipes of VPDPBUSD) and the
@@ -239,10 +256,13 @@ static inline __attribute__((always_inline)) void iq2_tiles_one(const gl_weight 
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(s, _mm512_set1_ps(xd[sb * 8 + u])), acc);
         }
     }
-    float o16[16];
-    _mm512_storeu_ps(o16, acc);
-    memcpy(y + ra * n + og, o16, sizeof(float) * (size_t)nv);
+    _mm512_mask_storeu_ps(y + ra * n + og, (__mmask16)((1u << nv) - 1), acc);
 }
+
+#else
+#define IQ2_ONE 0
+#define iq2_tiles_one(w, xb, ra, og, nv, y) ((void)0)
+#endif
 
 /* iq_tiles_few of rb - ra rows (at most IQ_FEW) */
 static inline __attribute__((always_inline)) void iq_tiles_rows(const gl_weight *w, const int v, const xbuf *xb,
@@ -252,7 +272,7 @@ static inline __attribute__((always_inline)) void iq_tiles_rows(const gl_weight 
     case 3: iq_tiles_few(w, v, xb, ra, 3, og, nv, y); return;
     case 2: iq_tiles_few(w, v, xb, ra, 2, og, nv, y); return;
     default:
-        if (v == IQ2_XXS)
+        if (v == IQ2_XXS && IQ2_ONE)
             iq2_tiles_one(w, xb, ra, og, nv, y);
         else
             iq_tiles_few(w, v, xb, ra, 1, og, nv, y);

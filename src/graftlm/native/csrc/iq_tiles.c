@@ -22,8 +22,8 @@
  *
  * One row of IQ2_XXS has a kernel of its own (iq2_tiles_one, below: no sign masks): against the
  * one above, one thread, alternated (768 x 2048, 2048 x 768, 2048 x 2048, Zen 4), in cache
- * 6.15-6.27 -> 5.28-5.42 ns an output's super-block (1.16-1.17x; 2048 x 2048 5.58 -> 4.77), from
- * memory 1.15-1.18x, the same bits. On Zen 4 (measured, 512-bit ops): VPDPBUSD, vptestmb,
+ * 6.11-6.29 -> 5.31-5.47 ns an output's super-block (1.15-1.17x; 2048 x 2048 5.54 -> 4.71, 1.18x),
+ * from memory 1.14-1.17x, the same bits; 2-4 rows 0.99-1.02x, IQ3_XXS 1.00-1.04x. On Zen 4 (measured, 512-bit ops): VPDPBUSD, vptestmb,
  * vpshufbitqmb, vpmovb2m, vpmultishiftqb, vgf2p8affineqb and kmovq k, m64 / k, r64 share two
  * pipes (together one a cycle); vpermb, vpermi2b and vpshufb two others, one of them shared with
  * the first (the two kinds together 1.5 a cycle); adds, logic, blends and masked subtractions any

@@ -10,9 +10,10 @@ test). Models of realistic sizes: `bench/real_shapes.py` (random weights, real s
 quant mixes); `--write-1b DIR` writes the older Llama-3.2-1B-shaped Q4_0 file.
 
 `--lora FILE` (once per `-m`, in their order; `-` for none) times that model with the adapter at
-scale 1 on both sides: llama.cpp through `llama-batched-bench --lora FILE -npl 1` (llama-bench
-takes no adapters; it sits beside llama-bench in the same folder), graftlm through `graftlm bench
---lora FILE`.
+scale 1 on both sides: llama.cpp through `llama-server --lora FILE` (llama-bench takes no
+adapters, and the llama-batched-bench of the build here ignores --lora: with a missing file it runs
+at the rate of none; the server sits beside llama-bench in the same folder), graftlm through
+`graftlm bench --lora FILE`.
 
 `-d D [D ...]` runs every test again after D tokens of context (llama-bench's -d; llama.cpp with
 flash attention on, its fast path at depth), `--cache-type` sets both sides' KV cache (-ctk/-ctv).
@@ -36,12 +37,17 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
+import random
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 ROW = re.compile(r"^\| [^|]+ \| \d+ \| \d+ \| (?P<test>\w+(?: @ d\d+)?) \|\s+(?P<tps>[\d.]+)")
@@ -76,22 +82,42 @@ def llama_cpp(
     return out
 
 
-BATCHED = re.compile(
-    r"^\|\s*(?P<pp>\d+) \|\s*(?P<tg>\d+) \|\s*1 \|[^|]+\|[^|]+\|\s*(?P<spp>[\d.]+) \|[^|]+\|"
-    r"\s*(?P<stg>[\d.]+) \|"
-)
-
-
 def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int) -> dict[str, float]:
-    """llama-batched-bench's prompt and generation rates (one sequence) with the adapter."""
-    tool = bench.with_name("llama-batched-bench")
-    cmd = [str(tool), "-m", model, "--lora", lora, "-npp", str(p), "-ntg", str(n), "-npl", "1"]
-    cmd += ["-c", str(p + n + 16), "-t", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    for line in done.stdout.splitlines():
-        if m := BATCHED.match(line):
-            return {f"pp{p}": float(m["spp"]), f"tg{n}": float(m["stg"])}
-    raise RuntimeError(f"no result row in llama-batched-bench's output:\n{done.stdout[-2000:]}")
+    """llama-server's prompt and generation rates (one sequence, 2 threads) with the adapter at
+    scale 1: p random token ids, then n tokens past them, the prompt cache off; the second of two
+    requests (the first warms). llama-bench takes no adapters, and the llama-batched-bench of the
+    build in /work/shared ignores --lora (a missing file runs, at the rate of no adapter)."""
+    tool = bench.with_name("llama-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [str(tool), "-m", model, "--lora", lora, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-c", str(p + n + 16), "-np", "1", "-t", "2", "-tb", "2"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if server.poll() is not None:
+                raise RuntimeError(f"{' '.join(cmd)} exited:\n{server.communicate()[1][-2000:]}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        rng = random.Random(0)
+        for _ in range(2):
+            body = {"prompt": [rng.randint(100, 20000) for _ in range(p)], "n_predict": n,
+                    "cache_prompt": False, "ignore_eos": True, "temperature": 0}  # fmt: skip
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=600) as r:
+                t = json.load(r)["timings"]
+        if t["prompt_n"] != p:
+            raise RuntimeError(f"llama-server computed {t['prompt_n']} of the {p} prompt tokens")
+        return {f"pp{p}": float(t["prompt_per_second"]), f"tg{n}": float(t["predicted_per_second"])}
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def graftlm(

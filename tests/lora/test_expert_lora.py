@@ -475,3 +475,53 @@ def test_expert_adapters_are_held_once(made: dict[str, Any]) -> None:
             assert d.packed.half and d.packed.aq is not None
     (info,) = m.loras
     assert info["bytes"] == sum(d.packed.nbytes for d in deltas.values() if d.packed is not None)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "f32"])
+def test_prompt_expert_products_take_one_pass(
+    made: dict[str, Any], quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's expert products with their adapters' delta (the composed routed FFN, a fast
+    step) run as one native pass each (gl_proj: x quantized once, the delta on every thread),
+    bit-identical to the product and the delta as two calls, on one thread and two: rows of a
+    batch on different adapters and scales picking the same experts, a row without, a row at
+    scale 0 equal to no adapter."""
+    from graftlm.models import moe, seam
+    from graftlm.step.batch import Batch, LoraRows
+
+    settings = [{0: 1.0}, {0: -0.5}, {1: 0.25, 0: 0.5}, {}, {0: 0.0}]
+    n = len(settings)
+    m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=n)
+    a = m.add_lora(made["tmp"] / "params", 0.0)
+    b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    rows = m.engine.lora_rows([{(a, b)[k]: v for k, v in s.items()} for s in settings])
+    passes: list[bool] = []
+    one_pass = seam.one_pass
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        y = one_pass(*args)
+        passes.append(y is not None)
+        return y
+
+    monkeypatch.setattr(moe, "one_pass", spy)
+
+    def run(lora: LoraRows | None) -> torch.Tensor:
+        batch = Batch(torch.tensor([IDS] * n), list(range(n)), [0] * n, [len(IDS)] * n, lora)
+        with torch.inference_mode():
+            return m.model.forward(batch, True)
+
+    got: dict[tuple[bool, int], torch.Tensor] = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)  # (the module's fixture restores one)
+        for two in (False, True):
+            monkeypatch.setattr(moe, "TWO_CALLS", two)
+            got[two, threads] = run(rows)
+    assert passes and all(passes), "every expert product with an adapter takes one pass"
+    plain = run(None)
+    zero = run(LoraRows(torch.zeros(n, b + 1), (a, b)))
+    for key, out in got.items():
+        assert torch.equal(out, got[False, 1]), key
+    assert torch.equal(zero, plain)
+    assert torch.equal(got[False, 1][3], plain[3]) and torch.equal(got[False, 1][4], plain[4])
+    for r in range(3):  # (an adapter on the wrong row moves the logits by ~1)
+        assert not torch.allclose(got[False, 1][r], plain[r], rtol=1e-2, atol=1e-2)

@@ -10,8 +10,9 @@ products and one native gating. The router `ffn_gate_inp` is an ordinary project
 Routed experts take per-expert adapters (llama.cpp's `build_lora_mm_id`): expert e of a file
 tensor is a seam of its own (`ExpertSeam`, "blk.0.ffn_gate_up_exps[3]"), each with its slots, and
 its delta is added to the expert's product on the expert's tokens, each token at its row's scale:
-on a fast step from the seam's packed adapters (``gl_lora``, the factors and kernels the native
-decode layer's routed FFN adds them with: models.fused), on an exact step
+on a fast step from the seam's packed adapters in the product's own native pass (``gl_proj``, the
+factors and kernels the native decode layer's routed FFN adds them with: models.fused), on an
+exact step
 (or where they are not packed) in PyTorch (`LoraSite.add_token_delta`), in float32 on the factors
 as the site holds them: read back from the packed form, the slot's one copy (lora.site), or the
 float32 factors where there is none. A stacked expert's gate and up rows are parts of one seam,
@@ -31,6 +32,7 @@ from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Target
 from graftlm.models.base import Weights
 from graftlm.models.primitives import gated
+from graftlm.models.seam import one_pass
 from graftlm.native import ops as native_ops
 from graftlm.quant import QWeight, linear
 from graftlm.quant.base import release_pages
@@ -126,6 +128,30 @@ def _token_delta(
     return site.add_token_delta(y, x, scales)
 
 
+# (the A/B of bench/: True takes the product and the delta as two calls, as before one_pass)
+TWO_CALLS = False
+
+
+def adapted_product(
+    weight: QWeight,
+    site: LoraSite | None,
+    x: torch.Tensor,
+    scales: torch.Tensor | None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """weight's product of x (n, n_in) -> (n, n_out), plus site's delta at the tokens' scales
+    (n, n_slots) when given. A fast step takes both in one native pass (the seam's one_pass: x
+    quantized once for the product and A's integer dots, each task's outputs given B's delta
+    while in cache, the delta on every thread); else the product, then _token_delta."""
+    if scales is None or site is None:
+        return linear(x, weight, exact)
+    if not exact and not TWO_CALLS:
+        y = one_pass(weight, x.unsqueeze(1), site, scales)  # token i its own row of scales
+        if y is not None:
+            return y.squeeze(1)
+    return _token_delta(site, linear(x, weight, exact), x, scales, exact)
+
+
 class Experts(_Adapted):
     """One 3-D expert tensor of a layer, as n_expert 2-D weights of shape (n_out, n_in)."""
 
@@ -145,9 +171,7 @@ class Experts(_Adapted):
     ) -> torch.Tensor:
         """Expert e's product of x (n, n_in) -> (n, n_out), plus its adapters' delta at the
         tokens' scales (n, n_slots) when given."""
-        y = linear(x, self.weights[e], exact)
-        site = self.seams[e].lora
-        return y if scales is None or site is None else _token_delta(site, y, x, scales, exact)
+        return adapted_product(self.weights[e], self.seams[e].lora, x, scales, exact)
 
     def to(self, device: torch.device) -> Experts:
         """Every expert's weight on `device` (in place; returns self)."""
@@ -225,9 +249,7 @@ class GatedExperts(_Adapted):
             assert self.parts is not None
             gate = self.parts[0].product(e, x, scales, exact)
             return torch.cat([gate, self.parts[1].product(e, x, scales, exact)], dim=-1)
-        gu = linear(x, self.stacked[e], exact)
-        site = self.seams[e].lora
-        return gu if scales is None or site is None else _token_delta(site, gu, x, scales, exact)
+        return adapted_product(self.stacked[e], self.seams[e].lora, x, scales, exact)
 
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """silu(gate_e(x)) * up_e(x) for x (n, n_in) -> (n, n_ff)."""

@@ -45,18 +45,18 @@ def add_delta(
     return site.add_delta(y, x, rows)
 
 
-def _one_pass(
-    weight: QWeight, x: torch.Tensor, site: LoraSite, batch: Batch
+def one_pass(
+    weight: QWeight, x: torch.Tensor, site: LoraSite, scales: torch.Tensor
 ) -> torch.Tensor | None:
-    """Way 1 of the module's docstring, or None where it does not run."""
-    lora = batch.lora
+    """Way 1 of the module's docstring for x (B, T, n_in), T tokens a row of scales (B,
+    n_slots), or None where it does not run (the caller takes way 2 or 3)."""
     if (
-        lora is None
-        or batch.exact
-        or x.dim() != 3
+        x.dim() != 3
         or x.dtype is not torch.float32
         or x.device.type != "cpu"
         or not x.is_contiguous()
+        or scales.dtype is not torch.float32
+        or not scales.is_contiguous()
     ):
         return None
     b, t, _ = x.shape
@@ -67,8 +67,17 @@ def _one_pass(
     if table is None:
         return None
     y = torch.empty(b, t, weight.shape[0])
-    native_layer.proj(w, table.site(lora.scales), x, y)
+    native_layer.proj(w, table.site(scales), x, y)
     return y
+
+
+def _one_pass(
+    weight: QWeight, x: torch.Tensor, site: LoraSite, batch: Batch
+) -> torch.Tensor | None:
+    """Way 1 of the module's docstring for a step, or None where it does not run."""
+    if batch.lora is None or batch.exact:
+        return None
+    return one_pass(weight, x, site, batch.lora.scales)
 
 
 class Projection:

@@ -49,6 +49,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROW = re.compile(r"^\| [^|]+ \| \d+ \| \d+ \| (?P<test>\w+(?: @ d\d+)?) \|\s+(?P<tps>[\d.]+)")
 
@@ -82,11 +83,13 @@ def llama_cpp(
     return out
 
 
-def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int) -> dict[str, float]:
-    """llama-server's prompt and generation rates (one sequence, 2 threads) with the adapter at
-    scale 1: p random token ids, then n tokens past them, the prompt cache off; the second of two
-    requests (the first warms). llama-bench takes no adapters, and the llama-batched-bench of the
-    build in /work/shared ignores --lora (a missing file runs, at the rate of no adapter)."""
+def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int, r: int) -> dict[str, float]:
+    """llama-server's prompt and generation rates (one sequence, 2 threads, as llama-bench -t 2)
+    with the adapter at scale 1, the prompt cache off: pp as p random token ids in one batch
+    (prompt_n / prompt_ms, llama-bench's pp), tg as n tokens after a one-token prompt (the n - 1
+    decodes its predicted_ms times, as llama-bench's tg at depth ~0); each the median of r
+    requests after one that warms. llama-bench takes no adapters, and the llama-batched-bench of
+    the build in /work/shared ignores --lora (a missing file runs, at the rate of no adapter)."""
     tool = bench.with_name("llama-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,30 +97,57 @@ def llama_cpp_lora(bench: Path, model: str, lora: str, p: int, n: int) -> dict[s
     url = f"http://127.0.0.1:{port}"
     cmd = [str(tool), "-m", model, "--lora", lora, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-c", str(p + n + 16), "-np", "1", "-t", "2", "-tb", "2"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(600):
-            if server.poll() is not None:
-                raise RuntimeError(f"{' '.join(cmd)} exited:\n{server.communicate()[1][-2000:]}")
+    with tempfile.TemporaryFile("w+") as log:  # (a pipe left unread would block the server)
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        try:
+            _wait_healthy(server, url, cmd, log)
+            rng = random.Random(0)
+            pp: list[float] = []
+            tg: list[float] = []
+            for i in range(r + 1):
+                t = _complete(url, [rng.randint(100, 20000) for _ in range(p)], 1)
+                if t["prompt_n"] != p:
+                    raise RuntimeError(
+                        f"llama-server computed {t['prompt_n']} of {p} prompt tokens"
+                    )
+                u = _complete(url, [rng.randint(100, 20000)], n)
+                if i > 0:  # (the first warms)
+                    pp.append(1e3 * t["prompt_n"] / t["prompt_ms"])
+                    tg.append(1e3 * (u["predicted_n"] - 1) / u["predicted_ms"])
+            return {f"pp{p}": statistics.median(pp), f"tg{n}": statistics.median(tg)}
+        finally:
+            server.terminate()
             try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
-        rng = random.Random(0)
-        for _ in range(2):
-            body = {"prompt": [rng.randint(100, 20000) for _ in range(p)], "n_predict": n,
-                    "cache_prompt": False, "ignore_eos": True, "temperature": 0}  # fmt: skip
-            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
-            with urllib.request.urlopen(req, timeout=600) as r:
-                t = json.load(r)["timings"]
-        if t["prompt_n"] != p:
-            raise RuntimeError(f"llama-server computed {t['prompt_n']} of the {p} prompt tokens")
-        return {f"pp{p}": float(t["prompt_per_second"]), f"tg{n}": float(t["predicted_per_second"])}
-    finally:
-        server.terminate()
-        server.wait()
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen[str], url: str, cmd: list[str], log: Any) -> None:
+    """Until llama-server answers /health (its model loaded), or a RuntimeError with its log."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            break
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            time.sleep(0.2)
+    log.seek(0)
+    state = "exited" if server.poll() is not None else "not healthy after 300 s"
+    raise RuntimeError(f"{' '.join(cmd)}: {state}:\n{log.read()[-2000:]}")
+
+
+def _complete(url: str, prompt: list[int], n: int) -> dict[str, Any]:
+    """One /completion of n tokens after `prompt` (token ids), greedy, no prompt cache: its timings."""
+    body = {"prompt": prompt, "n_predict": n, "cache_prompt": False, "ignore_eos": True,
+            "temperature": 0}  # fmt: skip
+    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return dict(json.load(r)["timings"])
 
 
 def graftlm(
@@ -233,6 +263,9 @@ def main() -> None:
     loras = args.lora or ["-"] * len(args.model or [])
     if len(loras) != len(args.model or []):
         ap.error(f"--lora given {len(loras)} times for {len(args.model or [])} models")
+    if any(x != "-" for x in loras) and (args.d != [0] or args.cache_type != "f16"):
+        ap.error("--lora times llama.cpp through llama-server at depth 0 with an f16 cache: "
+                 "-d and --cache-type are not passed to it")  # fmt: skip
     if args.write_1b:
         print(write_1b(args.write_1b))
         return
@@ -279,7 +312,9 @@ def compare(
                     runs[who].append(llama_cpp(args.llama_bench, model, args.p, args.n, args.r,
                                                args.d, args.cache_type))  # fmt: skip
                 else:
-                    runs[who].append(llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n))
+                    runs[who].append(
+                        llama_cpp_lora(args.llama_bench, model, lora, args.p, args.n, args.r)
+                    )
                 if probe:
                     probes.append(probe.measure())
                     bw[who].append(max(probes[-2:]))

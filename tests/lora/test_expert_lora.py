@@ -487,6 +487,7 @@ def test_prompt_expert_products_take_one_pass(
     batch on different adapters and scales picking the same experts, a row without, a row at
     scale 0 equal to no adapter."""
     from graftlm.models import moe, seam
+    from graftlm.native import library
     from graftlm.step.batch import Batch, LoraRows
 
     settings = [{0: 1.0}, {0: -0.5}, {1: 0.25, 0: 0.5}, {}, {0: 0.0}]
@@ -503,19 +504,26 @@ def test_prompt_expert_products_take_one_pass(
         passes.append(y is not None)
         return y
 
-    monkeypatch.setattr(moe, "one_pass", spy)
-
     def run(lora: LoraRows | None) -> torch.Tensor:
         batch = Batch(torch.tensor([IDS] * n), list(range(n)), [0] * n, [len(IDS)] * n, lora)
         with torch.inference_mode():
             return m.model.forward(batch, True)
 
+    def two_calls(*args: Any) -> None:  # (the product, then the delta: as before one_pass)
+        return None
+
+    lib = library()
+    assert lib is not None
+    amx_rows = lib.gl_set_amx_rows(0)  # (tiles would take B's delta in bfloat16: moe's doc)
     got: dict[tuple[bool, int], torch.Tensor] = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)  # (the module's fixture restores one)
-        for two in (False, True):
-            monkeypatch.setattr(moe, "TWO_CALLS", two)
-            got[two, threads] = run(rows)
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)  # (the module's fixture restores one)
+            for two in (False, True):
+                monkeypatch.setattr(moe, "one_pass", two_calls if two else spy)
+                got[two, threads] = run(rows)
+    finally:
+        lib.gl_set_amx_rows(amx_rows)
     assert passes and all(passes), "every expert product with an adapter takes one pass"
     plain = run(None)
     zero = run(LoraRows(torch.zeros(n, b + 1), (a, b)))

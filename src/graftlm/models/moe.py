@@ -11,9 +11,10 @@ Routed experts take per-expert adapters (llama.cpp's `build_lora_mm_id`): expert
 tensor is a seam of its own (`ExpertSeam`, "blk.0.ffn_gate_up_exps[3]"), each with its slots, and
 its delta is added to the expert's product on the expert's tokens, each token at its row's scale:
 on a fast step from the seam's packed adapters in the product's own native pass (``gl_proj``, the
-factors and kernels the native decode layer's routed FFN adds them with: models.fused), on an
-exact step
-(or where they are not packed) in PyTorch (`LoraSite.add_token_delta`), in float32 on the factors
+factors and kernels the native decode layer's routed FFN adds them with: models.fused; where the
+product has rows enough for AMX tiles, B's delta in bfloat16, as a dense projection's), after the
+product (``gl_lora``) where the expert's weight has no native kernel, on an exact step (or where
+they are not packed) in PyTorch (`LoraSite.add_token_delta`), in float32 on the factors
 as the site holds them: read back from the packed form, the slot's one copy (lora.site), or the
 float32 factors where there is none. A stacked expert's gate and up rows are parts of one seam,
 as a dense layer's are.
@@ -128,10 +129,6 @@ def _token_delta(
     return site.add_token_delta(y, x, scales)
 
 
-# (the A/B of bench/: True takes the product and the delta as two calls, as before one_pass)
-TWO_CALLS = False
-
-
 def adapted_product(
     weight: QWeight,
     site: LoraSite | None,
@@ -145,7 +142,7 @@ def adapted_product(
     while in cache, the delta on every thread); else the product, then _token_delta."""
     if scales is None or site is None:
         return linear(x, weight, exact)
-    if not exact and not TWO_CALLS:
+    if not exact:
         y = one_pass(weight, x.unsqueeze(1), site, scales)  # token i its own row of scales
         if y is not None:
             return y.squeeze(1)

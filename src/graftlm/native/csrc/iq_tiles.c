@@ -20,23 +20,24 @@
  * chains a unit and row (even and odd m, added): 0.94-1.13x, no gain (alternated, busy machine);
  * again on a quiet one: two 1.01x, four 0.98-1.00x (not the chain's latency).
  *
- * One row of IQ2_XXS has a kernel of its own (iq2_tiles_one, below: no sign masks): against the
- * one above, one thread, alternated (768 x 2048, 2048 x 768, 2048 x 2048, Zen 4), in cache
- * 6.11-6.29 -> 5.31-5.47 ns an output's super-block (1.15-1.17x; 2048 x 2048 5.54 -> 4.71, 1.18x),
- * from memory 1.14-1.17x, the same bits; 2-4 rows 0.99-1.02x, IQ3_XXS 1.00-1.04x. On Zen 4 (measured, 512-bit ops): VPDPBUSD, vptestmb,
- * vpshufbitqmb, vpmovb2m, vpmultishiftqb, vgf2p8affineqb and kmovq k, m64 / k, r64 share two
- * pipes (together one a cycle); vpermb, vpermi2b and vpshufb two others, one of them shared with
- * the first (the two kinds together 1.5 a cycle); adds, logic, blends and masked subtractions any
- * of four (two a cycle); vpbroadcastd from memory is a load. A unit of the kernel above takes ~21
- * of the first kind and ~18 of the second for one row (8 of the first its sign masks); left out
- * one at a time (wrong results, timing only): the masks 1.21x, the value lookups 1.40x, the scales
- * 1.04x, iq_tiles_x's permutation 1.006x (so hoisting x's order out of the groups was not worth it).
- * iq2_tiles_one's unit takes ~15 and ~16 (~35 cycles for 16 outputs against ~46): its x work once a
- * super-block 5% of its time, the scales 8%, the shifts of the upper pairs 4% (vpmultishiftqb
- * for them: 1.00x). Tried and dropped: x's sign bits from its own order by shifts and masks in
- * place of IQ2_ONE_SIGN_PERM and pdep 0.97x; the unit loop unrolled 2 or 8 1.00-1.02x; two groups
- * (32 outputs) a call sharing x's work 0.99-1.01x in cache and 0.60-0.76x from memory (two
- * streams of tiles at once); the tiles' tables made per group of 16 outputs cost 1%. */
+ * One row of IQ2_XXS has a kernel of its own (iq2_tiles_one, below: no sign masks): against the one
+ * above, one thread, alternated (768 x 2048, 2048 x 768, 2048 x 2048, Zen 4), in cache 6.11-6.29 ->
+ * 5.31-5.47 ns an output's super-block (1.15-1.17x; 2048 x 2048 5.54 -> 4.71, 1.18x), from memory
+ * 1.14-1.17x, the same bits; 2-4 rows 0.99-1.02x, IQ3_XXS 1.00-1.04x. On Zen 4 (measured, 512-bit
+ * ops): VPDPBUSD, vptestmb, vpshufbitqmb, vpmovb2m, vpmultishiftqb, vgf2p8affineqb and kmovq into
+ * a mask share two pipes (together one a cycle); vpermb, vpermi2b and vpshufb two others, one of
+ * them shared with the first (the two kinds together 1.5 a cycle); adds, logic, blends and masked
+ * subtractions any of four (two a cycle); vpbroadcastd from memory is a load. A unit of the kernel
+ * above takes ~21 of the first kind and ~18 of the second for one row (8 of the first its sign
+ * masks); left out one at a time (wrong results, timing only): the masks 1.21x, the value lookups
+ * 1.40x, the scales 1.04x, iq_tiles_x's permutation 1.006x (so hoisting x's order out of the groups
+ * was not worth it). iq2_tiles_one's unit takes ~15 and ~16 (~35 cycles for 16 outputs against
+ * ~46): its x work once a super-block 5% of its time, the scales 8%, the shifts of the upper pairs
+ * 4% (vpmultishiftqb for them: 1.00x). Tried and dropped: x's sign bits from its own order by
+ * shifts and masks in place of IQ2_ONE_SIGN_PERM and pdep 0.97x; the unit loop unrolled 2 or 8
+ * 1.00-1.02x; two groups (32 outputs) a call sharing x's work 0.99-1.01x in cache and 0.60-0.76x
+ * from memory (two streams of tiles at once); the tiles' tables made per group of 16 outputs cost
+ * 1% (the permutation's alone, 2048 x 768 one row: 4%; both made once now). */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]
@@ -162,11 +163,11 @@ static inline __attribute__((always_inline)) void iq_tiles_few(const gl_weight *
  * value 2 j + 1 (bits 2-3, 5) of the pairs (0, 1), (4, 5); T[2], T[3] those (bits 2-3, 0; 4-5, 1)
  * of (2, 3), (6, 7) (their index shifted down by 2). */
 #define IQ2_MAG(c) ((c) == 0 ? 8 : (c) == 1 ? 25 : (c) == 2 ? 43 : 0) /* IQ2XXS_MAG64 */
-#define IQ2_SIGNED(c, code, neg) (int8_t)((neg) ? -IQ2_MAG(code) : IQ2_MAG(code)),
-#define IQ2_T0(c) IQ2_SIGNED(c, (c) & 3, (c) >> 4 & 1)
-#define IQ2_T1(c) IQ2_SIGNED(c, (c) >> 2 & 3, (c) >> 5 & 1)
-#define IQ2_T2(c) IQ2_SIGNED(c, (c) >> 2 & 3, (c) & 1)
-#define IQ2_T3(c) IQ2_SIGNED(c, (c) >> 4 & 3, (c) >> 1 & 1)
+#define IQ2_SIGNED(code, neg) (int8_t)((neg) ? -IQ2_MAG(code) : IQ2_MAG(code)),
+#define IQ2_T0(c) IQ2_SIGNED((c) & 3, (c) >> 4 & 1)
+#define IQ2_T1(c) IQ2_SIGNED((c) >> 2 & 3, (c) >> 5 & 1)
+#define IQ2_T2(c) IQ2_SIGNED((c) >> 2 & 3, (c) & 1)
+#define IQ2_T3(c) IQ2_SIGNED((c) >> 4 & 3, (c) >> 1 & 1)
 static const int8_t IQ2_ONE_T[4][64] __attribute__((aligned(64))) = {
     {IQ_R64(IQ2_T0)}, {IQ_R64(IQ2_T1)}, {IQ_R64(IQ2_T2)}, {IQ_R64(IQ2_T3)}};
 #undef IQ2_T0

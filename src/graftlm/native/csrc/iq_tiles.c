@@ -82,13 +82,13 @@ static const float IQ_HALF_LS[2][16] __attribute__((aligned(64))) = {{IQ_HL16(0.
 static inline __attribute__((always_inline)) void iq_tiles_vals(const uint8_t *pu, const int v, const __m512i *t, __m512i *V) {
     if (v == IQ2_XXS) { /* the entries' code bytes of values 0 .. 3 (lo), 4 .. 7 (hi) */
         const __m512i idx = _mm512_loadu_si512(pu);
-        const __m512i lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+        const __m512i lo = iq_look256m(IQ2XXS_CODE[0], idx), hi = iq_look256m(IQ2XXS_CODE[1], idx);
         iq2_codes_vals(lo, t, V);
         iq2_codes_vals(hi, t, V + 4);
     } else { /* vector s: the codes of values 0, 1 (a), 2, 3 (b) of the entries 4 s + i */
         for (int s = 0; s < 2; s++) {
             const __m512i idx = _mm512_loadu_si512(pu + 64 * s);
-            const __m512i a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
+            const __m512i a = iq_look256m(IQ3XXS_PAIR[0], idx), b = iq_look256m(IQ3XXS_PAIR[1], idx);
             iq3_codes_vals(a, b, t, V + 4 * s);
         }
     }
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) void iq_tiles_few(const gl_weight *
  * values' lookups. With one row, x's signs fold into the weights' (x's magnitudes |x| the
  * unsigned operand, the values signed): sum w x = sum (sign(w) sign(x) mag) |x|, the same
  * integers. Each pair of values (2 j, 2 j + 1) of an entry is one index byte of vpermb (6 bits:
- * their 2-bit codes and 2 sign bits), from the code planes (iq_look256) and the sign bytes S0, S1
+ * their 2-bit codes and 2 sign bits), from the code planes (iq_look256m) and the sign bytes S0, S1
  * (a vgf2p8affineqb each from the 7-bit sign indices: the bits moved and KSIGNS' parity in one
  * op) with x's signs xored in (xs, made with x's magnitudes once a super-block), merged by one
  * vpternlogd, the upper pairs shifted down by 2: no masks, no masked subtraction. */
@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void iq2_one_vals(const uint8_t *pu
     const __m512i g0 = _mm512_set1_epi64(0x0000040801020000ll), g1 = _mm512_set1_epi64(0x0000407f10200000ll);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i idx = _mm512_loadu_si512(pu);
-    const __m512i lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+    const __m512i lo = iq_look256m(IQ2XXS_CODE[0], idx), hi = iq_look256m(IQ2XXS_CODE[1], idx);
     const __m512i sgi = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), _mm512_loadu_si512(pu + 64));
     const __m512i s0 = _mm512_xor_si512(_mm512_gf2p8affine_epi64_epi8(sgi, g0, 0), _mm512_set1_epi32((int)xs[0]));
     const __m512i s1 = _mm512_xor_si512(_mm512_gf2p8affine_epi64_epi8(sgi, g1, 0), _mm512_set1_epi32((int)xs[1]));
@@ -288,8 +288,7 @@ static __attribute__((noinline)) void iq2_tiles_one(const gl_weight *w, const xb
  * signs: dword o of sg the 32 sign bits of output o's unit (KSIGNS), entry e's at 4 e .. 4 e + 3,
  * as x's are (movepi8_mask of the unit's x): xored, then one vpmultishiftqb a vector s puts entry
  * 4 s + i's 4 signs at bits 4-7 of byte 4 o + i (the upper pair's at 6, 7; the lower's shifted
- * up by 2). The grid's planes through two masked vpermi2b a lookup (each writing only its half of
- * the indices: no blends; 1.03x). */
+ * up by 2). The grid's planes through iq_look256m (no blends: 1.03x). */
 #define IQ3_MAG(c) ((c) == 7 ? 62 : 4 + 8 * (c)) /* IQ3XXS_MAG64 */
 #define IQ3_T0(c) (int8_t)((c) >> 6 & 1 ? -IQ3_MAG((c) & 7) : IQ3_MAG((c) & 7)),
 #define IQ3_T1(c) (int8_t)((c) >> 5 & 1 ? -IQ3_MAG((c) >> 1 & 7) : IQ3_MAG((c) >> 1 & 7)),
@@ -313,12 +312,7 @@ static inline __attribute__((always_inline)) void iq3_one_vals(const uint8_t *pu
         const long long at = s ? 0x3834302c1814100cll : 0x2824201c0804003cll;
         const __m512i S = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(at), sg);
         const __m512i idx = _mm512_loadu_si512(pu + 64 * s);
-        const __mmask64 hi = _mm512_movepi8_mask(idx), lo = _knot_mask64(hi);
-        const __m512i *p0 = (const __m512i *)IQ3XXS_PAIR[0], *p1 = (const __m512i *)IQ3XXS_PAIR[1];
-        const __m512i a = _mm512_mask2_permutex2var_epi8(
-            p0[0], _mm512_mask2_permutex2var_epi8(p0[2], idx, hi, p0[3]), lo, p0[1]);
-        const __m512i b = _mm512_mask2_permutex2var_epi8(
-            p1[0], _mm512_mask2_permutex2var_epi8(p1[2], idx, hi, p1[3]), lo, p1[1]);
+        const __m512i a = iq_look256m(IQ3XXS_PAIR[0], idx), b = iq_look256m(IQ3XXS_PAIR[1], idx);
         const __m512i ia = _mm512_ternarylogic_epi32(m6, a, _mm512_slli_epi16(S, 2), 0xCA);
         const __m512i ib = _mm512_ternarylogic_epi32(m6, b, S, 0xCA);
         V[4 * s] = _mm512_permutex2var_epi8(T[0], ia, T[1]);

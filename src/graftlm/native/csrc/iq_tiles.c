@@ -37,7 +37,17 @@
  * shifts and masks in place of IQ2_ONE_SIGN_PERM and pdep 0.97x; the unit loop unrolled 2 or 8
  * 1.00-1.02x; two groups (32 outputs) a call sharing x's work 0.99-1.01x in cache and 0.60-0.76x
  * from memory (two streams of tiles at once); the tiles' tables made per group of 16 outputs cost
- * 1% (the permutation's alone, 2048 x 768 one row: 4%; both made once now). */
+ * 1% (the permutation's alone, 2048 x 768 one row: 4%; both made once now).
+ *
+ * One row of IQ3_XXS likewise (iq3_tiles_one: the sign bits by vpmultishiftqb, no vgf2p8affineqb,
+ * so every VBMI build has it): against iq_tiles_few, one thread, alternated 15 rounds (768 x 2048,
+ * 2048 x 768, 2048 x 2048, Zen 4), 6.23-7.00 -> 5.62-6.33 ns an output's super-block in cache
+ * (1.106-1.109x), from memory 6.51-7.50 -> 5.87-6.67 (1.100-1.125x), the same bits. A unit: 13 of
+ * the first kind, 18 permutes and ~11 others against 19, 18 and ~12 (4 blends, 8 masked
+ * subtractions); every 512-bit op seemed to count: tried, against the kernel before its last two
+ * steps (the grid's lookups by masked vpermi2b 1.03x, x's signs xored from memory 1.01x): KSIGNS'
+ * parity by vpopcntb 0.97x, the scales by cvt and FMA 0.99x, each value its own vpermb index (8
+ * vpternlogd and one-source permutes for 4 of vpermi2b) 0.95x. */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]
@@ -72,13 +82,13 @@ static const float IQ_HALF_LS[2][16] __attribute__((aligned(64))) = {{IQ_HL16(0.
 static inline __attribute__((always_inline)) void iq_tiles_vals(const uint8_t *pu, const int v, const __m512i *t, __m512i *V) {
     if (v == IQ2_XXS) { /* the entries' code bytes of values 0 .. 3 (lo), 4 .. 7 (hi) */
         const __m512i idx = _mm512_loadu_si512(pu);
-        const __m512i lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+        const __m512i lo = iq_look256m(IQ2XXS_CODE[0], idx), hi = iq_look256m(IQ2XXS_CODE[1], idx);
         iq2_codes_vals(lo, t, V);
         iq2_codes_vals(hi, t, V + 4);
     } else { /* vector s: the codes of values 0, 1 (a), 2, 3 (b) of the entries 4 s + i */
         for (int s = 0; s < 2; s++) {
             const __m512i idx = _mm512_loadu_si512(pu + 64 * s);
-            const __m512i a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
+            const __m512i a = iq_look256m(IQ3XXS_PAIR[0], idx), b = iq_look256m(IQ3XXS_PAIR[1], idx);
             iq3_codes_vals(a, b, t, V + 4 * s);
         }
     }
@@ -154,7 +164,7 @@ static inline __attribute__((always_inline)) void iq_tiles_few(const gl_weight *
  * values' lookups. With one row, x's signs fold into the weights' (x's magnitudes |x| the
  * unsigned operand, the values signed): sum w x = sum (sign(w) sign(x) mag) |x|, the same
  * integers. Each pair of values (2 j, 2 j + 1) of an entry is one index byte of vpermb (6 bits:
- * their 2-bit codes and 2 sign bits), from the code planes (iq_look256) and the sign bytes S0, S1
+ * their 2-bit codes and 2 sign bits), from the code planes (iq_look256m) and the sign bytes S0, S1
  * (a vgf2p8affineqb each from the 7-bit sign indices: the bits moved and KSIGNS' parity in one
  * op) with x's signs xored in (xs, made with x's magnitudes once a super-block), merged by one
  * vpternlogd, the upper pairs shifted down by 2: no masks, no masked subtraction. */
@@ -208,7 +218,7 @@ static inline __attribute__((always_inline)) void iq2_one_vals(const uint8_t *pu
     const __m512i g0 = _mm512_set1_epi64(0x0000040801020000ll), g1 = _mm512_set1_epi64(0x0000407f10200000ll);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     const __m512i idx = _mm512_loadu_si512(pu);
-    const __m512i lo = iq_look256(IQ2XXS_CODE[0], idx), hi = iq_look256(IQ2XXS_CODE[1], idx);
+    const __m512i lo = iq_look256m(IQ2XXS_CODE[0], idx), hi = iq_look256m(IQ2XXS_CODE[1], idx);
     const __m512i sgi = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), _mm512_loadu_si512(pu + 64));
     const __m512i s0 = _mm512_xor_si512(_mm512_gf2p8affine_epi64_epi8(sgi, g0, 0), _mm512_set1_epi32((int)xs[0]));
     const __m512i s1 = _mm512_xor_si512(_mm512_gf2p8affine_epi64_epi8(sgi, g1, 0), _mm512_set1_epi32((int)xs[1]));
@@ -264,6 +274,94 @@ static __attribute__((noinline)) void iq2_tiles_one(const gl_weight *w, const xb
 #else
 #define IQ2_ONE 0
 #define iq2_tiles_one(w, xb, ra, og, nv, y) ((void)0)
+#endif
+
+#ifndef IQ3_ONE
+#define IQ3_ONE 1 /* iq3_tiles_one (0: one row of IQ3_XXS through iq_tiles_few, for an A/B) */
+#endif
+#if IQ3_ONE
+/* ---------------- IQ3_XXS, one row (iq3_tiles_one): the signs in the values, as iq2_tiles_one
+ *
+ * A pair's index byte (iq_tiles_vals' a or b: the 3-bit codes of values 2 j, 2 j + 1 at bits 0-2,
+ * 3-5) takes their signs (the weights' xor x's) at bits 6, 7: value 2 j through vpermi2b (7 bits,
+ * sign bit 6), 2 j + 1 through vpermb of the byte shifted down by 2 (bits 1-3, sign bit 5). The
+ * signs: dword o of sg the 32 sign bits of output o's unit (KSIGNS), entry e's at 4 e .. 4 e + 3,
+ * as x's are (movepi8_mask of the unit's x): xored, then one vpmultishiftqb a vector s puts entry
+ * 4 s + i's 4 signs at bits 4-7 of byte 4 o + i (the upper pair's at 6, 7; the lower's shifted
+ * up by 2). The grid's planes through iq_look256m (no blends: 1.03x). */
+#define IQ3_MAG(c) ((c) == 7 ? 62 : 4 + 8 * (c)) /* IQ3XXS_MAG64 */
+#define IQ3_T0(c) (int8_t)((c) >> 6 & 1 ? -IQ3_MAG((c) & 7) : IQ3_MAG((c) & 7)),
+#define IQ3_T1(c) (int8_t)((c) >> 5 & 1 ? -IQ3_MAG((c) >> 1 & 7) : IQ3_MAG((c) >> 1 & 7)),
+static const int8_t IQ3_ONE_T[3][64] __attribute__((aligned(64))) = {
+    {IQ_R64(IQ3_T0)}, {IQ_R8(IQ3_T0, 64) IQ_R8(IQ3_T0, 72) IQ_R8(IQ3_T0, 80) IQ_R8(IQ3_T0, 88) IQ_R8(IQ3_T0, 96)
+                           IQ_R8(IQ3_T0, 104) IQ_R8(IQ3_T0, 112) IQ_R8(IQ3_T0, 120)},
+    {IQ_R64(IQ3_T1)}};
+#undef IQ3_T0
+#undef IQ3_T1
+#undef IQ3_MAG
+
+/* A tile's unit pu's signed values V[m] (as iq2_one_vals) from x's sign bits xs of the unit */
+static inline __attribute__((always_inline)) void iq3_one_vals(const uint8_t *pu, const uint8_t *W8, uint32_t xs,
+                                                               const __m512i *T, const __m512i *ks, __m512i *V) {
+    const __m512i W = _mm512_loadu_si512(W8);
+    const __m512i sg = _mm512_xor_si512(
+        _mm512_permutex2var_epi8(ks[0], _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720150e0700ll), W), ks[1]),
+        _mm512_set1_epi32((int)xs));
+    const __m512i m6 = _mm512_set1_epi8(0x3f);
+    for (int s = 0; s < 2; s++) { /* byte b of a qword: bits 32 (b / 4) + 16 s + 4 (b % 4) - 4 .. of it */
+        const long long at = s ? 0x3834302c1814100cll : 0x2824201c0804003cll;
+        const __m512i S = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(at), sg);
+        const __m512i idx = _mm512_loadu_si512(pu + 64 * s);
+        const __m512i a = iq_look256m(IQ3XXS_PAIR[0], idx), b = iq_look256m(IQ3XXS_PAIR[1], idx);
+        const __m512i ia = _mm512_ternarylogic_epi32(m6, a, _mm512_slli_epi16(S, 2), 0xCA);
+        const __m512i ib = _mm512_ternarylogic_epi32(m6, b, S, 0xCA);
+        V[4 * s] = _mm512_permutex2var_epi8(T[0], ia, T[1]);
+        V[4 * s + 1] = _mm512_permutexvar_epi8(_mm512_srli_epi16(ia, 2), T[2]);
+        V[4 * s + 2] = _mm512_permutex2var_epi8(T[0], ib, T[1]);
+        V[4 * s + 3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(ib, 2), T[2]);
+    }
+}
+
+/* iq_tiles_few of IQ3_XXS for the one row ra: the same products */
+static __attribute__((noinline)) void iq3_tiles_one(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t og, int nv,
+                                                    float *y) {
+    const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, tb = IQ_W * IQ_BYTES(IQ3_XXS);
+    const int64_t ub = IQ_TILE_UNIT(IQ3_XXS);
+    const uint8_t *tl = (const uint8_t *)w->q + og / IQ_W * nsb * tb;
+    __m512i T[3];
+    for (int j = 0; j < 3; j++) T[j] = _mm512_load_si512(IQ3_ONE_T[j]);
+    const __m512i ks[2] = {_mm512_loadu_si512(KSIGNS), _mm512_loadu_si512(KSIGNS + 64)};
+    const __m512i pm = iq_tiles_perm(IQ3_XXS);
+    const __m512 H = _mm512_load_ps(IQ_HALF_LS[1]);
+    const int8_t *x = xb->xq + ra * k;
+    const float *xd = xb->xd + ra * kb;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *p = tl + sb * tb;
+        for (int64_t o = 0; o < tb; o += 64) _mm_prefetch((const char *)p + tb + o, _MM_HINT_T0);
+        uint8_t xa[256] __attribute__((aligned(64)));
+        uint64_t xs[4];
+        for (int h = 0; h < 4; h++) {
+            const __m512i r = _mm512_loadu_si512(x + sb * 256 + 64 * h);
+            _mm512_store_si512(xa + 64 * h, _mm512_abs_epi8(_mm512_permutexvar_epi8(pm, r)));
+            xs[h] = _cvtmask64_u64(_mm512_movepi8_mask(r));
+        }
+        const __m512 vd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 8 * ub)));
+        for (int u = 0; u < 8; u++) {
+            const uint8_t *pu = p + u * ub;
+            __m512i V[8];
+            iq3_one_vals(pu, pu + ub - 64, rd32((const uint8_t *)xs + 4 * u), T, ks, V);
+            const __m512i ls = _mm512_srli_epi32(_mm512_loadu_si512(pu + ub - 64), 28);
+            const __m512 s = _mm512_mul_ps(vd, _mm512_permutexvar_ps(ls, H));
+            __m512i A = _mm512_setzero_si512();
+            for (int m = 0; m < 8; m++) A = DPBUSD512(A, _mm512_set1_epi32((int)rd32(xa + 32 * u + 4 * m)), V[m]);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(A), _mm512_mul_ps(s, _mm512_set1_ps(xd[sb * 8 + u])), acc);
+        }
+    }
+    _mm512_mask_storeu_ps(y + ra * n + og, (__mmask16)((1u << nv) - 1), acc);
+}
+#else
+#define iq3_tiles_one(w, xb, ra, og, nv, y) ((void)0)
 #endif
 
 /* iq_tiles_few of rb - ra rows (at most IQ_FEW) */

@@ -208,6 +208,8 @@ IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
     static void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t rb, int64_t og, int nv, float *y) { \
         if (V == IQ2_XXS && IQ2_ONE && rb - ra == 1)                                                     \
             iq2_tiles_one(w, xb, ra, og, nv, y);                                                         \
+        else if (V == IQ3_XXS && IQ3_ONE && rb - ra == 1)                                                \
+            iq3_tiles_one(w, xb, ra, og, nv, y);                                                         \
         else if (rb - ra <= IQ_FEW)                                                                      \
             NAME##_few(w, xb, ra, rb, og, nv, y);                                                        \
         else                                                                                             \

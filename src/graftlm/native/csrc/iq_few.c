@@ -268,15 +268,14 @@ static inline __attribute__((always_inline)) void iq_group_few(const gl_weight *
 }
 #endif
 
-#if IQ_VBMI
-/* iq_group_few of rb - ra rows (at most IQ_FEW) */
-static inline __attribute__((always_inline)) void iq_few(const gl_weight *w, const int v, const xbuf *xb, int64_t ra,
-                                                         int64_t rb, int64_t og, int nv, float *y) {
-    switch (rb - ra) {
-    case 4: iq_group_few(w, v, xb, ra, 4, og, nv, y); return;
-    case 3: iq_group_few(w, v, xb, ra, 3, og, nv, y); return;
-    case 2: iq_group_few(w, v, xb, ra, 2, og, nv, y); return;
-    default: iq_group_few(w, v, xb, ra, 1, og, nv, y); return;
-    }
-}
-#endif
+/* few (iq_group_few, iq_tiles_few) of the rb - ra rows from ra (at most IQ_FEW), the count a
+ * constant in each case so the kernel is built for it */
+#define IQ_BY_ROWS(few, w, v, xb, ra, rb, og, nv, y)                                                       \
+    do {                                                                                               \
+        switch ((rb) - (ra)) {                                                                         \
+        case 4: few(w, v, xb, ra, 4, og, nv, y); break;                                                \
+        case 3: few(w, v, xb, ra, 3, og, nv, y); break;                                                \
+        case 2: few(w, v, xb, ra, 2, og, nv, y); break;                                                \
+        default: few(w, v, xb, ra, 1, og, nv, y); break;                                               \
+        }                                                                                              \
+    } while (0)

@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) void iq2_one_vals(const uint8_t *pu
 }
 
 /* iq_tiles_few of IQ2_XXS for the one row ra: the same products (iquant.c's iq_tiles_iq2_xxs
- * calls it: called from iq_tiles_rows, iq_tiles_few's 4 rows there ran at 0.95-0.97x) */
+ * calls it: called from the rows' dispatch, IQ_BY_ROWS, iq_tiles_few's 4 rows ran at 0.95-0.97x) */
 static __attribute__((noinline)) void iq2_tiles_one(const gl_weight *w, const xbuf *xb, int64_t ra,
                                                                 int64_t og, int nv, float *y) {
     const int64_t n = w->n, k = w->k, kb = k / 32, nsb = k / 256, tb = IQ_W * IQ_BYTES(IQ2_XXS);
@@ -363,15 +363,4 @@ static __attribute__((noinline)) void iq3_tiles_one(const gl_weight *w, const xb
 #else
 #define iq3_tiles_one(w, xb, ra, og, nv, y) ((void)0)
 #endif
-
-/* iq_tiles_few of rb - ra rows (at most IQ_FEW) */
-static inline __attribute__((always_inline)) void iq_tiles_rows(const gl_weight *w, const int v, const xbuf *xb,
-                                                                int64_t ra, int64_t rb, int64_t og, int nv, float *y) {
-    switch (rb - ra) {
-    case 4: iq_tiles_few(w, v, xb, ra, 4, og, nv, y); return;
-    case 3: iq_tiles_few(w, v, xb, ra, 3, og, nv, y); return;
-    case 2: iq_tiles_few(w, v, xb, ra, 2, og, nv, y); return;
-    default: iq_tiles_few(w, v, xb, ra, 1, og, nv, y); return;
-    }
-}
 #endif

@@ -162,7 +162,7 @@ static inline __m256i iq_signs(uint32_t sg) {
 #define IQ_FEW_OF(V, NAME)                                                                           \
     static __attribute__((noinline)) void NAME##_few(const gl_weight *w, const xbuf *xb, int64_t ra, \
                                                      int64_t rb, int64_t og, int nv, float *y) {     \
-        iq_few(w, V, xb, ra, rb, og, nv, y);                                                         \
+        IQ_BY_ROWS(iq_group_few, w, V, xb, ra, rb, og, nv, y);                                       \
     }
 #define IQ_FEW_CALL(V, NAME)                                                                         \
     if (rb - ra <= IQ_FEW_ROWS(V)) {                                                                 \
@@ -199,7 +199,7 @@ IQ_OUTPUTS_OF(IQ3_S, iq_outputs_iq3_s)
 #define IQ_TILES_OF(V, NAME)                                                                             \
     static __attribute__((noinline)) void NAME##_few(const gl_weight *w, const xbuf *xb, int64_t ra,     \
                                                      int64_t rb, int64_t og, int nv, float *y) {         \
-        iq_tiles_rows(w, V, xb, ra, rb, og, nv, y);                                                      \
+        IQ_BY_ROWS(iq_tiles_few, w, V, xb, ra, rb, og, nv, y);                                           \
     }                                                                                                    \
     static __attribute__((noinline)) void NAME##_lanes(const gl_weight *w, const xbuf *xb, int64_t ra,   \
                                                        int64_t rb, int64_t og, int nv, float *y) {       \
@@ -242,27 +242,15 @@ static void iq_task(const gl_weight *w, const xbuf *xb, int64_t M, int64_t ra, i
     }
 }
 
-/* Super-block p of type v dequantized into out (256 values): gguf's (scale * grid) * sign, in float32. */
+/* Super-block p of type v dequantized into out (256 values): gguf's (scale * grid) * sign, in float32
+ * (scale times the signed value: the same bits, negation being exact), from iq_nat's signed bytes. */
 static inline __attribute__((always_inline)) void iq_deq_sb(const uint8_t *p, const int v, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    float s[16];
-    __m256 a, b;
-    iq_scales(p, v, _cvtsh_ss(rd16(p)), &a, &b);
-    _mm256_storeu_ps(s, a);
-    _mm256_storeu_ps(s + 8, b);
-    for (int ib = 0; ib < 8; ib++) {
-        uint32_t sg;
-        uint8_t mag[32];
-        _mm256_storeu_si256((__m256i *)mag, iq_sub(p, v, ib, &sg));
-        float *o = out + ib * 32;
-        for (int j = 0; j < 4; j++) { /* 8 values: their sign bits -> -1.0 / 1.0 */
-            const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)(sg >> (8 * j))), bit), bit);
-            const __m256 sign = _mm256_or_ps(one, _mm256_castsi256_ps(_mm256_slli_epi32(set, 31)));
-            const __m256 gv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mag + 8 * j))));
-            const __m256 wv = _mm256_mul_ps(_mm256_set1_ps(s[2 * ib + j / 2]), gv);
-            _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(wv, sign));
-        }
+    int8_t nat[256];
+    float s16[16];
+    iq_nat(p, v, nat, s16);
+    for (int i = 0; i < 256; i += 8) {
+        const __m256 g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(nat + i))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set1_ps(s16[i / 16]), g));
     }
 }
 

@@ -17,6 +17,11 @@ With --depth D the sequence holds D positions of random keys and values first, a
 and the step's reads take in the cache blocks its attention reads (the issue's "weight + cache
 bytes a token"), so their share is that of a decode step at depth.
 
+With --lora FILE (repeatable) the adapters apply at scale 1 to the step's row, in the layers' one
+call and the step, whose reads take in the factors the delta reads (every adapted projection's,
+the chosen experts' on routed experts): the issue's "with an adapter" rows. The parts' rows stay
+the base products.
+
 With one thread the times are this thread's CPU time (a shared machine's descheduling is not
 counted), with more, wall time: run those on a quiet machine. Each part's products are called one
 by one from Python (about 10 us a call), where the step runs a layer in one native call: the
@@ -40,10 +45,12 @@ import torch
 from decode_step import fill_cache, room_for
 
 import graftlm
+from graftlm.lora.site import LoraSite
 from graftlm.models import Transformer
 from graftlm.models.moe import Experts, GatedExperts
 from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.quant import QWeight
+from graftlm.runtime.engine import lora_rows
 from graftlm.step.batch import Batch
 from graftlm.step.kv_cache import KV_TYPES, KVCache
 
@@ -112,6 +119,43 @@ def parts(model: Transformer, n_used: int, n_expert: int) -> dict[str, list[QWei
     return out
 
 
+def site_buffers(site: LoraSite | None) -> list[torch.Tensor]:
+    """The tensors a site's adapters' delta reads: each slot's packed factors (lora.packed) or,
+    where a slot has none, its float32 factors."""
+    if site is None:
+        return []
+    out: list[torch.Tensor] = []
+    for slot in site.slot_ids:
+        packed = site._packed.get(slot)
+        if packed is None:
+            out.extend(site._factors[slot])
+            continue
+        out += [p.data for p in packed.parts] + ([packed.a] if packed.a is not None else [])
+        out += list(packed.aq or ())
+    return out
+
+
+def adapter_buffers(model: Transformer, n_used: int, n_expert: int) -> list[torch.Tensor]:
+    """The adapters' factors a one-row step reads in the layers: every adapted projection's,
+    and on routed experts the n_used chosen experts' (as `parts` chooses them)."""
+    chosen = [e * n_expert // max(n_used, 1) for e in range(n_used)]
+    out: list[torch.Tensor] = []
+    for blk in model.blocks:
+        for v in vars(blk).values():
+            if isinstance(v, ProjectionGroup):
+                for p in v.projections():
+                    out += site_buffers(p.lora)
+            elif isinstance(v, Projection):
+                out += site_buffers(v.lora)
+            elif isinstance(v, GatedExperts) and v.stacked is None:
+                out += [
+                    t for part in v.parts for e in chosen for t in site_buffers(part.seams[e].lora)
+                ]
+            elif isinstance(v, Experts | GatedExperts):
+                out += [t for e in chosen for t in site_buffers(v.seams[e].lora)]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -119,6 +163,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--depth", type=int, default=0, help="positions the sequence holds")
     ap.add_argument("--cache-type", default="f16", choices=sorted(KV_TYPES))
+    ap.add_argument("--lora", action="append", default=[], metavar="FILE",
+                    help="an adapter at scale 1 on the step's row (repeatable); its factors' bytes "
+                    "count in the layers' and the step's reads")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -127,6 +174,9 @@ def main() -> None:
     loaded = graftlm.load(args.model, ctx_size=max(256, ctx), n_seq=1, cache_type=args.cache_type)
     model, cfg = loaded.model, loaded.model.cfg
     room_for(model, ctx, f"{args.model}: --depth {args.depth}")
+    for path in args.lora:
+        loaded.add_lora(path, 1.0)
+    rows = lora_rows([loaded.adapters.settings(None)], torch.device("cpu"))
     if args.depth:
         fill_cache(model.cache, args.depth)
     # (the steps' positions run from the depth to about 2 a round past it: the middle, read)
@@ -150,21 +200,25 @@ def main() -> None:
     def step() -> None:
         i = pos[0]
         pos[0] += 1
-        model.forward(Batch(torch.tensor([[5 + i]]), [0], [i], [1]))
+        model.forward(Batch(torch.tensor([[5 + i]]), [0], [i], [1], lora=rows))
 
     x = torch.randn(1, 1, cfg.n_embd)
 
     def layers() -> None:
         i = pos[0]
         pos[0] += 1
-        model.native_layers(x, Batch(torch.tensor([[5]]), [0], [i], [1]))
+        model.native_layers(x, Batch(torch.tensor([[5]]), [0], [i], [1], lora=rows))
 
     def bufs(ws: list[QWeight]) -> list[torch.Tensor]:
         return [t for w in ws for t in buffers(w)]
 
     # the step and the layers read the cache's keys and values too (at depth: what they are for)
-    every = bufs([w for ws in by_part.values() for w in ws]) + kv
-    in_layers = bufs([w for name, ws in by_part.items() if name != "output" for w in ws]) + kv
+    # (and the adapters' factors: the layers' sites, the chosen experts')
+    lora = adapter_buffers(model, cfg.n_expert_used, cfg.n_expert) if rows is not None else []
+    every = bufs([w for ws in by_part.values() for w in ws]) + kv + lora
+    in_layers = (
+        bufs([w for name, ws in by_part.items() if name != "output" for w in ws]) + kv + lora
+    )
     part_bufs = {name: bufs(ws) for name, ws in by_part.items()}
     runs: dict[str, tuple[Callable[[], None], Callable[[], None], list[torch.Tensor]]] = {
         name: (lambda ws=ws: products(ws), lambda ts=part_bufs[name]: reads(ts), part_bufs[name])
@@ -186,8 +240,11 @@ def main() -> None:
                     times.setdefault((name, kind), []).append(clock() - t0)
     what = "CPU time, one thread" if args.threads == 1 else f"wall time, {args.threads} threads"
     depth = f", depth {args.depth} ({args.cache_type} cache: {nbytes(kv) / 1e6:,.1f} MB)"
+    depth = depth if args.depth else ""
+    if lora:
+        depth += f", {len(args.lora)} adapter(s): {nbytes(lora) / 1e6:,.1f} MB of factors a step"
     print(f"{Path(args.model).name}: medians of {args.rounds} alternated rounds, {what}"
-          f"{depth if args.depth else ''}\n")  # fmt: skip
+          f"{depth}\n")  # fmt: skip
     print("| part | MB | products ms | GB/s | read ms | GB/s | share |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, (_, _, ts) in runs.items():

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graftlm.errors import RequestError
 from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
+from graftlm.lora.scales import scale_problem
 from graftlm.lora.settings import AdapterSettings
 
 
@@ -63,10 +64,58 @@ class AdapterEntry:
     # (resolved path, size, mtime) of a runtime load's file: another name loading the same file
     # shares this entry, one resident copy
     identity: tuple[str, int, int] | None = None
+    # (path, size, mtime) of the file `facts` were last read from (None: a PEFT folder, or not
+    # read here): kept when it is evicted, they speak for the file while it is unchanged
+    read_identity: tuple[str, int, int] | None = None
 
     @property
     def resident(self) -> bool:
         return self.id is not None
+
+    def known_facts(self) -> AdapterFacts | None:
+        """Its facts where they speak for what a request would get: its resident (or landing)
+        copy's, or its last read's while its file is unchanged; None for one never read here,
+        whose file changed since, or a PEFT folder not resident (a stat, off the hot path: only
+        for an adapter a request would read)."""
+        if self.id is not None or self.landing is not None:
+            return self.facts
+        if self.read_identity is None or file_identity(self.path) != self.read_identity:
+            return None
+        return self.facts
+
+    def label(self) -> str:
+        """How a refusal names it: "adapter ID (NAME)" while attached, else "adapter 'NAME'"."""
+        name = self.name[:64]
+        return f"adapter {self.id} ({name})" if self.id is not None else f"adapter {name!r}"
+
+
+# a request's own adapters and their scales (as the settings it would run with: zeros left out)
+Own = Sequence[tuple[AdapterEntry, float]]
+
+
+def own_scales(
+    named: AdapterEntry | None,
+    extra: Iterable[tuple[AdapterEntry, object]],
+    by_id: Iterable[tuple[AdapterEntry, object]],
+) -> list[tuple[AdapterEntry, float]]:
+    """The adapters a request sets its own scales on, as `AdapterRegistry.lease` lays them out
+    (the adapter named as the model at 1, then `lora` by name, then by id: a later one wins),
+    zeros and scales that are no valid number left out (`AdapterSet.settings` refuses those)."""
+    out: dict[int, tuple[AdapterEntry, float]] = {}
+    for e, s in [*([(named, 1.0)] if named is not None else []), *extra, *by_id]:
+        if isinstance(s, (int, float)) and not isinstance(s, bool):
+            out[id(e)] = (e, float(s))
+    return [(e, s) for e, s in out.values() if s != 0.0 and scale_problem(s) is None]
+
+
+def own_overflow(own: Own, facts: Mapping[int, AdapterFacts] | None = None) -> str | None:
+    """`together_overflow` on a request's own scales, each adapter's facts those of `facts`
+    (id(entry) -> facts, a read just made) or known (`AdapterEntry.known_facts`; unknown:
+    reach 0, so only what is known is refused): RequestError invalid_scale's words, or None."""
+    got = facts or {}
+    scaled = [(e.label(), got.get(id(e)) or e.known_facts(), s) for e, s in own]
+    problem = together_overflow(scaled, "this request")
+    return None if problem is None else f"lora: {problem}"
 
 
 @dataclass

@@ -17,8 +17,8 @@ from tiny_models import write_tiny_adapter
 
 from graftlm.errors import RequestError
 from graftlm.lora.adapter import F16_MAX
+from graftlm.lora.scales import together_overflow
 from graftlm.runtime.service import EngineService
-from graftlm.server.adapter_entries import together_overflow
 from graftlm.server.registry import AdapterRegistry
 
 

@@ -38,10 +38,10 @@ from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import PreparedAdapter
+from graftlm.lora.scales import GLOBAL, together_overflow
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
-    GLOBAL,
     AdapterEntry,
     Lease,
     Own,
@@ -52,7 +52,6 @@ from graftlm.server.adapter_entries import (
     file_identity,
     names_text,
     own_scales,
-    together_overflow,
 )
 from graftlm.server.adapter_reads import AdapterReads
 from graftlm.server.adapter_room import AdapterRoom

@@ -273,7 +273,7 @@ class Model:
         Everything is checked first: a refused adapter raises AdapterError and changes nothing."""
         with self.engine.lock:
             adapter = self.adapters.load(Path(path))
-            return self.adapters.attach(adapter, scale)
+            return self.adapters.attach(adapter, self.adapters.check_attach(adapter, scale))
 
     def remove_lora(self, adapter_id: int) -> None:
         with self.engine.lock:
@@ -294,14 +294,14 @@ class Model:
         """Raw logits (len(ids), n_vocab) after each prefix of ids, in one teacher-forced pass.
         `lora`: [{"id", "scale"}] for this call only (unlisted adapters at 0); None: the model's
         own scales."""
-        return self.scorer.logits(ids, self.adapters.settings(lora))
+        return self.scorer.logits(ids, self.adapters.call_settings(lora))
 
     def logprobs(
         self, ids: Sequence[int], top: int = 5, lora: list[dict[str, Any]] | None = None
     ) -> list[dict[str, Any]]:
         """For i in 1..len(ids)-1: the log-probability of ids[i] after ids[:i], and the `top` most
         likely tokens (at most the whole vocabulary)."""
-        return self.scorer.logprobs(ids, top, self.adapters.settings(lora))
+        return self.scorer.logprobs(ids, top, self.adapters.call_settings(lora))
 
     def embed(
         self, text: str | Sequence[int], lora: list[dict[str, Any]] | None = None
@@ -309,7 +309,7 @@ class Model:
         """The text's embedding: the mean of the final-norm hidden states over its tokens,
         L2-normalized (n_embd floats); `lora` as for `logits`."""
         ids = self.prompter.prompt_ids(text)
-        return self.scorer.embedding(ids, self.adapters.settings(lora))
+        return self.scorer.embedding(ids, self.adapters.call_settings(lora))
 
     def generate(
         self,
@@ -360,7 +360,7 @@ class Model:
             grammar=None if constraint is None else self.prompter.compile(constraint),
         )
         ids = self.prompter.prompt_ids(prompt)
-        pieces = self._run(ids, params, self.adapters.settings(lora))
+        pieces = self._run(ids, params, self.adapters.call_settings(lora))
         return pieces if stream else "".join(pieces)
 
     def chat(

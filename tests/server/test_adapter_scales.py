@@ -17,8 +17,9 @@ from tiny_models import write_tiny_adapter
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import AdapterFacts
+from graftlm.lora.scales import together_overflow
 from graftlm.runtime.service import EngineService
-from graftlm.server.adapter_entries import AdapterEntry, together_overflow
+from graftlm.server.adapter_entries import AdapterEntry
 from graftlm.server.registry import AdapterRegistry
 
 

@@ -19,14 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
-from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
+from graftlm.lora.adapter import EMBEDDING, F16_MAX, ResolvedAdapter
 from graftlm.lora.packed import PackedSlot, pack_many
-from graftlm.lora.scales import scale_problem
+from graftlm.lora.scales import Reaches, scale_problem, together_overflow
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Base
 
 log = logging.getLogger(__name__)
+
+# who the model's scales (`set_scales`, an adapter attached at a scale) reach: the calls with no
+# adapter settings of their own
+MODEL_SCALES = "every call at the model's scales"
 
 
 @dataclass
@@ -327,12 +331,60 @@ class AdapterSet:
                 raise error(f"{where}{exc}") from None
         return AdapterSettings(out)
 
+    def call_settings(self, lora: object) -> AdapterSettings:
+        """`settings` for one call of the Python API, whose own scales (`lora` not None) must
+        also keep its adapters' deltas within float16's range, alone and together: RequestError
+        invalid_scale naming the adapters, their scales and how far each may go, before any
+        step runs (it ended in "logits not finite"). None: the model's scales, checked when they
+        were set (`set_scales`, `check_attach`)."""
+        settings = self.settings(lora)
+        if lora is not None and (problem := self.overflow(settings, "this call")) is not None:
+            raise RequestError(f"lora: {problem}", "invalid_scale")
+        return settings
+
+    def overflow(
+        self,
+        scales: Mapping[int, float],
+        who: str = MODEL_SCALES,
+        new: tuple[str, ResolvedAdapter, float] | None = None,
+    ) -> str | None:
+        """Why the attached adapters at `scales` (ids checked), and `new` (one not attached yet:
+        how to name it, it, its scale), cannot apply together, `who` naming those that would
+        overflow (`together_overflow`); None when they can."""
+        attached = self.attached
+        pairs = [(i, a.adapter, s) for i, s in scales.items() if (a := attached.get(i))]
+        extra = [new] if new is not None else []
+        # (the usual case, settled on the sum of their largest reaches, as together_overflow
+        # does first: no names made for it)
+        if sum(abs(s) * r.reach for _, r, s in [*pairs, *extra]) <= F16_MAX:
+            return None
+        scaled: list[tuple[str, Reaches | None, float]] = [
+            (f"adapter {i} ({Path(r.path).name})", r, s) for i, r, s in pairs
+        ]
+        return together_overflow([*scaled, *extra], who)
+
+    def check_attach(self, adapter: ResolvedAdapter, scale: object, what: str = "") -> float:
+        """The scale a new adapter may be attached at (`attach`), as a float: a number within
+        float32's range whose delta stays within float16's range beside the adapters at the
+        model's scales; AdapterError otherwise (naming it by `what`, default its path)."""
+        what = what or str(adapter.path)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise AdapterError(f"{what}: scale must be a number, got {scale!r}")
+        if (problem := scale_problem(float(scale))) is not None:
+            raise AdapterError(f"{what}: scale {scale!r} {problem}")
+        if (problem := self.overflow(self.scales(), new=(what, adapter, float(scale)))) is not None:
+            raise AdapterError(problem)
+        return float(scale)
+
     def set_scales(self, scales: Mapping[int, float]) -> None:
         """llama-server's POST /lora-adapters: the listed adapters get these scales, the rest 0.
-        AdapterSettings were checked when they were built; any other mapping is checked here
-        (AdapterError, and nothing changes)."""
+        AdapterSettings were checked when they were built (the server's registry checks their
+        range, `together_overflow`); any other mapping is checked here, ids, values and range
+        together (AdapterError, and nothing changes)."""
         if not isinstance(scales, AdapterSettings):
             scales = self.settings(scales, error=AdapterError)
+            if (problem := self.overflow(scales)) is not None:
+                raise AdapterError(problem)
         with self._lock:  # (an attach beside the step adds to `attached`)
             for i, a in self.attached.items():
                 a.scale = scales.get(i, 0.0)

@@ -4,14 +4,13 @@ words what it refuses."""
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from graftlm.errors import RequestError
-from graftlm.lora.adapter import F16_MAX
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter
+from graftlm.lora.scales import scale_problem, together_overflow
 from graftlm.lora.settings import AdapterSettings
 
 
@@ -63,10 +62,58 @@ class AdapterEntry:
     # (resolved path, size, mtime) of a runtime load's file: another name loading the same file
     # shares this entry, one resident copy
     identity: tuple[str, int, int] | None = None
+    # (path, size, mtime) of the file `facts` were last read from (None: a PEFT folder, or not
+    # read here): kept when it is evicted, they speak for the file while it is unchanged
+    read_identity: tuple[str, int, int] | None = None
 
     @property
     def resident(self) -> bool:
         return self.id is not None
+
+    def known_facts(self) -> AdapterFacts | None:
+        """Its facts where they speak for what a request would get: its resident (or landing)
+        copy's, or its last read's while its file is unchanged; None for one never read here,
+        whose file changed since, or a PEFT folder not resident (a stat, off the hot path: only
+        for an adapter a request would read)."""
+        if self.id is not None or self.landing is not None:
+            return self.facts
+        if self.read_identity is None or file_identity(self.path) != self.read_identity:
+            return None
+        return self.facts
+
+    def label(self) -> str:
+        """How a refusal names it: "adapter ID (NAME)" while attached, else "adapter 'NAME'"."""
+        name = self.name[:64]
+        return f"adapter {self.id} ({name})" if self.id is not None else f"adapter {name!r}"
+
+
+# a request's own adapters and their scales (as the settings it would run with: zeros left out)
+Own = Sequence[tuple[AdapterEntry, float]]
+
+
+def own_scales(
+    named: AdapterEntry | None,
+    extra: Iterable[tuple[AdapterEntry, object]],
+    by_id: Iterable[tuple[AdapterEntry, object]],
+) -> list[tuple[AdapterEntry, float]]:
+    """The adapters a request sets its own scales on, as `AdapterRegistry.lease` lays them out
+    (the adapter named as the model at 1, then `lora` by name, then by id: a later one wins),
+    zeros and scales that are no valid number left out (`AdapterSet.settings` refuses those)."""
+    out: dict[int, tuple[AdapterEntry, float]] = {}
+    for e, s in [*([(named, 1.0)] if named is not None else []), *extra, *by_id]:
+        if isinstance(s, (int, float)) and not isinstance(s, bool):
+            out[id(e)] = (e, float(s))
+    return [(e, s) for e, s in out.values() if s != 0.0 and scale_problem(s) is None]
+
+
+def own_overflow(own: Own, facts: Mapping[int, AdapterFacts] | None = None) -> str | None:
+    """`together_overflow` on a request's own scales, each adapter's facts those of `facts`
+    (id(entry) -> facts, a read just made) or known (`AdapterEntry.known_facts`; unknown:
+    reach 0, so only what is known is refused): RequestError invalid_scale's words, or None."""
+    got = facts or {}
+    scaled = [(e.label(), got.get(id(e)) or e.known_facts(), s) for e, s in own]
+    problem = together_overflow(scaled, "this request")
+    return None if problem is None else f"lora: {problem}"
 
 
 @dataclass
@@ -152,80 +199,6 @@ def memory_problem(
         f"this request's adapters take {total} bytes at once ({each}){beside}; "
         f"the LoRA budget is {max_bytes} bytes (--max-lora-memory)"
     )
-
-
-GLOBAL = "every request at the global scales"  # (those a global scale past range hurts)
-
-
-def scale_overflow(
-    what: str, facts: AdapterFacts | None, scale: float, who: str = GLOBAL
-) -> str | None:
-    """Why `scale` cannot be an adapter's scale, or None: past F16_MAX / its reach, its delta on
-    an input of +-1 values leaves float16's range, and every request at the global scales would
-    end in a 400 'logits not finite' until they were reset (llama-server and PEFT take any
-    number). `who` names those that would overflow: a request's own scales are checked too
-    (`AdapterRegistry.lease`), a clear 400 before its prompt is computed."""
-    reach = facts.reach if facts is not None else 0.0
-    if abs(scale) * reach <= F16_MAX:
-        return None
-    return (
-        f"{what}: scale {scale:g} takes its delta to "
-        f"{abs(scale) * reach:.3g} on an input of +-1 values, past float16's range "
-        f"({F16_MAX:g}): {who} would overflow; on such an input its scale stays within range "
-        f"up to {F16_MAX / reach:.4g} in magnitude (a bound for one input of +-1 values, not a "
-        "guarantee for every input)"
-    )
-
-
-def together_overflow(
-    scaled: list[tuple[str, AdapterFacts | None, float]], who: str = GLOBAL
-) -> str | None:
-    """Why adapters cannot have these scales together ((what names one, its facts, its scale)),
-    or None: one past its own range (`scale_overflow`), or where several apply together, a
-    projection (or the embedding) where the sum of their reaches times their scales' magnitudes
-    leaves float16's range (each alone may be within it): `who` (every request at the global
-    scales, or the one request whose own scales they are) would overflow there. The sum bounds
-    their summed deltas on the input each reach is measured on, as each reach does one delta's;
-    only deltas that reach the same output rows add up (a Q-only and a V-only adapter on one
-    fused QKV projection do not: `AdapterFacts.rows`)."""
-    for what, facts, scale in scaled:
-        if (problem := scale_overflow(what, facts, scale, who)) is not None:
-            return problem
-    # (checked on every request that sets its own scales: the sum of their largest reaches
-    # bounds every site's sum, and settles the usual case without a look at the sites)
-    if sum(abs(s) * f.reach for _, f, s in scaled if f is not None) <= F16_MAX:
-        return None
-    # site -> (lo, hi, |scale| x reach, which adapter at which scale)
-    spans: dict[str, list[tuple[float, float, float, str]]] = {}
-    for what, facts, scale in scaled:
-        if facts is None or scale == 0.0:
-            continue
-        label = f"{what} at scale {scale:g}"
-        for site, reach in facts.reaches.items():
-            lo, hi = facts.rows.get(site, (0, math.inf))
-            spans.setdefault(site, []).append((lo, hi, abs(scale) * reach, label))
-    worst = {site: _most_on_one_row([p[:3] for p in parts]) for site, parts in spans.items()}
-    where = max(worst, key=lambda k: worst[k][0], default=None)
-    if where is None or worst[where][0] <= F16_MAX:
-        return None
-    total, row = worst[where]
-    on = [p for p in spans[where] if p[0] <= row < p[1] and p[2] > 0.0]
-    first, end = max(p[0] for p in on), min(p[1] for p in on)  # (the rows all of `on` reach)
-    rows = f"rows [{first:g}, {end:g}) of {where}" if end < math.inf else where
-    return (
-        f"{', '.join(p[3] for p in on)}: together their deltas on {rows} reach {total:.3g} on "
-        f"an input of +-1 values (their reaches there times their scales, summed), past "
-        f"float16's range ({F16_MAX:g}): {who} would overflow, though each is within range "
-        "alone (a bound for one input of +-1 values, not a guarantee for every input)"
-    )
-
-
-def _most_on_one_row(parts: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """The largest sum of the values of the spans [lo, hi) that share a row, and that row (the
-    first of the rows with that sum): (0, 0) for none."""
-    starts = sorted({lo for lo, hi, _ in parts if lo < hi})
-    sums = [(sum(v for lo, hi, v in parts if lo <= x < hi), x) for x in starts]
-    return max(sums, key=lambda s: s[0], default=(0.0, 0.0))
 
 
 def adapter_list(by_id: Mapping[int, AdapterEntry], scales: Mapping[int, float]) -> list[dict]:

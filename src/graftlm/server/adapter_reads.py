@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, bytes_floor, one_thread, rank_floor
-from graftlm.server.adapter_entries import AdapterEntry, Read, memory_problem
+from graftlm.server.adapter_entries import (
+    AdapterEntry,
+    Own,
+    Read,
+    file_identity,
+    memory_problem,
+    own_overflow,
+)
 
 if TYPE_CHECKING:
     from graftlm.lora.adapter_set import AdapterSet
@@ -72,17 +79,30 @@ class AdapterReads:
     async def _read_checked(self, entry: AdapterEntry) -> Read:
         t0 = time.perf_counter()
         try:
-            prepared, read = await self._read(entry)
+            prepared, read, identity = await self._read(entry)
             self._check_rank(prepared.facts)
         except AdapterError as e:  # the file names the path: the request knows the name
             raise AdapterError(f"adapter {entry.name!r}: {e}") from e
         except RequestError as e:
             raise RequestError(f"adapter {entry.name!r}: {e}", e.code) from e
+        # kept, attached or not: a request whose own scales would overflow is refused on them
+        # before the adapter takes room or is read again (`_check_own`)
+        entry.facts, entry.read_identity = prepared.facts, identity
         return prepared, read, t0
 
-    async def _read(self, entry: AdapterEntry) -> tuple[PreparedAdapter, float]:
+    def _check_own(self, own: Own, read: Mapping[int, Read]) -> None:
+        """A RequestError (400 invalid_scale) when a request's own scales overflow on the facts
+        known of its adapters (`read`: those just read): before it takes room (evicting
+        another) or reads again an adapter whose facts are known (`own_overflow`)."""
+        if own and (problem := own_overflow(own, {k: r[0].facts for k, r in read.items()})):
+            raise RequestError(problem, "invalid_scale")
+
+    async def _read(
+        self, entry: AdapterEntry
+    ) -> tuple[PreparedAdapter, float, tuple[str, int, int] | None]:
         """The adapter read, checked and packed in a worker thread (off the event loop and the
-        engine thread), and the seconds the read itself took.
+        engine thread), the seconds the read itself took, and its file's identity (path, size,
+        mtime: `file_identity`) taken before the read.
 
         One read at a time: reads hold the interpreter's lock most of the time, so side by side
         they only take turns, every one of them ending late (16 arriving together each took
@@ -93,9 +113,11 @@ class AdapterReads:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
         started: list[float] = []
+        identity: list[tuple[str, int, int] | None] = []
 
         def read() -> PreparedAdapter:
             started.append(time.perf_counter())
+            identity.append(file_identity(entry.path))  # (one changed while read: no match later)
             with one_thread():  # (the cores are the engine's)
                 self._check_rank_floor(entry.path)  # (before the factors are read)
                 self._check_bytes_floor(entry.path)
@@ -115,7 +137,7 @@ class AdapterReads:
                 f"reading adapter {entry.name!r} took more than {self.load_timeout_s:g} s",
                 "adapter_load_timeout",
             ) from None
-        return prepared, time.perf_counter() - started[0]
+        return prepared, time.perf_counter() - started[0], identity[0]
 
     def _check_rank_floor(self, path: str) -> None:
         if self.max_rank is None:

@@ -32,25 +32,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import PreparedAdapter
+from graftlm.lora.scales import GLOBAL, together_overflow
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
-    GLOBAL,
     AdapterEntry,
     Lease,
+    Own,
     Read,
     UnknownModelError,
     adapter_list,
     count_problem,
     file_identity,
     names_text,
-    together_overflow,
+    own_scales,
 )
 from graftlm.server.adapter_reads import AdapterReads
 from graftlm.server.adapter_room import AdapterRoom
@@ -197,7 +198,9 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
             self.adapters.settings(lora, among=self.by_id, where="lora: ")
         by_id = [(self.by_id[i], s) for i, s in (lora or {}).items()]
         held = list({id(e): e for e in needed + [e for e, _ in by_id]}.values())
-        await self._take(held)  # all of them resident and held, or none held
+        # all of them resident and held, or none held (its own scales checked on what is known
+        # of those not resident before they take room: `_take`)
+        await self._take(held, own=lambda: own_scales(entry, extra, by_id))
         named = {entry.id: 1.0} if entry is not None and entry.id is not None else {}
         listed = {e.id: scale for e, scale in extra if e.id is not None}
         # (a later entry wins, as in the list; one evicted and attached again meanwhile: its new id)
@@ -354,7 +357,9 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         if entry.resident and entry.refs == 0:
             self._drop_later(entry)
 
-    async def _take(self, needed: list[AdapterEntry], hold: bool = True) -> None:
+    async def _take(
+        self, needed: list[AdapterEntry], hold: bool = True, own: Callable[[], Own] | None = None
+    ) -> None:
         """Every adapter of `needed` resident and, with hold, held (a reference each): all at
         once or none. A request that held some while it waited for room for the others could
         wait on another doing the same, both until their 503s. The reads go first, holding
@@ -372,13 +377,20 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         that arrived while it waited, as a new request would (its place is not kept). Read
         again, an adapter whose file was removed or broken since its first read fails this
         request (a 4xx/5xx naming the adapter and the file, as any read), where it would have
-        been served had it not been held back."""
+        been served had it not been held back.
+
+        `own()`, asked only when one of `needed` is not resident: the request's own scales,
+        checked on the facts known of its adapters (kept from their last reads while their files
+        are unchanged) before any read, and on those just read before they take room: one that
+        would overflow is a 400 that evicts nobody (`_check_own`)."""
         if hold and self.yields(needed):
             with self._queued():
                 await self._held_back(needed)
         if any(e.id is None for e in needed):
+            scales = own() if own is not None else ()
+            self._check_own(scales, {})
             with self._queued():
-                await self._arrive(needed)
+                await self._arrive(needed, scales)
         if hold:  # (no await since every one of them was seen resident)
             for e in needed:
                 e.refs += 1
@@ -392,12 +404,13 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         finally:
             self.queued -= 1
 
-    async def _arrive(self, needed: list[AdapterEntry]) -> None:
+    async def _arrive(self, needed: list[AdapterEntry], own: Own) -> None:
         """Every adapter of `needed` read and attached, through the admission at least once;
         returns (no await after) when all of them are resident."""
         for _ in range(8):
             try:
                 read = await self._read_all(needed)
+                self._check_own(own, read)
                 self._check_memory(needed, read)
                 await self._bring(needed, read)
             finally:

@@ -285,9 +285,11 @@ class Model:
         return self.adapters.info()
 
     def set_lora_scales(self, scales: dict[int, float]) -> None:
-        """Set the model's adapter scales; adapters not listed go to 0 (llama-server semantics)."""
-        with self.engine.lock:
-            self.adapters.set_scales(scales)
+        """Set the model's adapter scales; adapters not listed go to 0 (llama-server semantics).
+        Checked (ids, values, float16 range alone and together) whatever mapping they come in:
+        AdapterError, and nothing changes."""
+        with self.engine.lock:  # (a plain dict: set_scales takes AdapterSettings as checked)
+            self.adapters.set_scales(dict(scales.items()))
 
     # -- scoring and generation ------------------------------------------------------------------
     def logits(self, ids: Sequence[int], lora: list[dict[str, Any]] | None = None) -> torch.Tensor:

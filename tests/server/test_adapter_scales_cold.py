@@ -92,13 +92,39 @@ def test_an_overflowing_scale_on_an_adapter_not_resident_evicts_nothing(
     asyncio.run(go())
 
 
+def test_a_scale_out_of_float32s_range_by_name_evicts_nothing(
+    svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lora` by name at 1e39 (valid JSON, past float32's range) on an adapter not resident read
+    it and evicted alpha before the 400: it is refused before anything is read."""
+    reads = _counted_reads(svc, monkeypatch)
+
+    async def go() -> None:
+        reg = tiny_registry(svc, tiny_files, max_loras=2)
+        for name in ("alpha", "beta"):
+            reg.release(await reg.lease(name, None, BASE))
+        resident = {e.name: e.id for e in reg.by_id.values()}
+        for bad, why in ((1e39, "beyond float32's range"), (float("nan"), "not a finite number")):
+            with pytest.raises(RequestError, match=f"lora: adapter 'gamma': scale .* {why}"):
+                await reg.lease(None, None, BASE, {"gamma": bad})
+        with pytest.raises(RequestError, match="adapter 'gamma': scale must be a number"):
+            await reg.lease(None, None, BASE, {"gamma": "2"})  # type: ignore[dict-item]
+        assert reads == ["alpha", "beta"]
+        _undisturbed(reg, resident)
+        await settled(svc, reg)
+
+    asyncio.run(go())
+
+
 def test_an_adapter_replaced_on_disk_is_checked_on_its_new_facts(
-    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path
+    svc: EngineService, tiny_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The facts kept for an evicted adapter speak for its file only while the file is the one
-    read (path, size, mtime): replaced by one of a tenth of the reach, the scale its old facts
-    refused is read and served, not refused on what the file was; a scale past the new
-    reach is refused after that read, still evicting nothing."""
+    read (`file_identity`): replaced by one of a tenth of the reach, of the same size and given
+    the old mtime back (as `cp -p` or `rsync -a` would), the scale its old facts refused is read
+    and served, not refused on what the file was; a scale past the new reach is refused after
+    that read, still evicting nothing."""
+    reads = _counted_reads(svc, monkeypatch)
     path = tmp_path / "x.gguf"
     shutil.copyfile(tiny_files["alpha"], path)
 
@@ -115,10 +141,12 @@ def test_an_adapter_replaced_on_disk_is_checked_on_its_new_facts(
             await reg.lease(None, None, BASE, {"x": scale})
         tenth = write_tiny_adapter(tmp_path / "tenth.gguf", SPEC, alpha=0.8, seed=12)
         stat = path.stat()
+        assert tenth.stat().st_size == stat.st_size
         os.replace(tenth, path)
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert reads == ["x", "beta"]
         lease = await reg.lease(None, None, BASE, {"x": scale})
-        assert lease.labels == ["x"]
+        assert lease.labels == ["x"] and reads == ["x", "beta", "x"]
         reg.release(lease)
         new = reg.names["x"].facts
         assert new is not None and new.reach == pytest.approx(old.reach / 10)
@@ -127,6 +155,7 @@ def test_an_adapter_replaced_on_disk_is_checked_on_its_new_facts(
         resident = {e.name: e.id for e in reg.by_id.values()}
         with pytest.raises(RequestError, match="adapter 'x': scale"):
             await reg.lease(None, None, BASE, {"x": 20 * scale})
+        assert reads == ["x", "beta", "x", "beta", "x"]  # (refused after a read of the new file)
         _undisturbed(reg, resident)
         await settled(svc, reg)
 

@@ -21,7 +21,7 @@ from typing import Any
 from graftlm.errors import AdapterError, GraftError, RequestError
 from graftlm.lora.adapter import EMBEDDING, F16_MAX, ResolvedAdapter
 from graftlm.lora.packed import PackedSlot, pack_many
-from graftlm.lora.scales import Reaches, scale_problem, together_overflow
+from graftlm.lora.scales import Reaches, checked_scale, together_overflow
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Base
@@ -287,12 +287,7 @@ class AdapterSet:
             or adapter_id not in among
         ):
             raise AdapterError(f"unknown adapter id {adapter_id!r}; {self.describe_ids(among)}")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise AdapterError(f"adapter {adapter_id}: scale must be a number, got {scale!r}")
-        problem = scale_problem(float(scale))
-        if problem is not None:
-            raise AdapterError(f"adapter {adapter_id}: scale {scale!r} {problem}")
-        return float(scale)
+        return checked_scale(scale, f"adapter {adapter_id}")
 
     def settings(
         self,
@@ -368,13 +363,10 @@ class AdapterSet:
         float32's range whose delta stays within float16's range beside the adapters at the
         model's scales; AdapterError otherwise (naming it by `what`, default its path)."""
         what = what or str(adapter.path)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise AdapterError(f"{what}: scale must be a number, got {scale!r}")
-        if (problem := scale_problem(float(scale))) is not None:
-            raise AdapterError(f"{what}: scale {scale!r} {problem}")
-        if (problem := self.overflow(self.scales(), new=(what, adapter, float(scale)))) is not None:
+        value = checked_scale(scale, what)
+        if (problem := self.overflow(self.scales(), new=(what, adapter, value))) is not None:
             raise AdapterError(problem)
-        return float(scale)
+        return value
 
     def set_scales(self, scales: Mapping[int, float]) -> None:
         """llama-server's POST /lora-adapters: the listed adapters get these scales, the rest 0.

@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from graftlm.errors import AdapterError
 from graftlm.lora.adapter import F16_MAX
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -22,6 +23,16 @@ def scale_problem(value: float) -> str | None:
     if abs(value) > FLOAT32_MAX:
         return "is beyond float32's range (|scale| <= 3.4e38)"
     return None
+
+
+def checked_scale(scale: object, what: str) -> float:
+    """`scale` as a float where it is a number that `scale_problem` passes; AdapterError naming
+    `what` (the adapter) and the value otherwise."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise AdapterError(f"{what}: scale must be a number, got {scale!r}")
+    if (problem := scale_problem(float(scale))) is not None:
+        raise AdapterError(f"{what}: scale {scale!r} {problem}")
+    return float(scale)
 
 
 class Reaches(Protocol):

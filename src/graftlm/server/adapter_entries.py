@@ -21,15 +21,23 @@ class UnknownModelError(RequestError):
         super().__init__(message, "model_not_found")
 
 
-def file_identity(path: str) -> tuple[str, int, int] | None:
-    """(resolved path, size, mtime in ns) of an adapter file, or None (a PEFT folder, a path that
-    cannot be read: the read says why)."""
+# an adapter file as `file_identity` knows it: (resolved path, device, inode, size, mtime, ctime)
+FileIdentity = tuple[str, int, int, int, int, int]
+
+
+def file_identity(path: str) -> FileIdentity | None:
+    """(resolved path, device, inode, size, mtime and ctime in ns) of an adapter file, or None (a
+    PEFT folder, a path that cannot be read: the read says why). A file replaced by a rename is
+    another inode, one written in place a later ctime (which no tool sets back, as `cp -p` or
+    `rsync -a` set the mtime): either is another identity, whatever its size and mtime."""
     try:
         p = Path(path).resolve()
         st = p.stat()
     except OSError:
         return None
-    return (str(p), st.st_size, st.st_mtime_ns) if p.is_file() else None
+    if not p.is_file():
+        return None
+    return (str(p), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def names_text(names: list[str], most: int = 20) -> str:
@@ -59,12 +67,12 @@ class AdapterEntry:
     # requests waiting for its attach: it is not evicted until they hold it (or it came and
     # went before they woke up, again and again, under a budget thrashed by other adapters)
     waiting: int = 0
-    # (resolved path, size, mtime) of a runtime load's file: another name loading the same file
+    # (`file_identity`) of a runtime load's file: another name loading the same file
     # shares this entry, one resident copy
-    identity: tuple[str, int, int] | None = None
-    # (path, size, mtime) of the file `facts` were last read from (None: a PEFT folder, or not
+    identity: FileIdentity | None = None
+    # (`file_identity`) of the file `facts` were last read from (None: a PEFT folder, or not
     # read here): kept when it is evicted, they speak for the file while it is unchanged
-    read_identity: tuple[str, int, int] | None = None
+    read_identity: FileIdentity | None = None
 
     @property
     def resident(self) -> bool:
@@ -111,6 +119,12 @@ def own_overflow(own: Own, facts: Mapping[int, AdapterFacts] | None = None) -> s
     (id(entry) -> facts, a read just made) or known (`AdapterEntry.known_facts`; unknown:
     reach 0, so only what is known is refused): RequestError invalid_scale's words, or None."""
     got = facts or {}
+    # first on every kept fact, unchecked (no file is looked at): the usual request passes here,
+    # its checked facts being these or fewer (an unknown one reaches 0); only one that would be
+    # refused has its kept facts checked against its file (a stat each: `known_facts`)
+    scaled = [(e.label(), got.get(id(e)) or e.facts, s) for e, s in own]
+    if together_overflow(scaled, "this request") is None:
+        return None
     scaled = [(e.label(), got.get(id(e)) or e.known_facts(), s) for e, s in own]
     problem = together_overflow(scaled, "this request")
     return None if problem is None else f"lora: {problem}"

@@ -14,6 +14,7 @@ from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import AdapterFacts, PreparedAdapter, bytes_floor, one_thread, rank_floor
 from graftlm.server.adapter_entries import (
     AdapterEntry,
+    FileIdentity,
     Own,
     Read,
     file_identity,
@@ -99,10 +100,10 @@ class AdapterReads:
 
     async def _read(
         self, entry: AdapterEntry
-    ) -> tuple[PreparedAdapter, float, tuple[str, int, int] | None]:
+    ) -> tuple[PreparedAdapter, float, FileIdentity | None]:
         """The adapter read, checked and packed in a worker thread (off the event loop and the
-        engine thread), the seconds the read itself took, and its file's identity (path, size,
-        mtime: `file_identity`) taken before the read.
+        engine thread), the seconds the read itself took, and its file's identity
+        (`file_identity`) taken before the read.
 
         One read at a time: reads hold the interpreter's lock most of the time, so side by side
         they only take turns, every one of them ending late (16 arriving together each took
@@ -113,7 +114,7 @@ class AdapterReads:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.load_timeout_s
         started: list[float] = []
-        identity: list[tuple[str, int, int] | None] = []
+        identity: list[FileIdentity | None] = []
 
         def read() -> PreparedAdapter:
             started.append(time.perf_counter())

@@ -38,7 +38,7 @@ from typing import Any
 
 from graftlm.errors import AdapterError, RequestError
 from graftlm.lora.prepare import PreparedAdapter
-from graftlm.lora.scales import GLOBAL, together_overflow
+from graftlm.lora.scales import GLOBAL, checked_scale, together_overflow
 from graftlm.lora.settings import NO_ADAPTERS, AdapterSettings
 from graftlm.runtime.service import EngineService
 from graftlm.server.adapter_entries import (
@@ -188,6 +188,10 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
                     f"lora: no adapter named {name[:200]!r}{what}; adapters: "
                     f"{names_text(sorted(self.names))}"
                 )
+            try:  # (before anything is read or evicted for it)
+                checked_scale(scale, f"adapter {name[:200]!r}")
+            except AdapterError as exc:
+                raise RequestError(f"lora: {exc}") from None
             extra.append((e, scale))
         needed = [e for e, _ in extra] + ([entry] if entry is not None else [])
         too_many = count_problem(needed, lora, self.by_id, self.max_loras, self.adapters.scales())

@@ -258,6 +258,7 @@ def test_native_decode_layer_adds_the_expert_delta(
     monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     one_by_one = _decode_steps(model, rows)
     monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    monkeypatch.setattr(Transformer, "native_routed_ffn", lambda self, i, h, batch: None)
     chosen: list[torch.Tensor] = []  # each composed routed FFN's experts of each row
     mix = moe.mix_experts
 
@@ -487,9 +488,12 @@ def test_prompt_expert_products_take_one_pass(
     batch on different adapters and scales picking the same experts, a row without, a row at
     scale 0 equal to no adapter."""
     from graftlm.models import moe, seam
+    from graftlm.models.base import Transformer
     from graftlm.native import library
     from graftlm.step.batch import Batch, LoraRows
 
+    # the composed routed FFN (a prompt's is native where its layer's struct serves it)
+    monkeypatch.setattr(Transformer, "native_routed_ffn", lambda self, i, h, batch: None)
     settings = [{0: 1.0}, {0: -0.5}, {1: 0.25, 0: 0.5}, {}, {0: 0.0}]
     n = len(settings)
     m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=n)
@@ -533,3 +537,50 @@ def test_prompt_expert_products_take_one_pass(
     assert torch.equal(got[False, 1][3], plain[3]) and torch.equal(got[False, 1][4], plain[4])
     for r in range(3):  # (an adapter on the wrong row moves the logits by ~1)
         assert not torch.allclose(got[False, 1][r], plain[r], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "f32"])
+def test_prompt_routed_ffn_in_one_native_call(made: dict[str, Any], quant: str) -> None:
+    """A prompt's routed FFN in one native call a layer (gl_moe_ffn) against the composed one
+    (moe_ffn): rows on different adapters and scales, a row without (routed_twins)."""
+    from routed_twins import check_twins
+
+    m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=4)
+    a = m.add_lora(made["tmp"] / "params", 0.0)
+    b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])
+
+
+TWINS = """
+import sys, torch, graftlm
+from routed_twins import check_twins
+from graftlm.native import isa
+torch.set_num_threads(1)
+m = graftlm.load(sys.argv[1], ctx_size=64, n_seq=4)
+a, b = m.add_lora(sys.argv[2], 0.0), m.add_lora(sys.argv[3], 0.0)
+check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])
+print(isa())
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "ymm"])
+def test_prompt_routed_ffn_of_the_other_builds(made: dict[str, Any], isa: str) -> None:
+    """test_prompt_routed_ffn_in_one_native_call on the AVX2 and ymm-only builds, in a
+    subprocess each (as tests/native/test_isa.py builds them)."""
+    import os
+
+    from graftlm.native import features
+
+    if not features():
+        pytest.skip("this CPU's variant is the AVX2 one")
+    if isa == "ymm" and "zmm-vnni" not in features():
+        pytest.skip("no 512-bit VNNI kernels on this CPU: the ymm variant is this one")
+    env = {**os.environ, "GRAFTLM_NATIVE_ISA": isa, "GRAFTLM_AMX_ROWS": "0"}
+    here = str(Path(__file__).resolve().parents[1])  # routed_twins, made_families: tests/'s
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    path = made["base"].parent / "model-q8_0.gguf"
+    args = [str(path), str(made["tmp"] / "params"), str(made["tmp"] / "lora.gguf")]
+    done = subprocess.run([sys.executable, "-c", TWINS, *args], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == isa

@@ -181,6 +181,7 @@ def test_native_decode_layer_adds_the_expert_delta(
         assert not torch.allclose(fused[-1][r], plain[-1][r], rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     monkeypatch.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    monkeypatch.setattr(Transformer, "native_routed_ffn", lambda self, i, h, batch: None)
     composed = _decode_steps(model, rows)
     for f, k in zip(fused, composed, strict=True):
         torch.testing.assert_close(f, k, rtol=1e-4, atol=1e-4)
@@ -484,3 +485,21 @@ def test_target_parameters_of_differing_ranks_name_the_tensors(
     assert str(cut) in msg and "rank 2: blk.1.ffn_down_exps.weight;" in msg
     assert f"rank {R}: blk.0.ffn_down_exps.weight" in msg
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "f32", "mxfp4"])
+def test_prompt_routed_ffn_in_one_native_call(
+    made: dict[str, Any], quant: str, tmp_path: Path
+) -> None:
+    """gpt-oss's prompt routed FFN (biases, clamped SwiGLU, the softmax of the chosen) in one
+    native call a layer (gl_moe_ffn) against routed_ffn: rows on different adapters and
+    scales, a row without (routed_twins)."""
+    from routed_twins import check_twins
+
+    path = made["folder"] / f"model-{quant}.gguf"
+    if quant == "mxfp4":
+        path = _mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
+    m = graftlm.load(path, ctx_size=64, n_seq=4)
+    a = m.add_lora(made["tmp"] / "params", 0.0)
+    b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
+    check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])

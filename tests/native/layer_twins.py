@@ -8,11 +8,13 @@ import torch
 
 
 def compose(mp: pytest.MonkeyPatch) -> None:
-    """From here on the model runs its PyTorch blocks: no native layer, alone or all at once."""
+    """From here on the model runs its PyTorch blocks: no native layer, alone or all at once,
+    and no native routed FFN (a prompt's)."""
     from graftlm.models.base import Transformer
 
     mp.setattr(Transformer, "native_layers", lambda self, x, batch: None)
     mp.setattr(Transformer, "native_block", lambda self, i, x, batch: None)
+    mp.setattr(Transformer, "native_routed_ffn", lambda self, i, h, batch: None)
 
 
 def q8_x(x: torch.Tensor) -> torch.Tensor:

@@ -217,6 +217,45 @@ def test_fused_layer_serves_the_routed_experts(
 
 
 @pytest.mark.parametrize("family", list(ROUTED))
+def test_prompts_take_the_native_routed_ffn(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt step (two rows of 11 tokens) runs every layer's routed FFN in one native call
+    (FusedLayer.routed_ffn), its logits within 1e-4 of the composed routed FFN's
+    (GRAFTLM_NATIVE_MOE_PROMPT=0's); an exact step (scoring) takes the composed one."""
+    from made_families import tiny_dir
+
+    from graftlm.models import fused
+
+    d = tiny_dir(family)
+    if d is None:
+        pytest.skip(f"the tiny {family} is not available here")
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
+    model = m.model
+    served: list[bool] = []
+    routed = fused.FusedLayer.routed_ffn
+
+    def spy(self: fused.FusedLayer, *args: object) -> torch.Tensor | None:
+        y = routed(self, *args)  # type: ignore[arg-type]
+        served.append(y is not None)
+        return y
+
+    monkeypatch.setattr(fused.FusedLayer, "routed_ffn", spy)
+    tokens = torch.tensor([[(5 * j + 7 * s) % 50 + 3 for j in range(11)] for s in range(2)])
+
+    def run(exact: bool = False) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.forward(Batch(tokens, [0, 1], [0, 0], [11, 11], exact=exact), True)
+
+    native = run()
+    assert served == [True] * m.config.n_layer
+    monkeypatch.setattr(fused, "NATIVE_ROUTED_FFN", False)
+    torch.testing.assert_close(native, run(), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(fused, "NATIVE_ROUTED_FFN", True)
+    served.clear()
+    run(exact=True)
+    assert served == [False] * m.config.n_layer
+
+
+@pytest.mark.parametrize("family", list(ROUTED))
 def test_routed_experts_by_whole_jobs_are_the_shared_steps(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

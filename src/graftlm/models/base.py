@@ -22,6 +22,8 @@ from graftlm.models.primitives import Rope, attention, rms_norm
 from graftlm.models.seam import Projection, ProjectionGroup
 from graftlm.native import library as native_library
 from graftlm.native import ops as native_ops
+from graftlm.native.abi import Scratch
+from graftlm.native.build import loaded_library
 from graftlm.quant import QWeight, dequantize_any
 from graftlm.quant.base import release_pages
 from graftlm.step.batch import Batch
@@ -177,6 +179,7 @@ class Transformer:
         self._fused: dict[int, tuple[int, FusedLayer | None]] = {}
         self._stack: list[FusedStack | None] = []  # [] unknown, [None] some layer has none
         self._scale_board: ScaleBoard | None = None  # made with the first native layer (CPU)
+        self._moe_scratch: Scratch | None = None  # every layer's routed_ffn's buffers, in turn
 
     # -- adapter seams -------------------------------------------------------------------------
     def projections(self) -> dict[str, Projection]:
@@ -342,6 +345,16 @@ class Transformer:
         """Layer i in one native call when this step is a decode step it serves, else None."""
         fused = self.fused_layer(i)
         return None if fused is None else fused(x, batch)
+
+    def native_routed_ffn(self, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Layer i's routed FFN of h (B, T, n_embd), normed, in native calls (a prompt's tokens:
+        FusedLayer.routed_ffn) where its native layer serves the step, else None."""
+        fused = self.fused_layer(i)
+        if fused is None:
+            return None
+        if self._moe_scratch is None:
+            self._moe_scratch = Scratch(loaded_library())
+        return fused.routed_ffn(h, batch, self._moe_scratch)
 
     def attend(
         self,

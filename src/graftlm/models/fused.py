@@ -13,6 +13,7 @@ PyTorch blocks.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +33,11 @@ from graftlm.quant import QWeight
 
 # experts a token that the native routed FFN serves (csrc/graftlm.h's GL_MAX_EXPERTS_USED)
 MAX_EXPERTS_USED = 16
+# tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes at most: its
+# buffers hold every (token, expert) pair's rows, ~230 KiB a token for Qwen3-30B-A3B
+MOE_ROWS = 512
+# GRAFTLM_NATIVE_MOE_PROMPT=0: a prompt's routed FFN composed from Python (the twin; A/B)
+NATIVE_ROUTED_FFN = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip() != "0"
 
 if TYPE_CHECKING:
     from graftlm.models.primitives import Rope
@@ -185,19 +191,29 @@ class ScaleBoard:
         """This step's scales for its `rows` rows (lora None: every adapter at 0), once a step;
         grows the buffer first when the rows or an adapter's id pass it (the kernels read a
         scale for every row of every attached adapter)."""
-        b, n = (rows, 0) if lora is None else lora.scales.shape
         if lora is not None and lora is self._filled:
             return
+        self._put(None if lora is None else lora.scales, rows)
+        self._filled = lora
+
+    def fill_tokens(self, scales: torch.Tensor | None, rows: int) -> None:
+        """`rows` tokens' scales (rows, n_slots), a row each (None: every adapter at 0): a
+        routed FFN's call over a prompt's tokens (FusedLayer.routed_ffn); the next step's fill
+        copies its own again."""
+        self._put(scales, rows)
+        self._filled = None
+
+    def _put(self, scales: torch.Tensor | None, rows: int) -> None:
+        b, n = (rows, 0) if scales is None else scales.shape
         if b > self.buf.shape[0] or n > self.buf.shape[1]:
             cols = max(n, 2 * self.buf.shape[1]) if n > self.buf.shape[1] else self.buf.shape[1]
             self.buf = torch.zeros(max(b, self.buf.shape[0]), cols, dtype=torch.float32)
             self.generation += 1
         elif not self._clear:
             self.buf.zero_()
-        self._clear = lora is None
-        self._filled = lora
-        if lora is not None:
-            self.buf[:b, :n] = lora.scales
+        self._clear = scales is None
+        if scales is not None:
+            self.buf[:b, :n] = scales
 
 
 class FusedLayer:
@@ -343,6 +359,36 @@ class FusedLayer:
         out = x.reshape(-1, self.n_embd).clone()
         native_layer.layer_decode(self.layer, out, rows.slots, rows.starts, self.scratch)
         return out.view(x.shape)
+
+    def routed_ffn(self, h: torch.Tensor, batch: Batch, scratch: Scratch) -> torch.Tensor | None:
+        """The routed FFN of h (B, T, n_embd), normed -> (B, T, n_embd), each token at its row's
+        scales, in one native call a MOE_ROWS tokens (``gl_moe_ffn``: the router, the experts'
+        products over the tokens grouped by expert and their adapters' delta, as a decode
+        step's): the composed routed FFN's (moe.moe_ffn, gpt_oss.routed_ffn) twin on a fast
+        step. None where it does not serve: an exact step, no routed FFN, an adapter the native
+        delta cannot read. Its buffers come from `scratch` (the model's one for these calls)."""
+        if (
+            self.spec.moe is None
+            or not NATIVE_ROUTED_FFN
+            or batch.exact
+            or library() is None
+            or h.dtype is not torch.float32
+            or h.device.type != "cpu"
+        ):
+            return None
+        b, t, d = h.shape
+        x = h.reshape(b * t, d).contiguous()
+        lora = batch.lora
+        # (N, n_slots): each token its row's scales
+        scales = None if lora is None else lora.scales.repeat_interleave(t, dim=0)
+        out = torch.empty_like(x)
+        for r0 in range(0, b * t, MOE_ROWS):
+            r1 = min(r0 + MOE_ROWS, b * t)
+            self.board.fill_tokens(None if scales is None else scales[r0:r1], r1 - r0)
+            if not self.bind_lora():
+                return None
+            native_layer.moe_ffn(self.layer, x[r0:r1], out[r0:r1], scratch)
+        return out.view(b, t, d)
 
 
 def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:

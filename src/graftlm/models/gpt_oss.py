@@ -180,6 +180,9 @@ class GptOss(Transformer):
         a = self.attend(i, q, k, v, batch, sinks=b.attn_sinks)
         x = x + (b.attn_output(a, batch) + b.attn_output_bias)
         h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
+        routed = self.native_routed_ffn(i, h, batch)  # (a prompt's, in one native call)
+        if routed is not None:
+            return x + routed
         logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)
         return x + routed_ffn(h, logits, b, cfg.n_expert_used, batch.lora, batch.exact)
 

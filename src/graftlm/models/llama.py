@@ -103,6 +103,9 @@ class Llama(Transformer):
         x = x + _plus(b.attn_output(a, batch), b.attn_output_bias)
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
+            routed = self.native_routed_ffn(i, h, batch)  # (a prompt's, in one native call)
+            if routed is not None:
+                return x + routed
             logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
             experts = b.ffn_gate_up_exps, b.ffn_down_exps
             return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.lora, batch.exact)

@@ -151,6 +151,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "gl_layer_decode": (None, [_P, _P, _I64, _P, _P, _P, _INT]),
     # layers, n, x, B, slots, pos, scratch, threads
     "gl_layers_decode": (None, [_P, _I64, _P, _I64, _P, _P, _P, _INT]),
+    "gl_moe_ffn": (None, [_P, _P, _I64, _P, _P, _INT]),  # layer, h, B, o, scratch, threads
 }
 
 

@@ -58,3 +58,14 @@ def layers_decode(
         layers, len(layers), x.data_ptr(), x.shape[0], slots.data_ptr(), starts.data_ptr(),
         scratch.ref, threads(),
     )  # fmt: skip
+
+
+def moe_ffn(layer: GlLayer, h: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
+    """Layer `layer`'s routed FFN of h (N, n_embd), normed, into out (N, n_embd) (``gl_moe_ffn``):
+    token n at row n of the scale table its sites read; h, out float32, contiguous, on the CPU;
+    its buffers from `scratch`."""
+    lib = library()
+    assert lib is not None
+    lib.gl_moe_ffn(
+        ctypes.byref(layer), h.data_ptr(), h.shape[0], out.data_ptr(), scratch.ref, threads()
+    )

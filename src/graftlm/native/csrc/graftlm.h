@@ -279,6 +279,8 @@ GL_API void gl_layer_decode(const gl_layer *L, float *x, int64_t B, const int64_
 GL_API void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_t B,
                              const int64_t *slots, const int64_t *pos, gl_scratch *scratch,
                              int nth);
+GL_API void gl_moe_ffn(const gl_layer *L, const float *h, int64_t B, float *o,
+                       gl_scratch *scratch, int nth);
 
 /* ---------------------------------------------------------------- vector helpers */
 

@@ -81,6 +81,33 @@ static expert_lora expert_lora_take(const gl_lora_site *sites, int64_t E, int64_
     return x;
 }
 
+/* A routed FFN's buffers for B rows (layer_bufs'), into b. */
+static void moe_take(const gl_layer *L, int64_t B, gl_scratch *s, layer_bufs *b) {
+    const int64_t d = L->n_embd, ff = L->n_ff, f = (int64_t)sizeof(float);
+    const int64_t K = L->n_expert_used, R = B * K, i = (int64_t)sizeof(int64_t);
+    b->logits = scratch_take(s, f * B * L->n_expert);
+    b->weight = scratch_take(s, f * R);
+    b->chosen = scratch_take(s, i * R);
+    b->rows = scratch_take(s, i * R);
+    b->row_e = scratch_take(s, i * R);
+    b->row_w = scratch_take(s, f * R);
+    b->jobs = scratch_take(s, i * 3 * L->n_expert);
+    b->gath = scratch_take(s, f * R * d);
+    b->gu = scratch_take(s, f * R * 2 * ff);
+    b->act = scratch_take(s, f * R * ff);
+    b->y = scratch_take(s, f * R * d);
+    b->xl[0] = expert_lora_take(L->l_exp_gate_up, L->n_expert, B, R, s);
+    b->xl[1] = expert_lora_take(L->l_exp_down, L->n_expert, B, R, s);
+    const int64_t ld = b->xl[0].src ? b->xl[0].ld : b->xl[1].ld;
+    if (b->xl[0].src || b->xl[1].src) b->psc = scratch_take(s, f * R * ld);
+    /* the experts of one 3-D tensor share its type: expert 0 stands for all (float
+     * experts read x itself: no quantized x, unless an adapter's A takes integer dots) */
+    const gl_weight *gu = &L->exp_gate_up[0], *dn = &L->exp_down[0];
+    const int64_t s8g = b->xl[0].s8, s8d = b->xl[1].s8;
+    if (gu->kind != 4 || s8g) b->xg = xbuf_take(s, R, d, gu->kind == 1 || gu->kind == 6 || s8g);
+    if (dn->kind != 4 || s8d) b->xd = xbuf_take(s, R, ff, dn->kind == 1 || dn->kind == 6 || s8d);
+}
+
 static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *s) {
     const int64_t d = L->n_embd, nq = L->n_head * L->head_dim;
     const int64_t nqkv = nq + 2 * L->n_head_kv * L->head_dim, ff = L->n_ff;
@@ -91,30 +118,7 @@ static layer_bufs layer_take(const gl_layer *L, int64_t B, int nth, gl_scratch *
     b.att = scratch_take(s, f * B * (nq > d ? nq : d));
     b.o = scratch_take(s, f * B * d);
     b.work = scratch_take(s, attn_decode_bytes(L->n_head, L->n_head_kv, L->head_dim, L->head_dim, B, nth));
-    if (L->n_expert) {
-        const int64_t K = L->n_expert_used, R = B * K, i = (int64_t)sizeof(int64_t);
-        b.logits = scratch_take(s, f * B * L->n_expert);
-        b.weight = scratch_take(s, f * R);
-        b.chosen = scratch_take(s, i * R);
-        b.rows = scratch_take(s, i * R);
-        b.row_e = scratch_take(s, i * R);
-        b.row_w = scratch_take(s, f * R);
-        b.jobs = scratch_take(s, i * 3 * L->n_expert);
-        b.gath = scratch_take(s, f * R * d);
-        b.gu = scratch_take(s, f * R * 2 * ff);
-        b.act = scratch_take(s, f * R * ff);
-        b.y = scratch_take(s, f * R * d);
-        b.xl[0] = expert_lora_take(L->l_exp_gate_up, L->n_expert, B, R, s);
-        b.xl[1] = expert_lora_take(L->l_exp_down, L->n_expert, B, R, s);
-        const int64_t ld = b.xl[0].src ? b.xl[0].ld : b.xl[1].ld;
-        if (b.xl[0].src || b.xl[1].src) b.psc = scratch_take(s, f * R * ld);
-        /* the experts of one 3-D tensor share its type: expert 0 stands for all (float
-         * experts read x itself: no quantized x, unless an adapter's A takes integer dots) */
-        const gl_weight *gu = &L->exp_gate_up[0], *dn = &L->exp_down[0];
-        const int64_t s8g = b.xl[0].s8, s8d = b.xl[1].s8;
-        if (gu->kind != 4 || s8g) b.xg = xbuf_take(s, R, d, gu->kind == 1 || gu->kind == 6 || s8g);
-        if (dn->kind != 4 || s8d) b.xd = xbuf_take(s, R, ff, dn->kind == 1 || dn->kind == 6 || s8d);
-    }
+    if (L->n_expert) moe_take(L, B, s, &b);
     return b;
 }
 
@@ -229,5 +233,28 @@ void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x, int64_
     }
     gl_scratch own, *sc = scratch_open(scratch, &own, bytes);
     for (int64_t i = 0; i < n; i++) layer_run(layers[i], x, B, slots, pos, sc, nth);
+    scratch_close(sc, &own);
+}
+
+/* The scratch a routed FFN of B rows takes apart from its layer (gl_moe_ffn): its buffers, then
+ * the router's product's. */
+static int64_t moe_bytes(const gl_layer *L, int64_t B) {
+    gl_scratch count = SCRATCH_COUNTER;
+    layer_bufs b = {0};
+    moe_take(L, B, &count, &b);
+    return count.used + proj_bytes(&L->router, &L->l_router, B, 1);
+}
+
+/* Layer L's routed FFN (moe_run) of B rows h (B, n_embd), normed, into o (B, n_embd): a prompt's
+ * tokens (or any step the decode layer does not take) as a decode step's rows, each its row of
+ * the sites' scale table (the caller fills one a token); its buffers from scratch (grown to fit
+ * if need be). The composed twin: models/moe.py's moe_ffn, models/gpt_oss.py's routed_ffn. */
+void gl_moe_ffn(const gl_layer *L, const float *h, int64_t B, float *o, gl_scratch *scratch,
+                int nth) {
+    if (!L->n_expert || B <= 0) return;
+    gl_scratch own, *sc = scratch_open(scratch, &own, moe_bytes(L, B));
+    layer_bufs bufs = {0};
+    moe_take(L, B, sc, &bufs);
+    moe_run(L, h, B, &bufs, o, sc, nth);
     scratch_close(sc, &own);
 }

@@ -8,8 +8,20 @@
  * the super-block's 256 sign bits (the file's bytes, IQ2_XS's KSIGNS of its 7-bit indices) xored
  * with x's, and the sign bits of values 4 p .. 4 p + 3 moved beside byte p's codes (one
  * vpmultishiftqb a pair of values) as the index of a table of signed values. The rest is
- * iq_group_few's: its value order, its lookups of the codes, its sums' transposition into lanes
- * of outputs and its scales, so the same integer sums and float operations, the same bits. */
+ * iq_group_few's: its value order, its lookups of the codes (through iq_look256m, no blends inside
+ * a 256-entry half), its sums' transposition into lanes of outputs and its scales' float
+ * operations (0.5 + ls or 1 + 2 ls by vpermps of the nibble), so the same integer sums and float
+ * operations, the same bits.
+ *
+ * One thread, alternated 11 rounds, twice, against the library built with -DIQ_GROUP_ONE=0 (768 x
+ * 2048, 2048 x 768, 2048 x 2048, Zen 4): IQ2_XS 1.10-1.13x in cache and from memory (~11.5 -> ~10.4
+ * ns an output's super-block), IQ2_S 1.08-1.12x (~12.5 -> ~11.4), IQ3_S 1.07-1.09x in cache,
+ * 0.98-1.04x from memory (there ~14 ns whichever kernel: 16 rows' streams at ~7.5 GB/s a thread).
+ * Left out one at a time (wrong results, timing only): the grid lookups 23-38% of the time, the
+ * scales 11-17% (before vpermps), the sums' transposition 6%. Tried: the masked lookups alone
+ * 1.00-1.02x, IQ2_XS's signs by vpermi2b of KSIGNS 1.02x (both kept); asking for each row's
+ * super-block 2 or 4 ahead in place of the next group's bytes 0.6-0.8x (dropped). What is left
+ * wants tiles (docs/design-notes.md). */
 
 #if IQ_VBMI
 #ifndef IQ_GROUP_ONE

@@ -34,7 +34,7 @@
  *   IQ3_XXS: two vectors of indices (vector s, byte 4 o + i: entry 4 s + i of the unit), the
  *            sign words likewise;
  * what iq_lanes_fill_t transposed out of the 16 super-blocks, stored so (iq_tiles.c's few rows,
- * iq_group's lanes, gl_deq_iq_tiles).
+ * iq_group's lanes, gl_deq_iq_tiles). One row of the other three types in place: iq_one.c.
  */
 #include "graftlm.h"
 #include "iq_grids.h"

@@ -20,7 +20,8 @@
  * Left out one at a time (wrong results, timing only): the grid lookups 23-38% of the time, the
  * scales 11-17% (before vpermps), the sums' transposition 6%. Tried: the masked lookups alone
  * 1.00-1.02x, IQ2_XS's signs by vpermi2b of KSIGNS 1.02x (both kept); asking for each row's
- * super-block 2 or 4 ahead in place of the next group's bytes 0.6-0.8x (dropped). What is left
+ * super-block 2 or 4 ahead in place of the next group's bytes 0.6-0.8x, the scales' words by
+ * vpgatherdd (no copy through the stack) 0.97-0.98x (both dropped). What is left
  * wants tiles (docs/design-notes.md). */
 
 #if IQ_VBMI

@@ -181,7 +181,12 @@ static inline __attribute__((always_inline)) void iq_group_one(const gl_weight *
         iq_prefetch_next(row[0] + 16 * rowbytes, sb, bytes);
         const uint8_t *ps[16];
         for (int o = 0; o < 16; o++) ps[o] = row[o] + sb * bytes;
-        __m512 s[16];
+        for (int q = 0; q < 4; q++) {
+            __m512i P[4]; /* output 4 q + i, lane L: the sum of its values [16 L, 16 L + 16) */
+            for (int i = 0; i < 4; i += 2) iq_one_pair(ps[4 * q + i], ps[4 * q + i + 1], v, xa, xs, T, P + i);
+            iq_few_sums(P, units, D[0][q]);
+        }
+        __m512 s[16]; /* made here, not before the products: 16 vectors fewer live across them */
 #if IQ_ONE_SCALES
         iq_one_scales(ps, v, s);
 #else
@@ -189,11 +194,6 @@ static inline __attribute__((always_inline)) void iq_group_one(const gl_weight *
         iq_lane_scales(ps, v, s16);
         for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
 #endif
-        for (int q = 0; q < 4; q++) {
-            __m512i P[4]; /* output 4 q + i, lane L: the sum of its values [16 L, 16 L + 16) */
-            for (int i = 0; i < 4; i += 2) iq_one_pair(ps[4 * q + i], ps[4 * q + i + 1], v, xa, xs, T, P + i);
-            iq_few_sums(P, units, D[0][q]);
-        }
         acc = iq_few_acc(D[0], s, xb->xd + ra * kb + sb * 8, units, acc);
     }
     float o16[16];

@@ -13,13 +13,14 @@
  * operations (0.5 + ls or 1 + 2 ls by vpermps of the nibble), so the same integer sums and float
  * operations, the same bits.
  *
- * One thread, alternated 11 rounds, twice, against the library built with -DIQ_GROUP_ONE=0 (768 x
- * 2048, 2048 x 768, 2048 x 2048, Zen 4): IQ2_XS 1.10-1.13x in cache and from memory (~11.5 -> ~10.4
- * ns an output's super-block), IQ2_S 1.08-1.12x (~12.5 -> ~11.4), IQ3_S 1.07-1.09x in cache,
- * 0.98-1.04x from memory (there ~14 ns whichever kernel: 16 rows' streams at ~7.5 GB/s a thread).
+ * One thread, alternated 11 rounds, against the library built with -DIQ_GROUP_ONE=0 (768 x 2048,
+ * 2048 x 768, 2048 x 2048, Zen 4, in cache / from memory): IQ2_XS 1.16-1.17x (~11.5 -> ~9.9 ns an
+ * output's super-block), IQ2_S 1.13-1.16x (~12.5 -> ~10.9), IQ3_S 1.11-1.13x in cache (~9.8 ->
+ * ~8.8), 1.10-1.17x from memory (~15 -> ~13: 16 rows' streams at once, ~8 GB/s a thread).
  * Left out one at a time (wrong results, timing only): the grid lookups 23-38% of the time, the
- * scales 11-17% (before vpermps), the sums' transposition 6%. Tried: the masked lookups alone
- * 1.00-1.02x, IQ2_XS's signs by vpermi2b of KSIGNS 1.02x (both kept); asking for each row's
+ * scales 11-17% (before vpermps; after it IQ2_XS 15%, IQ3_S 10%, IQ2_S 0%), the sums'
+ * transposition 6%. Tried: the masked lookups alone 1.00-1.02x, IQ2_XS's signs by vpermi2b of
+ * KSIGNS 1.02x, the scales made after the products 1.02-1.06x (all kept); asking for each row's
  * super-block 2 or 4 ahead in place of the next group's bytes 0.6-0.8x, the scales' words by
  * vpgatherdd (no copy through the stack) 0.97-0.98x (both dropped). What is left
  * wants tiles (docs/design-notes.md). */
@@ -30,10 +31,10 @@
 #endif
 #if IQ_GROUP_ONE
 #ifndef IQ_ONE_SCALES
-#define IQ_ONE_SCALES 1
+#define IQ_ONE_SCALES 1 /* 0: iq_lane_scales' (the A/B of iq_one_scales) */
 #endif
 #ifndef IQ_ONE_LOOKM
-#define IQ_ONE_LOOKM 1
+#define IQ_ONE_LOOKM 1 /* 0: iq_look512's lookups (the A/B of iq_look256m's) */
 #endif
 /* The signed values' tables: IQ2 types T[0][c] the value of code bits 0-1 and sign bit 4 of c,
  * T[1] of bits 2-3 and sign bit 5; IQ3_S T[0], T[1] 128 entries (vpermi2b) of code bits 0-2 and

@@ -50,8 +50,8 @@
  * vpternlogd and one-source permutes for 4 of vpermi2b) 0.95x.
  *
  * IQ2_XS, IQ2_S and IQ3_S have no tiles: one row of them folds x's signs into the values in place
- * (iq_one.c's iq_group_one, 1.07-1.13x, IQ3_S from memory 0.98-1.04x; ~10-11 ns an output's
- * super-block against ~5.3 here). */
+ * (iq_one.c's iq_group_one, 1.10-1.17x; ~9-11 ns an output's super-block in cache against ~5.3
+ * here). */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]

@@ -84,6 +84,10 @@ MIXES = {
     "iq3_xxs": (Q.IQ3_XXS, Q.IQ3_S),
     "iq2_xxs": (Q.IQ2_XXS, Q.IQ2_S),
     "iq2_xs": (Q.IQ2_XS, Q.IQ3_XXS),
+    # one grid type everywhere (the routed experts too), Q5_K output: roughly llama.cpp's IQ2_M
+    # (IQ2_S) and IQ3_S files
+    "iq2_s": (Q.IQ2_S, Q.IQ2_S),
+    "iq3_s": (Q.IQ3_S, Q.IQ3_S),
     "f16": (Q.F16, Q.F16),  # what export-lora writes by default
     "bf16": (Q.BF16, Q.BF16),
     # gpt-oss as released (llama-quantize's MXFP4_MOE): routed experts MXFP4, the rest Q8_0
@@ -102,7 +106,7 @@ FALLBACK = {
     **dict.fromkeys((Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S), Q.IQ4_NL),
 }
 OUTPUT = dict.fromkeys(
-    ("iq3_xxs", "iq2_xxs", "iq2_xs"), Q.Q5_K
+    ("iq3_xxs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_s"), Q.Q5_K
 )  # the output's type, where not `more`
 # a block scale that gives weights of about 0.01-0.03 with random codes
 SCALE = {Q.Q4_0: 2e-3, Q.Q4_1: 2e-3, Q.Q5_0: 1e-3, Q.Q5_1: 1e-3, Q.Q8_0: 2e-4,

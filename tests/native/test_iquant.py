@@ -90,8 +90,8 @@ def test_native_products_are_the_int8_twin_for_every_row_count(qtype: Q) -> None
 def test_a_rows_product_is_the_same_bits_alone_or_among_others(qtype: Q) -> None:
     """Ten super-blocks a row: each row of 2, 3, 4, 5 and 13 rows of x gives the bits it gives
     alone (with VBMI, up to three rows of IQ2_XXS and IQ2_S and four of the others take their own
-    kernel, iq_group_few, which sums each output's values in place in an order of its own; more
-    rows the lanes of 16 outputs, in tiles of 8)."""
+    kernel, iq_group_few, which sums each output's values in place in an order of its own, one row
+    of IQ2_XS, IQ2_S and IQ3_S iq_group_one; more rows the lanes of 16 outputs, in tiles of 8)."""
     n, k = 19, 2560
     raw = random_blocks(qtype, (n, k), np.random.default_rng(7))
     w = QWeight.from_gguf(raw, qtype, (n, k), name="w")
@@ -99,6 +99,25 @@ def test_a_rows_product_is_the_same_bits_alone_or_among_others(qtype: Q) -> None
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(13)])
     for m in (2, 3, 4, 5, 13):
         assert torch.equal(w.matmul(x[:m]), alone[:m])
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XS, Q.IQ2_S, Q.IQ3_S], ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(37, 768), (1, 256), (17, 2560), (32, 512)], ids=str)
+def test_one_rows_kernel_is_the_few_rows_bits(qtype: Q, shape: tuple[int, int]) -> None:
+    """One row of IQ2_XS, IQ2_S and IQ3_S (with VBMI, iq_group_one: x's signs in the values) gives
+    the bits of the same row among two (iq_group_few), and the int8 twin: odd output counts, x's
+    codes at +-127 (a block of one large value each sign), zeros, negative and positive runs."""
+    n, k = shape
+    raw = random_blocks(qtype, (n, k), np.random.default_rng(11))
+    w = QWeight.from_gguf(raw, qtype, (n, k), name="w")
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+    x[:, 0], x[:, 32], x[:, 64:96] = 40.0, -40.0, 0.0
+    x[0, 96:128] = -x[0, 96:128].abs()
+    x[0, 128:160] = x[0, 128:160].abs()
+    one, among = w.matmul(x[:1]), w.matmul(x)[:1]
+    assert torch.equal(one.view(torch.int32), among.view(torch.int32))
+    want = int8_twin(x[:1], GRID_FORMATS[qtype].dequantize_rows(torch.from_numpy(raw)))
+    torch.testing.assert_close(one.double(), want, rtol=0, atol=2e-5 * float(want.abs().max()))
 
 
 TILES = "iq-tiles" in features()

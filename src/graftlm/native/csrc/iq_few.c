@@ -71,12 +71,15 @@ static inline __attribute__((always_inline)) void iq_negs(__m256i S, __mmask64 *
  * 4 indices then 4 7-bit sign indices; IQ2_XS: 4 words of a 9-bit index and a 7-bit sign index),
  * which iq_ksigns512's steps turn into sign bytes at bytes 0 .. 3 of qword j, where iq_negs'
  * vpshufbitqmb wants them (one row: IQ2_XXS 1.08-1.09x, IQ2_XS 1.02-1.06x, alternated). */
-static inline __attribute__((always_inline)) void iq2_negs_raw(const uint8_t *p, const int v, __mmask64 *neg) {
+static inline __attribute__((always_inline)) __m512i iq2_signq_raw(const uint8_t *p, const int v) {
     const long long at = v == IQ2_XXS ? 0x20202020352e2720ll : 0x2020202039291909ll; /* IQ2_XS: bits 9 .. 15 of 4 words */
     const __m512i b = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(at), _mm512_loadu_si512(p + 2));
     const __m512i m7 = _mm512_set1_epi8(0x7f);
     const __m512i pc = _mm512_popcnt_epi8(_mm512_and_si512(b, m7));
-    const __m512i q = _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
+}
+static inline __attribute__((always_inline)) void iq2_negs_raw(const uint8_t *p, const int v, __mmask64 *neg) {
+    const __m512i q = iq2_signq_raw(p, v); /* qword j: sub-block j's 32 sign bits at bits 0 .. 31 */
     for (int k = 0; k < 4; k++)
         neg[k] = _mm512_bitshuffle_epi64_mask(q, _mm512_set1_epi64(0x1c1814100c080400ll + 0x0101010101010101ll * k));
 }
@@ -96,35 +99,52 @@ static inline __attribute__((always_inline)) void iq2_codes_vals(__m512i c, cons
 }
 
 /* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
-static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, const int v, const __m512i *t, __m512i *V,
-                                                           __m256i *S) {
+/* An IQ3 super-block p's code bytes (byte e: entry e's codes of values 0, 1 (*a), 2, 3 (*b)) and
+ * its sign bytes *S (m: iq_look512x's). */
+static inline __attribute__((always_inline)) void iq3_codes(const uint8_t *p, const int v, const int m, __m512i *a,
+                                                            __m512i *b, __m256i *S) {
     const __m512i idx = _mm512_loadu_si512(p + 2);
-    __m512i a, b; /* byte e: entry e's codes of values 0, 1 (a), 2, 3 (b) */
     if (v == IQ3_XXS) {
-        a = iq_look256(IQ3XXS_PAIR[0], idx), b = iq_look256(IQ3XXS_PAIR[1], idx);
+        *a = iq_look256(IQ3XXS_PAIR[0], idx), *b = iq_look256(IQ3XXS_PAIR[1], idx);
         *S = iq_ksigns(_mm256_loadu_si256((const __m256i *)(p + 66)));
     } else { /* IQ3_S: bit 8 of the indices in qh */
         uint64_t qh;
         memcpy(&qh, p + 66, 8);
-        a = iq_look512(IQ3S_PAIR[0], idx, qh), b = iq_look512(IQ3S_PAIR[1], idx, qh);
+        *a = iq_look512x(IQ3S_PAIR[0], idx, qh, m), *b = iq_look512x(IQ3S_PAIR[1], idx, qh, m);
         *S = _mm256_loadu_si256((const __m256i *)(p + 74));
     }
+}
+
+/* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
+static inline __attribute__((always_inline)) void iq3_vals(const uint8_t *p, const int v, const __m512i *t, __m512i *V,
+                                                           __m256i *S) {
+    __m512i a, b;
+    iq3_codes(p, v, 0, &a, &b, S);
     iq3_codes_vals(a, b, t, V);
+}
+
+/* Two IQ2 super-blocks pa, pb's codes *ca, *cb (byte p: the 2-bit codes of values 4 p .. 4 p + 3)
+ * and sign bytes (*Sa, *Sb) (m: iq_look512x's). */
+static inline __attribute__((always_inline)) void iq2_codes_two(const uint8_t *pa, const uint8_t *pb, const int v,
+                                                                const int m, __m512i *ca, __m256i *Sa, __m512i *cb,
+                                                                __m256i *Sb) {
+    __m512i lo, hi;
+    iq2_codes2(pa, pb, v, m, &lo, &hi, Sa, Sb);
+    /* word e: entry e's 16-bit code (byte 2 e: its low byte, 2 e + 1 its high), pa's then pb's */
+    const __m512i ia = _mm512_set_epi64(0x5f1f5e1e5d1d5c1cll, 0x5b1b5a1a59195818ll, 0x5717561655155414ll,
+                                        0x5313521251115010ll, 0x4f0f4e0e4d0d4c0cll, 0x4b0b4a0a49094808ll,
+                                        0x4707460645054404ll, 0x4303420241014000ll);
+    const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(0x20)); /* entries 32 .. 63 */
+    *ca = _mm512_permutex2var_epi8(lo, ia, hi);
+    *cb = _mm512_permutex2var_epi8(lo, ib, hi);
 }
 
 /* Two IQ2 super-blocks pa, pb's V[k] (Va, Vb) and sign bytes (*Sa, *Sb). */
 static inline __attribute__((always_inline)) void iq2_vals2(const uint8_t *pa, const uint8_t *pb, const int v,
                                                             const __m512i *t, __m512i *Va, __m256i *Sa, __m512i *Vb,
                                                             __m256i *Sb) {
-    __m512i lo, hi;
-    iq2_codes2(pa, pb, v, &lo, &hi, Sa, Sb);
-    /* word e: entry e's 16-bit code (byte 2 e: its low byte, 2 e + 1 its high), pa's then pb's */
-    const __m512i ia = _mm512_set_epi64(0x5f1f5e1e5d1d5c1cll, 0x5b1b5a1a59195818ll, 0x5717561655155414ll,
-                                        0x5313521251115010ll, 0x4f0f4e0e4d0d4c0cll, 0x4b0b4a0a49094808ll,
-                                        0x4707460645054404ll, 0x4303420241014000ll);
-    const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(0x20)); /* entries 32 .. 63 */
-    const __m512i ca = _mm512_permutex2var_epi8(lo, ia, hi);
-    const __m512i cb = _mm512_permutex2var_epi8(lo, ib, hi);
+    __m512i ca, cb;
+    iq2_codes_two(pa, pb, v, 0, &ca, Sa, &cb, Sb);
     iq2_codes_vals(ca, t, Va);
     iq2_codes_vals(cb, t, Vb);
 }

@@ -47,7 +47,11 @@
  * subtractions); every 512-bit op seemed to count: tried, against the kernel before its last two
  * steps (the grid's lookups by masked vpermi2b 1.03x, x's signs xored from memory 1.01x): KSIGNS'
  * parity by vpopcntb 0.97x, the scales by cvt and FMA 0.99x, each value its own vpermb index (8
- * vpternlogd and one-source permutes for 4 of vpermi2b) 0.95x. */
+ * vpternlogd and one-source permutes for 4 of vpermi2b) 0.95x.
+ *
+ * IQ2_XS, IQ2_S and IQ3_S have no tiles: one row of them folds x's signs into the values in place
+ * (iq_one.c's iq_group_one, 1.10-1.17x; ~9-11 ns an output's super-block in cache against ~5.3
+ * here). */
 
 #if IQ_VBMI
 /* x's 256 codes of a super-block in the tiles' order: xo[32 u + 4 m + i] = x[32 u + 8 i + m]

@@ -23,6 +23,12 @@ static inline __m512i iq_look512(const uint8_t *plane, __m512i idx, __mmask64 hi
     return _mm512_mask_blend_epi8(hi8, iq_look256(plane, idx), iq_look256(plane + 256, idx));
 }
 
+/* iq_look512 (m 0) or the same through iq_look256m (m 1: iq_group_one) */
+static inline __m512i iq_look512x(const uint8_t *plane, __m512i idx, __mmask64 hi8, const int m) {
+    if (!m) return iq_look512(plane, idx, hi8);
+    return _mm512_mask_blend_epi8(hi8, iq_look256m(plane, idx), iq_look256m(plane + 256, idx));
+}
+
 /* The sign bytes of 32 7-bit sign indices (KSIGNS: the index and its parity in bit 7), four in
  * each of aux's 32-bit words (bits 0, 7, 14, 21), in their order. */
 static inline __m256i iq_ksigns(__m256i aux) {
@@ -41,11 +47,11 @@ static inline __m512i iq_ksigns512(__m512i aux) {
     return _mm512_ternarylogic_epi32(b, _mm512_slli_epi16(pc, 7), m7, 0xE4); /* m7 ? b : pc << 7 */
 }
 
-/* The codes of two super-blocks pa, pb of an IQ2 type: *lo, *hi (byte e: the low and high code
+/* The codes of two super-blocks pa, pb of an IQ2 type (m: iq_look512x's): *lo, *hi (byte e: the low and high code
  * byte of entry e, pa's 32 entries then pb's; *_CODE's planes) and their sign bytes *sa, *sb (byte
  * e: entry e's 8 values; IQ2_XXS, IQ2_XS: none, iq2_negs_raw makes their masks); their 32 grid indices each
  * looked up in one vector. */
-static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v,
+static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, const uint8_t *pb, const int v, const int m,
                                                              __m512i *plo, __m512i *phi, __m256i *psa, __m256i *psb) {
     __m512i lo, hi;
     __m256i sa, sb;
@@ -60,7 +66,7 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
         const __m512i b8 = _mm512_set1_epi16(0x100);
         const __mmask64 h8 = _cvtu64_mask64((uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(ra, b8)) |
                                             (uint64_t)_cvtmask32_u32(_mm512_test_epi16_mask(rb, b8)) << 32);
-        lo = iq_look512(IQ2XS_CODE[0], idx, h8), hi = iq_look512(IQ2XS_CODE[1], idx, h8);
+        lo = iq_look512x(IQ2XS_CODE[0], idx, h8, m), hi = iq_look512x(IQ2XS_CODE[1], idx, h8, m);
         sa = sb = _mm256_setzero_si256(); /* its signs: iq2_negs_raw */
     } else { /* IQ2_S */
         const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2))),
@@ -70,8 +76,8 @@ static inline __attribute__((always_inline)) void iq2_codes2(const uint8_t *pa, 
         memcpy(&qb, pb + 66, 8);
         const uint64_t e = 0x5555555555555555ull, o = ~e;
         const __mmask64 h8 = _pext_u64(qa, e) | _pext_u64(qb, e) << 32, h9 = _pext_u64(qa, o) | _pext_u64(qb, o) << 32;
-        lo = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[0], idx, h8), iq_look512(IQ2S_CODE[0] + 512, idx, h8));
-        hi = _mm512_mask_blend_epi8(h9, iq_look512(IQ2S_CODE[1], idx, h8), iq_look512(IQ2S_CODE[1] + 512, idx, h8));
+        lo = _mm512_mask_blend_epi8(h9, iq_look512x(IQ2S_CODE[0], idx, h8, m), iq_look512x(IQ2S_CODE[0] + 512, idx, h8, m));
+        hi = _mm512_mask_blend_epi8(h9, iq_look512x(IQ2S_CODE[1], idx, h8, m), iq_look512x(IQ2S_CODE[1] + 512, idx, h8, m));
         sa = _mm256_loadu_si256((const __m256i *)(pa + 34)), sb = _mm256_loadu_si256((const __m256i *)(pb + 34));
     }
     *plo = lo, *phi = hi, *psa = sa, *psb = sb;

@@ -34,7 +34,7 @@
  *   IQ3_XXS: two vectors of indices (vector s, byte 4 o + i: entry 4 s + i of the unit), the
  *            sign words likewise;
  * what iq_lanes_fill_t transposed out of the 16 super-blocks, stored so (iq_tiles.c's few rows,
- * iq_group's lanes, gl_deq_iq_tiles).
+ * iq_group's lanes, gl_deq_iq_tiles). One row of the other three types in place: iq_one.c.
  */
 #include "graftlm.h"
 #include "iq_grids.h"
@@ -150,6 +150,9 @@ static inline __m256i iq_signs(uint32_t sg) {
 /* one to a few rows (iq_group_few) */
 #include "iq_few.c"
 
+/* one row of IQ2_XS, IQ2_S, IQ3_S (iq_group_one) */
+#include "iq_one.c"
+
 /* the tiles' one to a few rows (iq_tiles_few) */
 #include "iq_tiles.c"
 
@@ -165,6 +168,10 @@ static inline __m256i iq_signs(uint32_t sg) {
         IQ_BY_ROWS(iq_group_few, w, V, xb, ra, rb, og, nv, y);                                       \
     }
 #define IQ_FEW_CALL(V, NAME)                                                                         \
+    if (IQ_ONE_TYPE(V) && rb - ra == 1) {                                                            \
+        IQ_ONE_CALL(V, w, xb, ra, og, nv, y);                                                        \
+        return;                                                                                      \
+    }                                                                                                \
     if (rb - ra <= IQ_FEW_ROWS(V)) {                                                                 \
         NAME##_few(w, xb, ra, rb, og, nv, y);                                                        \
         return;                                                                                      \
@@ -172,6 +179,23 @@ static inline __m256i iq_signs(uint32_t sg) {
 #else
 #define IQ_FEW_OF(V, NAME)
 #define IQ_FEW_CALL(V, NAME)
+#endif
+/* the types one row of which iq_group_one takes, each a function of its own */
+#define IQ_ONE_TYPE(V) (IQ_GROUP_ONE && ((V) == IQ2_XS || (V) == IQ2_S || (V) == IQ3_S))
+#if IQ_GROUP_ONE
+#define IQ_ONE_FN(V, NAME)                                                                                     \
+    static __attribute__((noinline)) void NAME(const gl_weight *w, const xbuf *xb, int64_t ra, int64_t og, int nv, \
+                                               float *y) {                                                     \
+        iq_group_one(w, V, xb, ra, og, nv, y);                                                                 \
+    }
+IQ_ONE_FN(IQ2_XS, iq_one_iq2_xs)
+IQ_ONE_FN(IQ2_S, iq_one_iq2_s)
+IQ_ONE_FN(IQ3_S, iq_one_iq3_s)
+#undef IQ_ONE_FN
+#define IQ_ONE_CALL(V, w, xb, ra, og, nv, y) \
+    ((V) == IQ2_XS ? iq_one_iq2_xs(w, xb, ra, og, nv, y) : (V) == IQ2_S ? iq_one_iq2_s(w, xb, ra, og, nv, y) : iq_one_iq3_s(w, xb, ra, og, nv, y))
+#else
+#define IQ_ONE_CALL(V, w, xb, ra, og, nv, y) ((void)0)
 #endif
 #define IQ_OUTPUTS_OF(V, NAME)                                                                           \
     IQ_FEW_OF(V, NAME)                                                                                   \

@@ -220,10 +220,12 @@ def test_fused_layer_serves_the_routed_experts(
 def test_prompts_take_the_native_routed_ffn(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt step (two rows of 11 tokens) runs every layer's routed FFN in one native call
     (FusedLayer.routed_ffn), its logits within 1e-4 of the composed routed FFN's
-    (GRAFTLM_NATIVE_MOE_PROMPT=0's); an exact step (scoring) takes the composed one."""
+    (GRAFTLM_NATIVE_MOE_PROMPT=0's); an exact step (scoring) takes the composed one, and so does
+    a process whose prompts' products run on AMX tiles (the native one has no tiles yet)."""
     from made_families import tiny_dir
 
     from graftlm.models import fused
+    from graftlm.native import build
 
     d = tiny_dir(family)
     if d is None:
@@ -252,6 +254,10 @@ def test_prompts_take_the_native_routed_ffn(family: str, monkeypatch: pytest.Mon
     monkeypatch.setattr(fused, "NATIVE_ROUTED_FFN", True)
     served.clear()
     run(exact=True)
+    assert served == [False] * m.config.n_layer
+    served.clear()
+    monkeypatch.setattr(build, "amx", lambda: True)  # (no AMX here: as a Xeon with tiles)
+    torch.testing.assert_close(native, run(), rtol=1e-4, atol=1e-4)
     assert served == [False] * m.config.n_layer
 
 

@@ -23,6 +23,7 @@ import torch
 from graftlm.lora.packed import SlotTable
 from graftlm.lora.site import Generation, LoraSite
 from graftlm.models.seam import Projection, ProjectionGroup
+from graftlm.native import build as native_build
 from graftlm.native import layer_calls as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, GlLoraSite, GlWeight, Scratch
@@ -366,11 +367,18 @@ class FusedLayer:
         products over the tokens grouped by expert and their adapters' delta, as a decode
         step's): the composed routed FFN's (moe.moe_ffn, gpt_oss.routed_ffn) twin on a fast
         step. None where it does not serve: an exact step, no routed FFN, an adapter the native
-        delta cannot read. Its buffers come from `scratch` (the model's one for these calls)."""
+        delta cannot read, AMX tiles on (below). Its buffers come from `scratch` (the model's
+        one for these calls)."""
         if (
             self.spec.moe is None
             or not NATIVE_ROUTED_FFN
             or batch.exact
+            # Where AMX tiles serve prompts (build.amx()), the composed twin's expert products of
+            # >= GRAFTLM_AMX_ROWS rows run on the tiles (proj.c's proj_run -> amx_tasks), while
+            # moe_run's jobs take the int8 VNNI kernels only: slower on such a Xeon, and other
+            # numerics (bfloat16 tiles against int8 dots). The real fix: moe_run sends an
+            # expert's job of >= gl_amx_rows (token, expert) pairs to the tiles as proj_run does.
+            or native_build.amx()
             or library() is None
             or h.dtype is not torch.float32
             or h.device.type != "cpu"

@@ -34,9 +34,13 @@ from graftlm.quant import QWeight
 
 # experts a token that the native routed FFN serves (csrc/graftlm.h's GL_MAX_EXPERTS_USED)
 MAX_EXPERTS_USED = 16
-# tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes at most: its
-# buffers hold every (token, expert) pair's rows, ~230 KiB a token for Qwen3-30B-A3B
+# tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes: as many as its
+# buffers (every (token, expert) pair's rows, gl_moe_bytes: 234 KiB a token for Qwen3-30B-A3B,
+# about 440 KiB Mixtral-8x7B) hold in MOE_SCRATCH_BYTES, at least MOE_MIN_ROWS, at most
+# MOE_ROWS; the model keeps that scratch for its life (base.py's _moe_scratch)
 MOE_ROWS = 512
+MOE_MIN_ROWS = 16
+MOE_SCRATCH_BYTES = 64 << 20
 # GRAFTLM_NATIVE_MOE_PROMPT=0: a prompt's routed FFN composed from Python (the twin; A/B)
 NATIVE_ROUTED_FFN = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip() != "0"
 
@@ -363,7 +367,7 @@ class FusedLayer:
 
     def routed_ffn(self, h: torch.Tensor, batch: Batch, scratch: Scratch) -> torch.Tensor | None:
         """The routed FFN of h (B, T, n_embd), normed -> (B, T, n_embd), each token at its row's
-        scales, in one native call a MOE_ROWS tokens (``gl_moe_ffn``: the router, the experts'
+        scales, in one native call a moe_rows() tokens (``gl_moe_ffn``: the router, the experts'
         products over the tokens grouped by expert and their adapters' delta, as a decode
         step's): the composed routed FFN's (moe.moe_ffn, gpt_oss.routed_ffn) twin on a fast
         step. None where it does not serve: an exact step, no routed FFN, an adapter the native
@@ -390,13 +394,23 @@ class FusedLayer:
         # (N, n_slots): each token its row's scales
         scales = None if lora is None else lora.scales.repeat_interleave(t, dim=0)
         out = torch.empty_like(x)
-        for r0 in range(0, b * t, MOE_ROWS):
-            r1 = min(r0 + MOE_ROWS, b * t)
+        if not self.bind_lora():  # (the adapters' ranks size the buffers: moe_rows)
+            return None
+        step = self.moe_rows()
+        for r0 in range(0, b * t, step):
+            r1 = min(r0 + step, b * t)
             self.board.fill_tokens(None if scales is None else scales[r0:r1], r1 - r0)
             if not self.bind_lora():
                 return None
             native_layer.moe_ffn(self.layer, x[r0:r1], out[r0:r1], scratch)
         return out.view(b, t, d)
+
+    def moe_rows(self) -> int:
+        """Tokens a call of routed_ffn takes at the adapters bound now: as many as fit in
+        MOE_SCRATCH_BYTES (64 MiB: 280 tokens of Qwen3-30B-A3B, about 150 of Mixtral-8x7B),
+        clamped to [MOE_MIN_ROWS, MOE_ROWS]."""
+        per_token = -(-native_layer.moe_bytes(self.layer, MOE_ROWS) // MOE_ROWS)
+        return min(MOE_ROWS, max(MOE_MIN_ROWS, MOE_SCRATCH_BYTES // max(per_token, 1)))
 
 
 def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:

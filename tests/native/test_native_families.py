@@ -352,3 +352,16 @@ def test_the_native_expert_limit_is_the_c_one() -> None:
 
     header = (CSRC / "graftlm.h").read_text()
     assert f"#define GL_MAX_EXPERTS_USED {MAX_EXPERTS_USED} " in header
+
+
+@pytest.mark.parametrize(
+    ("raw", "on"),
+    [("", True), ("1", True), ("on", True), ("0", False), ("off", False), (" No ", False),
+     ("FALSE", False)],
+)  # fmt: skip
+def test_the_native_moe_prompt_switch(raw: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRAFTLM_NATIVE_MOE_PROMPT is off at 0, off, no or false (any case), as GRAFTLM_NATIVE."""
+    from graftlm.models import fused
+
+    monkeypatch.setenv("GRAFTLM_NATIVE_MOE_PROMPT", raw)
+    assert fused.native_routed_ffn_env() is on

@@ -41,8 +41,16 @@ MAX_EXPERTS_USED = 16
 MOE_ROWS = 512
 MOE_MIN_ROWS = 16
 MOE_SCRATCH_BYTES = 64 << 20
-# GRAFTLM_NATIVE_MOE_PROMPT=0: a prompt's routed FFN composed from Python (the twin; A/B)
-NATIVE_ROUTED_FFN = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip() != "0"
+
+
+def native_routed_ffn_env() -> bool:
+    """GRAFTLM_NATIVE_MOE_PROMPT=0 (or off, no, false, as GRAFTLM_NATIVE): a prompt's routed FFN
+    composed from Python (the twin; A/B)."""
+    raw = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip().lower()
+    return raw not in ("0", "off", "no", "false")
+
+
+NATIVE_ROUTED_FFN = native_routed_ffn_env()
 
 if TYPE_CHECKING:
     from graftlm.models.primitives import Rope

@@ -23,19 +23,9 @@ from typing import Any
 import torch
 
 import graftlm
-from graftlm.models import fused, gpt_oss, moe
+from graftlm.models import fused
 from graftlm.models.base import Transformer
 from graftlm.step.batch import Batch
-
-
-def composed(model: Any, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Layer i's routed FFN as its family's block composes it (the block's own code)."""
-    b, n_used = model.blocks[i], model.cfg.n_expert_used
-    if isinstance(model, gpt_oss.GptOss):
-        logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias
-        return gpt_oss.routed_ffn(h, logits, b, n_used, batch.lora, batch.exact)
-    logits = b.ffn_gate_inp(h, batch)
-    return moe.moe_ffn(h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, n_used, batch.lora)
 
 
 def main() -> None:
@@ -64,7 +54,7 @@ def main() -> None:
             h = noise[key]
         if way["native"]:
             return native_ffn(self, i, h, batch)
-        return composed(self, i, h, batch)
+        return self.composed_routed_ffn(i, h, batch)
 
     Transformer.native_routed_ffn = routed  # type: ignore[method-assign]
     assert fused.NATIVE_ROUTED_FFN

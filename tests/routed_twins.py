@@ -9,18 +9,14 @@ import pytest
 import torch
 
 import graftlm
-from graftlm.models import fused, gpt_oss, moe
+from graftlm.models import fused
 from graftlm.step.batch import Batch, LoraRows
 
 
 def composed(model: Any, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Layer i's routed FFN of h (B, T, n_embd) as its family's block composes it."""
-    b, n_used = model.blocks[i], model.cfg.n_expert_used
-    if isinstance(model, gpt_oss.GptOss):
-        logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias
-        return gpt_oss.routed_ffn(h, logits, b, n_used, batch.lora, batch.exact)
-    logits = b.ffn_gate_inp(h, batch)
-    return moe.moe_ffn(h, logits, b.ffn_gate_up_exps, b.ffn_down_exps, n_used, batch.lora)
+    y: torch.Tensor = model.composed_routed_ffn(i, h, batch)
+    return y
 
 
 def native(model: Any, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -130,3 +130,23 @@ def one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", params=["qwen3moe", "mixtral"])
+def expert_made(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Any]:
+    """The tiny Qwen3-MoE's and Mixtral's expert adapters (expert_made.routed_made), made once a
+    session: test_expert_lora.py's and test_prompt_routed_ffn.py's."""
+    from expert_made import routed_made
+
+    return routed_made(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny gpt-oss's expert adapter (expert_made.gpt_oss_made), made once a session:
+    test_gpt_oss_expert_lora.py's and test_prompt_routed_ffn.py's."""
+    from expert_made import gpt_oss_made as made
+
+    return made(tmp_path_factory)

@@ -6,16 +6,12 @@ converted by llama.cpp's own `convert_lora_to_gguf.py` (3-D expert tensors). PEF
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import gguf
 import pytest
 import torch
-from made_families import HERE, made_dir
 from safetensors.torch import save_file
 from shared_data import TINY
 
@@ -38,82 +34,10 @@ def _peft_logprobs(pm: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-# family -> the per-expert modules' layout before transformers 5: (stem, gate, up, down)
-LINEAR = {
-    "qwen3moe": ("mlp.experts", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe.experts", "w1", "w3", "w2"),
-}
-
-
-def _per_expert(pm: Any, src: Path, out: Path, n_expert: int, family: str) -> None:
-    """The target_parameters adapter as per-expert nn.Linear modules (Qwen3-MoE's
-    mlp.experts.N.gate_proj, Mixtral's block_sparse_moe.experts.N.w1): the same deltas, in the
-    layout llama.cpp's converter reads."""
-    where, gate, up, down = LINEAR[family]
-    out.mkdir()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, module in pm.named_modules():
-        if not hasattr(module, "parameter_name") or "default" not in module.lora_A:
-            continue
-        layer = name.split("layers.")[1].split(".")[0]
-        a = module.lora_A["default"].weight.detach().reshape(n_expert, R, -1)
-        b = module.lora_B["default"].weight.detach()
-        b = b.reshape(b.shape[0], R, n_expert).permute(2, 0, 1)  # (n_expert, n_out, r)
-        stem = f"base_model.model.model.layers.{layer}.{where}"
-        for e in range(n_expert):
-            if module.parameter_name == "down_proj":
-                halves = {down: b[e]}
-            else:
-                n_ff = b.shape[1] // 2
-                halves = {gate: b[e][:n_ff], up: b[e][n_ff:]}
-            for proj, be in halves.items():
-                tensors[f"{stem}.{e}.{proj}.lora_A.weight"] = a[e].clone()
-                tensors[f"{stem}.{e}.{proj}.lora_B.weight"] = be.clone()
-    for name, p in pm.named_parameters():
-        if "q_proj.lora_" in name:
-            key = name.replace(".default", "")
-            tensors[key] = p.detach().contiguous()
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    cfg = json.loads((src / "adapter_config.json").read_text())
-    cfg["target_modules"] = ["q_proj", gate, up, down]
-    cfg["target_parameters"] = None
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-
-
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
-def made(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> dict[str, Any]:
-    family = request.param
-    folder = made_dir(family) if family == "qwen3moe" else TINY / family
-    if folder is None or not (folder / "hf").is_dir():
-        pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-
-    tmp = tmp_path_factory.mktemp("expert_lora")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
-    n_expert = getattr(model.config, "num_experts", None) or model.config.num_local_experts
-    torch.manual_seed(1)
-    cfg = peft.LoraConfig(
-        r=R, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-    )  # fmt: skip
-    pm = peft.get_peft_model(model, cfg)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    pm.save_pretrained(tmp / "params")
-    _per_expert(pm, tmp / "params", tmp / "linear", n_expert, family)
-    cmd = [sys.executable, str(HERE / "convert_tiny.py"), str(TINY / "qwen3" / "model-f32.gguf"),
-           "lora", str(tmp / "linear"), "--base", str(folder / "hf"), "--outtype", "f32",
-           "--outfile", str(tmp / "lora.gguf")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {"pm": pm, "base": folder / "model-f32.gguf", "tmp": tmp, "n_expert": n_expert,
-            "n_ff": model.config.moe_intermediate_size if family == "qwen3moe"
-            else model.config.intermediate_size}  # fmt: skip
+@pytest.fixture(scope="module")
+def made(expert_made: dict[str, Any]) -> dict[str, Any]:
+    """The tiny Qwen3-MoE's and Mixtral's expert adapters (conftest's expert_made)."""
+    return expert_made
 
 
 def test_converted_gguf_stacks_the_experts(made: dict[str, Any]) -> None:
@@ -537,50 +461,3 @@ def test_prompt_expert_products_take_one_pass(
     assert torch.equal(got[False, 1][3], plain[3]) and torch.equal(got[False, 1][4], plain[4])
     for r in range(3):  # (an adapter on the wrong row moves the logits by ~1)
         assert not torch.allclose(got[False, 1][r], plain[r], rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("quant", ["q8_0", "f32"])
-def test_prompt_routed_ffn_in_one_native_call(made: dict[str, Any], quant: str) -> None:
-    """A prompt's routed FFN in one native call a layer (gl_moe_ffn) against the composed one
-    (moe_ffn): rows on different adapters and scales, a row without (routed_twins)."""
-    from routed_twins import check_twins
-
-    m = graftlm.load(made["base"].parent / f"model-{quant}.gguf", ctx_size=64, n_seq=4)
-    a = m.add_lora(made["tmp"] / "params", 0.0)
-    b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
-    check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])
-
-
-TWINS = """
-import sys, torch, graftlm
-from routed_twins import check_twins
-from graftlm.native import isa
-torch.set_num_threads(1)
-m = graftlm.load(sys.argv[1], ctx_size=64, n_seq=4)
-a, b = m.add_lora(sys.argv[2], 0.0), m.add_lora(sys.argv[3], 0.0)
-check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])
-print(isa())
-"""
-
-
-@pytest.mark.parametrize("isa", ["avx2", "ymm"])
-def test_prompt_routed_ffn_of_the_other_builds(made: dict[str, Any], isa: str) -> None:
-    """test_prompt_routed_ffn_in_one_native_call on the AVX2 and ymm-only builds, in a
-    subprocess each (as tests/native/test_isa.py builds them)."""
-    import os
-
-    from graftlm.native import features
-
-    if not features():
-        pytest.skip("this CPU's variant is the AVX2 one")
-    if isa == "ymm" and "zmm-vnni" not in features():
-        pytest.skip("no 512-bit VNNI kernels on this CPU: the ymm variant is this one")
-    env = {**os.environ, "GRAFTLM_NATIVE_ISA": isa, "GRAFTLM_AMX_ROWS": "0"}
-    here = str(Path(__file__).resolve().parents[1])  # routed_twins, made_families: tests/'s
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    path = made["base"].parent / "model-q8_0.gguf"
-    args = [str(path), str(made["tmp"] / "params"), str(made["tmp"] / "lora.gguf")]
-    done = subprocess.run([sys.executable, "-c", TWINS, *args], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == isa

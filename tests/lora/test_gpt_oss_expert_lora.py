@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from expert_made import expert_adapter, mxfp4_base
 from llama_reference import LLAMA_SERVER, llama_top_logprobs
 from made_families import made_dir
 from safetensors.torch import load_file, save_file
@@ -51,38 +52,10 @@ def _peft_logprobs(pm: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def _expert_adapter(folder: Path, out: Path, seed: int = 1) -> Any:
-    """A PEFT adapter (q_proj and both expert parameters, r=4) on the tiny checkpoint in
-    `folder`, saved to `out`: the PEFT model."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(
-        r=R, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-    )  # fmt: skip
-    pm = peft.get_peft_model(model, cfg)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    pm.save_pretrained(out)
-    return pm
-
-
 @pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = made_dir("gpt-oss")
-    if folder is None:
-        pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    tmp = tmp_path_factory.mktemp("gpt_oss_expert_lora")
-    pm = _expert_adapter(folder, tmp / "params")
-    base = folder / "model-f32.gguf"
-    peft_to_gguf(tmp / "params", base, tmp / "lora.gguf")
-    return {"pm": pm, "base": base, "folder": folder, "tmp": tmp,
-            "n_expert": pm.base_model.model.config.num_local_experts,
-            "n_ff": pm.base_model.model.config.intermediate_size}  # fmt: skip
+def made(gpt_oss_made: dict[str, Any]) -> dict[str, Any]:
+    """The tiny gpt-oss's expert adapter (conftest's gpt_oss_made)."""
+    return gpt_oss_made
 
 
 def test_converted_gguf_splits_gate_and_up(made: dict[str, Any]) -> None:
@@ -159,7 +132,7 @@ def test_native_decode_layer_adds_the_expert_delta(
     n = len(LENS)
     path = made["folder"] / f"model-{quant}.gguf"
     if quant == "mxfp4":
-        path = _mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
+        path = mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
     m = graftlm.load(path, ctx_size=64, n_seq=n, cache_type="f32")
     a = m.add_lora(made["tmp"] / "params", 0.0)
     b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
@@ -254,7 +227,7 @@ def test_others_convert_both_ways(family: str, tmp_path: Path) -> None:
     folder = made_dir(family) if family == "qwen3moe" else TINY / family
     if folder is None or not (folder / "hf").is_dir():
         pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    _expert_adapter(folder, tmp_path / "params")
+    expert_adapter(folder, tmp_path / "params")
     base = folder / "model-f32.gguf"
     peft_to_gguf(tmp_path / "params", base, tmp_path / "a.gguf")
     notes = gguf_to_peft(tmp_path / "a.gguf", base, tmp_path / "linear")
@@ -290,29 +263,6 @@ def _merged(path: Path) -> torch.Tensor:
     return torch.log_softmax(model.logits(IDS).float(), dim=-1)
 
 
-def _mxfp4_base(src: Path, dst: Path) -> Path:
-    """The f32 file with its expert weights in MXFP4 (gguf's quantizer), as released files
-    hold them."""
-    reader = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = field.types[1] if len(field.types) > 1 else None
-        w.add_key_value(key, field.contents(), field.types[0], sub)
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        if t.name.endswith(EXPERTS):
-            w.add_tensor(t.name, gguf.quants.quantize(data, T.MXFP4), raw_dtype=T.MXFP4)
-        else:
-            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_export_merges_expert_adapters(made: dict[str, Any], tmp_path: Path) -> None:
     """The PEFT adapter at 1.5 and its GGUF conversion at -0.5 merged into the f32 base give
     what the runtime gives with both attached; on an MXFP4 base, outtype "same" requantizes the
@@ -326,7 +276,7 @@ def test_export_merges_expert_adapters(made: dict[str, Any], tmp_path: Path) -> 
     assert (_merged(out) - ref).abs().max() < 1e-3
     assert (_merged(made["base"]) - ref).abs().mean() > 0.05
 
-    mx = _mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
+    mx = mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
     export_lora(mx, adapters, tmp_path / "same.gguf", outtype="same")
     m = GGUFFile(tmp_path / "same.gguf")
     for name in EXPERTS:
@@ -485,21 +435,3 @@ def test_target_parameters_of_differing_ranks_name_the_tensors(
     assert str(cut) in msg and "rank 2: blk.1.ffn_down_exps.weight;" in msg
     assert f"rank {R}: blk.0.ffn_down_exps.weight" in msg
     assert not (tmp_path / "p").exists()
-
-
-@pytest.mark.parametrize("quant", ["q8_0", "f32", "mxfp4"])
-def test_prompt_routed_ffn_in_one_native_call(
-    made: dict[str, Any], quant: str, tmp_path: Path
-) -> None:
-    """gpt-oss's prompt routed FFN (biases, clamped SwiGLU, the softmax of the chosen) in one
-    native call a layer (gl_moe_ffn) against routed_ffn: rows on different adapters and
-    scales, a row without (routed_twins)."""
-    from routed_twins import check_twins
-
-    path = made["folder"] / f"model-{quant}.gguf"
-    if quant == "mxfp4":
-        path = _mxfp4_base(made["base"], tmp_path / "mxfp4.gguf")
-    m = graftlm.load(path, ctx_size=64, n_seq=4)
-    a = m.add_lora(made["tmp"] / "params", 0.0)
-    b = m.add_lora(made["tmp"] / "lora.gguf", 0.0)
-    check_twins(m, [{a: 1.0}, {b: -0.5}, {}, {a: 0.5, b: 0.25}])

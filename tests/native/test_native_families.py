@@ -220,10 +220,12 @@ def test_fused_layer_serves_the_routed_experts(
 def test_prompts_take_the_native_routed_ffn(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt step (two rows of 11 tokens) runs every layer's routed FFN in one native call
     (FusedLayer.routed_ffn), its logits within 1e-4 of the composed routed FFN's
-    (GRAFTLM_NATIVE_MOE_PROMPT=0's); an exact step (scoring) takes the composed one."""
+    (GRAFTLM_NATIVE_MOE_PROMPT=0's); an exact step (scoring) takes the composed one, and so does
+    a process whose prompts' products run on AMX tiles (the native one has no tiles yet)."""
     from made_families import tiny_dir
 
     from graftlm.models import fused
+    from graftlm.native import build
 
     d = tiny_dir(family)
     if d is None:
@@ -253,6 +255,53 @@ def test_prompts_take_the_native_routed_ffn(family: str, monkeypatch: pytest.Mon
     served.clear()
     run(exact=True)
     assert served == [False] * m.config.n_layer
+    served.clear()
+    monkeypatch.setattr(build, "amx", lambda: True)  # (no AMX here: as a Xeon with tiles)
+    torch.testing.assert_close(native, run(), rtol=1e-4, atol=1e-4)
+    assert served == [False] * m.config.n_layer
+
+
+@pytest.mark.parametrize("family", list(ROUTED))
+def test_the_scratch_budget_splits_a_prompts_routed_ffn(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt of 2 x 20 tokens: one native call a layer at the default budget (64 MiB holds
+    them); a budget of a byte takes calls of MOE_MIN_ROWS tokens (16, 16, 8), bit-identical, and
+    the model's scratch a size that 16 tokens need, not 40."""
+    from made_families import tiny_dir
+
+    from graftlm.models import fused
+    from graftlm.native import layer_calls
+
+    d = tiny_dir(family)
+    if d is None:
+        pytest.skip(f"the tiny {family} is not available here")
+    m = graftlm.load(d / "model-q8_0.gguf", ctx_size=64, n_seq=2, cache_type="f32")
+    model = m.model
+    calls: list[int] = []
+    moe_ffn = layer_calls.moe_ffn
+
+    def spy(layer: object, h: torch.Tensor, *args: object) -> None:
+        calls.append(h.shape[0])
+        moe_ffn(layer, h, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer_calls, "moe_ffn", spy)
+    tokens = torch.tensor([[(5 * j + 7 * s) % 50 + 3 for j in range(20)] for s in range(2)])
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.forward(Batch(tokens, [0, 1], [0, 0], [20, 20]), True)
+
+    whole = run()
+    assert calls == [40] * m.config.n_layer
+    layer = model.fused_layer(0).layer
+    assert model._moe_scratch.capacity >= layer_calls.moe_bytes(layer, 40)
+    model._moe_scratch = None  # (a fresh one: what the budget lets it grow to)
+    calls.clear()
+    monkeypatch.setattr(fused, "MOE_SCRATCH_BYTES", 1)
+    assert torch.equal(run(), whole)
+    assert calls == [16, 16, 8] * m.config.n_layer
+    assert model._moe_scratch.capacity < layer_calls.moe_bytes(layer, 40)
 
 
 @pytest.mark.parametrize("family", list(ROUTED))
@@ -303,3 +352,16 @@ def test_the_native_expert_limit_is_the_c_one() -> None:
 
     header = (CSRC / "graftlm.h").read_text()
     assert f"#define GL_MAX_EXPERTS_USED {MAX_EXPERTS_USED} " in header
+
+
+@pytest.mark.parametrize(
+    ("raw", "on"),
+    [("", True), ("1", True), ("on", True), ("0", False), ("off", False), (" No ", False),
+     ("FALSE", False)],
+)  # fmt: skip
+def test_the_native_moe_prompt_switch(raw: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRAFTLM_NATIVE_MOE_PROMPT is off at 0, off, no or false (any case), as GRAFTLM_NATIVE."""
+    from graftlm.models import fused
+
+    monkeypatch.setenv("GRAFTLM_NATIVE_MOE_PROMPT", raw)
+    assert fused.native_routed_ffn_env() is on

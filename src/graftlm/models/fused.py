@@ -23,6 +23,7 @@ import torch
 from graftlm.lora.packed import SlotTable
 from graftlm.lora.site import Generation, LoraSite
 from graftlm.models.seam import Projection, ProjectionGroup
+from graftlm.native import build as native_build
 from graftlm.native import layer_calls as native_layer
 from graftlm.native import library
 from graftlm.native.abi import GlLayer, GlLoraSite, GlWeight, Scratch
@@ -33,11 +34,23 @@ from graftlm.quant import QWeight
 
 # experts a token that the native routed FFN serves (csrc/graftlm.h's GL_MAX_EXPERTS_USED)
 MAX_EXPERTS_USED = 16
-# tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes at most: its
-# buffers hold every (token, expert) pair's rows, ~230 KiB a token for Qwen3-30B-A3B
+# tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes: as many as its
+# buffers (every (token, expert) pair's rows, gl_moe_bytes: 234 KiB a token for Qwen3-30B-A3B,
+# about 440 KiB Mixtral-8x7B) hold in MOE_SCRATCH_BYTES, at least MOE_MIN_ROWS, at most
+# MOE_ROWS; the model keeps that scratch for its life (base.py's _moe_scratch)
 MOE_ROWS = 512
-# GRAFTLM_NATIVE_MOE_PROMPT=0: a prompt's routed FFN composed from Python (the twin; A/B)
-NATIVE_ROUTED_FFN = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip() != "0"
+MOE_MIN_ROWS = 16
+MOE_SCRATCH_BYTES = 64 << 20
+
+
+def native_routed_ffn_env() -> bool:
+    """GRAFTLM_NATIVE_MOE_PROMPT=0 (or off, no, false, as GRAFTLM_NATIVE): a prompt's routed FFN
+    composed from Python (the twin; A/B)."""
+    raw = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip().lower()
+    return raw not in ("0", "off", "no", "false")
+
+
+NATIVE_ROUTED_FFN = native_routed_ffn_env()
 
 if TYPE_CHECKING:
     from graftlm.models.primitives import Rope
@@ -362,15 +375,22 @@ class FusedLayer:
 
     def routed_ffn(self, h: torch.Tensor, batch: Batch, scratch: Scratch) -> torch.Tensor | None:
         """The routed FFN of h (B, T, n_embd), normed -> (B, T, n_embd), each token at its row's
-        scales, in one native call a MOE_ROWS tokens (``gl_moe_ffn``: the router, the experts'
+        scales, in one native call a moe_rows() tokens (``gl_moe_ffn``: the router, the experts'
         products over the tokens grouped by expert and their adapters' delta, as a decode
         step's): the composed routed FFN's (moe.moe_ffn, gpt_oss.routed_ffn) twin on a fast
         step. None where it does not serve: an exact step, no routed FFN, an adapter the native
-        delta cannot read. Its buffers come from `scratch` (the model's one for these calls)."""
+        delta cannot read, AMX tiles on (below). Its buffers come from `scratch` (the model's
+        one for these calls)."""
         if (
             self.spec.moe is None
             or not NATIVE_ROUTED_FFN
             or batch.exact
+            # Where AMX tiles serve prompts (build.amx()), the composed twin's expert products of
+            # >= GRAFTLM_AMX_ROWS rows run on the tiles (proj.c's proj_run -> amx_tasks), while
+            # moe_run's jobs take the int8 VNNI kernels only: slower on such a Xeon, and other
+            # numerics (bfloat16 tiles against int8 dots). The real fix: moe_run sends an
+            # expert's job of >= gl_amx_rows (token, expert) pairs to the tiles as proj_run does.
+            or native_build.amx()
             or library() is None
             or h.dtype is not torch.float32
             or h.device.type != "cpu"
@@ -382,13 +402,23 @@ class FusedLayer:
         # (N, n_slots): each token its row's scales
         scales = None if lora is None else lora.scales.repeat_interleave(t, dim=0)
         out = torch.empty_like(x)
-        for r0 in range(0, b * t, MOE_ROWS):
-            r1 = min(r0 + MOE_ROWS, b * t)
+        if not self.bind_lora():  # (the adapters' ranks size the buffers: moe_rows)
+            return None
+        step = self.moe_rows()
+        for r0 in range(0, b * t, step):
+            r1 = min(r0 + step, b * t)
             self.board.fill_tokens(None if scales is None else scales[r0:r1], r1 - r0)
             if not self.bind_lora():
                 return None
             native_layer.moe_ffn(self.layer, x[r0:r1], out[r0:r1], scratch)
         return out.view(b, t, d)
+
+    def moe_rows(self) -> int:
+        """Tokens a call of routed_ffn takes at the adapters bound now: as many as fit in
+        MOE_SCRATCH_BYTES (64 MiB: 280 tokens of Qwen3-30B-A3B, about 150 of Mixtral-8x7B),
+        clamped to [MOE_MIN_ROWS, MOE_ROWS]."""
+        per_token = -(-native_layer.moe_bytes(self.layer, MOE_ROWS) // MOE_ROWS)
+        return min(MOE_ROWS, max(MOE_MIN_ROWS, MOE_SCRATCH_BYTES // max(per_token, 1)))
 
 
 def _decode_rows(x: torch.Tensor, batch: Batch, n_ctx: int, n_slots: int) -> RowIndex | None:

@@ -181,10 +181,15 @@ class GptOss(Transformer):
         x = x + (b.attn_output(a, batch) + b.attn_output_bias)
         h = rms_norm(x, b.post_attention_norm, cfg.rms_eps)
         routed = self.native_routed_ffn(i, h, batch)  # (a prompt's, in one native call)
-        if routed is not None:
-            return x + routed
+        return x + (self.composed_routed_ffn(i, h, batch) if routed is None else routed)
+
+    def composed_routed_ffn(self, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer i's routed FFN of h (B, T, n_embd), normed: the router's logits (with its
+        bias), then routed_ffn (native_routed_ffn's twin; tests/routed_twins.py and
+        bench/moe_prompt_ab.py call it)."""
+        b = self.blocks[i]
         logits = b.ffn_gate_inp(h, batch) + b.ffn_gate_inp_bias  # (B, T, n_expert)
-        return x + routed_ffn(h, logits, b, cfg.n_expert_used, batch.lora, batch.exact)
+        return routed_ffn(h, logits, b, self.cfg.n_expert_used, batch.lora, batch.exact)
 
     @property
     def nbytes(self) -> int:

@@ -104,12 +104,16 @@ class Llama(Transformer):
         h = rms_norm(x, b.ffn_norm, cfg.rms_eps)
         if cfg.n_expert:
             routed = self.native_routed_ffn(i, h, batch)  # (a prompt's, in one native call)
-            if routed is not None:
-                return x + routed
-            logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
-            experts = b.ffn_gate_up_exps, b.ffn_down_exps
-            return x + moe_ffn(h, logits, *experts, cfg.n_expert_used, batch.lora, batch.exact)
+            return x + (self.composed_routed_ffn(i, h, batch) if routed is None else routed)
         return x + b.ffn_down(b.ffn_gate_up.gated(h, batch, "silu"), batch)
+
+    def composed_routed_ffn(self, i: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Layer i's routed FFN of h (B, T, n_embd), normed: the router's logits, then moe_ffn
+        (native_routed_ffn's twin; tests/routed_twins.py and bench/moe_prompt_ab.py call it)."""
+        b = self.blocks[i]
+        logits = b.ffn_gate_inp(h, batch)  # (B, T, n_expert)
+        experts = b.ffn_gate_up_exps, b.ffn_down_exps
+        return moe_ffn(h, logits, *experts, self.cfg.n_expert_used, batch.lora, batch.exact)
 
     @property
     def nbytes(self) -> int:

@@ -152,6 +152,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     # layers, n, x, B, slots, pos, scratch, threads
     "gl_layers_decode": (None, [_P, _I64, _P, _I64, _P, _P, _P, _INT]),
     "gl_moe_ffn": (None, [_P, _P, _I64, _P, _P, _INT]),  # layer, h, B, o, scratch, threads
+    "gl_moe_bytes": (_I64, [_P, _I64]),  # layer, B
 }
 
 

@@ -60,6 +60,14 @@ def layers_decode(
     )  # fmt: skip
 
 
+def moe_bytes(layer: GlLayer, rows: int) -> int:
+    """The bytes of scratch moe_ffn takes for `rows` tokens of layer `layer` at the adapters its
+    struct points at now (``gl_moe_bytes``; 0 without a routed FFN)."""
+    lib = library()
+    assert lib is not None
+    return int(lib.gl_moe_bytes(ctypes.byref(layer), rows))
+
+
 def moe_ffn(layer: GlLayer, h: torch.Tensor, out: torch.Tensor, scratch: Scratch) -> None:
     """Layer `layer`'s routed FFN of h (N, n_embd), normed, into out (N, n_embd) (``gl_moe_ffn``):
     token n at row n of the scale table its sites read; h, out float32, contiguous, on the CPU;

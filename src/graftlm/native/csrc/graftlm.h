@@ -281,6 +281,7 @@ GL_API void gl_layers_decode(const gl_layer *const *layers, int64_t n, float *x,
                              int nth);
 GL_API void gl_moe_ffn(const gl_layer *L, const float *h, int64_t B, float *o,
                        gl_scratch *scratch, int nth);
+GL_API int64_t gl_moe_bytes(const gl_layer *L, int64_t B);
 
 /* ---------------------------------------------------------------- vector helpers */
 

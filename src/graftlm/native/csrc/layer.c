@@ -245,6 +245,12 @@ static int64_t moe_bytes(const gl_layer *L, int64_t B) {
     return count.used + proj_bytes(&L->router, &L->l_router, B, 1);
 }
 
+/* The bytes of scratch gl_moe_ffn takes for B rows of layer L at the adapters bound now (0: no
+ * routed FFN): the caller sizes its calls' rows by it (models/fused.py's routed_ffn). */
+int64_t gl_moe_bytes(const gl_layer *L, int64_t B) {
+    return L->n_expert && B > 0 ? moe_bytes(L, B) : 0;
+}
+
 /* Layer L's routed FFN (moe_run) of B rows h (B, n_embd), normed, into o (B, n_embd): a prompt's
  * tokens (or any step the decode layer does not take) as a decode step's rows, each its row of
  * the sites' scale table (the caller fills one a token); its buffers from scratch (grown to fit

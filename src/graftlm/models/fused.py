@@ -37,10 +37,12 @@ MAX_EXPERTS_USED = 16
 # tokens a native call of a prompt's routed FFN (FusedLayer.routed_ffn) takes: as many as its
 # buffers (every (token, expert) pair's rows, gl_moe_bytes: 234 KiB a token for Qwen3-30B-A3B,
 # about 440 KiB Mixtral-8x7B) hold in MOE_SCRATCH_BYTES, at least MOE_MIN_ROWS, at most
-# MOE_ROWS; the model keeps that scratch for its life (base.py's _moe_scratch)
+# MOE_ROWS; the model keeps that scratch for its life (base.py's _moe_scratch). 128 MiB keeps
+# Qwen3-30B-A3B's 512-token chunk in one call (at 64 MiB it took two, each expert's weights read
+# twice: pp512 0.95x, bench/moe_budget_ab.py), under 1% of such a model's weights
 MOE_ROWS = 512
 MOE_MIN_ROWS = 16
-MOE_SCRATCH_BYTES = 64 << 20
+MOE_SCRATCH_BYTES = 128 << 20
 
 
 def native_routed_ffn_env() -> bool:
@@ -415,7 +417,7 @@ class FusedLayer:
 
     def moe_rows(self) -> int:
         """Tokens a call of routed_ffn takes at the adapters bound now: as many as fit in
-        MOE_SCRATCH_BYTES (64 MiB: 280 tokens of Qwen3-30B-A3B, about 150 of Mixtral-8x7B),
+        MOE_SCRATCH_BYTES (128 MiB: all 512 tokens of Qwen3-30B-A3B, about 300 of Mixtral-8x7B),
         clamped to [MOE_MIN_ROWS, MOE_ROWS]."""
         per_token = -(-native_layer.moe_bytes(self.layer, MOE_ROWS) // MOE_ROWS)
         return min(MOE_ROWS, max(MOE_MIN_ROWS, MOE_SCRATCH_BYTES // max(per_token, 1)))

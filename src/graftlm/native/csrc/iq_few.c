@@ -98,7 +98,6 @@ static inline __attribute__((always_inline)) void iq2_codes_vals(__m512i c, cons
     V[3] = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 6), t[0]);
 }
 
-/* An IQ3 super-block p's V[k] (tables t: iq_tables) and its sign bytes *S. */
 /* An IQ3 super-block p's code bytes (byte e: entry e's codes of values 0, 1 (*a), 2, 3 (*b)) and
  * its sign bytes *S (m: iq_look512x's). */
 static inline __attribute__((always_inline)) void iq3_codes(const uint8_t *p, const int v, const int m, __m512i *a,

@@ -203,6 +203,9 @@ static inline __attribute__((always_inline)) void iq_group_one(const gl_weight *
 }
 #endif
 #endif
+#if !IQ_VBMI /* (a -DIQ_GROUP_ONE=1 on a build without VBMI: no kernel to dispatch to) */
+#undef IQ_GROUP_ONE
+#endif
 #ifndef IQ_GROUP_ONE
 #define IQ_GROUP_ONE 0
 #endif

@@ -74,23 +74,10 @@ def routed_made(family: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     folder = made_dir(family) if family == "qwen3moe" else TINY / family
     if folder is None or not (folder / "hf").is_dir():
         pytest.skip("no transformers, PEFT or llama.cpp converter here")
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-
     tmp = tmp_path_factory.mktemp("expert_lora")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf", dtype=torch.float32)
-    n_expert = getattr(model.config, "num_experts", None) or model.config.num_local_experts
-    torch.manual_seed(1)
-    cfg = peft.LoraConfig(
-        r=R, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-    )  # fmt: skip
-    pm = peft.get_peft_model(model, cfg)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.1)
-    pm.save_pretrained(tmp / "params")
+    pm = expert_adapter(folder, tmp / "params")
+    config = pm.get_base_model().config
+    n_expert = getattr(config, "num_experts", None) or config.num_local_experts
     per_expert(pm, tmp / "params", tmp / "linear", n_expert, family)
     cmd = [sys.executable, str(HERE / "convert_tiny.py"), str(TINY / "qwen3" / "model-f32.gguf"),
            "lora", str(tmp / "linear"), "--base", str(folder / "hf"), "--outtype", "f32",
@@ -98,8 +85,8 @@ def routed_made(family: str, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return {"pm": pm, "base": folder / "model-f32.gguf", "tmp": tmp, "n_expert": n_expert,
-            "n_ff": model.config.moe_intermediate_size if family == "qwen3moe"
-            else model.config.intermediate_size}  # fmt: skip
+            "n_ff": config.moe_intermediate_size if family == "qwen3moe"
+            else config.intermediate_size}  # fmt: skip
 
 
 def expert_adapter(folder: Path, out: Path, seed: int = 1) -> Any:

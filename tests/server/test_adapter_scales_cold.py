@@ -38,6 +38,17 @@ def _undisturbed(reg: AdapterRegistry, resident: dict[str, int | None]) -> None:
     assert (reg._reserved, reg._reserved_bytes, reg.queued, reg.admitting) == (0, 0, 0, 0)
 
 
+async def _alpha_and_beta_resident(
+    svc: EngineService, tiny_files: dict[str, Path]
+) -> tuple[AdapterRegistry, dict[str, int | None]]:
+    """A registry of the tiny adapters under --max-loras 2 with alpha and beta resident (gamma
+    registered, not read), and its resident set (name -> id)."""
+    reg = tiny_registry(svc, tiny_files, max_loras=2)
+    for name in ("alpha", "beta"):
+        reg.release(await reg.lease(name, None, BASE))
+    return reg, {e.name: e.id for e in reg.by_id.values()}
+
+
 def test_an_overflowing_scale_on_an_adapter_not_resident_evicts_nothing(
     svc: EngineService, tiny_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -51,10 +62,7 @@ def test_an_overflowing_scale_on_an_adapter_not_resident_evicts_nothing(
     reads = _counted_reads(svc, monkeypatch)
 
     async def go() -> None:
-        reg = tiny_registry(svc, tiny_files, max_loras=2)
-        for name in ("alpha", "beta"):
-            reg.release(await reg.lease(name, None, BASE))
-        resident = {e.name: e.id for e in reg.by_id.values()}
+        reg, resident = await _alpha_and_beta_resident(svc, tiny_files)
         assert set(resident) == {"alpha", "beta"}
         for seen in (["alpha", "beta", "gamma"], ["alpha", "beta", "gamma"]):  # (one read)
             with pytest.raises(RequestError) as exc:
@@ -100,10 +108,7 @@ def test_a_scale_out_of_float32s_range_by_name_evicts_nothing(
     reads = _counted_reads(svc, monkeypatch)
 
     async def go() -> None:
-        reg = tiny_registry(svc, tiny_files, max_loras=2)
-        for name in ("alpha", "beta"):
-            reg.release(await reg.lease(name, None, BASE))
-        resident = {e.name: e.id for e in reg.by_id.values()}
+        reg, resident = await _alpha_and_beta_resident(svc, tiny_files)
         for bad, why in ((1e39, "beyond float32's range"), (float("nan"), "not a finite number")):
             with pytest.raises(RequestError, match=f"lora: adapter 'gamma': scale .* {why}"):
                 await reg.lease(None, None, BASE, {"gamma": bad})

@@ -30,12 +30,6 @@
 #define IQ_GROUP_ONE 1 /* 0: one row of these types through iq_group_few (the A/B's old side) */
 #endif
 #if IQ_GROUP_ONE
-#ifndef IQ_ONE_SCALES
-#define IQ_ONE_SCALES 1 /* 0: iq_lane_scales' (the A/B of iq_one_scales) */
-#endif
-#ifndef IQ_ONE_LOOKM
-#define IQ_ONE_LOOKM 1 /* 0: iq_look512's lookups (the A/B of iq_look256m's) */
-#endif
 /* The signed values' tables: IQ2 types T[0][c] the value of code bits 0-1 and sign bit 4 of c,
  * T[1] of bits 2-3 and sign bit 5; IQ3_S T[0], T[1] 128 entries (vpermi2b) of code bits 0-2 and
  * sign bit 6, T[2] of bits 1-3 and sign bit 5. */
@@ -115,13 +109,13 @@ static inline __attribute__((always_inline)) void iq_one_pair(const uint8_t *p0,
         for (int h = 0; h < 2; h++) {
             __m512i a, b;
             __m256i S;
-            iq3_codes(h ? p1 : p0, v, IQ_ONE_LOOKM, &a, &b, &S);
+            iq3_codes(h ? p1 : p0, v, 1, &a, &b, &S); /* (m 1: iq_look256m) */
             iq3_one_signed(a, b, _mm512_xor_si512(_mm512_cvtepu32_epi64(S), xs), T, V[h]);
         }
     } else {
         __m512i c[2];
         __m256i S[2];
-        iq2_codes_two(p0, p1, v, IQ_ONE_LOOKM, &c[0], &S[0], &c[1], &S[1]);
+        iq2_codes_two(p0, p1, v, 1, &c[0], &S[0], &c[1], &S[1]); /* (m 1: iq_look256m) */
         for (int h = 0; h < 2; h++) {
             const __m512i Q = v == IQ2_XS ? iq2_xs_one_signs(h ? p1 : p0) : _mm512_cvtepu32_epi64(S[h]);
             iq2_one_signed(c[h], _mm512_xor_si512(Q, xs), T, V[h]);
@@ -188,13 +182,7 @@ static inline __attribute__((always_inline)) void iq_group_one(const gl_weight *
             iq_few_sums(P, units, D[0][q]);
         }
         __m512 s[16]; /* made here, not before the products: 16 vectors fewer live across them */
-#if IQ_ONE_SCALES
         iq_one_scales(ps, v, s);
-#else
-        float s16[16][16] __attribute__((aligned(64)));
-        iq_lane_scales(ps, v, s16);
-        for (int u = 0; u < 16; u++) s[u] = _mm512_load_ps(s16[u]);
-#endif
         acc = iq_few_acc(D[0], s, xb->xd + ra * kb + sb * 8, units, acc);
     }
     float o16[16];

@@ -13,7 +13,6 @@ PyTorch blocks.
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -48,8 +47,7 @@ MOE_SCRATCH_BYTES = 128 << 20
 def native_routed_ffn_env() -> bool:
     """GRAFTLM_NATIVE_MOE_PROMPT=0 (or off, no, false, as GRAFTLM_NATIVE): a prompt's routed FFN
     composed from Python (the twin; A/B)."""
-    raw = os.environ.get("GRAFTLM_NATIVE_MOE_PROMPT", "1").strip().lower()
-    return raw not in ("0", "off", "no", "false")
+    return not native_build.switched_off("GRAFTLM_NATIVE_MOE_PROMPT")
 
 
 NATIVE_ROUTED_FFN = native_routed_ffn_env()

@@ -202,13 +202,19 @@ def disabled() -> Iterator[None]:
         _ENABLED[0] = old
 
 
+def switched_off(name: str) -> bool:
+    """Whether the environment turns the switch `name` off: 0, off, no or false, any case (unset
+    or any other value: on), as GRAFTLM_NATIVE and GRAFTLM_NATIVE_MOE_PROMPT read."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "off", "no", "false")
+
+
 @functools.cache
 def loaded_library() -> ctypes.CDLL | None:
     """The library, built and loaded once, whatever ``disabled()`` says: weights repacked for
     it keep using it."""
     import torch  # noqa: F401  (loads torch's OpenMP runtime first, so the library shares it)
 
-    if os.environ.get("GRAFTLM_NATIVE", "1").strip().lower() in ("0", "no", "off", "false"):
+    if switched_off("GRAFTLM_NATIVE"):
         _REASON.append("disabled by GRAFTLM_NATIVE")
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):

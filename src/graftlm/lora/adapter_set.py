@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from graftlm.errors import AdapterError, GraftError, RequestError
-from graftlm.lora.adapter import EMBEDDING, F16_MAX, ResolvedAdapter
+from graftlm.lora.adapter import EMBEDDING, ResolvedAdapter
 from graftlm.lora.packed import PackedSlot, pack_many
-from graftlm.lora.scales import Reaches, checked_scale, together_overflow
+from graftlm.lora.scales import Reaches, checked_scale, fits_by_reach, together_overflow
 from graftlm.lora.settings import AdapterSettings
 from graftlm.lora.site import LoraSite
 from graftlm.lora.targets import Base
@@ -349,9 +349,7 @@ class AdapterSet:
         attached = self.attached
         pairs = [(i, a.adapter, s) for i, s in scales.items() if (a := attached.get(i))]
         extra = [new] if new is not None else []
-        # (the usual case, settled on the sum of their largest reaches, as together_overflow
-        # does first: no names made for it)
-        if sum(abs(s) * r.reach for _, r, s in [*pairs, *extra]) <= F16_MAX:
+        if fits_by_reach((r, s) for _, r, s in [*pairs, *extra]):  # (no names made for it)
             return None
         scaled: list[tuple[str, Reaches | None, float]] = [
             (f"adapter {i} ({Path(r.path).name})", r, s) for i, r, s in pairs

@@ -6,7 +6,7 @@ delta stays within float16's range, alone or together with the others set beside
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from graftlm.errors import AdapterError
@@ -33,6 +33,13 @@ def checked_scale(scale: object, what: str) -> float:
     if (problem := scale_problem(float(scale))) is not None:
         raise AdapterError(f"{what}: scale {scale!r} {problem}")
     return float(scale)
+
+
+def fits_by_reach(scaled: Iterable[tuple[Reaches | None, float]]) -> bool:
+    """Whether the sum of |scale| x largest reach of these (facts, scale) stays within float16's
+    range: it bounds every site's sum, so where it does no site can overflow (the usual case,
+    settled without a name made or a look at the sites; unknown facts reach 0)."""
+    return sum(abs(s) * f.reach for f, s in scaled if f is not None) <= F16_MAX
 
 
 class Reaches(Protocol):
@@ -85,9 +92,7 @@ def together_overflow(
     for what, facts, scale in scaled:
         if (problem := scale_overflow(what, facts, scale, who)) is not None:
             return problem
-    # (checked on every request that sets its own scales: the sum of their largest reaches
-    # bounds every site's sum, and settles the usual case without a look at the sites)
-    if sum(abs(s) * f.reach for _, f, s in scaled if f is not None) <= F16_MAX:
+    if fits_by_reach((f, s) for _, f, s in scaled):  # (every request with its own scales)
         return None
     # site -> (lo, hi, |scale| x reach, which adapter at which scale)
     spans: dict[str, list[tuple[float, float, float, str]]] = {}

@@ -239,10 +239,7 @@ class AdapterRegistry(AdapterReads, AdapterRoom):
         """Adapter scales that apply together (the global ones, or a request's own, which replace
         them in its rows): RequestError invalid_scale naming the adapters, their scales and the
         rows where their deltas leave float16's range, alone or together (`together_overflow`)."""
-        scaled = [
-            (f"adapter {i} ({self.by_id[i].name[:64]})", self.by_id[i].facts, scale)
-            for i, scale in settings.items()
-        ]
+        scaled = [(self.by_id[i].label(), self.by_id[i].facts, s) for i, s in settings.items()]
         if (problem := together_overflow(scaled, who)) is not None:
             raise RequestError(f"lora: {problem}", "invalid_scale")
 
